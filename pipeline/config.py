@@ -1,0 +1,193 @@
+"""One typed configuration for the whole pipeline.
+
+Loaded from YAML (`pipeline/defaults.yaml` ships the embedded defaults; a user file
+given by `--config` or `$DRAFTER_PIPELINE_CONFIG` is merged over it). Dagster
+resources and run config are built from this object, never from a second source.
+
+Keys under `train` mirror FastRL's `speculative.train` where FastRL has them.
+Secrets never live here: they come from the environment (see `resources/`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
+CONFIG_ENV = "DRAFTER_PIPELINE_CONFIG"
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(default=3e-3, gt=0, description="AdamW peak learning rate.")
+    lr_warmup_steps: int = Field(default=10, ge=0, description="Linear warmup iterations.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(default=1.0, gt=0, description="Max global gradient norm.")
+
+
+class TrainConfig(_Strict):
+    enable_drafter_training: bool = Field(default=True, description="Master switch for drafter training.")
+    training_interval_steps: int = Field(default=1, ge=1, description="Train every N RL steps.")
+    min_samples: int = Field(default=32, ge=1, description="Train only once the buffer holds this many samples.")
+    batch_size_per_gpu: int = Field(default=16, ge=1, description="Samples packed into one training sequence.")
+    max_seq_len: int = Field(default=4096, ge=2, description="Cap on tokens of one packed training sequence.")
+    data_buffer_max_size: int = Field(default=10000, ge=1, description="Most samples the cross-step buffer holds.")
+    buffer_steps: int = Field(default=2, ge=1, description="The buffer keeps samples of the last N RL steps.")
+    window_tokens: int = Field(default=512, ge=2, description="Most tokens per sample (response end first).")
+    vloss_weight: float = Field(default=0.5, ge=0, description="Weight of the SmoothL1 hidden-state loss.")
+    ploss_weight: float = Field(default=0.5, ge=0, description="Weight of the soft cross-entropy token loss.")
+    epochs: int = Field(default=20, ge=1, description="Passes over the buffer per training run.")
+    seed: int = Field(default=0, description="Seed for data order and initialisation.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer settings.")
+
+    @model_validator(mode="after")
+    def _some_loss(self) -> TrainConfig:
+        if self.vloss_weight == 0 and self.ploss_weight == 0:
+            raise ValueError("train.vloss_weight and train.ploss_weight are both 0: nothing to train")
+        return self
+
+
+class DrafterConfig(_Strict):
+    kind: Literal["eagle"] = Field(default="eagle", description="Drafter architecture (EAGLE-1/2).")
+    intermediate_size: int | None = Field(
+        default=None, ge=1, description="MLP width of the draft layer; the target's when unset."
+    )
+
+
+class EvalConfig(_Strict):
+    num_speculative_tokens: int = Field(default=4, ge=1, description="k: tokens the drafter proposes per round.")
+    max_new_tokens: int = Field(default=40, ge=1, description="Tokens generated per held-out prompt.")
+    num_prompts: int = Field(default=24, ge=1, description="Held-out prompts evaluated per step.")
+    held_out_fraction: float = Field(
+        default=0.125, gt=0, lt=1, description="Share of each step's rollouts kept out of training for evaluation."
+    )
+
+
+class PromotionConfig(_Strict):
+    policy: Literal["auto", "manual"] = Field(default="auto", description="Who moves the `champion` alias.")
+    margin: float = Field(default=0.02, ge=0, description="Promote when new tau > champion tau + margin.")
+
+
+class StorageConfig(_Strict):
+    root: str = Field(default="", description="Object store root URI; `<data_dir>/store` when empty.")
+
+
+class MlflowConfig(_Strict):
+    tracking_uri: str = Field(default="", description="MLflow tracking URI; SQLite under data_dir when empty.")
+    experiment: str = Field(default="drafter-cotraining", description="MLflow experiment name.")
+    model_name: str = Field(default="eagle-drafter", description="Registered model name of the drafter.")
+
+
+class SimulationConfig(_Strict):
+    """The built-in simulated RL source (embedded default rollout source)."""
+
+    vocab_size: int = Field(default=64, ge=8, description="Target vocabulary size.")
+    hidden_size: int = Field(default=64, ge=8, description="Target hidden size.")
+    num_layers: int = Field(default=2, ge=1, description="Target decoder layers.")
+    num_heads: int = Field(default=4, ge=1, description="Target attention heads.")
+    context_order: int = Field(default=3, ge=1, description="Tokens of context the task's rule reads.")
+    candidates: int = Field(default=3, ge=2, description="Plausible next tokens per context.")
+    drift: float = Field(default=0.15, ge=0, le=1, description="Share of contexts whose favourite changes per step.")
+    pretrain_iters: int = Field(default=400, ge=0, description="Pre-training iterations of the target (cached).")
+    rl_iters: int = Field(default=60, ge=0, description="Reward-weighted fine-tuning iterations per RL step.")
+    rollouts_per_step: int = Field(default=96, ge=2, description="Rollouts generated per RL step.")
+    prompt_len: int = Field(default=8, ge=2, description="Prompt tokens per rollout.")
+    response_len: int = Field(default=56, ge=1, description="Response tokens per rollout.")
+    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature of rollouts.")
+    seed: int = Field(default=1234, description="Seed of the task family and the target.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> SimulationConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError("simulation.hidden_size must be divisible by simulation.num_heads")
+        if self.candidates > self.vocab_size:
+            raise ValueError("simulation.candidates must not exceed simulation.vocab_size")
+        return self
+
+
+class PipelineConfig(_Strict):
+    run: str = Field(default="demo", pattern=r"^[A-Za-z0-9_.-]+$", description="Run name: namespace in the store.")
+    data_dir: str = Field(default=".data", description="Directory of all embedded-default state.")
+    rollout_source: Literal["simulated", "external"] = Field(
+        default="simulated", description="`simulated`: the built-in RL stand-in writes steps; `external`: a trainer does."
+    )
+    device: str = Field(default="cpu", description="Torch device for forward passes, training and evaluation.")
+    storage: StorageConfig = Field(default_factory=StorageConfig, description="Object storage.")
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="MLflow tracking and registry.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Drafter training (FastRL keys).")
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="Drafter model.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Acceptance evaluation.")
+    promotion: PromotionConfig = Field(default_factory=PromotionConfig, description="Champion promotion.")
+    simulation: SimulationConfig = Field(default_factory=SimulationConfig, description="Simulated RL source.")
+
+    @property
+    def data_path(self) -> Path:
+        path = Path(self.data_dir)
+        return path if path.is_absolute() else PROJECT_ROOT / path
+
+    @property
+    def storage_root(self) -> str:
+        return self.storage.root or (self.data_path / "store").as_uri()
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.mlflow.tracking_uri or f"sqlite:///{self.data_path / 'mlflow' / 'mlflow.db'}"
+
+    @property
+    def artifact_root(self) -> str:
+        return (self.data_path / "mlflow" / "artifacts").as_uri()
+
+
+class ConfigError(ValueError):
+    """A configuration file or value is invalid; the message names the key."""
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def parse_config(data: dict[str, Any]) -> PipelineConfig:
+    """Validate a config mapping; errors name the dotted key that is wrong."""
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            key = ".".join(str(part) for part in err["loc"]) or "<root>"
+            problems.append(f"{key}: {err['msg']}")
+        raise ConfigError("invalid pipeline config: " + "; ".join(problems)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    """Defaults, then the user's file (argument or `$DRAFTER_PIPELINE_CONFIG`), then overrides."""
+    data = _read_yaml(DEFAULTS_PATH)
+    user_path = path or os.environ.get(CONFIG_ENV)
+    if user_path:
+        data = _merge(data, _read_yaml(Path(user_path)))
+    if overrides:
+        data = _merge(data, overrides)
+    return parse_config(data)

@@ -1,0 +1,91 @@
+"""One drafter training of the co-training loop: decide, warm-start, train, register."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline import rollouts as rollouts_lib
+from pipeline import target as target_lib
+from pipeline.buffer import composition, iter_buffer_samples, read_buffer
+from pipeline.checkpoint import save_drafter
+from pipeline.config import PipelineConfig, TrainConfig
+from pipeline.eagle import EagleConfig, EagleDrafter
+from pipeline.registry import DrafterRegistry, MetricsBatcher
+from pipeline.store import ObjectStore
+from pipeline.train import Sample, TrainResult, train_drafter
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    trained: bool
+    reason: str
+    buffer_samples: int
+    run_id: str | None = None
+    version: str | None = None
+    warm_start_version: str | None = None
+    result: TrainResult | None = None
+
+
+def training_decision(step: int, buffer_samples: int, cfg: TrainConfig) -> tuple[bool, str]:
+    """FastRL's trigger: every `training_interval_steps`, once the buffer holds `min_samples`."""
+    if not cfg.enable_drafter_training:
+        return False, "train.enable_drafter_training is false"
+    if step % cfg.training_interval_steps:
+        return False, f"step {step} is not a multiple of train.training_interval_steps={cfg.training_interval_steps}"
+    if buffer_samples < cfg.min_samples:
+        return False, f"buffer holds {buffer_samples} samples, fewer than train.min_samples={cfg.min_samples}"
+    return True, f"buffer holds {buffer_samples} samples"
+
+
+def fresh_drafter(target_config, cfg: PipelineConfig) -> EagleDrafter:
+    torch.manual_seed(cfg.train.seed)
+    return EagleDrafter(EagleConfig.from_target(target_config, cfg.drafter.intermediate_size))
+
+
+def train_step(
+    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, tags: dict[str, str]
+) -> TrainOutcome:
+    entries = read_buffer(store, cfg.run, step)
+    trained, reason = training_decision(step, len(entries), cfg.train)
+    if not trained:
+        return TrainOutcome(False, reason, len(entries))
+
+    pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
+    target = target_lib.load_checkpoint(target_lib.resolve_uri(store, pointer.checkpoint_uri), cfg.device)
+    warm_start = registry.alias_version("champion")
+    drafter = registry.load(warm_start) if warm_start else fresh_drafter(target.config, cfg)
+    drafter.use_target_heads(target)
+    samples: list[Sample] = [
+        (s.input_ids, s.hidden[:, -1, :], s.loss_mask) for s in iter_buffer_samples(store, cfg.run, entries)
+    ]
+
+    steps_in_buffer = composition(entries)
+    run_id = registry.start_run(f"drafter-step-{step:06d}", tags)
+    try:
+        registry.log_params(run_id, {
+            **cfg.train.model_dump(exclude={"optim"}), **{f"optim.{k}": v for k, v in cfg.train.optim.model_dump().items()},
+            "drafter.kind": cfg.drafter.kind, "warm_start_version": warm_start or "none",
+            "policy_version": pointer.policy_version, "buffer_samples": len(entries),
+        })
+        sink = MetricsBatcher(registry.client, run_id)
+        result = train_drafter(drafter, samples, cfg.train, sink, cfg.device)
+        sink.flush()
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint = save_drafter(drafter, Path(tmp) / "drafter")
+            version = registry.register(run_id, checkpoint, {
+                "rl_step": str(step), "pipeline_run": cfg.run, "trained_on_steps": json.dumps(list(steps_in_buffer)),
+                "train_samples": str(len(entries)), "warm_start_version": warm_start or "none",
+            })
+        registry.set_alias("challenger", version)
+        if registry.alias_version("baseline") is None:
+            registry.set_alias("baseline", version)
+        registry.end_run(run_id, ok=True)
+    except BaseException:
+        registry.end_run(run_id, ok=False)
+        raise
+    return TrainOutcome(True, reason, len(entries), run_id, version, warm_start, result)

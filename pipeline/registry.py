@@ -1,0 +1,117 @@
+"""MLflow: one run per drafter training, every drafter a registered model version.
+
+Aliases, not stages:
+    challenger  the newest evaluated drafter
+    champion    the drafter that serves (moved by policy or by a person)
+    baseline    the first drafter ever registered: the never-retrained reference
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from mlflow.entities import Metric, RunStatus
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from pipeline.checkpoint import load_drafter
+from pipeline.eagle import EagleDrafter
+
+ARTIFACT_PATH = "drafter"
+ALIASES = ("challenger", "champion", "baseline")
+
+
+class MetricsBatcher:
+    """A `MetricsSink` that sends per-iteration metrics to MLflow in batches."""
+
+    def __init__(self, client: MlflowClient, run_id: str, flush_every: int = 200) -> None:
+        self.client, self.run_id, self.flush_every = client, run_id, flush_every
+        self._pending: list[Metric] = []
+
+    def log_dict(self, payload: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        self._pending += [Metric(k, float(v), now, step) for k, v in payload.items()]
+        if len(self._pending) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        for start in range(0, len(self._pending), 1000):  # MLflow's batch limit
+            self.client.log_batch(self.run_id, metrics=self._pending[start : start + 1000])
+        self._pending = []
+
+
+class DrafterRegistry:
+    def __init__(self, tracking_uri: str, experiment: str, model_name: str, artifact_root: str | None = None) -> None:
+        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        self.tracking_uri, self.model_name = tracking_uri, model_name
+        found = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = (
+            found.experiment_id if found else self.client.create_experiment(experiment, artifact_location=artifact_root)
+        )
+        try:
+            self.client.get_registered_model(model_name)
+        except MlflowException:
+            self.client.create_registered_model(model_name, description="EAGLE drafter co-trained with the RL policy")
+
+    # -- runs
+    def start_run(self, run_name: str, tags: dict[str, str]) -> str:
+        return self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
+
+    def find_run(self, tags: dict[str, str]) -> str | None:
+        """The newest run carrying all `tags` (so a retried partition reuses its run)."""
+        query = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
+        runs = self.client.search_runs([self.experiment_id], filter_string=query, order_by=["start_time DESC"],
+                                       max_results=1)
+        return runs[0].info.run_id if runs else None
+
+    def log_params(self, run_id: str, params: dict[str, object]) -> None:
+        for key, value in params.items():
+            self.client.log_param(run_id, key, str(value))
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        sink = MetricsBatcher(self.client, run_id)
+        sink.log_dict(metrics, step)
+        sink.flush()
+
+    def set_run_tags(self, run_id: str, tags: dict[str, str]) -> None:
+        for key, value in tags.items():
+            self.client.set_tag(run_id, key, value)
+
+    def end_run(self, run_id: str, ok: bool = True) -> None:
+        status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
+        self.client.set_terminated(run_id, status=status)
+
+    def run_url(self, run_id: str, ui_base: str) -> str:
+        return f"{ui_base.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
+
+    # -- model versions
+    def register(self, run_id: str, checkpoint_dir: Path, tags: dict[str, str]) -> str:
+        """Log the checkpoint directory as the run's artifacts and register it as a new version."""
+        self.client.log_artifacts(run_id, str(checkpoint_dir), ARTIFACT_PATH)
+        source = f"{self.client.get_run(run_id).info.artifact_uri}/{ARTIFACT_PATH}"
+        version = self.client.create_model_version(self.model_name, source=source, run_id=run_id, tags=tags)
+        return version.version
+
+    def set_version_tags(self, version: str, tags: dict[str, str]) -> None:
+        for key, value in tags.items():
+            self.client.set_model_version_tag(self.model_name, version, key, value)
+
+    def set_alias(self, alias: str, version: str) -> None:
+        self.client.set_registered_model_alias(self.model_name, alias, version)
+
+    def alias_version(self, alias: str) -> str | None:
+        try:
+            return self.client.get_model_version_by_alias(self.model_name, alias).version
+        except MlflowException:
+            return None
+
+    def version_tags(self, version: str) -> dict[str, str]:
+        return dict(self.client.get_model_version(self.model_name, version).tags)
+
+    def load(self, version: str) -> EagleDrafter:
+        """Download a version's checkpoint directory and load it (safetensors only)."""
+        run_id = self.client.get_model_version(self.model_name, version).run_id
+        with tempfile.TemporaryDirectory() as tmp:
+            return load_drafter(Path(self.client.download_artifacts(run_id, ARTIFACT_PATH, tmp)))

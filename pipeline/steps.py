@@ -1,0 +1,41 @@
+"""RL step identifiers: partition keys `step-000123` and the store keys derived from them."""
+
+from __future__ import annotations
+
+import re
+
+_STEP_KEY = re.compile(r"^step-(\d{6,})$")
+
+
+def step_key(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"RL step must be >= 0, got {step}")
+    return f"step-{step:06d}"
+
+
+def parse_step_key(key: str) -> int:
+    """`step-000123` -> 123; anything else is rejected with the offending key in the message."""
+    match = _STEP_KEY.match(key)
+    if not match:
+        raise ValueError(f"partition key {key!r} is not 'step-' followed by at least six digits (e.g. step-000001)")
+    return int(match.group(1))
+
+
+def rollouts_prefix(run: str, step: int) -> str:
+    return f"rollouts/{run}/{step_key(step)}"
+
+
+def policy_prefix(run: str, step: int) -> str:
+    return f"policies/{run}/{step_key(step)}"
+
+
+def hidden_states_prefix(run: str, step: int) -> str:
+    return f"hidden_states/{run}/{step_key(step)}"
+
+
+def buffer_key(run: str, step: int) -> str:
+    return f"buffer/{run}/{step_key(step)}/_manifest.json"
+
+
+def acceptance_key(run: str, step: int) -> str:
+    return f"acceptance/{run}/{step_key(step)}.json"

@@ -1,0 +1,108 @@
+"""Object storage behind one small interface: `file://` by default, `s3://` in production.
+
+Every path the pipeline writes lives under one root URI:
+
+    <root>/
+    ├── rollouts/<run>/step-000123/rollouts.parquet   from the RL trainer
+    │                              policy.json        pointer to the policy checkpoint (commit point)
+    ├── policies/<run>/step-000123/config.json        the simulated source's policy checkpoints
+    │                              model.safetensors
+    ├── hidden_states/<run>/step-000123/part-00000.parquet
+    │                                   _manifest.json (commit point)
+    ├── buffer/<run>/step-000123/_manifest.json
+    └── acceptance/<run>/step-000123.json
+
+Writes are atomic per object: on a local filesystem through a temporary file and a
+rename; on S3 a PUT is atomic by itself. Multi-object writes commit with a manifest
+written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+import fsspec
+
+
+class ObjectStore:
+    """Keys are '/'-separated paths relative to the root URI."""
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.root = root.rstrip("/")
+        self.fs, self._root_path = fsspec.core.url_to_fs(self.root, **(storage_options or {}))
+        self._local = self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol
+
+    def uri(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    def _path(self, key: str) -> str:
+        if key.startswith("/") or ".." in key.split("/"):
+            raise ValueError(f"store key {key!r} must be relative and stay under the root")
+        return f"{self._root_path}/{key}"
+
+    def exists(self, key: str) -> bool:
+        return self.fs.exists(self._path(key))
+
+    def size(self, key: str) -> int:
+        return int(self.fs.size(self._path(key)))
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        """Names of the immediate sub-directories of `prefix` (empty if it does not exist)."""
+        path = self._path(prefix)
+        if not self.fs.exists(path):
+            return []
+        entries = self.fs.ls(path, detail=True)
+        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "directory")
+
+    def read_bytes(self, key: str) -> bytes:
+        with self.fs.open(self._path(key), "rb") as f:
+            return f.read()
+
+    def read_json(self, key: str) -> Any:
+        return json.loads(self.read_bytes(key))
+
+    @contextmanager
+    def open_read(self, key: str) -> Iterator[IO[bytes]]:
+        with self.fs.open(self._path(key), "rb") as f:
+            yield f
+
+    @contextmanager
+    def open_write(self, key: str) -> Iterator[IO[bytes]]:
+        """A writable file that appears under `key` only if the block exits cleanly."""
+        final = self._path(key)
+        self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
+        if not self._local:
+            with self.fs.open(final, "wb") as f:
+                yield f
+            return
+        tmp = f"{final}.tmp-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        with self.open_write(key) as f:
+            f.write(data)
+
+    def write_json(self, key: str, obj: Any) -> None:
+        self.write_bytes(key, json.dumps(obj, indent=2, sort_keys=True).encode())
+
+    def delete_prefix(self, prefix: str) -> None:
+        path = self._path(prefix)
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+
+    def local_path(self, key: str) -> str | None:
+        """The filesystem path of `key` when the store is local (else None)."""
+        return self._path(key) if self._local else None

@@ -1,0 +1,89 @@
+"""The target model (the RL policy): loading checkpoints and running the forward pass.
+
+A policy checkpoint is a transformers directory (config.json + model.safetensors) at
+a URI; nothing is fetched from a hub. `features` returns what an EAGLE-1/2 drafter
+consumes: the last hidden state AFTER the final norm, i.e. exactly what the target's
+lm_head reads and what vLLM hands its `eagle` drafter.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+import torch
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+from pipeline.store import ObjectStore
+
+CHECKPOINT_FILES = ("config.json", "model.safetensors")
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    features: torch.Tensor  # (B, T, H) last hidden state after the final norm
+    logits: torch.Tensor  # (B, T, V)
+
+
+def tiny_llama_config(vocab_size: int, hidden_size: int, num_layers: int, num_heads: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+def build_target(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def save_checkpoint(model: LlamaForCausalLM, store: ObjectStore, prefix: str) -> str:
+    """Write config.json + model.safetensors under `prefix`; returns the directory URI."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        for name in CHECKPOINT_FILES:
+            store.write_bytes(f"{prefix}/{name}", (Path(tmp) / name).read_bytes())
+    return store.uri(prefix)
+
+
+def resolve_uri(store: ObjectStore, uri_or_key: str) -> str:
+    """A pointer may hold a full URI or a key relative to the store root."""
+    return uri_or_key if "://" in uri_or_key else store.uri(uri_or_key)
+
+
+def load_checkpoint(uri: str, device: str = "cpu") -> LlamaForCausalLM:
+    """Load a transformers checkpoint directory from any fsspec URI (safetensors only)."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    missing = [n for n in CHECKPOINT_FILES if not fs.exists(f"{path}/{n}")]
+    if missing:
+        raise FileNotFoundError(f"policy checkpoint {uri} lacks {', '.join(missing)} (pickled weights are not read)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in CHECKPOINT_FILES:
+            fs.get(f"{path}/{name}", str(Path(tmp) / name))
+        config = AutoConfig.from_pretrained(tmp)
+        model = LlamaForCausalLM.from_pretrained(tmp, config=config, use_safetensors=True)
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def forward(model: LlamaForCausalLM, input_ids: torch.Tensor) -> TargetOutput:
+    """input_ids (B, T) -> post-norm features (B, T, H) and logits (B, T, V)."""
+    features = model.model(input_ids=input_ids).last_hidden_state  # (B, T, H)
+    return TargetOutput(features=features, logits=model.lm_head(features))
+
+
+def model_id(model: LlamaForCausalLM) -> str:
+    c = model.config
+    return f"tiny-llama-v{c.vocab_size}-h{c.hidden_size}-l{c.num_hidden_layers}"
