@@ -16,6 +16,7 @@ from pipeline.checkpoint import save_drafter
 from pipeline.config import PipelineConfig, TrainConfig
 from pipeline.eagle import EagleConfig, EagleDrafter
 from pipeline.registry import DrafterRegistry, MetricsBatcher
+from pipeline.steps import drafter_key
 from pipeline.store import ObjectStore
 from pipeline.train import Sample, TrainResult, train_drafter
 
@@ -29,6 +30,26 @@ class TrainOutcome:
     version: str | None = None
     warm_start_version: str | None = None
     result: TrainResult | None = None
+
+    def record(self, step: int) -> dict:
+        """What later stages (and people) need to know about this step's training."""
+        out = {"step": step, "trained": self.trained, "reason": self.reason, "buffer_samples": self.buffer_samples,
+               "run_id": self.run_id, "version": self.version, "warm_start_version": self.warm_start_version}
+        if self.result:
+            out.update(iterations=self.result.iterations, loss=self.result.loss, vloss=self.result.vloss,
+                       ploss=self.result.ploss, accuracy=self.result.accuracy, wall_s=self.result.wall_s,
+                       tokens_per_s=self.result.tokens_per_s, loss_history=self.result.loss_history)
+        return out
+
+
+def write_outcome(store: ObjectStore, run: str, step: int, outcome: TrainOutcome) -> dict:
+    record = outcome.record(step)
+    store.write_json(drafter_key(run, step), record)
+    return record
+
+
+def read_outcome(store: ObjectStore, run: str, step: int) -> dict:
+    return store.read_json(drafter_key(run, step))
 
 
 def training_decision(step: int, buffer_samples: int, cfg: TrainConfig) -> tuple[bool, str]:

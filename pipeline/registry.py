@@ -44,6 +44,8 @@ class MetricsBatcher:
 
 class DrafterRegistry:
     def __init__(self, tracking_uri: str, experiment: str, model_name: str, artifact_root: str | None = None) -> None:
+        if tracking_uri.startswith("sqlite:///"):
+            Path(tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         self.tracking_uri, self.model_name = tracking_uri, model_name
         found = self.client.get_experiment_by_name(experiment)

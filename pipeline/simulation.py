@@ -126,7 +126,9 @@ class SimulatedRL:
         self.seq_len = cfg.prompt_len + cfg.response_len
 
     def _cache_path(self) -> Path:
-        digest = hashlib.sha256(json.dumps(self.cfg.model_dump(), sort_keys=True).encode()).hexdigest()[:12]
+        # Only what shapes pre-training goes into the key: tuning RL knobs keeps the cache.
+        pretrain = self.cfg.model_dump(exclude={"drift", "rl_iters", "rollouts_per_step", "temperature"})
+        digest = hashlib.sha256(json.dumps(pretrain, sort_keys=True).encode()).hexdigest()[:12]
         return self.cache_dir / f"pretrained-target-{digest}"
 
     def pretrained(self) -> LlamaForCausalLM:

@@ -39,3 +39,7 @@ def buffer_key(run: str, step: int) -> str:
 
 def acceptance_key(run: str, step: int) -> str:
     return f"acceptance/{run}/{step_key(step)}.json"
+
+
+def drafter_key(run: str, step: int) -> str:
+    return f"drafter/{run}/{step_key(step)}.json"

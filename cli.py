@@ -1,0 +1,217 @@
+"""Command line: `python cli.py demo | ui | status` (the Makefile's targets call these).
+
+demo    simulate N RL steps and drive each through the persisted Dagster instance, as the
+        sensor would; print a table, write a JSON summary and a PNG plot.
+ui      Dagster webserver + daemon and the MLflow UI on the demo's data.
+status  steps known, last materializations, champion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline.config import CONFIG_ENV, PipelineConfig, load_config
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
+    os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    for name in ("mlflow", "alembic", "dagster"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def prepare_dagster_home(cfg: PipelineConfig) -> Path:
+    home = cfg.data_path / "dagster"
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(ROOT / "dagster.yaml", home / "dagster.yaml")
+    os.environ["DAGSTER_HOME"] = str(home)
+    return home
+
+
+def out(line: str = "") -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def demo(steps: int, config_path: str | None) -> Path:
+    cfg = load_config(config_path)
+    if cfg.rollout_source != "simulated":
+        raise SystemExit("demo needs rollout_source: simulated (an external trainer drives its own steps)")
+    for sub in ("store", "mlflow", "dagster", "demo"):  # a fresh demo; the pre-trained target cache stays
+        shutil.rmtree(cfg.data_path / sub, ignore_errors=True)
+    prepare_dagster_home(cfg)
+    _quiet_libraries()
+
+    import dagster as dg
+    from dagster._core.storage.tags import RUN_KEY_TAG, SENSOR_NAME_TAG
+    from tqdm import tqdm
+
+    from definitions import defs
+    from jobs import SENSOR_NAME, rl_step_sensor
+    from pipeline import report
+    from pipeline.simulation import SimulatedRL
+    from pipeline.store import ObjectStore
+
+    instance = dg.DagsterInstance.get()
+    store = ObjectStore(cfg.storage_root)
+    simulator = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
+    job = defs.resolve_job_def("rl_step_job")
+    resources = defs.resources
+
+    out(f"Co-training demo: {steps} simulated RL steps on {cfg.device}, drafter kind {cfg.drafter.kind}")
+    out(f"  object store {cfg.storage_root}\n  MLflow       {cfg.tracking_uri}\n  Dagster home {instance.root_directory}")
+    start = time.perf_counter()
+    tick = time.perf_counter()
+    simulator.pretrained()  # cached after the first demo
+    out(f"  pre-trained target ready in {time.perf_counter() - tick:.1f}s")
+
+    rows, step_walls, cursor = [], [], None
+    bar = tqdm(range(1, steps + 1), desc="RL steps", unit="step", file=sys.stdout, dynamic_ncols=True)
+    for step in bar:
+        tick = time.perf_counter()
+        bar.set_postfix_str(f"step {step}: simulating the RL update and rollouts")
+        simulator.run_step(step)
+
+        # One sensor tick, exactly as the daemon would run it, against the persisted instance.
+        bar.set_postfix_str(f"step {step}: sensor tick")
+        context = dg.build_sensor_context(instance=instance, cursor=cursor, sensor_name=SENSOR_NAME,
+                                          resources=resources, definitions=defs)
+        result = rl_step_sensor(context)
+        if isinstance(result, dg.SkipReason):
+            raise RuntimeError(f"sensor saw no new step after simulating step {step}: {result.skip_message}")
+        for request in result.dynamic_partitions_requests or []:
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        cursor = result.cursor
+        for run_request in result.run_requests:
+            bar.set_postfix_str(f"step {step}: {run_request.partition_key} running in Dagster")
+            job.execute_in_process(
+                instance=instance, partition_key=run_request.partition_key,
+                tags={RUN_KEY_TAG: run_request.run_key, SENSOR_NAME_TAG: SENSOR_NAME},
+            )
+        step_walls.append(time.perf_counter() - tick)
+        rows.append(report.step_row(store, cfg.run, step))
+        r = rows[-1]
+        bar.write(f"  step {step}: {step_walls[-1]:5.1f}s  tau co-trained {r['tau_cotrained']:.2f}  "
+                  f"served {r['tau_served']:.2f}  baseline {r['tau_baseline']:.2f}"
+                  f"{'  (promoted)' if r['promoted'] else ''}")
+    bar.close()
+    wall = time.perf_counter() - start
+
+    out_dir = cfg.data_path / "demo"
+    k = cfg.eval.num_speculative_tokens
+    plot = report.plot(rows, k, out_dir / "acceptance.png")
+    summary = report.write_summary(rows, wall, step_walls, out_dir / "summary.json",
+                                   num_speculative_tokens=k, drafter_kind=cfg.drafter.kind, device=cfg.device)
+    out()
+    out(report.format_table(rows))
+    out()
+    first, last = rows[0], rows[-1]
+    out(f"tau over {steps} steps: co-trained {first['tau_cotrained']:.2f} -> {last['tau_cotrained']:.2f}, "
+        f"never retrained {first['tau_baseline']:.2f} -> {last['tau_baseline']:.2f} "
+        f"({(last['tau_baseline'] / first['tau_baseline'] - 1) * 100:+.0f}%)")
+    out(f"wall time {wall:.1f}s ({wall / steps:.1f}s per step)")
+    out(f"plot:    {plot}")
+    out(f"summary: {summary}")
+    out("Browse the runs, partitions and checks with `make ui`.")
+    return summary
+
+
+def ui(config_path: str | None) -> None:
+    cfg = load_config(config_path)
+    home = prepare_dagster_home(cfg)
+    env = dict(os.environ, DAGSTER_HOME=str(home), MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    if config_path:
+        env[CONFIG_ENV] = str(Path(config_path).resolve())
+    bin_dir = Path(sys.executable).parent
+    (cfg.data_path / "mlflow").mkdir(parents=True, exist_ok=True)
+    commands = [
+        [str(bin_dir / "dagster-webserver"), "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", "3000"],
+        [str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+        [str(bin_dir / "mlflow"), "server", "--backend-store-uri", cfg.tracking_uri,
+         "--default-artifact-root", cfg.artifact_root, "--host", "127.0.0.1", "--port", "5000", "--workers", "1"],
+    ]
+    procs = [subprocess.Popen(c, cwd=ROOT, env=env) for c in commands]
+    out("Dagster UI: http://127.0.0.1:3000   (asset graph: /asset-groups, runs: /runs)")
+    out("MLflow UI:  http://127.0.0.1:5000   (model registry: /#/models)")
+    out("Ctrl-C stops all three.")
+    try:
+        while all(p.poll() is None for p in procs):
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def status(config_path: str | None) -> None:
+    cfg = load_config(config_path)
+    prepare_dagster_home(cfg)
+    _quiet_libraries()
+    import dagster as dg
+
+    from jobs import committed_steps
+    from pipeline.registry import DrafterRegistry
+    from pipeline.store import ObjectStore
+
+    instance = dg.DagsterInstance.get()
+    store = ObjectStore(cfg.storage_root)
+    steps = committed_steps(store, cfg.run)
+    out(f"run {cfg.run}: {len(steps)} committed RL steps{f' (last step-{steps[-1]:06d})' if steps else ''}")
+    out(f"partitions in Dagster: {len(instance.get_dynamic_partitions('rl_step'))}")
+    for asset in ("rollouts", "hidden_states", "drafter_buffer", "drafter", "acceptance"):
+        event = instance.get_latest_materialization_event(dg.AssetKey(asset))
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.timestamp)) if event else "never"
+        part = event.dagster_event.partition if event and event.dagster_event else None
+        out(f"  {asset:<15} last materialized {when}{f' ({part})' if part else ''}")
+    registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)
+    for alias in ("champion", "challenger", "baseline"):
+        version = registry.alias_version(alias)
+        tau = registry.version_tags(version).get("tau", "?") if version else ""
+        out(f"  {alias:<10} {f'version {version} (tau {tau})' if version else 'none'}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="cli.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--config", help=f"YAML config merged over the defaults (or ${CONFIG_ENV})")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo_p = sub.add_parser("demo", help="run N simulated RL steps through the pipeline")
+    demo_p.add_argument("--steps", type=int, default=6)
+    sub.add_parser("ui", help="Dagster and MLflow UIs on the demo's data")
+    sub.add_parser("status", help="steps, last materializations, champion")
+    args = parser.parse_args(argv)
+    if args.config:
+        os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
+    if args.command == "demo":
+        if args.steps < 1:
+            parser.error("--steps must be >= 1")
+        demo(args.steps, args.config)
+    elif args.command == "ui":
+        ui(args.config)
+    else:
+        status(args.config)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+"""The Dagster code location: assets, checks, jobs, sensors and resources of the pipeline."""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from assets.cotraining import acceptance, drafter, drafter_buffer, hidden_states, rollouts
+from jobs import rl_step_job, rl_step_sensor, simulate_rl_job
+from resources import build_resources
+
+defs = dg.Definitions(
+    assets=[rollouts, hidden_states, drafter_buffer, drafter, acceptance],
+    jobs=[rl_step_job, simulate_rl_job],
+    sensors=[rl_step_sensor],
+    resources=build_resources(),
+)

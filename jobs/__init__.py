@@ -1,0 +1,78 @@
+"""Jobs and sensors: new RL steps in, one run per step; simulated steps on demand."""
+
+
+import dagster as dg
+from pydantic import Field
+
+from assets.cotraining import rl_step
+from pipeline import rollouts as rollouts_lib
+from pipeline.steps import parse_step_key, step_key
+from resources import ObjectStoreResource, PipelineConfigResource, RolloutSourceResource
+
+SENSOR_NAME = "rl_step_sensor"
+
+rl_step_job = dg.define_asset_job(
+    "rl_step_job",
+    selection=dg.AssetSelection.groups("cotraining"),
+    partitions_def=rl_step,
+    description="One RL step through the loop: rollouts, hidden states, buffer, drafter, acceptance.",
+)
+
+
+def committed_steps(store, run: str) -> list[int]:
+    """Steps under rollouts/<run>/ whose policy pointer (the commit point) exists."""
+    steps = []
+    for name in store.list_dirs(f"rollouts/{run}"):
+        try:
+            step = parse_step_key(name)
+        except ValueError:
+            continue  # not a step directory; the RL trainer may keep other things there
+        if rollouts_lib.is_committed(store, run, step):
+            steps.append(step)
+    return sorted(steps)
+
+
+@dg.sensor(
+    name=SENSOR_NAME, job=rl_step_job, minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Adds an `rl_step` partition for every committed step under rollouts/<run>/ and requests "
+    "one run of rl_step_job per step (run_key = the step, so a step is never run twice).",
+)
+def rl_step_sensor(
+    context: dg.SensorEvaluationContext, settings: PipelineConfigResource, object_store: ObjectStoreResource
+) -> dg.SensorResult | dg.SkipReason:
+    cfg = settings.load()
+    last_seen = int(context.cursor) if context.cursor else 0
+    new = [s for s in committed_steps(object_store.store(), cfg.run) if s > last_seen]
+    if not new:
+        return dg.SkipReason(f"no committed RL step after {step_key(last_seen)} under rollouts/{cfg.run}/")
+    keys = [step_key(s) for s in new]
+    return dg.SensorResult(
+        run_requests=[dg.RunRequest(partition_key=k, run_key=k) for k in keys],
+        dynamic_partitions_requests=[rl_step.build_add_request(keys)],
+        cursor=str(new[-1]),
+    )
+
+
+class SimulateConfig(dg.Config):
+    steps: int = Field(default=1, ge=1, description="How many further RL steps to simulate.")
+
+
+@dg.op(description="Run the built-in simulated RL trainer for the next step(s); the sensor picks them up.")
+def simulate_rl_steps(
+    context: dg.OpExecutionContext,
+    config: SimulateConfig,
+    settings: PipelineConfigResource,
+    object_store: ObjectStoreResource,
+    rollout_source: RolloutSourceResource,
+) -> None:
+    cfg, store = settings.load(), object_store.store()
+    simulator = rollout_source.simulator(cfg, store)
+    done = committed_steps(store, cfg.run)
+    for step in range(max(done, default=0) + 1, max(done, default=0) + 1 + config.steps):
+        pointer = simulator.run_step(step)
+        context.log.info(f"simulated {step_key(step)} (policy version {pointer.policy_version})")
+
+
+@dg.job(description="Simulate further RL steps with the built-in RL stand-in (embedded default source).")
+def simulate_rl_job() -> None:
+    simulate_rl_steps()

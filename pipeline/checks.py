@@ -1,0 +1,45 @@
+"""Checks on what was stored, read back from the object store (what a reader will see)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import fsspec
+
+from pipeline import rollouts as rollouts_lib
+from pipeline import shards
+from pipeline import target as target_lib
+from pipeline.steps import hidden_states_prefix
+from pipeline.store import ObjectStore
+
+
+def target_hidden_size(store: ObjectStore, run: str, step: int) -> int:
+    pointer = rollouts_lib.read_policy_pointer(store, run, step)
+    fs, path = fsspec.core.url_to_fs(target_lib.resolve_uri(store, pointer.checkpoint_uri))
+    with fs.open(f"{path}/config.json") as f:
+        return int(json.load(f)["hidden_size"])
+
+
+def check_shards(store: ObjectStore, run: str, step: int) -> list[str]:
+    """Problems found in the step's committed shards; empty when they are sound."""
+    manifest = shards.read_manifest(store, run, step)
+    problems = []
+    expected = target_hidden_size(store, run, step)
+    if manifest.hidden_size != expected:
+        problems.append(f"manifest hidden_size {manifest.hidden_size} != target hidden_size {expected}")
+    prefix = hidden_states_prefix(run, step)
+    for shard in manifest.shards:
+        data = store.read_bytes(f"{prefix}/{shard.name}")
+        if len(data) != shard.bytes or hashlib.sha256(data).hexdigest() != shard.sha256:
+            problems.append(f"{shard.name}: size or checksum differs from the manifest")
+    rows = 0
+    for sample in shards.iter_samples(store, run, manifest):
+        rows += 1
+        try:
+            shards.validate_sample(sample, expected, len(manifest.layer_ids))
+        except shards.ShardError as exc:
+            problems.append(str(exc))
+    if rows != manifest.num_samples:
+        problems.append(f"{rows} rows stored, manifest says {manifest.num_samples}")
+    return problems

@@ -1,0 +1,79 @@
+"""Dagster resources: thin, typed adapters that build the domain objects of `pipeline/`.
+
+All of them are built from one `PipelineConfig` (see `build_resources`), so the YAML
+config stays the single source of truth. Secrets are read from the environment only.
+"""
+
+
+import os
+from pathlib import Path
+
+import dagster as dg
+from pydantic import Field
+
+from pipeline.config import PipelineConfig, load_config
+from pipeline.registry import DrafterRegistry
+from pipeline.simulation import SimulatedRL
+from pipeline.store import ObjectStore
+
+
+class PipelineConfigResource(dg.ConfigurableResource):
+    """The pipeline's YAML config (embedded defaults when `config_path` is empty)."""
+
+    config_path: str = Field(default="", description="YAML file merged over pipeline/defaults.yaml.")
+
+    def load(self) -> PipelineConfig:
+        return load_config(self.config_path or None)
+
+
+class ObjectStoreResource(dg.ConfigurableResource):
+    """Object storage for rollouts, hidden-state shards, buffer manifests and acceptance records."""
+
+    root: str = Field(description="Root URI: file:///... or s3://bucket/prefix.")
+    endpoint_url: str = Field(default="", description="S3-compatible endpoint; AWS when empty.")
+
+    def store(self) -> ObjectStore:
+        options: dict = {}
+        if self.root.startswith("s3://"):
+            # Credentials come from the standard AWS environment variables, never from config.
+            if self.endpoint_url:
+                options["client_kwargs"] = {"endpoint_url": self.endpoint_url}
+        return ObjectStore(self.root, options)
+
+
+class MlflowResource(dg.ConfigurableResource):
+    """MLflow tracking and model registry (a token, if any, comes from MLFLOW_TRACKING_TOKEN)."""
+
+    tracking_uri: str = Field(description="MLflow tracking URI (sqlite:///... or http://...).")
+    experiment: str = Field(description="Experiment that holds one run per drafter training.")
+    model_name: str = Field(description="Registered model of the drafter.")
+    artifact_root: str = Field(default="", description="Artifact location for a new experiment.")
+    ui_url: str = Field(default="http://127.0.0.1:5000", description="MLflow UI base URL, for links.")
+
+    def registry(self) -> DrafterRegistry:
+        return DrafterRegistry(self.tracking_uri, self.experiment, self.model_name, self.artifact_root or None)
+
+
+class RolloutSourceResource(dg.ConfigurableResource):
+    """Where RL steps come from: the built-in simulated RL source or an external trainer."""
+
+    kind: str = Field(description="`simulated` or `external`.")
+    cache_dir: str = Field(description="Cache of expensive simulation artefacts (the pre-trained target).")
+
+    def simulator(self, cfg: PipelineConfig, store: ObjectStore) -> SimulatedRL:
+        if self.kind != "simulated":
+            raise ValueError(f"rollout_source is {self.kind!r}: steps come from an external RL trainer")
+        return SimulatedRL(cfg.simulation, store, cfg.run, Path(self.cache_dir))
+
+
+def build_resources(config_path: str | None = None) -> dict[str, dg.ConfigurableResource]:
+    cfg = load_config(config_path)
+    return {
+        "settings": PipelineConfigResource(config_path=config_path or os.environ.get("DRAFTER_PIPELINE_CONFIG", "")),
+        "object_store": ObjectStoreResource(root=cfg.storage_root, endpoint_url=os.environ.get("S3_ENDPOINT_URL", "")),
+        "mlflow": MlflowResource(
+            tracking_uri=cfg.tracking_uri, experiment=cfg.mlflow.experiment, model_name=cfg.mlflow.model_name,
+            artifact_root=cfg.artifact_root, ui_url=os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000"),
+        ),
+        "rollout_source": RolloutSourceResource(kind=cfg.rollout_source, cache_dir=str(cfg.data_path / "cache")),
+    }
