@@ -74,7 +74,9 @@ def demo(steps: int, config_path: str | None) -> Path:
     resources = defs.resources
 
     out(f"Co-training demo: {steps} simulated RL steps on {cfg.device}, drafter kind {cfg.drafter.kind}")
-    out(f"  object store {cfg.storage_root}\n  MLflow       {cfg.tracking_uri}\n  Dagster home {instance.root_directory}")
+    out(f"  object store {cfg.storage_root}")
+    out(f"  MLflow       {cfg.tracking_uri}")
+    out(f"  Dagster home {instance.root_directory}")
     start = time.perf_counter()
     tick = time.perf_counter()
     simulator.pretrained()  # cached after the first demo
@@ -102,6 +104,8 @@ def demo(steps: int, config_path: str | None) -> Path:
             job.execute_in_process(
                 instance=instance, partition_key=run_request.partition_key,
                 tags={RUN_KEY_TAG: run_request.run_key, SENSOR_NAME_TAG: SENSOR_NAME},
+                # The run's full event log is in the instance (`make ui`); the terminal shows progress only.
+                run_config={"loggers": {"console": {"config": {"log_level": "WARNING"}}}},
             )
         step_walls.append(time.perf_counter() - tick)
         rows.append(report.step_row(store, cfg.run, step))

@@ -117,7 +117,8 @@ class PipelineConfig(_Strict):
     run: str = Field(default="demo", pattern=r"^[A-Za-z0-9_.-]+$", description="Run name: namespace in the store.")
     data_dir: str = Field(default=".data", description="Directory of all embedded-default state.")
     rollout_source: Literal["simulated", "external"] = Field(
-        default="simulated", description="`simulated`: the built-in RL stand-in writes steps; `external`: a trainer does."
+        default="simulated",
+        description="`simulated`: the built-in RL stand-in writes steps; `external`: a trainer does.",
     )
     device: str = Field(default="cpu", description="Torch device for forward passes, training and evaluation.")
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Object storage.")

@@ -89,7 +89,8 @@ def train_step(
     run_id = registry.start_run(f"drafter-step-{step:06d}", tags)
     try:
         registry.log_params(run_id, {
-            **cfg.train.model_dump(exclude={"optim"}), **{f"optim.{k}": v for k, v in cfg.train.optim.model_dump().items()},
+            **cfg.train.model_dump(exclude={"optim"}),
+            **{f"optim.{k}": v for k, v in cfg.train.optim.model_dump().items()},
             "drafter.kind": cfg.drafter.kind, "warm_start_version": warm_start or "none",
             "policy_version": pointer.policy_version, "buffer_samples": len(entries),
         })

@@ -143,7 +143,8 @@ def read_policy_pointer(store: ObjectStore, run: str, step: int) -> PolicyPointe
     if missing:
         raise RolloutsError(f"{store.uri(key)}: missing key(s) {', '.join(missing)}")
     if data.get("schema_version") != SCHEMA_VERSION:
-        raise RolloutsError(f"{store.uri(key)}: schema_version {data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+        found = data.get("schema_version")
+        raise RolloutsError(f"{store.uri(key)}: schema_version {found!r}, expected {SCHEMA_VERSION}")
     return PolicyPointer(int(data["policy_version"]), str(data["checkpoint_uri"]), str(data["model_id"]))
 
 

@@ -24,6 +24,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import IO, Any
 
 import fsspec
@@ -80,16 +81,15 @@ class ObjectStore:
             with self.fs.open(final, "wb") as f:
                 yield f
             return
-        tmp = f"{final}.tmp-{uuid.uuid4().hex}"
+        tmp = Path(f"{final}.tmp-{uuid.uuid4().hex}")
         try:
-            with open(tmp, "wb") as f:
+            with tmp.open("wb") as f:
                 yield f
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, final)
+            tmp.replace(final)
         finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            tmp.unlink(missing_ok=True)
 
     def write_bytes(self, key: str, data: bytes) -> None:
         with self.open_write(key) as f:

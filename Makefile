@@ -1,0 +1,42 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both set everything up.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+STEPS  ?= 6
+export PYTHONPATH := $(CURDIR)
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup demo test test-fast ui status lint clean
+
+setup: $(STAMP)
+
+# torch first: `pip install torch==2.13.0` takes the local CPU wheel where there is one;
+# a torch already in the base interpreter is reused (the venv sees system site-packages).
+$(STAMP): requirements.txt
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0 || $(PY) -m pip install --quiet torch
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) cli.py demo --steps $(STEPS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+ui: $(STAMP)
+	$(PY) cli.py ui
+
+status: $(STAMP)
+	$(PY) cli.py status
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf .data $(VENV)
