@@ -1,4 +1,7 @@
-"""The Dagster code location: assets, checks, jobs, sensors and resources of the pipeline."""
+"""The Dagster code location: assets, checks, jobs, sensors and resources of the pipeline.
+
+The pipeline config comes from $DRAFTER_PIPELINE_CONFIG (embedded defaults when unset).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +11,14 @@ from assets.cotraining import acceptance, drafter, drafter_buffer, hidden_states
 from jobs import rl_step_job, rl_step_sensor, simulate_rl_job
 from resources import build_resources
 
-defs = dg.Definitions(
-    assets=[rollouts, hidden_states, drafter_buffer, drafter, acceptance],
-    jobs=[rl_step_job, simulate_rl_job],
-    sensors=[rl_step_sensor],
-    resources=build_resources(),
-)
+
+def build_definitions(config_path: str | None = None) -> dg.Definitions:
+    return dg.Definitions(
+        assets=[rollouts, hidden_states, drafter_buffer, drafter, acceptance],
+        jobs=[rl_step_job, simulate_rl_job],
+        sensors=[rl_step_sensor],
+        resources=build_resources(config_path),
+    )
+
+
+defs = build_definitions()

@@ -94,7 +94,7 @@ class DrafterRegistry:
         self.client.log_artifacts(run_id, str(checkpoint_dir), ARTIFACT_PATH)
         source = f"{self.client.get_run(run_id).info.artifact_uri}/{ARTIFACT_PATH}"
         version = self.client.create_model_version(self.model_name, source=source, run_id=run_id, tags=tags)
-        return version.version
+        return str(version.version)
 
     def set_version_tags(self, version: str, tags: dict[str, str]) -> None:
         for key, value in tags.items():
@@ -105,7 +105,7 @@ class DrafterRegistry:
 
     def alias_version(self, alias: str) -> str | None:
         try:
-            return self.client.get_model_version_by_alias(self.model_name, alias).version
+            return str(self.client.get_model_version_by_alias(self.model_name, alias).version)
         except MlflowException:
             return None
 

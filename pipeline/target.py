@@ -14,11 +14,15 @@ from pathlib import Path
 
 import fsspec
 import torch
+import transformers
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 from pipeline.store import ObjectStore
 
 CHECKPOINT_FILES = ("config.json", "model.safetensors")
+
+# A checkpoint per RL step is loaded several times per step: per-load progress bars are noise in run logs.
+transformers.utils.logging.disable_progress_bar()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,44 @@
+"""Shared fixtures: a tiny pipeline configuration whose data lives in a temporary directory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import PipelineConfig, load_config
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+
+TINY = {
+    "run": "test",
+    "simulation": {
+        "vocab_size": 32, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "pretrain_iters": 30,
+        "rl_iters": 5, "rollouts_per_step": 24, "prompt_len": 6, "response_len": 12,
+    },
+    "train": {"epochs": 2, "min_samples": 4, "batch_size_per_gpu": 8},
+    "eval": {"num_prompts": 3, "max_new_tokens": 8, "held_out_fraction": 0.2},
+}
+
+
+def write_config(directory: Path, overrides: dict | None = None) -> Path:
+    data = {**TINY, "data_dir": str(directory / "data")}
+    for key, value in (overrides or {}).items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    path = directory / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture
+def tiny_config_path(tmp_path: Path) -> Path:
+    return write_config(tmp_path)
+
+
+@pytest.fixture
+def tiny_config(tiny_config_path: Path) -> PipelineConfig:
+    return load_config(tiny_config_path)
