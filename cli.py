@@ -61,13 +61,14 @@ def demo(steps: int, config_path: str | None) -> Path:
     from dagster._core.storage.tags import RUN_KEY_TAG, SENSOR_NAME_TAG
     from tqdm import tqdm
 
-    from definitions import defs
+    from definitions import build_definitions
     from jobs import SENSOR_NAME, rl_step_sensor
     from pipeline import report
     from pipeline.simulation import SimulatedRL
     from pipeline.store import ObjectStore
 
     instance = dg.DagsterInstance.get()
+    defs = build_definitions(config_path)
     store = ObjectStore(cfg.storage_root)
     simulator = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
     job = defs.resolve_job_def("rl_step_job")

@@ -1,0 +1,171 @@
+"""The typed pipeline configuration (pipeline.config)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pipeline.config import CONFIG_ENV, DEFAULTS_PATH, ConfigError, PipelineConfig, load_config, parse_config
+
+
+@pytest.fixture(autouse=True)
+def _no_user_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+
+
+def write_yaml(path: Path, data: Any) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_defaults_load() -> None:
+    cfg = load_config()
+
+    assert cfg == PipelineConfig()  # defaults.yaml and the model's defaults agree
+    assert cfg.run == "demo"
+    assert cfg.rollout_source == "simulated"
+    assert cfg.train.window_tokens == 512
+    assert cfg.train.data_buffer_max_size == 10000
+    assert cfg.train.buffer_steps == 2
+    assert cfg.train.optim.lr == pytest.approx(3e-3)
+    assert cfg.eval.num_speculative_tokens == 4
+    assert cfg.promotion.policy == "auto"
+    assert cfg.drafter.intermediate_size is None
+
+
+def test_defaults_file_lists_every_key() -> None:
+    def keys(data: dict, prefix: str = "") -> set[str]:
+        out = set()
+        for k, v in data.items():
+            out |= keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
+        return out
+
+    from_file = keys(yaml.safe_load(DEFAULTS_PATH.read_text()))
+    from_model = keys(PipelineConfig().model_dump())
+    assert from_file == from_model
+
+
+def test_overrides_merge_over_defaults() -> None:
+    cfg = load_config(overrides={"train": {"epochs": 3, "optim": {"lr": 0.1}}, "run": "other"})
+
+    assert cfg.run == "other"
+    assert cfg.train.epochs == 3
+    assert cfg.train.optim.lr == pytest.approx(0.1)
+    # siblings of the overridden keys keep their defaults
+    assert cfg.train.window_tokens == 512
+    assert cfg.train.optim.lr_warmup_steps == 10
+    assert cfg.eval == PipelineConfig().eval
+
+
+def test_config_is_frozen() -> None:
+    cfg = load_config()
+    with pytest.raises(ValueError, match="frozen"):
+        cfg.train.epochs = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        pytest.param({"train": {"window_tokens": 0}}, "train.window_tokens", id="window-zero"),
+        pytest.param({"train": {"window_tokens": 1}}, "train.window_tokens", id="window-one"),
+        pytest.param({"train": {"data_buffer_max_size": -1}}, "train.data_buffer_max_size", id="buffer-negative"),
+        pytest.param({"train": {"buffer_steps": 0}}, "train.buffer_steps", id="buffer-steps-zero"),
+        pytest.param({"train": {"optim": {"lr": 0}}}, "train.optim.lr", id="lr-zero"),
+        pytest.param({"train": {"epochs": "many"}}, "train.epochs", id="epochs-not-int"),
+        pytest.param({"eval": {"num_speculative_tokens": 0}}, "eval.num_speculative_tokens", id="k-zero"),
+        pytest.param({"eval": {"held_out_fraction": 1.0}}, "eval.held_out_fraction", id="held-out-one"),
+        pytest.param({"train": {"bogus": 1}}, "train.bogus", id="unknown-nested-key"),
+        pytest.param({"bogus": 1}, "bogus", id="unknown-top-level-key"),
+        pytest.param({"promotion": {"policy": "sometimes"}}, "promotion.policy", id="policy-sometimes"),
+        pytest.param({"rollout_source": "kafka"}, "rollout_source", id="rollout-source"),
+        pytest.param({"run": "has space"}, "run", id="run-name-pattern"),
+        pytest.param({"train": {"vloss_weight": 0, "ploss_weight": 0}}, "train.vloss_weight", id="no-loss"),
+        pytest.param({"simulation": {"hidden_size": 30, "num_heads": 4}}, "simulation.hidden_size", id="heads"),
+        pytest.param({"simulation": {"vocab_size": 8, "candidates": 9}}, "simulation.candidates", id="candidates"),
+    ],
+)
+def test_invalid_values_name_the_key(overrides: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_config(overrides=overrides)
+
+
+def test_error_names_every_bad_key() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        parse_config({"train": {"window_tokens": 0}, "eval": {"num_speculative_tokens": 0}})
+    message = str(excinfo.value)
+    assert "train.window_tokens" in message
+    assert "eval.num_speculative_tokens" in message
+
+
+def test_yaml_file_merges_over_defaults(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "cfg.yaml", {"run": "mine", "train": {"epochs": 7}, "eval": {"max_new_tokens": 5}})
+
+    cfg = load_config(path)
+
+    assert cfg.run == "mine"
+    assert cfg.train.epochs == 7
+    assert cfg.eval.max_new_tokens == 5
+    assert cfg.train.window_tokens == 512
+    assert cfg.eval.num_speculative_tokens == 4
+
+
+def test_yaml_file_as_string_path_and_overrides_on_top(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "cfg.yaml", {"train": {"epochs": 7, "seed": 5}})
+
+    cfg = load_config(str(path), overrides={"train": {"epochs": 2}})
+
+    assert cfg.train.epochs == 2
+    assert cfg.train.seed == 5
+
+
+def test_environment_variable_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env_file = write_yaml(tmp_path / "env.yaml", {"run": "from-env"})
+    arg_file = write_yaml(tmp_path / "arg.yaml", {"run": "from-arg"})
+    monkeypatch.setenv(CONFIG_ENV, str(env_file))
+
+    assert load_config().run == "from-env"
+    assert load_config(arg_file).run == "from-arg"
+
+
+def test_invalid_value_in_yaml_file_names_the_key(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "cfg.yaml", {"train": {"data_buffer_max_size": -1}})
+    with pytest.raises(ConfigError, match=re.escape("train.data_buffer_max_size")):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        pytest.param("- a\n- b\n", "mapping at the top level", id="list"),
+        pytest.param("train: [unclosed\n", "cannot read config file", id="bad-yaml"),
+    ],
+)
+def test_unreadable_yaml_file(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_missing_yaml_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_empty_yaml_file_means_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.yaml"
+    path.write_text("")
+    assert load_config(path) == PipelineConfig()
+
+
+def test_derived_paths(tmp_path: Path) -> None:
+    cfg = load_config(overrides={"data_dir": str(tmp_path)})
+    assert cfg.data_path == tmp_path
+    assert cfg.storage_root == (tmp_path / "store").as_uri()
+    assert cfg.tracking_uri == f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}"
+    explicit = load_config(overrides={"storage": {"root": "s3://bucket/prefix"}})
+    assert explicit.storage_root == "s3://bucket/prefix"
