@@ -28,6 +28,8 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
     os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    import mlflow  # noqa: F401  (imported first: it configures its loggers on import)
     import transformers
 
     transformers.utils.logging.disable_progress_bar()

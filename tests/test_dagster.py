@@ -149,3 +149,21 @@ def test_rollouts_missing_column_fail_before_anything_is_written(tiny_config_pat
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
         assert "missing column(s) reward" in failure.step_failure_data.error.cause.message
     assert not store.exists(f"{hidden_states_prefix(cfg.run, 1)}/{shards.MANIFEST}")
+
+
+def test_failed_shard_check_blocks_downstream(tiny_config_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shards check is blocking: training never reads shards that failed it."""
+    import assets.cotraining
+
+    cfg = load_config(tiny_config_path)
+    SimulatedRL(cfg.simulation, ObjectStore(cfg.storage_root), cfg.run, cfg.data_path / "cache").run_step(1)
+    # Stand-in for a corrupted shard: the check reports a problem.
+    monkeypatch.setattr(assets.cotraining.checks, "check_shards", lambda *a: ["part-00000: checksum differs"])
+    defs = build_definitions(str(tiny_config_path))
+    with dg.instance_for_test() as instance:
+        result = _run_step(defs, instance, "step-000001")
+        assert not result.success
+        assert {e.check_name: e.passed for e in result.get_asset_check_evaluations()}["shards_valid"] is False
+        assert instance.get_latest_materialization_event(dg.AssetKey("hidden_states")) is not None
+        for downstream in ("drafter_buffer", "drafter", "acceptance"):
+            assert instance.get_latest_materialization_event(dg.AssetKey(downstream)) is None

@@ -1,0 +1,33 @@
+"""The README's configuration reference matches the configuration the code accepts."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from pipeline.config import load_config
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+ROW = re.compile(r"^\| `([a-z_.]+)` \| `([^`]*)` \|", re.MULTILINE)
+
+
+def _leaves(data: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def test_every_config_key_is_documented_with_its_default() -> None:
+    documented = dict(ROW.findall(README.read_text()))
+    actual = _leaves(load_config().model_dump())
+    assert sorted(documented) == sorted(actual), "README configuration reference and config keys differ"
+    for key, default in documented.items():
+        parsed = yaml.safe_load(default) if default != '""' else ""
+        assert parsed == actual[key], f"README says {key} defaults to {default}, the code says {json.dumps(actual[key])}"
