@@ -52,6 +52,9 @@ class TrainConfig(_Strict):
     def _some_loss(self) -> TrainConfig:
         if self.vloss_weight == 0 and self.ploss_weight == 0:
             raise ValueError("train.vloss_weight and train.ploss_weight are both 0: nothing to train")
+        if self.window_tokens > self.max_seq_len:
+            raise ValueError(f"train.window_tokens ({self.window_tokens}) exceeds train.max_seq_len "
+                             f"({self.max_seq_len}): one sample would not fit a packed sequence")
         return self
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-_STEP_KEY = re.compile(r"^step-(\d{6,})$")
+_STEP_KEY = re.compile(r"step-([0-9]{6,})")
 
 
 def step_key(step: int) -> str:
@@ -15,9 +15,10 @@ def step_key(step: int) -> str:
 
 def parse_step_key(key: str) -> int:
     """`step-000123` -> 123; anything else is rejected with the offending key in the message."""
-    match = _STEP_KEY.match(key)
-    if not match:
-        raise ValueError(f"partition key {key!r} is not 'step-' followed by at least six digits (e.g. step-000001)")
+    match = _STEP_KEY.fullmatch(key)
+    if not match or step_key(int(match.group(1))) != key:  # one key per step: no extra leading zeros
+        raise ValueError(f"partition key {key!r} is not 'step-' followed by the step zero-padded to six digits "
+                         "(e.g. step-000001)")
     return int(match.group(1))
 
 

@@ -20,7 +20,8 @@ H = 4
 def manifest(step: int, tokens: list[int], per_shard: int = 100) -> Manifest:
     """A hand-made manifest: sample i of `step` is 's<step>-<i>' with tokens[i] tokens."""
     samples = [
-        {"sample_id": f"s{step}-{i}", "shard": f"part-{i // per_shard:05d}-x.parquet", "row": i % per_shard, "tokens": n}
+        {"sample_id": f"s{step}-{i}", "shard": f"part-{i // per_shard:05d}-x.parquet", "row": i % per_shard,
+         "tokens": n}
         for i, n in enumerate(tokens)
     ]
     return Manifest(

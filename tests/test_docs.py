@@ -30,4 +30,5 @@ def test_every_config_key_is_documented_with_its_default() -> None:
     assert sorted(documented) == sorted(actual), "README configuration reference and config keys differ"
     for key, default in documented.items():
         parsed = yaml.safe_load(default) if default != '""' else ""
-        assert parsed == actual[key], f"README says {key} defaults to {default}, the code says {json.dumps(actual[key])}"
+        code = json.dumps(actual[key])
+        assert parsed == actual[key], f"README says {key} defaults to {default}, the code says {code}"

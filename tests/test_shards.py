@@ -132,7 +132,8 @@ def test_special_values_survive(store: ObjectStore) -> None:
     (got,) = shards.iter_samples(store, RUN, manifest)
 
     assert torch.equal(got.hidden.view(torch.int16), sample.hidden.view(torch.int16))
-    assert torch.signbit(got.hidden[1]).all() and (got.hidden[1] == 0).all()  # -0.0 kept its sign
+    assert torch.signbit(got.hidden[1]).all()
+    assert (got.hidden[1] == 0).all()
 
 
 # -- manifest ---------------------------------------------------------------------------------------------------
