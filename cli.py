@@ -153,6 +153,7 @@ def ui(config_path: str | None) -> None:
          "--default-artifact-root", cfg.artifact_root, "--host", "127.0.0.1", "--port", "5000", "--workers", "1"],
     ]
     procs = [subprocess.Popen(c, cwd=ROOT, env=env) for c in commands]
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the children too
     out("Dagster UI: http://127.0.0.1:3000   (asset graph: /asset-groups, runs: /runs)")
     out("MLflow UI:  http://127.0.0.1:5000   (model registry: /#/models)")
     out("Ctrl-C stops all three.")

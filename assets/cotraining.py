@@ -19,11 +19,15 @@ rl_step = dg.DynamicPartitionsDefinition(name="rl_step")
 
 GROUP = "cotraining"
 
+
 def _step(context: dg.AssetExecutionContext) -> int:
     return parse_step_key(context.partition_key)
 
+
 @dg.asset(
-    partitions_def=rl_step, group_name=GROUP, kinds={"parquet"},
+    partitions_def=rl_step,
+    group_name=GROUP,
+    kinds={"parquet"},
     description="Rollouts of one RL step (token ids, loss mask, reward, policy version) and the pointer "
     "to the policy checkpoint, as the RL trainer (or the simulated source) committed them.",
 )
@@ -35,23 +39,36 @@ def rollouts(
     rows = rollouts_lib.read_rollouts(store, cfg.run, step)
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
     held_out = extract.held_out_rollouts(rows, cfg.eval.held_out_fraction)
-    return dg.MaterializeResult(metadata={
-        "samples": len(rows),
-        "held_out_samples": len(held_out),
-        "tokens": sum(len(r.input_ids) for r in rows),
-        "response_tokens": sum(sum(r.loss_mask) for r in rows),
-        "mean_reward": sum(r.reward for r in rows) / len(rows),
-        "policy_version": pointer.policy_version,
-        "policy_checkpoint": dg.MetadataValue.path(pointer.checkpoint_uri),
-        "uri": dg.MetadataValue.path(store.uri(rollouts_prefix(cfg.run, step))),
-    })
+    return dg.MaterializeResult(
+        metadata={
+            "samples": len(rows),
+            "held_out_samples": len(held_out),
+            "tokens": sum(len(r.input_ids) for r in rows),
+            "response_tokens": sum(sum(r.loss_mask) for r in rows),
+            "mean_reward": sum(r.reward for r in rows) / len(rows),
+            "policy_version": pointer.policy_version,
+            "policy_checkpoint": dg.MetadataValue.path(pointer.checkpoint_uri),
+            "uri": dg.MetadataValue.path(store.uri(rollouts_prefix(cfg.run, step))),
+        }
+    )
+
 
 @dg.asset(
-    partitions_def=rl_step, group_name=GROUP, deps=[rollouts], kinds={"pytorch", "parquet"}, pool="gpu",
+    partitions_def=rl_step,
+    group_name=GROUP,
+    deps=[rollouts],
+    kinds={"pytorch", "parquet"},
+    pool="gpu",
     description="The target's hidden states for the step's training rollouts: Parquet shards (bf16, "
     "bit-exact) plus a _manifest.json commit point in object storage.",
-    check_specs=[dg.AssetCheckSpec("shards_valid", asset="hidden_states", blocking=True,
-                                   description="Hidden size, finite values, lengths agree with the tokens.")],
+    check_specs=[
+        dg.AssetCheckSpec(
+            "shards_valid",
+            asset="hidden_states",
+            blocking=True,
+            description="Hidden size, finite values, lengths agree with the tokens.",
+        )
+    ],
 )
 def hidden_states(
     context: dg.AssetExecutionContext, settings: PipelineConfigResource, object_store: ObjectStoreResource
@@ -71,14 +88,21 @@ def hidden_states(
             "target": manifest.target["model_id"],
             "uri": dg.MetadataValue.path(store.uri(hidden_states_prefix(cfg.run, step))),
         },
-        check_results=[dg.AssetCheckResult(
-            check_name="shards_valid", passed=not problems,
-            metadata={"problems": dg.MetadataValue.md("\n".join(f"* {p}" for p in problems) or "none")},
-        )],
+        check_results=[
+            dg.AssetCheckResult(
+                check_name="shards_valid",
+                passed=not problems,
+                metadata={"problems": dg.MetadataValue.md("\n".join(f"* {p}" for p in problems) or "none")},
+            )
+        ],
     )
 
+
 @dg.asset(
-    partitions_def=rl_step, group_name=GROUP, deps=[hidden_states], kinds={"json"},
+    partitions_def=rl_step,
+    group_name=GROUP,
+    deps=[hidden_states],
+    kinds={"json"},
     description="The rolling cross-step buffer: a manifest pointing at the samples of the last "
     "`train.buffer_steps` steps (at most `train.data_buffer_max_size`, oldest evicted first).",
 )
@@ -89,15 +113,22 @@ def drafter_buffer(
     cfg, store, step = settings.load(), object_store.store(), _step(context)
     doc = buffer_lib.build_buffer(store, cfg.run, step, cfg.train.buffer_steps, cfg.train.data_buffer_max_size)
     table = "| RL step | samples |\n|---|---|\n" + "".join(f"| {s} | {n} |\n" for s, n in doc["composition"].items())
-    return dg.MaterializeResult(metadata={
-        "samples": doc["num_samples"],
-        "tokens": doc["num_tokens"],
-        "composition": dg.MetadataValue.md(table),
-        "uri": dg.MetadataValue.path(store.uri(buffer_key(cfg.run, step))),
-    })
+    return dg.MaterializeResult(
+        metadata={
+            "samples": doc["num_samples"],
+            "tokens": doc["num_tokens"],
+            "composition": dg.MetadataValue.md(table),
+            "uri": dg.MetadataValue.path(store.uri(buffer_key(cfg.run, step))),
+        }
+    )
+
 
 @dg.asset(
-    partitions_def=rl_step, group_name=GROUP, deps=[drafter_buffer], kinds={"pytorch", "mlflow"}, pool="gpu",
+    partitions_def=rl_step,
+    group_name=GROUP,
+    deps=[drafter_buffer],
+    kinds={"pytorch", "mlflow"},
+    pool="gpu",
     description="A drafter training run warm-started from the champion, tracked in MLflow and registered "
     "as a model version (alias `challenger`). Skipped, with the reason, when FastRL's trigger says so.",
 )
@@ -110,30 +141,44 @@ def drafter(
     """Trains every `train.training_interval_steps` once the buffer holds `train.min_samples`."""
     cfg, store, step = settings.load(), object_store.store(), _step(context)
     registry = mlflow.registry()
-    tags = {"dagster_run_id": context.run.run_id, "dagster_asset": "drafter", "rl_step": context.partition_key,
-            "pipeline_run": cfg.run}
+    tags = {
+        "dagster_run_id": context.run.run_id,
+        "dagster_asset": "drafter",
+        "rl_step": context.partition_key,
+        "pipeline_run": cfg.run,
+    }
     outcome = cotrain.train_step(store, cfg, step, registry, tags)
     cotrain.write_outcome(store, cfg.run, step, outcome)
     metadata: dict = {"trained": outcome.trained, "reason": outcome.reason, "buffer_samples": outcome.buffer_samples}
     if outcome.trained and outcome.result:
-        metadata.update({
-            "mlflow_run_id": outcome.run_id,
-            "mlflow_run": dg.MetadataValue.url(registry.run_url(outcome.run_id, mlflow.ui_url)),
-            "model_version": outcome.version,
-            "warm_start_version": outcome.warm_start_version or "none (fresh)",
-            "iterations": outcome.result.iterations,
-            "final_loss": outcome.result.loss,
-            "token_accuracy": outcome.result.accuracy,
-            "tokens_per_s": outcome.result.tokens_per_s,
-        })
+        metadata.update(
+            {
+                "mlflow_run_id": outcome.run_id,
+                "mlflow_run": dg.MetadataValue.url(registry.run_url(outcome.run_id, mlflow.ui_url)),
+                "model_version": outcome.version,
+                "warm_start_version": outcome.warm_start_version or "none (fresh)",
+                "iterations": outcome.result.iterations,
+                "final_loss": outcome.result.loss,
+                "token_accuracy": outcome.result.accuracy,
+                "tokens_per_s": outcome.result.tokens_per_s,
+            }
+        )
     return dg.MaterializeResult(metadata=metadata)
 
+
 @dg.asset(
-    partitions_def=rl_step, group_name=GROUP, deps=[drafter], kinds={"pytorch"}, pool="gpu",
+    partitions_def=rl_step,
+    group_name=GROUP,
+    deps=[drafter],
+    kinds={"pytorch"},
+    pool="gpu",
     description="Acceptance (tau, acceptance rate, per position) of the new drafter, the serving champion "
     "and the never-retrained baseline on held-out prompts of this step's policy; the promotion decision.",
-    check_specs=[dg.AssetCheckSpec("tau_in_range", asset="acceptance",
-                                   description="1 <= tau <= k + 1 for every drafter measured.")],
+    check_specs=[
+        dg.AssetCheckSpec(
+            "tau_in_range", asset="acceptance", description="1 <= tau <= k + 1 for every drafter measured."
+        )
+    ],
 )
 def acceptance(
     context: dg.AssetExecutionContext,
@@ -149,15 +194,21 @@ def acceptance(
     measured = {role: d for role, d in record["drafters"].items() if d}
     metadata: dict = {f"tau_{role}": d["tau"] for role, d in measured.items()}
     metadata.update({f"version_{role}": d["version"] for role, d in measured.items()})
-    metadata.update({
-        "promoted": record["promoted"], "decision": record["decision"],
-        "champion_after": record["champion_after"] or "none",
-        "uri": dg.MetadataValue.path(store.uri(acceptance_key(cfg.run, step))),
-    })
+    metadata.update(
+        {
+            "promoted": record["promoted"],
+            "decision": record["decision"],
+            "champion_after": record["champion_after"] or "none",
+            "uri": dg.MetadataValue.path(store.uri(acceptance_key(cfg.run, step))),
+        }
+    )
     return dg.MaterializeResult(
         metadata=metadata,
-        check_results=[dg.AssetCheckResult(
-            check_name="tau_in_range", passed=all(1.0 <= d["tau"] <= ceiling for d in measured.values()),
-            metadata={"ceiling": ceiling},
-        )],
+        check_results=[
+            dg.AssetCheckResult(
+                check_name="tau_in_range",
+                passed=all(1.0 <= d["tau"] <= ceiling for d in measured.values()),
+                metadata={"ceiling": ceiling},
+            )
+        ],
     )

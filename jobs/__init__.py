@@ -1,6 +1,5 @@
 """Jobs and sensors: new RL steps in, one run per step; simulated steps on demand."""
 
-
 import dagster as dg
 from pydantic import Field
 
@@ -33,7 +32,10 @@ def committed_steps(store, run: str) -> list[int]:
 
 
 @dg.sensor(
-    name=SENSOR_NAME, job=rl_step_job, minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING,
+    name=SENSOR_NAME,
+    job=rl_step_job,
+    minimum_interval_seconds=30,
+    default_status=dg.DefaultSensorStatus.RUNNING,
     description="Adds an `rl_step` partition for every committed step under rollouts/<run>/ and requests "
     "one run of rl_step_job per step (run_key = the step, so a step is never run twice).",
 )

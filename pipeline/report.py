@@ -70,7 +70,7 @@ def plot(rows: list[dict], k: int, path: Path) -> Path:
     ax.set_title("Drafter acceptance against each step's policy")
     ax.set_xticks(steps)
     ax.set_ylim(0.8, k + 1.3)
-    ax.legend(loc="lower left", fontsize=8)
+    ax.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,6 @@ All of them are built from one `PipelineConfig` (see `build_resources`), so the 
 config stays the single source of truth. Secrets are read from the environment only.
 """
 
-
 import os
 from pathlib import Path
 
@@ -72,8 +71,11 @@ def build_resources(config_path: str | None = None) -> dict[str, dg.Configurable
         "settings": PipelineConfigResource(config_path=config_path or os.environ.get("DRAFTER_PIPELINE_CONFIG", "")),
         "object_store": ObjectStoreResource(root=cfg.storage_root, endpoint_url=os.environ.get("S3_ENDPOINT_URL", "")),
         "mlflow": MlflowResource(
-            tracking_uri=cfg.tracking_uri, experiment=cfg.mlflow.experiment, model_name=cfg.mlflow.model_name,
-            artifact_root=cfg.artifact_root, ui_url=os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000"),
+            tracking_uri=cfg.tracking_uri,
+            experiment=cfg.mlflow.experiment,
+            model_name=cfg.mlflow.model_name,
+            artifact_root=cfg.artifact_root,
+            ui_url=os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000"),
         ),
         "rollout_source": RolloutSourceResource(kind=cfg.rollout_source, cache_dir=str(cfg.data_path / "cache")),
     }

@@ -164,7 +164,8 @@ def drafter_for(target) -> EagleDrafter:
 
 def test_train_drafter_reduces_the_loss(target, dataset: list[Sample]) -> None:
     cfg = TrainConfig(
-        epochs=6, batch_size_per_gpu=4, max_seq_len=128, window_tokens=128, seed=1, optim=OptimConfig(lr=3e-3, lr_warmup_steps=2)
+        epochs=6, batch_size_per_gpu=4, max_seq_len=128, window_tokens=128, seed=1,
+        optim=OptimConfig(lr=3e-3, lr_warmup_steps=2),
     )
     model = drafter_for(target)
     frozen = {k: v.clone() for k, v in model.state_dict().items() if k.startswith(("embed_tokens", "lm_head"))}
