@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import torch
 
 from pipeline import rollouts as rollouts_lib
 from pipeline import target as target_lib
-from pipeline.buffer import composition, iter_buffer_samples, read_buffer
+from pipeline.buffer import BufferEntry, composition, iter_buffer_samples, read_buffer
 from pipeline.checkpoint import save_drafter
 from pipeline.config import PipelineConfig, TrainConfig
 from pipeline.eagle import EagleConfig, EagleDrafter
@@ -63,6 +64,17 @@ def training_decision(step: int, buffer_samples: int, cfg: TrainConfig) -> tuple
     return True, f"buffer holds {buffer_samples} samples"
 
 
+def input_identity(cfg: PipelineConfig, entries: list[BufferEntry], policy_uri: str) -> str:
+    """The data and settings a training depends on. The warm start is left out on purpose: a
+    rerun of a step finds the champion that step itself promoted, yet trains on the same data."""
+    doc = {
+        "run": cfg.run, "train": cfg.train.model_dump(), "drafter": cfg.drafter.model_dump(),
+        # Samples by id, not by shard file: rewriting a step's shards gives new file names.
+        "samples": [(e.step, e.sample_id) for e in entries], "policy": policy_uri,
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
+
+
 def fresh_drafter(target_config, cfg: PipelineConfig) -> EagleDrafter:
     torch.manual_seed(cfg.train.seed)
     return EagleDrafter(EagleConfig.from_target(target_config, cfg.drafter.intermediate_size))
@@ -77,8 +89,14 @@ def train_step(
         return TrainOutcome(False, reason, len(entries))
 
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
-    target = target_lib.load_checkpoint(target_lib.resolve_uri(store, pointer.checkpoint_uri), cfg.device)
     warm_start = registry.alias_version("champion")
+    identity = input_identity(cfg, entries, pointer.checkpoint_uri)
+    existing = registry.find_version({"input_id": identity})
+    if existing:  # a rerun of the same partition on the same inputs: no second run, no second version
+        run_id = registry.client.get_model_version(registry.model_name, existing).run_id
+        return TrainOutcome(True, f"reused version {existing}, trained on identical inputs", len(entries),
+                            run_id, existing, warm_start)
+    target = target_lib.load_checkpoint(target_lib.resolve_uri(store, pointer.checkpoint_uri), cfg.device)
     drafter = registry.load(warm_start) if warm_start else fresh_drafter(target.config, cfg)
     drafter.use_target_heads(target)
     samples: list[Sample] = [
@@ -102,6 +120,7 @@ def train_step(
             version = registry.register(run_id, checkpoint, {
                 "rl_step": str(step), "pipeline_run": cfg.run, "trained_on_steps": json.dumps(list(steps_in_buffer)),
                 "train_samples": str(len(entries)), "warm_start_version": warm_start or "none",
+                "input_id": identity,
             })
         registry.set_alias("challenger", version)
         if registry.alias_version("baseline") is None:

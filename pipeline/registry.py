@@ -96,6 +96,12 @@ class DrafterRegistry:
         version = self.client.create_model_version(self.model_name, source=source, run_id=run_id, tags=tags)
         return str(version.version)
 
+    def find_version(self, tags: dict[str, str]) -> str | None:
+        """The newest version carrying all `tags`."""
+        query = " and ".join([f"name = '{self.model_name}'", *(f"tags.`{k}` = '{v}'" for k, v in tags.items())])
+        versions = self.client.search_model_versions(query)
+        return str(max(int(v.version) for v in versions)) if versions else None
+
     def set_version_tags(self, version: str, tags: dict[str, str]) -> None:
         for key, value in tags.items():
             self.client.set_model_version_tag(self.model_name, version, key, value)

@@ -167,3 +167,48 @@ def test_failed_shard_check_blocks_downstream(tiny_config_path: Path, monkeypatc
         assert instance.get_latest_materialization_event(dg.AssetKey("hidden_states")) is not None
         for downstream in ("drafter_buffer", "drafter", "acceptance"):
             assert instance.get_latest_materialization_event(dg.AssetKey(downstream)) is None
+
+
+def test_external_trainer_step_runs_like_a_simulated_one(tmp_path: Path) -> None:
+    """An RL trainer drops rollouts + a pointer to a checkpoint it keeps elsewhere; the sensor takes it from there."""
+    import torch
+
+    from tests.conftest import write_config
+
+    path = write_config(tmp_path, {"rollout_source": "external"})
+    cfg = load_config(path)
+    store = ObjectStore(cfg.storage_root)
+    # The trainer's own checkpoint directory, outside the pipeline's store.
+    trainer = SimulatedRL(cfg.simulation, ObjectStore((tmp_path / "trainer").as_uri()), "rl", tmp_path / "cache")
+    policy = trainer.pretrained()
+    policy.save_pretrained(tmp_path / "trainer-ckpt", safe_serialization=True)
+    rows = trainer.generate_rollouts(policy, 1, torch.Generator().manual_seed(0))
+    pointer = PolicyPointer(policy_version=7, checkpoint_uri=(tmp_path / "trainer-ckpt").as_uri(), model_id="ext")
+    write_rollouts(store, cfg.run, 1, rows, pointer)
+
+    defs = build_definitions(str(path))
+    with dg.instance_for_test() as instance:
+        tick = rl_step_sensor(dg.build_sensor_context(instance=instance, sensor_name=SENSOR_NAME, definitions=defs,
+                                                      resources=defs.resources))
+        assert [r.run_key for r in tick.run_requests] == ["step-000001"]
+        assert _run_step(defs, instance, "step-000001").success
+        md = instance.get_latest_materialization_event(dg.AssetKey("rollouts")).asset_materialization.metadata
+        assert md["policy_version"].value == 7
+    manifest = shards.read_manifest(store, cfg.run, 1)
+    assert manifest.target["policy_version"] == "7"
+    assert manifest.target["checkpoint_uri"] == pointer.checkpoint_uri
+    assert store.read_json(f"acceptance/{cfg.run}/step-000001.json")["policy_version"] == 7
+
+
+def test_rerun_of_a_step_does_not_train_or_register_twice(tiny_config_path: Path) -> None:
+    cfg = load_config(tiny_config_path)
+    SimulatedRL(cfg.simulation, ObjectStore(cfg.storage_root), cfg.run, cfg.data_path / "cache").run_step(1)
+    defs = build_definitions(str(tiny_config_path))
+    with dg.instance_for_test() as instance:
+        assert _run_step(defs, instance, "step-000001").success
+        assert _run_step(defs, instance, "step-000001").success  # e.g. a re-execution from the UI
+        md = instance.get_latest_materialization_event(dg.AssetKey("drafter")).asset_materialization.metadata
+        assert md["reason"].value == "reused version 1, trained on identical inputs"
+    registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name)
+    assert len(registry.client.search_runs([registry.experiment_id])) == 1
+    assert [str(v.version) for v in registry.client.search_model_versions(f"name = '{cfg.mlflow.model_name}'")] == ["1"]
