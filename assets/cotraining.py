@@ -75,7 +75,9 @@ def hidden_states(
 ) -> dg.MaterializeResult:
     """Source B: the step's policy runs forward over its rollouts (transformers)."""
     cfg, store, step = settings.load(), object_store.store(), _step(context)
-    manifest = extract.extract_hidden_states(store, cfg.run, step, cfg.eval.held_out_fraction, cfg.device)
+    manifest = extract.extract_hidden_states(
+        store, cfg.run, step, cfg.eval.held_out_fraction, cfg.drafter, cfg.device
+    )
     problems = checks.check_shards(store, cfg.run, step)
     return dg.MaterializeResult(
         metadata={

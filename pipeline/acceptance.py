@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline import drafters, speculative
 from pipeline import rollouts as rollouts_lib
-from pipeline import speculative
 from pipeline import target as target_lib
 from pipeline.config import PipelineConfig, PromotionConfig
 from pipeline.extract import held_out_rollouts
@@ -66,9 +66,9 @@ def evaluate_step(
     measured: dict[str, dict] = {}
     for version in {v for v in roles.values() if v is not None}:
         drafter = registry.load(version)
-        drafter.use_target_heads(target)
+        drafters.attach_target(drafter, target)
         measured[version] = speculative.evaluate(
-            target, speculative.EagleProposer(drafter), prompts, max_new, k
+            target, speculative.make_proposer(drafter), prompts, max_new, k
         ).as_dict()
 
     def tau(version: str | None) -> float | None:

@@ -45,6 +45,8 @@ class TrainConfig(_Strict):
     vloss_weight: float = Field(default=0.5, ge=0, description="Weight of the SmoothL1 hidden-state loss.")
     ploss_weight: float = Field(default=0.5, ge=0, description="Weight of the soft cross-entropy token loss.")
     epochs: int = Field(default=20, ge=1, description="Passes over the buffer per training run.")
+    ttt_steps: int = Field(default=3, ge=1, description="EAGLE-3 training-time-test steps unrolled.")
+    ttt_decay: float = Field(default=0.8, gt=0, le=1, description="EAGLE-3 loss weight of TTT step k is decay**k.")
     seed: int = Field(default=0, description="Seed for data order and initialisation.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer settings.")
 
@@ -59,10 +61,28 @@ class TrainConfig(_Strict):
 
 
 class DrafterConfig(_Strict):
-    kind: Literal["eagle"] = Field(default="eagle", description="Drafter architecture (EAGLE-1/2).")
+    kind: Literal["eagle", "eagle3"] = Field(default="eagle", description="Drafter architecture.")
     intermediate_size: int | None = Field(
         default=None, ge=1, description="MLP width of the draft layer; the target's when unset."
     )
+    aux_layer_ids: list[int] | None = Field(
+        default=None, description="EAGLE-3 target layers (vLLM ids); (2, L//2, L-3) when unset."
+    )
+    draft_vocab_size: int | None = Field(
+        default=None, ge=1, description="EAGLE-3 draft vocabulary; min(32000, target vocab) when unset."
+    )
+    fc_norm: bool = Field(default=False, description="EAGLE-3.1: one RMSNorm per aux chunk before fc.")
+    norm_output: bool = Field(default=False, description="EAGLE-3.1: carry the post-norm state between steps.")
+    norm_before_residual: bool = Field(default=False, description="EAGLE-3: residual taken after hidden_norm.")
+    warm_start: str = Field(
+        default="", description="Checkpoint directory to start from while there is no champion (e.g. SpecForge)."
+    )
+
+    @model_validator(mode="after")
+    def _aux_layers(self) -> DrafterConfig:
+        if self.aux_layer_ids is not None and (len(self.aux_layer_ids) < 1 or min(self.aux_layer_ids) < 0):
+            raise ValueError("drafter.aux_layer_ids must list at least one layer id >= 0")
+        return self
 
 
 class EvalConfig(_Strict):

@@ -10,13 +10,16 @@ from pathlib import Path
 
 import torch
 
+from pipeline import drafters, shards
 from pipeline import rollouts as rollouts_lib
 from pipeline import target as target_lib
 from pipeline.buffer import BufferEntry, composition, iter_buffer_samples, read_buffer
-from pipeline.checkpoint import save_drafter
+from pipeline.checkpoint import load_drafter, save_drafter
 from pipeline.config import PipelineConfig, TrainConfig
-from pipeline.eagle import EagleConfig, EagleDrafter
+from pipeline.eagle import EagleDrafter
+from pipeline.eagle3 import Eagle3Drafter
 from pipeline.registry import DrafterRegistry, MetricsBatcher
+from pipeline.shards import HiddenSample
 from pipeline.steps import drafter_key
 from pipeline.store import ObjectStore
 from pipeline.train import Sample, TrainResult, train_drafter
@@ -75,9 +78,24 @@ def input_identity(cfg: PipelineConfig, entries: list[BufferEntry], policy_uri: 
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def fresh_drafter(target_config, cfg: PipelineConfig) -> EagleDrafter:
-    torch.manual_seed(cfg.train.seed)
-    return EagleDrafter(EagleConfig.from_target(target_config, cfg.drafter.intermediate_size))
+def _initial_drafter(
+    cfg: PipelineConfig, registry: DrafterRegistry, champion: str | None, target, hidden: list[HiddenSample]
+) -> tuple[drafters.Drafter, str | None]:
+    """The champion if it is of the configured kind, else `drafter.warm_start`, else a fresh drafter."""
+    wanted = Eagle3Drafter if cfg.drafter.kind == "eagle3" else EagleDrafter
+    if champion:
+        drafter = registry.load(champion)
+        if isinstance(drafter, wanted):
+            return drafter, champion
+    if cfg.drafter.warm_start:
+        drafter = load_drafter(Path(cfg.drafter.warm_start), target.config.num_hidden_layers)
+        if not isinstance(drafter, wanted):
+            raise ValueError(f"drafter.warm_start {cfg.drafter.warm_start} is not a {cfg.drafter.kind} checkpoint")
+        return drafter, f"file:{cfg.drafter.warm_start}"
+    counts = torch.zeros(target.config.vocab_size, dtype=torch.int64)
+    for s in hidden:
+        counts += torch.bincount(s.input_ids[s.loss_mask.bool()], minlength=counts.shape[0])
+    return drafters.fresh_drafter(cfg.drafter, target, counts, cfg.train.seed), None
 
 
 def train_step(
@@ -97,11 +115,14 @@ def train_step(
         return TrainOutcome(True, f"reused version {existing}, trained on identical inputs", len(entries),
                             run_id, existing, warm_start)
     target = target_lib.load_checkpoint(target_lib.resolve_uri(store, pointer.checkpoint_uri), cfg.device)
-    drafter = registry.load(warm_start) if warm_start else fresh_drafter(target.config, cfg)
-    drafter.use_target_heads(target)
-    samples: list[Sample] = [
-        (s.input_ids, s.hidden[:, -1, :], s.loss_mask) for s in iter_buffer_samples(store, cfg.run, entries)
-    ]
+    hidden = list(iter_buffer_samples(store, cfg.run, entries))
+    drafter, warm_start = _initial_drafter(cfg, registry, warm_start, target, hidden)
+    drafters.attach_target(drafter, target)
+    num_layers = target.config.num_hidden_layers
+    for step_in_buffer in sorted({e.step for e in entries}):
+        manifest = shards.read_manifest(store, cfg.run, step_in_buffer)
+        drafters.check_layers(drafter, manifest.layer_ids, num_layers, f"hidden states of step {step_in_buffer}")
+    samples: list[Sample] = [drafters.training_sample(drafter, s) for s in hidden]
 
     steps_in_buffer = composition(entries)
     run_id = registry.start_run(f"drafter-step-{step:06d}", tags)
@@ -109,11 +130,12 @@ def train_step(
         registry.log_params(run_id, {
             **cfg.train.model_dump(exclude={"optim"}),
             **{f"optim.{k}": v for k, v in cfg.train.optim.model_dump().items()},
-            "drafter.kind": cfg.drafter.kind, "warm_start_version": warm_start or "none",
+            **{f"drafter.{k}": v for k, v in cfg.drafter.model_dump().items()},
+            "warm_start_version": warm_start or "none",
             "policy_version": pointer.policy_version, "buffer_samples": len(entries),
         })
         sink = MetricsBatcher(registry.client, run_id)
-        result = train_drafter(drafter, samples, cfg.train, sink, cfg.device)
+        result = train_drafter(drafter, samples, cfg.train, sink, cfg.device, drafters.teacher(drafter, target))
         sink.flush()
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = save_drafter(drafter, Path(tmp) / "drafter")

@@ -9,6 +9,8 @@ import torch
 from pipeline import rollouts as rollouts_lib
 from pipeline import shards
 from pipeline import target as target_lib
+from pipeline.config import DrafterConfig
+from pipeline.eagle3 import default_aux_layer_ids
 from pipeline.rollouts import Rollout
 from pipeline.shards import HiddenSample, Manifest
 from pipeline.store import ObjectStore
@@ -22,11 +24,23 @@ def held_out_rollouts(rollouts: list[Rollout], held_out_fraction: float) -> list
     return [r for r in rollouts if rollouts_lib.is_held_out(r.sample_id, held_out_fraction)]
 
 
+def aux_layer_ids(drafter: DrafterConfig, num_layers: int) -> list[int]:
+    return list(drafter.aux_layer_ids or default_aux_layer_ids(num_layers))
+
+
+def stored_layer_ids(drafter: DrafterConfig, num_layers: int) -> list[int] | None:
+    """Layers the drafter kind trains on: EAGLE-3 its aux layers plus the last one (for the soft
+    labels); EAGLE-1/2 only the post-norm last layer (None)."""
+    return [*aux_layer_ids(drafter, num_layers), num_layers] if drafter.kind == "eagle3" else None
+
+
 @torch.no_grad()
 def compute_hidden_states(
-    model, rollouts: list[Rollout], step: int, device: str = "cpu", batch_size: int = 32
+    model, rollouts: list[Rollout], step: int, device: str = "cpu", batch_size: int = 32,
+    layer_ids: list[int] | None = None,
 ) -> list[HiddenSample]:
-    """Post-norm last-layer features, bf16, one (T, 1, H) tensor per rollout.
+    """bf16 features, one (T, n_layers, H) tensor per rollout: the requested layers (vLLM ids,
+    pre-norm), or the post-norm last layer when `layer_ids` is None.
 
     Rollouts are grouped by length so that batches need no padding (padding would
     change nothing for causal attention, but costs compute and needs masks).
@@ -39,33 +53,37 @@ def compute_hidden_states(
         for start in range(0, len(group), batch_size):
             chunk = group[start : start + batch_size]
             ids = torch.tensor([r.input_ids for r in chunk], dtype=torch.int64, device=device)  # (B, T)
-            features = target_lib.forward(model, ids).features.to(torch.bfloat16).cpu()  # (B, T, H)
+            out = target_lib.forward(model, ids, layer_ids)
+            features = out.features[:, :, None] if layer_ids is None else out.layers  # (B, T, n_layers, H)
+            features = features.to(torch.bfloat16).cpu()
             for r, feat in zip(chunk, features, strict=True):
                 samples[r.sample_id] = HiddenSample(
                     sample_id=r.sample_id, step=step,
                     input_ids=torch.tensor(r.input_ids, dtype=torch.int64),
                     loss_mask=torch.tensor(r.loss_mask, dtype=torch.int64),
-                    hidden=feat[:, None, :].clone(),  # (T, 1, H)
+                    hidden=feat.clone(),  # (T, n_layers, H)
                 )
     return [samples[r.sample_id] for r in rollouts]  # keep the rollouts' order
 
 
 def extract_hidden_states(
-    store: ObjectStore, run: str, step: int, held_out_fraction: float, device: str = "cpu"
+    store: ObjectStore, run: str, step: int, held_out_fraction: float, drafter: DrafterConfig, device: str = "cpu"
 ) -> Manifest:
     """Read the step's rollouts and policy, write the training rollouts' hidden states."""
     rollouts = rollouts_lib.read_rollouts(store, run, step)
     pointer = rollouts_lib.read_policy_pointer(store, run, step)
     model = target_lib.load_checkpoint(target_lib.resolve_uri(store, pointer.checkpoint_uri), device)
     train = training_rollouts(rollouts, held_out_fraction)
-    samples = compute_hidden_states(model, train, step, device)
     num_layers = model.config.num_hidden_layers
+    layer_ids = stored_layer_ids(drafter, num_layers)
+    samples = compute_hidden_states(model, train, step, device, layer_ids=layer_ids)
     return shards.write_hidden_states(
         store, run, step, samples,
         hidden_size=model.config.hidden_size,
-        # vLLM convention: id L is the last layer; here after the final norm (what an
-        # EAGLE-1/2 drafter and vLLM's `eagle` method consume).
-        layer_ids=[num_layers],
+        # vLLM ids. EAGLE-1/2 reads id L after the final norm (what vLLM's `eagle` method
+        # hands its drafter); EAGLE-3 reads raw residual streams.
+        layer_ids=layer_ids or [num_layers],
         target={"model_id": pointer.model_id, "policy_version": str(pointer.policy_version),
-                "checkpoint_uri": pointer.checkpoint_uri, "final_norm": "applied"},
+                "checkpoint_uri": pointer.checkpoint_uri,
+                "final_norm": "applied" if layer_ids is None else "not applied"},
     )

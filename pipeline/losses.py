@@ -1,19 +1,110 @@
-"""EAGLE-2 training loss (FastRL): hidden-state regression plus soft-label token loss."""
+"""Drafter training losses.
+
+EAGLE-2 (FastRL): `vloss_weight * SmoothL1(f^, f) + ploss_weight * softCE(p_target, q_draft)`.
+EAGLE-3: soft cross-entropy against the target's distribution over the draft vocabulary,
+summed over the training-time-test steps with weights decay**k.
+
+The soft cross-entropy is computed in chunks of tokens, forward and backward, so that
+no two full (tokens, vocab) float32 tensors ever exist at once (at vocab 128256 and
+2048 tokens each is 1 GB).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from pipeline.eagle3 import Eagle3Drafter, TTTCache, shift_within_document
+from pipeline.window import PackedBatch, block_causal_mask
+
+CHUNK_TOKENS = 1024
+
 
 @dataclass(frozen=True)
 class LossParts:
     loss: torch.Tensor  # scalar, differentiable
-    vloss: torch.Tensor  # scalar, SmoothL1 on features
+    vloss: torch.Tensor  # scalar, SmoothL1 on features (0 for EAGLE-3)
     ploss: torch.Tensor  # scalar, soft cross-entropy against the target's distribution
-    accuracy: torch.Tensor  # scalar, top-1 agreement of drafter and target tokens
+    accuracy: torch.Tensor  # scalar, top-1 agreement of drafter and target tokens (step 0 for EAGLE-3)
+
+
+class _ChunkedSoftCrossEntropy(torch.autograd.Function):
+    """sum_t mask_t * -sum_v p_t[v] log q_t[v],  q = softmax(h W^T),  p = softmax(g U^T).
+
+    Returns (loss sum, number of valid tokens whose argmax q == argmax p)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target_hidden, target_weight, mask, chunk):  # noqa: ANN001
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # bf16 inputs accumulate in float32
+        loss = hidden.new_zeros((), dtype=acc)
+        hits = hidden.new_zeros((), dtype=acc)
+        for start in range(0, hidden.shape[0], chunk):
+            sl = slice(start, start + chunk)
+            log_q = F.log_softmax((hidden[sl] @ weight.T).to(acc), dim=-1)  # (c, V)
+            target_logits = (target_hidden[sl] @ target_weight.T).to(acc)  # (c, V)
+            p = F.softmax(target_logits, dim=-1)
+            loss -= ((p * log_q).sum(-1) * mask[sl]).sum()
+            hits += ((log_q.argmax(-1) == target_logits.argmax(-1)).to(acc) * mask[sl]).sum()
+        ctx.save_for_backward(hidden, weight, target_hidden, target_weight, mask)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(hits)
+        return loss, hits
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_hits):  # noqa: ANN001
+        hidden, weight, target_hidden, target_weight, mask = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=acc) if need_weight else None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            sl = slice(start, start + ctx.chunk)
+            q = F.softmax((hidden[sl] @ weight.T).to(acc), dim=-1)
+            p = F.softmax((target_hidden[sl] @ target_weight.T).to(acc), dim=-1)
+            # d/dlogits of -sum p log softmax(logits) = softmax(logits) - p (p sums to 1)
+            grad_logits = (q - p) * (mask[sl] * grad_loss)[:, None]  # (c, V)
+            if need_hidden:
+                grad_hidden[sl] = (grad_logits @ weight.to(acc)).to(hidden.dtype)
+            if need_weight:
+                grad_weight += grad_logits.T @ hidden[sl].to(acc)
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def soft_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_hidden: torch.Tensor,
+    target_weight: torch.Tensor,
+    mask: torch.Tensor,
+    chunk_tokens: int = CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    hidden (N, H) and weight (V, H): the drafter's logits are hidden @ weight.T
+    target_hidden (N, Ht) and target_weight (V, Ht): the target's logits (no gradient)
+    mask (N,): 1 on tokens that count
+    returns (masked loss sum, masked count of top-1 agreements)
+    """
+    return _ChunkedSoftCrossEntropy.apply(
+        hidden, weight, target_hidden.detach(), target_weight.detach(),
+        mask.to(torch.promote_types(hidden.dtype, torch.float32)), chunk_tokens
+    )
+
+
+def soft_cross_entropy_reference(
+    hidden: torch.Tensor, weight: torch.Tensor, target_hidden: torch.Tensor, target_weight: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """The plain version (two full (N, V) tensors): for tests and the benchmark."""
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    log_q = F.log_softmax((hidden @ weight.T).to(acc), dim=-1)
+    with torch.no_grad():
+        p = F.softmax((target_hidden @ target_weight.T).to(acc), dim=-1)
+    return -((p * log_q).sum(-1) * mask).sum()
 
 
 def eagle_loss(
@@ -30,15 +121,49 @@ def eagle_loss(
     loss_mask:         (B, N) 1 on positions that count
     Both terms are masked and averaged over valid tokens.
     """
-    mask = loss_mask.to(predicted.dtype)
+    H = predicted.shape[-1]
+    mask = loss_mask.reshape(-1).to(predicted.dtype)
     num_valid = mask.sum().clamp(min=1.0)
-    vloss = (F.smooth_l1_loss(predicted, target, reduction="none").mean(dim=-1) * mask).sum() / num_valid
-    out_logp = F.log_softmax(predicted @ lm_head_weight.T, dim=-1)  # (B, N, V)
-    with torch.no_grad():
-        target_logits = target @ lm_head_weight.T  # (B, N, V)
-        target_p = F.softmax(target_logits, dim=-1)
-    ploss = -((target_p * out_logp).sum(dim=-1) * mask).sum() / num_valid
-    with torch.no_grad():
-        hits = (out_logp.argmax(dim=-1) == target_logits.argmax(dim=-1)).to(mask.dtype)
-        accuracy = (hits * mask).sum() / num_valid
-    return LossParts(vloss_weight * vloss + ploss_weight * ploss, vloss, ploss, accuracy)
+    vloss = (F.smooth_l1_loss(predicted, target, reduction="none").mean(dim=-1).reshape(-1) * mask).sum() / num_valid
+    ploss_sum, hits = soft_cross_entropy(
+        predicted.reshape(-1, H), lm_head_weight, target.reshape(-1, H), lm_head_weight, mask
+    )
+    ploss = ploss_sum / num_valid
+    return LossParts(vloss_weight * vloss + ploss_weight * ploss, vloss, ploss, hits / num_valid)
+
+
+def eagle3_loss(
+    model: Eagle3Drafter,
+    batch: PackedBatch,
+    target_norm: Callable[[torch.Tensor], torch.Tensor],
+    target_head: torch.Tensor,
+    ttt_steps: int,
+    decay: float,
+) -> LossParts:
+    """Training-time test over `ttt_steps`; batch.hidden_states holds [aux layers..., last layer] per position.
+
+    target_norm: the target's final norm; target_head (draft_vocab, H_t): its lm_head rows of the draft vocab.
+    """
+    aux_dim = len(model.config.aux_layer_ids) * model.config.target_hidden_size
+    aux = batch.hidden_states[..., :aux_dim]  # (1, N, n_aux * H_t) features of position t
+    last = batch.target[..., aux_dim:]  # (1, N, H_t) last layer at t+1: the target's view of x_{t+2}
+    docs, positions = batch.document_ids, batch.position_ids
+    mask = block_causal_mask(docs)  # (1, 1, N, N)
+    cache = TTTCache()
+    state = model.project_aux(aux)  # (1, N, H)
+    total, weights, accuracy = aux.new_zeros(()), 0.0, aux.new_zeros(())
+    for k in range(ttt_steps):
+        input_ids = shift_within_document(batch.input_ids, docs, k)  # x_{t+1+k}
+        valid = shift_within_document(batch.loss_mask, docs, k)  # 0 past the sample's end
+        target_k = shift_within_document(last, docs, k)
+        state = model.step(input_ids, state, positions, mask, cache)
+        num_valid = valid.sum().clamp(min=1.0)
+        loss_sum, hits = soft_cross_entropy(
+            model.logits_input(state)[0], model.lm_head.weight, target_norm(target_k)[0], target_head, valid[0]
+        )
+        total = total + decay**k * loss_sum / num_valid
+        weights += decay**k
+        if k == 0:
+            accuracy = hits / num_valid
+    ploss = total / weights
+    return LossParts(ploss, ploss.new_zeros(()), ploss, accuracy)

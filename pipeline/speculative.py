@@ -21,16 +21,27 @@ from transformers import LlamaForCausalLM
 
 from pipeline import target as target_lib
 from pipeline.eagle import EagleDrafter
+from pipeline.eagle3 import Eagle3Drafter, TTTCache
 
 
 class Proposer(Protocol):
+    # Target layers (vLLM ids) the proposer reads; None = the post-norm last layer.
+    layer_ids: list[int] | None
+
     def propose(self, tokens: torch.Tensor, features: torch.Tensor, k: int) -> torch.Tensor:
-        """tokens (T,) committed so far, features (T-1, H) of tokens[:-1] -> (k,) proposed tokens."""
+        """tokens (T,) committed so far, features (T-1, D) of tokens[:-1] -> (k,) proposed tokens."""
         ...
+
+
+def _features(out: target_lib.TargetOutput, layer_ids: list[int] | None) -> torch.Tensor:
+    """(1, T, D) what a proposer reads from a target forward."""
+    return out.features if layer_ids is None else out.layers.flatten(2)
 
 
 class EagleProposer:
     """Drafts with an EAGLE drafter: pairs (f_i, x_{i+1}), then its own predicted features."""
+
+    layer_ids = None
 
     def __init__(self, drafter: EagleDrafter) -> None:
         self.drafter = drafter.eval()
@@ -50,6 +61,37 @@ class EagleProposer:
             feats = torch.cat([feats, predicted[None]])
             ids = torch.cat([ids, token[None]])
         return torch.stack(proposal)
+
+
+class Eagle3Proposer:
+    """Drafts with an EAGLE-3 drafter: step 0 over the whole prefix, then one query per step
+    at the last position with the TTT cache (the runtime's attention pattern)."""
+
+    def __init__(self, drafter: Eagle3Drafter) -> None:
+        self.drafter = drafter.eval()
+        self.layer_ids = list(drafter.config.aux_layer_ids)
+
+    @torch.no_grad()
+    def propose(self, tokens: torch.Tensor, features: torch.Tensor, k: int) -> torch.Tensor:
+        d = self.drafter
+        n = tokens.shape[0] - 1
+        positions = torch.arange(n, device=tokens.device)[None]  # (1, n)
+        cache = TTTCache()
+        causal = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()[None, None]  # (1, 1, n, n)
+        state = d.step(tokens[None, 1:], d.project_aux(features[None].float()), positions, causal, cache)
+        state = state[:, -1:]  # (1, 1, H): only the last position drafts
+        everything = torch.ones(1, 1, 1, n, dtype=torch.bool, device=tokens.device)
+        proposal = []
+        for j in range(k):
+            token = d.draft_to_target[d.lm_head(d.logits_input(state)).argmax(-1)]  # (1, 1) target ids
+            proposal.append(token[0, 0])
+            if j + 1 < k:
+                state = d.step(token, state, positions[:, -1:], everything, cache)
+        return torch.stack(proposal)
+
+
+def make_proposer(drafter: EagleDrafter | Eagle3Drafter) -> EagleProposer | Eagle3Proposer:
+    return Eagle3Proposer(drafter) if isinstance(drafter, Eagle3Drafter) else EagleProposer(drafter)
 
 
 @dataclass
@@ -72,19 +114,19 @@ def greedy_generate(model: LlamaForCausalLM, prompt: torch.Tensor, max_new_token
 def speculative_generate(
     model: LlamaForCausalLM, proposer: Proposer, prompt: torch.Tensor, max_new_tokens: int, k: int
 ) -> GenerationTrace:
-    out = target_lib.forward(model, prompt[None])
+    out = target_lib.forward(model, prompt[None], proposer.layer_ids)
     tokens = torch.cat([prompt, out.logits[0, -1].argmax()[None]])  # prefill yields the first token
-    features = out.features[0]  # (T-1, H) features of all tokens but the newest
+    features = _features(out, proposer.layer_ids)[0]  # (T-1, D) features of all tokens but the newest
     trace = GenerationTrace(tokens=[])
     while tokens.shape[0] - prompt.shape[0] < max_new_tokens:
         T = tokens.shape[0]
         proposal = proposer.propose(tokens, features, k)  # (k,)
-        out = target_lib.forward(model, torch.cat([tokens, proposal])[None])
+        out = target_lib.forward(model, torch.cat([tokens, proposal])[None], proposer.layer_ids)
         greedy = out.logits[0, T - 1 :].argmax(dim=-1)  # (k+1,) the target's choice for positions T..T+k
         matches = (proposal == greedy[:k]).int()
         accepted = int(matches.cumprod(dim=0).sum())
         tokens = torch.cat([tokens, proposal[:accepted], greedy[accepted : accepted + 1]])
-        features = out.features[0, : T + accepted]
+        features = _features(out, proposer.layer_ids)[0, : T + accepted]
         trace.accepted_per_round.append(accepted)
     trace.tokens = tokens[prompt.shape[0] : prompt.shape[0] + max_new_tokens].tolist()
     return trace

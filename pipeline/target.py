@@ -29,6 +29,7 @@ transformers.utils.logging.disable_progress_bar()
 class TargetOutput:
     features: torch.Tensor  # (B, T, H) last hidden state after the final norm
     logits: torch.Tensor  # (B, T, V)
+    layers: torch.Tensor | None = None  # (B, T, len(layer_ids), H) requested layers, vLLM ids
 
 
 def tiny_llama_config(vocab_size: int, hidden_size: int, num_layers: int, num_heads: int) -> LlamaConfig:
@@ -82,10 +83,29 @@ def load_checkpoint(uri: str, device: str = "cpu") -> LlamaForCausalLM:
 
 
 @torch.no_grad()
-def forward(model: LlamaForCausalLM, input_ids: torch.Tensor) -> TargetOutput:
-    """input_ids (B, T) -> post-norm features (B, T, H) and logits (B, T, V)."""
-    features = model.model(input_ids=input_ids).last_hidden_state  # (B, T, H)
-    return TargetOutput(features=features, logits=model.lm_head(features))
+def forward(model: LlamaForCausalLM, input_ids: torch.Tensor, layer_ids: list[int] | None = None) -> TargetOutput:
+    """input_ids (B, T) -> post-norm features (B, T, H), logits (B, T, V) and the requested layers.
+
+    Layer ids follow vLLM: id k is the residual stream entering decoder layer k
+    (transformers' hidden_states[k]); id L is the last layer's output BEFORE the final
+    norm, which transformers does not return, so it is caught on its way into the norm.
+    """
+    if not layer_ids:
+        features = model.model(input_ids=input_ids).last_hidden_state  # (B, T, H)
+        return TargetOutput(features=features, logits=model.lm_head(features))
+    num_layers = model.config.num_hidden_layers
+    bad = [i for i in layer_ids if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(f"layer ids {bad} outside [0, {num_layers}] of the target")
+    caught: list[torch.Tensor] = []
+    hook = model.model.norm.register_forward_pre_hook(lambda _m, args: caught.append(args[0]))
+    try:
+        out = model.model(input_ids=input_ids, output_hidden_states=True)
+    finally:
+        hook.remove()
+    states = [*out.hidden_states[:num_layers], caught[0]]  # L + 1 entries, all before the final norm
+    features = out.last_hidden_state
+    return TargetOutput(features, model.lm_head(features), torch.stack([states[i] for i in layer_ids], dim=2))
 
 
 def model_id(model: LlamaForCausalLM) -> str:

@@ -16,7 +16,8 @@ import torch
 
 from pipeline.config import TrainConfig
 from pipeline.eagle import EagleDrafter
-from pipeline.losses import eagle_loss
+from pipeline.eagle3 import Eagle3Drafter
+from pipeline.losses import LossParts, eagle3_loss, eagle_loss
 from pipeline.window import PackedBatch, block_causal_mask, pack
 
 # One training sample: input_ids (T,), hidden (T, H), loss_mask (T,)
@@ -25,6 +26,14 @@ Sample = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 class MetricsSink(Protocol):
     def log_dict(self, payload: dict[str, float], step: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """The target's final norm and lm_head rows of the draft vocabulary: EAGLE-3's soft labels."""
+
+    norm: torch.nn.Module
+    head: torch.Tensor  # (draft_vocab, H_t)
 
 
 class NullSink:
@@ -74,14 +83,31 @@ def make_batches(samples: list[Sample], cfg: TrainConfig, epoch: int) -> list[Pa
     return batches
 
 
+def compute_loss(
+    model: EagleDrafter | Eagle3Drafter, batch: PackedBatch, cfg: TrainConfig, teacher: Teacher | None
+) -> LossParts:
+    if isinstance(model, Eagle3Drafter):
+        if teacher is None:
+            raise ValueError("EAGLE-3 training needs the target's norm and lm_head (teacher)")
+        return eagle3_loss(model, batch, teacher.norm, teacher.head, cfg.ttt_steps, cfg.ttt_decay)
+    predicted = model(batch.hidden_states, batch.input_ids, batch.position_ids, block_causal_mask(batch.document_ids))
+    return eagle_loss(predicted, batch.target, model.lm_head.weight, batch.loss_mask, cfg.vloss_weight,
+                      cfg.ploss_weight)
+
+
 def train_drafter(
-    model: EagleDrafter,
+    model: EagleDrafter | Eagle3Drafter,
     samples: list[Sample],
     cfg: TrainConfig,
     sink: MetricsSink | None = None,
     device: str = "cpu",
+    teacher: Teacher | None = None,
 ) -> TrainResult:
-    """Train `model` in place for `cfg.epochs` passes over `samples`."""
+    """Train `model` in place for `cfg.epochs` passes over `samples`.
+
+    A sample's hidden states are (T, D): EAGLE-1/2 reads the last layer (D = H); EAGLE-3
+    reads [aux layers..., last layer] concatenated (D = (n_aux + 1) * H_t).
+    """
     sink = sink or NullSink()
     if not samples:
         raise ValueError("train_drafter: no samples")
@@ -91,7 +117,6 @@ def train_drafter(
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     epochs = [make_batches(samples, cfg, e) for e in range(cfg.epochs)]
     total = sum(len(b) for b in epochs)
-    lm_head = model.lm_head.weight
 
     iteration, tokens, history = 0, 0, []
     start = time.perf_counter()
@@ -103,13 +128,7 @@ def train_drafter(
                 group["lr"] = lr
             # -- forward and loss
             tick = time.perf_counter()
-            hidden = batch.hidden_states.to(device, torch.float32)
-            predicted = model(
-                hidden, batch.input_ids.to(device), batch.position_ids.to(device),
-                block_causal_mask(batch.document_ids.to(device)),
-            )
-            parts = eagle_loss(predicted, batch.target.to(device, torch.float32), lm_head,
-                               batch.loss_mask.to(device), cfg.vloss_weight, cfg.ploss_weight)
+            parts = compute_loss(model, batch.to(device), cfg, teacher)
             # -- backward and step
             optimizer.zero_grad(set_to_none=True)
             parts.loss.backward()

@@ -50,6 +50,17 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
+    def to(self, device: str) -> PackedBatch:
+        """On `device`, features as float32 (shards hold bf16)."""
+        return PackedBatch(
+            input_ids=self.input_ids.to(device),
+            hidden_states=self.hidden_states.to(device, torch.float32),
+            target=self.target.to(device, torch.float32),
+            loss_mask=self.loss_mask.to(device),
+            position_ids=self.position_ids.to(device),
+            document_ids=self.document_ids.to(device),
+        )
+
 
 def pack(samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], window_tokens: int) -> PackedBatch:
     """Pack (input_ids (T,), hidden (T, H), loss_mask (T,)) samples; samples under 2 tokens are skipped."""

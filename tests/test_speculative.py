@@ -61,6 +61,8 @@ class GreedyOracle:
 class OracleProposer:
     """Proposes exactly what the target would generate greedily."""
 
+    layer_ids = None  # reads the post-norm last layer, like an EAGLE-1/2 drafter
+
     def __init__(self, greedy: GreedyOracle) -> None:
         self.greedy = greedy
 
@@ -71,6 +73,8 @@ class OracleProposer:
 class WrongProposer:
     """Always proposes a token the target does not pick next."""
 
+    layer_ids = None  # reads the post-norm last layer, like an EAGLE-1/2 drafter
+
     def __init__(self, greedy: GreedyOracle) -> None:
         self.greedy = greedy
 
@@ -80,6 +84,8 @@ class WrongProposer:
 
 class RecordingProposer:
     """Records what speculative_generate hands a proposer; always proposes token 0."""
+
+    layer_ids = None  # reads the post-norm last layer, like an EAGLE-1/2 drafter
 
     def __init__(self) -> None:
         self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
