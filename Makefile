@@ -4,10 +4,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 STEPS  ?= 6
+DRAFTER ?= eagle
 export PYTHONPATH := $(CURDIR)
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup demo test test-fast ui status lint clean
+.PHONY: setup demo test test-fast ui status bench lint clean
 
 setup: $(STAMP)
 
@@ -21,7 +22,7 @@ $(STAMP): requirements.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) cli.py demo --steps $(STEPS)
+	$(PY) cli.py demo --steps $(STEPS) --drafter $(DRAFTER)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
@@ -34,6 +35,10 @@ ui: $(STAMP)
 
 status: $(STAMP)
 	$(PY) cli.py status
+
+# All benchmarks; the last line printed is the path of the JSON file with every figure.
+bench: $(STAMP)
+	$(PY) -m benchmarks.run
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -50,8 +50,9 @@ def out(line: str = "") -> None:
     sys.stdout.flush()
 
 
-def demo(steps: int, config_path: str | None) -> Path:
-    cfg = load_config(config_path)
+def demo(steps: int, config_path: str | None, drafter: str | None = None) -> Path:
+    overrides = {"drafter": {"kind": drafter}} if drafter else None
+    cfg = load_config(config_path, overrides)
     if cfg.rollout_source != "simulated":
         raise SystemExit("demo needs rollout_source: simulated (an external trainer drives its own steps)")
     for sub in ("store", "mlflow", "dagster", "demo"):  # a fresh demo; the pre-trained target cache stays
@@ -70,7 +71,7 @@ def demo(steps: int, config_path: str | None) -> Path:
     from pipeline.store import ObjectStore
 
     instance = dg.DagsterInstance.get()
-    defs = build_definitions(config_path)
+    defs = build_definitions(config_path, overrides)
     store = ObjectStore(cfg.storage_root)
     simulator = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
     job = defs.resolve_job_def("rl_step_job")
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     demo_p = sub.add_parser("demo", help="run N simulated RL steps through the pipeline")
     demo_p.add_argument("--steps", type=int, default=6)
+    demo_p.add_argument("--drafter", choices=["eagle", "eagle3"], help="drafter.kind for this demo")
     sub.add_parser("ui", help="Dagster and MLflow UIs on the demo's data")
     sub.add_parser("status", help="steps, last materializations, champion")
     args = parser.parse_args(argv)
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "demo":
         if args.steps < 1:
             parser.error("--steps must be >= 1")
-        demo(args.steps, args.config)
+        demo(args.steps, args.config, args.drafter)
     elif args.command == "ui":
         ui(args.config)
     else:

@@ -12,12 +12,12 @@ from jobs import rl_step_job, rl_step_sensor, simulate_rl_job
 from resources import build_resources
 
 
-def build_definitions(config_path: str | None = None) -> dg.Definitions:
+def build_definitions(config_path: str | None = None, overrides: dict | None = None) -> dg.Definitions:
     return dg.Definitions(
         assets=[rollouts, hidden_states, drafter_buffer, drafter, acceptance],
         jobs=[rl_step_job, simulate_rl_job],
         sensors=[rl_step_sensor],
-        resources=build_resources(config_path),
+        resources=build_resources(config_path, overrides),
     )
 
 

@@ -20,8 +20,6 @@ import torch.nn.functional as F
 from pipeline.eagle3 import Eagle3Drafter, TTTCache, shift_within_document
 from pipeline.window import PackedBatch, block_causal_mask
 
-CHUNK_TOKENS = 1024
-
 
 @dataclass(frozen=True)
 class LossParts:
@@ -31,48 +29,75 @@ class LossParts:
     accuracy: torch.Tensor  # scalar, top-1 agreement of drafter and target tokens (step 0 for EAGLE-3)
 
 
+def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out = a @ b.T, written into `out` (accumulation dtype) without a temporary where dtypes allow."""
+    if a.dtype == out.dtype and b.dtype == out.dtype:
+        torch.matmul(a, b.T, out=out)
+    else:
+        out.copy_(a @ b.T)
+
+
 class _ChunkedSoftCrossEntropy(torch.autograd.Function):
     """sum_t mask_t * -sum_v p_t[v] log q_t[v],  q = softmax(h W^T),  p = softmax(g U^T).
 
-    Returns (loss sum, number of valid tokens whose argmax q == argmax p)."""
+    Returns (loss sum, number of valid tokens whose argmax q == argmax p). The gradient is
+    computed in the same pass over the chunks as the loss (d loss / d logits = q - p), so
+    the logits are never recomputed and never held whole; backward only scales it.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, target_hidden, target_weight, mask, chunk):  # noqa: ANN001
         acc = torch.promote_types(hidden.dtype, torch.float32)  # bf16 inputs accumulate in float32
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=acc) if need_weight else None
         loss = hidden.new_zeros((), dtype=acc)
         hits = hidden.new_zeros((), dtype=acc)
+        # Two (chunk, V) buffers reused for every chunk: allocating fresh ones per chunk costs
+        # page faults on the CPU that are as slow as the matmuls.
+        rows = min(chunk, hidden.shape[0])
+        logits_buf = hidden.new_empty((rows, weight.shape[0]), dtype=acc)
+        target_buf = hidden.new_empty((rows, target_weight.shape[0]), dtype=acc)
         for start in range(0, hidden.shape[0], chunk):
             sl = slice(start, start + chunk)
-            log_q = F.log_softmax((hidden[sl] @ weight.T).to(acc), dim=-1)  # (c, V)
-            target_logits = (target_hidden[sl] @ target_weight.T).to(acc)  # (c, V)
-            p = F.softmax(target_logits, dim=-1)
-            loss -= ((p * log_q).sum(-1) * mask[sl]).sum()
-            hits += ((log_q.argmax(-1) == target_logits.argmax(-1)).to(acc) * mask[sl]).sum()
-        ctx.save_for_backward(hidden, weight, target_hidden, target_weight, mask)
-        ctx.chunk = chunk
+            n = hidden[sl].shape[0]
+            logits, target_logits = logits_buf[:n], target_buf[:n]  # (c, V)
+            _matmul_into(logits, hidden[sl], weight)
+            _matmul_into(target_logits, target_hidden[sl], target_weight)
+            hits += ((logits.argmax(-1) == target_logits.argmax(-1)).to(acc) * mask[sl]).sum()
+            # Everything below works in place on the two buffers.
+            p = target_logits.sub_(target_logits.amax(-1, keepdim=True)).exp_()
+            p.div_(p.sum(-1, keepdim=True))  # softmax of the target
+            z = logits.sub_(logits.amax(-1, keepdim=True))
+            p_dot_z = (p[:, None, :] @ z[:, :, None]).view(n)
+            e = z.exp_()
+            sum_e = e.sum(-1)
+            # sum_v p log q = sum_v p (z - log sum exp z) = p.z - lse, as p sums to 1
+            loss -= ((p_dot_z - sum_e.log()) * mask[sl]).sum()
+            if need_hidden or need_weight:
+                # d/dlogits of -sum p log softmax(logits) = softmax(logits) - p
+                grad_logits = e.div_(sum_e[:, None]).sub_(p).mul_(mask[sl][:, None])
+                if need_hidden:
+                    grad_hidden[sl] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+                if need_weight:
+                    grad_weight.addmm_(grad_logits.T, hidden[sl].to(acc))
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if need_weight else None)
         ctx.mark_non_differentiable(hits)
         return loss, hits
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_hits):  # noqa: ANN001
-        hidden, weight, target_hidden, target_weight, mask = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        acc = torch.promote_types(hidden.dtype, torch.float32)
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=acc) if need_weight else None
-        for start in range(0, hidden.shape[0], ctx.chunk):
-            sl = slice(start, start + ctx.chunk)
-            q = F.softmax((hidden[sl] @ weight.T).to(acc), dim=-1)
-            p = F.softmax((target_hidden[sl] @ target_weight.T).to(acc), dim=-1)
-            # d/dlogits of -sum p log softmax(logits) = softmax(logits) - p (p sums to 1)
-            grad_logits = (q - p) * (mask[sl] * grad_loss)[:, None]  # (c, V)
-            if need_hidden:
-                grad_hidden[sl] = (grad_logits @ weight.to(acc)).to(hidden.dtype)
-            if need_weight:
-                grad_weight += grad_logits.T @ hidden[sl].to(acc)
-        if need_weight:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (
+            None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype),
+            None if grad_weight is None else grad_weight * grad_loss.to(grad_weight.dtype),
+            None, None, None, None,
+        )
+
+
+def default_chunk_tokens(vocab: int) -> int:
+    """Tokens per chunk so that one (chunk, vocab) float32 tensor is about 64 MB."""
+    return max(16, (1 << 24) // vocab)
 
 
 def soft_cross_entropy(
@@ -81,7 +106,7 @@ def soft_cross_entropy(
     target_hidden: torch.Tensor,
     target_weight: torch.Tensor,
     mask: torch.Tensor,
-    chunk_tokens: int = CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """
     hidden (N, H) and weight (V, H): the drafter's logits are hidden @ weight.T
@@ -91,7 +116,8 @@ def soft_cross_entropy(
     """
     return _ChunkedSoftCrossEntropy.apply(
         hidden, weight, target_hidden.detach(), target_weight.detach(),
-        mask.to(torch.promote_types(hidden.dtype, torch.float32)), chunk_tokens
+        mask.to(torch.promote_types(hidden.dtype, torch.float32)),
+        chunk_tokens or default_chunk_tokens(weight.shape[0]),
     )
 
 

@@ -4,6 +4,7 @@ All of them are built from one `PipelineConfig` (see `build_resources`), so the 
 config stays the single source of truth. Secrets are read from the environment only.
 """
 
+import json
 import os
 from pathlib import Path
 
@@ -20,9 +21,10 @@ class PipelineConfigResource(dg.ConfigurableResource):
     """The pipeline's YAML config (embedded defaults when `config_path` is empty)."""
 
     config_path: str = Field(default="", description="YAML file merged over pipeline/defaults.yaml.")
+    overrides_json: str = Field(default="", description="JSON mapping merged last (e.g. the CLI's --drafter).")
 
     def load(self) -> PipelineConfig:
-        return load_config(self.config_path or None)
+        return load_config(self.config_path or None, json.loads(self.overrides_json) if self.overrides_json else None)
 
 
 class ObjectStoreResource(dg.ConfigurableResource):
@@ -65,10 +67,15 @@ class RolloutSourceResource(dg.ConfigurableResource):
         return SimulatedRL(cfg.simulation, store, cfg.run, Path(self.cache_dir))
 
 
-def build_resources(config_path: str | None = None) -> dict[str, dg.ConfigurableResource]:
-    cfg = load_config(config_path)
+def build_resources(
+    config_path: str | None = None, overrides: dict | None = None
+) -> dict[str, dg.ConfigurableResource]:
+    cfg = load_config(config_path, overrides)
     return {
-        "settings": PipelineConfigResource(config_path=config_path or os.environ.get("DRAFTER_PIPELINE_CONFIG", "")),
+        "settings": PipelineConfigResource(
+            config_path=config_path or os.environ.get("DRAFTER_PIPELINE_CONFIG", ""),
+            overrides_json=json.dumps(overrides) if overrides else "",
+        ),
         "object_store": ObjectStoreResource(root=cfg.storage_root, endpoint_url=os.environ.get("S3_ENDPOINT_URL", "")),
         "mlflow": MlflowResource(
             tracking_uri=cfg.tracking_uri,

@@ -1,0 +1,33 @@
+"""`make bench`: every benchmark, one JSON file; its path is the last line printed."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import policy_loss
+
+BENCHMARKS = {"policy_loss": policy_loss.run}
+
+
+def main() -> None:
+    out_dir = Path(__file__).resolve().parent.parent / ".data" / "bench"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count()}}
+    for name, bench in BENCHMARKS.items():
+        start = time.perf_counter()
+        report[name] = bench()
+        report[name]["wall_s"] = round(time.perf_counter() - start, 2)
+        figures = {k: round(v, 3) for k, v in report[name].items() if k.endswith("ratio")}
+        sys.stdout.write(f"{name}: {figures}\n")
+    path = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(report, indent=2))
+    sys.stdout.write(f"{path}\n")
+
+
+if __name__ == "__main__":
+    main()
