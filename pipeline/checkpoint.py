@@ -107,12 +107,12 @@ def save_drafter(model: EagleDrafter | Eagle3Drafter, directory: Path) -> Path:
 
 def _read(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    if not weights_path.exists():
+        pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
+        hint = f" (found {', '.join(pickles)}: pickled weights are refused)" if pickles else ""
+        raise CheckpointError(f"{directory}: a drafter checkpoint needs {WEIGHTS_FILE}{hint}")
     if not config_path.exists():
         raise CheckpointError(f"{directory}: a drafter checkpoint needs {CONFIG_FILE}")
-    if not weights_path.exists():
-        others = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
-        hint = f" (found {', '.join(others)}: pickled weights are refused)" if others else ""
-        raise CheckpointError(f"{directory}: a drafter checkpoint needs {WEIGHTS_FILE}{hint}")
     try:
         tensors = load_file(weights_path)
     except (SafetensorError, OSError) as exc:

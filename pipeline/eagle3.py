@@ -62,8 +62,9 @@ class Eagle3Config:
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """vLLM's default (2, L//2, L-3); for targets too shallow for it, three ids spread over [0, L]."""
-    if num_layers >= 6:
+    """vLLM's default (2, L//2, L-3) from 7 layers on (below that it repeats a layer, as at L=6:
+    (2, 3, 3)); for shallower targets, three distinct ids spread over [0, L]."""
+    if num_layers >= 7:
         return (2, num_layers // 2, num_layers - 3)
     if num_layers < 2:
         raise ValueError("EAGLE-3 needs a target with at least 2 layers")
