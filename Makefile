@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 STEPS  ?= 6
-DRAFTER ?= eagle
+DRAFTER ?= eagle3
 export PYTHONPATH := $(CURDIR)
 export HF_HUB_OFFLINE := 1
 

@@ -61,7 +61,7 @@ class TrainConfig(_Strict):
 
 
 class DrafterConfig(_Strict):
-    kind: Literal["eagle", "eagle3"] = Field(default="eagle", description="Drafter architecture.")
+    kind: Literal["eagle", "eagle3"] = Field(default="eagle3", description="Drafter architecture.")
     intermediate_size: int | None = Field(
         default=None, ge=1, description="MLP width of the draft layer; the target's when unset."
     )

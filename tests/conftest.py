@@ -17,7 +17,7 @@ os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 TINY = {
     "run": "test",
     "simulation": {
-        "vocab_size": 32, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "pretrain_iters": 30,
+        "vocab_size": 32, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "pretrain_iters": 30,
         "rl_iters": 5, "rollouts_per_step": 24, "prompt_len": 6, "response_len": 12,
     },
     "train": {"epochs": 2, "min_samples": 4, "batch_size_per_gpu": 8},
