@@ -68,11 +68,11 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None) -> Pat
     from jobs import SENSOR_NAME, rl_step_sensor
     from pipeline import report
     from pipeline.simulation import SimulatedRL
-    from pipeline.store import ObjectStore
+    from pipeline.store import open_store
 
     instance = dg.DagsterInstance.get()
     defs = build_definitions(config_path, overrides)
-    store = ObjectStore(cfg.storage_root)
+    store = open_store(cfg)
     simulator = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
     job = defs.resolve_job_def("rl_step_job")
     resources = defs.resources
@@ -122,7 +122,7 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None) -> Pat
 
     out_dir = cfg.data_path / "demo"
     k = cfg.eval.num_speculative_tokens
-    plot = report.plot(rows, k, out_dir / "acceptance.png")
+    plot = report.plot(rows, k, out_dir / "acceptance.png", cfg.drafter.kind)
     summary = report.write_summary(rows, wall, step_walls, out_dir / "summary.json",
                                    num_speculative_tokens=k, drafter_kind=cfg.drafter.kind, device=cfg.device)
     out()
@@ -182,10 +182,10 @@ def status(config_path: str | None) -> None:
 
     from jobs import committed_steps
     from pipeline.registry import DrafterRegistry
-    from pipeline.store import ObjectStore
+    from pipeline.store import open_store
 
     instance = dg.DagsterInstance.get()
-    store = ObjectStore(cfg.storage_root)
+    store = open_store(cfg)
     steps = committed_steps(store, cfg.run)
     out(f"run {cfg.run}: {len(steps)} committed RL steps{f' (last step-{steps[-1]:06d})' if steps else ''}")
     out(f"partitions in Dagster: {len(instance.get_dynamic_partitions('rl_step'))}")

@@ -5,8 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 
-import fsspec
-
 from pipeline import rollouts as rollouts_lib
 from pipeline import shards
 from pipeline import target as target_lib
@@ -16,7 +14,7 @@ from pipeline.store import ObjectStore
 
 def target_hidden_size(store: ObjectStore, run: str, step: int) -> int:
     pointer = rollouts_lib.read_policy_pointer(store, run, step)
-    fs, path = fsspec.core.url_to_fs(target_lib.resolve_uri(store, pointer.checkpoint_uri))
+    fs, path = store.filesystem(target_lib.resolve_uri(store, pointer.checkpoint_uri))
     with fs.open(f"{path}/config.json") as f:
         return int(json.load(f)["hidden_size"])
 

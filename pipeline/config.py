@@ -101,6 +101,8 @@ class PromotionConfig(_Strict):
 
 class StorageConfig(_Strict):
     root: str = Field(default="", description="Object store root URI; `<data_dir>/store` when empty.")
+    endpoint_url: str = Field(default="", description="S3-compatible endpoint (MinIO, Ceph, ...); AWS when empty.")
+    region: str = Field(default="", description="S3 region; the AWS default chain when empty.")
 
 
 class MlflowConfig(_Strict):

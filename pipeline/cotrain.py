@@ -114,7 +114,7 @@ def train_step(
         run_id = registry.client.get_model_version(registry.model_name, existing).run_id
         return TrainOutcome(True, f"reused version {existing}, trained on identical inputs", len(entries),
                             run_id, existing, warm_start)
-    target = target_lib.load_checkpoint(target_lib.resolve_uri(store, pointer.checkpoint_uri), cfg.device)
+    target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device)
     hidden = list(iter_buffer_samples(store, cfg.run, entries))
     drafter, warm_start = _initial_drafter(cfg, registry, warm_start, target, hidden)
     drafters.attach_target(drafter, target)

@@ -72,7 +72,7 @@ def extract_hidden_states(
     """Read the step's rollouts and policy, write the training rollouts' hidden states."""
     rollouts = rollouts_lib.read_rollouts(store, run, step)
     pointer = rollouts_lib.read_policy_pointer(store, run, step)
-    model = target_lib.load_checkpoint(target_lib.resolve_uri(store, pointer.checkpoint_uri), device)
+    model = target_lib.load_policy(store, pointer.checkpoint_uri, device)
     train = training_rollouts(rollouts, held_out_fraction)
     num_layers = model.config.num_hidden_layers
     layer_ids = stored_layer_ids(drafter, num_layers)

@@ -51,7 +51,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], k: int, path: Path) -> Path:
+def plot(rows: list[dict], k: int, path: Path, drafter_kind: str = "") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")  # headless: the plot is a file, never a window
@@ -67,7 +67,7 @@ def plot(rows: list[dict], k: int, path: Path) -> Path:
     ax.text(steps[0], k + 1 - 0.15, f"ceiling k+1 = {k + 1}", fontsize=8, color="grey", va="top")
     ax.set_xlabel("RL step")
     ax.set_ylabel("mean acceptance length tau")
-    ax.set_title("Drafter acceptance against each step's policy")
+    ax.set_title(f"{drafter_kind.upper() + ' d' if drafter_kind else 'D'}rafter acceptance against each step's policy")
     ax.set_xticks(steps)
     ax.set_ylim(0.8, k + 1.3)
     ax.legend(loc="upper right", fontsize=8)

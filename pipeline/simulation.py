@@ -150,8 +150,7 @@ class SimulatedRL:
     def policy(self, step: int) -> LlamaForCausalLM:
         if step == 0:
             return self.pretrained()
-        uri = self.store.uri(policy_prefix(self.run, step))
-        return target_lib.load_checkpoint(uri)
+        return target_lib.load_policy(self.store, policy_prefix(self.run, step))
 
     def run_step(self, step: int) -> PolicyPointer:
         """Update the policy of step-1 with RWR toward step's task, then write step's rollouts."""

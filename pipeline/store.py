@@ -19,15 +19,29 @@ written last.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import fsspec
+
+if TYPE_CHECKING:
+    from pipeline.config import PipelineConfig
+
+
+def storage_options_for(root: str, endpoint_url: str = "", region: str = "") -> dict[str, Any]:
+    """fsspec options of a root URI. S3 credentials are not options: s3fs reads them from the
+    standard AWS environment variables, so they never sit in config, logs or metadata."""
+    if not root.startswith("s3://"):
+        return {}
+    client_kwargs = {k: v for k, v in (("endpoint_url", endpoint_url), ("region_name", region)) if v}
+    # No listing cache: the RL trainer writes new steps from another process.
+    return {"client_kwargs": client_kwargs, "use_listings_cache": False}
 
 
 class ObjectStore:
@@ -35,8 +49,16 @@ class ObjectStore:
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
         self.root = root.rstrip("/")
-        self.fs, self._root_path = fsspec.core.url_to_fs(self.root, **(storage_options or {}))
-        self._local = self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol
+        self.options = dict(storage_options or {})
+        self.fs, self._root_path = fsspec.core.url_to_fs(self.root, **self.options)
+        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
+        self._protocols = protocols
+        self._local = "file" in protocols
+
+    def filesystem(self, uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+        """Filesystem and path of any URI; URIs of this store's protocol get its options (endpoint...)."""
+        protocol = uri.split("://", 1)[0] if "://" in uri else "file"
+        return fsspec.core.url_to_fs(uri, **(self.options if protocol in self._protocols else {}))
 
     def uri(self, key: str) -> str:
         return f"{self.root}/{key}"
@@ -76,11 +98,14 @@ class ObjectStore:
     def open_write(self, key: str) -> Iterator[IO[bytes]]:
         """A writable file that appears under `key` only if the block exits cleanly."""
         final = self._path(key)
-        self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
         if not self._local:
-            with self.fs.open(final, "wb") as f:
-                yield f
+            # Buffered and sent in one PUT on success: an object store file object would
+            # upload what it has even when the block raises.
+            buffer = io.BytesIO()
+            yield buffer
+            self.fs.pipe_file(final, buffer.getvalue())
             return
+        self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
         tmp = Path(f"{final}.tmp-{uuid.uuid4().hex}")
         try:
             with tmp.open("wb") as f:
@@ -106,3 +131,9 @@ class ObjectStore:
     def local_path(self, key: str) -> str | None:
         """The filesystem path of `key` when the store is local (else None)."""
         return self._path(key) if self._local else None
+
+
+def open_store(cfg: PipelineConfig) -> ObjectStore:
+    """The object store a pipeline config names."""
+    return ObjectStore(cfg.storage_root, storage_options_for(cfg.storage_root, cfg.storage.endpoint_url,
+                                                             cfg.storage.region))

@@ -68,9 +68,10 @@ def resolve_uri(store: ObjectStore, uri_or_key: str) -> str:
     return uri_or_key if "://" in uri_or_key else store.uri(uri_or_key)
 
 
-def load_checkpoint(uri: str, device: str = "cpu") -> LlamaForCausalLM:
-    """Load a transformers checkpoint directory from any fsspec URI (safetensors only)."""
-    fs, path = fsspec.core.url_to_fs(uri)
+def load_checkpoint(uri: str, device: str = "cpu", store: ObjectStore | None = None) -> LlamaForCausalLM:
+    """Load a transformers checkpoint directory from any fsspec URI (safetensors only); `store`
+    lends its options (an S3 endpoint, say) to URIs of its protocol."""
+    fs, path = store.filesystem(uri) if store else fsspec.core.url_to_fs(uri)
     missing = [n for n in CHECKPOINT_FILES if not fs.exists(f"{path}/{n}")]
     if missing:
         raise FileNotFoundError(f"policy checkpoint {uri} lacks {', '.join(missing)} (pickled weights are not read)")
@@ -80,6 +81,11 @@ def load_checkpoint(uri: str, device: str = "cpu") -> LlamaForCausalLM:
         config = AutoConfig.from_pretrained(tmp)
         model = LlamaForCausalLM.from_pretrained(tmp, config=config, use_safetensors=True)
     return model.to(device).eval()
+
+
+def load_policy(store: ObjectStore, checkpoint_uri: str, device: str = "cpu") -> LlamaForCausalLM:
+    """The policy a step's pointer names (a full URI or a key under the store root)."""
+    return load_checkpoint(resolve_uri(store, checkpoint_uri), device, store)
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from pydantic import Field
 from pipeline.config import PipelineConfig, load_config
 from pipeline.registry import DrafterRegistry
 from pipeline.simulation import SimulatedRL
-from pipeline.store import ObjectStore
+from pipeline.store import ObjectStore, storage_options_for
 
 
 class PipelineConfigResource(dg.ConfigurableResource):
@@ -32,14 +32,11 @@ class ObjectStoreResource(dg.ConfigurableResource):
 
     root: str = Field(description="Root URI: file:///... or s3://bucket/prefix.")
     endpoint_url: str = Field(default="", description="S3-compatible endpoint; AWS when empty.")
+    region: str = Field(default="", description="S3 region.")
 
     def store(self) -> ObjectStore:
-        options: dict = {}
-        if self.root.startswith("s3://"):
-            # Credentials come from the standard AWS environment variables, never from config.
-            if self.endpoint_url:
-                options["client_kwargs"] = {"endpoint_url": self.endpoint_url}
-        return ObjectStore(self.root, options)
+        # Credentials come from the standard AWS environment variables, never from config.
+        return ObjectStore(self.root, storage_options_for(self.root, self.endpoint_url, self.region))
 
 
 class MlflowResource(dg.ConfigurableResource):
@@ -76,7 +73,9 @@ def build_resources(
             config_path=config_path or os.environ.get("DRAFTER_PIPELINE_CONFIG", ""),
             overrides_json=json.dumps(overrides) if overrides else "",
         ),
-        "object_store": ObjectStoreResource(root=cfg.storage_root, endpoint_url=os.environ.get("S3_ENDPOINT_URL", "")),
+        "object_store": ObjectStoreResource(
+            root=cfg.storage_root, endpoint_url=cfg.storage.endpoint_url, region=cfg.storage.region
+        ),
         "mlflow": MlflowResource(
             tracking_uri=cfg.tracking_uri,
             experiment=cfg.mlflow.experiment,

@@ -17,7 +17,7 @@ from pipeline.registry import DrafterRegistry
 from pipeline.rollouts import PolicyPointer, Rollout, write_rollouts
 from pipeline.simulation import SimulatedRL
 from pipeline.steps import hidden_states_prefix, rollouts_prefix
-from pipeline.store import ObjectStore
+from pipeline.store import ObjectStore, open_store
 
 ASSETS = ["rollouts", "hidden_states", "drafter_buffer", "drafter", "acceptance"]
 
@@ -40,7 +40,7 @@ def test_definitions_load(tiny_config_path: Path) -> None:
 
 def test_sensor_adds_committed_steps_once(tiny_config_path: Path) -> None:
     cfg = load_config(tiny_config_path)
-    store = ObjectStore(cfg.storage_root)
+    store = open_store(cfg)
     _fake_step(store, cfg.run, 1)
     _fake_step(store, cfg.run, 2)
     # An uncommitted step (no policy.json yet) and a stray directory are not steps.
@@ -76,7 +76,7 @@ def _run_step(defs: dg.Definitions, instance: dg.DagsterInstance, key: str) -> d
 
 def test_one_rl_step_through_the_instance(tiny_config_path: Path) -> None:
     cfg = load_config(tiny_config_path)
-    store = ObjectStore(cfg.storage_root)
+    store = open_store(cfg)
     SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(1)
     defs = build_definitions(str(tiny_config_path))
     with dg.instance_for_test() as instance:
@@ -112,7 +112,7 @@ def test_skipped_training_says_why(tmp_path: Path) -> None:
 
     path = write_config(tmp_path, {"train": {"min_samples": 10_000}})
     cfg = load_config(path)
-    SimulatedRL(cfg.simulation, ObjectStore(cfg.storage_root), cfg.run, cfg.data_path / "cache").run_step(1)
+    SimulatedRL(cfg.simulation, open_store(cfg), cfg.run, cfg.data_path / "cache").run_step(1)
     defs = build_definitions(str(path))
     with dg.instance_for_test() as instance:
         assert _run_step(defs, instance, "step-000001").success
@@ -137,7 +137,7 @@ def test_bad_partition_key_is_rejected_by_name(tiny_config_path: Path, key: str)
 
 def test_rollouts_missing_column_fail_before_anything_is_written(tiny_config_path: Path) -> None:
     cfg = load_config(tiny_config_path)
-    store = ObjectStore(cfg.storage_root)
+    store = open_store(cfg)
     _fake_step(store, cfg.run, 1)
     table = pa.table({"sample_id": ["a"], "input_ids": [[1, 2]], "loss_mask": [[0, 1]], "policy_version": [1]})
     with store.open_write(f"{rollouts_prefix(cfg.run, 1)}/rollouts.parquet") as f:
@@ -156,7 +156,7 @@ def test_failed_shard_check_blocks_downstream(tiny_config_path: Path, monkeypatc
     import assets.cotraining
 
     cfg = load_config(tiny_config_path)
-    SimulatedRL(cfg.simulation, ObjectStore(cfg.storage_root), cfg.run, cfg.data_path / "cache").run_step(1)
+    SimulatedRL(cfg.simulation, open_store(cfg), cfg.run, cfg.data_path / "cache").run_step(1)
     # Stand-in for a corrupted shard: the check reports a problem.
     monkeypatch.setattr(assets.cotraining.checks, "check_shards", lambda *a: ["part-00000: checksum differs"])
     defs = build_definitions(str(tiny_config_path))
@@ -177,7 +177,7 @@ def test_external_trainer_step_runs_like_a_simulated_one(tmp_path: Path) -> None
 
     path = write_config(tmp_path, {"rollout_source": "external"})
     cfg = load_config(path)
-    store = ObjectStore(cfg.storage_root)
+    store = open_store(cfg)
     # The trainer's own checkpoint directory, outside the pipeline's store.
     trainer = SimulatedRL(cfg.simulation, ObjectStore((tmp_path / "trainer").as_uri()), "rl", tmp_path / "cache")
     policy = trainer.pretrained()
@@ -202,7 +202,7 @@ def test_external_trainer_step_runs_like_a_simulated_one(tmp_path: Path) -> None
 
 def test_rerun_of_a_step_does_not_train_or_register_twice(tiny_config_path: Path) -> None:
     cfg = load_config(tiny_config_path)
-    SimulatedRL(cfg.simulation, ObjectStore(cfg.storage_root), cfg.run, cfg.data_path / "cache").run_step(1)
+    SimulatedRL(cfg.simulation, open_store(cfg), cfg.run, cfg.data_path / "cache").run_step(1)
     defs = build_definitions(str(tiny_config_path))
     with dg.instance_for_test() as instance:
         assert _run_step(defs, instance, "step-000001").success

@@ -14,7 +14,7 @@ import pytest
 from pipeline import shards
 from pipeline.config import load_config
 from pipeline.registry import DrafterRegistry
-from pipeline.store import ObjectStore
+from pipeline.store import open_store
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +50,7 @@ def test_demo_end_to_end(tiny_config_path: Path) -> None:
     assert summary["steps"][0]["tau_served"] == 1.0  # nothing served before the first drafter
     assert summary["steps"][0]["promoted"] is True
     # The buffer holds the training samples of the last two steps (buffer_steps=2); held-out ones never.
-    store = ObjectStore(cfg.storage_root)
+    store = open_store(cfg)
     trained_on = {s: shards.read_manifest(store, cfg.run, s).num_samples for s in (1, 2, 3)}
     assert all(n < cfg.simulation.rollouts_per_step for n in trained_on.values())
     assert [r["buffer_samples"] for r in summary["steps"]] == [
