@@ -29,7 +29,9 @@ from pipeline.store import ObjectStore, open_store, storage_options_for
 from tests.conftest import write_config
 
 BUCKET = "pipeline-test"
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test-key", "AWS_SECRET_ACCESS_KEY": "test-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "test-key", "AWS_SECRET_ACCESS_KEY": "test-secret", "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 def _free_port() -> int:
@@ -84,15 +86,19 @@ def test_objects_round_trip_and_list(store: ObjectStore) -> None:
     assert store.exists("a/c/two.bin")
 
 
-def test_a_failed_write_leaves_nothing(store: ObjectStore) -> None:
-    store.write_bytes("k/obj", b"old")
-    with pytest.raises(RuntimeError, match="boom"), store.open_write("k/obj") as f:
+def _write_and_fail(store: ObjectStore, key: str) -> None:
+    with store.open_write(key) as f:
         f.write(b"half of the new")
         raise RuntimeError("boom")
+
+
+def test_a_failed_write_leaves_nothing(store: ObjectStore) -> None:
+    store.write_bytes("k/obj", b"old")
+    with pytest.raises(RuntimeError, match="boom"):
+        _write_and_fail(store, "k/obj")
     assert store.read_bytes("k/obj") == b"old"
-    with pytest.raises(RuntimeError, match="boom"), store.open_write("k/new") as f:
-        f.write(b"partial")
-        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        _write_and_fail(store, "k/new")
     assert not store.exists("k/new")
 
 
