@@ -11,6 +11,7 @@ store only a manifest that points into the steps' hidden-state shards, never a c
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -19,6 +20,8 @@ from pipeline import shards
 from pipeline.shards import HiddenSample, Manifest
 from pipeline.steps import buffer_key
 from pipeline.store import ObjectStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,10 @@ def read_buffer(store: ObjectStore, run: str, step: int) -> list[BufferEntry]:
 
 
 def iter_buffer_samples(store: ObjectStore, run: str, entries: list[BufferEntry]) -> Iterator[HiddenSample]:
-    """Load the samples an entry list points at, in entry order, one shard at a time."""
+    """Load the samples an entry list points at, in entry order, one shard at a time.
+
+    A shard that fails its checksum is skipped with a warning, never used: one bad file
+    costs its samples, not the training run."""
     manifests: dict[int, Manifest] = {}
     i = 0
     while i < len(entries):
@@ -78,7 +84,10 @@ def iter_buffer_samples(store: ObjectStore, run: str, entries: list[BufferEntry]
             j += 1
         if step not in manifests:
             manifests[step] = shards.read_manifest(store, run, step)
-        yield from shards.read_rows(store, run, manifests[step], shard, [e.row for e in entries[i:j]])
+        try:
+            yield from shards.read_rows(store, run, manifests[step], shard, [e.row for e in entries[i:j]])
+        except shards.CorruptShardError as exc:
+            log.warning("%s: skipping its %d buffer samples", exc, j - i)
         i = j
 
 

@@ -222,8 +222,17 @@ def iter_samples(store: ObjectStore, run: str, manifest: Manifest) -> Iterator[H
                 yield from _decode_rows(parquet.read_row_group(group), manifest)
 
 
+class CorruptShardError(ShardError):
+    """A shard whose bytes no longer match the checksum its manifest recorded."""
+
+
 def read_rows(store: ObjectStore, run: str, manifest: Manifest, shard: str, rows: list[int]) -> list[HiddenSample]:
-    """Random access by row (one row group per row)."""
-    with store.open_read(f"{hidden_states_prefix(run, manifest.step)}/{shard}") as f:
-        parquet = pq.ParquetFile(f)
-        return [next(_decode_rows(parquet.read_row_group(r), manifest)) for r in rows]
+    """The given rows (one row group each) of a shard, after checking the shard's checksum."""
+    info = next((s for s in manifest.shards if s.name == shard), None)
+    if info is None:
+        raise ShardError(f"step {manifest.step}: shard {shard} is not in the manifest")
+    data = store.read_bytes(f"{hidden_states_prefix(run, manifest.step)}/{shard}")
+    if len(data) != info.bytes or hashlib.sha256(data).hexdigest() != info.sha256:
+        raise CorruptShardError(f"step {manifest.step}: shard {shard} does not match its manifest checksum")
+    parquet = pq.ParquetFile(io.BytesIO(data))
+    return [next(_decode_rows(parquet.read_row_group(r), manifest)) for r in rows]

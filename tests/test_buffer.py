@@ -226,3 +226,29 @@ def test_write_buffer_overwrites(tmp_path: Path) -> None:
     buffer.write_buffer(store, RUN, 1, first[:1])
 
     assert buffer.read_buffer(store, RUN, 1) == first[:1]
+
+
+def test_corrupt_shard_is_skipped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A shard whose bytes changed after the manifest was written is never read into training."""
+    store = ObjectStore((tmp_path / "store").as_uri())
+    g = torch.Generator().manual_seed(0)
+    samples = [
+        shards.HiddenSample(f"s{i}", 1, torch.arange(6), torch.tensor([0, 0, 1, 1, 1, 1]),
+                            torch.randn(6, 1, 8, generator=g).to(torch.bfloat16))
+        for i in range(4)
+    ]
+    manifest = shards.write_hidden_states(store, "run", 1, samples, hidden_size=8, layer_ids=[1],
+                                          target={"model_id": "m"}, samples_per_shard=2)
+    entries = buffer.select_buffer([manifest], 1, buffer_steps=1, max_samples=10)
+    key = f"hidden_states/run/step-000001/{manifest.shards[0].name}"
+    data = bytearray(store.read_bytes(key))
+    data[len(data) // 2] ^= 0xFF
+    store.write_bytes(key, bytes(data))
+
+    with caplog.at_level("WARNING", logger="pipeline.buffer"):
+        loaded = list(buffer.iter_buffer_samples(store, "run", entries))
+    assert [s.sample_id for s in loaded] == ["s2", "s3"]
+    assert "does not match its manifest checksum" in caplog.text
+    assert "skipping its 2 buffer samples" in caplog.text
+    with pytest.raises(shards.CorruptShardError, match=manifest.shards[0].name):
+        shards.read_rows(store, "run", manifest, manifest.shards[0].name, [0])
