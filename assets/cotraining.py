@@ -73,11 +73,9 @@ def rollouts(
 def hidden_states(
     context: dg.AssetExecutionContext, settings: PipelineConfigResource, object_store: ObjectStoreResource
 ) -> dg.MaterializeResult:
-    """Source B: the step's policy runs forward over its rollouts (transformers)."""
+    """Source B (default): the step's policy runs forward over its rollouts; source A: vLLM's files."""
     cfg, store, step = settings.load(), object_store.store(), _step(context)
-    manifest = extract.extract_hidden_states(
-        store, cfg.run, step, cfg.eval.held_out_fraction, cfg.drafter, cfg.device
-    )
+    manifest = extract.extract_hidden_states(store, cfg, step)
     problems = checks.check_shards(store, cfg.run, step)
     return dg.MaterializeResult(
         metadata={

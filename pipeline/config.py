@@ -85,6 +85,24 @@ class DrafterConfig(_Strict):
         return self
 
 
+class HiddenStatesConfig(_Strict):
+    source: Literal["forward", "vllm"] = Field(
+        default="forward", description="`forward`: run the step's policy here; `vllm`: ingest vLLM connector files."
+    )
+    vllm_path: str = Field(
+        default="", description="Directory of vLLM's connector files; `{step}` becomes the step key (step-000123)."
+    )
+    vllm_layer_ids: list[int] = Field(
+        default_factory=list, description="eagle_aux_hidden_state_layer_ids vLLM was started with, in order."
+    )
+
+    @model_validator(mode="after")
+    def _vllm_needs_path(self) -> HiddenStatesConfig:
+        if self.source == "vllm" and (not self.vllm_path or not self.vllm_layer_ids):
+            raise ValueError("hidden_states.source vllm needs hidden_states.vllm_path and hidden_states.vllm_layer_ids")
+        return self
+
+
 class EvalConfig(_Strict):
     num_speculative_tokens: int = Field(default=4, ge=1, description="k: tokens the drafter proposes per round.")
     max_new_tokens: int = Field(default=40, ge=1, description="Tokens generated per held-out prompt.")
@@ -150,6 +168,9 @@ class PipelineConfig(_Strict):
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="MLflow tracking and registry.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Drafter training (FastRL keys).")
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="Drafter model.")
+    hidden_states: HiddenStatesConfig = Field(
+        default_factory=HiddenStatesConfig, description="Where the target's hidden states come from."
+    )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Acceptance evaluation.")
     promotion: PromotionConfig = Field(default_factory=PromotionConfig, description="Champion promotion.")
     simulation: SimulationConfig = Field(default_factory=SimulationConfig, description="Simulated RL source.")

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from pipeline import rollouts as rollouts_lib
-from pipeline import shards
+from pipeline import shards, vllm_hidden_states
 from pipeline import target as target_lib
-from pipeline.config import DrafterConfig
+from pipeline.config import DrafterConfig, PipelineConfig
 from pipeline.eagle3 import default_aux_layer_ids
 from pipeline.rollouts import Rollout
 from pipeline.shards import HiddenSample, Manifest
+from pipeline.steps import step_key
 from pipeline.store import ObjectStore
 
 
@@ -66,24 +69,41 @@ def compute_hidden_states(
     return [samples[r.sample_id] for r in rollouts]  # keep the rollouts' order
 
 
-def extract_hidden_states(
-    store: ObjectStore, run: str, step: int, held_out_fraction: float, drafter: DrafterConfig, device: str = "cpu"
-) -> Manifest:
-    """Read the step's rollouts and policy, write the training rollouts' hidden states."""
-    rollouts = rollouts_lib.read_rollouts(store, run, step)
-    pointer = rollouts_lib.read_policy_pointer(store, run, step)
-    model = target_lib.load_policy(store, pointer.checkpoint_uri, device)
-    train = training_rollouts(rollouts, held_out_fraction)
+def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int) -> Manifest:
+    """The hidden states of the step's training rollouts, from a forward pass here (source B) or
+    from vLLM's connector files (source A), written as shards + manifest."""
+    rollouts = rollouts_lib.read_rollouts(store, cfg.run, step)
+    pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
+    model = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device)
+    train = training_rollouts(rollouts, cfg.eval.held_out_fraction)
     num_layers = model.config.num_hidden_layers
-    layer_ids = stored_layer_ids(drafter, num_layers)
-    samples = compute_hidden_states(model, train, step, device, layer_ids=layer_ids)
+    layer_ids = stored_layer_ids(cfg.drafter, num_layers)
+    if cfg.hidden_states.source == "vllm":
+        samples = _from_vllm(cfg, step, train, model, layer_ids)
+    else:
+        samples = compute_hidden_states(model, train, step, cfg.device, layer_ids=layer_ids)
     return shards.write_hidden_states(
-        store, run, step, samples,
+        store, cfg.run, step, samples,
         hidden_size=model.config.hidden_size,
         # vLLM ids. EAGLE-1/2 reads id L after the final norm (what vLLM's `eagle` method
         # hands its drafter); EAGLE-3 reads raw residual streams.
         layer_ids=layer_ids or [num_layers],
         target={"model_id": pointer.model_id, "policy_version": str(pointer.policy_version),
-                "checkpoint_uri": pointer.checkpoint_uri,
+                "checkpoint_uri": pointer.checkpoint_uri, "source": cfg.hidden_states.source,
                 "final_norm": "applied" if layer_ids is None else "not applied"},
     )
+
+
+@torch.no_grad()
+def _from_vllm(cfg: PipelineConfig, step: int, rollouts: list[Rollout], model, layer_ids: list[int] | None):
+    directory = Path(cfg.hidden_states.vllm_path.format(step=step_key(step)))
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no vLLM hidden-state files (*.safetensors) in {directory}")
+    num_layers = model.config.num_hidden_layers
+    samples, _unmatched = vllm_hidden_states.join_to_rollouts(
+        files, rollouts, step, cfg.hidden_states.vllm_layer_ids, layer_ids or [num_layers]
+    )
+    if layer_ids is None:  # EAGLE-1/2 reads the last layer after the target's final norm
+        samples = [replace(s, hidden=model.model.norm(s.hidden.float()).to(torch.bfloat16)) for s in samples]
+    return samples
