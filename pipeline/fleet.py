@@ -1,0 +1,233 @@
+"""The serving fleet: replica drivers, deploy gates and the rolling update.
+
+A redeploy restarts each replica with the new `--speculative-config` (the one way that
+works on every vLLM version), one replica at a time, so never more than one is down. A
+replica passes when, in order: GET /health answers 200, GET /v1/models lists the served
+model, a smoke completion returns tokens, and over a canary window of completions its
+live mean acceptance length (from GET /metrics) reaches the configured minimum. A
+replica that fails is restarted with the previous drafter and the deploy stops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from pipeline import serving_metrics
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    name: str
+    host: str
+    port: int
+    served_model_name: str = "policy"
+    api_key_env: str = ""  # the key itself only ever lives in the environment
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+def speculative_config(method: str, drafter_dir: str, k: int) -> str:
+    return json.dumps({"method": method, "model": drafter_dir, "num_speculative_tokens": k})
+
+
+def vllm_argv(replica: ReplicaSpec, target: str, method: str, drafter_dir: str, k: int) -> list[str]:
+    """`vllm serve` for one replica. No API key here: argv ends up in process lists and logs, so
+    the key goes to vLLM through its VLLM_API_KEY environment variable (`vllm_env`)."""
+    return ["vllm", "serve", target, "--host", replica.host, "--port", str(replica.port),
+            "--served-model-name", replica.served_model_name,
+            "--speculative-config", speculative_config(method, drafter_dir, k)]
+
+
+def vllm_env(replica: ReplicaSpec) -> dict[str, str]:
+    """The launching environment: the replica's key, if any, as VLLM_API_KEY."""
+    env = dict(os.environ)
+    if replica.api_key:
+        env["VLLM_API_KEY"] = replica.api_key
+    return env
+
+
+class ReplicaDriver(Protocol):
+    def restart(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> None: ...
+
+    def stop(self, replica: ReplicaSpec) -> None: ...
+
+    def alive(self, replica: ReplicaSpec) -> bool:
+        """False once the driver knows the replica's process has exited (fail fast, not at the timeout)."""
+        ...
+
+
+class StandInDriver:
+    """Supervises local stand-in replica processes (`pipeline.standin_replica`), not vLLM."""
+
+    def __init__(self, k: int, log_dir: Path) -> None:
+        self.k, self.log_dir = k, log_dir
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def argv(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> list[str]:
+        argv = [sys.executable, "-m", "pipeline.standin_replica", "--host", replica.host,
+                "--port", str(replica.port), "--target", target, "--drafter", drafter_dir,
+                "--num-speculative-tokens", str(self.k), "--served-model-name", replica.served_model_name]
+        return argv + (["--api-key-env", replica.api_key_env] if replica.api_key_env else [])
+
+    def restart(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> None:
+        self.stop(replica)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = (self.log_dir / f"{replica.name}.log").open("ab")
+        self.processes[replica.name] = subprocess.Popen(
+            self.argv(replica, target, drafter_dir), stdout=log, stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+
+    def stop(self, replica: ReplicaSpec) -> None:
+        process = self.processes.pop(replica.name, None)
+        if process and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+    def alive(self, replica: ReplicaSpec) -> bool:
+        process = self.processes.get(replica.name)
+        return process is not None and process.poll() is None
+
+    def stop_all(self) -> None:
+        for name in list(self.processes):
+            self.stop(ReplicaSpec(name, "", 0))
+
+
+class CommandDriver:
+    """Restarts a real vLLM replica with a configured command template, e.g. a supervisor or
+    `kubectl rollout restart`; `{argv}` is the shell-quoted `vllm serve ...` line."""
+
+    def __init__(self, template: str, method: str, k: int) -> None:
+        self.template, self.method, self.k = template, method, k
+
+    def command(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> str:
+        argv = vllm_argv(replica, target, self.method, drafter_dir, self.k)
+        return self.template.format(argv=shlex.join(argv), name=replica.name, drafter=drafter_dir)
+
+    def restart(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> None:
+        subprocess.run(self.command(replica, target, drafter_dir), shell=True, check=True, env=vllm_env(replica))
+
+    def stop(self, replica: ReplicaSpec) -> None:
+        pass
+
+    def alive(self, replica: ReplicaSpec) -> bool:
+        return True  # not ours to watch: the health gate's timeout decides
+
+
+class GateError(RuntimeError):
+    """A replica failed a deploy gate; the message names the replica and the gate."""
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    ready_timeout_s: float = 120.0
+    canary_requests: int = 8
+    canary_tokens: int = 24
+    min_live_tau: float = 1.0
+
+
+def _request(replica: ReplicaSpec, path: str, body: dict | None = None, timeout: float = 60.0) -> bytes:
+    request = urllib.request.Request(replica.url + path, method="POST" if body is not None else "GET",
+                                     data=json.dumps(body).encode() if body is not None else None,
+                                     headers={"Content-Type": "application/json"})
+    if replica.api_key:
+        request.add_header("Authorization", f"Bearer {replica.api_key}")
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return response.read()
+
+
+def wait_healthy(replica: ReplicaSpec, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            _request(replica, "/health", timeout=5)
+            return
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            if not alive():
+                raise GateError(f"replica {replica.name}: its process exited before /health answered") from None
+            if time.monotonic() > deadline:
+                raise GateError(f"replica {replica.name}: /health not ready after {timeout_s:.0f}s ({exc})") from None
+            time.sleep(0.5)
+
+
+def check_replica(
+    replica: ReplicaSpec, gates: GateConfig, canary_prompts: list[list[int]], alive: Callable[[], bool] = lambda: True
+) -> float:
+    """All gates in order; returns the live mean acceptance length over the canary window."""
+    wait_healthy(replica, gates.ready_timeout_s, alive)
+    try:
+        models = [m["id"] for m in json.loads(_request(replica, "/v1/models"))["data"]]
+        if replica.served_model_name not in models:
+            raise GateError(f"replica {replica.name}: /v1/models lists {models}, not {replica.served_model_name!r}")
+        smoke = json.loads(_request(replica, "/v1/completions", {
+            "model": replica.served_model_name, "prompt": canary_prompts[0], "max_tokens": 4}))
+        if not smoke["choices"] or not smoke["choices"][0].get("text"):
+            raise GateError(f"replica {replica.name}: the smoke completion returned no text")
+        before = serving_metrics.parse(_request(replica, "/metrics").decode())
+        for i in range(gates.canary_requests):
+            _request(replica, "/v1/completions", {"model": replica.served_model_name,
+                                                  "prompt": canary_prompts[i % len(canary_prompts)],
+                                                  "max_tokens": gates.canary_tokens})
+        window = serving_metrics.parse(_request(replica, "/metrics").decode()) - before
+    except (urllib.error.URLError, KeyError, json.JSONDecodeError) as exc:
+        raise GateError(f"replica {replica.name}: {exc}") from None
+    tau = window.mean_acceptance_length
+    if tau is None or tau < gates.min_live_tau:
+        raise GateError(f"replica {replica.name}: live tau {tau} below the gate {gates.min_live_tau}")
+    return tau
+
+
+@dataclass
+class DeployReport:
+    version: str
+    replicas: list[dict] = field(default_factory=list)  # {"replica", "version", "live_tau", "deploy_s"}
+
+
+def rolling_deploy(
+    replicas: list[ReplicaSpec],
+    driver: ReplicaDriver,
+    target: str,
+    version: str,
+    drafter_dir: str,
+    previous: tuple[str, str] | None,
+    gates: GateConfig,
+    canary_prompts: list[list[int]],
+) -> DeployReport:
+    """Update replicas one at a time; on a failed gate restore `previous` (version, dir) there and stop."""
+    report = DeployReport(version)
+    for replica in replicas:
+        start = time.monotonic()
+        driver.restart(replica, target, drafter_dir)
+        try:
+            tau = check_replica(replica, gates, canary_prompts, lambda r=replica: driver.alive(r))
+        except GateError as exc:
+            if previous is not None:
+                driver.restart(replica, target, previous[1])
+                wait_healthy(replica, gates.ready_timeout_s, lambda r=replica: driver.alive(r))
+            raise GateError(
+                f"{exc}; rolled back to version {previous[0] if previous else 'none'}; deploy of "
+                f"version {version} stopped after {len(report.replicas)} of {len(replicas)} replicas"
+            ) from None
+        report.replicas.append({"replica": replica.name, "version": version, "live_tau": tau,
+                                "deploy_s": time.monotonic() - start})
+    return report

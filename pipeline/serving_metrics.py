@@ -1,0 +1,80 @@
+"""vLLM's speculative-decoding counters: render them (stand-in replica) and read them (deploy gates).
+
+    vllm:spec_decode_num_drafts_total                      draft rounds
+    vllm:spec_decode_num_draft_tokens_total                tokens proposed
+    vllm:spec_decode_num_accepted_tokens_total             tokens accepted
+    vllm:spec_decode_num_accepted_tokens_per_pos_total{position="j"}
+
+Over a window between two scrapes: mean acceptance length = 1 + accepted / drafts,
+acceptance rate = accepted / draft_tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+DRAFTS = "vllm:spec_decode_num_drafts"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    drafts: float = 0.0
+    draft_tokens: float = 0.0
+    accepted: float = 0.0
+    accepted_per_position: dict[int, float] = field(default_factory=dict)
+
+    def __sub__(self, earlier: SpecCounters) -> SpecCounters:
+        return SpecCounters(
+            self.drafts - earlier.drafts,
+            self.draft_tokens - earlier.draft_tokens,
+            self.accepted - earlier.accepted,
+            {j: v - earlier.accepted_per_position.get(j, 0.0) for j, v in self.accepted_per_position.items()},
+        )
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return 1 + self.accepted / self.drafts if self.drafts > 0 else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.draft_tokens if self.draft_tokens > 0 else None
+
+
+def parse(text: str) -> SpecCounters:
+    """Sum the counters over all label sets (engines, models) of a /metrics page."""
+    totals = {DRAFTS: 0.0, DRAFT_TOKENS: 0.0, ACCEPTED: 0.0}
+    per_position: dict[int, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue  # _created timestamps
+            name = sample.name.removesuffix("_total")
+            if name in totals:
+                totals[name] += sample.value
+            elif name == PER_POSITION:
+                position = int(sample.labels["position"])
+                per_position[position] = per_position.get(position, 0.0) + sample.value
+    return SpecCounters(totals[DRAFTS], totals[DRAFT_TOKENS], totals[ACCEPTED], per_position)
+
+
+def render(counters: SpecCounters, model_name: str) -> str:
+    """Prometheus text exposition with vLLM's names and labels."""
+    label = f'engine="0",model_name="{model_name}"'
+    lines = []
+    for name, value, help_text in (
+        (DRAFTS, counters.drafts, "Number of spec decoding drafts."),
+        (DRAFT_TOKENS, counters.draft_tokens, "Number of draft tokens."),
+        (ACCEPTED, counters.accepted, "Number of accepted tokens."),
+    ):
+        lines += [f"# HELP {name}_total {help_text}", f"# TYPE {name}_total counter",
+                  f"{name}_total{{{label}}} {value}"]
+    lines += [f"# HELP {PER_POSITION}_total Accepted tokens per draft position.",
+              f"# TYPE {PER_POSITION}_total counter"]
+    lines += [f'{PER_POSITION}_total{{{label},position="{j}"}} {v}'
+              for j, v in sorted(counters.accepted_per_position.items())]
+    return "\n".join(lines) + "\n"
