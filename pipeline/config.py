@@ -117,6 +117,41 @@ class PromotionConfig(_Strict):
     margin: float = Field(default=0.02, ge=0, description="Promote when new tau > champion tau + margin.")
 
 
+class ReplicaConfig(_Strict):
+    name: str = Field(description="Replica name (shown in the fleet asset).")
+    host: str = Field(default="127.0.0.1", description="Host the replica listens on.")
+    port: int = Field(ge=1, le=65535, description="Port of its OpenAI-compatible server.")
+    served_model_name: str = Field(default="policy", description="Model name it serves.")
+    api_key_env: str = Field(default="", description="Environment variable holding its API key, if any.")
+
+
+class FleetConfig(_Strict):
+    driver: Literal["standin", "command", "none"] = Field(
+        default="standin", description="`standin`: local CPU stand-in replicas (not vLLM); `command`: restart real "
+        "vLLM replicas with `fleet.command`; `none`: no fleet."
+    )
+    command: str = Field(default="", description="Restart command template for `command`: {name}, {argv}, {drafter}.")
+    replicas: list[ReplicaConfig] = Field(
+        default_factory=lambda: [
+            ReplicaConfig(name="standin-0", port=8101), ReplicaConfig(name="standin-1", port=8102),
+        ],
+        description="The serving fleet.",
+    )
+    canary_requests: int = Field(default=4, ge=1, description="Completions in a replica's canary window.")
+    canary_tokens: int = Field(default=24, ge=1, description="Tokens per canary completion.")
+    min_live_tau: float = Field(default=1.0, ge=1.0, description="Deploy gate: live tau over the canary window.")
+    ready_timeout_s: float = Field(default=120.0, gt=0, description="Time a restarted replica has to be healthy.")
+
+    @model_validator(mode="after")
+    def _command_needs_template(self) -> FleetConfig:
+        if self.driver == "command" and "{argv}" not in self.command:
+            raise ValueError("fleet.driver command needs fleet.command with an {argv} placeholder")
+        names = [r.name for r in self.replicas]
+        if len(set(names)) != len(names):
+            raise ValueError("fleet.replicas names must be unique")
+        return self
+
+
 class StorageConfig(_Strict):
     root: str = Field(default="", description="Object store root URI; `<data_dir>/store` when empty.")
     endpoint_url: str = Field(default="", description="S3-compatible endpoint (MinIO, Ceph, ...); AWS when empty.")
@@ -173,6 +208,7 @@ class PipelineConfig(_Strict):
     )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Acceptance evaluation.")
     promotion: PromotionConfig = Field(default_factory=PromotionConfig, description="Champion promotion.")
+    fleet: FleetConfig = Field(default_factory=FleetConfig, description="The serving fleet the champion goes to.")
     simulation: SimulationConfig = Field(default_factory=SimulationConfig, description="Simulated RL source.")
 
     @property

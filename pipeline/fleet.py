@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -74,10 +75,13 @@ class ReplicaDriver(Protocol):
 
 
 class StandInDriver:
-    """Supervises local stand-in replica processes (`pipeline.standin_replica`), not vLLM."""
+    """Supervises local stand-in replica processes (`pipeline.standin_replica`), not vLLM.
 
-    def __init__(self, k: int, log_dir: Path) -> None:
-        self.k, self.log_dir = k, log_dir
+    Each replica's pid is kept in `<state_dir>/<name>.pid`, so a later driver (the next Dagster
+    run, another process) can replace a replica an earlier one started."""
+
+    def __init__(self, k: int, state_dir: Path) -> None:
+        self.k, self.state_dir = k, state_dir
         self.processes: dict[str, subprocess.Popen] = {}
 
     def argv(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> list[str]:
@@ -86,31 +90,56 @@ class StandInDriver:
                 "--num-speculative-tokens", str(self.k), "--served-model-name", replica.served_model_name]
         return argv + (["--api-key-env", replica.api_key_env] if replica.api_key_env else [])
 
+    def _pid_file(self, replica: ReplicaSpec) -> Path:
+        return self.state_dir / f"{replica.name}.pid"
+
     def restart(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> None:
         self.stop(replica)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = (self.log_dir / f"{replica.name}.log").open("ab")
-        self.processes[replica.name] = subprocess.Popen(
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        log = (self.state_dir / f"{replica.name}.log").open("ab")
+        process = subprocess.Popen(
             self.argv(replica, target, drafter_dir), stdout=log, stderr=subprocess.STDOUT,
-            cwd=Path(__file__).resolve().parent.parent,
+            cwd=Path(__file__).resolve().parent.parent, start_new_session=True,
         )
+        self.processes[replica.name] = process
+        self._pid_file(replica).write_text(str(process.pid))
 
     def stop(self, replica: ReplicaSpec) -> None:
         process = self.processes.pop(replica.name, None)
-        if process and process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        pid_file = self._pid_file(replica)
+        pid = process.pid if process else (int(pid_file.read_text()) if pid_file.exists() else None)
+        if pid is not None and _running(pid):
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 15
+            while _running(pid) and time.monotonic() < deadline:
+                if process is not None:
+                    process.poll()  # reap our own child so it does not linger as a zombie
+                time.sleep(0.1)
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        if process is not None:
+            process.wait()
+        pid_file.unlink(missing_ok=True)
 
     def alive(self, replica: ReplicaSpec) -> bool:
         process = self.processes.get(replica.name)
-        return process is not None and process.poll() is None
+        if process is not None:
+            return process.poll() is None
+        pid_file = self._pid_file(replica)
+        return pid_file.exists() and _running(int(pid_file.read_text()))
 
-    def stop_all(self) -> None:
-        for name in list(self.processes):
-            self.stop(ReplicaSpec(name, "", 0))
+    def stop_all(self, replicas: list[ReplicaSpec]) -> None:
+        for replica in replicas:
+            self.stop(replica)
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 class CommandDriver:

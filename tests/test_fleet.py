@@ -120,9 +120,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture
 def driver(tmp_path: Path) -> Iterator[StandInDriver]:
-    d = StandInDriver(k=3, log_dir=tmp_path / "logs")
+    d = StandInDriver(k=3, state_dir=tmp_path / "fleet")
     yield d
-    d.stop_all()
+    d.stop_all([ReplicaSpec(name, "", 0) for name in list(d.processes)])
 
 
 GATES = GateConfig(ready_timeout_s=90, canary_requests=2, canary_tokens=8, min_live_tau=1.0)
@@ -175,3 +175,14 @@ def test_rolling_deploy_and_rollback(models: dict[str, str], driver: StandInDriv
     for replica in replicas:
         assert check_replica(replica, GATES, PROMPTS) >= 1.0
     assert driver.argv(replicas[0], models["target"], models["v1"]) == driver.processes["r0"].args
+
+    # Another driver (the next Dagster run) takes over the replicas through their pid files.
+    successor = StandInDriver(k=3, state_dir=driver.state_dir)
+    old_pid = driver.processes["r1"].pid
+    driver.processes.clear()
+    assert successor.alive(replicas[1])
+    successor.restart(replicas[1], models["target"], models["v2"])
+    assert check_replica(replicas[1], GATES, PROMPTS) >= 1.0
+    assert successor.processes["r1"].pid != old_pid
+    successor.stop_all(replicas)
+    assert not any(successor.alive(r) for r in replicas)
