@@ -65,8 +65,9 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None) -> Pat
     from tqdm import tqdm
 
     from definitions import build_definitions
-    from jobs import SENSOR_NAME, rl_step_sensor
-    from pipeline import report
+    from jobs import DEPLOY_SENSOR_NAME, SENSOR_NAME, champion_sensor, rl_step_sensor
+    from pipeline import deploy, report
+    from pipeline.registry import DrafterRegistry
     from pipeline.simulation import SimulatedRL
     from pipeline.store import open_store
 
@@ -75,7 +76,11 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None) -> Pat
     store = open_store(cfg)
     simulator = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
     job = defs.resolve_job_def("rl_step_job")
+    deploy_job = defs.resolve_job_def("deploy_job")
     resources = defs.resources
+    registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)
+    with_fleet = cfg.fleet.driver != "none"
+    quiet = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
     out(f"Co-training demo: {steps} simulated RL steps on {cfg.device}, drafter kind {cfg.drafter.kind}")
     out(f"  object store {cfg.storage_root}")
@@ -86,44 +91,65 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None) -> Pat
     simulator.pretrained()  # cached after the first demo
     out(f"  pre-trained target ready in {time.perf_counter() - tick:.1f}s")
 
-    rows, step_walls, cursor = [], [], None
+    if with_fleet:
+        out(f"  fleet: {len(cfg.fleet.replicas)} {cfg.fleet.driver} replicas "
+            f"({'local CPU stand-ins, not vLLM' if cfg.fleet.driver == 'standin' else cfg.fleet.driver})")
+    rows, step_walls, cursor, deploy_cursor = [], [], None, None
     bar = tqdm(range(1, steps + 1), desc="RL steps", unit="step", file=sys.stdout, dynamic_ncols=True)
-    for step in bar:
-        tick = time.perf_counter()
-        bar.set_postfix_str(f"step {step}: simulating the RL update and rollouts")
-        simulator.run_step(step)
+    try:
+        for step in bar:
+            tick = time.perf_counter()
+            bar.set_postfix_str(f"step {step}: simulating the RL update and rollouts")
+            simulator.run_step(step)
 
-        # One sensor tick, exactly as the daemon would run it, against the persisted instance.
-        bar.set_postfix_str(f"step {step}: sensor tick")
-        context = dg.build_sensor_context(instance=instance, cursor=cursor, sensor_name=SENSOR_NAME,
-                                          resources=resources, definitions=defs)
-        result = rl_step_sensor(context)
-        if isinstance(result, dg.SkipReason):
-            raise RuntimeError(f"sensor saw no new step after simulating step {step}: {result.skip_message}")
-        for request in result.dynamic_partitions_requests or []:
-            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
-        cursor = result.cursor
-        for run_request in result.run_requests:
-            bar.set_postfix_str(f"step {step}: {run_request.partition_key} running in Dagster")
-            job.execute_in_process(
-                instance=instance, partition_key=run_request.partition_key,
-                tags={RUN_KEY_TAG: run_request.run_key, SENSOR_NAME_TAG: SENSOR_NAME},
+            # One sensor tick, exactly as the daemon would run it, against the persisted instance.
+            bar.set_postfix_str(f"step {step}: sensor tick")
+            result = rl_step_sensor(dg.build_sensor_context(
+                instance=instance, cursor=cursor, sensor_name=SENSOR_NAME, resources=resources, definitions=defs))
+            if isinstance(result, dg.SkipReason):
+                raise RuntimeError(f"sensor saw no new step after simulating step {step}: {result.skip_message}")
+            for request in result.dynamic_partitions_requests or []:
+                instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+            cursor = result.cursor
+            for run_request in result.run_requests:
+                bar.set_postfix_str(f"step {step}: {run_request.partition_key} running in Dagster")
                 # The run's full event log is in the instance (`make ui`); the terminal shows progress only.
-                run_config={"loggers": {"console": {"config": {"log_level": "WARNING"}}}},
-            )
-        step_walls.append(time.perf_counter() - tick)
-        rows.append(report.step_row(store, cfg.run, step))
-        r = rows[-1]
-        bar.write(f"  step {step}: {step_walls[-1]:5.1f}s  tau co-trained {r['tau_cotrained']:.2f}  "
-                  f"served {r['tau_served']:.2f}  baseline {r['tau_baseline']:.2f}"
-                  f"{'  (promoted)' if r['promoted'] else ''}")
+                job.execute_in_process(instance=instance, partition_key=run_request.partition_key, run_config=quiet,
+                                       tags={RUN_KEY_TAG: run_request.run_key, SENSOR_NAME_TAG: SENSOR_NAME})
+
+            # The champion sensor's tick: a promotion is rolled out to the fleet.
+            if with_fleet:
+                deployed = champion_sensor(dg.build_sensor_context(
+                    instance=instance, cursor=deploy_cursor, sensor_name=DEPLOY_SENSOR_NAME, resources=resources,
+                    definitions=defs))
+                if not isinstance(deployed, dg.SkipReason):
+                    for run_request in deployed.run_requests:
+                        bar.set_postfix_str(f"step {step}: rolling {run_request.run_key} out to the fleet")
+                        deploy_job.execute_in_process(
+                            instance=instance, run_config={**run_request.run_config, **quiet},
+                            tags={RUN_KEY_TAG: run_request.run_key, SENSOR_NAME_TAG: DEPLOY_SENSOR_NAME})
+                    deploy_cursor = deployed.cursor
+            step_walls.append(time.perf_counter() - tick)
+            rows.append({**report.step_row(store, cfg.run, step),
+                         "deployed_version": registry.alias_version("live") if with_fleet else None})
+            r = rows[-1]
+            promoted = "  (promoted)" if r["promoted"] else ""
+            live = f"  fleet runs v{r['deployed_version']}" if r["deployed_version"] else ""
+            bar.write(f"  step {step}: {step_walls[-1]:5.1f}s  tau co-trained {r['tau_cotrained']:.2f}  "
+                      f"served {r['tau_served']:.2f}  baseline {r['tau_baseline']:.2f}{promoted}{live}")
+        fleet_state = deploy.read_state(store, cfg.run)["replicas"] if with_fleet else []
+    finally:
+        if with_fleet and cfg.fleet.driver == "standin":
+            deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the demo's stand-ins end with it
     bar.close()
     wall = time.perf_counter() - start
 
     out_dir = cfg.data_path / "demo"
     k = cfg.eval.num_speculative_tokens
     plot = report.plot(rows, k, out_dir / "acceptance.png", cfg.drafter.kind)
-    summary = report.write_summary(rows, wall, step_walls, out_dir / "summary.json",
+    fleet = [{"replica": r["replica"], "version": r["version"], "live_tau": round(r["live_tau"], 4)}
+             for r in fleet_state]
+    summary = report.write_summary(rows, wall, step_walls, out_dir / "summary.json", fleet=fleet,
                                    num_speculative_tokens=k, drafter_kind=cfg.drafter.kind, device=cfg.device)
     out()
     out(report.format_table(rows))
@@ -132,6 +158,9 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None) -> Pat
     out(f"tau over {steps} steps: co-trained {first['tau_cotrained']:.2f} -> {last['tau_cotrained']:.2f}, "
         f"never retrained {first['tau_baseline']:.2f} -> {last['tau_baseline']:.2f} "
         f"({(last['tau_baseline'] / first['tau_baseline'] - 1) * 100:+.0f}%)")
+    for replica in fleet:
+        out(f"fleet: {replica['replica']} (stand-in) runs drafter version {replica['version']}, "
+            f"live tau {replica['live_tau']:.2f}")
     out(f"wall time {wall:.1f}s ({wall / steps:.1f}s per step)")
     out(f"plot:    {plot}")
     out(f"summary: {summary}")
@@ -180,8 +209,8 @@ def status(config_path: str | None) -> None:
     _quiet_libraries()
     import dagster as dg
 
-    from jobs import committed_steps
     from pipeline.registry import DrafterRegistry
+    from pipeline.rollouts import committed_steps
     from pipeline.store import open_store
 
     instance = dg.DagsterInstance.get()

@@ -8,15 +8,16 @@ from __future__ import annotations
 import dagster as dg
 
 from assets.cotraining import acceptance, drafter, drafter_buffer, hidden_states, rollouts
-from jobs import rl_step_job, rl_step_sensor, simulate_rl_job
+from assets.fleet import fleet
+from jobs import champion_sensor, deploy_job, rl_step_job, rl_step_sensor, simulate_rl_job
 from resources import build_resources
 
 
 def build_definitions(config_path: str | None = None, overrides: dict | None = None) -> dg.Definitions:
     return dg.Definitions(
-        assets=[rollouts, hidden_states, drafter_buffer, drafter, acceptance],
-        jobs=[rl_step_job, simulate_rl_job],
-        sensors=[rl_step_sensor],
+        assets=[rollouts, hidden_states, drafter_buffer, drafter, acceptance, fleet],
+        jobs=[rl_step_job, simulate_rl_job, deploy_job],
+        sensors=[rl_step_sensor, champion_sensor],
         resources=build_resources(config_path, overrides),
     )
 

@@ -4,11 +4,18 @@ import dagster as dg
 from pydantic import Field
 
 from assets.cotraining import rl_step
-from pipeline import rollouts as rollouts_lib
-from pipeline.steps import parse_step_key, step_key
-from resources import ObjectStoreResource, PipelineConfigResource, RolloutSourceResource
+from pipeline.rollouts import committed_steps
+from pipeline.steps import step_key
+from resources import MlflowResource, ObjectStoreResource, PipelineConfigResource, RolloutSourceResource
 
 SENSOR_NAME = "rl_step_sensor"
+DEPLOY_SENSOR_NAME = "champion_sensor"
+
+deploy_job = dg.define_asset_job(
+    "deploy_job",
+    selection=dg.AssetSelection.assets("fleet"),
+    description="Roll the `champion` drafter out to the serving fleet.",
+)
 
 rl_step_job = dg.define_asset_job(
     "rl_step_job",
@@ -16,19 +23,6 @@ rl_step_job = dg.define_asset_job(
     partitions_def=rl_step,
     description="One RL step through the loop: rollouts, hidden states, buffer, drafter, acceptance.",
 )
-
-
-def committed_steps(store, run: str) -> list[int]:
-    """Steps under rollouts/<run>/ whose policy pointer (the commit point) exists."""
-    steps = []
-    for name in store.list_dirs(f"rollouts/{run}"):
-        try:
-            step = parse_step_key(name)
-        except ValueError:
-            continue  # not a step directory; the RL trainer may keep other things there
-        if rollouts_lib.is_committed(store, run, step):
-            steps.append(step)
-    return sorted(steps)
 
 
 @dg.sensor(
@@ -78,3 +72,35 @@ def simulate_rl_steps(
 @dg.job(description="Simulate further RL steps with the built-in RL stand-in (embedded default source).")
 def simulate_rl_job() -> None:
     simulate_rl_steps()
+
+
+@dg.sensor(
+    name=DEPLOY_SENSOR_NAME,
+    job=deploy_job,
+    minimum_interval_seconds=30,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Watches the `champion` alias of the registered drafter (moved by policy or by a person in the "
+    "MLflow UI) and requests one deploy per version: run_key = <model>:<version>.",
+)
+def champion_sensor(
+    context: dg.SensorEvaluationContext, settings: PipelineConfigResource, mlflow: MlflowResource
+) -> dg.SensorResult | dg.SkipReason:
+    cfg = settings.load()
+    if cfg.fleet.driver == "none":
+        return dg.SkipReason("fleet.driver is none: no fleet to deploy to")
+    registry = mlflow.registry()
+    champion = registry.alias_version("champion")
+    if champion is None:
+        return dg.SkipReason(f"{registry.model_name} has no `champion` alias yet")
+    if champion == context.cursor:
+        return dg.SkipReason(f"champion {registry.model_name} version {champion} already requested")
+    return dg.SensorResult(
+        run_requests=[
+            dg.RunRequest(
+                run_key=f"{registry.model_name}:{champion}",
+                run_config={"ops": {"fleet": {"config": {"version": champion}}}},
+                tags={"drafter_version": champion},
+            )
+        ],
+        cursor=champion,
+    )

@@ -4,6 +4,7 @@ Aliases, not stages:
     challenger  the newest evaluated drafter
     champion    the drafter that serves (moved by policy or by a person)
     baseline    the first drafter ever registered: the never-retrained reference
+    live        the version the serving fleet runs (set by the deploy job)
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.checkpoint import load_drafter
 from pipeline.eagle import EagleDrafter
+from pipeline.eagle3 import Eagle3Drafter
 
 ARTIFACT_PATH = "drafter"
-ALIASES = ("challenger", "champion", "baseline")
+ALIASES = ("challenger", "champion", "baseline", "live")
 
 
 class MetricsBatcher:
@@ -118,7 +120,13 @@ class DrafterRegistry:
     def version_tags(self, version: str) -> dict[str, str]:
         return dict(self.client.get_model_version(self.model_name, version).tags)
 
-    def load(self, version: str) -> EagleDrafter:
+    def download(self, version: str, directory: Path) -> Path:
+        """The version's checkpoint directory, copied to `directory` (where replicas read it)."""
+        run_id = self.client.get_model_version(self.model_name, version).run_id
+        directory.mkdir(parents=True, exist_ok=True)
+        return Path(self.client.download_artifacts(run_id, ARTIFACT_PATH, str(directory)))
+
+    def load(self, version: str) -> EagleDrafter | Eagle3Drafter:
         """Download a version's checkpoint directory and load it (safetensors only)."""
         run_id = self.client.get_model_version(self.model_name, version).run_id
         with tempfile.TemporaryDirectory() as tmp:

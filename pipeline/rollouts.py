@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.steps import rollouts_prefix
+from pipeline.steps import parse_step_key, rollouts_prefix
 from pipeline.store import ObjectStore
 
 SCHEMA_VERSION = 1
@@ -113,6 +113,19 @@ def write_rollouts(store: ObjectStore, run: str, step: int, rollouts: list[Rollo
 def is_committed(store: ObjectStore, run: str, step: int) -> bool:
     prefix = rollouts_prefix(run, step)
     return store.exists(f"{prefix}/{POLICY_FILE}") and store.exists(f"{prefix}/{ROLLOUTS_FILE}")
+
+
+def committed_steps(store: ObjectStore, run: str) -> list[int]:
+    """Steps under rollouts/<run>/ whose policy pointer (the commit point) exists."""
+    steps = []
+    for name in store.list_dirs(f"rollouts/{run}"):
+        try:
+            step = parse_step_key(name)
+        except ValueError:
+            continue  # not a step directory; the RL trainer may keep other things there
+        if is_committed(store, run, step):
+            steps.append(step)
+    return sorted(steps)
 
 
 def read_rollouts(store: ObjectStore, run: str, step: int) -> list[Rollout]:

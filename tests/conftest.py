@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,17 @@ TINY = {
 }
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def write_config(directory: Path, overrides: dict | None = None) -> Path:
-    data = {**TINY, "data_dir": str(directory / "data")}
+    """A tiny config with its data under `directory`; stand-in replicas (if deployed to) on free ports."""
+    fleet = {"replicas": [{"name": f"standin-{i}", "port": free_port()} for i in range(2)],
+             "canary_requests": 2, "canary_tokens": 8}
+    data = {**TINY, "fleet": fleet, "data_dir": str(directory / "data")}
     for key, value in (overrides or {}).items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     path = directory / "pipeline.yaml"

@@ -20,6 +20,7 @@ from pipeline.steps import hidden_states_prefix, rollouts_prefix
 from pipeline.store import ObjectStore, open_store
 
 ASSETS = ["rollouts", "hidden_states", "drafter_buffer", "drafter", "acceptance"]
+ALL_ASSETS = [*ASSETS, "fleet"]
 
 
 def _fake_step(store: ObjectStore, run: str, step: int) -> None:
@@ -32,7 +33,7 @@ def test_definitions_load(tiny_config_path: Path) -> None:
     dg.Definitions.validate_loadable(defs)
     graph = defs.resolve_asset_graph()
     keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
-    assert keys == set(ASSETS)
+    assert keys == set(ALL_ASSETS)
     for key in graph.get_all_asset_keys():
         assert graph.get(key).description, f"asset {key} has no description"
     assert defs.resolve_job_def("rl_step_job").partitions_def.name == "rl_step"

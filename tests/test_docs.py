@@ -29,6 +29,8 @@ def test_every_config_key_is_documented_with_its_default() -> None:
     actual = _leaves(load_config().model_dump())
     assert sorted(documented) == sorted(actual), "README configuration reference and config keys differ"
     for key, default in documented.items():
+        if default == "[...]":  # a list of mappings: described in words
+            continue
         parsed = yaml.safe_load(default) if default != '""' else ""
         code = json.dumps(actual[key])
         assert parsed == actual[key], f"README says {key} defaults to {default}, the code says {code}"

@@ -49,6 +49,13 @@ def test_demo_end_to_end(tiny_config_path: Path) -> None:
             assert 1.0 <= row[key] <= ceiling
     assert summary["steps"][0]["tau_served"] == 1.0  # nothing served before the first drafter
     assert summary["steps"][0]["promoted"] is True
+    # Every promotion reached the two stand-in replicas: the fleet runs the champion after each step.
+    for row in summary["steps"]:
+        assert row["deployed_version"] == (row["version_cotrained"] if row["promoted"] else row["version_served"])
+    assert [r["replica"] for r in summary["fleet"]] == ["standin-0", "standin-1"]
+    assert {r["version"] for r in summary["fleet"]} == {summary["steps"][-1]["deployed_version"]}
+    assert all(r["live_tau"] >= 1.0 for r in summary["fleet"])
+    assert "runs drafter version" in proc.stdout
     # The buffer holds the training samples of the last two steps (buffer_steps=2); held-out ones never.
     store = open_store(cfg)
     trained_on = {s: shards.read_manifest(store, cfg.run, s).num_samples for s in (1, 2, 3)}

@@ -18,11 +18,10 @@ import torch
 from moto.server import ThreadedMotoServer
 
 from definitions import build_definitions
-from jobs import committed_steps
 from pipeline import buffer, shards
 from pipeline import target as target_lib
 from pipeline.config import load_config
-from pipeline.rollouts import PolicyPointer, Rollout, read_rollouts, write_rollouts
+from pipeline.rollouts import PolicyPointer, Rollout, committed_steps, read_rollouts, write_rollouts
 from pipeline.simulation import SimulatedRL
 from pipeline.steps import hidden_states_prefix
 from pipeline.store import ObjectStore, open_store, storage_options_for

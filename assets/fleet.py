@@ -1,0 +1,43 @@
+"""The serving fleet as an asset: materialized by the deploy job, once per promotion."""
+
+import dagster as dg
+from pydantic import Field
+
+from pipeline import deploy
+from resources import MlflowResource, ObjectStoreResource, PipelineConfigResource
+
+
+class DeployConfig(dg.Config):
+    version: str = Field(description="Registered drafter version to roll out (the `champion`).")
+
+
+@dg.asset(
+    group_name="serving",
+    kinds={"vllm"},
+    description="The serving fleet: which drafter version runs on which replica, since when, and its live "
+    "acceptance over the canary window. Each replica is restarted with the new --speculative-config one at a "
+    "time, gated on /health, /v1/models, a smoke completion and live tau from /metrics; a failed replica is "
+    "rolled back and the deploy stops.",
+)
+def fleet(
+    context: dg.AssetExecutionContext,
+    config: DeployConfig,
+    settings: PipelineConfigResource,
+    object_store: ObjectStoreResource,
+    mlflow: MlflowResource,
+) -> dg.MaterializeResult:
+    """Rolling update to `config.version`; the registry's `live` alias follows only a full success."""
+    cfg = settings.load()
+    report = deploy.deploy(cfg, object_store.store(), mlflow.registry(), config.version)
+    table = "| replica | version | live tau | deploy s |\n|---|---|---|---|\n" + "".join(
+        f"| {r['replica']} | {r['version']} | {r['live_tau']:.2f} | {r['deploy_s']:.1f} |\n" for r in report.replicas
+    )
+    context.log.info(f"version {config.version} live on {len(report.replicas)} replicas")
+    return dg.MaterializeResult(
+        metadata={
+            "version": config.version,
+            "replicas": dg.MetadataValue.md(table),
+            "mean_live_tau": sum(r["live_tau"] for r in report.replicas) / len(report.replicas),
+            "driver": cfg.fleet.driver,
+        }
+    )

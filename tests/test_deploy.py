@@ -1,0 +1,77 @@
+"""Promotion to serving through Dagster: the champion sensor, the deploy job, stand-in replicas.
+
+The replicas are stand-in processes (`pipeline.standin_replica`, not vLLM) on loopback ports.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import dagster as dg
+
+from definitions import build_definitions
+from jobs import DEPLOY_SENSOR_NAME, champion_sensor
+from pipeline import deploy
+from pipeline.config import load_config
+from pipeline.fleet import StandInDriver
+from pipeline.registry import DrafterRegistry
+from pipeline.simulation import SimulatedRL
+from pipeline.store import open_store
+from tests.conftest import write_config
+
+
+def _tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None):  # noqa: ANN202
+    return champion_sensor(dg.build_sensor_context(instance=instance, cursor=cursor, sensor_name=DEPLOY_SENSOR_NAME,
+                                                   definitions=defs, resources=defs.resources))
+
+
+def test_promotions_reach_the_fleet_once_each(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"promotion": {"policy": "manual"}})
+    cfg = load_config(path)
+    store = open_store(cfg)
+    simulator = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
+    defs = build_definitions(str(path))
+    registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name)
+    try:
+        with dg.instance_for_test() as instance:
+            # Step 1 trains version 1; with nothing to compare against, even the manual policy has no
+            # champion: a person promotes it in the MLflow UI (here: the MLflow client).
+            simulator.run_step(1)
+            instance.add_dynamic_partitions("rl_step", ["step-000001"])
+            assert defs.resolve_job_def("rl_step_job").execute_in_process(
+                instance=instance, partition_key="step-000001").success
+            assert isinstance(_tick(defs, instance, None), dg.SkipReason)
+            registry.client.set_registered_model_alias(cfg.mlflow.model_name, "champion", "1")
+
+            tick = _tick(defs, instance, None)
+            assert [r.run_key for r in tick.run_requests] == [f"{cfg.mlflow.model_name}:1"]
+            deploy_job = defs.resolve_job_def("deploy_job")
+            assert deploy_job.execute_in_process(instance=instance, run_config=tick.run_requests[0].run_config).success
+            assert isinstance(_tick(defs, instance, tick.cursor), dg.SkipReason)  # exactly once
+            assert registry.alias_version("live") == "1"
+
+            simulator.run_step(2)
+            instance.add_dynamic_partitions("rl_step", ["step-000002"])
+            assert defs.resolve_job_def("rl_step_job").execute_in_process(
+                instance=instance, partition_key="step-000002").success
+            assert registry.alias_version("champion") == "1"  # manual: the new version waits for a person
+            registry.client.set_registered_model_alias(cfg.mlflow.model_name, "champion", "2")
+            second = _tick(defs, instance, tick.cursor)
+            assert [r.run_key for r in second.run_requests] == [f"{cfg.mlflow.model_name}:2"]
+            run_config = second.run_requests[0].run_config
+            assert deploy_job.execute_in_process(instance=instance, run_config=run_config).success
+
+            md = instance.get_latest_materialization_event(dg.AssetKey("fleet")).asset_materialization.metadata
+            assert md["version"].value == "2"
+            assert md["mean_live_tau"].value >= 1.0
+        state = deploy.read_state(store, cfg.run)
+        assert state["version"] == "2"
+        assert [r["replica"] for r in state["replicas"]] == ["standin-0", "standin-1"]
+        assert registry.alias_version("live") == "2"
+        for replica in deploy.replicas(cfg):  # both serve after the second rollout
+            with urllib.request.urlopen(f"{replica.url}/v1/models", timeout=10) as response:
+                assert json.loads(response.read())["data"][0]["id"] == "policy"
+    finally:
+        StandInDriver(4, cfg.data_path / "fleet" / "replicas").stop_all(deploy.replicas(cfg))
