@@ -9,7 +9,7 @@ import dagster as dg
 
 from assets.cotraining import acceptance, drafter, drafter_buffer, hidden_states, rollouts
 from assets.fleet import fleet
-from jobs import champion_sensor, deploy_job, rl_step_job, rl_step_sensor, simulate_rl_job
+from jobs import champion_sensor, deploy_job, live_tau_sensor, rl_step_job, rl_step_sensor, simulate_rl_job
 from resources import build_resources
 
 
@@ -17,7 +17,7 @@ def build_definitions(config_path: str | None = None, overrides: dict | None = N
     return dg.Definitions(
         assets=[rollouts, hidden_states, drafter_buffer, drafter, acceptance, fleet],
         jobs=[rl_step_job, simulate_rl_job, deploy_job],
-        sensors=[rl_step_sensor, champion_sensor],
+        sensors=[rl_step_sensor, champion_sensor, live_tau_sensor],
         resources=build_resources(config_path, overrides),
     )
 

@@ -18,6 +18,7 @@ from resources import MlflowResource, ObjectStoreResource, PipelineConfigResourc
 rl_step = dg.DynamicPartitionsDefinition(name="rl_step")
 
 GROUP = "cotraining"
+RETRAIN_TAG = "retrain_reason"  # set by live_tau_sensor: train even off the interval
 
 
 def _step(context: dg.AssetExecutionContext) -> int:
@@ -147,7 +148,7 @@ def drafter(
         "rl_step": context.partition_key,
         "pipeline_run": cfg.run,
     }
-    outcome = cotrain.train_step(store, cfg, step, registry, tags)
+    outcome = cotrain.train_step(store, cfg, step, registry, tags, context.run.tags.get(RETRAIN_TAG))
     cotrain.write_outcome(store, cfg.run, step, outcome)
     metadata: dict = {"trained": outcome.trained, "reason": outcome.reason, "buffer_samples": outcome.buffer_samples}
     if outcome.trained and outcome.result:

@@ -1,15 +1,22 @@
 """Jobs and sensors: new RL steps in, one run per step; simulated steps on demand."""
 
+import json
+from dataclasses import asdict
+
 import dagster as dg
 from pydantic import Field
 
-from assets.cotraining import rl_step
+from assets.cotraining import RETRAIN_TAG, rl_step
+from pipeline import deploy
+from pipeline.fleet import scrape
 from pipeline.rollouts import committed_steps
+from pipeline.serving_metrics import SpecCounters
 from pipeline.steps import step_key
 from resources import MlflowResource, ObjectStoreResource, PipelineConfigResource, RolloutSourceResource
 
 SENSOR_NAME = "rl_step_sensor"
 DEPLOY_SENSOR_NAME = "champion_sensor"
+LIVE_TAU_SENSOR_NAME = "live_tau_sensor"
 
 deploy_job = dg.define_asset_job(
     "deploy_job",
@@ -104,3 +111,56 @@ def champion_sensor(
         ],
         cursor=champion,
     )
+
+
+@dg.sensor(
+    name=LIVE_TAU_SENSOR_NAME,
+    job=rl_step_job,
+    minimum_interval_seconds=60,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Scrapes each replica's /metrics, records the live tau since the last tick as an observation "
+    "of `fleet`, and below fleet.live_tau_floor requests retraining on the newest step.",
+)
+def live_tau_sensor(
+    context: dg.SensorEvaluationContext, settings: PipelineConfigResource, object_store: ObjectStoreResource
+) -> dg.SensorResult | dg.SkipReason:
+    cfg = settings.load()
+    if cfg.fleet.driver == "none" or not cfg.fleet.replicas:
+        return dg.SkipReason("no fleet configured")
+    earlier = json.loads(context.cursor) if context.cursor else {}
+    now, metadata, taus = {}, {}, []
+    for replica in deploy.replicas(cfg):
+        try:
+            counters = scrape(replica)
+        except OSError as exc:
+            metadata[f"{replica.name}_status"] = f"unreachable: {exc}"
+            continue
+        now[replica.name] = asdict(counters)
+        if replica.name in earlier:
+            before = earlier[replica.name]
+            window = counters - SpecCounters(
+                before["drafts"],
+                before["draft_tokens"],
+                before["accepted"],
+                {int(j): v for j, v in before["accepted_per_position"].items()},
+            )
+            if window.mean_acceptance_length is not None:
+                metadata[f"{replica.name}_live_tau"] = window.mean_acceptance_length
+                taus.append(window.mean_acceptance_length)
+    events = [dg.AssetObservation(asset_key="fleet", metadata=metadata)] if metadata else []
+    requests = []
+    floor = cfg.fleet.live_tau_floor
+    if taus and floor and sum(taus) / len(taus) < floor:
+        steps = committed_steps(object_store.store(), cfg.run)
+        reason = f"live tau {sum(taus) / len(taus):.2f} < fleet.live_tau_floor {floor}"
+        if steps:
+            requests.append(
+                dg.RunRequest(
+                    # One retraining per step: the daemon drops repeats of a run_key.
+                    partition_key=step_key(steps[-1]),
+                    run_key=f"retrain:{step_key(steps[-1])}",
+                    asset_selection=[dg.AssetKey("drafter"), dg.AssetKey("acceptance")],
+                    tags={RETRAIN_TAG: reason},
+                )
+            )
+    return dg.SensorResult(asset_events=events, run_requests=requests, cursor=json.dumps(now))

@@ -141,6 +141,9 @@ class FleetConfig(_Strict):
     canary_tokens: int = Field(default=24, ge=1, description="Tokens per canary completion.")
     min_live_tau: float = Field(default=1.0, ge=1.0, description="Deploy gate: live tau over the canary window.")
     ready_timeout_s: float = Field(default=120.0, gt=0, description="Time a restarted replica has to be healthy.")
+    live_tau_floor: float = Field(
+        default=0.0, ge=0.0, description="Request retraining when the fleet's live tau falls below this (0: never)."
+    )
 
     @model_validator(mode="after")
     def _command_needs_template(self) -> FleetConfig:

@@ -56,10 +56,15 @@ def read_outcome(store: ObjectStore, run: str, step: int) -> dict:
     return store.read_json(drafter_key(run, step))
 
 
-def training_decision(step: int, buffer_samples: int, cfg: TrainConfig) -> tuple[bool, str]:
-    """FastRL's trigger: every `training_interval_steps`, once the buffer holds `min_samples`."""
+def training_decision(
+    step: int, buffer_samples: int, cfg: TrainConfig, requested_by: str | None = None
+) -> tuple[bool, str]:
+    """FastRL's trigger: every `training_interval_steps`, once the buffer holds `min_samples`;
+    a request (e.g. live tau below its floor) overrides the interval, not the other two."""
     if not cfg.enable_drafter_training:
         return False, "train.enable_drafter_training is false"
+    if requested_by and buffer_samples >= cfg.min_samples:
+        return True, f"requested ({requested_by}); buffer holds {buffer_samples} samples"
     if step % cfg.training_interval_steps:
         return False, f"step {step} is not a multiple of train.training_interval_steps={cfg.training_interval_steps}"
     if buffer_samples < cfg.min_samples:
@@ -99,10 +104,11 @@ def _initial_drafter(
 
 
 def train_step(
-    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, tags: dict[str, str]
+    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, tags: dict[str, str],
+    requested_by: str | None = None,
 ) -> TrainOutcome:
     entries = read_buffer(store, cfg.run, step)
-    trained, reason = training_decision(step, len(entries), cfg.train)
+    trained, reason = training_decision(step, len(entries), cfg.train, requested_by)
     if not trained:
         return TrainOutcome(False, reason, len(entries))
 

@@ -185,6 +185,11 @@ def _request(replica: ReplicaSpec, path: str, body: dict | None = None, timeout:
         return response.read()
 
 
+def scrape(replica: ReplicaSpec, timeout: float = 10.0) -> serving_metrics.SpecCounters:
+    """The replica's speculative-decoding counters now."""
+    return serving_metrics.parse(_request(replica, "/metrics", timeout=timeout).decode())
+
+
 def wait_healthy(replica: ReplicaSpec, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -212,12 +217,12 @@ def check_replica(
             "model": replica.served_model_name, "prompt": canary_prompts[0], "max_tokens": 4}))
         if not smoke["choices"] or not smoke["choices"][0].get("text"):
             raise GateError(f"replica {replica.name}: the smoke completion returned no text")
-        before = serving_metrics.parse(_request(replica, "/metrics").decode())
+        before = scrape(replica)
         for i in range(gates.canary_requests):
             _request(replica, "/v1/completions", {"model": replica.served_model_name,
                                                   "prompt": canary_prompts[i % len(canary_prompts)],
                                                   "max_tokens": gates.canary_tokens})
-        window = serving_metrics.parse(_request(replica, "/metrics").decode()) - before
+        window = scrape(replica) - before
     except (urllib.error.URLError, KeyError, json.JSONDecodeError) as exc:
         raise GateError(f"replica {replica.name}: {exc}") from None
     tau = window.mean_acceptance_length

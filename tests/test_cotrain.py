@@ -36,6 +36,14 @@ def test_training_decision(cfg: TrainConfig, step: int, samples: int, trained: b
     assert reason in why
 
 
+def test_a_retraining_request_overrides_the_interval_only() -> None:
+    cfg = TrainConfig(training_interval_steps=5, min_samples=50)
+    assert training_decision(3, 100, cfg, "live tau 1.4 < 2.0") == (
+        True, "requested (live tau 1.4 < 2.0); buffer holds 100 samples")
+    assert training_decision(3, 10, cfg, "live tau 1.4 < 2.0")[0] is False
+    assert training_decision(3, 100, TrainConfig(enable_drafter_training=False), "x")[0] is False
+
+
 @pytest.fixture
 def target():  # noqa: ANN201
     return build_target(tiny_llama_config(32, 32, 2, 2), 0)

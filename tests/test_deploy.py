@@ -12,7 +12,7 @@ from pathlib import Path
 import dagster as dg
 
 from definitions import build_definitions
-from jobs import DEPLOY_SENSOR_NAME, champion_sensor
+from jobs import DEPLOY_SENSOR_NAME, champion_sensor, live_tau_sensor
 from pipeline import deploy
 from pipeline.config import load_config
 from pipeline.fleet import StandInDriver
@@ -27,8 +27,22 @@ def _tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None
                                                    definitions=defs, resources=defs.resources))
 
 
+def _live(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None):  # noqa: ANN202
+    return live_tau_sensor(dg.build_sensor_context(instance=instance, cursor=cursor, sensor_name="live_tau_sensor",
+                                                   definitions=defs, resources=defs.resources))
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int) -> None:
+    body = json.dumps({"model": "policy", "prompt": prompt, "max_tokens": max_tokens}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert json.loads(response.read())["choices"][0]["token_ids"]
+
+
 def test_promotions_reach_the_fleet_once_each(tmp_path: Path) -> None:
-    path = write_config(tmp_path, {"promotion": {"policy": "manual"}})
+    # A floor above any reachable tau, so that the live-tau sensor's retraining request shows.
+    path = write_config(tmp_path, {"promotion": {"policy": "manual"}, "fleet": {"live_tau_floor": 4.9}})
     cfg = load_config(path)
     store = open_store(cfg)
     simulator = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
@@ -66,6 +80,20 @@ def test_promotions_reach_the_fleet_once_each(tmp_path: Path) -> None:
             md = instance.get_latest_materialization_event(dg.AssetKey("fleet")).asset_materialization.metadata
             assert md["version"].value == "2"
             assert md["mean_live_tau"].value >= 1.0
+
+            # Live tau: the first tick sets the baseline, traffic flows, the next tick observes it.
+            first = _live(defs, instance, None)
+            assert first.run_requests == []
+            for replica in deploy.replicas(cfg):
+                _complete(replica.url, [1, 2, 3, 4], 12)
+            observed = _live(defs, instance, first.cursor)
+            taus = {k: v for k, v in observed.asset_events[0].metadata.items() if k.endswith("_live_tau")}
+            assert sorted(taus) == ["standin-0_live_tau", "standin-1_live_tau"]
+            assert all(1.0 <= float(getattr(v, "value", v)) <= 5.0 for v in taus.values())
+            [retrain] = observed.run_requests
+            assert retrain.partition_key == "step-000002"
+            assert retrain.run_key == "retrain:step-000002"
+            assert "< fleet.live_tau_floor 4.9" in retrain.tags["retrain_reason"]
         state = deploy.read_state(store, cfg.run)
         assert state["version"] == "2"
         assert [r["replica"] for r in state["replicas"]] == ["standin-0", "standin-1"]
