@@ -42,9 +42,9 @@ class CheckpointError(ValueError):
     """A drafter checkpoint that does not match its config or is not safetensors."""
 
 
-def vllm_config(config: EagleConfig) -> dict:
+def _llama_fields(config: EagleConfig | Eagle3Config) -> dict:
+    """The LlamaConfig fields both engines read for the one draft decoder layer."""
     return {
-        "architectures": [ARCHITECTURE],
         "model_type": "llama",
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
@@ -62,25 +62,16 @@ def vllm_config(config: EagleConfig) -> dict:
     }
 
 
+def vllm_config(config: EagleConfig) -> dict:
+    return {"architectures": [ARCHITECTURE], **_llama_fields(config)}
+
+
 def eagle3_vllm_config(config: Eagle3Config) -> dict:
     return {
         "architectures": [EAGLE3_ARCHITECTURE],
-        "model_type": "llama",
-        "vocab_size": config.vocab_size,
+        **_llama_fields(config),
         "draft_vocab_size": config.draft_vocab_size,
-        "hidden_size": config.hidden_size,
         "target_hidden_size": config.target_hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
         "norm_before_residual": config.norm_before_residual,
         "fc_norm": config.fc_norm,
         "norm_output": config.norm_output,

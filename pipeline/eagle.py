@@ -21,6 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def check_heads(hidden_size: int, num_attention_heads: int, num_key_value_heads: int) -> None:
+    if hidden_size % num_attention_heads:
+        raise ValueError("hidden_size must be divisible by num_attention_heads")
+    if num_attention_heads % num_key_value_heads:
+        raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+
+
 @dataclass(frozen=True)
 class EagleConfig:
     vocab_size: int
@@ -37,10 +44,7 @@ class EagleConfig:
         return self.hidden_size // self.num_attention_heads
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be divisible by num_attention_heads")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        check_heads(self.hidden_size, self.num_attention_heads, self.num_key_value_heads)
 
     @classmethod
     def from_target(cls, target_config, intermediate_size: int | None = None) -> EagleConfig:
@@ -79,7 +83,7 @@ def rotary(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[tor
     return emb.cos()[:, None], emb.sin()[:, None]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
@@ -103,8 +107,8 @@ class Attention(nn.Module):
         key_states = self.k_proj(hidden_states).view(B, N, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         value_states = self.v_proj(hidden_states).view(B, N, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         # (B, heads, N, head_dim)
-        query_states = query_states * cos + _rotate_half(query_states) * sin
-        key_states = key_states * cos + _rotate_half(key_states) * sin
+        query_states = query_states * cos + rotate_half(query_states) * sin
+        key_states = key_states * cos + rotate_half(key_states) * sin
         groups = c.num_attention_heads // c.num_key_value_heads
         key_states = key_states.repeat_interleave(groups, dim=1)
         value_states = value_states.repeat_interleave(groups, dim=1)

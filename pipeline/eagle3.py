@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.eagle import MLP, RMSNorm, _rotate_half, rotary
+from pipeline.eagle import MLP, RMSNorm, rotate_half, check_heads, rotary
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,7 @@ class Eagle3Config:
         return self.hidden_size // self.num_attention_heads
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be divisible by num_attention_heads")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        check_heads(self.hidden_size, self.num_attention_heads, self.num_key_value_heads)
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
         if len(self.aux_layer_ids) < 1:
@@ -128,8 +125,8 @@ class Eagle3Attention(nn.Module):
         query_states = heads(self.q_proj, c.num_attention_heads)  # (B, heads, Nq, d)
         key_states = heads(self.k_proj, c.num_key_value_heads).repeat_interleave(groups, dim=1)
         value_states = heads(self.v_proj, c.num_key_value_heads).repeat_interleave(groups, dim=1)
-        query_states = query_states * cos + _rotate_half(query_states) * sin
-        key_states = key_states * cos + _rotate_half(key_states) * sin
+        query_states = query_states * cos + rotate_half(query_states) * sin
+        key_states = key_states * cos + rotate_half(key_states) * sin
         if step == 0:
             cache.key0, cache.value0 = key_states, value_states
         else:
