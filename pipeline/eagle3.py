@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.eagle import MLP, RMSNorm, rotate_half, check_heads, rotary
+from pipeline.eagle import MLP, RMSNorm, check_heads, rotary, rotate_half
 
 
 @dataclass(frozen=True)
