@@ -179,14 +179,18 @@ def ui(config_path: str | None) -> None:
     commands = [
         [str(bin_dir / "dagster-webserver"), "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", "3000"],
         [str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"],
-        [str(bin_dir / "mlflow"), "server", "--backend-store-uri", cfg.tracking_uri,
-         "--default-artifact-root", cfg.artifact_root, "--host", "127.0.0.1", "--port", "5000", "--workers", "1"],
     ]
+    embedded_mlflow = not cfg.mlflow.tracking_uri  # a configured tracking server has its own UI
+    if embedded_mlflow:
+        commands.append([str(bin_dir / "mlflow"), "server", "--backend-store-uri", cfg.tracking_uri,
+                         "--default-artifact-root", cfg.artifact_root, "--host", "127.0.0.1", "--port", "5000",
+                         "--workers", "1"])
     procs = [subprocess.Popen(c, cwd=ROOT, env=env) for c in commands]
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the children too
     out("Dagster UI: http://127.0.0.1:3000   (asset graph: /asset-groups, runs: /runs)")
-    out("MLflow UI:  http://127.0.0.1:5000   (model registry: /#/models)")
-    out("Ctrl-C stops all three.")
+    out(f"MLflow UI:  {'http://127.0.0.1:5000' if embedded_mlflow else cfg.mlflow.tracking_uri}   "
+        "(model registry: /#/models)")
+    out("Ctrl-C stops them.")
     try:
         while all(p.poll() is None for p in procs):
             time.sleep(1)

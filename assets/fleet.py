@@ -1,5 +1,7 @@
 """The serving fleet as an asset: materialized by the deploy job, once per promotion."""
 
+import time
+
 import dagster as dg
 from pydantic import Field
 
@@ -29,8 +31,10 @@ def fleet(
     """Rolling update to `config.version`; the registry's `live` alias follows only a full success."""
     cfg = settings.load()
     report = deploy.deploy(cfg, object_store.store(), mlflow.registry(), config.version)
-    table = "| replica | version | live tau | deploy s |\n|---|---|---|---|\n" + "".join(
-        f"| {r['replica']} | {r['version']} | {r['live_tau']:.2f} | {r['deploy_s']:.1f} |\n" for r in report.replicas
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+    table = "| replica | version | since (UTC) | live tau | deploy s |\n|---|---|---|---|---|\n" + "".join(
+        f"| {r['replica']} | {r['version']} | {since} | {r['live_tau']:.2f} | {r['deploy_s']:.1f} |\n"
+        for r in report.replicas
     )
     context.log.info(f"version {config.version} live on {len(report.replicas)} replicas")
     return dg.MaterializeResult(

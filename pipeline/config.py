@@ -229,7 +229,8 @@ class PipelineConfig(_Strict):
 
     @property
     def artifact_root(self) -> str:
-        return (self.data_path / "mlflow" / "artifacts").as_uri()
+        """Local artifacts for the embedded SQLite default; a tracking server decides its own."""
+        return "" if self.mlflow.tracking_uri else (self.data_path / "mlflow" / "artifacts").as_uri()
 
 
 class ConfigError(ValueError):

@@ -51,8 +51,8 @@ class DrafterRegistry:
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         self.tracking_uri, self.model_name = tracking_uri, model_name
         found = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = (
-            found.experiment_id if found else self.client.create_experiment(experiment, artifact_location=artifact_root)
+        self.experiment_id = found.experiment_id if found else self.client.create_experiment(
+            experiment, artifact_location=artifact_root or None
         )
         try:
             self.client.get_registered_model(model_name)

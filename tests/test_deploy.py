@@ -40,9 +40,10 @@ def _complete(url: str, prompt: list[int], max_tokens: int) -> None:
         assert json.loads(response.read())["choices"][0]["token_ids"]
 
 
-def test_promotions_reach_the_fleet_once_each(tmp_path: Path) -> None:
+def test_promotions_reach_the_fleet_once_each(tmp_path: Path, mlflow_server: str) -> None:
     # A floor above any reachable tau, so that the live-tau sensor's retraining request shows.
-    path = write_config(tmp_path, {"promotion": {"policy": "manual"}, "fleet": {"live_tau_floor": 4.9}})
+    path = write_config(tmp_path, {"promotion": {"policy": "manual"}, "fleet": {"live_tau_floor": 4.9},
+                                   "mlflow": {"tracking_uri": mlflow_server, "model_name": "deploy-test-drafter"}})
     cfg = load_config(path)
     store = open_store(cfg)
     simulator = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
