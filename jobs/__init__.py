@@ -1,7 +1,6 @@
 """Jobs and sensors: new RL steps in, one run per step; simulated steps on demand."""
 
 import json
-from dataclasses import asdict
 
 import dagster as dg
 from pydantic import Field
@@ -135,15 +134,9 @@ def live_tau_sensor(
         except OSError as exc:
             metadata[f"{replica.name}_status"] = f"unreachable: {exc}"
             continue
-        now[replica.name] = asdict(counters)
+        now[replica.name] = counters.to_json()
         if replica.name in earlier:
-            before = earlier[replica.name]
-            window = counters - SpecCounters(
-                before["drafts"],
-                before["draft_tokens"],
-                before["accepted"],
-                {int(j): v for j, v in before["accepted_per_position"].items()},
-            )
+            window = counters - SpecCounters.from_json(earlier[replica.name])
             if window.mean_acceptance_length is not None:
                 metadata[f"{replica.name}_live_tau"] = window.mean_acceptance_length
                 taus.append(window.mean_acceptance_length)

@@ -36,6 +36,15 @@ class SpecCounters:
             {j: v - earlier.accepted_per_position.get(j, 0.0) for j, v in self.accepted_per_position.items()},
         )
 
+    def to_json(self) -> dict:
+        return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted": self.accepted,
+                "accepted_per_position": {str(j): v for j, v in self.accepted_per_position.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> SpecCounters:
+        return cls(data["drafts"], data["draft_tokens"], data["accepted"],
+                   {int(j): v for j, v in data["accepted_per_position"].items()})
+
     @property
     def mean_acceptance_length(self) -> float | None:
         return 1 + self.accepted / self.drafts if self.drafts > 0 else None

@@ -212,27 +212,35 @@ def _decode_rows(table: pa.Table, manifest: Manifest) -> Iterator[HiddenSample]:
         )
 
 
-def iter_samples(store: ObjectStore, run: str, manifest: Manifest) -> Iterator[HiddenSample]:
-    """Stream a step's samples shard by shard, one row group at a time (bounded memory)."""
-    prefix = hidden_states_prefix(run, manifest.step)
-    for shard in manifest.shards:
-        with store.open_read(f"{prefix}/{shard.name}") as f:
-            parquet = pq.ParquetFile(f)
-            for group in range(parquet.num_row_groups):
-                yield from _decode_rows(parquet.read_row_group(group), manifest)
-
-
 class CorruptShardError(ShardError):
     """A shard whose bytes no longer match the checksum its manifest recorded."""
 
 
-def read_rows(store: ObjectStore, run: str, manifest: Manifest, shard: str, rows: list[int]) -> list[HiddenSample]:
-    """The given rows (one row group each) of a shard, after checking the shard's checksum."""
+def _verified_shard(store: ObjectStore, run: str, manifest: Manifest, shard: str) -> pq.ParquetFile:
+    """A shard's bytes, read once and checked against the manifest's size and sha256."""
     info = next((s for s in manifest.shards if s.name == shard), None)
     if info is None:
         raise ShardError(f"step {manifest.step}: shard {shard} is not in the manifest")
     data = store.read_bytes(f"{hidden_states_prefix(run, manifest.step)}/{shard}")
     if len(data) != info.bytes or hashlib.sha256(data).hexdigest() != info.sha256:
         raise CorruptShardError(f"step {manifest.step}: shard {shard} does not match its manifest checksum")
-    parquet = pq.ParquetFile(io.BytesIO(data))
+    return pq.ParquetFile(io.BytesIO(data))
+
+
+def iter_shard(store: ObjectStore, run: str, manifest: Manifest, shard: str) -> Iterator[HiddenSample]:
+    """One shard's samples, after its checksum is verified; memory is bounded by the shard's size."""
+    parquet = _verified_shard(store, run, manifest, shard)
+    for group in range(parquet.num_row_groups):
+        yield from _decode_rows(parquet.read_row_group(group), manifest)
+
+
+def iter_samples(store: ObjectStore, run: str, manifest: Manifest) -> Iterator[HiddenSample]:
+    """A step's samples, shard by shard; a corrupt shard raises CorruptShardError."""
+    for shard in manifest.shards:
+        yield from iter_shard(store, run, manifest, shard.name)
+
+
+def read_rows(store: ObjectStore, run: str, manifest: Manifest, shard: str, rows: list[int]) -> list[HiddenSample]:
+    """The given rows (one row group each) of a shard, after checking the shard's checksum."""
+    parquet = _verified_shard(store, run, manifest, shard)
     return [next(_decode_rows(parquet.read_row_group(r), manifest)) for r in rows]

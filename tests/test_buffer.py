@@ -252,3 +252,28 @@ def test_corrupt_shard_is_skipped_with_a_warning(tmp_path: Path, caplog: pytest.
     assert "skipping its 2 buffer samples" in caplog.text
     with pytest.raises(shards.CorruptShardError, match=manifest.shards[0].name):
         shards.read_rows(store, "run", manifest, manifest.shards[0].name, [0])
+
+
+def test_shard_check_reports_a_corrupt_shard_once(tmp_path: Path) -> None:
+    """The asset check reads each shard once and names the one whose bytes changed."""
+    from pipeline import checks
+    from pipeline.rollouts import PolicyPointer, Rollout, write_rollouts
+    from pipeline.target import build_target, save_checkpoint, tiny_llama_config
+
+    store = ObjectStore((tmp_path / "store").as_uri())
+    save_checkpoint(build_target(tiny_llama_config(16, 8, 1, 2), 0), store, "policies/run/p")
+    write_rollouts(store, "run", 1, [Rollout("a", [1, 2, 3], [0, 1, 1], 0.0, 1)],
+                   PolicyPointer(1, "policies/run/p", "m"))
+    g = torch.Generator().manual_seed(0)
+    samples = [shards.HiddenSample(f"s{i}", 1, torch.arange(6), torch.tensor([0, 0, 1, 1, 1, 1]),
+                                   torch.randn(6, 1, 8, generator=g).to(torch.bfloat16)) for i in range(4)]
+    manifest = shards.write_hidden_states(store, "run", 1, samples, hidden_size=8, layer_ids=[1],
+                                          target={"model_id": "m"}, samples_per_shard=2)
+    assert checks.check_shards(store, "run", 1) == []
+    key = f"hidden_states/run/step-000001/{manifest.shards[1].name}"
+    data = bytearray(store.read_bytes(key))
+    data[-20] ^= 0xFF
+    store.write_bytes(key, bytes(data))
+    problems = checks.check_shards(store, "run", 1)
+    assert problems[0] == f"step 1: shard {manifest.shards[1].name} does not match its manifest checksum"
+    assert problems[1:] == ["2 rows stored, manifest says 4"]

@@ -74,6 +74,8 @@ def test_parse_recorded_vllm_metrics() -> None:
 def test_render_parses_back() -> None:
     counters = serving_metrics.SpecCounters(10, 40, 25, {0: 9, 1: 7, 2: 5, 3: 4})
     assert serving_metrics.parse(serving_metrics.render(counters, "m")) == counters
+    # The live-tau sensor keeps counters in its cursor as JSON.
+    assert serving_metrics.SpecCounters.from_json(json.loads(json.dumps(counters.to_json()))) == counters
 
 
 @pytest.mark.parametrize(("method", "kind"), [("eagle", "EAGLE-1/2"), ("eagle3", "EAGLE-3")], ids=["eagle", "eagle3"])
