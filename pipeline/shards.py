@@ -30,6 +30,7 @@ from __future__ import annotations
 import io
 import uuid
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import BinaryIO, Literal
 
@@ -131,21 +132,27 @@ def shard_schema(layer_ids: list[int], compression: str) -> pa.Schema:
 # -- validation -------------------------------------------------------------------------------------------------
 
 
+_CHUNK_BYTES = 1 << 18  # bf16 payloads are checked and digested 256 KiB at a time, while in cache
+_READ_CHUNK_BYTES = 1 << 20  # reads: one syscall per MiB, digested right after while still in cache
+
+
+def _nonfinite_in(chunk: memoryview) -> bool:
+    """Any NaN/Inf among the bf16 words of `chunk`: all exponent bits set, i.e. a word in
+    0x7F80..0x7FFF (the top of the int16 range) or 0xFF80..0xFFFF (the top of the uint16 range).
+    Two SIMD max reductions, no temporary."""
+    words = np.frombuffer(chunk, np.uint16)
+    return words.size > 0 and (int(words.max()) >= 0xFF80 or int(words.view(np.int16).max()) >= 0x7F80)
+
+
 def all_finite_bf16(hidden: torch.Tensor) -> bool:
     """No NaN or Inf among bf16 values: no word with all exponent bits set.
 
-    Chunked through a cache-sized scratch buffer: 40x faster than torch.isfinite on bf16."""
-    words = hidden.contiguous().view(torch.int16).numpy().reshape(-1).view(np.uint16)
-    scratch = np.empty(min(words.size, 1 << 16), np.uint16)
-    for start in range(0, words.size, scratch.size):
-        chunk = words[start : start + scratch.size]
-        low15 = np.bitwise_and(chunk, 0x7FFF, out=scratch[: chunk.size])
-        if int(low15.max()) >= 0x7F80:
-            return False
-    return True
+    Chunk by chunk through the cache: 40x faster than torch.isfinite on bf16."""
+    view = memoryview(hidden.contiguous().view(torch.uint8).numpy().reshape(-1)).cast("B")
+    return not any(_nonfinite_in(view[i : i + _CHUNK_BYTES]) for i in range(0, view.nbytes, _CHUNK_BYTES))
 
 
-def validate_sample(sample: HiddenSample, hidden_size: int, num_layers: int) -> None:
+def validate_sample(sample: HiddenSample, hidden_size: int, num_layers: int, check_finite: bool = True) -> None:
     where = f"sample {sample.sample_id!r} of step {sample.step}"
     hidden = sample.hidden
     if hidden.dtype != torch.bfloat16:
@@ -160,7 +167,7 @@ def validate_sample(sample: HiddenSample, hidden_size: int, num_layers: int) -> 
             f"{where}: {tokens} token ids, {sample.loss_mask.shape[0]} loss mask values and "
             f"{hidden.shape[0]} hidden-state rows must all agree"
         )
-    if hidden.numel() and not all_finite_bf16(hidden):
+    if check_finite and not all_finite_bf16(hidden):
         raise ShardError(f"{where}: hidden states contain NaN or Inf")
 
 
@@ -189,18 +196,22 @@ def _digest(data) -> str:
 
 class _IndexingSink(io.RawIOBase):
     """The file object the Arrow IPC writer writes to: passes every write on to `out`,
-    notes where the buffers it watches (by address) land, digests each sample's metadata
-    region and the shard.
+    notes where the buffers it watches (by address) land, and digests each layer plane,
+    each sample's metadata region and the shard.
 
-    Arrow hands body buffers over as `pa.Buffer` (zero copy), so nothing is copied here."""
+    Arrow hands body buffers over as `pa.Buffer` (zero copy). A bf16 plane is checked for
+    NaN/Inf and digested on a second core while it is written."""
 
-    def __init__(self, out: BinaryIO) -> None:
+    def __init__(self, out: BinaryIO, pool: ThreadPoolExecutor) -> None:
         self.out = out
+        self.pool = pool
         self.pos = 0
         self.shard_hash = xxhash.xxh3_128()
         self.watch: dict[int, str] = {}
         self.found: dict[str, int] = {}
-        self.payload: dict[int, str] = {}  # address -> digest of buffers indexed as their own range
+        self.planes: dict[int, bool] = {}  # address -> holds bf16 words (checked for NaN/Inf)
+        self.digests: dict[int, str] = {}
+        self.where = ""
         self.meta_start = 0
         self.meta_end: int | None = None
         self.meta_hash = xxhash.xxh3_64()
@@ -208,8 +219,8 @@ class _IndexingSink(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def begin_sample(self, watch: dict[int, str], payload: dict[int, str]) -> None:
-        self.watch, self.found, self.payload = watch, {}, payload
+    def begin_sample(self, where: str, watch: dict[int, str], planes: dict[int, bool]) -> None:
+        self.where, self.watch, self.found, self.planes, self.digests = where, watch, {}, planes, {}
         self.meta_start, self.meta_end, self.meta_hash = self.pos, None, xxhash.xxh3_64()
 
     def write(self, data) -> int:
@@ -217,17 +228,38 @@ class _IndexingSink(io.RawIOBase):
         address = data.address if isinstance(data, pa.Buffer) else None
         if address in self.watch:
             self.found[self.watch[address]] = self.pos
-        if address in self.payload:
+        if address in self.planes:
             if self.meta_end is None:  # the metadata region ends where the first layer starts
                 self.meta_end = self.pos
-            self.shard_hash.update(bytes.fromhex(self.payload[address]))
+            self.digests[address] = self._write_plane(view, check_finite=self.planes[address])
+            self.shard_hash.update(bytes.fromhex(self.digests[address]))
         else:
             self.shard_hash.update(view)
             if self.meta_end is None:
                 self.meta_hash.update(view)
-        self.out.write(view)
+            self.out.write(view)
         self.pos += view.nbytes
         return view.nbytes
+
+    def _write_plane(self, view: memoryview, check_finite: bool) -> str:
+        # The NaN/Inf check and the digest run on another core while this one writes.
+        scan = self.pool.submit(_scan_plane, view, check_finite)
+        self.out.write(view)
+        finite, digest = scan.result()
+        if not finite:
+            raise ShardError(f"{self.where}: hidden states contain NaN or Inf")
+        return digest
+
+
+def _scan_plane(view: memoryview, check_finite: bool) -> tuple[bool, str]:
+    """(no NaN/Inf among the bf16 words, if checked; xxh3 digest), chunk by chunk while in cache."""
+    hasher = xxhash.xxh3_64()
+    for start in range(0, view.nbytes, _CHUNK_BYTES):
+        chunk = view[start : start + _CHUNK_BYTES]
+        if check_finite and _nonfinite_in(chunk):
+            return False, ""
+        hasher.update(chunk)
+    return True, hasher.hexdigest()
 
 
 def _list_array(values: np.ndarray, arrow_type: pa.DataType) -> pa.ListArray:
@@ -240,27 +272,31 @@ def _binary_array(data: np.ndarray) -> pa.LargeBinaryArray:
     return pa.LargeBinaryArray.from_buffers(pa.large_binary(), 1, [None, offsets, buffer])
 
 
-def _planes(hidden: torch.Tensor, compression: str) -> list[np.ndarray]:
-    """(T, L, H) bf16 -> the byte planes stored per layer: [words] or [zstd(high), low]."""
+def _planes(sample: HiddenSample, compression: str) -> list[np.ndarray]:
+    """The byte planes stored per layer of a (T, L, H) sample: [words] or [zstd(high bytes), low bytes].
+    Raw words are checked for NaN/Inf as they are written; values to be compressed are checked here."""
     planes: list[np.ndarray] = []
-    for layer in range(hidden.shape[1]):
+    for layer in range(sample.hidden.shape[1]):
+        values = sample.hidden[:, layer, :]
         if compression == "none":
-            planes.append(hidden[:, layer, :].contiguous().view(torch.uint8).numpy().reshape(-1))
-        else:
-            high, low = split_bytes(hidden[:, layer, :])
-            planes += [np.frombuffer(ZSTD.compress(high, asbytes=False), np.uint8), low]
+            planes.append(values.contiguous().view(torch.uint8).numpy().reshape(-1))
+            continue
+        if not all_finite_bf16(values):
+            raise ShardError(f"sample {sample.sample_id!r} of step {sample.step}: hidden states contain NaN or Inf")
+        high, low = split_bytes(values)
+        planes += [np.frombuffer(ZSTD.compress(high, asbytes=False), np.uint8), low]
     return planes
 
 
 def _write_shard(out: BinaryIO, samples: list[HiddenSample], schema: pa.Schema, compression: str,
                  name: str) -> tuple[int, str, list[dict]]:
     """Write one shard to `out`; its size, digest and its samples' index entries."""
-    sink = _IndexingSink(out)
     per_layer = 1 if compression == "none" else 2
     index = []
-    with pa.ipc.new_file(sink, schema) as writer:
+    with ThreadPoolExecutor(1, thread_name_prefix="shard-scan") as pool, \
+            pa.ipc.new_file(sink := _IndexingSink(out, pool), schema) as writer:
         for row, sample in enumerate(samples):
-            planes = _planes(sample.hidden, compression)  # kept alive until the batch is written
+            planes = _planes(sample, compression)  # kept alive until the batch is written
             ids = sample.input_ids.to(torch.int32).numpy()
             mask = sample.loss_mask.to(torch.int8).numpy()
             batch = pa.record_batch(
@@ -269,13 +305,13 @@ def _write_shard(out: BinaryIO, samples: list[HiddenSample], schema: pa.Schema, 
                 schema=schema,
             )
             stored = [batch.column(4 + i).buffers()[2] for i in range(len(planes))]
-            digests = {buf.address: _digest(buf) for buf in stored}
             watch = {batch.column(2).values.buffers()[1].address: "ids",
                      batch.column(3).values.buffers()[1].address: "mask"}
             watch |= {buf.address: f"plane{i}" for i, buf in enumerate(stored)}
-            sink.begin_sample(watch, digests)
+            sink.begin_sample(f"sample {sample.sample_id!r} of step {sample.step}", watch,
+                              {buf.address: compression == "none" for buf in stored})
             writer.write_batch(batch)
-            ranges = [[sink.found[f"plane{i}"], buf.size, digests[buf.address]] for i, buf in enumerate(stored)]
+            ranges = [[sink.found[f"plane{i}"], buf.size, sink.digests[buf.address]] for i, buf in enumerate(stored)]
             meta_end = sink.meta_end if sink.meta_end is not None else sink.pos
             tokens = int(sample.input_ids.shape[0])
             index.append({
@@ -321,7 +357,7 @@ def write_hidden_states(
     if not samples:
         raise ShardError(f"step {step}: no samples to write (empty step)")
     for s in samples:
-        validate_sample(s, hidden_size, len(layer_ids))
+        validate_sample(s, hidden_size, len(layer_ids), check_finite=False)  # values: while writing
     ids = [s.sample_id for s in samples]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
@@ -332,12 +368,17 @@ def write_hidden_states(
     write_id = uuid.uuid4().hex[:8]
     shards: list[ShardInfo] = []
     index: list[dict] = []
-    for part, chunk in enumerate(_chunks(samples, samples_per_shard, SHARD_TARGET_BYTES)):
-        name = f"part-{part:05d}-{write_id}.arrow"
-        with store.open_write(f"{prefix}/{name}") as f:
-            size, digest, entries = _write_shard(f, chunk, schema, compression, name)
-        shards.append(ShardInfo(name, len(chunk), size, digest))
-        index += entries
+    try:
+        for part, chunk in enumerate(_chunks(samples, samples_per_shard, SHARD_TARGET_BYTES)):
+            name = f"part-{part:05d}-{write_id}.arrow"
+            with store.open_write(f"{prefix}/{name}") as f:
+                size, digest, entries = _write_shard(f, chunk, schema, compression, name)
+            shards.append(ShardInfo(name, len(chunk), size, digest))
+            index += entries
+    except BaseException:
+        for written in shards:  # no manifest names them, so no reader could see them; leave nothing behind
+            store.delete_prefix(f"{prefix}/{written.name}")
+        raise
 
     manifest = Manifest(
         step=step,
@@ -410,8 +451,8 @@ def _read_entry(reader: RangeReader, manifest: Manifest, entry: dict, positions:
             view = memoryview(out.view(torch.uint8).numpy()).cast("B")
             if length != view.nbytes:
                 raise _corrupt(manifest, entry, f"length of layer {layer}")
-            reader.read_into(offset, view)
-            _checked(view, digest, manifest, entry, f"layer {layer}")
+            if _read_digest(reader, offset, view) != digest:
+                raise _corrupt(manifest, entry, f"layer {layer}")
         else:
             (hi_offset, hi_length, hi_digest), (lo_offset, lo_length, lo_digest) = ranges
             compressed, low = reader.read(hi_offset, hi_length), reader.read(lo_offset, lo_length)
@@ -424,6 +465,16 @@ def _read_entry(reader: RangeReader, manifest: Manifest, entry: dict, positions:
         input_ids=torch.from_numpy(ids.astype(np.int64)), loss_mask=torch.from_numpy(mask.astype(np.int64)),
         hidden=hidden.permute(1, 0, 2),  # (T, L, H) view; each layer stays contiguous in memory
     )
+
+
+def _read_digest(reader: RangeReader, offset: int, out: memoryview) -> str:
+    """Read a range into `out` chunk by chunk, digesting each chunk while it is in cache."""
+    hasher = xxhash.xxh3_64()
+    for start in range(0, out.nbytes, _READ_CHUNK_BYTES):
+        chunk = out[start : start + _READ_CHUNK_BYTES]
+        reader.read_into(offset + start, chunk)
+        hasher.update(chunk)
+    return hasher.hexdigest()
 
 
 def _shard_entries(manifest: Manifest, shard: str) -> list[dict]:
