@@ -82,6 +82,21 @@ class ObjectStore:
         entries = self.fs.ls(path, detail=True)
         return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "directory")
 
+    def list_files(self, prefix: str) -> list[tuple[str, int, float]]:
+        """(key, bytes, modified as epoch seconds) of every object under `prefix`, recursively."""
+        path = self._path(prefix)
+        if not self.fs.exists(path):
+            return []
+        root = self._root_path.rstrip("/") + "/"
+        files = []
+        for name, info in sorted(self.fs.find(path, detail=True).items()):
+            if info.get("type") == "directory":
+                continue
+            modified = info.get("mtime", info.get("LastModified"))
+            modified = modified.timestamp() if hasattr(modified, "timestamp") else float(modified or 0)
+            files.append((name[len(root):] if name.startswith(root) else name, int(info.get("size") or 0), modified))
+        return files
+
     def read_bytes(self, key: str) -> bytes:
         with self.fs.open(self._path(key), "rb") as f:
             return f.read()
