@@ -32,7 +32,7 @@ import torch
 HIDDEN = 4096
 MIN_TOKENS, MAX_TOKENS = 256, 2048
 LOCAL_BYTES = int(os.environ.get("BENCH_HS_BYTES", 1 << 30))
-S3_BYTES = 96 << 20
+S3_BYTES = 64 << 20
 REPEATS = 3
 RANDOM_READS = 24
 

@@ -468,10 +468,12 @@ def _read_entry(reader: RangeReader, manifest: Manifest, entry: dict, positions:
 
 
 def _read_digest(reader: RangeReader, offset: int, out: memoryview) -> str:
-    """Read a range into `out` chunk by chunk, digesting each chunk while it is in cache."""
+    """Read a range into `out` and digest it: locally chunk by chunk, digesting each chunk while it
+    is in cache; from object storage in one request."""
     hasher = xxhash.xxh3_64()
-    for start in range(0, out.nbytes, _READ_CHUNK_BYTES):
-        chunk = out[start : start + _READ_CHUNK_BYTES]
+    step = _READ_CHUNK_BYTES if reader.local else max(out.nbytes, 1)
+    for start in range(0, out.nbytes, step):
+        chunk = out[start : start + step]
         reader.read_into(offset + start, chunk)
         hasher.update(chunk)
     return hasher.hexdigest()
@@ -529,7 +531,7 @@ def iter_shard(store: ObjectStore, run: str, manifest: Manifest, shard: str,
     if len(data) != info.bytes or shard_digest(view, entries) != info.xxh3_128:
         raise CorruptShardError(f"step {manifest.step}: shard {shard} does not match its manifest checksum")
     positions = layer_positions(manifest, layers)
-    in_memory = RangeReader(lambda offset, out: _copy_range(view, offset, out))
+    in_memory = RangeReader(lambda offset, out: _copy_range(view, offset, out), local=True)
     for entry in entries:
         yield _read_entry(in_memory, manifest, entry, positions)
 

@@ -116,11 +116,12 @@ class ObjectStore:
         if not self._local:
             # Keywords: s3fs's cat_file takes version_id as its second positional argument.
             yield RangeReader(lambda offset, out: _fill(out, self.fs.cat_file(path, start=offset,
-                                                                              end=offset + len(out))))
+                                                                              end=offset + len(out))),
+                              local=False)
             return
         fd = os.open(path, os.O_RDONLY)
         try:
-            yield RangeReader(lambda offset, out: _pread_into(fd, offset, out))
+            yield RangeReader(lambda offset, out: _pread_into(fd, offset, out), local=True)
         finally:
             os.close(fd)
 
@@ -166,8 +167,9 @@ class ObjectStore:
 class RangeReader:
     """Byte ranges of one stored object, read straight into the caller's memory where the store allows."""
 
-    def __init__(self, read_into) -> None:
+    def __init__(self, read_into, local: bool) -> None:
         self._read_into = read_into
+        self.local = local  # a read costs a syscall, not a request: worth splitting to stay in cache
 
     def read_into(self, offset: int, out: memoryview) -> None:
         """Fill `out` (a writable byte view) with the object's bytes from `offset`."""

@@ -166,3 +166,27 @@ def test_one_rl_step_on_s3(s3_endpoint: str, tmp_path: Path) -> None:
             dg.AssetKey("hidden_states")).asset_materialization.metadata["uri"].value
     assert uri.startswith("s3://")
     assert store.read_json(f"acceptance/{cfg.run}/step-000001.json")["drafters"]["cotrained"]["version"] == "1"
+
+
+def test_retention_plans_then_deletes_only_unreferenced_steps(store: ObjectStore) -> None:
+    from pipeline import buffer, retention
+
+    for step in (1, 2, 3):
+        samples = [shards.HiddenSample(f"s{step}-{i}", step, torch.arange(6), torch.tensor([0, 0, 1, 1, 1, 1]),
+                                       torch.full((6, 1, 8), float(step), dtype=torch.bfloat16)) for i in range(2)]
+        shards.write_hidden_states(store, "run", step, samples, hidden_size=8, layer_ids=[2], target={})
+        buffer.build_buffer(store, "run", step, buffer_steps=1, max_samples=10)
+    before = store.list_files("hidden_states")
+
+    plan = retention.plan_retention(store, "run", registered_steps={1}, buffer_steps=1)
+
+    assert store.list_files("hidden_states") == before
+    assert plan.live_buffers == [1, 3]
+    assert sorted(plan.kept_steps) == [1, 3]
+    assert {d.key.split("/")[2] for d in plan.delete if d.key.startswith("hidden_states/")} == {"step-000002"}
+    retention.apply_retention(store, plan)
+    assert not shards.has_manifest(store, "run", 2)
+    assert not store.exists("buffer/run/step-000002/_manifest.json")
+    for step in (1, 3):
+        (got, _) = shards.iter_samples(store, "run", shards.read_manifest(store, "run", step))
+        assert float(got.hidden[0, 0, 0]) == step
