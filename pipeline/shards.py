@@ -133,6 +133,7 @@ def shard_schema(layer_ids: list[int], compression: str) -> pa.Schema:
 
 
 _CHUNK_BYTES = 1 << 18  # bf16 payloads are checked and digested 256 KiB at a time, while in cache
+_CONCURRENT_SAMPLES = 8  # samples whose ranges are fetched at once from object storage
 _READ_CHUNK_BYTES = 1 << 20  # reads: one syscall per MiB, digested right after while still in cache
 
 
@@ -494,8 +495,24 @@ def read_rows(store: ObjectStore, run: str, manifest: Manifest, shard: str, rows
     missing = [r for r in rows if r not in entries]
     if missing:
         raise ShardError(f"step {manifest.step}: shard {shard} has no rows {missing}")
-    with store.open_ranges(f"{hidden_states_prefix(run, manifest.step)}/{shard}") as reader:
-        return [_read_entry(reader, manifest, entries[r], positions) for r in rows]
+    key = f"{hidden_states_prefix(run, manifest.step)}/{shard}"
+    with store.open_ranges(key) as reader:
+        if reader.local:
+            return [_read_entry(reader, manifest, entries[r], positions) for r in rows]
+        # Object storage: a request costs a round trip, so fetch a few samples' ranges concurrently.
+        out: list[HiddenSample] = []
+        for start in range(0, len(rows), _CONCURRENT_SAMPLES):
+            group = [entries[r] for r in rows[start : start + _CONCURRENT_SAMPLES]]
+            ranges = [(e["meta"][0], e["meta"][1]) for e in group]
+            ranges += [(o, n) for e in group for p in positions for o, n, _ in e["layers"][p]]
+            prefetched = _prefetched(dict(zip(ranges, store.read_ranges(key, ranges), strict=True)))
+            out += [_read_entry(prefetched, manifest, e, positions) for e in group]
+        return out
+
+
+def _prefetched(fetched: dict[tuple[int, int], bytes]) -> RangeReader:
+    """A reader over ranges fetched beforehand, keyed by (offset, length)."""
+    return RangeReader(lambda offset, out: _copy_range(memoryview(fetched[offset, len(out)]), 0, out), local=False)
 
 
 def read_sample(store: ObjectStore, run: str, manifest: Manifest, sample_id: str,

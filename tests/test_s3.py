@@ -131,6 +131,8 @@ def test_shards_buffer_and_bad_input(store: ObjectStore) -> None:
     assert doc["composition"] == {"1": 3}
     loaded = list(buffer.iter_buffer_samples(store, "run", buffer.read_buffer(store, "run", 1)))
     assert [s.sample_id for s in loaded] == ["s2", "s3", "s4"]
+    assert all(torch.equal(a.hidden.view(torch.int16), b.hidden.view(torch.int16))
+               for a, b in zip(samples[2:], loaded, strict=True))
 
     bad = [*samples[:1], shards.HiddenSample("nan", 2, torch.arange(6), torch.ones(6, dtype=torch.int64),
                                              torch.full((6, 1, 8), float("nan"), dtype=torch.bfloat16))]
@@ -166,6 +168,25 @@ def test_one_rl_step_on_s3(s3_endpoint: str, tmp_path: Path) -> None:
             dg.AssetKey("hidden_states")).asset_materialization.metadata["uri"].value
     assert uri.startswith("s3://")
     assert store.read_json(f"acceptance/{cfg.run}/step-000001.json")["drafters"]["cotrained"]["version"] == "1"
+
+
+@pytest.mark.parametrize("compression", shards.COMPRESSIONS)
+def test_ranged_reads_of_some_layers(store: ObjectStore, compression: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    samples = [shards.HiddenSample(f"s{i}", 1, torch.arange(5 + i), torch.ones(5 + i, dtype=torch.int64),
+                                   torch.randn(5 + i, 2, 8, generator=g).to(torch.bfloat16)) for i in range(11)]
+    manifest = shards.write_hidden_states(store, "run", 1, samples, hidden_size=8, layer_ids=[3, 9], target={},
+                                          compression=compression)
+    rows = list(range(11))[::-1]  # more rows than are fetched at once, out of order
+
+    got = shards.read_rows(store, "run", manifest, manifest.shards[0].name, rows, layers=[9])
+
+    assert [s.sample_id for s in got] == [f"s{r}" for r in rows]
+    for sample, r in zip(got, rows, strict=True):
+        assert torch.equal(sample.input_ids, samples[r].input_ids)
+        assert torch.equal(sample.hidden.view(torch.int16), samples[r].hidden[:, 1:].view(torch.int16))
+    assert torch.equal(shards.read_sample(store, "run", manifest, "s4").hidden.view(torch.int16),
+                       samples[4].hidden.view(torch.int16))
 
 
 def test_retention_plans_then_deletes_only_unreferenced_steps(store: ObjectStore) -> None:
