@@ -7,7 +7,7 @@ Every path the pipeline writes lives under one root URI:
     │                              policy.json        pointer to the policy checkpoint (commit point)
     ├── policies/<run>/step-000123/config.json        the simulated source's policy checkpoints
     │                              model.safetensors
-    ├── hidden_states/<run>/step-000123/part-00000.parquet
+    ├── hidden_states/<run>/step-000123/part-00000-<id>.arrow
     │                                   _manifest.json (commit point)
     ├── buffer/<run>/step-000123/_manifest.json
     └── acceptance/<run>/step-000123.json

@@ -174,17 +174,19 @@ def test_one_rl_step_on_s3(s3_endpoint: str, tmp_path: Path) -> None:
 def test_ranged_reads_of_some_layers(store: ObjectStore, compression: str) -> None:
     g = torch.Generator().manual_seed(1)
     samples = [shards.HiddenSample(f"s{i}", 1, torch.arange(5 + i), torch.ones(5 + i, dtype=torch.int64),
-                                   torch.randn(5 + i, 2, 8, generator=g).to(torch.bfloat16)) for i in range(11)]
-    manifest = shards.write_hidden_states(store, "run", 1, samples, hidden_size=8, layer_ids=[3, 9], target={},
+                                   torch.randn(5 + i, 3, 8, generator=g).to(torch.bfloat16)) for i in range(11)]
+    manifest = shards.write_hidden_states(store, "run", 1, samples, hidden_size=8, layer_ids=[3, 9, 12], target={},
                                           compression=compression)
     rows = list(range(11))[::-1]  # more rows than are fetched at once, out of order
 
-    got = shards.read_rows(store, "run", manifest, manifest.shards[0].name, rows, layers=[9])
+    # One layer of three: ranged reads; all layers: most of the shard, read whole.
+    for layers, positions in (([9], [1]), (None, [0, 1, 2])):
+        got = shards.read_rows(store, "run", manifest, manifest.shards[0].name, rows, layers=layers)
 
-    assert [s.sample_id for s in got] == [f"s{r}" for r in rows]
-    for sample, r in zip(got, rows, strict=True):
-        assert torch.equal(sample.input_ids, samples[r].input_ids)
-        assert torch.equal(sample.hidden.view(torch.int16), samples[r].hidden[:, 1:].view(torch.int16))
+        assert [s.sample_id for s in got] == [f"s{r}" for r in rows]
+        for sample, r in zip(got, rows, strict=True):
+            assert torch.equal(sample.input_ids, samples[r].input_ids)
+            assert torch.equal(sample.hidden.view(torch.int16), samples[r].hidden[:, positions].view(torch.int16))
     assert torch.equal(shards.read_sample(store, "run", manifest, "s4").hidden.view(torch.int16),
                        samples[4].hidden.view(torch.int16))
 
