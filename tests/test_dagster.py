@@ -127,6 +127,7 @@ def test_skipped_training_says_why(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("key", ["step-12", "rl-000001", "step-000001x"], ids=["short", "prefix", "suffix"])
+@pytest.mark.reliability("bad_input", "partition key that is not `step-` plus digits (Dagster run)")
 def test_bad_partition_key_is_rejected_by_name(tiny_config_path: Path, key: str) -> None:
     defs = build_definitions(str(tiny_config_path))
     with dg.instance_for_test() as instance:

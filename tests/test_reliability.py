@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import resource
 import signal
@@ -503,3 +504,159 @@ def test_credentials_in_config_uris_are_refused_without_echoing_them(overrides: 
     with pytest.raises(ConfigError, match=f"{key} must not carry credentials") as failure:
         load_config(overrides=overrides)
     assert "hunter2" not in str(failure.value)
+
+
+# -- the Dagster daemon restarted between sensor ticks ----------------------------------------------------------
+
+
+def _daemon(home: Path, config: Path, clock_s: float, crash_point: str = "") -> int:
+    env = dict(os.environ, DAGSTER_HOME=str(home), DRAFTER_PIPELINE_CONFIG=str(config), PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "tests.daemon_child", str(clock_s), *([crash_point] or [])],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode in (0, -signal.SIGKILL), done.stderr[-3000:]
+    return done.returncode
+
+
+@pytest.mark.slow
+def test_daemon_restarted_between_sensor_ticks_requests_each_step_once(tmp_path: Path, reliability) -> None:  # noqa: ANN001
+    import dagster as dg
+    from dagster._core.storage.tags import RUN_KEY_TAG
+
+    from tests.test_dagster import _fake_step
+
+    reliability.fault("Dagster daemon killed mid-tick (after creating a run) and restarted between ticks")
+    config = write_config(tmp_path, {"fleet": {"driver": "none"}})
+    cfg = load_config(config)
+    store = open_store(cfg)
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    # Runs are queued, not launched: this test is about what the sensor requests.
+    (home / "dagster.yaml").write_text(
+        "run_coordinator:\n  module: dagster._core.run_coordinator\n  class: QueuedRunCoordinator\n"
+        "telemetry:\n  enabled: false\n")
+    for step in (1, 2, 4):
+        _fake_step(store, cfg.run, step)
+
+    start = 2_000_000_000.0
+    # Killed right after the first run was created: no launch, no cursor saved.
+    assert _daemon(home, config, start, "RUN_CREATED") == -signal.SIGKILL
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        assert [r.tags[RUN_KEY_TAG] for r in instance.get_runs()] == ["step-000001"]
+    assert _daemon(home, config, start + 60) == 0  # restarted: the next tick
+    _fake_step(store, cfg.run, 3)  # a step the trainer committed late, behind the cursor
+    assert _daemon(home, config, start + 120) == 0
+
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        runs = instance.get_runs()
+        keys = sorted(r.tags[RUN_KEY_TAG] for r in runs)
+        partitions = sorted(instance.get_dynamic_partitions("rl_step"))
+    assert keys == ["step-000001", "step-000002", "step-000003", "step-000004"]  # each once, none skipped
+    assert partitions == keys
+
+
+# -- secrets -----------------------------------------------------------------------------------------------------
+
+SECRETS = {
+    "AWS_SECRET_ACCESS_KEY": "sentinel-s3-secret-7c1f0e",
+    "MLFLOW_TRACKING_TOKEN": "sentinel-mlflow-token-4b2d9a",
+    "REPLICA_API_KEY": "sentinel-replica-key-91ae3c",
+}
+
+
+def _leaks(*roots: Path) -> list[str]:
+    """Files under `roots` (databases, logs, JSON, artifacts: every byte) holding a secret."""
+    found = []
+    for root in roots:
+        for p in root.rglob("*"):
+            if p.is_file():
+                data = p.read_bytes()
+                found += [f"{p}: {name}" for name, value in SECRETS.items() if value.encode() in data]
+    return found
+
+
+@pytest.mark.slow
+def test_secrets_stay_out_of_logs_metadata_and_errors(
+    s3_endpoint: str, mlflow_server: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture,
+    reliability,  # noqa: ANN001
+) -> None:
+    import traceback
+
+    import dagster as dg
+
+    from definitions import build_definitions
+    from jobs import LIVE_TAU_SENSOR_NAME, live_tau_sensor
+    from pipeline.fleet import GateConfig, GateError, ReplicaSpec, check_replica
+    from tests.conftest import free_port
+
+    reliability.security("S3 secret key, MLflow token, replica API key: none in logs, metadata, MLflow, errors")
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    caplog.set_level("DEBUG")
+    prefix = f"secrets-{uuid.uuid4().hex[:6]}"
+    path = write_config(tmp_path, {
+        "storage": {"root": f"s3://{BUCKET}/{prefix}", "endpoint_url": s3_endpoint},
+        "mlflow": {"tracking_uri": mlflow_server, "experiment": "secrets", "model_name": "secrets-drafter"},
+        "fleet": {"replicas": [{"name": "keyed", "port": free_port(), "api_key_env": "REPLICA_API_KEY"}]},
+    })
+    cfg = load_config(path)
+    SimulatedRL(cfg.simulation, open_store(cfg), cfg.run, cfg.data_path / "cache").run_step(1)
+    errors: list[BaseException] = []
+    with dg.instance_for_test(temp_dir=str(tmp_path / "dagster")) as instance:
+        defs = build_definitions(str(path))
+        instance.add_dynamic_partitions("rl_step", ["step-000001"])
+        assert defs.resolve_job_def("rl_step_job").execute_in_process(
+            instance=instance, partition_key="step-000001").success
+        # Failures with the secrets in play: a bucket that does not exist, an unreachable replica.
+        bad = build_definitions(str(path), {"storage": {"root": f"s3://missing-{prefix}/x"}})
+        failed = bad.resolve_job_def("rl_step_job").execute_in_process(
+            instance=instance, partition_key="step-000001", raise_on_error=False)
+        assert not failed.success
+        tick = live_tau_sensor(dg.build_sensor_context(instance=instance, sensor_name=LIVE_TAU_SENSOR_NAME,
+                                                       definitions=defs, resources=defs.resources))
+        events = [str(e) for e in instance.all_logs(failed.run_id)] + [str(tick.asset_events), str(tick.cursor)]
+    replica = ReplicaSpec("keyed", "127.0.0.1", free_port(), "policy", api_key_env="REPLICA_API_KEY")
+    with pytest.raises(GateError) as gate:
+        check_replica(replica, GateConfig(ready_timeout_s=0.5), [[1, 2]])
+    errors.append(gate.value)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with pytest.raises(MlflowException) as unreachable:
+        DrafterRegistry(f"http://127.0.0.1:{free_port()}", "secrets", "m")
+    errors.append(unreachable.value)
+
+    texts = events + ["".join(traceback.format_exception(e)) for e in errors]
+    texts += [r.getMessage() for r in caplog.records] + list(capfd.readouterr())
+    registry = DrafterRegistry(mlflow_server, "secrets", "secrets-drafter")
+    for run in _runs(registry):
+        texts += [json.dumps(run.data.params), json.dumps(run.data.tags)]
+    texts += [json.dumps(v.tags) for v in registry.client.search_model_versions("name = 'secrets-drafter'")]
+    direct = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
+    texts += [direct.cat_file(p).decode(errors="replace") for p in direct.find(f"{BUCKET}/{prefix}")
+              if p.endswith((".json", ".yaml"))]
+    assert len(texts) > 20
+    assert [name for name, value in SECRETS.items() if any(value in t for t in texts)] == []
+    mlflow_roots = list(tmp_path_factory.getbasetemp().glob("mlflow*"))
+    assert _leaks(tmp_path, *mlflow_roots) == []
+
+
+UNSAFE = [
+    (r"\bimport pickle\b|\bpickle\.loads?\(|\bcloudpickle\b|\bjoblib\.load\(|\bdill\b", "a pickle loader"),
+    (r"torch\.load\((?![^)]*weights_only=True)", "torch.load without weights_only=True"),
+    (r"allow_pickle\s*=\s*True", "numpy allow_pickle=True"),
+    (r"yaml\.(unsafe_)?load\((?![^)]*Loader=yaml\.SafeLoader)", "yaml.load (not safe_load)"),
+    (r"\.extractall\(|shutil\.unpack_archive\(", "archive extraction without a path check"),
+    (r"trust_remote_code\s*=\s*True", "trust_remote_code=True"),
+]
+
+
+def test_no_unsafe_loading_in_the_product(reliability) -> None:  # noqa: ANN001
+    import re
+
+    reliability.security("no pickle loading, torch.load only weights_only=True, no unchecked archive extraction")
+    sources = [p for d in ("pipeline", "assets", "resources", "jobs", "benchmarks") for p in (ROOT / d).rglob("*.py")]
+    sources += [ROOT / "cli.py", ROOT / "definitions.py"]
+    found = [f"{p.relative_to(ROOT)}:{n}: {what}" for p in sources
+             for n, line in enumerate(p.read_text().splitlines(), 1) for pattern, what in UNSAFE
+             if re.search(pattern, line)]
+    assert len(sources) > 20
+    assert found == []
