@@ -98,10 +98,9 @@ def _current(entries: list[BufferEntry], manifests: dict[int, Manifest]) -> list
     index = {step: {s["sample_id"]: s for s in m.samples} for step, m in manifests.items()}
     out = []
     for e in entries:
-        found = None if e.shard in listed[e.step] else index[e.step].get(e.sample_id)
         if e.shard in listed[e.step]:
             out.append(e)
-        elif found is not None:
+        elif (found := index[e.step].get(e.sample_id)) is not None:
             out.append(BufferEntry(e.step, e.sample_id, found["shard"], found["row"], found["tokens"]))
         else:
             log.warning("step %d was rewritten without sample %s: skipping it", e.step, e.sample_id)

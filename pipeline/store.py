@@ -34,7 +34,7 @@ import fsspec
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
 
-S3_MAX_ATTEMPTS = 8  # botocore's standard mode: about a minute of backoff in all before a request fails
+S3_MAX_ATTEMPTS = 8  # botocore's standard mode: up to about a minute of backoff before a request fails
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 

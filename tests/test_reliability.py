@@ -437,13 +437,14 @@ def test_deploy_refuses_a_bad_checkpoint_before_touching_a_replica(
     run_id = registry.start_run("bad", {})
     version = registry.register(run_id, directory, {})
     driver = StandInDriver(cfg.eval.num_speculative_tokens, cfg.data_path / "fleet" / "replicas")
+    state = deploy.read_state(store, cfg.run)
 
     message = "not a readable safetensors file" if bad == "pickle" else "fc.weight"
     with pytest.raises(ValueError, match=message):
         deploy.deploy(cfg, store, registry, version, driver)
     assert not driver.state_dir.exists()  # no replica was started or stopped
     assert registry.alias_version("live") is None
-    assert not store.exists(deploy.state_key(cfg.run))
+    assert deploy.read_state(store, cfg.run) == state
 
 
 def test_warm_start_checkpoint_that_does_not_match_its_config(loop, reliability, tmp_path: Path) -> None:  # noqa: ANN001
@@ -602,6 +603,8 @@ def test_secrets_stay_out_of_logs_metadata_and_errors(
     cfg = load_config(path)
     SimulatedRL(cfg.simulation, open_store(cfg), cfg.run, cfg.data_path / "cache").run_step(1)
     errors: list[BaseException] = []
+    (tmp_path / "dagster").mkdir()
+    (tmp_path / "dagster" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     with dg.instance_for_test(temp_dir=str(tmp_path / "dagster")) as instance:
         defs = build_definitions(str(path))
         instance.add_dynamic_partitions("rl_step", ["step-000001"])
