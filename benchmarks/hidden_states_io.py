@@ -305,8 +305,8 @@ def measure_s3() -> dict:
                 fs.pipe_file(f"bench-bucket/pt{rep}/{s.sample_id}.pt", buf.getvalue())
 
         def read_pt_s3() -> list:
-            return [torch.load(io.BytesIO(fs.cat_file(f"bench-bucket/pt{last}/{s.sample_id}.pt")), weights_only=True)
-                    for s in samples]
+            blobs = [io.BytesIO(fs.cat_file(f"bench-bucket/pt{last}/{s.sample_id}.pt")) for s in samples]
+            return [torch.load(blob, weights_only=True) for blob in blobs]
 
         def write_st_s3(rep: int) -> None:
             for s in samples:

@@ -111,6 +111,12 @@ def _initial_drafter(
     return drafters.fresh_drafter(cfg.drafter, target, counts, cfg.train.seed), None
 
 
+def _publish(registry: DrafterRegistry, version: str) -> None:
+    registry.set_alias("challenger", version)
+    if registry.alias_version("baseline") is None:
+        registry.set_alias("baseline", version)
+
+
 def train_step(
     store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, tags: dict[str, str],
     requested_by: str | None = None,
@@ -126,6 +132,9 @@ def train_step(
     existing = registry.find_version({"input_id": identity})
     if existing:  # a rerun of the same partition on the same inputs: no second run, no second version
         run_id = registry.client.get_model_version(registry.model_name, existing).run_id
+        if not registry.run_finished(run_id):  # killed after registering: finish what it started
+            _publish(registry, existing)
+            registry.end_run(run_id, ok=True)
         return TrainOutcome(True, f"reused version {existing}, trained on identical inputs", len(entries),
                             run_id, existing, warm_start)
     target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device)
@@ -140,7 +149,11 @@ def train_step(
     data = BufferDataset(store, cfg.run, entries, lambda s: drafters.training_sample(drafter, s))
 
     steps_in_buffer = composition(entries)
-    run_id = registry.start_run(f"drafter-step-{step:06d}", tags)
+    # A run its training never finished (the process was killed, or it failed) is resumed, not
+    # duplicated: one MLflow run per training.
+    run_id = registry.unfinished_run({"input_id": identity}) or registry.start_run(
+        f"drafter-step-{step:06d}", {**tags, "input_id": identity})
+    registry.set_run_tags(run_id, tags)
     try:
         registry.log_params(run_id, {
             **cfg.train.model_dump(exclude={"optim"}),
@@ -159,9 +172,7 @@ def train_step(
                 "train_samples": str(len(entries)), "warm_start_version": warm_start or "none",
                 "input_id": identity,
             })
-        registry.set_alias("challenger", version)
-        if registry.alias_version("baseline") is None:
-            registry.set_alias("baseline", version)
+        _publish(registry, version)
         registry.end_run(run_id, ok=True)
     except BaseException:
         registry.end_run(run_id, ok=False)

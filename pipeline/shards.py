@@ -168,6 +168,8 @@ def validate_sample(sample: HiddenSample, hidden_size: int, num_layers: int, che
             f"{where}: {tokens} token ids, {sample.loss_mask.shape[0]} loss mask values and "
             f"{hidden.shape[0]} hidden-state rows must all agree"
         )
+    if not bool(sample.loss_mask.any()):
+        raise ShardError(f"{where}: loss mask is all zero (no response token to train on)")
     if check_finite and not all_finite_bf16(hidden):
         raise ShardError(f"{where}: hidden states contain NaN or Inf")
 
@@ -393,12 +395,13 @@ def write_hidden_states(
         compression=compression,
         samples=index,
     )
-    old = read_manifest(store, run, step) if store.exists(f"{prefix}/{MANIFEST}") else None
     store.write_json(f"{prefix}/{MANIFEST}", manifest.to_json())
-    if old is not None:  # shards of the replaced write are now unreachable
-        for s in old.shards:
-            if s.name not in {n.name for n in shards}:
-                store.delete_prefix(f"{prefix}/{s.name}")
+    # Now unreachable: the shards of a replaced write, and what a killed write left behind
+    # (its shards, temporary files). Readers only ever follow the manifest.
+    keep = {MANIFEST, *(s.name for s in shards)}
+    for key, _, _ in store.list_files(prefix):
+        if key.rsplit("/", 1)[-1] not in keep:
+            store.delete_prefix(key)
     return manifest
 
 

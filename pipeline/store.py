@@ -19,6 +19,7 @@ written last.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -33,6 +34,13 @@ import fsspec
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
 
+S3_MAX_ATTEMPTS = 8  # botocore's standard mode: up to about a minute of backoff before a request fails
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class StorageFullError(OSError):
+    """The storage device (or a quota or file size limit) refused a write; nothing was committed."""
+
 
 def storage_options_for(root: str, endpoint_url: str = "", region: str = "") -> dict[str, Any]:
     """fsspec options of a root URI. S3 credentials are not options: s3fs reads them from the
@@ -40,8 +48,11 @@ def storage_options_for(root: str, endpoint_url: str = "", region: str = "") -> 
     if not root.startswith("s3://"):
         return {}
     client_kwargs = {k: v for k, v in (("endpoint_url", endpoint_url), ("region_name", region)) if v}
-    # No listing cache: the RL trainer writes new steps from another process.
-    return {"client_kwargs": client_kwargs, "use_listings_cache": False}
+    # No listing cache: the RL trainer writes new steps from another process. botocore's standard
+    # retry mode retries 500/502/503/504, throttling and dropped connections with jittered
+    # exponential backoff, so a server that is briefly unwell costs time, not the step.
+    return {"client_kwargs": client_kwargs, "use_listings_cache": False,
+            "config_kwargs": {"retries": {"mode": "standard", "max_attempts": S3_MAX_ATTEMPTS}}}
 
 
 class ObjectStore:
@@ -149,6 +160,11 @@ class ObjectStore:
                 f.flush()
                 os.fsync(f.fileno())
             tmp.replace(final)
+        except OSError as exc:
+            if exc.errno not in FULL_ERRNOS:
+                raise
+            raise StorageFullError(exc.errno, f"{self.uri(key)}: not written, the storage is full or over a "
+                                              f"size limit ({exc.strerror})") from exc
         finally:
             tmp.unlink(missing_ok=True)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -308,18 +309,24 @@ def _empty(samples: list[HiddenSample]) -> list[HiddenSample]:
     return []
 
 
+BAD = functools.partial(pytest.mark.reliability, "bad_input")
+
 BAD_INPUTS = [
-    pytest.param(_with_hidden(float("nan")), "NaN or Inf", id="nan-hidden"),
-    pytest.param(_with_hidden(float("inf")), "NaN or Inf", id="inf-hidden"),
-    pytest.param(_with_hidden(float("-inf")), "NaN or Inf", id="minus-inf-hidden"),
-    pytest.param(_ids_too_long, "token ids.*must all agree", id="ids-hidden-length-mismatch"),
-    pytest.param(_mask_too_short, "loss mask.*must all agree", id="mask-length-mismatch"),
-    pytest.param(_wrong_hidden_size, f"hidden size {2 * H} differs from the target's {H}", id="hidden-size"),
+    pytest.param(_with_hidden(float("nan")), "NaN or Inf", id="nan-hidden", marks=BAD("NaN hidden states")),
+    pytest.param(_with_hidden(float("inf")), "NaN or Inf", id="inf-hidden", marks=BAD("Inf hidden states")),
+    pytest.param(_with_hidden(float("-inf")), "NaN or Inf", id="minus-inf-hidden", marks=BAD("Inf hidden states")),
+    pytest.param(_ids_too_long, "token ids.*must all agree", id="ids-hidden-length-mismatch",
+                 marks=BAD("token ids and hidden states of different lengths")),
+    pytest.param(_mask_too_short, "loss mask.*must all agree", id="mask-length-mismatch",
+                 marks=BAD("loss mask and token ids of different lengths")),
+    pytest.param(_wrong_hidden_size, f"hidden size {2 * H} differs from the target's {H}", id="hidden-size",
+                 marks=BAD("hidden size different from the target's")),
     pytest.param(_wrong_layers, r"expected \(T, 1, H\)", id="layer-count"),
     pytest.param(_wrong_dtype(torch.float32), "torch.float32, expected torch.bfloat16", id="dtype-float32"),
     pytest.param(_wrong_dtype(torch.float16), "torch.float16, expected torch.bfloat16", id="dtype-float16"),
-    pytest.param(_duplicate_id, "duplicate sample_id 's5-0'", id="duplicate-ids"),
-    pytest.param(_empty, "empty step", id="empty-step"),
+    pytest.param(_duplicate_id, "duplicate sample_id 's5-0'", id="duplicate-ids",
+                 marks=BAD("duplicate sample ids (hidden states)")),
+    pytest.param(_empty, "empty step", id="empty-step", marks=BAD("empty step (hidden states)")),
 ]
 
 
