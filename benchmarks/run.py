@@ -9,12 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import hidden_states_io, policy_loss
+from benchmarks import batch_prep, hidden_states_io, policy_loss
 
 BENCHMARKS = {
     "policy_loss": policy_loss.run,
     "hidden_states_io": hidden_states_io.run,
     "hidden_states_io_s3": hidden_states_io.run_s3,
+    "batch_prep": batch_prep.run,
 }
 
 
@@ -27,7 +28,8 @@ def main() -> None:
         report[name] = bench()
         report[name]["wall_s"] = round(time.perf_counter() - start, 2)
         figures = {k: round(v, 3) for k, v in report[name].items()
-                   if k.endswith(("ratio", "_vs_raw", "_vs_torch_save", "_vs_safetensors", "_per_core", "_ms"))}
+                   if k.endswith(("ratio", "_vs_raw", "_vs_torch_save", "_vs_safetensors", "_per_core", "_ms", "_vs_1g",
+                                  "reference", "_h64"))}
         sys.stdout.write(f"{name}: {figures}\n")
     path = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(report, indent=2))

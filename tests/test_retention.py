@@ -125,3 +125,33 @@ def test_registered_training_steps_come_from_the_registry(tmp_path: Path) -> Non
         registry.register(registry.start_run("r", {}), checkpoint, tags)
 
     assert retention.registered_training_steps(registry.client, "drafter", RUN) == {4, 7}
+
+
+def test_cli_dry_run_then_apply(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import cli
+    from pipeline.config import load_config
+    from pipeline.store import open_store
+    from tests.conftest import write_config
+
+    config = write_config(tmp_path, {"train": {"buffer_steps": 1}})
+    cfg = load_config(config)
+    store = open_store(cfg)
+    for step in (1, 2, 3):
+        shards.write_hidden_states(store, cfg.run, step, _samples(step), hidden_size=8, layer_ids=[1],
+                                   target={"model_id": "m"})
+        buffer.build_buffer(store, cfg.run, step, 1, max_samples=100)
+    doomed = [buffer_key(cfg.run, 1), buffer_key(cfg.run, 2), f"{hidden_states_prefix(cfg.run, 1)}/{shards.MANIFEST}"]
+
+    cli.main(["--config", str(config), "retention"])
+    dry = capsys.readouterr().out
+
+    assert all(f"would delete {key} (" in dry for key in doomed)
+    assert "dry run: 6 objects" in dry  # 2 expired buffers, 2 steps of manifest + 1 shard each
+    assert all(store.exists(key) for key in doomed)
+
+    cli.main(["--config", str(config), "retention", "--apply"])
+    applied = capsys.readouterr().out
+
+    assert "deleted 6 objects" in applied
+    assert not any(store.exists(key) for key in doomed)
+    assert shards.has_manifest(store, cfg.run, 3)
