@@ -9,7 +9,7 @@ sample, >= 1 GiB locally (a smaller set over S3). Baselines, measured in the sam
 
 "Read" means into torch tensors that own their memory, every byte copied in once: a lazy
 memory map is not a read, so the two baselines that map files (`safetensors.load_file`,
-`torch.load(mmap=True)`) are cloned, which is their fastest non-lazy path (one copy from
+`torch.load(weights_only=True, mmap=True)`) are cloned, which is their fastest non-lazy path (one copy from
 the page cache, like `read`). Writes end with fsync, like the object store's. The page
 cache cannot be dropped without root, so every format is read back from the page cache
 right after it was written, the same way for all; each figure is the best of REPEATS.
