@@ -127,8 +127,13 @@ def test_registered_training_steps_come_from_the_registry(tmp_path: Path) -> Non
     assert retention.registered_training_steps(registry.client, "drafter", RUN) == {4, 7}
 
 
-def test_cli_dry_run_then_apply(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_dry_run_then_apply(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import cli
+    from pipeline.config import CONFIG_ENV
+
+    monkeypatch.setenv(CONFIG_ENV, "")  # `--config` exports the path: restored after the test
     from pipeline.config import load_config
     from pipeline.store import open_store
     from tests.conftest import write_config
