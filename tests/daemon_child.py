@@ -1,12 +1,13 @@
-"""One lifetime of Dagster's sensor daemon: one iteration of its real sensor loop, then exit (or die).
+"""One lifetime of Dagster's sensor daemon: iterations of its real sensor loop, then exit (or die).
 
-    DAGSTER_HOME=... DRAFTER_PIPELINE_CONFIG=... python -m tests.daemon_child <clock_s> [crash_point]
+    DAGSTER_HOME=... DRAFTER_PIPELINE_CONFIG=... python -m tests.daemon_child <clock_s>[,<clock_s>...] [crash_point]
 
 The iteration is Dagster's own (`execute_sensor_iteration`, what `dagster-daemon run` calls every few
-seconds) against the instance in $DAGSTER_HOME, with the code location loaded in this process. The
-clock is set to <clock_s> (Dagster's test clock) so that successive lifetimes are past the sensors'
-minimum interval without waiting for it. A crash point is one of Dagster's own crash flags
-(TICK_CREATED, TICK_HELD, RUN_CREATED, RUN_LAUNCHED): the process SIGKILLs itself there.
+seconds) against the instance in $DAGSTER_HOME, with the code location loaded in this process; one
+iteration per clock value. The clock is set to each <clock_s> in turn (Dagster's test clock) so that
+successive ticks are past the sensors' minimum interval without waiting for it. A crash point is one
+of Dagster's own crash flags (TICK_CREATED, TICK_HELD, RUN_CREATED, RUN_LAUNCHED): the process
+SIGKILLs itself there.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def main(clock_s: float, crash_point: str = "") -> None:
+def main(clocks: list[float], crash_point: str = "") -> None:
     from dagster import DagsterInstance
     from dagster._core.remote_origin import InProcessCodeLocationOrigin
     from dagster._core.test_utils import freeze_time
@@ -36,11 +37,14 @@ def main(clock_s: float, crash_point: str = "") -> None:
         location_name="pipeline",
     )
     flags = {SENSOR_NAME: {crash_point: signal.SIGKILL}} if crash_point else None
-    with DagsterInstance.get() as instance, freeze_time(clock_s), \
+    with DagsterInstance.get() as instance, \
             WorkspaceProcessContext(instance, InProcessWorkspaceLoadTarget(origin)) as context:
-        list(execute_sensor_iteration(context, logging.getLogger("daemon"), None, None, debug_crash_flags=flags))
+        for clock_s in clocks:
+            with freeze_time(clock_s):
+                list(execute_sensor_iteration(context, logging.getLogger("daemon"), None, None,
+                                              debug_crash_flags=flags))
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    main(float(sys.argv[1]), *sys.argv[2:])
+    main([float(c) for c in sys.argv[1].split(",")], *sys.argv[2:])

@@ -69,6 +69,22 @@ def test_sensor_adds_committed_steps_once(tiny_config_path: Path) -> None:
         assert [r.run_key for r in third.run_requests] == ["step-000003"]
 
 
+@pytest.mark.reliability("fault", "RL trainer commits a step late, behind the sensor's cursor")
+def test_sensor_requests_a_step_committed_behind_its_cursor(tiny_config_path: Path) -> None:
+    cfg = load_config(tiny_config_path)
+    store = open_store(cfg)
+    for step in (1, 2, 4):
+        _fake_step(store, cfg.run, step)
+    defs = build_definitions(str(tiny_config_path))
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_step", ["step-000001", "step-000002", "step-000004"])
+        _fake_step(store, cfg.run, 3)  # step 3's commit point lands after step 4's
+        tick = rl_step_sensor(dg.build_sensor_context(instance=instance, cursor="4", definitions=defs,
+                                                      sensor_name=SENSOR_NAME, resources=defs.resources))
+        assert [r.run_key for r in tick.run_requests] == ["step-000003"]
+        assert tick.cursor == "4"
+
+
 def _run_step(defs: dg.Definitions, instance: dg.DagsterInstance, key: str) -> dg.ExecuteInProcessResult:
     instance.add_dynamic_partitions("rl_step", [key])
     return defs.resolve_job_def("rl_step_job").execute_in_process(

@@ -48,7 +48,9 @@ def s3_endpoint() -> Iterator[str]:
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
     try:
-        s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True).mkdir(BUCKET)
+        # exist_ok: moto keeps its buckets per process, and other modules start their own server too.
+        fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+        fs.makedirs(BUCKET, exist_ok=True)
         yield endpoint
     finally:
         server.stop()
