@@ -10,8 +10,9 @@ import dagster as dg
 
 from pipeline import acceptance as acceptance_lib
 from pipeline import buffer as buffer_lib
-from pipeline import checks, cotrain, extract
+from pipeline import checks, cotrain, extract, report
 from pipeline import rollouts as rollouts_lib
+from pipeline.rollouts import committed_steps
 from pipeline.steps import acceptance_key, buffer_key, hidden_states_prefix, parse_step_key, rollouts_prefix
 from resources import MlflowResource, ObjectStoreResource, PipelineConfigResource
 
@@ -19,6 +20,14 @@ rl_step = dg.DynamicPartitionsDefinition(name="rl_step")
 
 GROUP = "cotraining"
 RETRAIN_TAG = "retrain_reason"  # set by live_tau_sensor: train even off the interval
+
+
+BUFFER_SCHEMA = dg.TableSchema(
+    columns=[
+        dg.TableColumn("rl_step", "int", description="RL step the samples come from"),
+        dg.TableColumn("samples", "int", description="samples of that step in the buffer"),
+    ]
+)
 
 
 def _step(context: dg.AssetExecutionContext) -> int:
@@ -49,6 +58,7 @@ def rollouts(
             "mean_reward": sum(r.reward for r in rows) / len(rows),
             "policy_version": pointer.policy_version,
             "policy_checkpoint": dg.MetadataValue.path(pointer.checkpoint_uri),
+            "bytes": store.size(f"{rollouts_prefix(cfg.run, step)}/rollouts.parquet"),
             "uri": dg.MetadataValue.path(store.uri(rollouts_prefix(cfg.run, step))),
         }
     )
@@ -106,6 +116,13 @@ def hidden_states(
     kinds={"json"},
     description="The rolling cross-step buffer: a manifest pointing at the samples of the last "
     "`train.buffer_steps` steps (at most `train.data_buffer_max_size`, oldest evicted first).",
+    check_specs=[
+        dg.AssetCheckSpec(
+            "buffer_within_limits",
+            asset="drafter_buffer",
+            description="At most train.data_buffer_max_size samples, all from the last train.buffer_steps steps.",
+        )
+    ],
 )
 def drafter_buffer(
     context: dg.AssetExecutionContext, settings: PipelineConfigResource, object_store: ObjectStoreResource
@@ -113,14 +130,27 @@ def drafter_buffer(
     """A manifest, not a copy: buffers of consecutive steps share their shards."""
     cfg, store, step = settings.load(), object_store.store(), _step(context)
     doc = buffer_lib.build_buffer(store, cfg.run, step, cfg.train.buffer_steps, cfg.train.data_buffer_max_size)
-    table = "| RL step | samples |\n|---|---|\n" + "".join(f"| {s} | {n} |\n" for s, n in doc["composition"].items())
+    by_step = {int(s): n for s, n in doc["composition"].items()}
+    oldest_allowed = step - cfg.train.buffer_steps + 1
     return dg.MaterializeResult(
         metadata={
             "samples": doc["num_samples"],
             "tokens": doc["num_tokens"],
-            "composition": dg.MetadataValue.md(table),
+            "steps": str(sorted(by_step)),
+            "composition": dg.MetadataValue.table(
+                records=[dg.TableRecord({"rl_step": s, "samples": n}) for s, n in sorted(by_step.items())],
+                schema=BUFFER_SCHEMA,
+            ),
             "uri": dg.MetadataValue.path(store.uri(buffer_key(cfg.run, step))),
-        }
+        },
+        check_results=[
+            dg.AssetCheckResult(
+                check_name="buffer_within_limits",
+                passed=doc["num_samples"] <= cfg.train.data_buffer_max_size
+                and all(oldest_allowed <= s <= step for s in by_step),
+                metadata={"max_samples": cfg.train.data_buffer_max_size, "oldest_step_allowed": oldest_allowed},
+            )
+        ],
     )
 
 
@@ -157,11 +187,16 @@ def drafter(
                 "mlflow_run_id": outcome.run_id,
                 "mlflow_run": dg.MetadataValue.url(registry.run_url(outcome.run_id, mlflow.ui_url)),
                 "model_version": outcome.version,
+                "mlflow_model_version": dg.MetadataValue.url(registry.version_url(outcome.version, mlflow.ui_url)),
+                "trained_on_steps": str(sorted(outcome.trained_on_steps)),
                 "warm_start_version": outcome.warm_start_version or "none (fresh)",
                 "iterations": outcome.result.iterations,
                 "final_loss": outcome.result.loss,
                 "token_accuracy": outcome.result.accuracy,
                 "tokens_per_s": outcome.result.tokens_per_s,
+                "loss_curve": dg.MetadataValue.md(report.png_markdown(
+                    report.loss_png(outcome.result.loss_history, f"drafter training, {context.partition_key}"),
+                    "training loss per iteration")),
             }
         )
     return dg.MaterializeResult(metadata=metadata)
@@ -203,6 +238,17 @@ def acceptance(
             "uri": dg.MetadataValue.path(store.uri(acceptance_key(cfg.run, step))),
         }
     )
+    if "cotrained" in measured:
+        metadata["acceptance_rate_cotrained"] = measured["cotrained"]["acceptance_rate"]
+        metadata["per_position_cotrained"] = str([round(p, 3) for p in measured["cotrained"]["per_position"]])
+    if record["champion_after"]:
+        metadata["mlflow_champion"] = dg.MetadataValue.url(
+            mlflow.registry().version_url(record["champion_after"], mlflow.ui_url))
+    # The picture an operator looks for: tau of every step so far, up to this one.
+    rows = report.acceptance_rows(store, cfg.run, [s for s in committed_steps(store, cfg.run) if s <= step])
+    metadata["tau_by_step"] = dg.MetadataValue.md(report.png_markdown(
+        report.acceptance_png(rows, cfg.eval.num_speculative_tokens, cfg.drafter.kind, dpi=90),
+        "tau per RL step: co-trained, served (champion), never retrained (baseline)"))
     return dg.MaterializeResult(
         metadata=metadata,
         check_results=[

@@ -34,11 +34,13 @@ class TrainOutcome:
     version: str | None = None
     warm_start_version: str | None = None
     result: TrainResult | None = None
+    trained_on_steps: tuple[int, ...] = ()
 
     def record(self, step: int) -> dict:
         """What later stages (and people) need to know about this step's training."""
         out = {"step": step, "trained": self.trained, "reason": self.reason, "buffer_samples": self.buffer_samples,
-               "run_id": self.run_id, "version": self.version, "warm_start_version": self.warm_start_version}
+               "run_id": self.run_id, "version": self.version, "warm_start_version": self.warm_start_version,
+               "trained_on_steps": list(self.trained_on_steps)}
         if self.result:
             out.update(iterations=self.result.iterations, loss=self.result.loss, vloss=self.result.vloss,
                        ploss=self.result.ploss, accuracy=self.result.accuracy, wall_s=self.result.wall_s,
@@ -119,7 +121,7 @@ def train_step(
     if existing:  # a rerun of the same partition on the same inputs: no second run, no second version
         run_id = registry.client.get_model_version(registry.model_name, existing).run_id
         return TrainOutcome(True, f"reused version {existing}, trained on identical inputs", len(entries),
-                            run_id, existing, warm_start)
+                            run_id, existing, warm_start, trained_on_steps=tuple(composition(entries)))
     target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device)
     hidden = list(iter_buffer_samples(store, cfg.run, entries))
     drafter, warm_start = _initial_drafter(cfg, registry, warm_start, target, hidden)
@@ -148,7 +150,7 @@ def train_step(
             version = registry.register(run_id, checkpoint, {
                 "rl_step": str(step), "pipeline_run": cfg.run, "trained_on_steps": json.dumps(list(steps_in_buffer)),
                 "train_samples": str(len(entries)), "warm_start_version": warm_start or "none",
-                "input_id": identity,
+                "input_id": identity, "drafter_kind": cfg.drafter.kind,
             })
         registry.set_alias("challenger", version)
         if registry.alias_version("baseline") is None:
@@ -157,4 +159,4 @@ def train_step(
     except BaseException:
         registry.end_run(run_id, ok=False)
         raise
-    return TrainOutcome(True, reason, len(entries), run_id, version, warm_start, result)
+    return TrainOutcome(True, reason, len(entries), run_id, version, warm_start, result, tuple(steps_in_buffer))

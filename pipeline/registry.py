@@ -90,6 +90,9 @@ class DrafterRegistry:
     def run_url(self, run_id: str, ui_base: str) -> str:
         return f"{ui_base.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
 
+    def version_url(self, version: str, ui_base: str) -> str:
+        return f"{ui_base.rstrip('/')}/#/models/{self.model_name}/versions/{version}"
+
     # -- model versions
     def register(self, run_id: str, checkpoint_dir: Path, tags: dict[str, str]) -> str:
         """Log the checkpoint directory as the run's artifacts and register it as a new version."""
