@@ -55,7 +55,7 @@ def rollouts(
             "held_out_samples": len(held_out),
             "tokens": sum(len(r.input_ids) for r in rows),
             "response_tokens": sum(sum(r.loss_mask) for r in rows),
-            "mean_reward": sum(r.reward for r in rows) / len(rows),
+            "mean_reward": round(sum(r.reward for r in rows) / len(rows), 4),
             "policy_version": pointer.policy_version,
             "policy_checkpoint": dg.MetadataValue.path(pointer.checkpoint_uri),
             "bytes": store.size(f"{rollouts_prefix(cfg.run, step)}/rollouts.parquet"),
@@ -191,9 +191,9 @@ def drafter(
                 "trained_on_steps": str(sorted(outcome.trained_on_steps)),
                 "warm_start_version": outcome.warm_start_version or "none (fresh)",
                 "iterations": outcome.result.iterations,
-                "final_loss": outcome.result.loss,
-                "token_accuracy": outcome.result.accuracy,
-                "tokens_per_s": outcome.result.tokens_per_s,
+                "final_loss": round(outcome.result.loss, 4),
+                "token_accuracy": round(outcome.result.accuracy, 4),
+                "tokens_per_s": round(outcome.result.tokens_per_s, 1),
                 "loss_curve": dg.MetadataValue.md(report.png_markdown(
                     report.loss_png(outcome.result.loss_history, f"drafter training, {context.partition_key}"),
                     "training loss per iteration")),
@@ -228,7 +228,7 @@ def acceptance(
     record = acceptance_lib.evaluate_step(store, cfg, step, mlflow.registry(), new_version)
     ceiling = cfg.eval.num_speculative_tokens + 1
     measured = {role: d for role, d in record["drafters"].items() if d}
-    metadata: dict = {f"tau_{role}": d["tau"] for role, d in measured.items()}
+    metadata: dict = {f"tau_{role}": round(d["tau"], 3) for role, d in measured.items()}
     metadata.update({f"version_{role}": d["version"] for role, d in measured.items()})
     metadata.update(
         {
@@ -239,7 +239,7 @@ def acceptance(
         }
     )
     if "cotrained" in measured:
-        metadata["acceptance_rate_cotrained"] = measured["cotrained"]["acceptance_rate"]
+        metadata["acceptance_rate_cotrained"] = round(measured["cotrained"]["acceptance_rate"], 3)
         metadata["per_position_cotrained"] = str([round(p, 3) for p in measured["cotrained"]["per_position"]])
     if record["champion_after"]:
         metadata["mlflow_champion"] = dg.MetadataValue.url(

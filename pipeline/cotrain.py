@@ -151,7 +151,9 @@ def train_step(
                 "rl_step": str(step), "pipeline_run": cfg.run, "trained_on_steps": json.dumps(list(steps_in_buffer)),
                 "train_samples": str(len(entries)), "warm_start_version": warm_start or "none",
                 "input_id": identity, "drafter_kind": cfg.drafter.kind,
-            })
+            }, description=f"{cfg.drafter.kind} drafter trained at RL step {step} of run {cfg.run} on "
+               f"{len(entries)} samples of steps {list(steps_in_buffer)}, warm-started from "
+               f"{f'version {warm_start}' if warm_start else 'a fresh initialisation'}.")
         registry.set_alias("challenger", version)
         if registry.alias_version("baseline") is None:
             registry.set_alias("baseline", version)

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mlflow.entities import Metric, RunStatus
+from mlflow.entities import Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
@@ -71,8 +71,10 @@ class DrafterRegistry:
         return runs[0].info.run_id if runs else None
 
     def log_params(self, run_id: str, params: dict[str, object]) -> None:
-        for key, value in params.items():
-            self.client.log_param(run_id, key, str(value))
+        # One request, not one per parameter (each is a round trip to a tracking server).
+        items = [Param(key, str(value)) for key, value in params.items()]
+        for start in range(0, len(items), 100):  # MLflow's batch limit for params
+            self.client.log_batch(run_id, params=items[start : start + 100])
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
         sink = MetricsBatcher(self.client, run_id)
@@ -94,11 +96,12 @@ class DrafterRegistry:
         return f"{ui_base.rstrip('/')}/#/models/{self.model_name}/versions/{version}"
 
     # -- model versions
-    def register(self, run_id: str, checkpoint_dir: Path, tags: dict[str, str]) -> str:
+    def register(self, run_id: str, checkpoint_dir: Path, tags: dict[str, str], description: str = "") -> str:
         """Log the checkpoint directory as the run's artifacts and register it as a new version."""
         self.client.log_artifacts(run_id, str(checkpoint_dir), ARTIFACT_PATH)
         source = f"{self.client.get_run(run_id).info.artifact_uri}/{ARTIFACT_PATH}"
-        version = self.client.create_model_version(self.model_name, source=source, run_id=run_id, tags=tags)
+        version = self.client.create_model_version(self.model_name, source=source, run_id=run_id, tags=tags,
+                                                   description=description or None)
         return str(version.version)
 
     def find_version(self, tags: dict[str, str]) -> str | None:
