@@ -189,7 +189,7 @@ def ui(config_path: str | None) -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the children too
     out("Dagster UI: http://127.0.0.1:3000   (asset graph: /asset-groups, runs: /runs)")
     out(f"MLflow UI:  {'http://127.0.0.1:5000' if embedded_mlflow else cfg.mlflow.tracking_uri}   "
-        "(model registry: /#/models)")
+        "(model registry: /#/models; training runs: Experiments > the experiment > Runs)")
     out("Ctrl-C stops them.")
     try:
         while all(p.poll() is None for p in procs):

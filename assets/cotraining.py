@@ -20,6 +20,7 @@ rl_step = dg.DynamicPartitionsDefinition(name="rl_step")
 
 GROUP = "cotraining"
 RETRAIN_TAG = "retrain_reason"  # set by live_tau_sensor: train even off the interval
+PLOT_STEPS = 50  # steps shown in the acceptance plot of a materialization
 
 
 BUFFER_SCHEMA = dg.TableSchema(
@@ -225,7 +226,8 @@ def acceptance(
     """Real speculative decoding with greedy verification against the step's target."""
     cfg, store, step = settings.load(), object_store.store(), _step(context)
     new_version = cotrain.read_outcome(store, cfg.run, step)["version"]
-    record = acceptance_lib.evaluate_step(store, cfg, step, mlflow.registry(), new_version)
+    registry = mlflow.registry()
+    record = acceptance_lib.evaluate_step(store, cfg, step, registry, new_version)
     ceiling = cfg.eval.num_speculative_tokens + 1
     measured = {role: d for role, d in record["drafters"].items() if d}
     metadata: dict = {f"tau_{role}": round(d["tau"], 3) for role, d in measured.items()}
@@ -242,10 +244,11 @@ def acceptance(
         metadata["acceptance_rate_cotrained"] = round(measured["cotrained"]["acceptance_rate"], 3)
         metadata["per_position_cotrained"] = str([round(p, 3) for p in measured["cotrained"]["per_position"]])
     if record["champion_after"]:
-        metadata["mlflow_champion"] = dg.MetadataValue.url(
-            mlflow.registry().version_url(record["champion_after"], mlflow.ui_url))
-    # The picture an operator looks for: tau of every step so far, up to this one.
-    rows = report.acceptance_rows(store, cfg.run, [s for s in committed_steps(store, cfg.run) if s <= step])
+        champion_url = registry.version_url(record["champion_after"], mlflow.ui_url)
+        metadata["mlflow_champion"] = dg.MetadataValue.url(champion_url)
+    # The picture an operator looks for: tau per step over the last PLOT_STEPS steps, up to this one.
+    earlier = [s for s in committed_steps(store, cfg.run) if s <= step][-PLOT_STEPS:]
+    rows = report.acceptance_rows(store, cfg.run, earlier)
     metadata["tau_by_step"] = dg.MetadataValue.md(report.png_markdown(
         report.acceptance_png(rows, cfg.eval.num_speculative_tokens, cfg.drafter.kind, dpi=90),
         "tau per RL step: co-trained, served (champion), never retrained (baseline)"))

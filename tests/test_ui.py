@@ -240,11 +240,16 @@ def test_backfill_three_rl_steps_from_the_asset_graph(stack: Stack, page) -> Non
     assert drafter["trained_on_steps"].value == "[2, 3]"
     assert drafter["mlflow_run"].value.startswith(s.mlflow)
 
-    # 5. Operators read the plots in the metadata of the last step.
+    # 5. The graph now shows every asset materialized for the partition ...
+    page.goto(f"{s.web}/locations/{LOCATION}/asset-groups/cotraining/lineage")
+    page.get_by_text("acceptance", exact=True).filter(visible=True).first.wait_for()
+    page.wait_for_load_state("networkidle")  # the nodes' status arrives after the graph
+    _shot(page, "04-asset-graph-materialized")
+    # ... and operators read the plots in the metadata of the last step.
     _open_plot(page, f"{s.web}/assets/acceptance?partition={KEYS[-1]}", "tau_by_step", "tau per RL step",
-               "04-acceptance-metadata", "05-acceptance-plot")
+               "05-acceptance-metadata", "06-acceptance-plot")
     _open_plot(page, f"{s.web}/assets/drafter?partition={KEYS[-1]}", "loss_curve", "training loss",
-               "06-drafter-metadata", "07-loss-plot")
+               "07-drafter-metadata", "08-loss-plot")
 
 
 def _open_plot(page, url: str, label: str, alt: str, shot_page: str, shot_plot: str) -> None:
@@ -269,12 +274,20 @@ def test_registered_drafter_and_alias_in_the_mlflow_ui(stack: Stack, page) -> No
     assert "tau" in champion.tags
     assert "trained_on_steps" in champion.tags
 
+    # Runs named by RL step, in the training experiment.
+    experiment = client.get_experiment_by_name("ui-test")
+    # (the runs tab: MLflow 3 opens an experiment on its GenAI traces overview)
+    page.goto(f"{s.mlflow}/#/experiments/{experiment.experiment_id}/runs")
+    for step in STEPS:
+        page.get_by_text(f"drafter-step-{step:06d}").first.wait_for()
+    _shot(page, "09-mlflow-runs")
+
     page.goto(f"{s.mlflow}/#/models/{MODEL}")
     page.get_by_text(MODEL).first.wait_for()
     page.get_by_text("champion").first.wait_for()
-    _shot(page, "08-mlflow-model")
+    _shot(page, "10-mlflow-model")
     page.goto(f"{s.mlflow}/#/models/{MODEL}/versions/{champion.version}")
     page.get_by_text("@champion", exact=False).or_(page.get_by_text("champion")).first.wait_for()
     for tag in ("rl_step", "tau", "trained_on_steps", "train_samples"):
         page.get_by_text(tag, exact=True).first.wait_for()
-    _shot(page, "09-mlflow-champion-version")
+    _shot(page, "11-mlflow-champion-version")
