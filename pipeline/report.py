@@ -99,13 +99,14 @@ def plot(rows: list[dict], k: int, path: Path, drafter_kind: str = "") -> Path:
 
 
 def loss_png(loss_history: list[float], title: str, dpi: int = 100) -> bytes:
-    """The training loss per iteration (log scale: it falls by orders of magnitude from a fresh start)."""
+    """The training loss per iteration; log scale when it spans more than a decade (a fresh start)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3), dpi=dpi)
     ax.plot(range(1, len(loss_history) + 1), loss_history, lw=1.2)
     ax.set_xlabel("iteration")
     ax.set_ylabel("loss")
-    if min(loss_history, default=1.0) > 0:
+    low, high = min(loss_history, default=1.0), max(loss_history, default=1.0)
+    if low > 0 and high / low > 10:
         ax.set_yscale("log")
     ax.set_title(title)
     ax.grid(alpha=0.3)

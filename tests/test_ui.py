@@ -24,13 +24,13 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from conftest import free_port, write_config
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import PipelineConfig, load_config
 from pipeline.simulation import SimulatedRL
 from pipeline.steps import step_key
 from pipeline.store import open_store
+from tests.conftest import free_port, write_config
 
 pytestmark = [pytest.mark.ui, pytest.mark.slow]
 
