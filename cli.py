@@ -45,6 +45,14 @@ def prepare_dagster_home(cfg: PipelineConfig) -> Path:
     return home
 
 
+def create_storage(instance) -> None:
+    """Create the instance's SQLite tables once, before the webserver and the daemon start together
+    (two processes creating them at once fail with "table ... already exists")."""
+    instance.get_runs(limit=1)
+    instance.get_dynamic_partitions("rl_step")
+    instance.all_instigator_state()
+
+
 def out(line: str = "") -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
@@ -171,6 +179,10 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None) -> Pat
 def ui(config_path: str | None) -> None:
     cfg = load_config(config_path)
     home = prepare_dagster_home(cfg)
+    import dagster as dg
+
+    with dg.DagsterInstance.get() as instance:
+        create_storage(instance)
     env = dict(os.environ, DAGSTER_HOME=str(home), MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     if config_path:
         env[CONFIG_ENV] = str(Path(config_path).resolve())

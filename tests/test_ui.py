@@ -11,6 +11,7 @@ Screenshots: $UI_SCREENSHOTS or .data/test-ui/screenshots (`make test-ui` prints
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -25,7 +26,9 @@ from pathlib import Path
 import dagster as dg
 import pytest
 from mlflow.tracking import MlflowClient
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
+from cli import create_storage
 from pipeline.config import PipelineConfig, load_config
 from pipeline.simulation import SimulatedRL
 from pipeline.steps import step_key
@@ -76,6 +79,35 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) ->
         time.sleep(0.5)
 
 
+def _graphql(web: str, query: str) -> dict:
+    request = urllib.request.Request(f"{web}/graphql", data=json.dumps({"query": query}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())["data"]
+
+
+LOCATION_QUERY = """{ workspaceOrError { ... on Workspace { locationEntries { name loadStatus
+  locationOrLoadError { __typename ... on PythonError { message } } } } } }"""
+
+
+def _wait_for_location(web: str, timeout_s: float) -> None:
+    """The code location loaded in the webserver; on a loaded machine its first load can time out,
+    and then it is reloaded, as a person would press "Reload definitions"."""
+    deadline, error = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        entries = _graphql(web, LOCATION_QUERY)["workspaceOrError"]["locationEntries"]
+        entry = next(e for e in entries if e["name"] == LOCATION)
+        loaded = entry["locationOrLoadError"] or {}
+        if entry["loadStatus"] == "LOADED" and loaded.get("__typename") == "RepositoryLocation":
+            return
+        if entry["loadStatus"] == "LOADED" and loaded.get("__typename") == "PythonError":
+            error = loaded["message"]
+            _graphql(web, f'mutation {{ reloadRepositoryLocation(repositoryLocationName: "{LOCATION}") '
+                          '{ __typename } }')
+        time.sleep(2)
+    raise RuntimeError(f"code location {LOCATION} did not load: {error}")
+
+
 def _processes_of(home: Path) -> list[int]:
     """Every process started for this instance (webserver, daemon, their code servers, run workers)."""
     marker = f"DAGSTER_HOME={home}".encode()
@@ -117,9 +149,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Itera
     home = tmp / "dagster"
     home.mkdir()
     shutil.copyfile(ROOT / "dagster.yaml", home / "dagster.yaml")
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        create_storage(instance)  # before two processes race to create the SQLite tables
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "MLFLOW_UI"))}
     env.update(DAGSTER_HOME=str(home), DRAFTER_PIPELINE_CONFIG=str(config_path), PYTHONPATH=str(ROOT),
-               HF_HUB_OFFLINE="1", MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false")
+               HF_HUB_OFFLINE="1", MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false",
+               # Importing torch, transformers and MLflow can take over a minute on a loaded 2-core machine.
+               DAGSTER_GRPC_TIMEOUT_SECONDS="180")
     bin_dir = Path(sys.executable).parent
     port = free_port()
     commands = {
@@ -136,6 +172,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Itera
         # The tiny target is pre-trained (and cached) while both processes load the code location.
         SimulatedRL(s.cfg.simulation, open_store(s.cfg), s.cfg.run, s.cfg.data_path / "cache").pretrained()
         _wait_http(f"{s.web}/server_info", procs[0], 300, tmp / "webserver.log")
+        _wait_for_location(s.web, 600)
         yield s
     finally:
         _stop(s)
@@ -207,7 +244,14 @@ def test_backfill_three_rl_steps_from_the_asset_graph(stack: Stack, page) -> Non
     # 3. Materialize all -> three RL-step partitions -> Launch backfill.
     page.get_by_role("button", name="Materialize all…").click()
     dialog = page.get_by_role("dialog")
-    dialog.get_by_text("Select a partition or create one").click()
+    picker, first = dialog.get_by_text("Select a partition or create one"), page.get_by_text(KEYS[0], exact=True)
+    for _ in range(10):  # the picker opens empty while the dialog still loads the partitions: open it again
+        picker.click()
+        try:
+            first.filter(visible=True).first.wait_for(timeout=5_000)
+            break
+        except PlaywrightTimeout:
+            dialog.get_by_text("Launch runs to materialize").click()
     for key in KEYS:
         page.get_by_text(key, exact=True).filter(visible=True).first.click()
     dialog.get_by_text("Launch runs to materialize").click()  # closes the partition picker
