@@ -8,7 +8,7 @@ DRAFTER ?= eagle3
 export PYTHONPATH := $(CURDIR)
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup demo test test-fast ui status bench lint clean
+.PHONY: setup browser demo test test-fast test-ui ui status bench lint clean
 
 setup: $(STAMP)
 
@@ -21,14 +21,27 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $(STAMP)
 
+# Debian's chromium for the browser tests (Playwright drives it; it cannot download its own browser here).
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@test -x $(CHROMIUM) || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; }
+
 demo: $(STAMP)
 	$(PY) cli.py demo --steps $(STEPS) --drafter $(DRAFTER)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -q tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
+
+# The browser tests alone; the last line printed is the folder of their screenshots.
+UI_SCREENSHOTS ?= $(CURDIR)/.data/test-ui/screenshots
+test-ui: $(STAMP) browser
+	UI_SCREENSHOTS=$(UI_SCREENSHOTS) $(PY) -m pytest -q -m ui tests
+	@echo $(UI_SCREENSHOTS)
 
 ui: $(STAMP)
 	$(PY) cli.py ui

@@ -3,7 +3,7 @@
 demo    simulate N RL steps and drive each through the persisted Dagster instance, as the
         sensor would; print a table, write a JSON summary and a PNG plot.
 ui      Dagster webserver + daemon and the MLflow UI on the demo's data.
-status  steps known, last materializations, champion.
+status  steps known, last materializations, runs, registry aliases, fleet state.
 """
 
 from __future__ import annotations
@@ -43,6 +43,14 @@ def prepare_dagster_home(cfg: PipelineConfig) -> Path:
     shutil.copyfile(ROOT / "dagster.yaml", home / "dagster.yaml")
     os.environ["DAGSTER_HOME"] = str(home)
     return home
+
+
+def create_storage(instance) -> None:
+    """Create the instance's SQLite tables once, before the webserver and the daemon start together
+    (two processes creating them at once fail with "table ... already exists")."""
+    instance.get_runs(limit=1)
+    instance.get_dynamic_partitions("rl_step")
+    instance.all_instigator_state()
 
 
 def out(line: str = "") -> None:
@@ -171,6 +179,10 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None) -> Pat
 def ui(config_path: str | None) -> None:
     cfg = load_config(config_path)
     home = prepare_dagster_home(cfg)
+    import dagster as dg
+
+    with dg.DagsterInstance.get() as instance:
+        create_storage(instance)
     env = dict(os.environ, DAGSTER_HOME=str(home), MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     if config_path:
         env[CONFIG_ENV] = str(Path(config_path).resolve())
@@ -189,7 +201,7 @@ def ui(config_path: str | None) -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the children too
     out("Dagster UI: http://127.0.0.1:3000   (asset graph: /asset-groups, runs: /runs)")
     out(f"MLflow UI:  {'http://127.0.0.1:5000' if embedded_mlflow else cfg.mlflow.tracking_uri}   "
-        "(model registry: /#/models)")
+        "(model registry: /#/models; training runs: Experiments > the experiment > Runs)")
     out("Ctrl-C stops them.")
     try:
         while all(p.poll() is None for p in procs):
@@ -213,6 +225,7 @@ def status(config_path: str | None) -> None:
     _quiet_libraries()
     import dagster as dg
 
+    from pipeline import deploy
     from pipeline.registry import DrafterRegistry
     from pipeline.rollouts import committed_steps
     from pipeline.store import open_store
@@ -220,18 +233,39 @@ def status(config_path: str | None) -> None:
     instance = dg.DagsterInstance.get()
     store = open_store(cfg)
     steps = committed_steps(store, cfg.run)
-    out(f"run {cfg.run}: {len(steps)} committed RL steps{f' (last step-{steps[-1]:06d})' if steps else ''}")
-    out(f"partitions in Dagster: {len(instance.get_dynamic_partitions('rl_step'))}")
-    for asset in ("rollouts", "hidden_states", "drafter_buffer", "drafter", "acceptance"):
+    partitions = instance.get_dynamic_partitions("rl_step")
+    out(f"run {cfg.run}: {len(steps)} committed RL steps{f' (last step-{steps[-1]:06d})' if steps else ''}, "
+        f"{len(partitions)} rl_step partitions in Dagster ({instance.root_directory})")
+    out("last materializations:")
+    for asset in ("rollouts", "hidden_states", "drafter_buffer", "drafter", "acceptance", "fleet"):
         event = instance.get_latest_materialization_event(dg.AssetKey(asset))
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.timestamp)) if event else "never"
         part = event.dagster_event.partition if event and event.dagster_event else None
-        out(f"  {asset:<15} last materialized {when}{f' ({part})' if part else ''}")
+        done = len(instance.get_materialized_partitions(dg.AssetKey(asset))) if asset != "fleet" else None
+        counts = f", {done}/{len(partitions)} steps" if done is not None else ""
+        out(f"  {asset:<15} {when}{f' ({part})' if part else ''}{counts}")
+    runs = instance.get_runs(limit=50)
+    active = [r for r in runs if not r.is_finished]
+    failed = [r for r in runs if r.status == dg.DagsterRunStatus.FAILURE]
+    out(f"runs: {len(active)} queued or running, {len(failed)} failed among the last {len(runs)}")
     registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)
-    for alias in ("champion", "challenger", "baseline"):
+    out(f"registry {cfg.mlflow.model_name} ({cfg.tracking_uri}):")
+    for alias in ("champion", "challenger", "baseline", "live"):
         version = registry.alias_version(alias)
-        tau = registry.version_tags(version).get("tau", "?") if version else ""
-        out(f"  {alias:<10} {f'version {version} (tau {tau})' if version else 'none'}")
+        tags = registry.version_tags(version) if version else {}
+        detail = f"version {version} (RL step {tags.get('rl_step', '?')}, tau {tags.get('tau', '?')})"
+        out(f"  {alias:<10} {detail if version else 'none'}")
+    state = deploy.read_state(store, cfg.run)
+    if cfg.fleet.driver == "none":
+        out("fleet: none configured (fleet.driver: none)")
+    elif not state["replicas"]:
+        out(f"fleet: {len(cfg.fleet.replicas)} {cfg.fleet.driver} replicas, nothing deployed yet")
+    else:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state["since"])) if state.get("since") else "?"
+        out(f"fleet ({cfg.fleet.driver}): version {state['version']} since {since}")
+        for r in state["replicas"]:
+            tau = r.get("live_tau")
+            out(f"  {r['replica']:<12} version {r['version']}{f', live tau {tau:.2f}' if tau is not None else ''}")
 
 
 def retention(config_path: str | None, apply: bool) -> None:
@@ -268,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     demo_p.add_argument("--steps", type=int, default=6)
     demo_p.add_argument("--drafter", choices=["eagle", "eagle3"], help="drafter.kind for this demo")
     sub.add_parser("ui", help="Dagster and MLflow UIs on the demo's data")
-    sub.add_parser("status", help="steps, last materializations, champion")
+    sub.add_parser("status", help="steps, last materializations, runs, champion, fleet")
     retention_p = sub.add_parser("retention", help="hidden-state shards nothing refers to (dry run; --apply deletes)")
     retention_p.add_argument("--apply", action="store_true", help="delete them (default: only list them)")
     args = parser.parse_args(argv)

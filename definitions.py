@@ -19,6 +19,9 @@ def build_definitions(config_path: str | None = None, overrides: dict | None = N
         jobs=[rl_step_job, simulate_rl_job, deploy_job],
         sensors=[rl_step_sensor, champion_sensor, live_tau_sensor],
         resources=build_resources(config_path, overrides),
+        # A step's assets form a chain, so a process per asset (the multiprocess default) would only add
+        # start-up: five imports of torch, transformers and MLflow per step. Pools are honoured in-process.
+        executor=dg.in_process_executor,
     )
 
 

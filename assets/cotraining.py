@@ -10,8 +10,9 @@ import dagster as dg
 
 from pipeline import acceptance as acceptance_lib
 from pipeline import buffer as buffer_lib
-from pipeline import checks, cotrain, extract
+from pipeline import checks, cotrain, extract, report
 from pipeline import rollouts as rollouts_lib
+from pipeline.rollouts import committed_steps
 from pipeline.steps import acceptance_key, buffer_key, hidden_states_prefix, parse_step_key, rollouts_prefix
 from resources import MlflowResource, ObjectStoreResource, PipelineConfigResource
 
@@ -19,6 +20,15 @@ rl_step = dg.DynamicPartitionsDefinition(name="rl_step")
 
 GROUP = "cotraining"
 RETRAIN_TAG = "retrain_reason"  # set by live_tau_sensor: train even off the interval
+PLOT_STEPS = 50  # steps shown in the acceptance plot of a materialization
+
+
+BUFFER_SCHEMA = dg.TableSchema(
+    columns=[
+        dg.TableColumn("rl_step", "int", description="RL step the samples come from"),
+        dg.TableColumn("samples", "int", description="samples of that step in the buffer"),
+    ]
+)
 
 
 def _step(context: dg.AssetExecutionContext) -> int:
@@ -46,9 +56,10 @@ def rollouts(
             "held_out_samples": len(held_out),
             "tokens": sum(len(r.input_ids) for r in rows),
             "response_tokens": sum(sum(r.loss_mask) for r in rows),
-            "mean_reward": sum(r.reward for r in rows) / len(rows),
+            "mean_reward": round(sum(r.reward for r in rows) / len(rows), 4),
             "policy_version": pointer.policy_version,
             "policy_checkpoint": dg.MetadataValue.path(pointer.checkpoint_uri),
+            "bytes": store.size(f"{rollouts_prefix(cfg.run, step)}/rollouts.parquet"),
             "uri": dg.MetadataValue.path(store.uri(rollouts_prefix(cfg.run, step))),
         }
     )
@@ -107,6 +118,13 @@ def hidden_states(
     kinds={"json"},
     description="The rolling cross-step buffer: a manifest pointing at the samples of the last "
     "`train.buffer_steps` steps (at most `train.data_buffer_max_size`, oldest evicted first).",
+    check_specs=[
+        dg.AssetCheckSpec(
+            "buffer_within_limits",
+            asset="drafter_buffer",
+            description="At most train.data_buffer_max_size samples, all from the last train.buffer_steps steps.",
+        )
+    ],
 )
 def drafter_buffer(
     context: dg.AssetExecutionContext, settings: PipelineConfigResource, object_store: ObjectStoreResource
@@ -114,14 +132,27 @@ def drafter_buffer(
     """A manifest, not a copy: buffers of consecutive steps share their shards."""
     cfg, store, step = settings.load(), object_store.store(), _step(context)
     doc = buffer_lib.build_buffer(store, cfg.run, step, cfg.train.buffer_steps, cfg.train.data_buffer_max_size)
-    table = "| RL step | samples |\n|---|---|\n" + "".join(f"| {s} | {n} |\n" for s, n in doc["composition"].items())
+    by_step = {int(s): n for s, n in doc["composition"].items()}
+    oldest_allowed = step - cfg.train.buffer_steps + 1
     return dg.MaterializeResult(
         metadata={
             "samples": doc["num_samples"],
             "tokens": doc["num_tokens"],
-            "composition": dg.MetadataValue.md(table),
+            "steps": str(sorted(by_step)),
+            "composition": dg.MetadataValue.table(
+                records=[dg.TableRecord({"rl_step": s, "samples": n}) for s, n in sorted(by_step.items())],
+                schema=BUFFER_SCHEMA,
+            ),
             "uri": dg.MetadataValue.path(store.uri(buffer_key(cfg.run, step))),
-        }
+        },
+        check_results=[
+            dg.AssetCheckResult(
+                check_name="buffer_within_limits",
+                passed=doc["num_samples"] <= cfg.train.data_buffer_max_size
+                and all(oldest_allowed <= s <= step for s in by_step),
+                metadata={"max_samples": cfg.train.data_buffer_max_size, "oldest_step_allowed": oldest_allowed},
+            )
+        ],
     )
 
 
@@ -158,11 +189,16 @@ def drafter(
                 "mlflow_run_id": outcome.run_id,
                 "mlflow_run": dg.MetadataValue.url(registry.run_url(outcome.run_id, mlflow.ui_url)),
                 "model_version": outcome.version,
+                "mlflow_model_version": dg.MetadataValue.url(registry.version_url(outcome.version, mlflow.ui_url)),
+                "trained_on_steps": str(sorted(outcome.trained_on_steps)),
                 "warm_start_version": outcome.warm_start_version or "none (fresh)",
                 "iterations": outcome.result.iterations,
-                "final_loss": outcome.result.loss,
-                "token_accuracy": outcome.result.accuracy,
-                "tokens_per_s": outcome.result.tokens_per_s,
+                "final_loss": round(outcome.result.loss, 4),
+                "token_accuracy": round(outcome.result.accuracy, 4),
+                "tokens_per_s": round(outcome.result.tokens_per_s, 1),
+                "loss_curve": dg.MetadataValue.md(report.png_markdown(
+                    report.loss_png(outcome.result.loss_history, f"drafter training, {context.partition_key}"),
+                    "training loss per iteration")),
             }
         )
     return dg.MaterializeResult(metadata=metadata)
@@ -191,10 +227,11 @@ def acceptance(
     """Real speculative decoding with greedy verification against the step's target."""
     cfg, store, step = settings.load(), object_store.store(), _step(context)
     new_version = cotrain.read_outcome(store, cfg.run, step)["version"]
-    record = acceptance_lib.evaluate_step(store, cfg, step, mlflow.registry(), new_version)
+    registry = mlflow.registry()
+    record = acceptance_lib.evaluate_step(store, cfg, step, registry, new_version)
     ceiling = cfg.eval.num_speculative_tokens + 1
     measured = {role: d for role, d in record["drafters"].items() if d}
-    metadata: dict = {f"tau_{role}": d["tau"] for role, d in measured.items()}
+    metadata: dict = {f"tau_{role}": round(d["tau"], 3) for role, d in measured.items()}
     metadata.update({f"version_{role}": d["version"] for role, d in measured.items()})
     metadata.update(
         {
@@ -204,6 +241,18 @@ def acceptance(
             "uri": dg.MetadataValue.path(store.uri(acceptance_key(cfg.run, step))),
         }
     )
+    if "cotrained" in measured:
+        metadata["acceptance_rate_cotrained"] = round(measured["cotrained"]["acceptance_rate"], 3)
+        metadata["per_position_cotrained"] = str([round(p, 3) for p in measured["cotrained"]["per_position"]])
+    if record["champion_after"]:
+        champion_url = registry.version_url(record["champion_after"], mlflow.ui_url)
+        metadata["mlflow_champion"] = dg.MetadataValue.url(champion_url)
+    # The picture an operator looks for: tau per step over the last PLOT_STEPS steps, up to this one.
+    earlier = [s for s in committed_steps(store, cfg.run) if s <= step][-PLOT_STEPS:]
+    rows = report.acceptance_rows(store, cfg.run, earlier)
+    metadata["tau_by_step"] = dg.MetadataValue.md(report.png_markdown(
+        report.acceptance_png(rows, cfg.eval.num_speculative_tokens, cfg.drafter.kind, dpi=90),
+        "tau per RL step: co-trained, served (champion), never retrained (baseline)"))
     return dg.MaterializeResult(
         metadata=metadata,
         check_results=[

@@ -36,11 +36,13 @@ class TrainOutcome:
     version: str | None = None
     warm_start_version: str | None = None
     result: TrainResult | None = None
+    trained_on_steps: tuple[int, ...] = ()
 
     def record(self, step: int) -> dict:
         """What later stages (and people) need to know about this step's training."""
         out = {"step": step, "trained": self.trained, "reason": self.reason, "buffer_samples": self.buffer_samples,
-               "run_id": self.run_id, "version": self.version, "warm_start_version": self.warm_start_version}
+               "run_id": self.run_id, "version": self.version, "warm_start_version": self.warm_start_version,
+               "trained_on_steps": list(self.trained_on_steps)}
         if self.result:
             out.update(iterations=self.result.iterations, loss=self.result.loss, vloss=self.result.vloss,
                        ploss=self.result.ploss, accuracy=self.result.accuracy, wall_s=self.result.wall_s,
@@ -136,7 +138,7 @@ def train_step(
             _publish(registry, existing)
             registry.end_run(run_id, ok=True)
         return TrainOutcome(True, f"reused version {existing}, trained on identical inputs", len(entries),
-                            run_id, existing, warm_start)
+                            run_id, existing, warm_start, trained_on_steps=tuple(composition(entries)))
     target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device)
     # A generator: only a fresh drafter reads the buffer (once, streamed) for its token counts.
     hidden = iter_buffer_samples(store, cfg.run, entries)
@@ -170,11 +172,13 @@ def train_step(
             version = registry.register(run_id, checkpoint, {
                 "rl_step": str(step), "pipeline_run": cfg.run, "trained_on_steps": json.dumps(list(steps_in_buffer)),
                 "train_samples": str(len(entries)), "warm_start_version": warm_start or "none",
-                "input_id": identity,
-            })
+                "input_id": identity, "drafter_kind": cfg.drafter.kind,
+            }, description=f"{cfg.drafter.kind} drafter trained at RL step {step} of run {cfg.run} on "
+               f"{len(entries)} samples of steps {list(steps_in_buffer)}, warm-started from "
+               f"{f'version {warm_start}' if warm_start else 'a fresh initialisation'}.")
         _publish(registry, version)
         registry.end_run(run_id, ok=True)
     except BaseException:
         registry.end_run(run_id, ok=False)
         raise
-    return TrainOutcome(True, reason, len(entries), run_id, version, warm_start, result)
+    return TrainOutcome(True, reason, len(entries), run_id, version, warm_start, result, tuple(steps_in_buffer))

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mlflow.entities import Metric, RunStatus
+from mlflow.entities import Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
@@ -81,11 +81,12 @@ class DrafterRegistry:
         return self.client.get_run(run_id).info.status == RunStatus.to_string(RunStatus.FINISHED)
 
     def log_params(self, run_id: str, params: dict[str, object]) -> None:
-        # A resumed run keeps the params its first attempt logged (MLflow refuses to change them).
+        # A resumed run keeps the params its first attempt logged (MLflow refuses to change them);
+        # the rest go in batches, not one request each (each is a round trip to a tracking server).
         logged = self.client.get_run(run_id).data.params
-        for key, value in params.items():
-            if key not in logged:
-                self.client.log_param(run_id, key, str(value))
+        items = [Param(key, str(value)) for key, value in params.items() if key not in logged]
+        for start in range(0, len(items), 100):  # MLflow's batch limit for params
+            self.client.log_batch(run_id, params=items[start : start + 100])
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
         sink = MetricsBatcher(self.client, run_id)
@@ -103,12 +104,16 @@ class DrafterRegistry:
     def run_url(self, run_id: str, ui_base: str) -> str:
         return f"{ui_base.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
 
+    def version_url(self, version: str, ui_base: str) -> str:
+        return f"{ui_base.rstrip('/')}/#/models/{self.model_name}/versions/{version}"
+
     # -- model versions
-    def register(self, run_id: str, checkpoint_dir: Path, tags: dict[str, str]) -> str:
+    def register(self, run_id: str, checkpoint_dir: Path, tags: dict[str, str], description: str = "") -> str:
         """Log the checkpoint directory as the run's artifacts and register it as a new version."""
         self.client.log_artifacts(run_id, str(checkpoint_dir), ARTIFACT_PATH)
         source = f"{self.client.get_run(run_id).info.artifact_uri}/{ARTIFACT_PATH}"
-        self.client.create_model_version(self.model_name, source=source, run_id=run_id, tags=tags)
+        self.client.create_model_version(self.model_name, source=source, run_id=run_id, tags=tags,
+                                         description=description or None)
         # The client retries a request whose answer was lost, so the server may have created the
         # version twice: one run registers one version, the first; the others are removed.
         mine = self.client.search_model_versions(f"name = '{self.model_name}' and run_id = '{run_id}'")

@@ -1,7 +1,9 @@
-"""The demo's outputs: per-step summary rows, a text table, JSON and a PNG plot."""
+"""Reports: per-step summary rows, a text table, JSON, the acceptance and loss plots (PNG)."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
 
@@ -51,14 +53,28 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], k: int, path: Path, drafter_kind: str = "") -> Path:
+def _pyplot():
     import matplotlib
 
-    matplotlib.use("Agg")  # headless: the plot is a file, never a window
+    matplotlib.use("Agg")  # headless: plots are files or bytes, never a window
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    _pyplot().close(fig)
+    return buf.getvalue()
+
+
+def acceptance_png(rows: list[dict], k: int, drafter_kind: str = "", dpi: int = 120) -> bytes:
+    """tau per RL step of the co-trained, served and never-retrained drafters (rows: `step_row`s or
+    `acceptance_rows`)."""
+    plt = _pyplot()
     steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=dpi)
     ax.plot(steps, [r["tau_cotrained"] for r in rows], "o-", label="co-trained (new drafter)")
     ax.plot(steps, [r["tau_served"] for r in rows], "s--", label="served (champion during the step)")
     ax.plot(steps, [r["tau_baseline"] for r in rows], "^:", label="never retrained (baseline)")
@@ -73,10 +89,47 @@ def plot(rows: list[dict], k: int, path: Path, drafter_kind: str = "") -> Path:
     ax.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    return _png(fig)
+
+
+def plot(rows: list[dict], k: int, path: Path, drafter_kind: str = "") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    path.write_bytes(acceptance_png(rows, k, drafter_kind))
     return path
+
+
+def loss_png(loss_history: list[float], title: str, dpi: int = 100) -> bytes:
+    """The training loss per iteration; log scale when it spans more than a decade (a fresh start)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3), dpi=dpi)
+    ax.plot(range(1, len(loss_history) + 1), loss_history, lw=1.2)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss")
+    low, high = min(loss_history, default=1.0), max(loss_history, default=1.0)
+    if low > 0 and high / low > 10:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def acceptance_rows(store: ObjectStore, run: str, steps: list[int]) -> list[dict]:
+    """tau of each drafter role for the `steps` that have an acceptance record (no other reads)."""
+    rows = []
+    for step in steps:
+        key = acceptance_key(run, step)
+        if not store.exists(key):
+            continue
+        drafters = store.read_json(key)["drafters"]
+        rows.append({"step": step, **{f"tau_{role}": round(d["tau"], 4) if d else NO_DRAFTER_TAU
+                                      for role, d in drafters.items()}})
+    return rows
+
+
+def png_markdown(png: bytes, alt: str) -> str:
+    """Markdown that shows the image inline (Dagster's metadata renders data URIs)."""
+    return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode()})"
 
 
 def write_summary(rows: list[dict], wall_s: float, step_wall_s: list[float], path: Path, **extra) -> Path:

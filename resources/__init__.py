@@ -81,7 +81,10 @@ def build_resources(
             experiment=cfg.mlflow.experiment,
             model_name=cfg.mlflow.model_name,
             artifact_root=cfg.artifact_root,
-            ui_url=os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000"),
+            # A tracking server serves its own UI; the embedded SQLite store is shown by `make ui` on :5000.
+            ui_url=os.environ.get("MLFLOW_UI_URL") or (
+                cfg.tracking_uri if cfg.tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+            ),
         ),
         "rollout_source": RolloutSourceResource(kind=cfg.rollout_source, cache_dir=str(cfg.data_path / "cache")),
     }

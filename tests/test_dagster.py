@@ -105,15 +105,25 @@ def test_one_rl_step_through_the_instance(tiny_config_path: Path) -> None:
             assert event is not None, asset
             assert event.dagster_event.partition == "step-000001"
         checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
-        assert checks == {"shards_valid": True, "tau_in_range": True}
+        assert checks == {"shards_valid": True, "buffer_within_limits": True, "tau_in_range": True}
 
         drafter_md = instance.get_latest_materialization_event(dg.AssetKey("drafter")).asset_materialization.metadata
         assert drafter_md["trained"].value is True
         assert drafter_md["model_version"].value == "1"
+        assert drafter_md["trained_on_steps"].value == "[1]"
+        assert drafter_md["mlflow_model_version"].value.endswith(f"/#/models/{cfg.mlflow.model_name}/versions/1")
+        assert drafter_md["loss_curve"].value.startswith("![training loss per iteration](data:image/png;base64,")
+        buffer_md = instance.get_latest_materialization_event(
+            dg.AssetKey("drafter_buffer")).asset_materialization.metadata
+        assert [(r.data["rl_step"], r.data["samples"]) for r in buffer_md["composition"].value.records] == [
+            (1, buffer_md["samples"].value)]
         acceptance_md = instance.get_latest_materialization_event(
             dg.AssetKey("acceptance")).asset_materialization.metadata
         assert 1.0 <= acceptance_md["tau_cotrained"].value <= cfg.eval.num_speculative_tokens + 1
         assert acceptance_md["promoted"].value is True  # the first drafter becomes champion
+        plot = acceptance_md["tau_by_step"].value
+        assert plot.startswith("![tau per RL step")
+        assert "data:image/png;base64," in plot
 
     registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name)
     assert {a: registry.alias_version(a) for a in ("champion", "challenger", "baseline")} == {
@@ -121,7 +131,14 @@ def test_one_rl_step_through_the_instance(tiny_config_path: Path) -> None:
     runs = registry.client.search_runs([registry.experiment_id])
     assert len(runs) == 1
     assert runs[0].data.tags["rl_step"] == "step-000001"
+    assert runs[0].info.run_name == "drafter-step-000001"
     assert "eval_tau" in runs[0].data.metrics
+    assert runs[0].data.params["buffer_samples"] == str(buffer_md["samples"].value)
+    version = registry.client.get_model_version(cfg.mlflow.model_name, "1")
+    assert version.description.startswith(f"{cfg.drafter.kind} drafter trained at RL step 1 of run {cfg.run}")
+    assert version.tags["trained_on_steps"] == "[1]"
+    assert version.tags["train_samples"] == str(buffer_md["samples"].value)
+    assert 1.0 <= float(version.tags["tau"]) <= cfg.eval.num_speculative_tokens + 1
     assert len(registry.client.get_metric_history(runs[0].info.run_id, "loss")) > 1
 
 
