@@ -70,12 +70,14 @@ def read_buffer(store: ObjectStore, run: str, step: int) -> list[BufferEntry]:
     return [BufferEntry(**e) for e in store.read_json(buffer_key(run, step))["entries"]]
 
 
-def iter_buffer_samples(store: ObjectStore, run: str, entries: list[BufferEntry]) -> Iterator[HiddenSample]:
+def iter_buffer_samples(
+    store: ObjectStore, run: str, entries: list[BufferEntry], manifests: dict[int, Manifest] | None = None
+) -> Iterator[HiddenSample]:
     """Load the samples an entry list points at, in entry order, one shard at a time.
 
     A shard that fails its checksum is skipped with a warning, never used: one bad file
-    costs its samples, not the training run."""
-    manifests: dict[int, Manifest] = {}
+    costs its samples, not the training run. `manifests` caches manifests across calls."""
+    manifests = {} if manifests is None else manifests
     i = 0
     while i < len(entries):
         step, shard = entries[i].step, entries[i].shard

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,13 +17,14 @@ from pipeline import target as target_lib
 from pipeline.buffer import BufferEntry, composition, iter_buffer_samples, read_buffer
 from pipeline.checkpoint import load_drafter, save_drafter
 from pipeline.config import PipelineConfig, TrainConfig
+from pipeline.dataset import BufferDataset
 from pipeline.eagle import EagleDrafter
 from pipeline.eagle3 import Eagle3Drafter
 from pipeline.registry import DrafterRegistry, MetricsBatcher
 from pipeline.shards import HiddenSample
 from pipeline.steps import drafter_key
 from pipeline.store import ObjectStore
-from pipeline.train import Sample, TrainResult, train_drafter
+from pipeline.train import TrainResult, train_drafter
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,16 @@ def input_identity(cfg: PipelineConfig, entries: list[BufferEntry], policy_uri: 
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
 
 
+def _token_counts(hidden: Iterable[HiddenSample], vocab_size: int) -> torch.Tensor:
+    """How often each token is a response token: EAGLE-3's draft vocabulary is the most frequent."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for s in hidden:
+        counts += torch.bincount(s.input_ids[s.loss_mask.bool()], minlength=vocab_size)
+    return counts
+
+
 def _initial_drafter(
-    cfg: PipelineConfig, registry: DrafterRegistry, champion: str | None, target, hidden: list[HiddenSample]
+    cfg: PipelineConfig, registry: DrafterRegistry, champion: str | None, target, hidden: Iterable[HiddenSample]
 ) -> tuple[drafters.Drafter, str | None]:
     """The champion if it is of the configured kind, else `drafter.warm_start`, else a fresh drafter."""
     wanted = Eagle3Drafter if cfg.drafter.kind == "eagle3" else EagleDrafter
@@ -97,9 +107,7 @@ def _initial_drafter(
         if not isinstance(drafter, wanted):
             raise ValueError(f"drafter.warm_start {cfg.drafter.warm_start} is not a {cfg.drafter.kind} checkpoint")
         return drafter, f"file:{cfg.drafter.warm_start}"
-    counts = torch.zeros(target.config.vocab_size, dtype=torch.int64)
-    for s in hidden:
-        counts += torch.bincount(s.input_ids[s.loss_mask.bool()], minlength=counts.shape[0])
+    counts = _token_counts(hidden, target.config.vocab_size)
     return drafters.fresh_drafter(cfg.drafter, target, counts, cfg.train.seed), None
 
 
@@ -121,14 +129,15 @@ def train_step(
         return TrainOutcome(True, f"reused version {existing}, trained on identical inputs", len(entries),
                             run_id, existing, warm_start)
     target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device)
-    hidden = list(iter_buffer_samples(store, cfg.run, entries))
+    # A generator: only a fresh drafter reads the buffer (once, streamed) for its token counts.
+    hidden = iter_buffer_samples(store, cfg.run, entries)
     drafter, warm_start = _initial_drafter(cfg, registry, warm_start, target, hidden)
     drafters.attach_target(drafter, target)
     num_layers = target.config.num_hidden_layers
     for step_in_buffer in sorted({e.step for e in entries}):
         manifest = shards.read_manifest(store, cfg.run, step_in_buffer)
         drafters.check_layers(drafter, manifest.layer_ids, num_layers, f"hidden states of step {step_in_buffer}")
-    samples: list[Sample] = [drafters.training_sample(drafter, s) for s in hidden]
+    data = BufferDataset(store, cfg.run, entries, lambda s: drafters.training_sample(drafter, s))
 
     steps_in_buffer = composition(entries)
     run_id = registry.start_run(f"drafter-step-{step:06d}", tags)
@@ -141,7 +150,7 @@ def train_step(
             "policy_version": pointer.policy_version, "buffer_samples": len(entries),
         })
         sink = MetricsBatcher(registry.client, run_id)
-        result = train_drafter(drafter, samples, cfg.train, sink, cfg.device, drafters.teacher(drafter, target))
+        result = train_drafter(drafter, data, cfg.train, sink, cfg.device, drafters.teacher(drafter, target))
         sink.flush()
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = save_drafter(drafter, Path(tmp) / "drafter")

@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 
 from pipeline.config import DrafterConfig
+from pipeline.dataset import Sample
 from pipeline.eagle import EagleConfig, EagleDrafter
 from pipeline.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids, draft_vocab
 from pipeline.shards import HiddenSample
-from pipeline.train import Sample, Teacher
+from pipeline.train import Teacher
 
 Drafter = EagleDrafter | Eagle3Drafter
 

@@ -7,7 +7,6 @@ the MLflow side implements; nothing here knows about Dagster or MLflow.
 from __future__ import annotations
 
 import math
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -15,13 +14,11 @@ from typing import Protocol
 import torch
 
 from pipeline.config import TrainConfig
+from pipeline.dataset import Dataset, iter_batches, plan_epoch
 from pipeline.eagle import EagleDrafter
 from pipeline.eagle3 import Eagle3Drafter
 from pipeline.losses import LossParts, eagle3_loss, eagle_loss
-from pipeline.window import PackedBatch, block_causal_mask, pack
-
-# One training sample: input_ids (T,), hidden (T, H), loss_mask (T,)
-Sample = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+from pipeline.window import PackedBatch, block_causal_mask
 
 
 class MetricsSink(Protocol):
@@ -66,23 +63,6 @@ def lr_at(iteration: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_batches(samples: list[Sample], cfg: TrainConfig, epoch: int) -> list[PackedBatch]:
-    """Shuffle (seeded per epoch) and pack up to `batch_size_per_gpu` samples / `max_seq_len` tokens each."""
-    order = list(range(len(samples)))
-    random.Random(cfg.seed * 10_007 + epoch).shuffle(order)
-    batches, group, tokens = [], [], 0
-    for i in order:
-        length = min(samples[i][0].shape[0], cfg.window_tokens)
-        if group and (len(group) == cfg.batch_size_per_gpu or tokens + length > cfg.max_seq_len):
-            batches.append(pack(group, cfg.window_tokens))
-            group, tokens = [], 0
-        group.append(samples[i])
-        tokens += length
-    if group:
-        batches.append(pack(group, cfg.window_tokens))
-    return batches
-
-
 def compute_loss(
     model: EagleDrafter | Eagle3Drafter, batch: PackedBatch, cfg: TrainConfig, teacher: Teacher | None
 ) -> LossParts:
@@ -97,31 +77,34 @@ def compute_loss(
 
 def train_drafter(
     model: EagleDrafter | Eagle3Drafter,
-    samples: list[Sample],
+    data: Dataset,
     cfg: TrainConfig,
     sink: MetricsSink | None = None,
     device: str = "cpu",
     teacher: Teacher | None = None,
 ) -> TrainResult:
-    """Train `model` in place for `cfg.epochs` passes over `samples`.
+    """Train `model` in place for `cfg.epochs` passes over `data`, streamed batch by batch.
 
-    A sample's hidden states are (T, D): EAGLE-1/2 reads the last layer (D = H); EAGLE-3
-    reads [aux layers..., last layer] concatenated (D = (n_aux + 1) * H_t).
+    A sample's features are (T, D): EAGLE-1/2 reads the last layer (D = H); EAGLE-3 reads
+    [aux layers..., last layer] concatenated (D = (n_aux + 1) * H_t).
     """
     sink = sink or NullSink()
-    if not samples:
+    if not data.lengths:
         raise ValueError("train_drafter: no samples")
     torch.manual_seed(cfg.seed)
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    epochs = [make_batches(samples, cfg, e) for e in range(cfg.epochs)]
-    total = sum(len(b) for b in epochs)
+    plans = [plan_epoch(data.lengths, cfg, e) for e in range(cfg.epochs)]
+    total = sum(len(p) for p in plans)
 
-    iteration, tokens, history = 0, 0, []
+    iteration, tokens, history, parts = 0, 0, [], None
     start = time.perf_counter()
-    for batches in epochs:
-        for batch in batches:
+    for plan in plans:
+        for batch in iter_batches(data, plan, cfg.window_tokens):
+            if batch is None:  # every sample of this batch sat in an unreadable shard (warned)
+                iteration += 1
+                continue
             # -- learning rate
             lr = lr_at(iteration, total, cfg.optim.lr, cfg.optim.lr_warmup_steps)
             for group in optimizer.param_groups:
@@ -144,8 +127,10 @@ def train_drafter(
             }, iteration)
             iteration += 1
     model.eval()
+    if parts is None:
+        raise ValueError("train_drafter: no batch could be read (every shard unreadable)")
     return TrainResult(
-        iterations=iteration, samples=len(samples), tokens=tokens, loss=history[-1],
+        iterations=iteration, samples=len(data.lengths), tokens=tokens, loss=history[-1],
         vloss=parts.vloss.item(), ploss=parts.ploss.item(), accuracy=parts.accuracy.item(),
         wall_s=time.perf_counter() - start, loss_history=history,
     )

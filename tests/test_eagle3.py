@@ -16,6 +16,7 @@ from pipeline import drafters
 from pipeline import target as target_lib
 from pipeline.checkpoint import CheckpointError, load_drafter, save_drafter
 from pipeline.config import OptimConfig, TrainConfig
+from pipeline.dataset import InMemoryDataset, Sample
 from pipeline.eagle3 import (
     Eagle3Config,
     Eagle3Drafter,
@@ -26,7 +27,7 @@ from pipeline.eagle3 import (
 )
 from pipeline.losses import eagle3_loss
 from pipeline.speculative import Eagle3Proposer, greedy_generate, make_proposer, speculative_generate
-from pipeline.train import Sample, train_drafter
+from pipeline.train import train_drafter
 from pipeline.window import block_causal_mask, pack
 
 V, DV, H, HEADS = 32, 24, 32, 2
@@ -850,7 +851,7 @@ def test_train_drafter_lowers_the_eagle3_loss(peaked_target: LlamaForCausalLM) -
     with torch.no_grad():
         before = eagle3_loss(model.eval(), fixed, teacher.norm, teacher.head, 2, 0.8)
 
-    result = train_drafter(model, samples, cfg, teacher=teacher)
+    result = train_drafter(model, InMemoryDataset(samples), cfg, teacher=teacher)
 
     with torch.no_grad():
         after = eagle3_loss(model, fixed, teacher.norm, teacher.head, 2, 0.8)
@@ -868,7 +869,7 @@ def test_train_drafter_needs_a_teacher_for_eagle3(target: LlamaForCausalLM) -> N
     model = drafter_for(target)
     samples = target_samples(target, model.config.aux_layer_ids, 2)
     with pytest.raises(ValueError, match="teacher"):
-        train_drafter(model, samples, TrainConfig(epochs=1, max_seq_len=128, window_tokens=128))
+        train_drafter(model, InMemoryDataset(samples), TrainConfig(epochs=1, max_seq_len=128, window_tokens=128))
 
 
 def test_config_is_checked() -> None:
