@@ -16,7 +16,6 @@ iteration always means the same global batch.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -46,7 +45,6 @@ class ResumeState:
     tokens: int = 0
     wall_s: float = 0.0
     loss_history: list[float] = field(default_factory=list)
-    warm_start_version: str | None = None
 
 
 class TrainingCheckpoints:
@@ -137,7 +135,3 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     weights = dict(own()) if callable(own) else {}
     weights.update({name: p for name, p in model.named_parameters() if p.requires_grad})
     return weights
-
-
-def describe(state: ResumeState) -> str:
-    return json.dumps({"iteration": state.iteration, "of": state.total_iterations, "world_size": state.world_size})
