@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -16,15 +16,17 @@ from pipeline import rollouts as rollouts_lib
 from pipeline import target as target_lib
 from pipeline.buffer import BufferEntry, composition, iter_buffer_samples, read_buffer
 from pipeline.checkpoint import load_drafter, save_drafter
-from pipeline.config import PipelineConfig, TrainConfig
+from pipeline.config import PipelineConfig, TrainConfig, parse_config
 from pipeline.dataset import BufferDataset
+from pipeline.distributed import DistContext, rank_device
 from pipeline.eagle import EagleDrafter
 from pipeline.eagle3 import Eagle3Drafter
 from pipeline.registry import DrafterRegistry, MetricsBatcher
 from pipeline.shards import HiddenSample
 from pipeline.steps import drafter_key
-from pipeline.store import ObjectStore
-from pipeline.train import TrainResult, train_drafter
+from pipeline.store import ObjectStore, open_store
+from pipeline.train import NullSink, TrainResult, train_drafter
+from pipeline.training_state import ResumeState, TrainingCheckpoints, checkpoint_prefix
 
 
 @dataclass(frozen=True)
@@ -42,10 +44,26 @@ class TrainOutcome:
         out = {"step": step, "trained": self.trained, "reason": self.reason, "buffer_samples": self.buffer_samples,
                "run_id": self.run_id, "version": self.version, "warm_start_version": self.warm_start_version}
         if self.result:
-            out.update(iterations=self.result.iterations, loss=self.result.loss, vloss=self.result.vloss,
+            out.update(iterations=self.result.iterations, resumed_from_iteration=self.result.resumed_from_iteration,
+                       loss=self.result.loss, vloss=self.result.vloss,
                        ploss=self.result.ploss, accuracy=self.result.accuracy, wall_s=self.result.wall_s,
                        tokens_per_s=self.result.tokens_per_s, loss_history=self.result.loss_history)
         return out
+
+
+def outcome_metadata(outcome: TrainOutcome) -> dict[str, str | int | float | bool]:
+    """What an operator reads on the drafter asset (plain values: Dagster and Dagster Pipes both take them)."""
+    metadata: dict[str, str | int | float | bool] = {
+        "trained": outcome.trained, "reason": outcome.reason, "buffer_samples": outcome.buffer_samples}
+    if outcome.trained and outcome.result:
+        metadata.update({
+            "mlflow_run_id": outcome.run_id or "", "model_version": outcome.version or "",
+            "warm_start_version": outcome.warm_start_version or "none (fresh)",
+            "iterations": outcome.result.iterations, "resumed_from_iteration": outcome.result.resumed_from_iteration,
+            "final_loss": outcome.result.loss, "token_accuracy": outcome.result.accuracy,
+            "tokens_per_s": outcome.result.tokens_per_s,
+        })
+    return metadata
 
 
 def write_outcome(store: ObjectStore, run: str, step: int, outcome: TrainOutcome) -> dict:
@@ -74,11 +92,15 @@ def training_decision(
     return True, f"buffer holds {buffer_samples} samples"
 
 
+# Where a training runs and how often it saves do not change what it learns: kept out of its identity.
+_PLACEMENT_KEYS = {"launcher", "k8s", "checkpoint_every"}
+
+
 def input_identity(cfg: PipelineConfig, entries: list[BufferEntry], policy_uri: str) -> str:
     """The data and settings a training depends on. The warm start is left out on purpose: a
     rerun of a step finds the champion that step itself promoted, yet trains on the same data."""
     doc = {
-        "run": cfg.run, "train": cfg.train.model_dump(), "drafter": cfg.drafter.model_dump(),
+        "run": cfg.run, "train": cfg.train.model_dump(exclude=_PLACEMENT_KEYS), "drafter": cfg.drafter.model_dump(),
         # Samples by id, not by shard file: rewriting a step's shards gives new file names.
         "samples": [(e.step, e.sample_id) for e in entries], "policy": policy_uri,
     }
@@ -111,27 +133,90 @@ def _initial_drafter(
     return drafters.fresh_drafter(cfg.drafter, target, counts, cfg.train.seed), None
 
 
-def train_step(
+@dataclass(frozen=True)
+class TrainJob:
+    """One training as the training process receives it (JSON: Dagster Pipes extras or a file).
+
+    The orchestrator decides, names the MLflow run and fixes the warm start; the training
+    process (every rank) rebuilds everything else from the config and the store.
+    """
+
+    step: int
+    config: dict  # the full PipelineConfig, resolved (the process may not see the orchestrator's files)
+    run_id: str  # the MLflow run: a rerun of the same inputs continues it
+    input_id: str
+    reason: str
+    warm_start_version: str | None  # the champion when the training was first decided
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> TrainJob:
+        missing = sorted({f.name for f in fields(cls)} - set(doc))
+        if missing:
+            raise ValueError(f"training job is missing {', '.join(missing)}")
+        return cls(**{f.name: doc[f.name] for f in fields(cls)})
+
+    @property
+    def pipeline_config(self) -> PipelineConfig:
+        return parse_config(self.config)
+
+
+def plan_training(
     store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, tags: dict[str, str],
     requested_by: str | None = None,
-) -> TrainOutcome:
+) -> TrainOutcome | TrainJob:
+    """The orchestrator's half: skip (with the reason), reuse a version trained on identical
+    inputs, or a job for the training process with its MLflow run, created or continued."""
     entries = read_buffer(store, cfg.run, step)
     trained, reason = training_decision(step, len(entries), cfg.train, requested_by)
     if not trained:
         return TrainOutcome(False, reason, len(entries))
-
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
-    warm_start = registry.alias_version("champion")
+    champion = registry.alias_version("champion")
     identity = input_identity(cfg, entries, pointer.checkpoint_uri)
     existing = registry.find_version({"input_id": identity})
     if existing:  # a rerun of the same partition on the same inputs: no second run, no second version
         run_id = registry.client.get_model_version(registry.model_name, existing).run_id
         return TrainOutcome(True, f"reused version {existing}, trained on identical inputs", len(entries),
-                            run_id, existing, warm_start)
-    target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device)
+                            run_id, existing, champion)
+    run_id = registry.find_run({"input_id": identity})
+    if run_id:  # an earlier attempt died: its run (and its checkpoint) carry on
+        registry.reopen_run(run_id, tags)
+    else:
+        run_id = registry.start_run(f"drafter-step-{step:06d}", {**tags, "input_id": identity})
+    return TrainJob(step, cfg.model_dump(mode="json"), run_id, identity, reason, champion)
+
+
+def run_training(
+    job: TrainJob, ctx: DistContext | None = None, progress: Callable[[str], None] | None = None
+) -> TrainOutcome | None:
+    """The training process's half, on every rank: warm-start, train (resuming from the last
+    checkpoint), and on rank 0 register the drafter, write the outcome and end the run.
+    Returns the outcome on rank 0, None on the others."""
+    ctx, progress = ctx or DistContext(), progress or (lambda _: None)
+    cfg, step = job.pipeline_config, job.step
+    store = open_store(cfg)
+    registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)
+    device = rank_device(ctx, cfg.device)
+    entries = read_buffer(store, cfg.run, step)
+    pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
+    checkpoints = TrainingCheckpoints(store, checkpoint_prefix(cfg.run, job.input_id))
+    # A resumed training keeps the warm start it began with (its vocabulary maps are in the checkpoint).
+    origin_key = f"{checkpoints.prefix}/origin.json"
+    origin = store.read_json(origin_key) if store.exists(origin_key) else {"champion": job.warm_start_version}
+    target = target_lib.load_policy(store, pointer.checkpoint_uri, device)
     # A generator: only a fresh drafter reads the buffer (once, streamed) for its token counts.
     hidden = iter_buffer_samples(store, cfg.run, entries)
-    drafter, warm_start = _initial_drafter(cfg, registry, warm_start, target, hidden)
+    drafter, warm_start = _initial_drafter(cfg, registry, origin["champion"], target, hidden)
+    if ctx.is_main and not store.exists(origin_key):
+        store.write_json(origin_key, {"champion": origin["champion"], "warm_start": warm_start})
+    found = checkpoints.latest() if cfg.train.checkpoint_every else None
+    if found:
+        # The checkpoint's vocabulary maps decide the teacher's rows, so they are in place before it is built.
+        drafter.load_state_dict(checkpoints.model_weights(found[1]), strict=False)
+        progress(f"resuming from the checkpoint at iteration {found[0].iteration} of {found[0].total_iterations}")
     drafters.attach_target(drafter, target)
     num_layers = target.config.num_hidden_layers
     for step_in_buffer in sorted({e.step for e in entries}):
@@ -139,31 +224,77 @@ def train_step(
         drafters.check_layers(drafter, manifest.layer_ids, num_layers, f"hidden states of step {step_in_buffer}")
     data = BufferDataset(store, cfg.run, entries, lambda s: drafters.training_sample(drafter, s))
 
-    steps_in_buffer = composition(entries)
-    run_id = registry.start_run(f"drafter-step-{step:06d}", tags)
+    run_id = job.run_id
+    sink = NullSink()
     try:
-        registry.log_params(run_id, {
-            **cfg.train.model_dump(exclude={"optim"}),
-            **{f"optim.{k}": v for k, v in cfg.train.optim.model_dump().items()},
-            **{f"drafter.{k}": v for k, v in cfg.drafter.model_dump().items()},
-            "warm_start_version": warm_start or "none",
-            "policy_version": pointer.policy_version, "buffer_samples": len(entries),
-        })
-        sink = MetricsBatcher(registry.client, run_id)
-        result = train_drafter(drafter, data, cfg.train, sink, cfg.device, drafters.teacher(drafter, target))
+        if ctx.is_main:
+            if not registry.client.get_run(run_id).data.params:  # a continued run keeps what it logged first
+                registry.log_params(run_id, {
+                    **cfg.train.model_dump(exclude={"optim", "k8s"}),
+                    **{f"optim.{k}": v for k, v in cfg.train.optim.model_dump().items()},
+                    **{f"drafter.{k}": v for k, v in cfg.drafter.model_dump().items()},
+                    "warm_start_version": warm_start or "none", "world_size": ctx.world_size,
+                    "policy_version": pointer.policy_version, "buffer_samples": len(entries),
+                })
+            # Metrics reach MLflow when a checkpoint commits: a resumed run never logs an iteration twice.
+            sink = MetricsBatcher(registry.client, run_id, flush_every=1 << 62 if cfg.train.checkpoint_every else 200)
+
+        def committed(state: ResumeState) -> None:
+            sink.flush()
+            progress(f"checkpoint at iteration {state.iteration} of {state.total_iterations}, "
+                     f"loss {state.loss_history[-1]:.4f}")
+
+        result = train_drafter(
+            drafter, data, cfg.train, sink, device, drafters.teacher(drafter, target), ctx=ctx,
+            checkpoints=checkpoints if cfg.train.checkpoint_every else None, on_checkpoint=committed,
+        )
+        if not ctx.is_main:
+            return None
         sink.flush()
-        with tempfile.TemporaryDirectory() as tmp:
-            checkpoint = save_drafter(drafter, Path(tmp) / "drafter")
-            version = registry.register(run_id, checkpoint, {
-                "rl_step": str(step), "pipeline_run": cfg.run, "trained_on_steps": json.dumps(list(steps_in_buffer)),
-                "train_samples": str(len(entries)), "warm_start_version": warm_start or "none",
-                "input_id": identity,
-            })
-        registry.set_alias("challenger", version)
-        if registry.alias_version("baseline") is None:
-            registry.set_alias("baseline", version)
+        version = _register(registry, job, cfg, entries, drafter, warm_start)
         registry.end_run(run_id, ok=True)
     except BaseException:
-        registry.end_run(run_id, ok=False)
+        if ctx.is_main:
+            registry.end_run(run_id, ok=False)
         raise
-    return TrainOutcome(True, reason, len(entries), run_id, version, warm_start, result)
+    checkpoints.clear()  # the registered version is the result now
+    outcome = TrainOutcome(True, job.reason, len(entries), run_id, version, warm_start, result)
+    write_outcome(store, cfg.run, step, outcome)
+    return outcome
+
+
+def _register(
+    registry: DrafterRegistry, job: TrainJob, cfg: PipelineConfig, entries: list[BufferEntry],
+    drafter: drafters.Drafter, warm_start: str | None,
+) -> str:
+    """One version per input identity, even when a process died between registering and finishing."""
+    version = registry.find_version({"input_id": job.input_id})
+    if version is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint = save_drafter(drafter, Path(tmp) / "drafter")
+            version = registry.register(job.run_id, checkpoint, {
+                "rl_step": str(job.step), "pipeline_run": cfg.run,
+                "trained_on_steps": json.dumps(list(composition(entries))),
+                "train_samples": str(len(entries)), "warm_start_version": warm_start or "none",
+                "input_id": job.input_id,
+            })
+    registry.set_alias("challenger", version)
+    if registry.alias_version("baseline") is None:
+        registry.set_alias("baseline", version)
+    return version
+
+
+def train_step(
+    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, tags: dict[str, str],
+    requested_by: str | None = None,
+) -> TrainOutcome:
+    """Decide and train in this process (benchmarks, notebooks); the drafter asset launches
+    `run_training` as its own process instead."""
+    planned = plan_training(store, cfg, step, registry, tags, requested_by)
+    if isinstance(planned, TrainOutcome):
+        write_outcome(store, cfg.run, step, planned)
+        return planned
+    outcome = run_training(planned)
+    if outcome is None:
+        raise RuntimeError("train_step runs one process, which is rank 0: set no RANK in its environment")
+    return outcome

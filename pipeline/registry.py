@@ -70,6 +70,11 @@ class DrafterRegistry:
                                        max_results=1)
         return runs[0].info.run_id if runs else None
 
+    def reopen_run(self, run_id: str, tags: dict[str, str]) -> None:
+        """Mark a run of an interrupted training running again, tagged with the attempt that continues it."""
+        self.set_run_tags(run_id, tags)
+        self.client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+
     def log_params(self, run_id: str, params: dict[str, object]) -> None:
         for key, value in params.items():
             self.client.log_param(run_id, key, str(value))

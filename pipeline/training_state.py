@@ -95,8 +95,7 @@ class TrainingCheckpoints:
         if doc["parameters"] != names:
             raise ValueError(f"{self.store.uri(self._key(directory))}: checkpoint parameters {doc['parameters']} "
                              f"differ from the model's {names}")
-        weights = load_tensors(self.store.read_bytes(self._key(directory, MODEL_FILE)))
-        model.load_state_dict(weights, strict=False)
+        model.load_state_dict(self.model_weights(directory), strict=False)
         tensors = load_tensors(self.store.read_bytes(self._key(directory, OPTIMIZER_FILE)))
         per_param: dict[int, dict[str, torch.Tensor]] = {}
         for index, name in enumerate(names):
@@ -117,6 +116,10 @@ class TrainingCheckpoints:
         optimizer.load_state_dict({"state": per_param, "param_groups": restored_groups})
         torch.set_rng_state(tensors[RNG_KEY])
         return state
+
+    def model_weights(self, directory: str) -> dict[str, torch.Tensor]:
+        """The weights saved in `directory` (e.g. to rebuild what depends on them before training)."""
+        return load_tensors(self.store.read_bytes(self._key(directory, MODEL_FILE)))
 
     def clear(self) -> None:
         """Drop every checkpoint of this training (after its drafter is registered)."""
