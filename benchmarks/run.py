@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import policy_loss
+from benchmarks import policy_loss, training
 
-BENCHMARKS = {"policy_loss": policy_loss.run}
+BENCHMARKS = {"policy_loss": policy_loss.run, "training": training.run}
 
 
 def main() -> None:
