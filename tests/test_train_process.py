@@ -14,9 +14,9 @@ import dagster as dg
 import pytest
 import torch
 import yaml
+from conftest import write_config
 
 from assets.cotraining import drafter
-from conftest import write_config
 from pipeline import buffer as buffer_lib
 from pipeline import cotrain, extract
 from pipeline.config import load_config
