@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from pipeline import target as target_lib
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.dataset import InMemoryDataset, Sample
-from pipeline.distributed import DistContext, destroy_process_group, init_process_group, rank_share
+from pipeline.distributed import DistContext, destroy_process_group, init_process_group, rank_device, rank_share
 from pipeline.eagle import EagleConfig, EagleDrafter
 from pipeline.train import train_drafter
 
@@ -49,16 +49,17 @@ def _cfg(batch_size_per_gpu: int) -> TrainConfig:
                        optim=OptimConfig(lr=3e-3, lr_warmup_steps=2))
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+def _rank_main(rank: int, world: int, port: int, out_dir: str, device: str = "cpu") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     ctx = DistContext(rank, world, rank)
-    init_process_group(ctx, "cpu")
+    init_process_group(ctx, rank_device(ctx, device))
     try:
         target = _target()
         model = _drafter(target)
-        result = train_drafter(model, InMemoryDataset(_samples(target)), _cfg(3), ctx=ctx)
-        weights = {k: v.tolist() for k, v in model.trainable_state_dict().items()}
+        result = train_drafter(model, InMemoryDataset(_samples(target)), _cfg(3), device=rank_device(ctx, device),
+                               ctx=ctx)
+        weights = {k: v.cpu().tolist() for k, v in model.trainable_state_dict().items()}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
             "loss_history": result.loss_history, "tokens": result.tokens, "iterations": result.iterations,
             "fc": weights["fc.weight"]}))
@@ -105,3 +106,16 @@ def test_training_step_on_cuda_matches_cpu() -> None:
     gpu = train_drafter(model, InMemoryDataset(_samples(target)), cfg, device="cuda")
     assert next(model.parameters()).device.type == "cuda"
     torch.testing.assert_close(torch.tensor(gpu.loss_history), torch.tensor(cpu.loss_history), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_nccl_ranks_equal_one_gpu_process(tmp_path: Path) -> None:
+    from conftest import free_port
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    mp.start_processes(_rank_main, args=(2, free_port(), str(tmp_path), "cuda"), nprocs=2, start_method="spawn")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    target = _target()
+    single = train_drafter(_drafter(target), InMemoryDataset(_samples(target)), _cfg(6), device="cuda")
+    torch.testing.assert_close(torch.tensor(ranks[0]["loss_history"]), torch.tensor(single.loss_history),
+                               rtol=1e-3, atol=1e-4)

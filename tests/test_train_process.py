@@ -155,3 +155,25 @@ def test_a_killed_training_resumes_from_its_checkpoint(tmp_path: Path, mlflow_se
     # Metrics reach MLflow only with a committed checkpoint: each iteration is logged exactly once.
     history = registry.client.get_metric_history(run.info.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(outcome["iterations"]))
+
+
+def test_a_training_job_round_trips_as_json_and_names_what_is_missing(tiny_config_path: Path) -> None:
+    cfg = load_config(tiny_config_path)
+    job = cotrain.TrainJob(3, cfg.model_dump(mode="json"), "run-1", "abc", "buffer holds 9 samples", None)
+    again = cotrain.TrainJob.from_dict(json.loads(json.dumps(job.to_dict())))
+    assert again == job
+    assert again.pipeline_config == cfg  # the process rebuilds the very same config
+    doc = job.to_dict()
+    del doc["run_id"], doc["input_id"]
+    with pytest.raises(ValueError, match="training job is missing input_id, run_id"):
+        cotrain.TrainJob.from_dict(doc)
+
+
+def test_placement_settings_do_not_change_a_trainings_identity(tiny_config_path: Path) -> None:
+    """Moving a training to a pod, or checkpointing more often, must still find its checkpoint and version."""
+    cfg = load_config(tiny_config_path)
+    moved = load_config(tiny_config_path, {"train": {"checkpoint_every": 7, "k8s": {"image": "x"}}})
+    entries = [buffer_lib.BufferEntry(step=1, sample_id="a", shard="s", row=0, tokens=5)]
+    assert cotrain.input_identity(cfg, entries, "p") == cotrain.input_identity(moved, entries, "p")
+    wider = load_config(tiny_config_path, {"train": {"nproc_per_node": 2}})  # a different global batch
+    assert cotrain.input_identity(cfg, entries, "p") != cotrain.input_identity(wider, entries, "p")
