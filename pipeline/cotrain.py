@@ -18,7 +18,7 @@ from pipeline.buffer import BufferEntry, composition, iter_buffer_samples, read_
 from pipeline.checkpoint import load_drafter, save_drafter
 from pipeline.config import PipelineConfig, TrainConfig, parse_config
 from pipeline.dataset import BufferDataset
-from pipeline.distributed import DistContext, rank_device
+from pipeline.distributed import DistContext, broadcast_state, rank_device
 from pipeline.eagle import EagleDrafter
 from pipeline.eagle3 import Eagle3Drafter
 from pipeline.registry import DrafterRegistry, MetricsBatcher
@@ -207,8 +207,9 @@ def run_training(
     origin_key = f"{checkpoints.prefix}/origin.json"
     origin = store.read_json(origin_key) if store.exists(origin_key) else {"champion": job.warm_start_version}
     target = target_lib.load_policy(store, pointer.checkpoint_uri, device)
-    # A generator: only a fresh drafter reads the buffer (once, streamed) for its token counts.
-    hidden = iter_buffer_samples(store, cfg.run, entries)
+    # A generator: only a fresh drafter reads the buffer (once, streamed) for its token counts, and
+    # only on rank 0: the other ranks get rank 0's weights and vocabulary below.
+    hidden = iter_buffer_samples(store, cfg.run, entries) if ctx.is_main else iter(())
     drafter, warm_start = _initial_drafter(cfg, registry, origin["champion"], target, hidden)
     if ctx.is_main and not store.exists(origin_key):
         store.write_json(origin_key, {"champion": origin["champion"], "warm_start": warm_start})
@@ -218,6 +219,7 @@ def run_training(
         drafter.load_state_dict(checkpoints.model_weights(found[1]), strict=False)
         progress(f"resuming from the checkpoint at iteration {found[0].iteration} of {found[0].total_iterations}")
     drafters.attach_target(drafter, target)
+    broadcast_state(drafter.to(device).trainable_state_dict(), ctx)  # before the teacher reads the vocabulary
     num_layers = target.config.num_hidden_layers
     for step_in_buffer in sorted({e.step for e in entries}):
         manifest = shards.read_manifest(store, cfg.run, step_in_buffer)

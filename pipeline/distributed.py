@@ -82,6 +82,20 @@ def global_plan_sizes(batch_size_per_gpu: int, max_seq_len: int, ctx: DistContex
     return batch_size_per_gpu * ctx.world_size, max_seq_len * ctx.world_size
 
 
+def broadcast_state(tensors: dict[str, torch.Tensor], ctx: DistContext) -> None:
+    """Overwrite every rank's `tensors` (a model's trainable state, in place) with rank 0's, as DDP
+    does when it wraps a model: the ranks start identical however each built its copy."""
+    if not ctx.distributed:
+        return
+    for tensor in tensors.values():
+        if tensor.dtype == torch.bool:  # NCCL has no bool
+            carrier = tensor.to(torch.uint8)
+            dist.broadcast(carrier, src=0)
+            tensor.copy_(carrier.bool())
+        else:
+            dist.broadcast(tensor, src=0)
+
+
 def reduce_gradients(params: list[torch.nn.Parameter], weight: float, stats: list[float]) -> list[float]:
     """Sum `weight * grad` and `stats` over the ranks in one all-reduce; returns the summed stats.
 
