@@ -234,6 +234,32 @@ def status(config_path: str | None) -> None:
         out(f"  {alias:<10} {f'version {version} (tau {tau})' if version else 'none'}")
 
 
+def retention(config_path: str | None, apply: bool) -> None:
+    """Hidden-state shards no live buffer and no registered drafter refers to: list them, or delete them."""
+    cfg = load_config(config_path)
+    _quiet_libraries()
+    from pipeline.registry import DrafterRegistry
+    from pipeline.retention import apply_retention, plan_retention, registered_training_steps
+    from pipeline.store import open_store
+
+    store = open_store(cfg)
+    registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)
+    registered = registered_training_steps(registry.client, cfg.mlflow.model_name, cfg.run)
+    plan = plan_retention(store, cfg.run, registered, cfg.train.buffer_steps)
+    out(f"run {cfg.run}: live buffers {[f'step-{s:06d}' for s in plan.live_buffers] or 'none'}; "
+        f"drafters registered from steps {sorted(registered) or 'none'}")
+    for step, why in sorted(plan.kept_steps.items()):
+        out(f"  keep   hidden_states step-{step:06d}: {why}")
+    verb = "delete" if apply else "would delete"
+    for doomed in plan.delete:
+        out(f"  {verb} {doomed.key} ({doomed.bytes} bytes): {doomed.reason}")
+    if apply:
+        freed = apply_retention(store, plan)
+        out(f"deleted {len(plan.delete)} objects, {freed} bytes")
+    else:
+        out(f"dry run: {len(plan.delete)} objects, {plan.bytes} bytes would be deleted; rerun with --apply")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="cli.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--config", help=f"YAML config merged over the defaults (or ${CONFIG_ENV})")
@@ -243,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     demo_p.add_argument("--drafter", choices=["eagle", "eagle3"], help="drafter.kind for this demo")
     sub.add_parser("ui", help="Dagster and MLflow UIs on the demo's data")
     sub.add_parser("status", help="steps, last materializations, champion")
+    retention_p = sub.add_parser("retention", help="hidden-state shards nothing refers to (dry run; --apply deletes)")
+    retention_p.add_argument("--apply", action="store_true", help="delete them (default: only list them)")
     args = parser.parse_args(argv)
     if args.config:
         os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
@@ -252,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
         demo(args.steps, args.config, args.drafter)
     elif args.command == "ui":
         ui(args.config)
+    elif args.command == "retention":
+        retention(args.config, args.apply)
     else:
         status(args.config)
 

@@ -58,10 +58,10 @@ def rollouts(
     partitions_def=rl_step,
     group_name=GROUP,
     deps=[rollouts],
-    kinds={"pytorch", "parquet"},
+    kinds={"pytorch", "arrow"},
     pool="gpu",
-    description="The target's hidden states for the step's training rollouts: Parquet shards (bf16, "
-    "bit-exact) plus a _manifest.json commit point in object storage.",
+    description="The target's hidden states for the step's training rollouts: Arrow IPC shards (bf16, "
+    "bit-exact, one column per layer, optionally split-zstd) plus a _manifest.json commit point in object storage.",
     check_specs=[
         dg.AssetCheckSpec(
             "shards_valid",
@@ -86,6 +86,7 @@ def hidden_states(
             "shards": len(manifest.shards),
             "hidden_size": manifest.hidden_size,
             "layer_ids": str(manifest.layer_ids),
+            "compression": manifest.compression,
             "target": manifest.target["model_id"],
             "uri": dg.MetadataValue.path(store.uri(hidden_states_prefix(cfg.run, step))),
         },

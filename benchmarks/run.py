@@ -9,9 +9,15 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import policy_loss, training
+from benchmarks import batch_prep, hidden_states_io, policy_loss, training
 
-BENCHMARKS = {"policy_loss": policy_loss.run, "training": training.run}
+BENCHMARKS = {
+    "policy_loss": policy_loss.run,
+    "hidden_states_io": hidden_states_io.run,
+    "hidden_states_io_s3": hidden_states_io.run_s3,
+    "batch_prep": batch_prep.run,
+    "training": training.run,
+}
 
 
 def main() -> None:
@@ -22,7 +28,9 @@ def main() -> None:
         start = time.perf_counter()
         report[name] = bench()
         report[name]["wall_s"] = round(time.perf_counter() - start, 2)
-        figures = {k: round(v, 3) for k, v in report[name].items() if k.endswith("ratio")}
+        figures = {k: round(v, 3) for k, v in report[name].items()
+                   if k.endswith(("ratio", "_vs_raw", "_vs_torch_save", "_vs_safetensors", "_per_core", "_ms", "_vs_1g",
+                                  "reference", "_h64"))}
         sys.stdout.write(f"{name}: {figures}\n")
     path = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(report, indent=2))

@@ -44,14 +44,17 @@ def rl_step_sensor(
 ) -> dg.SensorResult | dg.SkipReason:
     cfg = settings.load()
     last_seen = int(context.cursor) if context.cursor else 0
-    new = [s for s in committed_steps(object_store.store(), cfg.run) if s > last_seen]
+    # Past the cursor, or behind it but never added (a trainer that committed steps out of order):
+    # none is skipped, and run_key = the step keeps any from being requested twice.
+    known = set(context.instance.get_dynamic_partitions(rl_step.name))
+    new = [s for s in committed_steps(object_store.store(), cfg.run) if s > last_seen or step_key(s) not in known]
     if not new:
         return dg.SkipReason(f"no committed RL step after {step_key(last_seen)} under rollouts/{cfg.run}/")
     keys = [step_key(s) for s in new]
     return dg.SensorResult(
         run_requests=[dg.RunRequest(partition_key=k, run_key=k) for k in keys],
         dynamic_partitions_requests=[rl_step.build_add_request(keys)],
-        cursor=str(new[-1]),
+        cursor=str(max(new[-1], last_seen)),
     )
 
 

@@ -76,21 +76,40 @@ def iter_buffer_samples(
     """Load the samples an entry list points at, in entry order, one shard at a time.
 
     A shard that fails its checksum is skipped with a warning, never used: one bad file
-    costs its samples, not the training run. `manifests` caches manifests across calls."""
+    costs its samples, not the training run. Entries address samples by (step, sample_id);
+    their (shard, row) is followed while the step's manifest still lists that shard, and looked
+    up again in the manifest when the step was rewritten since (its old shards are gone).
+    `manifests` caches manifests across calls."""
     manifests = {} if manifests is None else manifests
+    for step in sorted({e.step for e in entries} - manifests.keys()):
+        manifests[step] = shards.read_manifest(store, run, step)
+    entries = _current(entries, manifests)
     i = 0
     while i < len(entries):
         step, shard = entries[i].step, entries[i].shard
         j = i
         while j < len(entries) and (entries[j].step, entries[j].shard) == (step, shard):
             j += 1
-        if step not in manifests:
-            manifests[step] = shards.read_manifest(store, run, step)
         try:
             yield from shards.read_rows(store, run, manifests[step], shard, [e.row for e in entries[i:j]])
         except shards.CorruptShardError as exc:
             log.warning("%s: skipping its %d buffer samples", exc, j - i)
         i = j
+
+
+def _current(entries: list[BufferEntry], manifests: dict[int, Manifest]) -> list[BufferEntry]:
+    """The entries, those whose shard their step's manifest no longer lists re-addressed by sample id."""
+    listed = {step: {s.name for s in m.shards} for step, m in manifests.items()}
+    index = {step: {s["sample_id"]: s for s in m.samples} for step, m in manifests.items()}
+    out = []
+    for e in entries:
+        if e.shard in listed[e.step]:
+            out.append(e)
+        elif (found := index[e.step].get(e.sample_id)) is not None:
+            out.append(BufferEntry(e.step, e.sample_id, found["shard"], found["row"], found["tokens"]))
+        else:
+            log.warning("step %d was rewritten without sample %s: skipping it", e.step, e.sample_id)
+    return out
 
 
 def build_buffer(store: ObjectStore, run: str, step: int, buffer_steps: int, max_samples: int) -> dict:

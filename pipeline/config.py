@@ -14,9 +14,10 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
 CONFIG_ENV = "DRAFTER_PIPELINE_CONFIG"
@@ -200,16 +201,44 @@ class FleetConfig(_Strict):
         return self
 
 
+def _no_credentials(uri: str, where: str) -> str:
+    """Secrets come from the environment only: a URI with user:password@ would put them in config,
+    logs and metadata. The message does not repeat the URI."""
+    if "@" in urlsplit(uri).netloc:
+        raise ValueError(f"{where} must not carry credentials (user:password@); {ENV_SECRETS[where]}")
+    return uri
+
+
+ENV_SECRETS = {
+    "storage.root": "S3 keys come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY",
+    "storage.endpoint_url": "S3 keys come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY",
+    "mlflow.tracking_uri": "use MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD",
+}
+
+
 class StorageConfig(_Strict):
     root: str = Field(default="", description="Object store root URI; `<data_dir>/store` when empty.")
     endpoint_url: str = Field(default="", description="S3-compatible endpoint (MinIO, Ceph, ...); AWS when empty.")
     region: str = Field(default="", description="S3 region; the AWS default chain when empty.")
+    compression: Literal["none", "split-zstd"] = Field(
+        default="none", description="Hidden-state shards: raw bf16, or lossless split-zstd (smaller, for S3)."
+    )
+
+    @field_validator("root", "endpoint_url")
+    @classmethod
+    def _no_credentials(cls, value: str, info: ValidationInfo) -> str:
+        return _no_credentials(value, f"storage.{info.field_name}")
 
 
 class MlflowConfig(_Strict):
     tracking_uri: str = Field(default="", description="MLflow tracking URI; SQLite under data_dir when empty.")
     experiment: str = Field(default="drafter-cotraining", description="MLflow experiment name.")
     model_name: str = Field(default="eagle-drafter", description="Registered model name of the drafter.")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, value: str) -> str:
+        return _no_credentials(value, "mlflow.tracking_uri")
 
 
 class SimulationConfig(_Strict):

@@ -179,9 +179,12 @@ def plan_training(
     existing = registry.find_version({"input_id": identity})
     if existing:  # a rerun of the same partition on the same inputs: no second run, no second version
         run_id = registry.client.get_model_version(registry.model_name, existing).run_id
+        if not registry.run_finished(run_id):  # killed after registering: finish what it started
+            _publish(registry, existing)
+            registry.end_run(run_id, ok=True)
         return TrainOutcome(True, f"reused version {existing}, trained on identical inputs", len(entries),
                             run_id, existing, champion)
-    run_id = registry.find_run({"input_id": identity})
+    run_id = registry.unfinished_run({"input_id": identity})
     if run_id:  # an earlier attempt died: its run (and its checkpoint) carry on
         registry.reopen_run(run_id, tags)
     else:
@@ -230,14 +233,13 @@ def run_training(
     sink = NullSink()
     try:
         if ctx.is_main:
-            if not registry.client.get_run(run_id).data.params:  # a continued run keeps what it logged first
-                registry.log_params(run_id, {
-                    **cfg.train.model_dump(exclude={"optim", "k8s"}),
-                    **{f"optim.{k}": v for k, v in cfg.train.optim.model_dump().items()},
-                    **{f"drafter.{k}": v for k, v in cfg.drafter.model_dump().items()},
-                    "warm_start_version": warm_start or "none", "world_size": ctx.world_size,
-                    "policy_version": pointer.policy_version, "buffer_samples": len(entries),
-                })
+            registry.log_params(run_id, {  # a continued run keeps what its first attempt logged
+                **cfg.train.model_dump(exclude={"optim", "k8s"}),
+                **{f"optim.{k}": v for k, v in cfg.train.optim.model_dump().items()},
+                **{f"drafter.{k}": v for k, v in cfg.drafter.model_dump().items()},
+                "warm_start_version": warm_start or "none", "world_size": ctx.world_size,
+                "policy_version": pointer.policy_version, "buffer_samples": len(entries),
+            })
             # Metrics reach MLflow when a checkpoint commits: a resumed run never logs an iteration twice.
             sink = MetricsBatcher(registry.client, run_id, flush_every=1 << 62 if cfg.train.checkpoint_every else 200)
 
@@ -280,10 +282,14 @@ def _register(
                 "train_samples": str(len(entries)), "warm_start_version": warm_start or "none",
                 "input_id": job.input_id,
             })
+    _publish(registry, version)
+    return version
+
+
+def _publish(registry: DrafterRegistry, version: str) -> None:
     registry.set_alias("challenger", version)
     if registry.alias_version("baseline") is None:
         registry.set_alias("baseline", version)
-    return version
 
 
 def train_step(

@@ -12,6 +12,7 @@ from pathlib import Path
 from pipeline import rollouts as rollouts_lib
 from pipeline import target as target_lib
 from pipeline.acceptance import held_out_prompts
+from pipeline.checkpoint import load_drafter
 from pipeline.config import PipelineConfig
 from pipeline.fleet import (
     CommandDriver,
@@ -51,6 +52,9 @@ def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, v
     """Stage `version`, roll it over the fleet, then record it as `live` (registry alias + fleet state)."""
     stage = cfg.data_path / "fleet" / "staged"
     drafter_dir = registry.download(version, stage / f"v{version}")
+    # A checkpoint that does not load (pickle, keys or shapes not matching its config) is refused
+    # here, before any replica is touched, rather than by a crashed replica and a rollback.
+    load_drafter(drafter_dir)
     live = registry.alias_version("live")
     previous = (live, str(stage / f"v{live}" / "drafter")) if live else None
     if previous and not Path(previous[1]).exists():

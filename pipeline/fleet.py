@@ -107,7 +107,17 @@ class StandInDriver:
     def stop(self, replica: ReplicaSpec) -> None:
         process = self.processes.pop(replica.name, None)
         pid_file = self._pid_file(replica)
-        pid = process.pid if process else (int(pid_file.read_text()) if pid_file.exists() else None)
+        recorded = int(pid_file.read_text()) if pid_file.exists() else None
+        if process is not None and process.pid != recorded:
+            # Another process (a later deploy run) replaced the replica we started: the pid file
+            # names the one serving now. Ours goes too, if it is still there.
+            self._terminate(process.pid, process)
+            process = None
+        self._terminate(process.pid if process else recorded, process)
+        pid_file.unlink(missing_ok=True)
+
+    @staticmethod
+    def _terminate(pid: int | None, process: subprocess.Popen | None) -> None:
         if pid is not None and _running(pid):
             os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + 15
@@ -119,7 +129,6 @@ class StandInDriver:
                 os.kill(pid, signal.SIGKILL)
         if process is not None:
             process.wait()
-        pid_file.unlink(missing_ok=True)
 
     def alive(self, replica: ReplicaSpec) -> bool:
         process = self.processes.get(replica.name)

@@ -74,10 +74,22 @@ class DrafterRegistry:
         """Mark a run of an interrupted training running again, tagged with the attempt that continues it."""
         self.set_run_tags(run_id, tags)
         self.client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+    def unfinished_run(self, tags: dict[str, str]) -> str | None:
+        """The newest run carrying all `tags` that never finished (its process was killed or failed)."""
+        query = " and ".join([*(f"tags.`{k}` = '{v}'" for k, v in tags.items()), "attributes.status != 'FINISHED'"])
+        runs = self.client.search_runs([self.experiment_id], filter_string=query, order_by=["start_time DESC"],
+                                       max_results=1)
+        return runs[0].info.run_id if runs else None
+
+    def run_finished(self, run_id: str) -> bool:
+        return self.client.get_run(run_id).info.status == RunStatus.to_string(RunStatus.FINISHED)
 
     def log_params(self, run_id: str, params: dict[str, object]) -> None:
+        # A resumed run keeps the params its first attempt logged (MLflow refuses to change them).
+        logged = self.client.get_run(run_id).data.params
         for key, value in params.items():
-            self.client.log_param(run_id, key, str(value))
+            if key not in logged:
+                self.client.log_param(run_id, key, str(value))
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
         sink = MetricsBatcher(self.client, run_id)
@@ -100,8 +112,14 @@ class DrafterRegistry:
         """Log the checkpoint directory as the run's artifacts and register it as a new version."""
         self.client.log_artifacts(run_id, str(checkpoint_dir), ARTIFACT_PATH)
         source = f"{self.client.get_run(run_id).info.artifact_uri}/{ARTIFACT_PATH}"
-        version = self.client.create_model_version(self.model_name, source=source, run_id=run_id, tags=tags)
-        return str(version.version)
+        self.client.create_model_version(self.model_name, source=source, run_id=run_id, tags=tags)
+        # The client retries a request whose answer was lost, so the server may have created the
+        # version twice: one run registers one version, the first; the others are removed.
+        mine = self.client.search_model_versions(f"name = '{self.model_name}' and run_id = '{run_id}'")
+        first, *extra = sorted(int(v.version) for v in mine)
+        for version in extra:
+            self.client.delete_model_version(self.model_name, str(version))
+        return str(first)
 
     def find_version(self, tags: dict[str, str]) -> str | None:
         """The newest version carrying all `tags`."""
@@ -126,13 +144,49 @@ class DrafterRegistry:
         return dict(self.client.get_model_version(self.model_name, version).tags)
 
     def download(self, version: str, directory: Path) -> Path:
-        """The version's checkpoint directory, copied to `directory` (where replicas read it)."""
-        run_id = self.client.get_model_version(self.model_name, version).run_id
+        """The version's checkpoint directory, copied to `directory/drafter` (where replicas read it).
+
+        Only a version whose source is its run's `drafter` artifact directory is fetched, file by file,
+        and only files whose paths stay inside `directory`: a version registered from elsewhere, or an
+        artifact listing with `..` or absolute paths, is refused before anything is written."""
+        mv = self.client.get_model_version(self.model_name, version)
+        where = f"model {self.model_name} version {version}"
+        expected = f"{self.client.get_run(mv.run_id).info.artifact_uri}/{ARTIFACT_PATH}"
+        if mv.source.rstrip("/") != expected:
+            raise ArtifactPathError(f"{where}: source {mv.source!r} is outside its run's artifact root "
+                                    f"{expected!r}; refusing to download it")
+        files = self._artifact_files(mv.run_id, ARTIFACT_PATH, where)
+        root = directory.resolve()
+        for path in files:
+            if not (root / path).resolve().is_relative_to(root):
+                raise ArtifactPathError(f"{where}: artifact {path!r} would be written outside {root}")
         directory.mkdir(parents=True, exist_ok=True)
-        return Path(self.client.download_artifacts(run_id, ARTIFACT_PATH, str(directory)))
+        for path in files:
+            self.client.download_artifacts(mv.run_id, path, str(directory / Path(path).parent))
+        return directory / ARTIFACT_PATH
+
+    def _artifact_files(self, run_id: str, path: str, where: str) -> list[str]:
+        files = []
+        for info in self.client.list_artifacts(run_id, path):
+            relative = check_artifact_path(info.path, where)
+            if not relative.startswith(f"{path}/"):
+                raise ArtifactPathError(f"{where}: artifact {info.path!r} is not under {path}/")
+            files += self._artifact_files(run_id, relative, where) if info.is_dir else [relative]
+        return files
 
     def load(self, version: str) -> EagleDrafter | Eagle3Drafter:
         """Download a version's checkpoint directory and load it (safetensors only)."""
-        run_id = self.client.get_model_version(self.model_name, version).run_id
         with tempfile.TemporaryDirectory() as tmp:
-            return load_drafter(Path(self.client.download_artifacts(run_id, ARTIFACT_PATH, tmp)))
+            return load_drafter(self.download(version, Path(tmp)))
+
+
+class ArtifactPathError(ValueError):
+    """A registry artifact that would be read from, or written to, outside where it belongs."""
+
+
+def check_artifact_path(path: str, where: str) -> str:
+    """`path` if it is relative and has no `..`: artifact listings come from a server we do not control."""
+    parts = path.replace("\\", "/").split("/")
+    if path.startswith(("/", "\\")) or "://" in path or (len(path) > 1 and path[1] == ":") or ".." in parts:
+        raise ArtifactPathError(f"{where}: artifact path {path!r} points outside the artifact root")
+    return path

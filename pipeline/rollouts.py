@@ -87,6 +87,8 @@ def validate_rollouts(rollouts: list[Rollout], where: str) -> None:
             raise RolloutsError(f"{where}: sample {r.sample_id!r} has fewer than 2 tokens")
         if any(m not in (0, 1) for m in r.loss_mask):
             raise RolloutsError(f"{where}: sample {r.sample_id!r} has a loss_mask value other than 0/1")
+        if 1 not in r.loss_mask:
+            raise RolloutsError(f"{where}: sample {r.sample_id!r} has a loss_mask of all zeros (no response token)")
         if min(r.input_ids) < 0:
             raise RolloutsError(f"{where}: sample {r.sample_id!r} has a negative token id")
 

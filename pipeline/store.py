@@ -7,7 +7,7 @@ Every path the pipeline writes lives under one root URI:
     │                              policy.json        pointer to the policy checkpoint (commit point)
     ├── policies/<run>/step-000123/config.json        the simulated source's policy checkpoints
     │                              model.safetensors
-    ├── hidden_states/<run>/step-000123/part-00000.parquet
+    ├── hidden_states/<run>/step-000123/part-00000-<id>.arrow
     │                                   _manifest.json (commit point)
     ├── buffer/<run>/step-000123/_manifest.json
     └── acceptance/<run>/step-000123.json
@@ -19,6 +19,7 @@ written last.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -33,6 +34,13 @@ import fsspec
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
 
+S3_MAX_ATTEMPTS = 8  # botocore's standard mode: up to about a minute of backoff before a request fails
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class StorageFullError(OSError):
+    """The storage device (or a quota or file size limit) refused a write; nothing was committed."""
+
 
 def storage_options_for(root: str, endpoint_url: str = "", region: str = "") -> dict[str, Any]:
     """fsspec options of a root URI. S3 credentials are not options: s3fs reads them from the
@@ -40,8 +48,11 @@ def storage_options_for(root: str, endpoint_url: str = "", region: str = "") -> 
     if not root.startswith("s3://"):
         return {}
     client_kwargs = {k: v for k, v in (("endpoint_url", endpoint_url), ("region_name", region)) if v}
-    # No listing cache: the RL trainer writes new steps from another process.
-    return {"client_kwargs": client_kwargs, "use_listings_cache": False}
+    # No listing cache: the RL trainer writes new steps from another process. botocore's standard
+    # retry mode retries 500/502/503/504, throttling and dropped connections with jittered
+    # exponential backoff, so a server that is briefly unwell costs time, not the step.
+    return {"client_kwargs": client_kwargs, "use_listings_cache": False,
+            "config_kwargs": {"retries": {"mode": "standard", "max_attempts": S3_MAX_ATTEMPTS}}}
 
 
 class ObjectStore:
@@ -82,6 +93,21 @@ class ObjectStore:
         entries = self.fs.ls(path, detail=True)
         return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "directory")
 
+    def list_files(self, prefix: str) -> list[tuple[str, int, float]]:
+        """(key, bytes, modified as epoch seconds) of every object under `prefix`, recursively."""
+        path = self._path(prefix)
+        if not self.fs.exists(path):
+            return []
+        root = self._root_path.rstrip("/") + "/"
+        files = []
+        for name, info in sorted(self.fs.find(path, detail=True).items()):
+            if info.get("type") == "directory":
+                continue
+            modified = info.get("mtime", info.get("LastModified"))
+            modified = modified.timestamp() if hasattr(modified, "timestamp") else float(modified or 0)
+            files.append((name[len(root):] if name.startswith(root) else name, int(info.get("size") or 0), modified))
+        return files
+
     def read_bytes(self, key: str) -> bytes:
         with self.fs.open(self._path(key), "rb") as f:
             return f.read()
@@ -93,6 +119,27 @@ class ObjectStore:
     def open_read(self, key: str) -> Iterator[IO[bytes]]:
         with self.fs.open(self._path(key), "rb") as f:
             yield f
+
+    @contextmanager
+    def open_ranges(self, key: str) -> Iterator[RangeReader]:
+        """Reads of byte ranges of one object: `pread` on a local file, ranged GETs on S3."""
+        path = self._path(key)
+        if not self._local:
+            # Keywords: s3fs's cat_file takes version_id as its second positional argument.
+            yield RangeReader(lambda offset, out: _fill(out, self.fs.cat_file(path, start=offset,
+                                                                              end=offset + len(out))),
+                              local=False)
+            return
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            yield RangeReader(lambda offset, out: _pread_into(fd, offset, out), local=True)
+        finally:
+            os.close(fd)
+
+    def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Several (offset, length) ranges of one object; concurrent requests on object storage."""
+        path = self._path(key)
+        return self.fs.cat_ranges([path] * len(ranges), [o for o, _ in ranges], [o + n for o, n in ranges])
 
     @contextmanager
     def open_write(self, key: str) -> Iterator[IO[bytes]]:
@@ -113,6 +160,11 @@ class ObjectStore:
                 f.flush()
                 os.fsync(f.fileno())
             tmp.replace(final)
+        except OSError as exc:
+            if exc.errno not in FULL_ERRNOS:
+                raise
+            raise StorageFullError(exc.errno, f"{self.uri(key)}: not written, the storage is full or over a "
+                                              f"size limit ({exc.strerror})") from exc
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -131,6 +183,38 @@ class ObjectStore:
     def local_path(self, key: str) -> str | None:
         """The filesystem path of `key` when the store is local (else None)."""
         return self._path(key) if self._local else None
+
+
+class RangeReader:
+    """Byte ranges of one stored object, read straight into the caller's memory where the store allows."""
+
+    def __init__(self, read_into, local: bool) -> None:
+        self._read_into = read_into
+        self.local = local  # a read costs a syscall, not a request: worth splitting to stay in cache
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill `out` (a writable byte view) with the object's bytes from `offset`."""
+        self._read_into(offset, out.cast("B"))
+
+    def read(self, offset: int, length: int) -> bytearray:
+        data = bytearray(length)
+        self._read_into(offset, memoryview(data))
+        return data
+
+
+def _pread_into(fd: int, offset: int, out: memoryview) -> None:
+    done = 0
+    while done < len(out):
+        n = os.preadv(fd, [out[done:]], offset + done)
+        if n == 0:
+            raise EOFError(f"object ends {len(out) - done} bytes before the range read from offset {offset}")
+        done += n
+
+
+def _fill(out: memoryview, data: bytes) -> None:
+    if len(data) != len(out):
+        raise EOFError(f"ranged read returned {len(data)} bytes, expected {len(out)}")
+    out[:] = data
 
 
 def open_store(cfg: PipelineConfig) -> ObjectStore:

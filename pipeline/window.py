@@ -63,29 +63,40 @@ class PackedBatch:
 
 
 def pack(samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], window_tokens: int) -> PackedBatch:
-    """Pack (input_ids (T,), hidden (T, H), loss_mask (T,)) samples; samples under 2 tokens are skipped."""
-    ids, hid_in, hid_tgt, masks, pos, docs = [], [], [], [], [], []
-    for doc, (input_ids, hidden, loss_mask) in enumerate(samples):
+    """Pack (input_ids (T,), hidden (T, H), loss_mask (T,)) samples; samples under 2 tokens are skipped.
+
+    Outputs are allocated once and each window is copied in with one slice copy per tensor;
+    positions and document ids are computed for the whole batch at once (no per-token work)."""
+    kept: list[tuple[int, int, int]] = []  # (sample index, window start, window end)
+    for doc, (_, _, loss_mask) in enumerate(samples):
         start, end = window_bounds(loss_mask, window_tokens)
-        if end - start < 2:
-            continue
-        input_ids, hidden, loss_mask = input_ids[start:end], hidden[start:end], loss_mask[start:end]
-        n = end - start - 1
-        ids.append(input_ids[1:])
-        hid_in.append(hidden[:-1])
-        hid_tgt.append(hidden[1:])
-        masks.append(loss_mask[1:].float())
-        pos.append(torch.arange(n))
-        docs.append(torch.full((n,), doc))
-    if not ids:
+        if end - start >= 2:
+            kept.append((doc, start, end))
+    if not kept:
         raise ValueError("pack: no sample has at least 2 tokens inside its window")
+    lengths = torch.tensor([end - start - 1 for _, start, end in kept])  # (B,) shifted positions per sample
+    total = int(lengths.sum())
+    first_hidden = samples[kept[0][0]][1]
+    hidden_in = torch.empty(total, first_hidden.shape[1], dtype=first_hidden.dtype)  # (N, H)
+    hidden_tgt = torch.empty_like(hidden_in)  # (N, H)
+    input_ids = torch.empty(total, dtype=torch.int64)  # (N,)
+    loss_mask = torch.empty(total, dtype=torch.float32)  # (N,)
+    at = 0
+    for (doc, start, end), n in zip(kept, lengths.tolist(), strict=True):
+        ids, hidden, mask = samples[doc]
+        hidden_in[at : at + n] = hidden[start : end - 1]
+        hidden_tgt[at : at + n] = hidden[start + 1 : end]
+        input_ids[at : at + n] = ids[start + 1 : end]
+        loss_mask[at : at + n] = mask[start + 1 : end]
+        at += n
+    sample_start = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)  # (N,)
     return PackedBatch(
-        input_ids=torch.cat(ids).unsqueeze(0),
-        hidden_states=torch.cat(hid_in).unsqueeze(0),
-        target=torch.cat(hid_tgt).unsqueeze(0),
-        loss_mask=torch.cat(masks).unsqueeze(0),
-        position_ids=torch.cat(pos).unsqueeze(0),
-        document_ids=torch.cat(docs).unsqueeze(0),
+        input_ids=input_ids.unsqueeze(0),
+        hidden_states=hidden_in.unsqueeze(0),
+        target=hidden_tgt.unsqueeze(0),
+        loss_mask=loss_mask.unsqueeze(0),
+        position_ids=(torch.arange(total) - sample_start).unsqueeze(0),
+        document_ids=torch.repeat_interleave(torch.tensor([doc for doc, _, _ in kept]), lengths).unsqueeze(0),
     )
 
 

@@ -15,6 +15,13 @@ import pytest
 import yaml
 
 from pipeline.config import PipelineConfig, load_config
+from tests.reliability import (  # noqa: F401  (the report's fixture and hooks)
+    pytest_configure,
+    pytest_deselected,
+    pytest_runtest_makereport,
+    pytest_sessionfinish,
+    reliability,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")

@@ -56,6 +56,7 @@ def test_sensor_adds_committed_steps_once(tiny_config_path: Path) -> None:
         assert [r.partition_key for r in result.run_requests] == ["step-000001", "step-000002"]
         assert list(result.dynamic_partitions_requests[0].partition_keys) == ["step-000001", "step-000002"]
         assert result.cursor == "2"
+        instance.add_dynamic_partitions("rl_step", ["step-000001", "step-000002"])  # as the daemon does
 
         again = rl_step_sensor(dg.build_sensor_context(instance=instance, cursor=result.cursor, definitions=defs,
                                                        sensor_name=SENSOR_NAME, resources=defs.resources))
@@ -126,6 +127,7 @@ def test_skipped_training_says_why(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("key", ["step-12", "rl-000001", "step-000001x"], ids=["short", "prefix", "suffix"])
+@pytest.mark.reliability("bad_input", "partition key that is not `step-` plus digits (Dagster run)")
 def test_bad_partition_key_is_rejected_by_name(tiny_config_path: Path, key: str) -> None:
     defs = build_definitions(str(tiny_config_path))
     with dg.instance_for_test() as instance:

@@ -209,6 +209,7 @@ def _rewrite_weights(directory: Path, edit) -> None:
                      id="unexpected-key"),
     ],
 )
+@pytest.mark.reliability("bad_input", "drafter checkpoint whose safetensors keys or shapes do not match its config")
 def test_load_rejects_weights_that_do_not_match(checkpoint: tuple[EagleDrafter, Path], edit, message: str) -> None:
     _, directory = checkpoint
     _rewrite_weights(directory, edit)
@@ -223,6 +224,7 @@ def test_load_accepts_bundled_target_heads(checkpoint: tuple[EagleDrafter, Path]
     assert torch.equal(loaded.state_dict()["fc.weight"], model.state_dict()["fc.weight"])
 
 
+@pytest.mark.reliability("bad_input", "drafter checkpoint that is a pickle")
 def test_load_rejects_a_pickle_named_safetensors(checkpoint: tuple[EagleDrafter, Path]) -> None:
     model, directory = checkpoint
     torch.save(model.trainable_state_dict(), directory / "model.safetensors")

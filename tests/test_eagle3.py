@@ -718,6 +718,7 @@ def test_import_defaults_the_aux_layers_from_the_target(tmp_path: Path, where: s
     assert_same_drafter(loaded, model)
 
 
+@pytest.mark.reliability("bad_input", "drafter checkpoint that is a pickle")
 def test_import_refuses_a_pickle_named_safetensors(tmp_path: Path) -> None:
     model = vocab_drafter()
     directory = save_drafter(model, tmp_path / "ckpt")
@@ -727,6 +728,7 @@ def test_import_refuses_a_pickle_named_safetensors(tmp_path: Path) -> None:
         load_drafter(directory)
 
 
+@pytest.mark.reliability("bad_input", "drafter checkpoint that is a pickle (pytorch_model.bin)")
 def test_import_refuses_pytorch_model_bin(tmp_path: Path) -> None:
     model = vocab_drafter()
     directory = save_drafter(model, tmp_path / "ckpt")
@@ -748,6 +750,7 @@ def test_import_refuses_pytorch_model_bin(tmp_path: Path) -> None:
         pytest.param(lambda c: c.update({"target_hidden_size": 2 * H}), "fc.weight has shape", id="wrong-shape"),
     ],
 )
+@pytest.mark.reliability("bad_input", "drafter checkpoint whose safetensors keys or shapes do not match its config")
 def test_import_refuses_a_config_that_does_not_fit(tmp_path: Path, edit, message: str) -> None:
     directory = save_drafter(vocab_drafter(), tmp_path / "ckpt")
     _edit_config(directory, edit)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -124,6 +125,7 @@ def test_wrong_column_type_is_reported(store: ObjectStore) -> None:
         pytest.param(None, "'?'", id="no-version"),
     ],
 )
+@pytest.mark.reliability("bad_input", "rollouts file from a different schema version")
 def test_other_schema_version_is_rejected(store: ObjectStore, metadata: dict | None, found: str) -> None:
     write_parquet(store, rows_of(rollouts()), ROLLOUTS_SCHEMA.remove_metadata().with_metadata(metadata or {}))
 
@@ -131,16 +133,18 @@ def test_other_schema_version_is_rejected(store: ObjectStore, metadata: dict | N
         read_rollouts(store, RUN, STEP)
 
 
+BAD = functools.partial(pytest.mark.reliability, "bad_input")
+
 BAD_ROLLOUTS = [
     pytest.param(
         [Rollout("a", [1, 2, 3], [0, 1], 1.0, 0)], "sample 'a' has 3 input_ids but 2 loss_mask values",
-        id="mask-length",
+        id="mask-length", marks=BAD("loss mask and token ids of different lengths (rollouts)"),
     ),
     pytest.param(
         [Rollout("a", [1, 2], [0, 1], 1.0, 0), Rollout("a", [3, 4], [0, 1], 1.0, 0)], "duplicate sample_id 'a'",
-        id="duplicate-ids",
+        id="duplicate-ids", marks=BAD("duplicate sample ids (rollouts)"),
     ),
-    pytest.param([], "empty step", id="empty"),
+    pytest.param([], "empty step", id="empty", marks=BAD("empty step (rollouts)")),
     pytest.param([Rollout("a", [1], [1], 1.0, 0)], "sample 'a' has fewer than 2 tokens", id="one-token"),
     pytest.param(
         [Rollout("a", [1, 2], [0, 2], 1.0, 0)], "sample 'a' has a loss_mask value other than 0/1", id="mask-2"
@@ -238,6 +242,7 @@ def test_step_key_rejects_negative_steps() -> None:
     ["step-12", "step-0001a", "123", "step-000001,step-000002", "", "step-", "Step-000001", " step-000001",
      "step--00001", "step-000001 "],
 )
+@pytest.mark.reliability("bad_input", "partition key that is not `step-` plus digits")
 def test_parse_step_key_rejects(key: str) -> None:
     with pytest.raises(ValueError, match=re.escape(repr(key))):
         parse_step_key(key)
@@ -245,6 +250,7 @@ def test_parse_step_key_rejects(key: str) -> None:
 
 @pytest.mark.parametrize("key", ["step-000001\n", "step-\u0661\u0662\u0663\u0664\u0665\u0666", "step-0000001"],
                          ids=["trailing-newline", "arabic-indic-digits", "extra-leading-zero"])
+@pytest.mark.reliability("bad_input", "partition key that is not `step-` plus digits")
 def test_parse_step_key_rejects_near_misses(key: str) -> None:
     with pytest.raises(ValueError, match=re.escape(repr(key))):
         parse_step_key(key)

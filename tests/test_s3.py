@@ -131,6 +131,8 @@ def test_shards_buffer_and_bad_input(store: ObjectStore) -> None:
     assert doc["composition"] == {"1": 3}
     loaded = list(buffer.iter_buffer_samples(store, "run", buffer.read_buffer(store, "run", 1)))
     assert [s.sample_id for s in loaded] == ["s2", "s3", "s4"]
+    assert all(torch.equal(a.hidden.view(torch.int16), b.hidden.view(torch.int16))
+               for a, b in zip(samples[2:], loaded, strict=True))
 
     bad = [*samples[:1], shards.HiddenSample("nan", 2, torch.arange(6), torch.ones(6, dtype=torch.int64),
                                              torch.full((6, 1, 8), float("nan"), dtype=torch.bfloat16))]
@@ -192,3 +194,48 @@ def test_training_checkpoints_commit_and_restore(store: ObjectStore) -> None:
     assert torch.equal(other_optimizer.state[other.weight]["exp_avg"], optimizer.state[model.weight]["exp_avg"])
     checkpoints.clear()
     assert checkpoints.latest() is None
+
+
+@pytest.mark.parametrize("compression", shards.COMPRESSIONS)
+def test_ranged_reads_of_some_layers(store: ObjectStore, compression: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    samples = [shards.HiddenSample(f"s{i}", 1, torch.arange(5 + i), torch.ones(5 + i, dtype=torch.int64),
+                                   torch.randn(5 + i, 3, 8, generator=g).to(torch.bfloat16)) for i in range(11)]
+    manifest = shards.write_hidden_states(store, "run", 1, samples, hidden_size=8, layer_ids=[3, 9, 12], target={},
+                                          compression=compression)
+    rows = list(range(11))[::-1]  # more rows than are fetched at once, out of order
+
+    # One layer of three: ranged reads; all layers: most of the shard, read whole.
+    for layers, positions in (([9], [1]), (None, [0, 1, 2])):
+        got = shards.read_rows(store, "run", manifest, manifest.shards[0].name, rows, layers=layers)
+
+        assert [s.sample_id for s in got] == [f"s{r}" for r in rows]
+        for sample, r in zip(got, rows, strict=True):
+            assert torch.equal(sample.input_ids, samples[r].input_ids)
+            assert torch.equal(sample.hidden.view(torch.int16), samples[r].hidden[:, positions].view(torch.int16))
+    assert torch.equal(shards.read_sample(store, "run", manifest, "s4").hidden.view(torch.int16),
+                       samples[4].hidden.view(torch.int16))
+
+
+def test_retention_plans_then_deletes_only_unreferenced_steps(store: ObjectStore) -> None:
+    from pipeline import buffer, retention
+
+    for step in (1, 2, 3):
+        samples = [shards.HiddenSample(f"s{step}-{i}", step, torch.arange(6), torch.tensor([0, 0, 1, 1, 1, 1]),
+                                       torch.full((6, 1, 8), float(step), dtype=torch.bfloat16)) for i in range(2)]
+        shards.write_hidden_states(store, "run", step, samples, hidden_size=8, layer_ids=[2], target={})
+        buffer.build_buffer(store, "run", step, buffer_steps=1, max_samples=10)
+    before = store.list_files("hidden_states")
+
+    plan = retention.plan_retention(store, "run", registered_steps={1}, buffer_steps=1)
+
+    assert store.list_files("hidden_states") == before
+    assert plan.live_buffers == [1, 3]
+    assert sorted(plan.kept_steps) == [1, 3]
+    assert {d.key.split("/")[2] for d in plan.delete if d.key.startswith("hidden_states/")} == {"step-000002"}
+    retention.apply_retention(store, plan)
+    assert not shards.has_manifest(store, "run", 2)
+    assert not store.exists("buffer/run/step-000002/_manifest.json")
+    for step in (1, 3):
+        (got, _) = shards.iter_samples(store, "run", shards.read_manifest(store, "run", step))
+        assert float(got.hidden[0, 0, 0]) == step

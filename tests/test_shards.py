@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -99,11 +99,14 @@ def store(tmp_path: Path) -> ObjectStore:
         pytest.param([4, 9, 5], 2, 3, id="three-layers"),
     ],
 )
-def test_round_trip_is_bit_exact(store: ObjectStore, lengths: list[int], per_shard: int, layers: int) -> None:
+@pytest.mark.parametrize("compression", shards.COMPRESSIONS)
+def test_round_trip_is_bit_exact(
+    store: ObjectStore, lengths: list[int], per_shard: int, layers: int, compression: str
+) -> None:
     samples = make_samples(7, lengths, layers=layers)
     layer_ids = list(range(layers))
 
-    manifest = write(store, 7, samples, samples_per_shard=per_shard, layer_ids=layer_ids)
+    manifest = write(store, 7, samples, samples_per_shard=per_shard, layer_ids=layer_ids, compression=compression)
     read_back = shards.read_manifest(store, RUN, 7)
     streamed = list(shards.iter_samples(store, RUN, read_back))
 
@@ -119,6 +122,79 @@ def test_round_trip_is_bit_exact(store: ObjectStore, lengths: list[int], per_sha
         for got, entry in zip(rows, entries, strict=True):
             assert got.sample_id == entry["sample_id"]
             assert_same_sample(got, by_id[entry["sample_id"]])
+
+
+@pytest.mark.parametrize("compression", shards.COMPRESSIONS)
+def test_a_drafter_reads_only_the_layers_it_needs(store: ObjectStore, compression: str) -> None:
+    samples = make_samples(4, [5, 9], layers=3)
+    manifest = write(store, 4, samples, layer_ids=[3, 7, 12], compression=compression)
+
+    for layers in ([12], [7, 3], None):
+        for got, want in zip(shards.iter_samples(store, RUN, manifest, layers=layers), samples, strict=True):
+            positions = [[3, 7, 12].index(i) for i in layers] if layers else [0, 1, 2]
+            assert torch.equal(got.hidden.view(torch.int16), want.hidden[:, positions].view(torch.int16))
+    with pytest.raises(ShardError, match=r"layers \[5\] are not stored \(stored: \[3, 7, 12\]\)"):
+        shards.read_sample(store, RUN, manifest, "s4-0", layers=[5])
+
+
+@pytest.mark.parametrize("compression", shards.COMPRESSIONS)
+def test_one_sample_by_id_reads_only_its_own_ranges(store: ObjectStore, tmp_path: Path, compression: str) -> None:
+    samples = make_samples(6, [4, 7, 5], layers=2)
+    manifest = write(store, 6, samples, layer_ids=[1, 2], compression=compression)
+    path = tmp_path / "store" / hidden_states_prefix(RUN, 6) / manifest.shards[0].name
+    entry = manifest.samples[1]
+    # Zero every byte of the shard outside sample s6-1's metadata and layer-2 ranges: it still reads.
+    keep = [entry["meta"][:2], *([offset, length] for offset, length, _ in entry["layers"][1])]
+    data = path.read_bytes()
+    kept = bytearray(len(data))
+    for offset, length in keep:
+        kept[offset : offset + length] = data[offset : offset + length]
+    path.write_bytes(bytes(kept))
+
+    got = shards.read_sample(store, RUN, manifest, "s6-1", layers=[2])
+
+    assert torch.equal(got.input_ids, samples[1].input_ids)
+    assert torch.equal(got.loss_mask, samples[1].loss_mask)
+    assert torch.equal(got.hidden.view(torch.int16), samples[1].hidden[:, 1:].view(torch.int16))
+    with pytest.raises(shards.CorruptShardError, match="layer 1 (high bytes )?of sample 's6-1'"):
+        shards.read_sample(store, RUN, manifest, "s6-1")
+    with pytest.raises(KeyError, match="no sample 'nope'"):
+        shards.read_sample(store, RUN, manifest, "nope")
+
+
+@pytest.mark.parametrize("compression", shards.COMPRESSIONS)
+def test_a_flipped_layer_byte_is_caught_by_every_reader(store: ObjectStore, tmp_path: Path, compression: str) -> None:
+    samples = make_samples(8, [6, 6])
+    manifest = write(store, 8, samples, compression=compression)
+    path = tmp_path / "store" / hidden_states_prefix(RUN, 8) / manifest.shards[0].name
+    offset, length, _ = manifest.samples[1]["layers"][0][-1]
+    data = bytearray(path.read_bytes())
+    data[offset + length // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+    with pytest.raises(shards.CorruptShardError, match=f"shard {manifest.shards[0].name} does not match"):
+        list(shards.iter_samples(store, RUN, manifest))
+    with pytest.raises(shards.CorruptShardError, match="sample 's8-1'"):
+        shards.read_sample(store, RUN, manifest, "s8-1")
+    assert_same_sample(shards.read_sample(store, RUN, manifest, "s8-0"), samples[0])
+
+
+def test_split_zstd_is_smaller_on_activation_like_values(store: ObjectStore) -> None:
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(64, 1, 256, generator=gen).to(torch.bfloat16)
+    sample = HiddenSample("a", 1, torch.arange(64), torch.ones(64, dtype=torch.int64), hidden)
+    plain = write(store, 1, [sample], hidden_size=256)
+    packed = write(store, 2, [replace(sample, step=2)], hidden_size=256, compression="split-zstd")
+
+    assert packed.compression == "split-zstd"
+    assert packed.total_bytes < 0.8 * plain.total_bytes
+    assert_same_sample(shards.read_sample(store, RUN, packed, "a"), replace(sample, step=2))
+
+
+def test_unknown_compression_is_refused(store: ObjectStore) -> None:
+    with pytest.raises(ShardError, match="compression 'gzip' is not one of none, split-zstd"):
+        write(store, 1, make_samples(1, [3]), compression="gzip")
+    assert not shards.has_manifest(store, RUN, 1)
 
 
 def test_special_values_survive(store: ObjectStore) -> None:
@@ -151,6 +227,7 @@ def test_manifest_fields_match_the_files(store: ObjectStore, tmp_path: Path) -> 
     assert manifest.dtype == "bfloat16"
     assert manifest.target == TARGET
     assert manifest.schema_version == shards.SCHEMA_VERSION
+    assert manifest.compression == "none"
     assert manifest.num_samples == 5
     assert manifest.num_tokens == sum(lengths)
     assert [s.rows for s in manifest.shards] == [2, 2, 1]
@@ -159,7 +236,8 @@ def test_manifest_fields_match_the_files(store: ObjectStore, tmp_path: Path) -> 
     for info in manifest.shards:
         data = (tmp_path / "store" / prefix / info.name).read_bytes()
         assert info.bytes == len(data) == store.size(f"{prefix}/{info.name}")
-        assert info.sha256 == hashlib.sha256(data).hexdigest()
+        entries = [e for e in manifest.samples if e["shard"] == info.name]
+        assert info.xxh3_128 == shards.shard_digest(memoryview(data), entries)
     assert manifest.total_bytes == sum(s.bytes for s in manifest.shards)
     assert [(e["sample_id"], e["tokens"]) for e in manifest.samples] == [
         (s.sample_id, n) for s, n in zip(samples, lengths, strict=True)
@@ -231,18 +309,24 @@ def _empty(samples: list[HiddenSample]) -> list[HiddenSample]:
     return []
 
 
+BAD = functools.partial(pytest.mark.reliability, "bad_input")
+
 BAD_INPUTS = [
-    pytest.param(_with_hidden(float("nan")), "NaN or Inf", id="nan-hidden"),
-    pytest.param(_with_hidden(float("inf")), "NaN or Inf", id="inf-hidden"),
-    pytest.param(_with_hidden(float("-inf")), "NaN or Inf", id="minus-inf-hidden"),
-    pytest.param(_ids_too_long, "token ids.*must all agree", id="ids-hidden-length-mismatch"),
-    pytest.param(_mask_too_short, "loss mask.*must all agree", id="mask-length-mismatch"),
-    pytest.param(_wrong_hidden_size, f"hidden size {2 * H} differs from the target's {H}", id="hidden-size"),
+    pytest.param(_with_hidden(float("nan")), "NaN or Inf", id="nan-hidden", marks=BAD("NaN hidden states")),
+    pytest.param(_with_hidden(float("inf")), "NaN or Inf", id="inf-hidden", marks=BAD("Inf hidden states")),
+    pytest.param(_with_hidden(float("-inf")), "NaN or Inf", id="minus-inf-hidden", marks=BAD("Inf hidden states")),
+    pytest.param(_ids_too_long, "token ids.*must all agree", id="ids-hidden-length-mismatch",
+                 marks=BAD("token ids and hidden states of different lengths")),
+    pytest.param(_mask_too_short, "loss mask.*must all agree", id="mask-length-mismatch",
+                 marks=BAD("loss mask and token ids of different lengths")),
+    pytest.param(_wrong_hidden_size, f"hidden size {2 * H} differs from the target's {H}", id="hidden-size",
+                 marks=BAD("hidden size different from the target's")),
     pytest.param(_wrong_layers, r"expected \(T, 1, H\)", id="layer-count"),
     pytest.param(_wrong_dtype(torch.float32), "torch.float32, expected torch.bfloat16", id="dtype-float32"),
     pytest.param(_wrong_dtype(torch.float16), "torch.float16, expected torch.bfloat16", id="dtype-float16"),
-    pytest.param(_duplicate_id, "duplicate sample_id 's5-0'", id="duplicate-ids"),
-    pytest.param(_empty, "empty step", id="empty-step"),
+    pytest.param(_duplicate_id, "duplicate sample_id 's5-0'", id="duplicate-ids",
+                 marks=BAD("duplicate sample ids (hidden states)")),
+    pytest.param(_empty, "empty step", id="empty-step", marks=BAD("empty step (hidden states)")),
 ]
 
 

@@ -1,0 +1,386 @@
+"""Hidden-state write and read throughput: our shards against the formats people use today.
+
+Same data for every format: bf16 activations, H = 4096, one layer, 256-2048 tokens per
+sample, >= 1 GiB locally (a smaller set over S3). Baselines, measured in the same run:
+
+    raw          one flat file of the same bf16 bytes (the disk's limit)
+    torch_save   torch.save per sample (EAGLE / SpecForge offline data)
+    safetensors  safetensors per request (vLLM's hidden-state connector layout)
+
+"Read" means into torch tensors that own their memory, every byte copied in once: a lazy
+memory map is not a read, so the two baselines that map files (`safetensors.load_file`,
+`torch.load(weights_only=True, mmap=True)`) are cloned, which is their fastest non-lazy path (one copy from
+the page cache, like `read`). Writes end with fsync, like the object store's. The page
+cache cannot be dropped without root, so every format is read back from the page cache
+right after it was written, the same way for all; each figure is the best of REPEATS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+HIDDEN = 4096
+MIN_TOKENS, MAX_TOKENS = 256, 2048
+LOCAL_BYTES = int(os.environ.get("BENCH_HS_BYTES", 1 << 30))
+S3_BYTES = 32 << 20
+S3_REPEATS = 2
+REPEATS = 3
+RANDOM_READS = 24
+
+
+def activations(tokens: int, gen: torch.Generator, channel_scale: torch.Tensor) -> torch.Tensor:
+    """(T, 1, H) bf16 that look like a residual stream: per-channel scales, a few outlier channels."""
+    values = torch.randn(tokens, HIDDEN, generator=gen).mul_(channel_scale)
+    return values.to(torch.bfloat16).unsqueeze(1)
+
+
+def make_samples(total_bytes: int, seed: int = 0) -> list:
+    from pipeline.shards import HiddenSample
+
+    gen = torch.Generator().manual_seed(seed)
+    channel_scale = torch.empty(HIDDEN).log_normal_(0.0, 0.6, generator=gen)
+    channel_scale[torch.randperm(HIDDEN, generator=gen)[:8]] *= 30.0  # massive-activation channels
+    samples, size = [], 0
+    while size < total_bytes:
+        tokens = int(torch.randint(MIN_TOKENS, MAX_TOKENS + 1, (1,), generator=gen))
+        ids = torch.randint(0, 128_000, (tokens,), generator=gen)
+        mask = (torch.arange(tokens) >= tokens // 4).to(torch.int64)
+        samples.append(HiddenSample(f"s{len(samples):05d}", 1, ids, mask, activations(tokens, gen, channel_scale)))
+        size += tokens * HIDDEN * 2
+    return samples
+
+
+def _best(fn: Callable[[], object], repeats: int = REPEATS) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+        del result
+    return best
+
+
+def _best_write(write: Callable[[int], object], cleanup: Callable[[int], None],
+                repeats: int = REPEATS) -> tuple[float, object]:
+    """Best time of REPEATS writes, each to a fresh place (overwriting would time a truncate or
+    delete as well); earlier copies are removed untimed, the last one stays for reading."""
+    best, result = float("inf"), None
+    for rep in range(repeats):
+        if rep:
+            cleanup(rep - 1)
+        start = time.perf_counter()
+        result = write(rep)
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+# -- baselines on a local disk ----------------------------------------------------------------------------------
+
+
+def write_raw(samples: list, path: Path) -> None:
+    with path.open("wb") as f:
+        for s in samples:
+            f.write(_bytes_of(s.hidden))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_raw(samples: list, path: Path) -> list[torch.Tensor]:
+    out = []
+    with path.open("rb", buffering=0) as f:
+        for s in samples:
+            t = torch.empty(s.hidden.shape, dtype=torch.bfloat16)
+            f.readinto(_bytes_of(t))
+            out.append(t)
+    return out
+
+
+def write_torch_save(samples: list, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for s in samples:
+        with (directory / f"{s.sample_id}.pt").open("wb") as f:
+            torch.save({"input_ids": s.input_ids, "loss_mask": s.loss_mask, "hidden_state": s.hidden}, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_torch_save(samples: list, directory: Path) -> list[dict]:
+    out = []
+    for s in samples:
+        data = torch.load(directory / f"{s.sample_id}.pt", weights_only=True, mmap=True)
+        out.append({k: v.clone() for k, v in data.items()})
+    return out
+
+
+def write_safetensors(samples: list, directory: Path) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for s in samples:
+        path = directory / f"{s.sample_id}.safetensors"
+        save_file({"hidden_states": s.hidden.contiguous(), "token_ids": s.input_ids}, path)
+        _fsync(path)
+
+
+def read_safetensors(samples: list, directory: Path) -> list[dict]:
+    from safetensors.torch import load_file
+
+    return [{k: v.clone() for k, v in load_file(directory / f"{s.sample_id}.safetensors").items()}
+            for s in samples]
+
+
+# -- ours -------------------------------------------------------------------------------------------------------
+
+
+def write_shards(store, samples: list, step: int, compression: str):
+    from pipeline import shards
+
+    return shards.write_hidden_states(store, "bench", step, samples, hidden_size=HIDDEN, layer_ids=[0],
+                                      target={"model_id": "bench"}, compression=compression)
+
+
+def read_shards(store, manifest) -> list:
+    from pipeline import shards
+
+    out = []
+    for shard in manifest.shards:
+        rows = [e["row"] for e in manifest.samples if e["shard"] == shard.name]
+        out += shards.read_rows(store, "bench", manifest, shard.name, rows)
+    return out
+
+
+def random_read_ms(store, manifest) -> float:
+    from pipeline import shards
+
+    gen = torch.Generator().manual_seed(1)
+    picks = torch.randint(0, manifest.num_samples, (RANDOM_READS,), generator=gen).tolist()
+    times = []
+    for i in picks:
+        start = time.perf_counter()
+        shards.read_sample(store, "bench", manifest, manifest.samples[i]["sample_id"])
+        times.append(time.perf_counter() - start)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def _compressed_read(store, manifest) -> tuple[float, float]:
+    """Best (wall s, CPU s of all threads) reading the compressed step."""
+    best_wall, best_cpu = float("inf"), float("inf")
+    for _ in range(REPEATS):
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = read_shards(store, manifest)
+        best_wall, best_cpu = min(best_wall, time.perf_counter() - wall), min(best_cpu, time.process_time() - cpu)
+        del result
+    return best_wall, best_cpu
+
+
+def _assert_same(samples: list, read: list) -> None:
+    for want, got in zip(samples, read, strict=True):
+        if not torch.equal(want.hidden.view(torch.int16), got.hidden.view(torch.int16)):
+            raise AssertionError(f"sample {want.sample_id} did not round-trip bit-exactly")
+
+
+def measure_local(directory: Path) -> dict:
+    from pipeline.steps import hidden_states_prefix
+    from pipeline.store import ObjectStore
+
+    samples = make_samples(LOCAL_BYTES)
+    payload = sum(s.hidden.numel() * 2 for s in samples)
+    store = ObjectStore((directory / "store").as_uri())
+
+    def drop_step(step: int) -> None:
+        store.delete_prefix(hidden_states_prefix("bench", step))
+
+    last = REPEATS - 1
+    seconds: dict[str, float] = {}
+    seconds["raw_write"], _ = _best_write(lambda r: write_raw(samples, directory / f"raw{r}.bin"),
+                                          lambda r: (directory / f"raw{r}.bin").unlink())
+    seconds["shards_write"], manifest = _best_write(lambda r: write_shards(store, samples, 10 + r, "none"),
+                                                    lambda r: drop_step(10 + r))
+    seconds["torch_save_write"], _ = _best_write(lambda r: write_torch_save(samples, directory / f"pt{r}"),
+                                                 lambda r: shutil.rmtree(directory / f"pt{r}"))
+    seconds["safetensors_write"], _ = _best_write(lambda r: write_safetensors(samples, directory / f"st{r}"),
+                                                  lambda r: shutil.rmtree(directory / f"st{r}"))
+    _assert_same(samples, read_shards(store, manifest))
+    seconds |= {
+        "raw_read": _best(lambda: read_raw(samples, directory / f"raw{last}.bin")),
+        "shards_read": _best(lambda: read_shards(store, manifest)),
+        "torch_save_read": _best(lambda: read_torch_save(samples, directory / f"pt{last}")),
+        "safetensors_read": _best(lambda: read_safetensors(samples, directory / f"st{last}")),
+    }
+    random_ms = random_read_ms(store, manifest)
+    # Once: compression is for object storage, where the upload, not this, sets the pace.
+    seconds["split_zstd_write"], packed = _best_write(lambda r: write_shards(store, samples, 20 + r, "split-zstd"),
+                                                      lambda r: drop_step(20 + r), repeats=1)
+    _assert_same(samples, read_shards(store, packed))
+    wall, cpu = _compressed_read(store, packed)
+    seconds["split_zstd_read"] = wall
+    return _figures(seconds, payload, manifest, packed, cpu, random_ms) | {
+        "write_vs_torch_save": seconds["torch_save_write"] / seconds["shards_write"],
+        "write_vs_safetensors": seconds["safetensors_write"] / seconds["shards_write"],
+        "page_cache": "reads come from the page cache (written just before, same for every format)",
+    }
+
+
+def _figures(seconds: dict, payload: int, manifest, packed, compressed_cpu_s: float, random_ms: float) -> dict:
+    return {
+        "write_vs_raw": seconds["raw_write"] / seconds["shards_write"],
+        "read_vs_raw": seconds["raw_read"] / seconds["shards_read"],
+        "read_vs_torch_save": seconds["torch_save_read"] / seconds["shards_read"],
+        "read_vs_safetensors": seconds["safetensors_read"] / seconds["shards_read"],
+        "compressed_size_ratio": manifest.total_bytes / packed.total_bytes,
+        "compressed_read_gbps_per_core": payload / compressed_cpu_s / 1e9,
+        "random_read_ms": random_ms,
+        "gbps": {k: payload / v / 1e9 for k, v in seconds.items()},
+        "payload_bytes": payload,
+        "samples": len(manifest.samples),
+        "shard_bytes": {"none": manifest.total_bytes, "split-zstd": packed.total_bytes},
+    }
+
+
+# -- over S3 (moto's server on loopback) ------------------------------------------------------------------------
+
+
+def measure_s3() -> dict:
+    import io
+
+    import s3fs
+    from moto.server import ThreadedMotoServer
+    from safetensors.torch import load, save
+
+    from pipeline.store import ObjectStore, storage_options_for
+
+    samples = make_samples(S3_BYTES, seed=2)
+    payload = sum(s.hidden.numel() * 2 for s in samples)
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, use_listings_cache=False)
+        fs.mkdir("bench-bucket")
+        store = ObjectStore("s3://bench-bucket/store", storage_options_for("s3://bench-bucket/store", endpoint))
+
+        last = S3_REPEATS - 1
+
+        def write_raw_s3(rep: int) -> None:
+            fs.pipe_file(f"bench-bucket/raw{rep}.bin", b"".join(_bytes_of(s.hidden) for s in samples))
+
+        def read_raw_s3() -> list[torch.Tensor]:
+            data = bytearray(fs.cat_file(f"bench-bucket/raw{last}.bin"))
+            out, pos = [], 0
+            for s in samples:
+                t = torch.empty(s.hidden.shape, dtype=torch.bfloat16)
+                view = _bytes_of(t)
+                view[:] = data[pos : pos + view.nbytes]
+                pos += view.nbytes
+                out.append(t)
+            return out
+
+        def write_pt_s3(rep: int) -> None:
+            for s in samples:
+                buf = io.BytesIO()
+                torch.save({"input_ids": s.input_ids, "loss_mask": s.loss_mask, "hidden_state": s.hidden}, buf)
+                fs.pipe_file(f"bench-bucket/pt{rep}/{s.sample_id}.pt", buf.getvalue())
+
+        def read_pt_s3() -> list:
+            blobs = [io.BytesIO(fs.cat_file(f"bench-bucket/pt{last}/{s.sample_id}.pt")) for s in samples]
+            return [torch.load(blob, weights_only=True) for blob in blobs]
+
+        def write_st_s3(rep: int) -> None:
+            for s in samples:
+                data = save({"hidden_states": s.hidden.contiguous(), "token_ids": s.input_ids})
+                fs.pipe_file(f"bench-bucket/st{rep}/{s.sample_id}.safetensors", data)
+
+        def read_st_s3() -> list:
+            return [load(fs.cat_file(f"bench-bucket/st{last}/{s.sample_id}.safetensors")) for s in samples]
+
+        def drop(key: str, base: int = 0) -> Callable[[int], None]:
+            return lambda rep: fs.rm(f"bench-bucket/{key.format(rep=base + rep)}", recursive=True)
+
+        seconds: dict[str, float] = {}
+        seconds["raw_write"], _ = _best_write(write_raw_s3, drop("raw{rep}.bin"), S3_REPEATS)
+        seconds["shards_write"], manifest = _best_write(lambda r: write_shards(store, samples, 10 + r, "none"),
+                                                        drop("store/hidden_states/bench/step-{rep:06d}", 10),
+                                                        S3_REPEATS)
+        seconds["torch_save_write"], _ = _best_write(write_pt_s3, drop("pt{rep}"), S3_REPEATS)
+        seconds["safetensors_write"], _ = _best_write(write_st_s3, drop("st{rep}"), S3_REPEATS)
+        _assert_same(samples, read_shards(store, manifest))
+        seconds |= {
+            "raw_read": _best(read_raw_s3, S3_REPEATS),
+            "shards_read": _best(lambda: read_shards(store, manifest), S3_REPEATS),
+            "torch_save_read": _best(read_pt_s3, S3_REPEATS),
+            "safetensors_read": _best(read_st_s3, S3_REPEATS),
+        }
+        random_ms = random_read_ms(store, manifest)
+        packed = write_shards(store, samples, 20, "split-zstd")
+        _assert_same(samples, read_shards(store, packed))
+        wall, cpu = _compressed_read(store, packed)
+        seconds["split_zstd_read"] = wall
+    finally:
+        server.stop()
+    return _figures(seconds, payload, manifest, packed, cpu, random_ms) | {
+        "server": "moto ThreadedMotoServer on 127.0.0.1 (Python; the server is the bottleneck)",
+    }
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _in_subprocess(where: str) -> dict:
+    env = dict(os.environ)
+    if where == "s3":  # moto accepts any credentials; real ones are never sent to it
+        env |= {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.hidden_states_io", where],
+                         check=True, capture_output=True, text=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run() -> dict:
+    return _in_subprocess("local")
+
+
+def run_s3() -> dict:
+    return _in_subprocess("s3")
+
+
+def main(where: str) -> dict:
+    if where == "s3":
+        return measure_s3()
+    base = Path(__file__).resolve().parent.parent / ".data" / "bench"
+    base.mkdir(parents=True, exist_ok=True)
+    directory = Path(tempfile.mkdtemp(prefix="hidden_states_io-", dir=base))
+    try:
+        return measure_local(directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(json.dumps(main(sys.argv[1])) + "\n")
