@@ -154,8 +154,8 @@ def drafter(
     if isinstance(planned, cotrain.TrainOutcome):  # skipped, or a version trained on identical inputs exists
         cotrain.write_outcome(store, cfg.run, step, planned)
         return dg.MaterializeResult(metadata=cotrain.outcome_metadata(planned))
-    context.log.info(f"launching training ({cfg.train.launcher}, {cfg.train.nproc_per_node} process(es) per node), "
-                     f"MLflow run {planned.run_id}")
+    context.log.info(f"launching training ({cfg.train.launcher}, {cfg.train.nproc_per_node} process(es) per node)"
+                     + (f", continuing MLflow run {planned.run_id}" if planned.run_id else ""))
     # Rank 0 of the training process reports the materialization (and writes the step's outcome).
     return trainer.launch(context, cfg, planned, mlflow.ui_url).get_materialize_result()
 

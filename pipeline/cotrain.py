@@ -6,7 +6,7 @@ import hashlib
 import json
 import tempfile
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -143,20 +143,21 @@ class TrainJob:
 
     step: int
     config: dict  # the full PipelineConfig, resolved (the process may not see the orchestrator's files)
-    run_id: str  # the MLflow run: a rerun of the same inputs continues it
+    run_id: str | None  # the MLflow run an earlier attempt left unfinished; None: rank 0 starts one
     input_id: str
     reason: str
     warm_start_version: str | None  # the champion when the training was first decided
+    tags: dict[str, str] = field(default_factory=dict)  # of a new MLflow run
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, doc: dict) -> TrainJob:
-        missing = sorted({f.name for f in fields(cls)} - set(doc))
+        missing = sorted({f.name for f in fields(cls) if f.name != "tags"} - set(doc))
         if missing:
             raise ValueError(f"training job is missing {', '.join(missing)}")
-        return cls(**{f.name: doc[f.name] for f in fields(cls)})
+        return cls(**{f.name: doc[f.name] for f in fields(cls) if f.name in doc})
 
     @property
     def pipeline_config(self) -> PipelineConfig:
@@ -168,7 +169,9 @@ def plan_training(
     requested_by: str | None = None,
 ) -> TrainOutcome | TrainJob:
     """The orchestrator's half: skip (with the reason), reuse a version trained on identical
-    inputs, or a job for the training process with its MLflow run, created or continued."""
+    inputs, or a job for the training process: with the MLflow run an earlier attempt left
+    unfinished, or none (rank 0 starts one once the drafter is built, so a refused warm start
+    leaves no run behind)."""
     entries = read_buffer(store, cfg.run, step)
     trained, reason = training_decision(step, len(entries), cfg.train, requested_by)
     if not trained:
@@ -187,9 +190,7 @@ def plan_training(
     run_id = registry.unfinished_run({"input_id": identity})
     if run_id:  # an earlier attempt died: its run (and its checkpoint) carry on
         registry.reopen_run(run_id, tags)
-    else:
-        run_id = registry.start_run(f"drafter-step-{step:06d}", {**tags, "input_id": identity})
-    return TrainJob(step, cfg.model_dump(mode="json"), run_id, identity, reason, champion)
+    return TrainJob(step, cfg.model_dump(mode="json"), run_id, identity, reason, champion, tags)
 
 
 def run_training(
@@ -230,6 +231,8 @@ def run_training(
     data = BufferDataset(store, cfg.run, entries, lambda s: drafters.training_sample(drafter, s))
 
     run_id = job.run_id
+    if ctx.is_main and run_id is None:
+        run_id = registry.start_run(f"drafter-step-{step:06d}", {**job.tags, "input_id": job.input_id})
     sink = NullSink()
     try:
         if ctx.is_main:
@@ -255,7 +258,7 @@ def run_training(
         if not ctx.is_main:
             return None
         sink.flush()
-        version = _register(registry, job, cfg, entries, drafter, warm_start)
+        version = _register(registry, job, run_id, cfg, entries, drafter, warm_start)
         registry.end_run(run_id, ok=True)
     except BaseException:
         if ctx.is_main:
@@ -268,7 +271,7 @@ def run_training(
 
 
 def _register(
-    registry: DrafterRegistry, job: TrainJob, cfg: PipelineConfig, entries: list[BufferEntry],
+    registry: DrafterRegistry, job: TrainJob, run_id: str, cfg: PipelineConfig, entries: list[BufferEntry],
     drafter: drafters.Drafter, warm_start: str | None,
 ) -> str:
     """One version per input identity, even when a process died between registering and finishing."""
@@ -276,7 +279,7 @@ def _register(
     if version is None:
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = save_drafter(drafter, Path(tmp) / "drafter")
-            version = registry.register(job.run_id, checkpoint, {
+            version = registry.register(run_id, checkpoint, {
                 "rl_step": str(job.step), "pipeline_run": cfg.run,
                 "trained_on_steps": json.dumps(list(composition(entries))),
                 "train_samples": str(len(entries)), "warm_start_version": warm_start or "none",

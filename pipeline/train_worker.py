@@ -7,7 +7,7 @@ The job (`cotrain.TrainJob`: config, RL step, MLflow run, input identity, warm s
 arrives as the Pipes extra `job`. Every rank reads it from the Pipes context; only rank 0
 opens the message channel, so Dagster sees one process: rank 0 sends progress logs and the
 materialization (its metadata sums all ranks' work), and is the only rank that writes to
-MLflow (one run, whose id every rank got in the job) and to the store.
+MLflow (one run) and to the store.
 
 This module is the only place in `pipeline/` that knows Dagster Pipes (`dagster_pipes`,
 a dependency-free protocol library); the training itself is `cotrain.run_training`.
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     with open_dagster_pipes() as pipes:
         job = TrainJob.from_dict(pipes.get_extra("job"))
-        pipes.log.info(f"training RL step {job.step} on {ctx.world_size} rank(s), MLflow run {job.run_id}")
+        continued = f", continuing MLflow run {job.run_id}" if job.run_id else ""
+        pipes.log.info(f"training RL step {job.step} on {ctx.world_size} rank(s){continued}")
         outcome = _train(job, ctx, pipes.log.info)
         metadata: dict = outcome_metadata(outcome)
         ui_url = pipes.extras.get("mlflow_ui_url")
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = job.pipeline_config
             registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name,
                                        cfg.artifact_root)
-            metadata["mlflow_run"] = {"raw_value": registry.run_url(job.run_id, ui_url), "type": "url"}
+            metadata["mlflow_run"] = {"raw_value": registry.run_url(outcome.run_id, ui_url), "type": "url"}
         metadata["world_size"] = ctx.world_size
         pipes.report_asset_materialization(metadata=metadata)
 

@@ -159,7 +159,8 @@ def test_a_killed_training_resumes_from_its_checkpoint(tmp_path: Path, mlflow_se
 
 def test_a_training_job_round_trips_as_json_and_names_what_is_missing(tiny_config_path: Path) -> None:
     cfg = load_config(tiny_config_path)
-    job = cotrain.TrainJob(3, cfg.model_dump(mode="json"), "run-1", "abc", "buffer holds 9 samples", None)
+    job = cotrain.TrainJob(3, cfg.model_dump(mode="json"), "run-1", "abc", "buffer holds 9 samples", None,
+                           {"rl_step": "step-000003"})
     again = cotrain.TrainJob.from_dict(json.loads(json.dumps(job.to_dict())))
     assert again == job
     assert again.pipeline_config == cfg  # the process rebuilds the very same config
