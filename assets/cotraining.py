@@ -14,7 +14,7 @@ from pipeline import checks, cotrain, extract, report
 from pipeline import rollouts as rollouts_lib
 from pipeline.rollouts import committed_steps
 from pipeline.steps import acceptance_key, buffer_key, hidden_states_prefix, parse_step_key, rollouts_prefix
-from resources import MlflowResource, ObjectStoreResource, PipelineConfigResource
+from resources import MlflowResource, ObjectStoreResource, PipelineConfigResource, TrainingLauncherResource
 
 rl_step = dg.DynamicPartitionsDefinition(name="rl_step")
 
@@ -170,38 +170,25 @@ def drafter(
     settings: PipelineConfigResource,
     object_store: ObjectStoreResource,
     mlflow: MlflowResource,
+    trainer: TrainingLauncherResource,
 ) -> dg.MaterializeResult:
-    """Trains every `train.training_interval_steps` once the buffer holds `train.min_samples`."""
+    """Trains every `train.training_interval_steps` once the buffer holds `train.min_samples`, in its own
+    process (torchrun, or a GPU pod) that resumes from its last checkpoint when a rerun finds one."""
     cfg, store, step = settings.load(), object_store.store(), _step(context)
-    registry = mlflow.registry()
     tags = {
         "dagster_run_id": context.run.run_id,
         "dagster_asset": "drafter",
         "rl_step": context.partition_key,
         "pipeline_run": cfg.run,
     }
-    outcome = cotrain.train_step(store, cfg, step, registry, tags, context.run.tags.get(RETRAIN_TAG))
-    cotrain.write_outcome(store, cfg.run, step, outcome)
-    metadata: dict = {"trained": outcome.trained, "reason": outcome.reason, "buffer_samples": outcome.buffer_samples}
-    if outcome.trained and outcome.result:
-        metadata.update(
-            {
-                "mlflow_run_id": outcome.run_id,
-                "mlflow_run": dg.MetadataValue.url(registry.run_url(outcome.run_id, mlflow.ui_url)),
-                "model_version": outcome.version,
-                "mlflow_model_version": dg.MetadataValue.url(registry.version_url(outcome.version, mlflow.ui_url)),
-                "trained_on_steps": str(sorted(outcome.trained_on_steps)),
-                "warm_start_version": outcome.warm_start_version or "none (fresh)",
-                "iterations": outcome.result.iterations,
-                "final_loss": round(outcome.result.loss, 4),
-                "token_accuracy": round(outcome.result.accuracy, 4),
-                "tokens_per_s": round(outcome.result.tokens_per_s, 1),
-                "loss_curve": dg.MetadataValue.md(report.png_markdown(
-                    report.loss_png(outcome.result.loss_history, f"drafter training, {context.partition_key}"),
-                    "training loss per iteration")),
-            }
-        )
-    return dg.MaterializeResult(metadata=metadata)
+    planned = cotrain.plan_training(store, cfg, step, mlflow.registry(), tags, context.run.tags.get(RETRAIN_TAG))
+    if isinstance(planned, cotrain.TrainOutcome):  # skipped, or a version trained on identical inputs exists
+        cotrain.write_outcome(store, cfg.run, step, planned)
+        return dg.MaterializeResult(metadata=cotrain.outcome_metadata(planned))
+    context.log.info(f"launching training ({cfg.train.launcher}, {cfg.train.nproc_per_node} process(es) per node)"
+                     + (f", continuing MLflow run {planned.run_id}" if planned.run_id else ""))
+    # Rank 0 of the training process reports the materialization (and writes the step's outcome).
+    return trainer.launch(context, cfg, planned, mlflow.ui_url).get_materialize_result()
 
 
 @dg.asset(

@@ -9,13 +9,14 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import batch_prep, hidden_states_io, policy_loss
+from benchmarks import batch_prep, hidden_states_io, policy_loss, training
 
 BENCHMARKS = {
     "policy_loss": policy_loss.run,
     "hidden_states_io": hidden_states_io.run,
     "hidden_states_io_s3": hidden_states_io.run_s3,
     "batch_prep": batch_prep.run,
+    "training": training.run,
 }
 
 

@@ -11,6 +11,7 @@ Secrets never live here: they come from the environment (see `resources/`).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -34,6 +35,39 @@ class OptimConfig(_Strict):
     grad_clip: float = Field(default=1.0, gt=0, description="Max global gradient norm.")
 
 
+_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
+
+
+class K8sConfig(_Strict):
+    """The training pod `train.launcher: k8s` starts through Dagster Pipes (one pod, `nproc_per_node` GPUs)."""
+
+    image: str = Field(default="", description="Container image with this project installed (required for k8s).")
+    namespace: str = Field(default="", description="Namespace of the pod; the orchestrator's own when empty.")
+    service_account: str = Field(default="", description="Service account of the pod (e.g. one with S3 access).")
+    gpu_resource: str = Field(default="nvidia.com/gpu", description="Extended resource name of one GPU.")
+    cpu: str = Field(default="8", description="CPU request (and limit) of the pod.")
+    memory: str = Field(default="64Gi", description="Memory request (and limit) of the pod.")
+    shm_size: str = Field(default="16Gi", description="Size of /dev/shm (NCCL and data loading need more than 64M).")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the pod must match (e.g. the GPU node pool)."
+    )
+    tolerations: list[dict[str, str]] = Field(
+        default_factory=list, description="Pod tolerations, e.g. for the nvidia.com/gpu taint of GPU nodes."
+    )
+    env_secret: str = Field(
+        default="", description="Secret whose keys become the pod's environment (AWS_*, MLFLOW_TRACKING_TOKEN)."
+    )
+
+    @model_validator(mode="after")
+    def _quantities(self) -> K8sConfig:
+        for key in ("cpu", "memory", "shm_size"):
+            if not _QUANTITY.fullmatch(getattr(self, key)):
+                raise ValueError(
+                    f"train.k8s.{key} {getattr(self, key)!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)"
+                )
+        return self
+
+
 class TrainConfig(_Strict):
     enable_drafter_training: bool = Field(default=True, description="Master switch for drafter training.")
     training_interval_steps: int = Field(default=1, ge=1, description="Train every N RL steps.")
@@ -49,6 +83,17 @@ class TrainConfig(_Strict):
     ttt_steps: int = Field(default=3, ge=1, description="EAGLE-3 training-time-test steps unrolled.")
     ttt_decay: float = Field(default=0.8, gt=0, le=1, description="EAGLE-3 loss weight of TTT step k is decay**k.")
     seed: int = Field(default=0, description="Seed for data order and initialisation.")
+    nproc_per_node: int = Field(
+        default=1, ge=1, description="Data-parallel training processes (one per GPU): torchrun --nproc-per-node."
+    )
+    checkpoint_every: int = Field(
+        default=50, ge=0, description="Save a resumable checkpoint every N iterations into the store (0: never)."
+    )
+    launcher: Literal["subprocess", "k8s"] = Field(
+        default="subprocess",
+        description="`subprocess`: torchrun on the orchestrator's machine; `k8s`: a GPU pod (Dagster Pipes both).",
+    )
+    k8s: K8sConfig = Field(default_factory=K8sConfig, description="The training pod of `launcher: k8s`.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer settings.")
 
     @model_validator(mode="after")
@@ -242,6 +287,18 @@ class PipelineConfig(_Strict):
     promotion: PromotionConfig = Field(default_factory=PromotionConfig, description="Champion promotion.")
     fleet: FleetConfig = Field(default_factory=FleetConfig, description="The serving fleet the champion goes to.")
     simulation: SimulationConfig = Field(default_factory=SimulationConfig, description="Simulated RL source.")
+
+    @model_validator(mode="after")
+    def _k8s_reaches_storage(self) -> PipelineConfig:
+        if self.train.launcher != "k8s":
+            return self
+        if not self.train.k8s.image:
+            raise ValueError("train.launcher k8s needs train.k8s.image")
+        if not self.storage.root.startswith("s3://"):
+            raise ValueError("train.launcher k8s needs storage.root on s3://: the training pod cannot read local files")
+        if not self.mlflow.tracking_uri.startswith(("http://", "https://")):
+            raise ValueError("train.launcher k8s needs mlflow.tracking_uri of a tracking server (http:// or https://)")
+        return self
 
     @property
     def data_path(self) -> Path:

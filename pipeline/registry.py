@@ -70,6 +70,10 @@ class DrafterRegistry:
                                        max_results=1)
         return runs[0].info.run_id if runs else None
 
+    def reopen_run(self, run_id: str, tags: dict[str, str]) -> None:
+        """Mark a run of an interrupted training running again, tagged with the attempt that continues it."""
+        self.set_run_tags(run_id, tags)
+        self.client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
     def unfinished_run(self, tags: dict[str, str]) -> str | None:
         """The newest run carrying all `tags` that never finished (its process was killed or failed)."""
         query = " and ".join([*(f"tags.`{k}` = '{v}'" for k, v in tags.items()), "attributes.status != 'FINISHED'"])

@@ -11,7 +11,9 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from pipeline.config import PipelineConfig, load_config
+from pipeline.config import PROJECT_ROOT, PipelineConfig, load_config
+from pipeline.cotrain import TrainJob
+from pipeline.launch import pod_labels, torchrun_command, training_pod_spec
 from pipeline.registry import DrafterRegistry
 from pipeline.simulation import SimulatedRL
 from pipeline.store import ObjectStore, storage_options_for
@@ -52,6 +54,28 @@ class MlflowResource(dg.ConfigurableResource):
         return DrafterRegistry(self.tracking_uri, self.experiment, self.model_name, self.artifact_root or None)
 
 
+class TrainingLauncherResource(dg.ConfigurableResource):
+    """Starts the drafter training as its own process through Dagster Pipes: torchrun on this
+    machine (`train.launcher: subprocess`) or a GPU pod (`train.launcher: k8s`, needs dagster-k8s)."""
+
+    working_dir: str = Field(default=str(PROJECT_ROOT), description="Where torchrun starts (the project root).")
+
+    def launch(
+        self, context: dg.AssetExecutionContext, cfg: PipelineConfig, job: TrainJob, mlflow_ui_url: str
+    ) -> dg.PipesClientCompletedInvocation:
+        extras = {"job": job.to_dict(), "mlflow_ui_url": mlflow_ui_url}
+        if cfg.train.launcher == "k8s":
+            from dagster_k8s import PipesK8sClient  # only deployments that launch pods install dagster-k8s
+
+            return PipesK8sClient().run(
+                context=context, extras=extras, namespace=cfg.train.k8s.namespace or None,
+                base_pod_meta={"labels": pod_labels(cfg, job.step)}, base_pod_spec=training_pod_spec(cfg),
+            )
+        return dg.PipesSubprocessClient(cwd=self.working_dir).run(
+            context=context, extras=extras, command=torchrun_command(cfg.train.nproc_per_node)
+        )
+
+
 class RolloutSourceResource(dg.ConfigurableResource):
     """Where RL steps come from: the built-in simulated RL source or an external trainer."""
 
@@ -86,5 +110,6 @@ def build_resources(
                 cfg.tracking_uri if cfg.tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
             ),
         ),
+        "trainer": TrainingLauncherResource(),
         "rollout_source": RolloutSourceResource(kind=cfg.rollout_source, cache_dir=str(cfg.data_path / "cache")),
     }

@@ -11,13 +11,13 @@ import yaml
 from pipeline.config import load_config
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-ROW = re.compile(r"^\| `([a-z_.]+)` \| `([^`]*)` \|", re.MULTILINE)
+ROW = re.compile(r"^\| `([a-z0-9_.]+)` \| `([^`]*)` \|", re.MULTILINE)
 
 
 def _leaves(data: dict, prefix: str = "") -> dict[str, object]:
     out = {}
     for key, value in data.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value:  # an empty mapping (e.g. a node selector) is a value
             out.update(_leaves(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value

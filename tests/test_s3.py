@@ -172,6 +172,32 @@ def test_one_rl_step_on_s3(s3_endpoint: str, tmp_path: Path) -> None:
     assert store.read_json(f"acceptance/{cfg.run}/step-000001.json")["drafters"]["cotrained"]["version"] == "1"
 
 
+def test_training_checkpoints_commit_and_restore(store: ObjectStore) -> None:
+    """Resumable training state on both stores: latest.json commits, older checkpoints go, state restores exactly."""
+    import torch
+
+    from pipeline.training_state import ResumeState, TrainingCheckpoints
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    checkpoints = TrainingCheckpoints(store, "training/run/abc")
+    for iteration in (5, 10):
+        checkpoints.save(model, optimizer, ResumeState(iteration, 20, 1, loss_history=[1.0] * iteration))
+    assert store.list_dirs("training/run/abc") == ["iter-00000010"]
+
+    other = torch.nn.Linear(4, 3)
+    other_optimizer = torch.optim.AdamW(other.parameters(), lr=0.5)
+    state = checkpoints.restore(other, other_optimizer)
+    assert (state.iteration, state.total_iterations, len(state.loss_history)) == (10, 20, 10)
+    assert torch.equal(other.weight, model.weight)
+    assert torch.equal(other_optimizer.state[other.weight]["exp_avg"], optimizer.state[model.weight]["exp_avg"])
+    checkpoints.clear()
+    assert checkpoints.latest() is None
+
+
 @pytest.mark.parametrize("compression", shards.COMPRESSIONS)
 def test_ranged_reads_of_some_layers(store: ObjectStore, compression: str) -> None:
     g = torch.Generator().manual_seed(1)
