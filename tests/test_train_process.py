@@ -104,6 +104,7 @@ def _training_ranks() -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.reliability("fault", "SIGKILL during training, then rerun resumes from its checkpoint")
 def test_a_killed_training_resumes_from_its_checkpoint(tmp_path: Path, mlflow_server: str) -> None:
     name = f"kill-{tmp_path.name}"
     config_path = write_config(tmp_path, {
