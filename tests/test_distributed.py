@@ -14,8 +14,8 @@ from pipeline import target as target_lib
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.dataset import InMemoryDataset, Sample
 from pipeline.distributed import DistContext, destroy_process_group, init_process_group, rank_device, rank_share
-from pipeline.eagle import EagleConfig, EagleDrafter
 from pipeline.train import train_drafter
+from tests.test_train import drafter_for as _drafter
 
 V, H, HEADS = 32, 32, 2
 
@@ -36,12 +36,6 @@ def _samples(target, n: int = 11) -> list[Sample]:  # noqa: ANN001
         out.append((ids, target_lib.forward(target, ids[None]).features[0].float(), mask))
     return out
 
-
-def _drafter(target) -> EagleDrafter:  # noqa: ANN001
-    torch.manual_seed(0)
-    model = EagleDrafter(EagleConfig.from_target(target.config))
-    model.use_target_heads(target)
-    return model
 
 
 def _cfg(batch_size_per_gpu: int) -> TrainConfig:

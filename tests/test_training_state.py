@@ -10,10 +10,10 @@ import torch
 from pipeline import target as target_lib
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.dataset import InMemoryDataset, Sample
-from pipeline.eagle import EagleConfig, EagleDrafter
 from pipeline.store import ObjectStore
 from pipeline.train import train_drafter
 from pipeline.training_state import LATEST, ResumeState, TrainingCheckpoints, checkpoint_prefix
+from tests.test_train import drafter_for as _drafter
 
 V, H, HEADS = 32, 32, 2
 
@@ -35,12 +35,6 @@ def samples(target) -> list[Sample]:  # noqa: ANN001
         out.append((ids, target_lib.forward(target, ids[None]).features[0].float(), mask))
     return out
 
-
-def _drafter(target) -> EagleDrafter:  # noqa: ANN001
-    torch.manual_seed(0)
-    model = EagleDrafter(EagleConfig.from_target(target.config))
-    model.use_target_heads(target)
-    return model
 
 
 CFG = TrainConfig(epochs=3, batch_size_per_gpu=3, max_seq_len=128, window_tokens=64, seed=2, checkpoint_every=4,
