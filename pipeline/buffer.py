@@ -99,13 +99,18 @@ def iter_buffer_samples(
 
 def _current(entries: list[BufferEntry], manifests: dict[int, Manifest]) -> list[BufferEntry]:
     """The entries, those whose shard their step's manifest no longer lists re-addressed by sample id."""
-    listed = {step: {s.name for s in m.shards} for step, m in manifests.items()}
-    index = {step: {s["sample_id"]: s for s in m.samples} for step, m in manifests.items()}
+    # Runs for every batch the trainer loads: look at the entries' own steps only, and build a
+    # step's sample index only when one of its entries points at a shard that is gone.
+    listed = {step: {s.name for s in manifests[step].shards} for step in {e.step for e in entries}}
+    index: dict[int, dict[str, dict]] = {}
     out = []
     for e in entries:
         if e.shard in listed[e.step]:
             out.append(e)
-        elif (found := index[e.step].get(e.sample_id)) is not None:
+            continue
+        if e.step not in index:
+            index[e.step] = {s["sample_id"]: s for s in manifests[e.step].samples}
+        if (found := index[e.step].get(e.sample_id)) is not None:
             out.append(BufferEntry(e.step, e.sample_id, found["shard"], found["row"], found["tokens"]))
         else:
             log.warning("step %d was rewritten without sample %s: skipping it", e.step, e.sample_id)
