@@ -10,10 +10,9 @@ A record batch (one sample, T tokens, one column per stored layer):
     step           int64
     input_ids      list<int32>    T tokens
     loss_mask      list<int8>     T values, 1 on response tokens
-    layer_<id>     large_binary   compression "none": the T * H bf16 words of vLLM layer <id>
-  or, with compression "split-zstd" (lossless, for object storage):
-    layer_<id>_hi  large_binary   zstd frame of the T * H high bytes (sign, exponent, 1 mantissa bit)
-    layer_<id>_lo  large_binary   the T * H low bytes, raw (7 mantissa bits: noise to a compressor)
+    layer_<id>     large_binary   the T * H bf16 words of vLLM layer <id>: raw with compression "none";
+                                  with "split-zstd" (lossless, for object storage) a frame that stores
+                                  high and low bytes apart and zstd-codes the high ones (compression.py)
 
 Why this layout (measured by `benchmarks/hidden_states_io.py`, README "Hidden-state
 storage layout"): an IPC body is the tensors' own bytes, so writing is a write of the
@@ -39,15 +38,14 @@ import pyarrow as pa
 import torch
 import xxhash
 
+from pipeline.compression import compress_bf16, decompress_bf16_into
 from pipeline.steps import hidden_states_prefix
-from pipeline.store import ObjectStore, RangeReader
+from pipeline.store import ObjectStore, RangeReader, fill_range
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MANIFEST = "_manifest.json"
 COMPRESSIONS = ("none", "split-zstd")
 Compression = Literal["none", "split-zstd"]
-# zstd level 1: on bf16 high bytes it compressed best of levels -5..3 and decodes fastest of the entropy-coding ones.
-ZSTD = pa.Codec("zstd", compression_level=1)
 # A shard is cut at this size: on object storage it is sent in one PUT from memory.
 SHARD_TARGET_BYTES = 512 << 20
 
@@ -91,7 +89,7 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
     # One entry per sample: the buffer addresses samples as (shard, row); readers fetch
     # {"meta": [offset, length, xxh3], "ids": offset, "mask": offset,
-    #  "layers": [[[offset, length, xxh3], ...one range, or hi and lo], ...per layer]}
+    #  "layers": [[offset, length, xxh3], ...per layer]}
     samples: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -119,12 +117,9 @@ class Manifest:
 
 
 def shard_schema(layer_ids: list[int], compression: str) -> pa.Schema:
-    layer_columns = [f"layer_{i}" for i in layer_ids] if compression == "none" else [
-        f"layer_{i}_{half}" for i in layer_ids for half in ("hi", "lo")
-    ]
     return pa.schema(
         [("sample_id", pa.string()), ("step", pa.int64()), ("input_ids", pa.list_(pa.int32())),
-         ("loss_mask", pa.list_(pa.int8()))] + [(name, pa.large_binary()) for name in layer_columns],
+         ("loss_mask", pa.list_(pa.int8()))] + [(f"layer_{i}", pa.large_binary()) for i in layer_ids],
         metadata={"layer_ids": ",".join(map(str, layer_ids)), "compression": compression, "dtype": "bfloat16"},
     )
 
@@ -172,22 +167,6 @@ def validate_sample(sample: HiddenSample, hidden_size: int, num_layers: int, che
         raise ShardError(f"{where}: loss mask is all zero (no response token to train on)")
     if check_finite and not all_finite_bf16(hidden):
         raise ShardError(f"{where}: hidden states contain NaN or Inf")
-
-
-# -- bf16 byte planes -------------------------------------------------------------------------------------------
-
-
-def split_bytes(layer: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """(T, H) bf16 -> (high bytes, low bytes), each T * H uint8 (little-endian words)."""
-    pairs = layer.contiguous().view(torch.uint8).numpy().reshape(-1, 2)
-    return np.ascontiguousarray(pairs[:, 1]), np.ascontiguousarray(pairs[:, 0])
-
-
-def join_bytes(high: np.ndarray | memoryview, low: np.ndarray | memoryview, out: torch.Tensor) -> None:
-    """Interleave high and low byte planes into `out` (any bf16 tensor of their length, contiguous)."""
-    pairs = out.view(torch.uint8).numpy().reshape(-1, 2)
-    pairs[:, 1] = np.frombuffer(high, np.uint8)
-    pairs[:, 0] = np.frombuffer(low, np.uint8)
 
 
 # -- writing ----------------------------------------------------------------------------------------------------
@@ -276,25 +255,23 @@ def _binary_array(data: np.ndarray) -> pa.LargeBinaryArray:
 
 
 def _planes(sample: HiddenSample, compression: str) -> list[np.ndarray]:
-    """The byte planes stored per layer of a (T, L, H) sample: [words] or [zstd(high bytes), low bytes].
+    """The bytes stored for each layer of a (T, L, H) sample: its bf16 words, raw or compressed.
     Raw words are checked for NaN/Inf as they are written; values to be compressed are checked here."""
     planes: list[np.ndarray] = []
     for layer in range(sample.hidden.shape[1]):
-        values = sample.hidden[:, layer, :]
+        values = sample.hidden[:, layer, :].contiguous()
         if compression == "none":
-            planes.append(values.contiguous().view(torch.uint8).numpy().reshape(-1))
+            planes.append(values.view(torch.uint8).numpy().reshape(-1))
             continue
         if not all_finite_bf16(values):
             raise ShardError(f"sample {sample.sample_id!r} of step {sample.step}: hidden states contain NaN or Inf")
-        high, low = split_bytes(values)
-        planes += [np.frombuffer(ZSTD.compress(high, asbytes=False), np.uint8), low]
+        planes.append(np.frombuffer(compress_bf16(values), np.uint8))
     return planes
 
 
 def _write_shard(out: BinaryIO, samples: list[HiddenSample], schema: pa.Schema, compression: str,
                  name: str) -> tuple[int, str, list[dict]]:
     """Write one shard to `out`; its size, digest and its samples' index entries."""
-    per_layer = 1 if compression == "none" else 2
     index = []
     with ThreadPoolExecutor(1, thread_name_prefix="shard-scan") as pool, \
             pa.ipc.new_file(sink := _IndexingSink(out, pool), schema) as writer:
@@ -322,7 +299,7 @@ def _write_shard(out: BinaryIO, samples: list[HiddenSample], schema: pa.Schema, 
                 "meta": [sink.meta_start, meta_end - sink.meta_start, sink.meta_hash.hexdigest()],
                 # Empty buffers are not written: point them at the region's start (0 bytes are read there).
                 "ids": sink.found.get("ids", sink.meta_start), "mask": sink.found.get("mask", sink.meta_start),
-                "layers": [ranges[i : i + per_layer] for i in range(0, len(ranges), per_layer)],
+                "layers": ranges,
             })
     return sink.pos, sink.shard_hash.hexdigest(), index
 
@@ -438,7 +415,8 @@ def _checked(data, digest: str, manifest: Manifest, entry: dict, what: str) -> N
         raise _corrupt(manifest, entry, what)
 
 
-def _read_entry(reader: RangeReader, manifest: Manifest, entry: dict, positions: list[int]) -> HiddenSample:
+def _read_entry(reader: RangeReader, manifest: Manifest, entry: dict, positions: list[int],
+                pool: ThreadPoolExecutor | None = None) -> HiddenSample:
     """One sample through its index entry: its metadata range and the ranges of the layers asked for,
     each verified against its digest. Layers are read straight into the output tensor's memory."""
     tokens, hidden_size = entry["tokens"], manifest.hidden_size
@@ -449,21 +427,17 @@ def _read_entry(reader: RangeReader, manifest: Manifest, entry: dict, positions:
     mask = np.frombuffer(meta, np.int8, count=tokens, offset=entry["mask"] - meta_offset)
     hidden = torch.empty(len(positions), tokens, hidden_size, dtype=torch.bfloat16)  # (L, T, H): layer-major
     for out, position, layer in zip(hidden, positions, [manifest.layer_ids[p] for p in positions], strict=True):
-        ranges = entry["layers"][position]
+        offset, length, digest = entry["layers"][position]
         if manifest.compression == "none":
-            (offset, length, digest), = ranges
             view = memoryview(out.view(torch.uint8).numpy()).cast("B")
             if length != view.nbytes:
                 raise _corrupt(manifest, entry, f"length of layer {layer}")
-            if _read_digest(reader, offset, view) != digest:
+            if _read_digest(reader, offset, view, pool) != digest:
                 raise _corrupt(manifest, entry, f"layer {layer}")
         else:
-            (hi_offset, hi_length, hi_digest), (lo_offset, lo_length, lo_digest) = ranges
-            compressed, low = reader.read(hi_offset, hi_length), reader.read(lo_offset, lo_length)
-            _checked(compressed, hi_digest, manifest, entry, f"layer {layer} high bytes")
-            _checked(low, lo_digest, manifest, entry, f"layer {layer} low bytes")
-            high = ZSTD.decompress(compressed, decompressed_size=tokens * hidden_size, asbytes=False)
-            join_bytes(high, low, out)
+            frame = reader.read(offset, length)
+            _checked(frame, digest, manifest, entry, f"layer {layer}")
+            decompress_bf16_into(frame, out)
     return HiddenSample(
         sample_id=entry["sample_id"], step=manifest.step,
         input_ids=torch.from_numpy(ids.astype(np.int64)), loss_mask=torch.from_numpy(mask.astype(np.int64)),
@@ -471,15 +445,22 @@ def _read_entry(reader: RangeReader, manifest: Manifest, entry: dict, positions:
     )
 
 
-def _read_digest(reader: RangeReader, offset: int, out: memoryview) -> str:
-    """Read a range into `out` and digest it: locally chunk by chunk, digesting each chunk while it
-    is in cache; from object storage in one request."""
+def _read_digest(reader: RangeReader, offset: int, out: memoryview, pool: ThreadPoolExecutor | None) -> str:
+    """Read a range into `out` and digest it: locally chunk by chunk, each chunk digested while
+    still in cache (on the `pool`'s one thread, if given, while this one copies the next: the two
+    run at about the same speed); from object storage in one request."""
     hasher = xxhash.xxh3_64()
     step = _READ_CHUNK_BYTES if reader.local else max(out.nbytes, 1)
+    updates = []
     for start in range(0, out.nbytes, step):
         chunk = out[start : start + step]
         reader.read_into(offset + start, chunk)
-        hasher.update(chunk)
+        if pool is None:
+            hasher.update(chunk)
+        else:  # one worker: updates run in the order they were submitted
+            updates.append(pool.submit(hasher.update, chunk))
+    for update in updates:
+        update.result()
     return hasher.hexdigest()
 
 
@@ -499,30 +480,34 @@ def read_rows(store: ObjectStore, run: str, manifest: Manifest, shard: str, rows
     if missing:
         raise ShardError(f"step {manifest.step}: shard {shard} has no rows {missing}")
     key = f"{hidden_states_prefix(run, manifest.step)}/{shard}"
-    with store.open_ranges(key) as reader:
-        if reader.local:
-            return [_read_entry(reader, manifest, entries[r], positions) for r in rows]
-        info = next(i for i in manifest.shards if i.name == shard)
-        wanted = sum(e["meta"][1] + sum(n for p in positions for _, n, _ in e["layers"][p])
-                     for e in map(entries.get, rows))
-        if wanted >= info.bytes // 2:  # most of the shard: one GET (s3fs splits it into concurrent parts)
-            whole = memoryview(store.read_bytes(key))
-            in_memory = RangeReader(lambda offset, view: _copy_range(whole, offset, view), local=False)
-            return [_read_entry(in_memory, manifest, entries[r], positions) for r in rows]
-        # A few samples: a request costs a round trip, so fetch a few samples' ranges concurrently.
-        out: list[HiddenSample] = []
-        for start in range(0, len(rows), _CONCURRENT_SAMPLES):
-            group = [entries[r] for r in rows[start : start + _CONCURRENT_SAMPLES]]
-            ranges = [(e["meta"][0], e["meta"][1]) for e in group]
-            ranges += [(o, n) for e in group for p in positions for o, n, _ in e["layers"][p]]
-            prefetched = _prefetched(dict(zip(ranges, store.read_ranges(key, ranges), strict=True)))
-            out += [_read_entry(prefetched, manifest, e, positions) for e in group]
-        return out
+    try:
+        with store.open_ranges(key) as reader:
+            if reader.local:
+                with ThreadPoolExecutor(1, thread_name_prefix="shard-digest") as pool:
+                    return [_read_entry(reader, manifest, entries[r], positions, pool) for r in rows]
+            info = next(i for i in manifest.shards if i.name == shard)
+            wanted = sum(e["meta"][1] + sum(e["layers"][p][1] for p in positions)
+                         for e in map(entries.get, rows))
+            if wanted >= info.bytes // 2:  # most of the shard: one GET (s3fs splits it into concurrent parts)
+                in_memory = RangeReader(data=memoryview(store.read_bytes(key)), local=False)
+                return [_read_entry(in_memory, manifest, entries[r], positions) for r in rows]
+            # A few samples: a request costs a round trip, so fetch a few samples' ranges concurrently.
+            out: list[HiddenSample] = []
+            for start in range(0, len(rows), _CONCURRENT_SAMPLES):
+                group = [entries[r] for r in rows[start : start + _CONCURRENT_SAMPLES]]
+                ranges = [(e["meta"][0], e["meta"][1]) for e in group]
+                ranges += [tuple(e["layers"][p][:2]) for e in group for p in positions]
+                prefetched = _prefetched(dict(zip(ranges, store.read_ranges(key, ranges), strict=True)))
+                out += [_read_entry(prefetched, manifest, e, positions) for e in group]
+            return out
+    except EOFError as exc:
+        raise CorruptShardError(f"step {manifest.step}: shard {shard} is shorter than its manifest says "
+                                f"({exc})") from exc
 
 
 def _prefetched(fetched: dict[tuple[int, int], bytes]) -> RangeReader:
     """A reader over ranges fetched beforehand, keyed by (offset, length)."""
-    return RangeReader(lambda offset, out: _copy_range(memoryview(fetched[offset, len(out)]), 0, out), local=False)
+    return RangeReader(lambda offset, out: fill_range(out, fetched[offset, len(out)]), local=False)
 
 
 def read_sample(store: ObjectStore, run: str, manifest: Manifest, sample_id: str,
@@ -537,8 +522,7 @@ def read_sample(store: ObjectStore, run: str, manifest: Manifest, sample_id: str
 def shard_digest(data: memoryview, entries: list[dict]) -> str:
     """The digest the manifest records for a shard: every byte of the file, each indexed layer
     range counted through its own digest (so the writer hashes each byte once)."""
-    ranges = sorted((offset, length, digest) for e in entries for layer in e["layers"]
-                    for offset, length, digest in layer)
+    ranges = sorted(tuple(layer) for e in entries for layer in e["layers"])
     shard_hash, pos = xxhash.xxh3_128(), 0
     for offset, length, digest in ranges:
         shard_hash.update(data[pos:offset])
@@ -558,13 +542,9 @@ def iter_shard(store: ObjectStore, run: str, manifest: Manifest, shard: str,
     if len(data) != info.bytes or shard_digest(view, entries) != info.xxh3_128:
         raise CorruptShardError(f"step {manifest.step}: shard {shard} does not match its manifest checksum")
     positions = layer_positions(manifest, layers)
-    in_memory = RangeReader(lambda offset, out: _copy_range(view, offset, out), local=True)
+    in_memory = RangeReader(data=view, local=True)
     for entry in entries:
         yield _read_entry(in_memory, manifest, entry, positions)
-
-
-def _copy_range(data: memoryview, offset: int, out: memoryview) -> None:
-    out[:] = data[offset : offset + len(out)]
 
 
 def iter_samples(store: ObjectStore, run: str, manifest: Manifest,

@@ -22,14 +22,16 @@ from __future__ import annotations
 import errno
 import io
 import json
+import mmap
 import os
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import fsspec
+import numpy as np
 
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
@@ -126,15 +128,21 @@ class ObjectStore:
         path = self._path(key)
         if not self._local:
             # Keywords: s3fs's cat_file takes version_id as its second positional argument.
-            yield RangeReader(lambda offset, out: _fill(out, self.fs.cat_file(path, start=offset,
+            yield RangeReader(lambda offset, out: fill_range(out, self.fs.cat_file(path, start=offset,
                                                                               end=offset + len(out))),
                               local=False)
             return
-        fd = os.open(path, os.O_RDONLY)
+        # Mapped, not pread: a copy out of the page cache runs at twice the speed of a read syscall's,
+        # and a compressed range is decoded and digested where it lies.
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         try:
-            yield RangeReader(lambda offset, out: _pread_into(fd, offset, out), local=True)
+            yield RangeReader(data=memoryview(mapped if mapped is not None else b""), local=True)
         finally:
-            os.close(fd)
+            if mapped is not None:
+                with suppress(BufferError):  # a view still held (say, by a traceback): unmapped when it goes
+                    mapped.close()
 
     def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
         """Several (offset, length) ranges of one object; concurrent requests on object storage."""
@@ -186,32 +194,37 @@ class ObjectStore:
 
 
 class RangeReader:
-    """Byte ranges of one stored object, read straight into the caller's memory where the store allows."""
+    """Byte ranges of one stored object: read into the caller's memory, or, when the whole object is
+    in memory or mapped (`data`), viewed where they lie."""
 
-    def __init__(self, read_into, local: bool) -> None:
+    def __init__(self, read_into: Callable[[int, memoryview], None] | None = None, *,
+                 data: memoryview | None = None, local: bool) -> None:
         self._read_into = read_into
+        self._data = data
         self.local = local  # a read costs a syscall, not a request: worth splitting to stay in cache
 
     def read_into(self, offset: int, out: memoryview) -> None:
         """Fill `out` (a writable byte view) with the object's bytes from `offset`."""
-        self._read_into(offset, out.cast("B"))
+        out = out.cast("B")
+        if self._data is None:
+            self._read_into(offset, out)
+            return
+        # numpy copies without the GIL: a digest of the previous chunk runs alongside on another thread.
+        np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(self.read(offset, len(out)), np.uint8))
 
-    def read(self, offset: int, length: int) -> bytearray:
+    def read(self, offset: int, length: int) -> memoryview | bytearray:
+        """The bytes of a range: a view when the object is in memory, else a fresh buffer."""
+        if self._data is not None:
+            if offset + length > len(self._data):
+                raise EOFError(f"object ends {offset + length - len(self._data)} bytes before the end of "
+                               f"the range read from offset {offset}")
+            return self._data[offset : offset + length]
         data = bytearray(length)
         self._read_into(offset, memoryview(data))
         return data
 
 
-def _pread_into(fd: int, offset: int, out: memoryview) -> None:
-    done = 0
-    while done < len(out):
-        n = os.preadv(fd, [out[done:]], offset + done)
-        if n == 0:
-            raise EOFError(f"object ends {len(out) - done} bytes before the range read from offset {offset}")
-        done += n
-
-
-def _fill(out: memoryview, data: bytes) -> None:
+def fill_range(out: memoryview, data: bytes) -> None:
     if len(data) != len(out):
         raise EOFError(f"ranged read returned {len(data)} bytes, expected {len(out)}")
     out[:] = data
