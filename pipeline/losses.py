@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.eagle3 import Eagle3Drafter, TTTCache, shift_within_document
-from pipeline.window import PackedBatch, block_causal_mask
+from pipeline.window import DeviceBatch, block_causal_mask
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ def eagle_loss(
 
 def eagle3_loss(
     model: Eagle3Drafter,
-    batch: PackedBatch,
+    batch: DeviceBatch,
     target_norm: Callable[[torch.Tensor], torch.Tensor],
     target_head: torch.Tensor,
     ttt_steps: int,

@@ -21,7 +21,7 @@ from pipeline.eagle import EagleDrafter
 from pipeline.eagle3 import Eagle3Drafter
 from pipeline.losses import LossParts, eagle3_loss, eagle_loss
 from pipeline.training_state import ResumeState, TrainingCheckpoints
-from pipeline.window import PackedBatch, block_causal_mask
+from pipeline.window import DeviceBatch, block_causal_mask
 
 
 class MetricsSink(Protocol):
@@ -68,7 +68,7 @@ def lr_at(iteration: int, total: int, peak: float, warmup: int) -> float:
 
 
 def compute_loss(
-    model: EagleDrafter | Eagle3Drafter, batch: PackedBatch, cfg: TrainConfig, teacher: Teacher | None
+    model: EagleDrafter | Eagle3Drafter, batch: DeviceBatch, cfg: TrainConfig, teacher: Teacher | None
 ) -> LossParts:
     if isinstance(model, Eagle3Drafter):
         if teacher is None:

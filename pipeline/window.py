@@ -38,7 +38,9 @@ def window_bounds(loss_mask: torch.Tensor, window_tokens: int) -> tuple[int, int
 
 
 @dataclass(frozen=True)
-class PackedBatch:
+class DeviceBatch:
+    """A packed batch on the training device, features as float32: what a training step reads."""
+
     input_ids: torch.Tensor  # (1, N) token x_{t+1} per position
     hidden_states: torch.Tensor  # (1, N, H) target feature f_t
     target: torch.Tensor  # (1, N, H) target feature f_{t+1}
@@ -50,12 +52,51 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
-    def to(self, device: str) -> PackedBatch:
-        """On `device`, features as float32 (shards hold bf16)."""
-        return PackedBatch(
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Samples packed into one sequence of N positions (B samples, no padding), on the host.
+
+    The features are not copied when packing: `windows` are views of each sample's window of
+    features (its n_b + 1 rows f_start .. f_end-1). `to(device)` moves those N + B rows, not
+    the 2N rows of a packed input and target, and fills the float32 inputs f_t and targets
+    f_{t+1} there, each row converted and copied once."""
+
+    input_ids: torch.Tensor  # (1, N) token x_{t+1} per position
+    windows: tuple[torch.Tensor, ...]  # B x (n_b + 1, H) target features of each sample's window
+    loss_mask: torch.Tensor  # (1, N) float, 1 where f_{t+1} belongs to a response token
+    position_ids: torch.Tensor  # (1, N) position inside the sample's window
+    document_ids: torch.Tensor  # (1, N) which sample each position belongs to
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def hidden_states(self) -> torch.Tensor:
+        """(1, N, H) the target feature f_t at each position (a copy; for inspection)."""
+        return torch.cat([w[:-1] for w in self.windows]).unsqueeze(0)
+
+    @property
+    def target(self) -> torch.Tensor:
+        """(1, N, H) the target feature f_{t+1} at each position (a copy; for inspection)."""
+        return torch.cat([w[1:] for w in self.windows]).unsqueeze(0)
+
+    def to(self, device: str | torch.device) -> DeviceBatch:
+        hidden_size = self.windows[0].shape[1]
+        hidden = torch.empty(self.num_tokens, hidden_size, dtype=torch.float32, device=device)  # (N, H) f_t
+        target = torch.empty_like(hidden)  # (N, H) f_{t+1}
+        at = 0
+        for window in self.windows:
+            window = window.to(device)  # as stored (bf16): half the bytes of float32
+            n = window.shape[0] - 1
+            hidden[at : at + n].copy_(window[:-1])
+            target[at : at + n].copy_(window[1:])
+            at += n
+        return DeviceBatch(
             input_ids=self.input_ids.to(device),
-            hidden_states=self.hidden_states.to(device, torch.float32),
-            target=self.target.to(device, torch.float32),
+            hidden_states=hidden.unsqueeze(0),
+            target=target.unsqueeze(0),
             loss_mask=self.loss_mask.to(device),
             position_ids=self.position_ids.to(device),
             document_ids=self.document_ids.to(device),
@@ -65,8 +106,8 @@ class PackedBatch:
 def pack(samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], window_tokens: int) -> PackedBatch:
     """Pack (input_ids (T,), hidden (T, H), loss_mask (T,)) samples; samples under 2 tokens are skipped.
 
-    Outputs are allocated once and each window is copied in with one slice copy per tensor;
-    positions and document ids are computed for the whole batch at once (no per-token work)."""
+    No per-token work: ids, masks, positions and document ids take one slice or fill per sample,
+    and the features stay where they are (views)."""
     kept: list[tuple[int, int, int]] = []  # (sample index, window start, window end)
     for doc, (_, _, loss_mask) in enumerate(samples):
         start, end = window_bounds(loss_mask, window_tokens)
@@ -74,29 +115,12 @@ def pack(samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], window_
             kept.append((doc, start, end))
     if not kept:
         raise ValueError("pack: no sample has at least 2 tokens inside its window")
-    lengths = torch.tensor([end - start - 1 for _, start, end in kept])  # (B,) shifted positions per sample
-    total = int(lengths.sum())
-    first_hidden = samples[kept[0][0]][1]
-    hidden_in = torch.empty(total, first_hidden.shape[1], dtype=first_hidden.dtype)  # (N, H)
-    hidden_tgt = torch.empty_like(hidden_in)  # (N, H)
-    input_ids = torch.empty(total, dtype=torch.int64)  # (N,)
-    loss_mask = torch.empty(total, dtype=torch.float32)  # (N,)
-    at = 0
-    for (doc, start, end), n in zip(kept, lengths.tolist(), strict=True):
-        ids, hidden, mask = samples[doc]
-        hidden_in[at : at + n] = hidden[start : end - 1]
-        hidden_tgt[at : at + n] = hidden[start + 1 : end]
-        input_ids[at : at + n] = ids[start + 1 : end]
-        loss_mask[at : at + n] = mask[start + 1 : end]
-        at += n
-    sample_start = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)  # (N,)
     return PackedBatch(
-        input_ids=input_ids.unsqueeze(0),
-        hidden_states=hidden_in.unsqueeze(0),
-        target=hidden_tgt.unsqueeze(0),
-        loss_mask=loss_mask.unsqueeze(0),
-        position_ids=(torch.arange(total) - sample_start).unsqueeze(0),
-        document_ids=torch.repeat_interleave(torch.tensor([doc for doc, _, _ in kept]), lengths).unsqueeze(0),
+        input_ids=torch.cat([samples[doc][0][start + 1 : end] for doc, start, end in kept]).long().unsqueeze(0),
+        windows=tuple(samples[doc][1][start:end] for doc, start, end in kept),
+        loss_mask=torch.cat([samples[doc][2][start + 1 : end] for doc, start, end in kept]).float().unsqueeze(0),
+        position_ids=torch.cat([torch.arange(end - start - 1) for _, start, end in kept]).unsqueeze(0),
+        document_ids=torch.cat([torch.full((end - start - 1,), doc) for doc, start, end in kept]).unsqueeze(0),
     )
 
 

@@ -421,7 +421,7 @@ def target_samples(target: LlamaForCausalLM, aux: tuple[int, ...], count: int, s
 @pytest.mark.parametrize("variant", ["plain", "fc-norm", "norm-output"], ids=["plain", "fc-norm", "norm-output"])
 def test_gradients_reach_only_the_drafters_trainable_weights(target: LlamaForCausalLM, variant: str) -> None:
     model = drafter_for(target, **VARIANTS[variant]).train()
-    batch = pack(target_samples(target, model.config.aux_layer_ids, 2), window_tokens=64)
+    batch = pack(target_samples(target, model.config.aux_layer_ids, 2), window_tokens=64).to("cpu")
     teacher = drafters.teacher(model, target)
     assert teacher is not None
     target.zero_grad(set_to_none=True)
@@ -848,7 +848,7 @@ def test_train_drafter_lowers_the_eagle3_loss(peaked_target: LlamaForCausalLM) -
         epochs=8, batch_size_per_gpu=4, max_seq_len=128, window_tokens=128, seed=1, ttt_steps=2, ttt_decay=0.8,
         optim=OptimConfig(lr=3e-3, lr_warmup_steps=2),
     )
-    fixed = pack(samples, window_tokens=128)
+    fixed = pack(samples, window_tokens=128).to("cpu")
     embed_before = model.embed_tokens.weight.detach().clone()
     vocab_before = (model.d2t.clone(), model.t2d.clone())
     with torch.no_grad():

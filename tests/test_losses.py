@@ -10,7 +10,7 @@ from torch.overrides import TorchFunctionMode
 from pipeline.eagle import RMSNorm
 from pipeline.eagle3 import Eagle3Config, Eagle3Drafter, TTTCache
 from pipeline.losses import eagle3_loss, eagle_loss, soft_cross_entropy, soft_cross_entropy_reference
-from pipeline.window import PackedBatch, block_causal_mask, pack
+from pipeline.window import DeviceBatch, block_causal_mask, pack
 
 # -- soft_cross_entropy -----------------------------------------------------------------------------------------
 
@@ -237,7 +237,7 @@ AUX = (0, 1, 2)
 
 
 @pytest.fixture(scope="module")
-def eagle3_setup() -> tuple[Eagle3Drafter, PackedBatch, RMSNorm, torch.Tensor]:
+def eagle3_setup() -> tuple[Eagle3Drafter, DeviceBatch, RMSNorm, torch.Tensor]:
     torch.manual_seed(0)
     model = Eagle3Drafter(Eagle3Config(
         vocab_size=V, draft_vocab_size=DV, hidden_size=H, target_hidden_size=H, intermediate_size=2 * H,
@@ -255,7 +255,7 @@ def eagle3_setup() -> tuple[Eagle3Drafter, PackedBatch, RMSNorm, torch.Tensor]:
         mask = torch.ones(n, dtype=torch.int64)
         mask[:masked] = 0
         samples.append((ids, hidden, mask))
-    batch = pack(samples, window_tokens=64)
+    batch = pack(samples, window_tokens=64).to("cpu")
     assert batch.document_ids.unique().numel() == 2
     return model, batch, norm, head
 

@@ -82,6 +82,23 @@ def test_pack_shifts_inside_each_sample() -> None:
     assert batch.hidden_states.shape == batch.target.shape == (1, 5, 3)
 
 
+def test_pack_keeps_views_and_to_fills_float32_inputs_and_targets() -> None:
+    a = _sample(0, 6, _mask(6, 2, 6))
+    b = _sample(1, 3, torch.tensor([0, 0, 1]))
+    a = (a[0], a[1].to(torch.bfloat16), a[2])
+
+    batch = pack([a, b], window_tokens=4)  # a's window is [2, 6)
+
+    assert batch.windows[0].untyped_storage().data_ptr() == a[1].untyped_storage().data_ptr()  # not copied
+    on_device = batch.to("cpu")
+    assert on_device.hidden_states.dtype == on_device.target.dtype == torch.float32
+    assert on_device.hidden_states[0, :, 0].tolist() == [2, 3, 4, 1000, 1001]
+    assert on_device.target[0, :, 0].tolist() == [3, 4, 5, 1001, 1002]
+    for name in ("input_ids", "loss_mask", "position_ids", "document_ids"):
+        assert torch.equal(getattr(on_device, name), getattr(batch, name))
+    assert on_device.num_tokens == batch.num_tokens == 5
+
+
 def test_pack_applies_the_window_before_the_shift() -> None:
     sample = _sample(0, 10, _mask(10, 6, 10))
 
