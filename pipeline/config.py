@@ -220,8 +220,10 @@ class StorageConfig(_Strict):
     root: str = Field(default="", description="Object store root URI; `<data_dir>/store` when empty.")
     endpoint_url: str = Field(default="", description="S3-compatible endpoint (MinIO, Ceph, ...); AWS when empty.")
     region: str = Field(default="", description="S3 region; the AWS default chain when empty.")
-    compression: Literal["none", "split-zstd"] = Field(
-        default="none", description="Hidden-state shards: raw bf16, or lossless split-zstd (smaller, for S3)."
+    compression: Literal["none", "split-zstd", "fp8-e4m3"] = Field(
+        default="none",
+        description="Hidden-state shards: raw bf16, lossless split-zstd (1.44x smaller, for S3), or lossy fp8-e4m3 "
+                    "(2x smaller).",
     )
 
     @field_validator("root", "endpoint_url")

@@ -12,7 +12,8 @@ A record batch (one sample, T tokens, one column per stored layer):
     loss_mask      list<int8>     T values, 1 on response tokens
     layer_<id>     large_binary   the T * H bf16 words of vLLM layer <id>: raw with compression "none";
                                   with "split-zstd" (lossless, for object storage) a frame that stores
-                                  high and low bytes apart and zstd-codes the high ones (compression.py)
+                                  high and low bytes apart and zstd-codes the high ones; with
+                                  "fp8-e4m3" (lossy) e4m3 values with a scale per token (compression.py)
 
 Why this layout (measured by `benchmarks/hidden_states_io.py`, README "Hidden-state
 storage layout"): an IPC body is the tensors' own bytes, so writing is a write of the
@@ -38,14 +39,15 @@ import pyarrow as pa
 import torch
 import xxhash
 
-from pipeline.compression import compress_bf16, decompress_bf16_into
+from pipeline.compression import compress_bf16, decompress_bf16_into, dequantize_fp8_into, quantize_fp8
 from pipeline.steps import hidden_states_prefix
 from pipeline.store import ObjectStore, RangeReader, fill_range
 
 SCHEMA_VERSION = 3
 MANIFEST = "_manifest.json"
-COMPRESSIONS = ("none", "split-zstd")
-Compression = Literal["none", "split-zstd"]
+COMPRESSIONS = ("none", "split-zstd", "fp8-e4m3")
+LOSSLESS = ("none", "split-zstd")
+Compression = Literal["none", "split-zstd", "fp8-e4m3"]
 # A shard is cut at this size: on object storage it is sent in one PUT from memory.
 SHARD_TARGET_BYTES = 512 << 20
 
@@ -265,7 +267,8 @@ def _planes(sample: HiddenSample, compression: str) -> list[np.ndarray]:
             continue
         if not all_finite_bf16(values):
             raise ShardError(f"sample {sample.sample_id!r} of step {sample.step}: hidden states contain NaN or Inf")
-        planes.append(np.frombuffer(compress_bf16(values), np.uint8))
+        frame = compress_bf16(values) if compression == "split-zstd" else quantize_fp8(values)
+        planes.append(np.frombuffer(frame, np.uint8))
     return planes
 
 
@@ -437,7 +440,10 @@ def _read_entry(reader: RangeReader, manifest: Manifest, entry: dict, positions:
         else:
             frame = reader.read(offset, length)
             _checked(frame, digest, manifest, entry, f"layer {layer}")
-            decompress_bf16_into(frame, out)
+            if manifest.compression == "split-zstd":
+                decompress_bf16_into(frame, out)
+            else:
+                dequantize_fp8_into(frame, out)
     return HiddenSample(
         sample_id=entry["sample_id"], step=manifest.step,
         input_ids=torch.from_numpy(ids.astype(np.int64)), loss_mask=torch.from_numpy(mask.astype(np.int64)),
