@@ -38,12 +38,10 @@ def window_bounds(loss_mask: torch.Tensor, window_tokens: int) -> tuple[int, int
 
 
 @dataclass(frozen=True)
-class DeviceBatch:
-    """A packed batch on the training device, features as float32: what a training step reads."""
+class _Positions:
+    """What N packed positions (B samples, no padding) carry besides features."""
 
     input_ids: torch.Tensor  # (1, N) token x_{t+1} per position
-    hidden_states: torch.Tensor  # (1, N, H) target feature f_t
-    target: torch.Tensor  # (1, N, H) target feature f_{t+1}
     loss_mask: torch.Tensor  # (1, N) float, 1 where f_{t+1} belongs to a response token
     position_ids: torch.Tensor  # (1, N) position inside the sample's window
     document_ids: torch.Tensor  # (1, N) which sample each position belongs to
@@ -54,23 +52,23 @@ class DeviceBatch:
 
 
 @dataclass(frozen=True)
-class PackedBatch:
-    """Samples packed into one sequence of N positions (B samples, no padding), on the host.
+class DeviceBatch(_Positions):
+    """A packed batch on the training device, features as float32: what a training step reads."""
+
+    hidden_states: torch.Tensor  # (1, N, H) target feature f_t
+    target: torch.Tensor  # (1, N, H) target feature f_{t+1}
+
+
+@dataclass(frozen=True)
+class PackedBatch(_Positions):
+    """Samples packed into one sequence of N positions, on the host.
 
     The features are not copied when packing: `windows` are views of each sample's window of
     features (its n_b + 1 rows f_start .. f_end-1). `to(device)` moves those N + B rows, not
     the 2N rows of a packed input and target, and fills the float32 inputs f_t and targets
     f_{t+1} there, each row converted and copied once."""
 
-    input_ids: torch.Tensor  # (1, N) token x_{t+1} per position
     windows: tuple[torch.Tensor, ...]  # B x (n_b + 1, H) target features of each sample's window
-    loss_mask: torch.Tensor  # (1, N) float, 1 where f_{t+1} belongs to a response token
-    position_ids: torch.Tensor  # (1, N) position inside the sample's window
-    document_ids: torch.Tensor  # (1, N) which sample each position belongs to
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[1])
 
     @property
     def hidden_states(self) -> torch.Tensor:
