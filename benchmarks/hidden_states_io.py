@@ -256,7 +256,11 @@ def measure_local(directory: Path) -> dict:
     _assert_same(samples, read_shards(store, packed))
     wall, cpu = _compressed_read(store, packed)
     seconds["split_zstd_read"] = wall
+    seconds["fp8_write"], lossy = _best_write(lambda r: write_shards(store, samples, 30 + r, "fp8-e4m3"),
+                                              lambda r: drop_step(30 + r), repeats=1)
+    seconds["fp8_read"] = _best(lambda: read_shards(store, lossy))
     return _figures(seconds, payload, manifest, packed, cpu, random_ms) | {
+        "fp8_size_ratio": manifest.total_bytes / lossy.total_bytes,  # lossy: not a goal, see the demo's tau
         "write_vs_torch_save": seconds["torch_save_write"] / seconds["shards_write"],
         "write_vs_safetensors": seconds["safetensors_write"] / seconds["shards_write"],
         "page_cache": "reads come from the page cache (written just before, same for every format)",

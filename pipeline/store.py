@@ -124,7 +124,7 @@ class ObjectStore:
 
     @contextmanager
     def open_ranges(self, key: str) -> Iterator[RangeReader]:
-        """Reads of byte ranges of one object: `pread` on a local file, ranged GETs on S3."""
+        """Reads of byte ranges of one object: a memory map of a local file, ranged GETs on S3."""
         path = self._path(key)
         if not self._local:
             # Keywords: s3fs's cat_file takes version_id as its second positional argument.
