@@ -31,8 +31,10 @@ browser:
 demo: $(STAMP)
 	$(PY) cli.py demo --steps $(STEPS) --drafter $(DRAFTER)
 
+# pytest-xdist: one worker per core, each running a whole test file at a time, in the order of
+# tests/conftest.py (the longest files first; xdist would otherwise start the files with the most tests).
 test: $(STAMP) browser
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests

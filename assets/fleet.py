@@ -19,7 +19,7 @@ class DeployConfig(dg.Config):
     description="The serving fleet: which drafter version runs on which replica, since when, and its live "
     "acceptance over the canary window. Each replica is restarted with the new --speculative-config one at a "
     "time, gated on /health, /v1/models, a smoke completion and live tau from /metrics; a failed replica is "
-    "rolled back and the deploy stops.",
+    "rolled back and the deploy stops. A replica already serving the version on the newest policy is only gated.",
 )
 def fleet(
     context: dg.AssetExecutionContext,
@@ -32,8 +32,10 @@ def fleet(
     cfg = settings.load()
     report = deploy.deploy(cfg, object_store.store(), mlflow.registry(), config.version)
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
-    table = "| replica | version | since (UTC) | live tau | deploy s |\n|---|---|---|---|---|\n" + "".join(
-        f"| {r['replica']} | {r['version']} | {since} | {r['live_tau']:.2f} | {r['deploy_s']:.1f} |\n"
+    header = "| replica | version | since (UTC) | live tau | deploy s | restarted |\n|---|---|---|---|---|---|\n"
+    table = header + "".join(
+        f"| {r['replica']} | {r['version']} | {since} | {r['live_tau']:.2f} | {r['deploy_s']:.1f} | "
+        f"{'yes' if r['restarted'] else 'no (already serving it)'} |\n"
         for r in report.replicas
     )
     context.log.info(f"version {config.version} live on {len(report.replicas)} replicas")

@@ -1,7 +1,9 @@
 """The serving fleet: replica drivers, deploy gates and the rolling update.
 
 A redeploy restarts each replica with the new `--speculative-config` (the one way that
-works on every vLLM version), one replica at a time, so never more than one is down. A
+works on every vLLM version), one replica at a time, so never more than one is down; a
+replica the driver knows runs that very drafter and policy already (a rerun of a deploy
+stopped midway, the same version again) is not restarted, only gated. A
 replica passes when, in order: GET /health answers 200, GET /v1/models lists the served
 model, a smoke completion returns tokens, and over a canary window of completions its
 live mean acceptance length (from GET /metrics) reaches the configured minimum. A
@@ -73,6 +75,10 @@ class ReplicaDriver(Protocol):
         """False once the driver knows the replica's process has exited (fail fast, not at the timeout)."""
         ...
 
+    def serving(self, replica: ReplicaSpec) -> tuple[str, str] | None:
+        """(target, drafter_dir) the replica's running process was started with; None when not known."""
+        ...
+
 
 class StandInDriver:
     """Supervises local stand-in replica processes (`pipeline.standin_replica`), not vLLM.
@@ -137,6 +143,18 @@ class StandInDriver:
         pid_file = self._pid_file(replica)
         return pid_file.exists() and _running(int(pid_file.read_text()))
 
+    def serving(self, replica: ReplicaSpec) -> tuple[str, str] | None:
+        """Read from the command line of the process the pid file names (whichever driver started it)."""
+        pid_file = self._pid_file(replica)
+        pid = int(pid_file.read_text()) if pid_file.exists() else None
+        if pid is None or not _running(pid):
+            return None
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            return argv[argv.index("--target") + 1], argv[argv.index("--drafter") + 1]
+        except (OSError, ValueError, IndexError):
+            return None
+
     def stop_all(self, replicas: list[ReplicaSpec]) -> None:
         for replica in replicas:
             self.stop(replica)
@@ -170,6 +188,9 @@ class CommandDriver:
 
     def alive(self, replica: ReplicaSpec) -> bool:
         return True  # not ours to watch: the health gate's timeout decides
+
+    def serving(self, replica: ReplicaSpec) -> tuple[str, str] | None:
+        return None  # what the command started is not observable here: every replica is restarted
 
 
 class GateError(RuntimeError):
@@ -243,7 +264,7 @@ def check_replica(
 @dataclass
 class DeployReport:
     version: str
-    replicas: list[dict] = field(default_factory=list)  # {"replica", "version", "live_tau", "deploy_s"}
+    replicas: list[dict] = field(default_factory=list)  # {"replica", "version", "live_tau", "deploy_s", "restarted"}
 
 
 def rolling_deploy(
@@ -256,13 +277,23 @@ def rolling_deploy(
     gates: GateConfig,
     canary_prompts: list[list[int]],
 ) -> DeployReport:
-    """Update replicas one at a time; on a failed gate restore `previous` (version, dir) there and stop."""
+    """Update replicas one at a time; on a failed gate restore `previous` (version, dir) there and stop.
+    A replica already running `drafter_dir` on `target` keeps running: it only passes the gates
+    (and is restarted like the others if it fails them)."""
     report = DeployReport(version)
     for replica in replicas:
         start = time.monotonic()
-        driver.restart(replica, target, drafter_dir)
+        tau = None
+        if driver.serving(replica) == (target, drafter_dir):
+            try:
+                tau = check_replica(replica, gates, canary_prompts, lambda r=replica: driver.alive(r))
+            except GateError:
+                tau = None
+        restarted = tau is None
         try:
-            tau = check_replica(replica, gates, canary_prompts, lambda r=replica: driver.alive(r))
+            if restarted:
+                driver.restart(replica, target, drafter_dir)
+                tau = check_replica(replica, gates, canary_prompts, lambda r=replica: driver.alive(r))
         except GateError as exc:
             if previous is not None:
                 driver.restart(replica, target, previous[1])
@@ -272,5 +303,5 @@ def rolling_deploy(
                 f"version {version} stopped after {len(report.replicas)} of {len(replicas)} replicas"
             ) from None
         report.replicas.append({"replica": replica.name, "version": version, "live_tau": tau,
-                                "deploy_s": time.monotonic() - start})
+                                "deploy_s": time.monotonic() - start, "restarted": restarted})
     return report

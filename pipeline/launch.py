@@ -7,6 +7,7 @@ Both are pure functions of the pipeline config, so the Dagster layer (which hand
     drafter asset ── Pipes ──> torchrun --nproc-per-node=N -m pipeline.train_worker
                                  ├── rank 0: trains its share, reports back through Pipes, registers
                                  └── rank 1..N-1: train their shares (DDP)
+    (N = 1: `python -m pipeline.train_worker`, no torchrun agent in between)
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ def torchrun_command(nproc_per_node: int, python: str = sys.executable) -> list[
             "-m", TRAIN_MODULE]
 
 
+def train_command(nproc_per_node: int, python: str = sys.executable) -> list[str]:
+    """The training process's command line: torchrun for several ranks; one process is started
+    directly, as rank 0 of 1, because torchrun's agent would only add its own start-up (about
+    3.5 CPU seconds importing torch) and a process between Dagster and the training."""
+    if nproc_per_node == 1:
+        return [python, "-m", TRAIN_MODULE]
+    return torchrun_command(nproc_per_node, python)
+
+
 def pod_labels(cfg: PipelineConfig, step: int) -> dict[str, str]:
     return {"app.kubernetes.io/name": "drafter-training", "drafter-cotraining/run": cfg.run,
             "drafter-cotraining/rl-step": str(step)}
@@ -36,7 +46,7 @@ def pod_labels(cfg: PipelineConfig, step: int) -> dict[str, str]:
 
 def training_pod_spec(cfg: PipelineConfig) -> dict:
     """The PodSpec (camelCase, as in a manifest) of one training pod: `nproc_per_node` GPUs,
-    torchrun as the command, /dev/shm in memory (NCCL's shared-memory transport needs more
+    torchrun as the command (`train_command`), /dev/shm in memory (NCCL's shared-memory transport needs more
     than the container runtime's 64 MB), secrets from a Secret, never inline."""
     k8s, nproc = cfg.train.k8s, cfg.train.nproc_per_node
     if not k8s.image:
@@ -45,7 +55,7 @@ def training_pod_spec(cfg: PipelineConfig) -> dict:
     container: dict = {
         "name": CONTAINER_NAME,
         "image": k8s.image,
-        "command": torchrun_command(nproc, python="python"),
+        "command": train_command(nproc, python="python"),
         # Extended resources (GPUs) need request == limit; cpu and memory get the same for a Guaranteed pod.
         "resources": {"requests": dict(amounts), "limits": dict(amounts)},
         "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],

@@ -13,7 +13,7 @@ from pydantic import Field
 
 from pipeline.config import PROJECT_ROOT, PipelineConfig, load_config
 from pipeline.cotrain import TrainJob
-from pipeline.launch import pod_labels, torchrun_command, training_pod_spec
+from pipeline.launch import pod_labels, train_command, training_pod_spec
 from pipeline.registry import DrafterRegistry
 from pipeline.simulation import SimulatedRL
 from pipeline.store import ObjectStore, storage_options_for
@@ -55,10 +55,12 @@ class MlflowResource(dg.ConfigurableResource):
 
 
 class TrainingLauncherResource(dg.ConfigurableResource):
-    """Starts the drafter training as its own process through Dagster Pipes: torchrun on this
-    machine (`train.launcher: subprocess`) or a GPU pod (`train.launcher: k8s`, needs dagster-k8s)."""
+    """Starts the drafter training as its own process through Dagster Pipes: torchrun (for one
+    process, the worker itself) on this machine (`train.launcher: subprocess`) or a GPU pod
+    (`train.launcher: k8s`, needs dagster-k8s)."""
 
-    working_dir: str = Field(default=str(PROJECT_ROOT), description="Where torchrun starts (the project root).")
+    working_dir: str = Field(default=str(PROJECT_ROOT),
+                             description="Where the training process starts (the project root).")
 
     def launch(
         self, context: dg.AssetExecutionContext, cfg: PipelineConfig, job: TrainJob, mlflow_ui_url: str
@@ -72,7 +74,7 @@ class TrainingLauncherResource(dg.ConfigurableResource):
                 base_pod_meta={"labels": pod_labels(cfg, job.step)}, base_pod_spec=training_pod_spec(cfg),
             )
         return dg.PipesSubprocessClient(cwd=self.working_dir).run(
-            context=context, extras=extras, command=torchrun_command(cfg.train.nproc_per_node)
+            context=context, extras=extras, command=train_command(cfg.train.nproc_per_node)
         )
 
 

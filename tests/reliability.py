@@ -19,6 +19,7 @@ are kept as they were, so running one unrelated test file never wipes the report
 
 from __future__ import annotations
 
+import fcntl
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,9 +143,12 @@ def render(rows: list[Row]) -> str:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Merge this process's rows into the report. Under pytest-xdist every worker collects all tests
+    and merges the rows of the files it ran (`--dist loadfile`: each file runs whole on one worker),
+    one worker at a time (a lock on the report)."""
     config = session.config
     recorded: dict = config.stash.get(_ROWS, {})
-    if not recorded or hasattr(config, "workerinput"):
+    if not recorded:
         return
     node_args = any("::" in str(a) for a in config.args)
     ran, deselected = config.stash[_RAN], config.stash[_DESELECTED]
@@ -152,9 +156,17 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     complete = set() if node_args else {
         f for f in files if f not in deselected and all(i.nodeid in ran for i in session.items if _test_file(i) == f)
     }
-    keep = {(r.kind, r.name): r for r in _read_rows(REPORT) if r.test not in complete}
-    rows = list({**keep, **recorded}.values())
-    text = render(rows)
-    if not REPORT.exists() or REPORT.read_text() != text:
-        REPORT.parent.mkdir(exist_ok=True)
-        REPORT.write_text(text)
+    REPORT.parent.mkdir(exist_ok=True)
+    with REPORT.open("a") as lock:  # the report itself is the lock (created empty when missing)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        keep = {(r.kind, r.name): r for r in _read_rows(REPORT) if r.test not in complete}
+        merged = {**keep, **recorded}
+        if hasattr(config, "workerinput"):
+            # A row several files name, written by another worker first: a failure wins, else the file a
+            # serial run would run last (as there, the last file's result names the row).
+            for key in keep.keys() & recorded.keys():
+                merged[key] = max(keep[key], recorded[key], key=lambda r: (r.outcome == "FAILED", r.test))
+        rows = list(merged.values())
+        text = render(rows)
+        if REPORT.read_text() != text:
+            REPORT.write_text(text)

@@ -15,6 +15,7 @@ from pipeline import shards
 from pipeline.config import load_config
 from pipeline.registry import DrafterRegistry
 from pipeline.store import open_store
+from tests.conftest import write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +29,8 @@ def _demo(config: Path, steps: int) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_demo_end_to_end(tiny_config_path: Path) -> None:
+def test_demo_end_to_end(tmp_path: Path) -> None:
+    tiny_config_path = write_config(tmp_path, pretrained=False)  # the first demo pre-trains the target itself
     cfg = load_config(tiny_config_path)
     proc = _demo(tiny_config_path, 3)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -106,11 +106,13 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """A tiny target and two EAGLE-1/2 drafter checkpoints (v1, v2) plus a broken one."""
+    """A tiny target (and the next policy, `target2`) and two EAGLE-1/2 drafter checkpoints (v1, v2) plus a
+    broken one."""
     root = tmp_path_factory.mktemp("models")
     target = build_target(tiny_llama_config(32, 32, 2, 2), 0)
     target.save_pretrained(root / "target", safe_serialization=True)
-    out = {"target": (root / "target").as_uri()}
+    build_target(tiny_llama_config(32, 32, 2, 2), 1).save_pretrained(root / "target2", safe_serialization=True)
+    out = {"target": (root / "target").as_uri(), "target2": (root / "target2").as_uri()}
     for version, seed in (("v1", 1), ("v2", 2)):
         drafter = fresh_drafter(DrafterConfig(kind="eagle"), target, torch.arange(32), seed)
         out[version] = str(save_drafter(drafter, root / version))
@@ -168,7 +170,15 @@ def test_rolling_deploy_and_rollback(models: dict[str, str], driver: StandInDriv
     replicas = [ReplicaSpec(f"r{i}", "127.0.0.1", _free_port()) for i in range(2)]
     first = rolling_deploy(replicas, driver, models["target"], "1", models["v1"], None, GATES, PROMPTS)
     assert [r["replica"] for r in first.replicas] == ["r0", "r1"]
-    assert all(r["version"] == "1" and r["live_tau"] >= 1.0 for r in first.replicas)
+    assert all(r["version"] == "1" and r["live_tau"] >= 1.0 and r["restarted"] for r in first.replicas)
+    assert all(driver.serving(r) == (models["target"], models["v1"]) for r in replicas)
+
+    # The same drafter on the same policy again: no replica restarts, each passes the gates again.
+    pids = {name: process.pid for name, process in driver.processes.items()}
+    again = rolling_deploy(replicas, driver, models["target"], "1", models["v1"], None, GATES, PROMPTS)
+    assert [(r["replica"], r["restarted"]) for r in again.replicas] == [("r0", False), ("r1", False)]
+    assert all(r["live_tau"] >= 1.0 for r in again.replicas)
+    assert {name: process.pid for name, process in driver.processes.items()} == pids
 
     with pytest.raises(GateError, match=r"replica r0: .*rolled back to version 1; deploy of version 2 stopped"):
         rolling_deploy(replicas, driver, models["target"], "2", models["broken"], ("1", models["v1"]),
@@ -179,12 +189,16 @@ def test_rolling_deploy_and_rollback(models: dict[str, str], driver: StandInDriv
     assert driver.argv(replicas[0], models["target"], models["v1"]) == driver.processes["r0"].args
 
     # Another driver (the next Dagster run) takes over the replicas through their pid files.
+    # It sees what they run, and a new policy restarts a replica even with the drafter it has.
     successor = StandInDriver(k=3, state_dir=driver.state_dir)
     old_pid = driver.processes["r1"].pid
     driver.processes.clear()
     assert successor.alive(replicas[1])
-    successor.restart(replicas[1], models["target"], models["v2"])
-    assert check_replica(replicas[1], GATES, PROMPTS) >= 1.0
+    assert successor.serving(replicas[1]) == (models["target"], models["v1"])
+    moved = rolling_deploy([replicas[1]], successor, models["target2"], "1", models["v1"], None, GATES, PROMPTS)
+    assert moved.replicas[0]["restarted"]
+    assert successor.serving(replicas[1]) == (models["target2"], models["v1"])
     assert successor.processes["r1"].pid != old_pid
     successor.stop_all(replicas)
     assert not any(successor.alive(r) for r in replicas)
+    assert successor.serving(replicas[1]) is None

@@ -19,7 +19,7 @@ from dagster_k8s.pipes import build_pod_body
 
 from definitions import build_definitions
 from pipeline.config import ConfigError, load_config
-from pipeline.launch import TRAIN_MODULE, pod_labels, torchrun_command, training_pod_spec
+from pipeline.launch import TRAIN_MODULE, pod_labels, torchrun_command, train_command, training_pod_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -70,6 +70,16 @@ def test_training_pod_from_the_production_config_is_a_valid_pod() -> None:
     assert pod.metadata.labels["drafter-cotraining/rl-step"] == "42"
     for quantity in (*container.resources.limits.values(), shm.empty_dir.size_limit):
         kubernetes.utils.parse_quantity(quantity)  # raises on anything Kubernetes would reject
+
+
+def test_one_rank_starts_the_worker_itself_and_several_go_through_torchrun() -> None:
+    assert train_command(1, python="python") == ["python", "-m", TRAIN_MODULE]
+    assert train_command(2, python="python") == torchrun_command(2, python="python")
+    assert "--standalone" in train_command(2, python="python")
+    with pytest.raises(ValueError, match="nproc_per_node must be >= 1, got 0"):
+        train_command(0)
+    single = training_pod_spec(load_config(DEPLOY / "pipeline.yaml", {"train": {"nproc_per_node": 1}}))
+    assert single["containers"][0]["command"] == ["python", "-m", TRAIN_MODULE]
 
 
 def test_k8s_launcher_needs_storage_and_mlflow_the_pod_can_reach(tmp_path: Path) -> None:

@@ -205,12 +205,16 @@ def test_sigkill_during_a_deploy_then_rerun_serves_one_drafter(loop, reliability
         assert registry.alias_version("live") == v1
         assert not store.exists(deploy.state_key(cfg.run))
 
+        first_pid = int((cfg.data_path / "fleet" / "replicas" / f"{replicas[0].name}.pid").read_text())
         deploy.deploy(cfg, store, registry, v2, driver)
         assert all(f"/v{v2}/" in _served_drafter(driver, r) for r in replicas)
         assert registry.alias_version("live") == v2
         state = deploy.read_state(store, cfg.run)
         assert state["version"] == v2
         assert [r["version"] for r in state["replicas"]] == [v2, v2]
+        # The replica the killed deploy had already moved to v2 keeps its process; only the other restarts.
+        assert [r["restarted"] for r in state["replicas"]] == [False, True]
+        assert int((cfg.data_path / "fleet" / "replicas" / f"{replicas[0].name}.pid").read_text()) == first_pid
         for replica in replicas:
             with urllib.request.urlopen(f"{replica.url}/health", timeout=10) as response:
                 assert response.status == 200
