@@ -161,10 +161,9 @@ def stream_buffer(root: Path, gib: int) -> dict:
     """In a fresh process: stream every batch of the steps holding the first `gib` GiB; peak RSS."""
     from pipeline import buffer, shards
     from pipeline.config import TrainConfig
-    from pipeline.dataset import BufferDataset, iter_batches, plan_epoch, release_large_frees_to_the_os
+    from pipeline.dataset import BufferDataset, iter_batches, plan_epoch
     from pipeline.store import ObjectStore
 
-    release_large_frees_to_the_os()  # as the training process does
     store = ObjectStore(root.as_uri())
     manifests, size, step = [], 0, 1
     while size < gib << 30 and shards.has_manifest(store, "bench", step):

@@ -9,7 +9,6 @@ trains; at most `prefetch` + 1 batches are in memory, whatever the buffer's size
 
 from __future__ import annotations
 
-import ctypes
 import queue
 import random
 import threading
@@ -64,21 +63,6 @@ class BufferDataset:
         }
         keys = [(self.entries[i].step, self.entries[i].sample_id) for i in indices]
         return [self.transform(loaded[k]) for k in keys if k in loaded]
-
-
-def release_large_frees_to_the_os() -> None:
-    """Serve allocations of 1 MiB or more (hidden-state tensors) from their own mappings, given back
-    to the OS when freed. Call it once at the start of a process that streams the buffer.
-
-    glibc raises its mmap threshold after the first large free (up to 32 MiB), and from then on
-    serves a stream of 2-64 MiB features from heaps that fragment: peak RSS grew by 12% from
-    a 1 GiB to an 8 GiB buffer (`benchmarks/batch_prep.py`). A fixed threshold ends that. No-op off glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_mmap_threshold = -3  # <malloc.h>; setting it also turns the dynamic threshold off
-    libc.mallopt(m_mmap_threshold, 1 << 20)
 
 
 def plan_epoch(lengths: list[int], cfg: TrainConfig, epoch: int) -> list[list[int]]:

@@ -27,7 +27,6 @@ from dagster_pipes import PipesDefaultContextLoader, PipesEnvVarParamsLoader, op
 
 from pipeline import report
 from pipeline.cotrain import TrainJob, TrainOutcome, outcome_metadata, run_training
-from pipeline.dataset import release_large_frees_to_the_os
 from pipeline.distributed import DistContext, context_from_env, destroy_process_group, init_process_group, rank_device
 from pipeline.registry import DrafterRegistry
 
@@ -67,7 +66,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     ctx = context_from_env()
     _exit_with_launcher()
-    release_large_frees_to_the_os()
     if args.job:
         outcome = _train(TrainJob.from_dict(json.loads(args.job.read_text())), ctx)
         if outcome:
