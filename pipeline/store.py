@@ -137,11 +137,14 @@ class ObjectStore:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        view = memoryview(mapped if mapped is not None else b"")
         try:
-            yield RangeReader(data=memoryview(mapped if mapped is not None else b""), local=True)
+            yield RangeReader(data=view, local=True)
         finally:
-            if mapped is not None:
-                with suppress(BufferError):  # a view still held (say, by a traceback): unmapped when it goes
+            # A slice still held (say, by a traceback) keeps the map open: it is unmapped when that goes.
+            with suppress(BufferError):
+                view.release()
+                if mapped is not None:
                     mapped.close()
 
     def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
