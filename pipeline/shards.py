@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import BinaryIO, Literal
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -47,7 +47,6 @@ SCHEMA_VERSION = 3
 MANIFEST = "_manifest.json"
 COMPRESSIONS = ("none", "split-zstd", "fp8-e4m3")
 LOSSLESS = ("none", "split-zstd")
-Compression = Literal["none", "split-zstd", "fp8-e4m3"]
 # A shard is cut at this size: on object storage it is sent in one PUT from memory.
 SHARD_TARGET_BYTES = 512 << 20
 
