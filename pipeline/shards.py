@@ -28,6 +28,7 @@ per-write id so that a rewrite never changes files an older manifest points at.
 from __future__ import annotations
 
 import io
+import itertools
 import uuid
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -417,24 +418,29 @@ def _checked(data, digest: str, manifest: Manifest, entry: dict, what: str) -> N
         raise _corrupt(manifest, entry, what)
 
 
-def _read_entry(reader: RangeReader, manifest: Manifest, entry: dict, positions: list[int],
-                pool: ThreadPoolExecutor | None = None) -> HiddenSample:
+def _read_entry(reader: RangeReader, manifest: Manifest, entry: dict, positions: list[int]) -> HiddenSample:
     """One sample through its index entry: its metadata range and the ranges of the layers asked for,
-    each verified against its digest. Layers are read straight into the output tensor's memory."""
+    each verified against its digest. Raw layers of a mapped shard are viewed where they lie;
+    otherwise layers are read or decoded straight into the output tensor's memory."""
     tokens, hidden_size = entry["tokens"], manifest.hidden_size
     meta_offset, meta_length, meta_digest = entry["meta"]
     meta = reader.read(meta_offset, meta_length)
     _checked(meta, meta_digest, manifest, entry, "metadata")
     ids = np.frombuffer(meta, np.int32, count=tokens, offset=entry["ids"] - meta_offset)
     mask = np.frombuffer(meta, np.int8, count=tokens, offset=entry["mask"] - meta_offset)
-    hidden = torch.empty(len(positions), tokens, hidden_size, dtype=torch.bfloat16)  # (L, T, H): layer-major
+    raw = manifest.compression == "none"
+    hidden = _mapped_layers(reader, entry, positions, hidden_size) if raw and reader.mapped else None
+    viewed = hidden is not None
+    if not viewed:
+        hidden = torch.empty(len(positions), tokens, hidden_size, dtype=torch.bfloat16)  # (L, T, H): layer-major
     for out, position, layer in zip(hidden, positions, [manifest.layer_ids[p] for p in positions], strict=True):
         offset, length, digest = entry["layers"][position]
-        if manifest.compression == "none":
-            view = memoryview(out.view(torch.uint8).numpy()).cast("B")
-            if length != view.nbytes:
-                raise _corrupt(manifest, entry, f"length of layer {layer}")
-            if _read_digest(reader, offset, view, pool) != digest:
+        if raw and length != out.numel() * 2:
+            raise _corrupt(manifest, entry, f"length of layer {layer}")
+        if viewed:  # the digest is the one pass over the bytes: it faults them in
+            _checked(reader.read(offset, length), digest, manifest, entry, f"layer {layer}")
+        elif raw:
+            if _read_digest(reader, offset, memoryview(out.view(torch.uint8).numpy()).cast("B")) != digest:
                 raise _corrupt(manifest, entry, f"layer {layer}")
         else:
             frame = reader.read(offset, length)
@@ -450,22 +456,29 @@ def _read_entry(reader: RangeReader, manifest: Manifest, entry: dict, positions:
     )
 
 
-def _read_digest(reader: RangeReader, offset: int, out: memoryview, pool: ThreadPoolExecutor | None) -> str:
-    """Read a range into `out` and digest it: locally chunk by chunk, each chunk digested while
-    still in cache (on the `pool`'s one thread, if given, while this one copies the next: the two
-    run at about the same speed); from object storage in one request."""
+def _mapped_layers(reader: RangeReader, entry: dict, positions: list[int], hidden_size: int) -> torch.Tensor | None:
+    """(L, T, H) bf16 over the mapped shard itself, or None when the layers asked for do not lie
+    evenly spaced in the file (then they are copied). Copy-on-write: a caller's writes stay its own."""
+    layer_bytes = entry["tokens"] * hidden_size * 2
+    offsets = [entry["layers"][p][0] for p in positions]
+    stride = offsets[1] - offsets[0] if len(offsets) > 1 else layer_bytes
+    even = all(b - a == stride for a, b in itertools.pairwise(offsets))
+    if not even or stride < layer_bytes or (offsets[0] | stride) % 2:  # bf16 words start at even offsets
+        return None
+    span = reader.read(offsets[0], stride * (len(offsets) - 1) + layer_bytes)
+    words = torch.frombuffer(span, dtype=torch.bfloat16)
+    return words.as_strided((len(offsets), entry["tokens"], hidden_size), (stride // 2, hidden_size, 1))
+
+
+def _read_digest(reader: RangeReader, offset: int, out: memoryview) -> str:
+    """Read a range into `out` and digest it: locally chunk by chunk, each chunk digested right
+    after its copy while still in cache; from object storage in one request."""
     hasher = xxhash.xxh3_64()
     step = _READ_CHUNK_BYTES if reader.local else max(out.nbytes, 1)
-    updates = []
     for start in range(0, out.nbytes, step):
         chunk = out[start : start + step]
         reader.read_into(offset + start, chunk)
-        if pool is None:
-            hasher.update(chunk)
-        else:  # one worker: updates run in the order they were submitted
-            updates.append(pool.submit(hasher.update, chunk))
-    for update in updates:
-        update.result()
+        hasher.update(chunk)
     return hasher.hexdigest()
 
 
@@ -488,8 +501,7 @@ def read_rows(store: ObjectStore, run: str, manifest: Manifest, shard: str, rows
     try:
         with store.open_ranges(key) as reader:
             if reader.local:
-                with ThreadPoolExecutor(1, thread_name_prefix="shard-digest") as pool:
-                    return [_read_entry(reader, manifest, entries[r], positions, pool) for r in rows]
+                return [_read_entry(reader, manifest, entries[r], positions) for r in rows]
             info = next(i for i in manifest.shards if i.name == shard)
             wanted = sum(e["meta"][1] + sum(e["layers"][p][1] for p in positions)
                          for e in map(entries.get, rows))

@@ -132,16 +132,18 @@ class ObjectStore:
                                                                               end=offset + len(out))),
                               local=False)
             return
-        # Mapped, not pread: a copy out of the page cache runs at twice the speed of a read syscall's,
-        # and a compressed range is decoded and digested where it lies.
+        # Mapped, not pread: raw layers are viewed where they lie (no copy into fresh memory, whose
+        # page faults cost more than the read itself), compressed ones decoded and digested there.
+        # Copy-on-write, so tensors over the map are writable and a caller's writes stay its own.
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-        view = memoryview(mapped if mapped is not None else b"")
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        view = memoryview(mapped if mapped is not None else bytearray())
         try:
-            yield RangeReader(data=view, local=True)
+            yield RangeReader(data=view, local=True, mapped=True)
         finally:
-            # A slice still held (say, by a traceback) keeps the map open: it is unmapped when that goes.
+            # Tensors viewing the map (or a slice held by a traceback) keep it open: it is unmapped
+            # when the last of them goes.
             with suppress(BufferError):
                 view.release()
                 if mapped is not None:
@@ -201,10 +203,12 @@ class RangeReader:
     in memory or mapped (`data`), viewed where they lie."""
 
     def __init__(self, read_into: Callable[[int, memoryview], None] | None = None, *,
-                 data: memoryview | None = None, local: bool) -> None:
+                 data: memoryview | None = None, local: bool, mapped: bool = False) -> None:
         self._read_into = read_into
         self._data = data
         self.local = local  # a read costs a syscall, not a request: worth splitting to stay in cache
+        # `data` is a writable map of an immutable file: views of it may outlive the reader.
+        self.mapped = mapped
 
     def read_into(self, offset: int, out: memoryview) -> None:
         """Fill `out` (a writable byte view) with the object's bytes from `offset`."""
@@ -212,7 +216,6 @@ class RangeReader:
         if self._data is None:
             self._read_into(offset, out)
             return
-        # numpy copies without the GIL: a digest of the previous chunk runs alongside on another thread.
         np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(self.read(offset, len(out)), np.uint8))
 
     def read(self, offset: int, length: int) -> memoryview | bytearray:

@@ -138,6 +138,30 @@ def test_a_drafter_reads_only_the_layers_it_needs(store: ObjectStore, compressio
         shards.read_sample(store, RUN, manifest, "s4-0", layers=[5])
 
 
+def test_raw_layers_of_a_local_shard_are_viewed_in_place_copy_on_write(store: ObjectStore, tmp_path: Path) -> None:
+    samples = make_samples(5, [6, 3], layers=3)
+    manifest = write(store, 5, samples, layer_ids=[3, 7, 12])
+    shard = manifest.shards[0]
+    before = snapshot(tmp_path / "store")
+
+    for layers, positions in (([3, 7, 12], [0, 1, 2]), ([3, 12], [0, 2]), ([12, 3], [2, 0]), ([7], [1])):
+        got = shards.read_rows(store, RUN, manifest, shard.name, [1, 0], layers=layers)
+        for sample, want in zip(got, [samples[1], samples[0]], strict=True):
+            assert torch.equal(sample.hidden.view(torch.int16), want.hidden[:, positions].view(torch.int16))
+        # Evenly spaced layers are views of the mapped file (two samples lie as far apart in memory as
+        # in the file), not copies; [12, 3] runs backwards: copied.
+        rows = {e["row"]: e["layers"][positions[0]][0] for e in manifest.samples}
+        viewed = got[0].hidden.data_ptr() - got[1].hidden.data_ptr() == rows[1] - rows[0]
+        assert viewed == (layers != [12, 3])
+        for sample in got:  # a caller's writes stay in its own pages
+            sample.hidden.fill_(1.0)
+
+    assert snapshot(tmp_path / "store") == before
+    again = shards.read_rows(store, RUN, manifest, shard.name, [0, 1])
+    for sample, want in zip(again, samples, strict=True):
+        assert_same_sample(sample, want)
+
+
 @pytest.mark.parametrize("compression", shards.LOSSLESS)
 def test_one_sample_by_id_reads_only_its_own_ranges(store: ObjectStore, tmp_path: Path, compression: str) -> None:
     samples = make_samples(6, [4, 7, 5], layers=2)
