@@ -17,7 +17,7 @@ A record batch (one sample, T tokens, one column per stored layer):
 
 Why this layout (measured by `benchmarks/hidden_states_io.py`, README "Hidden-state
 storage layout"): an IPC body is the tensors' own bytes, so writing is a write of the
-tensor memory and reading is a read into the tensor's memory, with no decoding step.
+tensor memory, and a local read views those bytes in the mapped file, with no decoding step.
 The manifest indexes every sample's byte ranges (its metadata, and each layer) with an
 xxh3 digest per range, so a reader fetches one sample, or only the layers it needs, with
 ranged reads and verifies exactly what it read. The shard digest in the manifest covers
