@@ -82,7 +82,8 @@ def dequantize_fp8_into(frame: bytes | bytearray | memoryview, out: torch.Tensor
     if len(frame) != tokens * (4 + hidden_size):
         raise CompressionError(f"fp8 frame of {len(frame)} bytes; ({tokens}, {hidden_size}) takes "
                                f"{tokens * (4 + hidden_size)}")
-    frame = bytearray(frame)  # writable: torch will not view read-only memory (a mapped shard)
+    if memoryview(frame).readonly:  # torch views only writable memory; a local shard's map is writable
+        frame = bytearray(frame)
     scale = torch.frombuffer(frame, dtype=torch.float32, count=tokens)  # (T,)
     quantized = torch.frombuffer(frame, dtype=torch.uint8, offset=tokens * 4).view(torch.float8_e4m3fn)
     out.copy_(quantized.view(tokens, hidden_size).float() * scale[:, None])

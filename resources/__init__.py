@@ -6,6 +6,7 @@ config stays the single source of truth. Secrets are read from the environment o
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import dagster as dg
@@ -66,16 +67,19 @@ class TrainingLauncherResource(dg.ConfigurableResource):
         self, context: dg.AssetExecutionContext, cfg: PipelineConfig, job: TrainJob, mlflow_ui_url: str
     ) -> dg.PipesClientCompletedInvocation:
         extras = {"job": job.to_dict(), "mlflow_ui_url": mlflow_ui_url}
-        if cfg.train.launcher == "k8s":
-            from dagster_k8s import PipesK8sClient  # only deployments that launch pods install dagster-k8s
+        with warnings.catch_warnings():
+            # Dagster's Pipes clients call a preview API of Dagster's own: nothing a user can act on.
+            warnings.filterwarnings("ignore", message=".*expected_writer_count", category=dg.PreviewWarning)
+            if cfg.train.launcher == "k8s":
+                from dagster_k8s import PipesK8sClient  # only deployments that launch pods install dagster-k8s
 
-            return PipesK8sClient().run(
-                context=context, extras=extras, namespace=cfg.train.k8s.namespace or None,
-                base_pod_meta={"labels": pod_labels(cfg, job.step)}, base_pod_spec=training_pod_spec(cfg),
+                return PipesK8sClient().run(
+                    context=context, extras=extras, namespace=cfg.train.k8s.namespace or None,
+                    base_pod_meta={"labels": pod_labels(cfg, job.step)}, base_pod_spec=training_pod_spec(cfg),
+                )
+            return dg.PipesSubprocessClient(cwd=self.working_dir).run(
+                context=context, extras=extras, command=train_command(cfg.train.nproc_per_node)
             )
-        return dg.PipesSubprocessClient(cwd=self.working_dir).run(
-            context=context, extras=extras, command=train_command(cfg.train.nproc_per_node)
-        )
 
 
 class RolloutSourceResource(dg.ConfigurableResource):
