@@ -491,7 +491,11 @@ def _shard_entries(manifest: Manifest, shard: str) -> list[dict]:
 def read_rows(store: ObjectStore, run: str, manifest: Manifest, shard: str, rows: list[int],
               layers: list[int] | None = None) -> list[HiddenSample]:
     """The given rows of a shard (only the `layers` asked for; all when None), each range read
-    verified against its digest; a mismatch raises CorruptShardError naming the shard."""
+    verified against its digest; a mismatch raises CorruptShardError naming the shard.
+
+    From a local store, raw layers view the shard's copy-on-write map: the map (and the file
+    descriptor Python's mmap keeps) stays open until the last tensor of this call is freed, so
+    read a shard's rows in one call rather than one call per row when many are held at once."""
     entries = {e["row"]: e for e in _shard_entries(manifest, shard)}
     positions = layer_positions(manifest, layers)
     missing = [r for r in rows if r not in entries]
