@@ -222,7 +222,7 @@ class StorageConfig(_Strict):
     region: str = Field(default="", description="S3 region; the AWS default chain when empty.")
     compression: Literal["none", "split-zstd", "fp8-e4m3"] = Field(
         default="none",
-        description="Hidden-state shards: raw bf16, lossless split-zstd (1.44x smaller, for S3), or lossy fp8-e4m3 "
+        description="Hidden-state shards: raw bf16, lossless split-zstd (1.46x smaller, for S3), or lossy fp8-e4m3 "
                     "(2x smaller).",
     )
 

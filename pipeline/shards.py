@@ -44,7 +44,10 @@ from pipeline.compression import compress_bf16, decompress_bf16_into, dequantize
 from pipeline.steps import hidden_states_prefix
 from pipeline.store import ObjectStore, RangeReader, fill_range
 
-SCHEMA_VERSION = 3
+# 4: split-zstd frames are zstd literals (compression.py); schema 3 stored Blosc frames there.
+# Raw and fp8 shards did not change, so their schema-3 manifests are still read.
+SCHEMA_VERSION = 4
+_STILL_READ = {3: ("none", "fp8-e4m3")}
 MANIFEST = "_manifest.json"
 COMPRESSIONS = ("none", "split-zstd", "fp8-e4m3")
 LOSSLESS = ("none", "split-zstd")
@@ -99,10 +102,11 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: dict) -> Manifest:
-        if data.get("schema_version") != SCHEMA_VERSION:
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION and data.get("compression", "none") not in _STILL_READ.get(version, ()):
             raise ShardError(
-                f"manifest schema_version {data.get('schema_version')!r}, expected {SCHEMA_VERSION}; "
-                "re-materialize hidden_states for this step"
+                f"manifest schema_version {version!r} with compression {data.get('compression')!r}, expected "
+                f"{SCHEMA_VERSION}; re-materialize hidden_states for this step"
             )
         data = dict(data)
         data["shards"] = [ShardInfo(**s) for s in data["shards"]]
