@@ -14,8 +14,9 @@ low bytes into words (high << 8 | low: two numpy passes) straight in the caller'
 Why literals only (no LZ matching): 3-bit symbols repeat in short, frequent matches that
 halve zstd's decoding speed and do not pay for themselves. On the 2-core CI machine zstd
 level 1 decoded high bytes at 0.6 GB/s and a ratio of 1.44; literals only at 1.05 GB/s
-and 1.46. Blosc (byte shuffle + zstd level 1 per 512 KiB block, the previous frame)
-decoded 0.9-1.1 GB/s of bf16 per core; this frame decodes 1.2-1.4.
+and 1.46. A whole compressed read (digest, decode into fresh tensors) made 0.64-1.06 GB/s
+of bf16 per core with Blosc frames (byte shuffle + zstd level 1 per 512 KiB block) and
+0.96-1.24 with these.
 
 `storage.compression: fp8-e4m3` (lossy, half the bytes)
 ------------------------------------------------------
