@@ -137,7 +137,7 @@ def read_raw(samples: list, path: Path) -> list[torch.Tensor]:
 
 
 def read_raw_mapped(samples: list, path: Path) -> list[torch.Tensor]:
-    """The raw file's other ways in: copied out of a memory map (no syscall per read), or viewed in it."""
+    """The raw file's second way in: copied out of a memory map (no syscall per read)."""
     out = []
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         data, pos = np.frombuffer(mapped, np.uint8), 0
@@ -152,6 +152,7 @@ def read_raw_mapped(samples: list, path: Path) -> list[torch.Tensor]:
 
 
 def read_raw_viewed(samples: list, path: Path) -> list[torch.Tensor]:
+    """The third: viewed in a copy-on-write map, every byte touched once (as our reader does)."""
     with path.open("rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     out, pos = [], 0
@@ -193,10 +194,7 @@ def write_safetensors(samples: list, directory: Path) -> None:
 def read_safetensors(samples: list, directory: Path, clone: bool) -> list[dict]:
     from safetensors.torch import load_file
 
-    out = []
-    for s in samples:
-        out.append(_cloned_or_touched(load_file(directory / f"{s.sample_id}.safetensors"), clone))
-    return out
+    return [_cloned_or_touched(load_file(directory / f"{s.sample_id}.safetensors"), clone) for s in samples]
 
 
 # -- ours -------------------------------------------------------------------------------------------------------
