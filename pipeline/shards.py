@@ -135,7 +135,7 @@ def shard_schema(layer_ids: list[int], compression: str) -> pa.Schema:
 
 _CHUNK_BYTES = 1 << 18  # bf16 payloads are checked and digested 256 KiB at a time, while in cache
 _CONCURRENT_SAMPLES = 8  # samples whose ranges are fetched at once from object storage
-_READ_CHUNK_BYTES = 1 << 20  # reads: one syscall per MiB, digested right after while still in cache
+_READ_CHUNK_BYTES = 1 << 20  # copies out of memory: a MiB at a time, digested right after while still in cache
 
 
 def _nonfinite_in(chunk: memoryview) -> bool:
@@ -475,10 +475,10 @@ def _mapped_layers(reader: RangeReader, entry: dict, positions: list[int], hidde
 
 
 def _read_digest(reader: RangeReader, offset: int, out: memoryview) -> str:
-    """Read a range into `out` and digest it: locally chunk by chunk, each chunk digested right
+    """Read a range into `out` and digest it: out of memory chunk by chunk, each chunk digested right
     after its copy while still in cache; from object storage in one request."""
     hasher = xxhash.xxh3_64()
-    step = _READ_CHUNK_BYTES if reader.local else max(out.nbytes, 1)
+    step = _READ_CHUNK_BYTES if reader.in_memory else max(out.nbytes, 1)
     for start in range(0, out.nbytes, step):
         chunk = out[start : start + step]
         reader.read_into(offset + start, chunk)
@@ -508,13 +508,13 @@ def read_rows(store: ObjectStore, run: str, manifest: Manifest, shard: str, rows
     key = f"{hidden_states_prefix(run, manifest.step)}/{shard}"
     try:
         with store.open_ranges(key) as reader:
-            if reader.local:
+            if reader.mapped:
                 return [_read_entry(reader, manifest, entries[r], positions) for r in rows]
             info = next(i for i in manifest.shards if i.name == shard)
             wanted = sum(e["meta"][1] + sum(e["layers"][p][1] for p in positions)
                          for e in map(entries.get, rows))
             if wanted >= info.bytes // 2:  # most of the shard: one GET (s3fs splits it into concurrent parts)
-                in_memory = RangeReader(data=memoryview(store.read_bytes(key)), local=False)
+                in_memory = RangeReader(data=memoryview(store.read_bytes(key)))
                 return [_read_entry(in_memory, manifest, entries[r], positions) for r in rows]
             # A few samples: a request costs a round trip, so fetch a few samples' ranges concurrently.
             out: list[HiddenSample] = []
@@ -532,7 +532,7 @@ def read_rows(store: ObjectStore, run: str, manifest: Manifest, shard: str, rows
 
 def _prefetched(fetched: dict[tuple[int, int], bytes]) -> RangeReader:
     """A reader over ranges fetched beforehand, keyed by (offset, length)."""
-    return RangeReader(lambda offset, out: fill_range(out, fetched[offset, len(out)]), local=False)
+    return RangeReader(lambda offset, out: fill_range(out, fetched[offset, len(out)]))
 
 
 def read_sample(store: ObjectStore, run: str, manifest: Manifest, sample_id: str,
@@ -567,7 +567,7 @@ def iter_shard(store: ObjectStore, run: str, manifest: Manifest, shard: str,
     if len(data) != info.bytes or shard_digest(view, entries) != info.xxh3_128:
         raise CorruptShardError(f"step {manifest.step}: shard {shard} does not match its manifest checksum")
     positions = layer_positions(manifest, layers)
-    in_memory = RangeReader(data=view, local=True)
+    in_memory = RangeReader(data=view)
     for entry in entries:
         yield _read_entry(in_memory, manifest, entry, positions)
 

@@ -129,8 +129,7 @@ class ObjectStore:
         if not self._local:
             # Keywords: s3fs's cat_file takes version_id as its second positional argument.
             yield RangeReader(lambda offset, out: fill_range(out, self.fs.cat_file(path, start=offset,
-                                                                              end=offset + len(out))),
-                              local=False)
+                                                                              end=offset + len(out))))
             return
         # Mapped, not pread: raw layers are viewed where they lie (no copy into fresh memory, whose
         # page faults cost more than the read itself), compressed ones decoded and digested there.
@@ -140,7 +139,7 @@ class ObjectStore:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
         view = memoryview(mapped if mapped is not None else bytearray())
         try:
-            yield RangeReader(data=view, local=True, mapped=True)
+            yield RangeReader(data=view, mapped=True)
         finally:
             # Tensors viewing the map (or a slice held by a traceback) keep it open: it is unmapped
             # when the last of them goes.
@@ -203,12 +202,16 @@ class RangeReader:
     in memory or mapped (`data`), viewed where they lie."""
 
     def __init__(self, read_into: Callable[[int, memoryview], None] | None = None, *,
-                 data: memoryview | None = None, local: bool, mapped: bool = False) -> None:
+                 data: memoryview | None = None, mapped: bool = False) -> None:
         self._read_into = read_into
         self._data = data
-        self.local = local  # a read costs a syscall, not a request: worth splitting to stay in cache
         # `data` is a writable map of an immutable file: views of it may outlive the reader.
         self.mapped = mapped
+
+    @property
+    def in_memory(self) -> bool:
+        """Reads are copies out of memory (mapped or fetched whole), not requests."""
+        return self._data is not None
 
     def read_into(self, offset: int, out: memoryview) -> None:
         """Fill `out` (a writable byte view) with the object's bytes from `offset`."""
