@@ -12,6 +12,7 @@ replica that fails is restarted with the previous drafter and the deploy stops.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -22,6 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -283,21 +285,20 @@ def rolling_deploy(
     report = DeployReport(version)
     for replica in replicas:
         start = time.monotonic()
+        alive = functools.partial(driver.alive, replica)
         tau = None
         if driver.serving(replica) == (target, drafter_dir):
-            try:
-                tau = check_replica(replica, gates, canary_prompts, lambda r=replica: driver.alive(r))
-            except GateError:
-                tau = None
+            with suppress(GateError):  # failing while already serving it: restarted like the others
+                tau = check_replica(replica, gates, canary_prompts, alive)
         restarted = tau is None
         try:
             if restarted:
                 driver.restart(replica, target, drafter_dir)
-                tau = check_replica(replica, gates, canary_prompts, lambda r=replica: driver.alive(r))
+                tau = check_replica(replica, gates, canary_prompts, alive)
         except GateError as exc:
             if previous is not None:
                 driver.restart(replica, target, previous[1])
-                wait_healthy(replica, gates.ready_timeout_s, lambda r=replica: driver.alive(r))
+                wait_healthy(replica, gates.ready_timeout_s, alive)
             raise GateError(
                 f"{exc}; rolled back to version {previous[0] if previous else 'none'}; deploy of "
                 f"version {version} stopped after {len(report.replicas)} of {len(replicas)} replicas"
