@@ -74,10 +74,11 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None) -> Pat
 
     from definitions import build_definitions
     from jobs import DEPLOY_SENSOR_NAME, SENSOR_NAME, champion_sensor, rl_step_sensor
-    from pipeline import deploy, report
+    from pipeline import report
+    from pipeline.data.store import open_store
     from pipeline.registry import DrafterRegistry
-    from pipeline.simulation import SimulatedRL
-    from pipeline.store import open_store
+    from pipeline.serving import deploy
+    from pipeline.sources.simulation import SimulatedRL
 
     instance = dg.DagsterInstance.get()
     defs = build_definitions(config_path, overrides)
@@ -225,10 +226,10 @@ def status(config_path: str | None) -> None:
     _quiet_libraries()
     import dagster as dg
 
-    from pipeline import deploy
+    from pipeline.data.rollouts import committed_steps
+    from pipeline.data.store import open_store
     from pipeline.registry import DrafterRegistry
-    from pipeline.rollouts import committed_steps
-    from pipeline.store import open_store
+    from pipeline.serving import deploy
 
     instance = dg.DagsterInstance.get()
     store = open_store(cfg)
@@ -272,9 +273,9 @@ def retention(config_path: str | None, apply: bool) -> None:
     """Hidden-state shards no live buffer and no registered drafter refers to: list them, or delete them."""
     cfg = load_config(config_path)
     _quiet_libraries()
+    from pipeline.data.retention import apply_retention, plan_retention, registered_training_steps
+    from pipeline.data.store import open_store
     from pipeline.registry import DrafterRegistry
-    from pipeline.retention import apply_retention, plan_retention, registered_training_steps
-    from pipeline.store import open_store
 
     store = open_store(cfg)
     registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)

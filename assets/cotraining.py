@@ -8,12 +8,15 @@ object store by that code and the assets return metadata only (no pickling IO ma
 
 import dagster as dg
 
-from pipeline import acceptance as acceptance_lib
-from pipeline import buffer as buffer_lib
-from pipeline import checks, cotrain, extract, report
-from pipeline import rollouts as rollouts_lib
-from pipeline.rollouts import committed_steps
-from pipeline.steps import acceptance_key, buffer_key, hidden_states_prefix, parse_step_key, rollouts_prefix
+from pipeline import report
+from pipeline.data import buffer as buffer_lib
+from pipeline.data import rollouts as rollouts_lib
+from pipeline.data import shard_checks as checks
+from pipeline.data.keys import acceptance_key, buffer_key, hidden_states_prefix, parse_step_key, rollouts_prefix
+from pipeline.data.rollouts import committed_steps
+from pipeline.evaluation import acceptance as acceptance_lib
+from pipeline.sources import extract
+from pipeline.training import cotrain
 from resources import MlflowResource, ObjectStoreResource, PipelineConfigResource, TrainingLauncherResource
 
 rl_step = dg.DynamicPartitionsDefinition(name="rl_step")

@@ -5,7 +5,7 @@ import time
 import dagster as dg
 from pydantic import Field
 
-from pipeline import deploy
+from pipeline.serving import deploy
 from resources import MlflowResource, ObjectStoreResource, PipelineConfigResource
 
 

@@ -1,6 +1,6 @@
 """Batch preparation (window, shift, pack) and the memory of streaming the buffer.
 
-speedup_vs_reference: tokens per second of `pipeline.window.pack` over
+speedup_vs_reference: tokens per second of `pipeline.training.window.pack` over
 `reference_prepare_training_batch`, a straightforward per-sample Python version of the
 seed's `_prepare_training_batch` (FastRL, seed 000: the same window, shift and packing,
 written with per-token Python loops), on the same in-memory samples in the same run.
@@ -10,7 +10,7 @@ speedup_with_device_copy_vs_reference also counts, on both sides, making the flo
 input and target features the training step reads on its device (here the CPU).
 
 rss_ratio_8g_vs_1g: peak RSS (VmHWM) of a fresh process that streams every batch of a
-buffer over 8 GiB of shards through `pipeline.dataset` (plan from lengths, loads with a
+buffer over 8 GiB of shards through `pipeline.training.dataset` (plan from lengths, loads with a
 prefetch thread, packs), over the same for 1 GiB. The shards are written once for the
 run and deleted after it.
 """
@@ -104,7 +104,7 @@ def _reference(batch: list, on_device: bool = False) -> int:
 
 
 def _pack(batch: list, on_device: bool = False) -> int:
-    from pipeline.window import pack
+    from pipeline.training.window import pack
 
     packed = pack(batch, WINDOW)
     if on_device:
@@ -114,7 +114,7 @@ def _pack(batch: list, on_device: bool = False) -> int:
 
 
 def _check_same(batches: list) -> None:
-    from pipeline.window import pack
+    from pipeline.training.window import pack
 
     for batch in batches:
         want, got = reference_prepare_training_batch(batch, WINDOW), pack(batch, WINDOW)
@@ -145,8 +145,8 @@ def write_buffer_shards(root: Path, gib: int) -> None:
     from dataclasses import replace
 
     from benchmarks.hidden_states_io import make_samples
-    from pipeline import shards
-    from pipeline.store import ObjectStore
+    from pipeline.data import shards
+    from pipeline.data.store import ObjectStore
 
     store = ObjectStore(root.as_uri())
     pool = make_samples(STEP_BYTES, seed=3)
@@ -159,10 +159,10 @@ def write_buffer_shards(root: Path, gib: int) -> None:
 
 def stream_buffer(root: Path, gib: int) -> dict:
     """In a fresh process: stream every batch of the steps holding the first `gib` GiB; peak RSS."""
-    from pipeline import buffer, shards
     from pipeline.config import TrainConfig
-    from pipeline.dataset import BufferDataset, iter_batches, plan_epoch
-    from pipeline.store import ObjectStore
+    from pipeline.data import buffer, shards
+    from pipeline.data.store import ObjectStore
+    from pipeline.training.dataset import BufferDataset, iter_batches, plan_epoch
 
     store = ObjectStore(root.as_uri())
     manifests, size, step = [], 0, 1

@@ -51,7 +51,7 @@ def activations(tokens: int, gen: torch.Generator, channel_scale: torch.Tensor) 
 
 
 def make_samples(total_bytes: int, seed: int = 0) -> list:
-    from pipeline.shards import HiddenSample
+    from pipeline.data.shards import HiddenSample
 
     gen = torch.Generator().manual_seed(seed)
     channel_scale = torch.empty(HIDDEN).log_normal_(0.0, 0.6, generator=gen)
@@ -201,14 +201,14 @@ def read_safetensors(samples: list, directory: Path, clone: bool) -> list[dict]:
 
 
 def write_shards(store, samples: list, step: int, compression: str):
-    from pipeline import shards
+    from pipeline.data import shards
 
     return shards.write_hidden_states(store, "bench", step, samples, hidden_size=HIDDEN, layer_ids=[0],
                                       target={"model_id": "bench"}, compression=compression)
 
 
 def read_shards(store, manifest) -> list:
-    from pipeline import shards
+    from pipeline.data import shards
 
     out = []
     for shard in manifest.shards:
@@ -218,7 +218,7 @@ def read_shards(store, manifest) -> list:
 
 
 def random_read_ms(store, manifest) -> float:
-    from pipeline import shards
+    from pipeline.data import shards
 
     gen = torch.Generator().manual_seed(1)
     picks = torch.randint(0, manifest.num_samples, (RANDOM_READS,), generator=gen).tolist()
@@ -248,8 +248,8 @@ def _assert_same(samples: list, read: list) -> None:
 
 
 def measure_local(directory: Path) -> dict:
-    from pipeline.steps import hidden_states_prefix
-    from pipeline.store import ObjectStore
+    from pipeline.data.keys import hidden_states_prefix
+    from pipeline.data.store import ObjectStore
 
     samples = make_samples(LOCAL_BYTES)
     payload = sum(s.hidden.numel() * 2 for s in samples)
@@ -332,7 +332,7 @@ def measure_s3() -> dict:
     from moto.server import ThreadedMotoServer
     from safetensors.torch import load, save
 
-    from pipeline.store import ObjectStore, storage_options_for
+    from pipeline.data.store import ObjectStore, storage_options_for
 
     samples = make_samples(S3_BYTES, seed=2)
     payload = sum(s.hidden.numel() * 2 for s in samples)

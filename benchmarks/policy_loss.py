@@ -25,7 +25,7 @@ def _rss_bytes() -> int:
 def _measure(variant: str, tokens: int, device: str) -> dict:
     import torch
 
-    from pipeline.losses import soft_cross_entropy, soft_cross_entropy_reference
+    from pipeline.training.losses import soft_cross_entropy, soft_cross_entropy_reference
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

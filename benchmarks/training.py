@@ -32,10 +32,10 @@ DRAFT_VOCAB, VOCAB, HIDDEN, MLP, HEADS, KV_HEADS, TOKENS, DOCS = 32000, 128256, 
 def _demo_setup():  # noqa: ANN202
     import torch
 
-    from pipeline import drafters
-    from pipeline import target as target_lib
     from pipeline.config import load_config
-    from pipeline.dataset import InMemoryDataset
+    from pipeline.models import drafter as drafters
+    from pipeline.models import target as target_lib
+    from pipeline.training.dataset import InMemoryDataset
 
     cfg = load_config()
     sim = cfg.simulation
@@ -59,9 +59,9 @@ def _demo_setup():  # noqa: ANN202
 def _cpu_rank(rank: int, world: int, port: int, out: str) -> None:
     import torch
 
-    from pipeline import drafters
-    from pipeline.distributed import DistContext, destroy_process_group, init_process_group
-    from pipeline.train import train_drafter
+    from pipeline.models import drafter as drafters
+    from pipeline.training.distributed import DistContext, destroy_process_group, init_process_group
+    from pipeline.training.loop import train_drafter
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -126,10 +126,10 @@ def _gpu_mfu(steps: int = 10, warmup: int = 3) -> dict | None:
     if not torch.cuda.is_available():
         return None
     from pipeline.config import TrainConfig
-    from pipeline.eagle import RMSNorm
-    from pipeline.eagle3 import Eagle3Config, Eagle3Drafter
-    from pipeline.train import Teacher, compute_loss
-    from pipeline.window import PackedBatch
+    from pipeline.models.eagle import RMSNorm
+    from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter
+    from pipeline.training.loop import Teacher, compute_loss
+    from pipeline.training.window import PackedBatch
 
     torch.manual_seed(0)
     cfg = TrainConfig()

@@ -6,11 +6,11 @@ import dagster as dg
 from pydantic import Field
 
 from assets.cotraining import RETRAIN_TAG, rl_step
-from pipeline import deploy
-from pipeline.fleet import scrape
-from pipeline.rollouts import committed_steps
-from pipeline.serving_metrics import SpecCounters
-from pipeline.steps import step_key
+from pipeline.data.keys import step_key
+from pipeline.data.rollouts import committed_steps
+from pipeline.serving import deploy
+from pipeline.serving.fleet import scrape
+from pipeline.serving.metrics import SpecCounters
 from resources import MlflowResource, ObjectStoreResource, PipelineConfigResource, RolloutSourceResource
 
 SENSOR_NAME = "rl_step_sensor"

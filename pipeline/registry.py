@@ -17,9 +17,9 @@ from mlflow.entities import Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from pipeline.checkpoint import load_drafter
-from pipeline.eagle import EagleDrafter
-from pipeline.eagle3 import Eagle3Drafter
+from pipeline.models.checkpoint import load_drafter
+from pipeline.models.eagle import EagleDrafter
+from pipeline.models.eagle3 import Eagle3Drafter
 
 ARTIFACT_PATH = "drafter"
 ALIASES = ("challenger", "champion", "baseline", "live")

@@ -7,11 +7,11 @@ import io
 import json
 from pathlib import Path
 
-from pipeline import buffer as buffer_lib
-from pipeline import cotrain
-from pipeline import rollouts as rollouts_lib
-from pipeline.steps import acceptance_key
-from pipeline.store import ObjectStore
+from pipeline.data import buffer as buffer_lib
+from pipeline.data import rollouts as rollouts_lib
+from pipeline.data.keys import acceptance_key
+from pipeline.data.store import ObjectStore
+from pipeline.training import cotrain
 
 NO_DRAFTER_TAU = 1.0  # without a drafter every target forward yields one token
 

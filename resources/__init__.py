@@ -13,11 +13,11 @@ import dagster as dg
 from pydantic import Field
 
 from pipeline.config import PROJECT_ROOT, PipelineConfig, load_config
-from pipeline.cotrain import TrainJob
-from pipeline.launch import pod_labels, train_command, training_pod_spec
+from pipeline.data.store import ObjectStore, storage_options_for
 from pipeline.registry import DrafterRegistry
-from pipeline.simulation import SimulatedRL
-from pipeline.store import ObjectStore, storage_options_for
+from pipeline.sources.simulation import SimulatedRL
+from pipeline.training.cotrain import TrainJob
+from pipeline.training.launch import pod_labels, train_command, training_pod_spec
 
 
 class PipelineConfigResource(dg.ConfigurableResource):

@@ -1,0 +1,129 @@
+"""The rolling cross-step buffer: which samples of which steps the drafter trains on now.
+
+FastRL keeps a deque of at most `data_buffer_max_size` samples (oldest evicted first)
+and trains on those of the last `buffer_steps` RL steps. We keep the same semantics but
+store only a manifest that points into the steps' hidden-state shards, never a copy:
+
+    <root>/buffer/<run>/step-000123/_manifest.json
+        {"step": 123, "entries": [{"step", "sample_id", "shard", "row", "tokens"}, ...],
+         "composition": {"121": 40, "122": 84, "123": 84}, ...}
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+from pipeline.data import shards
+from pipeline.data.keys import buffer_key
+from pipeline.data.shards import HiddenSample, Manifest
+from pipeline.data.store import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BufferEntry:
+    step: int
+    sample_id: str
+    shard: str
+    row: int
+    tokens: int
+
+
+def select_buffer(
+    manifests: list[Manifest], current_step: int, buffer_steps: int, max_samples: int
+) -> list[BufferEntry]:
+    """Samples of steps (current_step - buffer_steps, current_step], newest `max_samples` kept."""
+    if buffer_steps < 1 or max_samples < 1:
+        raise ValueError("buffer_steps and data_buffer_max_size must be >= 1")
+    oldest = current_step - buffer_steps + 1
+    entries = [
+        BufferEntry(m.step, s["sample_id"], s["shard"], s["row"], s["tokens"])
+        for m in sorted(manifests, key=lambda m: m.step)
+        if oldest <= m.step <= current_step
+        for s in m.samples
+        if s["tokens"] >= 2
+    ]
+    return entries[-max_samples:]
+
+
+def composition(entries: list[BufferEntry]) -> dict[int, int]:
+    return dict(sorted(Counter(e.step for e in entries).items()))
+
+
+def write_buffer(store: ObjectStore, run: str, step: int, entries: list[BufferEntry]) -> dict:
+    doc = {
+        "step": step,
+        "num_samples": len(entries),
+        "num_tokens": sum(e.tokens for e in entries),
+        "composition": {str(k): v for k, v in composition(entries).items()},
+        "entries": [asdict(e) for e in entries],
+    }
+    store.write_json(buffer_key(run, step), doc)
+    return doc
+
+
+def read_buffer(store: ObjectStore, run: str, step: int) -> list[BufferEntry]:
+    return [BufferEntry(**e) for e in store.read_json(buffer_key(run, step))["entries"]]
+
+
+def iter_buffer_samples(
+    store: ObjectStore, run: str, entries: list[BufferEntry], manifests: dict[int, Manifest] | None = None
+) -> Iterator[HiddenSample]:
+    """Load the samples an entry list points at, in entry order, one shard at a time.
+
+    A shard that fails its checksum is skipped with a warning, never used: one bad file
+    costs its samples, not the training run. Entries address samples by (step, sample_id);
+    their (shard, row) is followed while the step's manifest still lists that shard, and looked
+    up again in the manifest when the step was rewritten since (its old shards are gone).
+    `manifests` caches manifests across calls."""
+    manifests = {} if manifests is None else manifests
+    for step in sorted({e.step for e in entries} - manifests.keys()):
+        manifests[step] = shards.read_manifest(store, run, step)
+    entries = _current(entries, manifests)
+    i = 0
+    while i < len(entries):
+        step, shard = entries[i].step, entries[i].shard
+        j = i
+        while j < len(entries) and (entries[j].step, entries[j].shard) == (step, shard):
+            j += 1
+        try:
+            yield from shards.read_rows(store, run, manifests[step], shard, [e.row for e in entries[i:j]])
+        except shards.CorruptShardError as exc:
+            log.warning("%s: skipping its %d buffer samples", exc, j - i)
+        i = j
+
+
+def _current(entries: list[BufferEntry], manifests: dict[int, Manifest]) -> list[BufferEntry]:
+    """The entries, those whose shard their step's manifest no longer lists re-addressed by sample id."""
+    # Runs for every batch the trainer loads: look at the entries' own steps only, and build a
+    # step's sample index only when one of its entries points at a shard that is gone.
+    listed = {step: {s.name for s in manifests[step].shards} for step in {e.step for e in entries}}
+    index: dict[int, dict[str, dict]] = {}
+    out = []
+    for e in entries:
+        if e.shard in listed[e.step]:
+            out.append(e)
+            continue
+        if e.step not in index:
+            index[e.step] = {s["sample_id"]: s for s in manifests[e.step].samples}
+        if (found := index[e.step].get(e.sample_id)) is not None:
+            out.append(BufferEntry(e.step, e.sample_id, found["shard"], found["row"], found["tokens"]))
+        else:
+            log.warning("step %d was rewritten without sample %s: skipping it", e.step, e.sample_id)
+    return out
+
+
+def build_buffer(store: ObjectStore, run: str, step: int, buffer_steps: int, max_samples: int) -> dict:
+    """Select from the committed hidden states of the last `buffer_steps` steps and write the manifest."""
+    if not shards.has_manifest(store, run, step):
+        raise FileNotFoundError(f"hidden states of step {step} are not committed (no manifest)")
+    manifests = [
+        shards.read_manifest(store, run, s)
+        for s in range(max(0, step - buffer_steps + 1), step + 1)
+        if shards.has_manifest(store, run, s)
+    ]
+    return write_buffer(store, run, step, select_buffer(manifests, step, buffer_steps, max_samples))

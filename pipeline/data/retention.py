@@ -1,0 +1,124 @@
+"""Retention: delete hidden-state shards that no live buffer and no registered drafter refers to.
+
+Evicting a sample from the buffer never deletes data (the buffer is a manifest over the
+shards); this is the one place that does, and it plans before it deletes:
+
+* Live buffers: the newest buffer manifest (what the next training reads) and the buffer
+  of every RL step a registered drafter was trained at (its training data, for lineage
+  and retraining). Older buffer manifests have expired and are deleted with the data.
+* A step's hidden states are kept whole while any live buffer refers to one of its shards
+  (its manifest stays consistent), and while the step is inside the current buffer window
+  or newer (the next buffer may still select it). Otherwise the step is deleted, its
+  manifest first so that no reader ever sees a manifest whose shards are gone.
+* Files in a step's directory that its manifest does not list (a crashed or replaced
+  write) are deleted once older than a grace period, so a write in progress, whose
+  manifest is not committed yet, is never touched.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pipeline.data import shards
+from pipeline.data.keys import buffer_key, hidden_states_prefix, parse_step_key
+from pipeline.data.store import ObjectStore
+
+ORPHAN_GRACE_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Doomed:
+    key: str
+    bytes: int
+    reason: str
+
+
+@dataclass
+class RetentionPlan:
+    run: str
+    delete: list[Doomed] = field(default_factory=list)  # in deletion order
+    live_buffers: list[int] = field(default_factory=list)
+    kept_steps: dict[int, str] = field(default_factory=dict)  # hidden-state step -> why kept
+
+    @property
+    def bytes(self) -> int:
+        return sum(d.bytes for d in self.delete)
+
+
+def _steps_under(store: ObjectStore, prefix: str) -> list[int]:
+    steps = []
+    for name in store.list_dirs(prefix):
+        try:
+            steps.append(parse_step_key(name))
+        except ValueError:
+            continue  # not a step directory: not ours to judge
+    return sorted(steps)
+
+
+def plan_retention(
+    store: ObjectStore, run: str, registered_steps: set[int], buffer_steps: int,
+    grace_s: float = ORPHAN_GRACE_S, now: float | None = None,
+) -> RetentionPlan:
+    """What retention would delete, and why; reads only manifests and listings."""
+    now = time.time() if now is None else now
+    plan = RetentionPlan(run)
+    buffers = [s for s in _steps_under(store, f"buffer/{run}") if store.exists(buffer_key(run, s))]
+    if not buffers:  # nothing has been buffered yet: nothing can be judged unreferenced
+        return plan
+    latest = buffers[-1]
+    plan.live_buffers = [s for s in buffers if s == latest or s in registered_steps]
+    referenced: set[tuple[int, str]] = set()
+    for step in plan.live_buffers:
+        referenced |= {(e["step"], e["shard"]) for e in store.read_json(buffer_key(run, step))["entries"]}
+
+    for step in buffers:
+        if step not in plan.live_buffers:
+            key = buffer_key(run, step)
+            plan.delete.append(Doomed(key, store.size(key), "expired buffer manifest (not the newest, no drafter)"))
+
+    window_start = latest - buffer_steps + 1
+    for step in _steps_under(store, f"hidden_states/{run}"):
+        prefix = hidden_states_prefix(run, step)
+        files = store.list_files(prefix)
+        manifest_key = f"{prefix}/{shards.MANIFEST}"
+        try:
+            manifest = shards.read_manifest(store, run, step) if store.exists(manifest_key) else None
+        except shards.ShardError as exc:  # e.g. another schema version: not ours to judge
+            plan.kept_steps[step] = f"manifest not readable ({exc})"
+            continue
+        listed = {f"{prefix}/{s.name}" for s in manifest.shards} if manifest else set()
+        in_use = manifest is not None and any((step, s.name) in referenced for s in manifest.shards)
+        if step >= window_start:
+            plan.kept_steps[step] = "inside the current buffer window or newer"
+        elif in_use:
+            plan.kept_steps[step] = "referenced by a live buffer"
+        elif manifest is not None:
+            plan.delete.append(Doomed(manifest_key, store.size(manifest_key), "manifest of an unreferenced step"))
+            plan.delete += [Doomed(k, n, "shard of an unreferenced step") for k, n, _ in files if k in listed]
+        orphan_reason = f"not listed by the step's manifest, older than {grace_s:.0f} s"
+        plan.delete += [Doomed(k, n, orphan_reason) for k, n, modified in files
+                        if k != manifest_key and k not in listed and now - modified > grace_s]
+    return plan
+
+
+def apply_retention(store: ObjectStore, plan: RetentionPlan) -> int:
+    """Delete what the plan lists, in its order; the bytes deleted."""
+    for doomed in plan.delete:
+        store.delete_prefix(doomed.key)
+    return plan.bytes
+
+
+class _Versions(Protocol):
+    def search_model_versions(self, filter_string: str) -> list: ...
+
+
+def registered_training_steps(client: _Versions, model_name: str, run: str) -> set[int]:
+    """RL steps whose buffer trained a registered drafter version of this pipeline run."""
+    steps = set()
+    for version in client.search_model_versions(f"name = '{model_name}'"):
+        tags = dict(version.tags or {})
+        if tags.get("pipeline_run") == run and tags.get("rl_step", "").isdigit():
+            steps.add(int(tags["rl_step"]))
+    return steps

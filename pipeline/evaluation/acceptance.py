@@ -1,0 +1,107 @@
+"""Acceptance of the step's drafters against the step's policy, and the promotion decision.
+
+Three drafters are measured on the same held-out prompts of the step:
+    cotrained  the newest drafter (the `challenger`), trained on data up to this step
+    served     the `champion` before this step's decision: what served this step's rollouts
+    baseline   the first drafter ever trained, never retrained
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.config import PipelineConfig, PromotionConfig
+from pipeline.data import rollouts as rollouts_lib
+from pipeline.data.keys import acceptance_key
+from pipeline.data.store import ObjectStore
+from pipeline.evaluation import speculative
+from pipeline.models import drafter as drafters
+from pipeline.models import target as target_lib
+from pipeline.registry import DrafterRegistry
+from pipeline.sources.extract import held_out_rollouts
+
+
+@dataclass(frozen=True)
+class Decision:
+    promote: bool
+    reason: str
+
+
+def promotion_decision(
+    policy: PromotionConfig, new_tau: float | None, champion_tau: float | None
+) -> Decision:
+    if new_tau is None:
+        return Decision(False, "no new drafter at this step")
+    if policy.policy == "manual":
+        return Decision(False, "promotion.policy is manual: a person moves `champion` in the MLflow UI")
+    if champion_tau is None:
+        return Decision(True, f"no champion yet; new tau {new_tau:.3f}")
+    if new_tau > champion_tau + policy.margin:
+        return Decision(True, f"new tau {new_tau:.3f} > champion tau {champion_tau:.3f} + margin {policy.margin}")
+    return Decision(False, f"new tau {new_tau:.3f} <= champion tau {champion_tau:.3f} + margin {policy.margin}")
+
+
+def held_out_prompts(store: ObjectStore, cfg: PipelineConfig, step: int) -> list[torch.Tensor]:
+    rollouts = held_out_rollouts(rollouts_lib.read_rollouts(store, cfg.run, step), cfg.eval.held_out_fraction)
+    if not rollouts:
+        raise ValueError(f"step {step}: no held-out rollouts (eval.held_out_fraction={cfg.eval.held_out_fraction})")
+    return [torch.tensor(r.input_ids[: max(1, r.prompt_len)]) for r in rollouts[: cfg.eval.num_prompts]]
+
+
+def evaluate_step(
+    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, new_version: str | None
+) -> dict:
+    """Measure the drafters, decide on promotion, move aliases, write the step's acceptance record."""
+    pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
+    target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device)
+    prompts = held_out_prompts(store, cfg, step)
+    k, max_new = cfg.eval.num_speculative_tokens, cfg.eval.max_new_tokens
+
+    roles = {
+        "cotrained": new_version or registry.alias_version("challenger"),
+        "served": registry.alias_version("champion"),
+        "baseline": registry.alias_version("baseline"),
+    }
+    measured: dict[str, dict] = {}
+    for version in {v for v in roles.values() if v is not None}:
+        drafter = registry.load(version)
+        drafters.attach_target(drafter, target)
+        measured[version] = speculative.evaluate(
+            target, speculative.make_proposer(drafter), prompts, max_new, k
+        ).as_dict()
+
+    def tau(version: str | None) -> float | None:
+        return measured[version]["tau"] if version else None
+
+    decision = promotion_decision(cfg.promotion, tau(new_version), tau(roles["served"]))
+    if decision.promote:
+        registry.set_alias("champion", new_version)
+    if new_version:
+        registry.set_version_tags(new_version, {
+            "tau": f"{tau(new_version):.4f}", "promoted": str(decision.promote).lower(),
+            "champion_tau_at_decision": "none" if roles["served"] is None else f"{tau(roles['served']):.4f}",
+        })
+        run_id = registry.client.get_model_version(registry.model_name, new_version).run_id
+        new = measured[new_version]
+        registry.log_metrics(run_id, {
+            "eval_tau": new["tau"], "eval_acceptance_rate": new["acceptance_rate"],
+            **{f"eval_accept_pos{j}": p for j, p in enumerate(new["per_position"])},
+            **({"eval_champion_tau": tau(roles["served"])} if roles["served"] else {}),
+        })
+        registry.set_run_tags(run_id, {"promotion": decision.reason})
+
+    record = {
+        "step": step,
+        "policy_version": pointer.policy_version,
+        "num_prompts": len(prompts),
+        "num_speculative_tokens": k,
+        "max_new_tokens": max_new,
+        "drafters": {role: ({"version": v, **measured[v]} if v else None) for role, v in roles.items()},
+        "promoted": decision.promote,
+        "decision": decision.reason,
+        "champion_after": registry.alias_version("champion"),
+    }
+    store.write_json(acceptance_key(cfg.run, step), record)
+    return record

@@ -1,0 +1,212 @@
+"""Drafter checkpoints as vLLM and SGLang load them, with no conversion step.
+
+EAGLE-1/2 (`drafter.kind: eagle`):
+    <dir>/
+    ├── config.json         LlamaConfig + "architectures": ["EagleLlamaForCausalLM"]
+    └── model.safetensors   fc.weight, layers.0.* (no embed_tokens / lm_head: vLLM
+                            shares the target's, which is what we train against)
+    vllm serve TARGET --speculative-config '{"method": "eagle", "model": "<dir>", "num_speculative_tokens": 4}'
+
+EAGLE-3 (`drafter.kind: eagle3`):
+    <dir>/
+    ├── config.json         "architectures": ["LlamaForCausalLMEagle3"], Llama fields, draft_vocab_size,
+    │                       target_hidden_size, eagle_config.eagle_aux_hidden_state_layer_ids,
+    │                       norm_before_residual (always written: engines differ on its default)
+    └── model.safetensors   midlayer.*, fc.weight, norm.weight, lm_head.weight, d2t, t2d
+                            [, fc_norm.N.weight (EAGLE-3.1)] [, embed_tokens.weight if not the target's]
+    vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "<dir>", "num_speculative_tokens": 4}'
+
+Import also takes the published variants (`layers.0.` for `midlayer.`, a `model.` prefix)
+and refuses anything that is not safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from pipeline.models.eagle import EagleConfig, EagleDrafter
+from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+ARCHITECTURE = "EagleLlamaForCausalLM"
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+class CheckpointError(ValueError):
+    """A drafter checkpoint that does not match its config or is not safetensors."""
+
+
+def _llama_fields(config: EagleConfig | Eagle3Config) -> dict:
+    """The LlamaConfig fields both engines read for the one draft decoder layer."""
+    return {
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def vllm_config(config: EagleConfig) -> dict:
+    return {"architectures": [ARCHITECTURE], **_llama_fields(config)}
+
+
+def eagle3_vllm_config(config: Eagle3Config) -> dict:
+    return {
+        "architectures": [EAGLE3_ARCHITECTURE],
+        **_llama_fields(config),
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "norm_before_residual": config.norm_before_residual,
+        "fc_norm": config.fc_norm,
+        "norm_output": config.norm_output,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
+    }
+
+
+def save_drafter(model: EagleDrafter | Eagle3Drafter, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.trainable_state_dict().items()}
+    if isinstance(model, Eagle3Drafter):
+        if model.own_embeddings:
+            tensors["embed_tokens.weight"] = model.embed_tokens.weight.detach().cpu().contiguous()
+        config = eagle3_vllm_config(model.config)
+    else:
+        config = vllm_config(model.config)
+    save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def _read(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    if not weights_path.exists():
+        pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
+        hint = f" (found {', '.join(pickles)}: pickled weights are refused)" if pickles else ""
+        raise CheckpointError(f"{directory}: a drafter checkpoint needs {WEIGHTS_FILE}{hint}")
+    if not config_path.exists():
+        raise CheckpointError(f"{directory}: a drafter checkpoint needs {CONFIG_FILE}")
+    try:
+        tensors = load_file(weights_path)
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{weights_path}: not a readable safetensors file ({exc})") from None
+    return json.loads(config_path.read_text()), tensors
+
+
+def load_drafter(directory: Path, target_num_layers: int | None = None) -> EagleDrafter | Eagle3Drafter:
+    """Load and check a checkpoint of either kind; the caller then attaches the target.
+
+    `target_num_layers` supplies vLLM's default aux layers for EAGLE-3 checkpoints that do
+    not name theirs (the EAGLE authors' releases)."""
+    raw, tensors = _read(directory)
+    architectures = raw.get("architectures")
+    if architectures == [EAGLE3_ARCHITECTURE]:
+        return _load_eagle3(directory, raw, tensors, target_num_layers)
+    if architectures != [ARCHITECTURE]:
+        raise CheckpointError(
+            f"{directory / CONFIG_FILE}: architectures {architectures}, expected "
+            f"[{ARCHITECTURE!r}] or [{EAGLE3_ARCHITECTURE!r}]"
+        )
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    try:
+        config = EagleConfig(**{k: raw[k] for k in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "rms_norm_eps", "rope_theta", "max_position_embeddings")})
+    except KeyError as exc:
+        raise CheckpointError(f"{config_path}: missing key {exc}") from None
+    model = EagleDrafter(config)
+    expected = model.trainable_state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected) - {"embed_tokens.weight", "lm_head.weight"})
+    if missing or unexpected:
+        raise CheckpointError(f"{weights_path}: missing keys {missing}, unexpected keys {unexpected}")
+    for key, tensor in expected.items():
+        if tensors[key].shape != tensor.shape:
+            raise CheckpointError(
+                f"{weights_path}: {key} has shape {tuple(tensors[key].shape)}, config implies {tuple(tensor.shape)}"
+            )
+    model.load_state_dict({k: tensors[k].to(torch.float32) for k in expected}, strict=False)
+    return model
+
+
+def _canonical_eagle3_key(key: str) -> str:
+    """Published variants -> our names: a `model.` prefix, `layers.0.` for `midlayer.`."""
+    key = key.removeprefix("model.")
+    return "midlayer." + key.removeprefix("layers.0.") if key.startswith("layers.0.") else key
+
+
+def _load_eagle3(
+    directory: Path, raw: dict, tensors: dict[str, torch.Tensor], target_num_layers: int | None
+) -> Eagle3Drafter:
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
+        or raw.get("eagle_aux_hidden_state_layer_ids")
+    if aux is None:
+        if target_num_layers is None:
+            raise CheckpointError(f"{config_path}: no eagle_aux_hidden_state_layer_ids and no target to default from")
+        aux = default_aux_layer_ids(target_num_layers)
+    rope = raw.get("rope_parameters") or {}
+    try:
+        heads = raw["num_attention_heads"]
+        config = Eagle3Config(
+            vocab_size=raw["vocab_size"],
+            draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            target_hidden_size=raw.get("target_hidden_size") or raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            aux_layer_ids=tuple(aux),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            # Absent means the EAGLE authors' / SpecForge layer (residual before hidden_norm).
+            norm_before_residual=bool(raw.get("norm_before_residual", False)),
+            fc_norm=bool(raw.get("fc_norm", False)),
+            norm_output=bool(raw.get("norm_output", False)),
+        )
+    except KeyError as exc:
+        raise CheckpointError(f"{config_path}: missing key {exc}") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{config_path}: {exc}") from None
+
+    tensors = {_canonical_eagle3_key(k): v for k, v in tensors.items()}
+    model = Eagle3Drafter(config)
+    expected = model.trainable_state_dict()
+    optional = {"d2t", "t2d"} if config.draft_vocab_size == config.vocab_size else set()
+    missing = sorted(set(expected) - set(tensors) - optional)
+    unexpected = sorted(set(tensors) - set(expected) - {"embed_tokens.weight"})
+    if missing or unexpected:
+        raise CheckpointError(f"{weights_path}: missing keys {missing}, unexpected keys {unexpected}")
+    for key, tensor in expected.items():
+        if key in tensors and tensors[key].shape != tensor.shape:
+            raise CheckpointError(
+                f"{weights_path}: {key} has shape {tuple(tensors[key].shape)}, config implies {tuple(tensor.shape)}"
+            )
+    state = {k: tensors[k].to(v.dtype) for k, v in expected.items() if k in tensors}
+    if "embed_tokens.weight" in tensors:
+        embed = tensors["embed_tokens.weight"]
+        if embed.shape != model.embed_tokens.weight.shape:
+            raise CheckpointError(f"{weights_path}: embed_tokens.weight has shape {tuple(embed.shape)}")
+        state["embed_tokens.weight"] = embed.to(torch.float32)
+        model.own_embeddings = True
+    model.load_state_dict(state, strict=False)
+    return model

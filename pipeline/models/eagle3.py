@@ -1,0 +1,263 @@
+"""EAGLE-3 drafter, laid out as vLLM's / SGLang's `LlamaForCausalLMEagle3`.
+
+    aux hidden states of the target at layers (a, b, c), each (H_t)
+        -> [fc_norm per chunk] -> cat (3 H_t) -> fc -> g (H)                 step 0 only
+    step k > 0: g = the drafter's own output of step k-1
+    token x_{t+1+k} -> embed_tokens -> input_layernorm -> e (H) --+
+    g -> hidden_norm -> (H) ------------------------------------- cat (2H) -> attention -> + residual
+        -> post_attention_layernorm -> MLP -> + residual = h_k -> norm -> lm_head (draft vocab) -> x^_{t+2+k}
+
+Training-time test (TTT): the query of step k at position t sees the causal block of
+step 0's keys (positions <= t of the same sample) plus the keys of steps 1..k at the
+same position t; its rotary phase is t + k. This is exactly the attention pattern of the
+runtime, where step k's token sits at position t + k and attends to the prefix and to
+the earlier draft tokens, so one implementation serves training and drafting.
+
+The draft vocabulary is the N most frequent target tokens: `d2t[i] = target_id - i`
+(vLLM), `t2d[target_id] = True` (SGLang).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.models.eagle import MLP, RMSNorm, check_heads, rotary, rotate_half
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    aux_layer_ids: tuple[int, ...]
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    norm_before_residual: bool = False
+    fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux chunk before fc
+    norm_output: bool = False  # EAGLE-3.1: carry the post-norm state to the next step
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def __post_init__(self) -> None:
+        check_heads(self.hidden_size, self.num_attention_heads, self.num_key_value_heads)
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
+        if len(self.aux_layer_ids) < 1:
+            raise ValueError("aux_layer_ids must name at least one target layer")
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """vLLM's default (2, L//2, L-3) from 7 layers on (below that it repeats a layer, as at L=6:
+    (2, 3, 3)); for shallower targets, three distinct ids spread over [0, L]."""
+    if num_layers >= 7:
+        return (2, num_layers // 2, num_layers - 3)
+    if num_layers < 2:
+        raise ValueError("EAGLE-3 needs a target with at least 2 layers")
+    return (0, round(num_layers / 2), num_layers)
+
+
+def draft_vocab(token_counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(V,) counts -> d2t (size,) int64 offsets and t2d (V,) bool; ties broken by token id."""
+    if size > token_counts.shape[0]:
+        raise ValueError(f"draft vocab {size} larger than the target vocab {token_counts.shape[0]}")
+    # stable sort on -count keeps the lower id first among equal counts
+    order = torch.sort(-token_counts.to(torch.float64), stable=True).indices[:size]
+    selected = torch.sort(order).values  # ascending target ids: offsets stay >= 0
+    d2t = selected - torch.arange(size)
+    t2d = torch.zeros(token_counts.shape[0], dtype=torch.bool)
+    t2d[selected] = True
+    return d2t, t2d
+
+
+@dataclass
+class TTTCache:
+    """Keys/values of one TTT unroll: step 0's (causal block) and the diagonal ones of later steps."""
+
+    key0: torch.Tensor | None = None  # (B, heads, N0, head_dim)
+    value0: torch.Tensor | None = None
+    keys: list[torch.Tensor] = field(default_factory=list)  # each (B, heads, Nq, head_dim)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        return 0 if self.key0 is None else 1 + len(self.keys)
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.config = config
+        h, d = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(2 * h, config.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, config.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, config.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
+
+    def forward(
+        self, hidden_states: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache: TTTCache
+    ) -> torch.Tensor:
+        """
+        hidden_states:  (B, Nq, 2H)
+        position_ids:   (B, Nq) positions of the queries (step 0: of all N0 keys too)
+        attention_mask: (B, 1, Nq, N0) bool, the causal block against step 0's keys
+        """
+        B, Nq, _ = hidden_states.shape
+        c = self.config
+        step = cache.step
+        cos, sin = rotary(position_ids + step, c.head_dim, c.rope_theta)  # (B, 1, Nq, head_dim)
+        groups = c.num_attention_heads // c.num_key_value_heads
+
+        def heads(proj: nn.Linear, n: int) -> torch.Tensor:
+            return proj(hidden_states).view(B, Nq, n, c.head_dim).transpose(1, 2)
+
+        query_states = heads(self.q_proj, c.num_attention_heads)  # (B, heads, Nq, d)
+        key_states = heads(self.k_proj, c.num_key_value_heads).repeat_interleave(groups, dim=1)
+        value_states = heads(self.v_proj, c.num_key_value_heads).repeat_interleave(groups, dim=1)
+        query_states = query_states * cos + rotate_half(query_states) * sin
+        key_states = key_states * cos + rotate_half(key_states) * sin
+        if step == 0:
+            cache.key0, cache.value0 = key_states, value_states
+        else:
+            cache.keys.append(key_states)
+            cache.values.append(value_states)
+
+        scale = 1.0 / math.sqrt(c.head_dim)
+        block = (query_states @ cache.key0.transpose(-1, -2)) * scale  # (B, heads, Nq, N0)
+        block = block.masked_fill(~attention_mask, torch.finfo(block.dtype).min)
+        diagonal = [(query_states * k).sum(-1, keepdim=True) * scale for k in cache.keys]  # each (B, heads, Nq, 1)
+        probs = torch.cat([block, *diagonal], dim=-1).softmax(dim=-1)  # (B, heads, Nq, N0 + step)
+        n0 = cache.key0.shape[2]
+        attn = probs[..., :n0] @ cache.value0  # (B, heads, Nq, d)
+        for i, value in enumerate(cache.values):
+            attn = attn + probs[..., n0 + i, None] * value
+        return self.o_proj(attn.transpose(1, 2).reshape(B, Nq, -1))  # (B, Nq, H)
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: TTTCache,
+    ) -> torch.Tensor:
+        embeds = self.input_layernorm(inputs_embeds)  # (B, Nq, H)
+        if self.config.norm_before_residual:
+            hidden_states = self.hidden_norm(hidden_states)
+            residual = hidden_states
+        else:
+            residual = hidden_states
+            hidden_states = self.hidden_norm(hidden_states)
+        attn_in = torch.cat([embeds, hidden_states], dim=-1)  # (B, Nq, 2H)
+        hidden_states = residual + self.self_attn(attn_in, position_ids, attention_mask, cache)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.config = config
+        n_aux, h_t = len(config.aux_layer_ids), config.target_hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.requires_grad_(False)
+        self.own_embeddings = False  # True when a checkpoint brought embeddings other than the target's
+        self.fc_norm = nn.ModuleList([RMSNorm(h_t, config.rms_norm_eps) for _ in range(n_aux)]) \
+            if config.fc_norm else None
+        self.fc = nn.Linear(n_aux * h_t, config.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        # Identity maps until set_vocab: draft id i is target id i.
+        self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
+
+    # -- vocabulary
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"vocab maps of shape {tuple(d2t.shape)}/{tuple(t2d.shape)} do not fit the drafter")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """(draft_vocab,) target id of each draft id."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def use_target(self, target: nn.Module, init_lm_head: bool) -> None:
+        """Frozen token embeddings from the target; the draft lm_head starts from the target's rows."""
+        embed = target.get_input_embeddings().weight
+        if embed.shape != self.embed_tokens.weight.shape:
+            raise ValueError(f"target embeddings {tuple(embed.shape)} do not fit the drafter")
+        with torch.no_grad():
+            if not self.own_embeddings:
+                self.embed_tokens.weight.copy_(embed)
+            if init_lm_head:
+                self.lm_head.weight.copy_(target.get_output_embeddings().weight[self.draft_to_target])
+
+    # -- forward
+    def project_aux(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """(B, N, n_aux * H_t) concatenated aux states -> (B, N, H)."""
+        if self.fc_norm is not None:
+            chunks = aux_hidden.chunk(len(self.fc_norm), dim=-1)
+            aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(aux_hidden)
+
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: TTTCache,
+    ) -> torch.Tensor:
+        """One TTT step.
+
+        input_ids:      (B, Nq)     token x_{t+1+k}
+        hidden_states:  (B, Nq, H)  step 0: project_aux(aux); step k: the output of step k-1
+        position_ids:   (B, Nq)
+        attention_mask: (B, 1, Nq, N0)
+        returns:        (B, Nq, H)  this step's state (post-norm if norm_output)
+        """
+        inputs_embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)
+        out = self.midlayer(inputs_embeds, hidden_states, position_ids, attention_mask, cache)
+        return self.norm(out) if self.config.norm_output else out
+
+    def logits_input(self, state: torch.Tensor) -> torch.Tensor:
+        """What lm_head reads: the final norm, unless the state is already post-norm."""
+        return state if self.config.norm_output else self.norm(state)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors: everything but the (frozen, shared) target embeddings."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+def shift_within_document(x: torch.Tensor, document_ids: torch.Tensor, k: int, fill: float = 0) -> torch.Tensor:
+    """x[:, t + k] where position t + k is in the same document as t, else `fill`. x is (B, N, ...)."""
+    if k == 0:
+        return x
+    shifted = F.pad(x.movedim(1, -1), (0, k), value=fill).movedim(-1, 1)[:, k:]
+    docs = F.pad(document_ids, (0, k), value=-1)[:, k:]
+    same = (docs == document_ids).view(*document_ids.shape, *([1] * (x.dim() - 2)))
+    return torch.where(same, shifted, torch.full_like(shifted, fill))

@@ -1,0 +1,81 @@
+"""Deploying a registered drafter version to the serving fleet, and the fleet's recorded state.
+
+    <data_dir>/fleet/staged/v<version>/   the checkpoint directory replicas read
+    <root>/fleet/<run>/state.json         which version runs where, since when, live tau
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from pipeline.config import PipelineConfig
+from pipeline.data import rollouts as rollouts_lib
+from pipeline.data.store import ObjectStore
+from pipeline.evaluation.acceptance import held_out_prompts
+from pipeline.models import target as target_lib
+from pipeline.models.checkpoint import load_drafter
+from pipeline.registry import DrafterRegistry
+from pipeline.serving.fleet import (
+    CommandDriver,
+    DeployReport,
+    GateConfig,
+    ReplicaDriver,
+    ReplicaSpec,
+    StandInDriver,
+    rolling_deploy,
+)
+
+
+def replicas(cfg: PipelineConfig) -> list[ReplicaSpec]:
+    return [ReplicaSpec(r.name, r.host, r.port, r.served_model_name, r.api_key_env) for r in cfg.fleet.replicas]
+
+
+def make_driver(cfg: PipelineConfig) -> ReplicaDriver:
+    k = cfg.eval.num_speculative_tokens
+    if cfg.fleet.driver == "command":
+        return CommandDriver(cfg.fleet.command, cfg.drafter.kind, k)
+    return StandInDriver(k, cfg.data_path / "fleet" / "replicas")
+
+
+def state_key(run: str) -> str:
+    return f"fleet/{run}/state.json"
+
+
+def read_state(store: ObjectStore, run: str) -> dict:
+    key = state_key(run)
+    return store.read_json(key) if store.exists(key) else {"version": None, "replicas": []}
+
+
+def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, version: str,
+           driver: ReplicaDriver | None = None) -> DeployReport:
+    """Stage `version`, roll it over the fleet, then record it as `live` (registry alias + fleet state)."""
+    stage = cfg.data_path / "fleet" / "staged"
+    drafter_dir = registry.download(version, stage / f"v{version}")
+    # A checkpoint that does not load (pickle, keys or shapes not matching its config) is refused
+    # here, before any replica is touched, rather than by a crashed replica and a rollback.
+    load_drafter(drafter_dir)
+    live = registry.alias_version("live")
+    previous = (live, str(stage / f"v{live}" / "drafter")) if live else None
+    if previous and not Path(previous[1]).exists():
+        registry.download(live, stage / f"v{live}")
+
+    # The fleet serves the newest policy; canaries are its held-out prompts.
+    steps = rollouts_lib.committed_steps(store, cfg.run)
+    if not steps:
+        raise ValueError(f"no committed RL step under rollouts/{cfg.run}/: no policy for the fleet to serve")
+    pointer = rollouts_lib.read_policy_pointer(store, cfg.run, steps[-1])
+    target = target_lib.resolve_uri(store, pointer.checkpoint_uri)
+    prompts = [p.tolist() for p in held_out_prompts(store, cfg, steps[-1])]
+
+    f = cfg.fleet
+    gates = GateConfig(f.ready_timeout_s, f.canary_requests, f.canary_tokens, f.min_live_tau)
+    report = rolling_deploy(replicas(cfg), driver or make_driver(cfg), target, version, str(drafter_dir),
+                            previous, gates, prompts)
+    registry.set_alias("live", version)
+    registry.set_version_tags(version, {"deployed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                        "fleet": ",".join(r["replica"] for r in report.replicas)})
+    store.write_json(state_key(cfg.run), {
+        "version": version, "policy_step": steps[-1], "since": time.time(), "replicas": report.replicas,
+    })
+    return report

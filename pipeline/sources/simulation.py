@@ -1,0 +1,190 @@
+"""The built-in simulated RL source: a stand-in for an RL trainer, writing real steps.
+
+The "task" is a synthetic language whose preferences drift over RL steps:
+
+* Each context (the current token plus a phase computed from the tokens before it)
+  has a fixed set of `candidates` plausible next tokens. At step s one of them is the
+  favourite (probability 0.6), the others share the rest.
+* Every RL step, a share `drift` of the contexts gets a new favourite: what the
+  reward asks for changes, so the policy changes, so a drafter trained on early steps
+  goes stale (the effect this product exists to fix).
+
+The policy is a tiny Llama built from a config and pre-trained on step 0's task (cached
+on disk; its next-token distributions are peaked). Each RL step applies
+reward-weighted regression (RWR: NLL weighted by exp(reward / beta)) on sequences
+from the step's task, then samples rollouts from the updated policy and writes them,
+with the policy checkpoint, in exactly the layout an external trainer uses
+(see `pipeline/data/rollouts.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaForCausalLM
+
+from pipeline.config import SimulationConfig
+from pipeline.data.keys import policy_prefix
+from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
+from pipeline.data.store import ObjectStore
+from pipeline.models import target as target_lib
+
+FAVOURITE_PROB = 0.6
+PHASES = 3
+RWR_BETA = 0.1
+
+
+class Task:
+    """The drifting synthetic language. All randomness is seeded: same config, same task."""
+
+    def __init__(self, cfg: SimulationConfig) -> None:
+        self.cfg = cfg
+        g = torch.Generator().manual_seed(cfg.seed)
+        self.num_contexts = cfg.vocab_size * PHASES
+        # (C, K) distinct candidate tokens per context
+        self.candidates = torch.stack(
+            [torch.randperm(cfg.vocab_size, generator=g)[: cfg.candidates] for _ in range(self.num_contexts)]
+        )
+        rest = (1 - FAVOURITE_PROB) * torch.tensor([0.5**i for i in range(cfg.candidates - 1)])
+        self._rest_probs = rest / rest.sum() * (1 - FAVOURITE_PROB)
+        self._favourites = [torch.zeros(self.num_contexts, dtype=torch.int64)]
+        self._drift_gen = torch.Generator().manual_seed(cfg.seed + 1)
+
+    def favourite(self, step: int) -> torch.Tensor:
+        """(C,) index into `candidates` of each context's favourite at `step`."""
+        while len(self._favourites) <= step:
+            prev = self._favourites[-1]
+            moved = torch.rand(self.num_contexts, generator=self._drift_gen) < self.cfg.drift
+            shift = torch.randint(1, self.cfg.candidates, (self.num_contexts,), generator=self._drift_gen)
+            self._favourites.append(torch.where(moved, (prev + shift) % self.cfg.candidates, prev))
+        return self._favourites[step]
+
+    def next_token_probs(self, step: int) -> torch.Tensor:
+        """(C, V) next-token distribution of every context at `step`."""
+        fav = self.favourite(step)
+        order = (fav[:, None] + torch.arange(self.cfg.candidates)) % self.cfg.candidates  # favourite first
+        probs = torch.cat([torch.tensor([FAVOURITE_PROB]), self._rest_probs])
+        table = torch.zeros(self.num_contexts, self.cfg.vocab_size)
+        table.scatter_(1, torch.gather(self.candidates, 1, order), probs.expand(self.num_contexts, -1).clone())
+        return table
+
+    def context_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) tokens -> (B, T) context id that decides the token after each position."""
+        order = self.cfg.context_order
+        padded = F.pad(tokens, (order - 1, 0))
+        phase = torch.zeros_like(tokens)
+        for lag in range(1, order):
+            phase = phase + padded[:, order - 1 - lag : padded.shape[1] - lag]
+        return tokens * PHASES + phase % PHASES
+
+    def sample(self, step: int, n: int, length: int, g: torch.Generator) -> torch.Tensor:
+        """(n, length) sequences drawn from the step's task."""
+        table = self.next_token_probs(step)
+        seqs = torch.randint(self.cfg.vocab_size, (n, 1), generator=g)
+        for _ in range(length - 1):
+            ctx = self.context_ids(seqs)[:, -1]
+            seqs = torch.cat([seqs, torch.multinomial(table[ctx], 1, generator=g)], dim=1)
+        return seqs
+
+    def rewards(self, step: int, seqs: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """(n,) share of response tokens that are the step's favourite for their context."""
+        fav_tokens = torch.gather(self.candidates, 1, self.favourite(step)[:, None]).squeeze(1)  # (C,)
+        wanted = fav_tokens[self.context_ids(seqs)[:, :-1]]  # (n, T-1) favourite next token
+        hits = (seqs[:, 1:] == wanted)[:, prompt_len - 1 :]
+        return hits.float().mean(dim=1)
+
+
+def _finetune(
+    model: LlamaForCausalLM, batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]], iters: int, lr: float
+) -> None:
+    """Weighted next-token NLL; `batches(i)` gives (tokens (B, T), weights (B,))."""
+    model.train()
+    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    for i in range(iters):
+        tokens, weights = batches(i)
+        logits = model(input_ids=tokens).logits[:, :-1]  # (B, T-1, V)
+        nll = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none").mean(dim=1)  # (B,)
+        loss = (weights * nll).sum() / weights.sum()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    model.eval()
+
+
+class SimulatedRL:
+    """Writes RL steps 1, 2, ... of a simulated run into the store (the external-trainer layout)."""
+
+    def __init__(self, cfg: SimulationConfig, store: ObjectStore, run: str, cache_dir: Path) -> None:
+        self.cfg, self.store, self.run = cfg, store, run
+        self.task = Task(cfg)
+        self.cache_dir = cache_dir
+        self.seq_len = cfg.prompt_len + cfg.response_len
+
+    def _cache_path(self) -> Path:
+        # Only what shapes pre-training goes into the key: tuning RL knobs keeps the cache.
+        pretrain = self.cfg.model_dump(exclude={"drift", "rl_iters", "rollouts_per_step", "temperature"})
+        digest = hashlib.sha256(json.dumps(pretrain, sort_keys=True).encode()).hexdigest()[:12]
+        return self.cache_dir / f"pretrained-target-{digest}"
+
+    def pretrained(self) -> LlamaForCausalLM:
+        """The step-0 policy, pre-trained once per simulation config and cached."""
+        path = self._cache_path()
+        if (path / "model.safetensors").exists():
+            return target_lib.load_checkpoint(path.as_uri())
+        cfg = self.cfg
+        model = target_lib.build_target(
+            target_lib.tiny_llama_config(cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads), cfg.seed
+        )
+        g = torch.Generator().manual_seed(cfg.seed)
+        _finetune(model, lambda i: (self.task.sample(0, 32, self.seq_len, g), torch.ones(32)),
+                  cfg.pretrain_iters, lr=3e-3)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(path, safe_serialization=True)
+        return model
+
+    def policy(self, step: int) -> LlamaForCausalLM:
+        if step == 0:
+            return self.pretrained()
+        return target_lib.load_policy(self.store, policy_prefix(self.run, step))
+
+    def run_step(self, step: int) -> PolicyPointer:
+        """Update the policy of step-1 with RWR toward step's task, then write step's rollouts."""
+        if step < 1:
+            raise ValueError(f"simulated RL steps start at 1, got {step}")
+        cfg = self.cfg
+        model = self.policy(step - 1)
+        g = torch.Generator().manual_seed(cfg.seed * 1000 + step)
+
+        def rwr_batch(_: int) -> tuple[torch.Tensor, torch.Tensor]:
+            seqs = self.task.sample(step, 32, self.seq_len, g)
+            reward = self.task.rewards(step, seqs, cfg.prompt_len)
+            return seqs, torch.exp((reward - reward.max()) / RWR_BETA)
+
+        _finetune(model, rwr_batch, cfg.rl_iters, lr=2e-3)
+        checkpoint_uri = target_lib.save_checkpoint(model, self.store, policy_prefix(self.run, step))
+
+        rollouts = self.generate_rollouts(model, step, g)
+        pointer = PolicyPointer(policy_version=step, checkpoint_uri=checkpoint_uri,
+                                model_id=target_lib.model_id(model))
+        write_rollouts(self.store, self.run, step, rollouts, pointer)
+        return pointer
+
+    @torch.no_grad()
+    def generate_rollouts(self, model: LlamaForCausalLM, step: int, g: torch.Generator) -> list[Rollout]:
+        cfg = self.cfg
+        prompts = self.task.sample(step, cfg.rollouts_per_step, cfg.prompt_len, g)  # (N, P)
+        seqs = prompts
+        for _ in range(cfg.response_len):  # sampling with our generator keeps steps reproducible
+            logits = model(input_ids=seqs).logits[:, -1] / cfg.temperature  # (N, V)
+            seqs = torch.cat([seqs, torch.multinomial(logits.softmax(-1), 1, generator=g)], dim=1)
+        rewards = self.task.rewards(step, seqs, cfg.prompt_len)
+        mask = [0] * cfg.prompt_len + [1] * cfg.response_len
+        return [
+            Rollout(f"s{step:06d}-{i:05d}", seqs[i].tolist(), list(mask), float(rewards[i]), step)
+            for i in range(seqs.shape[0])
+        ]

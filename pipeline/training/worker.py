@@ -1,0 +1,108 @@
+"""The drafter training process, launched by the `drafter` asset through Dagster Pipes.
+
+    torchrun --standalone --nproc-per-node=N -m pipeline.training.worker   (N data-parallel ranks)
+    python -m pipeline.training.worker --job job.json                      (by hand, without Dagster)
+
+The job (`cotrain.TrainJob`: config, RL step, MLflow run, input identity, warm start)
+arrives as the Pipes extra `job`. Every rank reads it from the Pipes context; only rank 0
+opens the message channel, so Dagster sees one process: rank 0 sends progress logs and the
+materialization (its metadata sums all ranks' work), and is the only rank that writes to
+MLflow (one run) and to the store.
+
+This module is the only place in `pipeline/` that knows Dagster Pipes (`dagster_pipes`,
+a dependency-free protocol library); the training itself is `cotrain.run_training`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+from dagster_pipes import PipesDefaultContextLoader, PipesEnvVarParamsLoader, open_dagster_pipes
+
+from pipeline import report
+from pipeline.registry import DrafterRegistry
+from pipeline.training.cotrain import TrainJob, TrainOutcome, outcome_metadata, run_training
+from pipeline.training.distributed import (
+    DistContext,
+    context_from_env,
+    destroy_process_group,
+    init_process_group,
+    rank_device,
+)
+
+
+def _exit_with_launcher(poll_s: float = 1.0) -> None:
+    """Exit when the launching process (torchrun's agent, or the Dagster step) is gone: a
+    killed launcher must not leave ranks training, and writing checkpoints, behind it."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def _train(job: TrainJob, ctx: DistContext, progress=None) -> TrainOutcome | None:  # noqa: ANN001
+    init_process_group(ctx, rank_device(ctx, job.pipeline_config.device))
+    try:
+        return run_training(job, ctx, progress)
+    finally:
+        destroy_process_group()
+
+
+def _pipes_extras() -> dict:
+    """The Pipes context's extras, read without opening the message channel (ranks other than 0)."""
+    params = PipesEnvVarParamsLoader().load_context_params()
+    with PipesDefaultContextLoader().load_context(params) as data:
+        return dict(data["extras"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.training.worker", description=__doc__.split("\n")[0])
+    parser.add_argument("--job", type=Path, help="a training job as JSON (without Dagster Pipes)")
+    args = parser.parse_args(argv)
+    ctx = context_from_env()
+    _exit_with_launcher()
+    if args.job:
+        outcome = _train(TrainJob.from_dict(json.loads(args.job.read_text())), ctx)
+        if outcome:
+            sys.stdout.write(json.dumps(outcome_metadata(outcome), default=str) + "\n")
+        return
+    if not PipesEnvVarParamsLoader().is_dagster_pipes_process():
+        raise SystemExit("pipeline.training.worker: no job; launch it from the drafter asset (Dagster Pipes) "
+                         "or pass --job FILE")
+    if not ctx.is_main:
+        _train(TrainJob.from_dict(_pipes_extras()["job"]), ctx)
+        return
+    with open_dagster_pipes() as pipes:
+        job = TrainJob.from_dict(pipes.get_extra("job"))
+        continued = f", continuing MLflow run {job.run_id}" if job.run_id else ""
+        pipes.log.info(f"training RL step {job.step} on {ctx.world_size} rank(s){continued}")
+        outcome = _train(job, ctx, pipes.log.info)
+        metadata: dict = outcome_metadata(outcome)
+        ui_url = pipes.extras.get("mlflow_ui_url")
+        if ui_url:
+            cfg = job.pipeline_config
+            registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name,
+                                       cfg.artifact_root)
+            metadata["mlflow_run"] = {"raw_value": registry.run_url(outcome.run_id, ui_url), "type": "url"}
+            metadata["mlflow_model_version"] = {"raw_value": registry.version_url(outcome.version, ui_url),
+                                                "type": "url"}
+        curve = report.loss_png(outcome.result.loss_history, f"drafter training, RL step {job.step}")
+        metadata["loss_curve"] = {"raw_value": report.png_markdown(curve, "training loss per iteration"),
+                                  "type": "md"}
+        metadata["world_size"] = ctx.world_size
+        pipes.report_asset_materialization(metadata=metadata)
+
+
+if __name__ == "__main__":
+    main()

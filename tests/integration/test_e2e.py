@@ -1,0 +1,88 @@
+"""The demo as a newcomer runs it: a subprocess, a persisted Dagster instance, MLflow, outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from pipeline.config import load_config
+from pipeline.data import shards
+from pipeline.data.store import open_store
+from pipeline.registry import DrafterRegistry
+from tests.support.config import write_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _demo(config: Path, steps: int) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "DRAFTER_PIPELINE_CONFIG")}
+    return subprocess.run(
+        [sys.executable, "cli.py", "--config", str(config), "demo", "--steps", str(steps)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False,
+    )
+
+
+@pytest.mark.slow
+def test_demo_end_to_end(tmp_path: Path) -> None:
+    tiny_config_path = write_config(tmp_path, pretrained=False)  # the first demo pre-trains the target itself
+    cfg = load_config(tiny_config_path)
+    proc = _demo(tiny_config_path, 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    summary_path = cfg.data_path / "demo" / "summary.json"
+    plot_path = cfg.data_path / "demo" / "acceptance.png"
+    assert str(summary_path) in proc.stdout
+    assert str(plot_path) in proc.stdout
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads(summary_path.read_text())
+    assert summary["wall_s"] > 0
+    assert [s["step"] for s in summary["steps"]] == [1, 2, 3]
+    ceiling = cfg.eval.num_speculative_tokens + 1
+    for row in summary["steps"]:
+        assert row["samples"] == cfg.simulation.rollouts_per_step
+        assert row["trained"] is True
+        for key in ("tau_cotrained", "tau_baseline", "tau_served"):
+            assert 1.0 <= row[key] <= ceiling
+    assert summary["steps"][0]["tau_served"] == 1.0  # nothing served before the first drafter
+    assert summary["steps"][0]["promoted"] is True
+    # Every promotion reached the two stand-in replicas: the fleet runs the champion after each step.
+    for row in summary["steps"]:
+        assert row["deployed_version"] == (row["version_cotrained"] if row["promoted"] else row["version_served"])
+    assert [r["replica"] for r in summary["fleet"]] == ["standin-0", "standin-1"]
+    assert {r["version"] for r in summary["fleet"]} == {summary["steps"][-1]["deployed_version"]}
+    assert all(r["live_tau"] >= 1.0 for r in summary["fleet"])
+    assert "runs drafter version" in proc.stdout
+    # The buffer holds the training samples of the last two steps (buffer_steps=2); held-out ones never.
+    store = open_store(cfg)
+    trained_on = {s: shards.read_manifest(store, cfg.run, s).num_samples for s in (1, 2, 3)}
+    assert all(n < cfg.simulation.rollouts_per_step for n in trained_on.values())
+    assert [r["buffer_samples"] for r in summary["steps"]] == [
+        trained_on[1], trained_on[1] + trained_on[2], trained_on[2] + trained_on[3]]
+
+    # Every step ran as a run of the persisted instance, tagged as the sensor tags it.
+    os.environ["DAGSTER_HOME"] = str(cfg.data_path / "dagster")
+    try:
+        with dg.DagsterInstance.get() as instance:
+            runs = instance.get_runs(filters=dg.RunsFilter(job_name="rl_step_job"))
+            assert sorted(r.tags["dagster/run_key"] for r in runs) == ["step-000001", "step-000002", "step-000003"]
+            assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs)
+            assert set(instance.get_dynamic_partitions("rl_step")) == {"step-000001", "step-000002", "step-000003"}
+    finally:
+        del os.environ["DAGSTER_HOME"]
+
+    registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name)
+    assert len(registry.client.search_runs([registry.experiment_id])) == 3
+    assert registry.alias_version("baseline") == "1"
+    assert registry.alias_version("challenger") == "3"
+
+    # A second demo reuses the cached pre-trained target and starts from fresh pipeline state.
+    again = _demo(tiny_config_path, 1)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(list((cfg.data_path / "cache").iterdir())) == 1
+    assert [s["step"] for s in json.loads(summary_path.read_text())["steps"]] == [1]

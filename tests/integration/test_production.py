@@ -1,0 +1,147 @@
+"""Production configuration, checked without a cluster: the Postgres/k8s Dagster instance, the
+training pod built from the pipeline config (validated by dagster-k8s and the kubernetes
+client's models), the `gpu` concurrency pool."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import dagster as dg
+import kubernetes
+import pytest
+import yaml
+from dagster._core.instance.config import dagster_instance_config
+from dagster_k8s import K8sRunLauncher
+from dagster_k8s.pipes import build_pod_body
+
+from definitions import build_definitions
+from pipeline.config import ConfigError, load_config
+from pipeline.training.launch import TRAIN_MODULE, pod_labels, torchrun_command, train_command, training_pod_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+GPU_ASSETS = {"hidden_states", "drafter", "acceptance"}
+
+
+def test_production_instance_config_is_valid(tmp_path: Path) -> None:
+    shutil.copyfile(DEPLOY / "dagster.yaml", tmp_path / "dagster.yaml")
+    config, _ = dagster_instance_config(str(tmp_path), "dagster.yaml")  # Dagster's own schema check
+
+    assert set(config["storage"]) == {"postgres"}
+    assert config["storage"]["postgres"]["postgres_db"]["password"] == {"env": "DAGSTER_PG_PASSWORD"}
+    assert config["run_monitoring"]["enabled"] is True
+    assert config["run_monitoring"]["start_timeout_seconds"] >= 900  # GPU nodes scale up from zero
+    assert config["concurrency"]["pools"]["default_limit"] == 1
+    launcher = config["run_launcher"]
+    assert (launcher["module"], launcher["class"]) == ("dagster_k8s", "K8sRunLauncher")
+    checked = dg._config.validate_config(K8sRunLauncher.config_type(), launcher["config"])  # noqa: SLF001
+    assert checked.success, checked.errors
+
+
+def test_training_pod_from_the_production_config_is_a_valid_pod() -> None:
+    cfg = load_config(DEPLOY / "pipeline.yaml")
+    spec = training_pod_spec(cfg)
+    # What PipesK8sClient.run submits: dagster-k8s merges our spec with the Pipes bootstrap
+    # environment and builds the kubernetes client's V1Pod (unknown fields are refused).
+    pod = build_pod_body(
+        pod_name="dagster-drafter-abc123", image=None, command=None,
+        env_vars={"DAGSTER_PIPES_CONTEXT": "ctx", "DAGSTER_PIPES_MESSAGES": "msg"},
+        base_pod_meta={"labels": pod_labels(cfg, 42)}, base_pod_spec=spec,
+    )
+    assert isinstance(pod, kubernetes.client.V1Pod)
+    (container,) = pod.spec.containers
+    gpus = str(cfg.train.nproc_per_node)
+    assert container.resources.limits["nvidia.com/gpu"] == gpus == container.resources.requests["nvidia.com/gpu"]
+    assert container.command == torchrun_command(8, python="python")
+    assert container.command[-2:] == ["-m", TRAIN_MODULE]
+    assert "--nproc-per-node=8" in container.command
+    assert container.image == cfg.train.k8s.image
+    assert pod.spec.node_selector == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    assert pod.spec.tolerations[0].key == "nvidia.com/gpu"
+    assert pod.spec.restart_policy == "Never"
+    assert pod.spec.service_account_name == "drafter-training"
+    assert container.env_from[0].secret_ref.name == "drafter-pipeline-env"
+    assert {e.name for e in container.env} == {"DAGSTER_PIPES_CONTEXT", "DAGSTER_PIPES_MESSAGES"}
+    shm = next(v for v in pod.spec.volumes if v.name == container.volume_mounts[0].name)
+    assert (container.volume_mounts[0].mount_path, shm.empty_dir.medium) == ("/dev/shm", "Memory")
+    assert pod.metadata.labels["drafter-cotraining/rl-step"] == "42"
+    for quantity in (*container.resources.limits.values(), shm.empty_dir.size_limit):
+        kubernetes.utils.parse_quantity(quantity)  # raises on anything Kubernetes would reject
+
+
+def test_one_rank_starts_the_worker_itself_and_several_go_through_torchrun() -> None:
+    assert train_command(1, python="python") == ["python", "-m", TRAIN_MODULE]
+    assert train_command(2, python="python") == torchrun_command(2, python="python")
+    assert "--standalone" in train_command(2, python="python")
+    with pytest.raises(ValueError, match="nproc_per_node must be >= 1, got 0"):
+        train_command(0)
+    single = training_pod_spec(load_config(DEPLOY / "pipeline.yaml", {"train": {"nproc_per_node": 1}}))
+    assert single["containers"][0]["command"] == ["python", "-m", TRAIN_MODULE]
+
+
+def test_k8s_launcher_needs_storage_and_mlflow_the_pod_can_reach(tmp_path: Path) -> None:
+    data = yaml.safe_load((DEPLOY / "pipeline.yaml").read_text())
+    for override, key in (
+        ({"storage": {"root": ""}}, "storage.root on s3://"),
+        ({"mlflow": {"tracking_uri": ""}}, "mlflow.tracking_uri of a tracking server"),
+        ({"train": {**data["train"], "k8s": {**data["train"]["k8s"], "image": ""}}}, "train.k8s.image"),
+        ({"train": {**data["train"], "k8s": {**data["train"]["k8s"], "memory": "lots"}}}, "train.k8s.memory"),
+    ):
+        path = tmp_path / "pipeline.yaml"
+        path.write_text(yaml.safe_dump({**data, **override}))
+        with pytest.raises(ConfigError, match=key):
+            load_config(path)
+
+
+def test_every_gpu_asset_is_in_the_gpu_pool(tiny_config_path: Path) -> None:
+    defs = build_definitions(str(tiny_config_path))
+    pools = {key.to_user_string(): defs.resolve_assets_def(key).op.pool for key in defs.resolve_all_asset_keys()}
+    assert {name for name, pool in pools.items() if pool == "gpu"} == GPU_ASSETS
+
+
+@dg.asset(pool="gpu")
+def gpu_step() -> int:
+    return 1
+
+
+def test_the_gpu_pool_lets_one_step_run_at_a_time(tmp_path: Path) -> None:
+    """The project's dagster.yaml gives the pool one slot: a GPU step waits while another holds it."""
+    shutil.copyfile(ROOT / "dagster.yaml", tmp_path / "dagster.yaml")
+    instance = dg.DagsterInstance.from_config(str(tmp_path))
+    try:
+        assert instance.get_concurrency_config().pool_config.default_pool_limit == 1
+        storage = instance.event_log_storage
+        storage.set_concurrency_slots("gpu", 1)  # what the default limit allocates when the pool is first used
+        assert storage.claim_concurrency_slot("gpu", "other-run", "training").is_claimed  # another GPU step
+        finished: list[bool] = []
+        worker = threading.Thread(
+            target=lambda: finished.append(dg.materialize([gpu_step], instance=instance).success), daemon=True)
+        worker.start()
+        deadline = time.monotonic() + 120
+        while storage.get_concurrency_info("gpu").pending_step_count == 0:  # our step queues for the slot
+            assert time.monotonic() < deadline, "the GPU step never asked the pool for a slot"
+            time.sleep(0.2)
+        time.sleep(1)
+        assert finished == []  # still waiting: the only slot is held
+        assert storage.get_concurrency_info("gpu").active_run_ids == {"other-run"}
+        storage.free_concurrency_slot_for_step("other-run", "training")
+        worker.join(timeout=120)
+        assert finished == [True]
+    finally:
+        instance.dispose()
+
+
+def test_step_pods_run_config_fits_the_k8s_job_executor() -> None:
+    from dagster_k8s import k8s_job_executor
+
+    run_config = yaml.safe_load((DEPLOY / "executor.yaml").read_text())
+    checked = dg._config.validate_config(  # noqa: SLF001
+        k8s_job_executor.config_schema.config_type, run_config["execution"]["config"])
+    assert checked.success, checked.errors
+    per_step = run_config["execution"]["config"]["per_step_k8s_config"]
+    assert set(per_step) == GPU_ASSETS - {"drafter"}  # the drafter's GPUs are its training pod's
+    for step in per_step.values():
+        assert step["container_config"]["resources"]["limits"]["nvidia.com/gpu"] == "1"

@@ -1,0 +1,182 @@
+"""The drafter asset's training process, launched as production launches it (Dagster Pipes
+running torchrun): data parallel over two gloo ranks, and killed with SIGKILL then resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import torch
+import yaml
+
+from assets.cotraining import drafter
+from pipeline.config import load_config
+from pipeline.data import buffer as buffer_lib
+from pipeline.data.store import open_store
+from pipeline.registry import DrafterRegistry
+from pipeline.sources import extract
+from pipeline.sources.simulation import SimulatedRL
+from pipeline.training import cotrain
+from pipeline.training.launch import TRAIN_MODULE
+from resources import build_resources
+from tests.support.config import write_config
+
+STEP, KEY = 1, "step-000001"
+
+
+def _prepare_step(config_path: Path) -> None:
+    """Rollouts, hidden states and the buffer of step 1, written by the pipeline's own code."""
+    cfg = load_config(config_path)
+    store = open_store(cfg)
+    SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
+    extract.extract_hidden_states(store, cfg, STEP)
+    buffer_lib.build_buffer(store, cfg.run, STEP, cfg.train.buffer_steps, cfg.train.data_buffer_max_size)
+
+
+def _materialize_drafter(config_path: Path, instance: dg.DagsterInstance) -> dg.ExecuteInProcessResult:
+    return dg.materialize([drafter], partition_key=KEY, resources=build_resources(str(config_path)),
+                          instance=instance, raise_on_error=False)
+
+
+def _variant(config_path: Path, name: str, train: dict) -> Path:
+    data = yaml.safe_load(config_path.read_text())
+    data["train"] = {**data["train"], **train}
+    path = config_path.with_name(name)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.slow
+def test_two_ranks_through_the_launcher_equal_one_process(tmp_path: Path) -> None:
+    """torchrun --nproc-per-node=2 (gloo), 4 samples per rank, vs one process with the same 8-sample global batch."""
+    base = write_config(tmp_path, {"train": {"epochs": 2, "batch_size_per_gpu": 4, "checkpoint_every": 0}})
+    _prepare_step(base)
+    two = _variant(base, "two.yaml", {"nproc_per_node": 2})
+    one = _variant(base, "one.yaml", {"nproc_per_node": 1, "batch_size_per_gpu": 8, "max_seq_len": 8192})
+    store = open_store(load_config(base))
+    records = {}
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_step", [KEY])
+        for name, path in (("two", two), ("one", one)):
+            result = _materialize_drafter(path, instance)
+            assert result.success, name
+            metadata = result.asset_materializations_for_node("drafter")[0].metadata
+            assert metadata["world_size"].value == (2 if name == "two" else 1)
+            records[name] = cotrain.read_outcome(store, load_config(path).run, STEP)
+    assert records["two"]["iterations"] == records["one"]["iterations"] >= 4
+    torch.testing.assert_close(torch.tensor(records["two"]["loss_history"]),
+                               torch.tensor(records["one"]["loss_history"]), rtol=2e-3, atol=1e-4)
+
+
+def _children(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [p for p, pp in parents.items() if pp == parent]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _training_ranks() -> list[int]:
+    ranks = []
+    for pid in _children(os.getpid()):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if TRAIN_MODULE.encode() in argv and b"torch.distributed.run" not in argv:
+            ranks.append(pid)
+    return ranks
+
+
+@pytest.mark.slow
+@pytest.mark.reliability("fault", "SIGKILL during training, then rerun resumes from its checkpoint")
+def test_a_killed_training_resumes_from_its_checkpoint(tmp_path: Path, mlflow_server: str) -> None:
+    name = f"kill-{tmp_path.name}"
+    config_path = write_config(tmp_path, {
+        "train": {"epochs": 12, "batch_size_per_gpu": 4, "checkpoint_every": 4},
+        "mlflow": {"tracking_uri": mlflow_server, "experiment": name, "model_name": name},
+    })
+    cfg = load_config(config_path)
+    _prepare_step(config_path)
+    store, prefix = open_store(cfg), Path(cfg.data_path / "store" / "training" / cfg.run)
+    killed: list[int] = []
+
+    def kill_after_first_checkpoint() -> None:
+        deadline = time.monotonic() + 600
+        while not list(prefix.glob("*/latest.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in _training_ranks():
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_step", [KEY])
+        killer = threading.Thread(target=kill_after_first_checkpoint, daemon=True)
+        killer.start()
+        first = _materialize_drafter(config_path, instance)
+        killer.join()
+        assert killed, "the training process was never seen"
+        assert not first.success
+        (pointer,) = prefix.glob("*/latest.json")
+        checkpointed = json.loads(pointer.read_text())["iteration"]
+        assert checkpointed % 4 == 0
+        assert checkpointed > 0
+
+        second = _materialize_drafter(config_path, instance)
+        assert second.success
+        metadata = second.asset_materializations_for_node("drafter")[0].metadata
+        assert metadata["resumed_from_iteration"].value == checkpointed
+        assert metadata["model_version"].value == "1"
+
+    outcome = cotrain.read_outcome(store, cfg.run, STEP)
+    assert checkpointed < outcome["iterations"]
+    assert outcome["resumed_from_iteration"] == checkpointed
+    assert len(outcome["loss_history"]) == outcome["iterations"]
+    assert not list(prefix.glob("*/latest.json"))  # checkpoints go once the version is registered
+    registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name)
+    (run,) = registry.client.search_runs([registry.experiment_id])  # one run, continued
+    assert run.info.status == "FINISHED"
+    assert run.info.run_id == outcome["run_id"]
+    assert [v.version for v in registry.client.search_model_versions(f"name = '{name}'")] == ["1"]
+    # Metrics reach MLflow only with a committed checkpoint: each iteration is logged exactly once.
+    history = registry.client.get_metric_history(run.info.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(outcome["iterations"]))
+
+
+def test_a_training_job_round_trips_as_json_and_names_what_is_missing(tiny_config_path: Path) -> None:
+    cfg = load_config(tiny_config_path)
+    job = cotrain.TrainJob(3, cfg.model_dump(mode="json"), "run-1", "abc", "buffer holds 9 samples", None,
+                           {"rl_step": "step-000003"})
+    again = cotrain.TrainJob.from_dict(json.loads(json.dumps(job.to_dict())))
+    assert again == job
+    assert again.pipeline_config == cfg  # the process rebuilds the very same config
+    doc = job.to_dict()
+    del doc["run_id"], doc["input_id"]
+    with pytest.raises(ValueError, match="training job is missing input_id, run_id"):
+        cotrain.TrainJob.from_dict(doc)
+
+
+def test_placement_settings_do_not_change_a_trainings_identity(tiny_config_path: Path) -> None:
+    """Moving a training to a pod, or checkpointing more often, must still find its checkpoint and version."""
+    cfg = load_config(tiny_config_path)
+    moved = load_config(tiny_config_path, {"train": {"checkpoint_every": 7, "k8s": {"image": "x"}}})
+    entries = [buffer_lib.BufferEntry(step=1, sample_id="a", shard="s", row=0, tokens=5)]
+    assert cotrain.input_identity(cfg, entries, "p") == cotrain.input_identity(moved, entries, "p")
+    wider = load_config(tiny_config_path, {"train": {"nproc_per_node": 2}})  # a different global batch
+    assert cotrain.input_identity(cfg, entries, "p") != cotrain.input_identity(wider, entries, "p")

@@ -1,0 +1,69 @@
+"""The tiny pipeline configuration tests run on, with its data in a temporary directory."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from pipeline.config import ConfigError, load_config
+from pipeline.sources.simulation import SimulatedRL
+
+_PRETRAINED_ENV = "DRAFTER_TESTS_PRETRAINED_DIR"
+
+TINY = {
+    "run": "test",
+    "simulation": {
+        "vocab_size": 32, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "pretrain_iters": 30,
+        "rl_iters": 5, "rollouts_per_step": 24, "prompt_len": 6, "response_len": 12,
+    },
+    "train": {"epochs": 2, "min_samples": 4, "batch_size_per_gpu": 8},
+    "eval": {"num_prompts": 3, "max_new_tokens": 8, "held_out_fraction": 0.2},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(directory: Path, overrides: dict | None = None, pretrained: bool = True) -> Path:
+    """A tiny config with its data under `directory`; stand-in replicas (if deployed to) on free ports.
+
+    With `pretrained`, the data dir's cache already holds the simulation's pre-trained target, as after
+    a first demo: pre-training (seconds of CPU) then runs once per test process, not once per test."""
+    fleet = {"replicas": [{"name": f"standin-{i}", "port": free_port()} for i in range(2)],
+             "canary_requests": 2, "canary_tokens": 8}
+    data = {**TINY, "fleet": fleet, "data_dir": str(directory / "data")}
+    for key, value in (overrides or {}).items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    path = directory / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(data))
+    if pretrained:
+        _seed_pretrained_target(path)
+    return path
+
+
+def _seed_pretrained_target(config_path: Path) -> None:
+    try:
+        cfg = load_config(config_path)
+    except ConfigError:
+        return  # a test of a bad config: nothing will be simulated
+    if cfg.rollout_source != "simulated":
+        return
+    shared_dir = os.environ.get(_PRETRAINED_ENV)
+    if not shared_dir:  # one folder per test process (pytest-xdist workers each have their own)
+        shared_dir = tempfile.mkdtemp(prefix="drafter-tests-pretrained-")
+        os.environ[_PRETRAINED_ENV] = shared_dir
+        atexit.register(shutil.rmtree, shared_dir, True)
+    shared = SimulatedRL(cfg.simulation, None, cfg.run, Path(shared_dir))
+    source = shared._cache_path()  # noqa: SLF001  (the cache's own naming, by the simulation config)
+    if not (source / "model.safetensors").exists():
+        shared.pretrained()
+    shutil.copytree(source, cfg.data_path / "cache" / source.name, dirs_exist_ok=True)

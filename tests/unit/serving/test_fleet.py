@@ -1,0 +1,205 @@
+"""Serving fleet: vLLM argv, metrics parsing, stand-in replica processes, rolling deploy and rollback.
+
+vLLM needs CUDA and does not run here: its command line is tested as argv, and replicas are
+stand-in processes (`pipeline.serving.standin_replica`, not vLLM) on loopback ports.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import DrafterConfig
+from pipeline.evaluation import speculative
+from pipeline.models.checkpoint import save_drafter
+from pipeline.models.drafter import fresh_drafter
+from pipeline.models.target import build_target, tiny_llama_config
+from pipeline.serving import metrics as serving_metrics
+from pipeline.serving.fleet import (
+    CommandDriver,
+    GateConfig,
+    GateError,
+    ReplicaSpec,
+    StandInDriver,
+    check_replica,
+    rolling_deploy,
+    vllm_argv,
+    vllm_env,
+)
+
+# An excerpt of a vLLM /metrics page (v1 engine, two engines behind one server), as served.
+RECORDED_VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.0
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1000.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 500.0
+# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.7e+09
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 4000.0
+vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 2000.0
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 2100.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 900.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct",position="0"} 800.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct",position="1"} 600.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct",position="0"} 400.0
+"""
+
+
+def test_parse_recorded_vllm_metrics() -> None:
+    counters = serving_metrics.parse(RECORDED_VLLM_METRICS)
+    assert (counters.drafts, counters.draft_tokens, counters.accepted) == (1500.0, 6000.0, 3000.0)
+    assert counters.accepted_per_position == {0: 1200.0, 1: 600.0}
+    assert counters.mean_acceptance_length == 3.0
+    assert counters.acceptance_rate == 0.5
+    window = counters - serving_metrics.SpecCounters(1000.0, 4000.0, 1000.0, {0: 500.0})
+    assert window.mean_acceptance_length == 1 + 2000 / 500
+
+
+def test_render_parses_back() -> None:
+    counters = serving_metrics.SpecCounters(10, 40, 25, {0: 9, 1: 7, 2: 5, 3: 4})
+    assert serving_metrics.parse(serving_metrics.render(counters, "m")) == counters
+    # The live-tau sensor keeps counters in its cursor as JSON.
+    assert serving_metrics.SpecCounters.from_json(json.loads(json.dumps(counters.to_json()))) == counters
+
+
+@pytest.mark.parametrize(("method", "kind"), [("eagle", "EAGLE-1/2"), ("eagle3", "EAGLE-3")], ids=["eagle", "eagle3"])
+def test_vllm_argv(method: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    del kind
+    monkeypatch.setenv("REPLICA_KEY", "sk-secret-value")
+    replica = ReplicaSpec("r0", "10.0.0.5", 8000, "policy", api_key_env="REPLICA_KEY")
+    argv = vllm_argv(replica, "/models/policy-step-12", method, "/drafters/v7", 4)
+    assert argv[:3] == ["vllm", "serve", "/models/policy-step-12"]
+    assert argv[argv.index("--host") + 1] == "10.0.0.5"
+    assert argv[argv.index("--port") + 1] == "8000"
+    assert argv[argv.index("--served-model-name") + 1] == "policy"
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
+        "method": method, "model": "/drafters/v7", "num_speculative_tokens": 4}
+    assert "sk-secret-value" not in " ".join(argv)
+    assert vllm_env(replica)["VLLM_API_KEY"] == "sk-secret-value"
+    command = CommandDriver("supervisorctl-restart {name} -- {argv}", method, 4).command(
+        replica, "/models/policy-step-12", "/drafters/v7")
+    assert command.startswith("supervisorctl-restart r0 -- vllm serve /models/policy-step-12")
+    assert "sk-secret-value" not in command
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A tiny target (and the next policy, `target2`) and two EAGLE-1/2 drafter checkpoints (v1, v2) plus a
+    broken one."""
+    root = tmp_path_factory.mktemp("models")
+    target = build_target(tiny_llama_config(32, 32, 2, 2), 0)
+    target.save_pretrained(root / "target", safe_serialization=True)
+    build_target(tiny_llama_config(32, 32, 2, 2), 1).save_pretrained(root / "target2", safe_serialization=True)
+    out = {"target": (root / "target").as_uri(), "target2": (root / "target2").as_uri()}
+    for version, seed in (("v1", 1), ("v2", 2)):
+        drafter = fresh_drafter(DrafterConfig(kind="eagle"), target, torch.arange(32), seed)
+        out[version] = str(save_drafter(drafter, root / version))
+    (root / "broken").mkdir()
+    (root / "broken" / "config.json").write_text("{}")
+    out["broken"] = str(root / "broken")
+    return out
+
+
+@pytest.fixture
+def driver(tmp_path: Path) -> Iterator[StandInDriver]:
+    d = StandInDriver(k=3, state_dir=tmp_path / "fleet")
+    yield d
+    d.stop_all([ReplicaSpec(name, "", 0) for name in list(d.processes)])
+
+
+GATES = GateConfig(ready_timeout_s=90, canary_requests=2, canary_tokens=8, min_live_tau=1.0)
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
+
+
+def _get(replica: ReplicaSpec, path: str, key: str | None = None) -> bytes:
+    request = urllib.request.Request(replica.url + path)
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.read()
+
+
+def test_standin_replica_serves_vllm_endpoints(
+    models: dict[str, str], driver: StandInDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STANDIN_KEY", "sk-standin")
+    replica = ReplicaSpec("r0", "127.0.0.1", _free_port(), "policy", api_key_env="STANDIN_KEY")
+    driver.restart(replica, models["target"], models["v1"])
+    tau = check_replica(replica, GATES, PROMPTS)
+    assert 1.0 <= tau <= 4.0
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        _get(replica, "/v1/models")  # no key
+    assert json.loads(_get(replica, "/v1/models", "sk-standin"))["data"][0]["id"] == "policy"
+    counters = serving_metrics.parse(_get(replica, "/metrics").decode())
+    assert counters.drafts > 0
+    assert counters.draft_tokens == 3 * counters.drafts
+    # The stand-in's output is the target's greedy decoding, token for token.
+    request = urllib.request.Request(
+        replica.url + "/v1/completions", method="POST",
+        data=json.dumps({"model": "policy", "prompt": [1, 2, 3], "max_tokens": 6}).encode(),
+        headers={"Authorization": "Bearer sk-standin", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        tokens = json.loads(response.read())["choices"][0]["token_ids"]
+    target = build_target(tiny_llama_config(32, 32, 2, 2), 0)
+    assert tokens == speculative.greedy_generate(target, torch.tensor([1, 2, 3]), 6)
+
+
+def test_rolling_deploy_and_rollback(models: dict[str, str], driver: StandInDriver) -> None:
+    replicas = [ReplicaSpec(f"r{i}", "127.0.0.1", _free_port()) for i in range(2)]
+    first = rolling_deploy(replicas, driver, models["target"], "1", models["v1"], None, GATES, PROMPTS)
+    assert [r["replica"] for r in first.replicas] == ["r0", "r1"]
+    assert all(r["version"] == "1" and r["live_tau"] >= 1.0 and r["restarted"] for r in first.replicas)
+    assert all(driver.serving(r) == (models["target"], models["v1"]) for r in replicas)
+
+    # The same drafter on the same policy again: no replica restarts, each passes the gates again.
+    pids = {name: process.pid for name, process in driver.processes.items()}
+    again = rolling_deploy(replicas, driver, models["target"], "1", models["v1"], None, GATES, PROMPTS)
+    assert [(r["replica"], r["restarted"]) for r in again.replicas] == [("r0", False), ("r1", False)]
+    assert all(r["live_tau"] >= 1.0 for r in again.replicas)
+    assert {name: process.pid for name, process in driver.processes.items()} == pids
+
+    with pytest.raises(GateError, match=r"replica r0: .*rolled back to version 1; deploy of version 2 stopped"):
+        rolling_deploy(replicas, driver, models["target"], "2", models["broken"], ("1", models["v1"]),
+                       GATES, PROMPTS)
+    # r0 serves the previous drafter again, r1 was never touched: both keep serving.
+    for replica in replicas:
+        assert check_replica(replica, GATES, PROMPTS) >= 1.0
+    assert driver.argv(replicas[0], models["target"], models["v1"]) == driver.processes["r0"].args
+
+    # Another driver (the next Dagster run) takes over the replicas through their pid files.
+    # It sees what they run, and a new policy restarts a replica even with the drafter it has.
+    successor = StandInDriver(k=3, state_dir=driver.state_dir)
+    old_pid = driver.processes["r1"].pid
+    driver.processes.clear()
+    assert successor.alive(replicas[1])
+    assert successor.serving(replicas[1]) == (models["target"], models["v1"])
+    moved = rolling_deploy([replicas[1]], successor, models["target2"], "1", models["v1"], None, GATES, PROMPTS)
+    assert moved.replicas[0]["restarted"]
+    assert successor.serving(replicas[1]) == (models["target2"], models["v1"])
+    assert successor.processes["r1"].pid != old_pid
+    successor.stop_all(replicas)
+    assert not any(successor.alive(r) for r in replicas)
+    assert successor.serving(replicas[1]) is None

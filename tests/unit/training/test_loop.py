@@ -1,0 +1,131 @@
+"""Drafter training: learning-rate schedule and the training loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.config import OptimConfig, TrainConfig
+from pipeline.models import target as target_lib
+from pipeline.models.eagle import EagleConfig, EagleDrafter
+from pipeline.training.dataset import InMemoryDataset, Sample, plan_epoch
+from pipeline.training.loop import lr_at, train_drafter
+
+V, H, HEADS = 32, 32, 2
+
+
+# -- lr_at ------------------------------------------------------------------------------------------------------
+
+
+def test_lr_warms_up_linearly_to_the_peak() -> None:
+    peak, warmup, total = 2.0, 10, 100
+    lrs = [lr_at(i, total, peak, warmup) for i in range(warmup)]
+
+    assert lrs == pytest.approx([peak * (i + 1) / warmup for i in range(warmup)])
+    assert lrs[0] == pytest.approx(0.2)
+    assert lrs[-1] == pytest.approx(peak)  # the last warmup iteration reaches the peak
+    assert lr_at(warmup, total, peak, warmup) == pytest.approx(peak)  # decay starts from the peak
+
+
+def test_lr_decays_to_ten_percent_at_the_end() -> None:
+    peak, warmup, total = 2.0, 10, 100
+    decay = [lr_at(i, total, peak, warmup) for i in range(warmup, total + 1)]
+
+    assert all(a >= b for a, b in zip(decay, decay[1:], strict=False))  # monotone non-increasing
+    assert decay[-1] == pytest.approx(0.1 * peak)
+    assert lr_at(55, total, peak, warmup) == pytest.approx(peak * 0.55)  # cosine midpoint: (1 + 0.1) / 2
+    assert lr_at(total + 50, total, peak, warmup) == pytest.approx(0.1 * peak)  # clamped past the end
+    assert min(lr_at(i, total, peak, warmup) for i in range(total + 1)) >= 0.1 * peak - 1e-12
+
+
+def test_lr_without_warmup_starts_at_the_peak() -> None:
+    assert lr_at(0, 50, 1.0, 0) == pytest.approx(1.0)
+    assert lr_at(50, 50, 1.0, 0) == pytest.approx(0.1)
+
+
+# -- train_drafter ----------------------------------------------------------------------------------------------
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.records: list[tuple[int, dict[str, float]]] = []
+
+    def log_dict(self, payload: dict[str, float], step: int) -> None:
+        self.records.append((step, dict(payload)))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return target_lib.build_target(target_lib.tiny_llama_config(V, H, 1, HEADS), seed=0)
+
+
+@pytest.fixture(scope="module")
+def dataset(target) -> list[Sample]:
+    """Token sequences from a repetitive little language, with the target's real features."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(12):
+        n = int(torch.randint(12, 24, (1,), generator=g))
+        start = int(torch.randint(0, V, (1,), generator=g))
+        ids = (start + 3 * torch.arange(n)) % V
+        hidden = target_lib.forward(target, ids[None]).features[0].float()
+        mask = torch.ones(n, dtype=torch.int64)
+        mask[:4] = 0
+        out.append((ids, hidden, mask))
+    return out
+
+
+def drafter_for(target) -> EagleDrafter:
+    torch.manual_seed(0)
+    model = EagleDrafter(EagleConfig.from_target(target.config))
+    model.use_target_heads(target)
+    return model
+
+
+def test_train_drafter_reduces_the_loss(target, dataset: list[Sample]) -> None:
+    cfg = TrainConfig(
+        epochs=6, batch_size_per_gpu=4, max_seq_len=128, window_tokens=128, seed=1,
+        optim=OptimConfig(lr=3e-3, lr_warmup_steps=2),
+    )
+    model = drafter_for(target)
+    frozen = {k: v.clone() for k, v in model.state_dict().items() if k.startswith(("embed_tokens", "lm_head"))}
+    fc_before = model.fc.weight.detach().clone()
+    sink = RecordingSink()
+
+    result = train_drafter(model, InMemoryDataset(dataset), cfg, sink=sink)
+
+    expected_iterations = sum(len(plan_epoch([len(s[0]) for s in dataset], cfg, e)) for e in range(cfg.epochs))
+    assert result.iterations == expected_iterations
+    assert result.samples == len(dataset)
+    assert result.tokens == cfg.epochs * sum(ids.shape[0] - 1 for ids, _, _ in dataset)
+    assert len(result.loss_history) == result.iterations
+    assert result.loss == result.loss_history[-1]
+    assert result.loss_history[-1] < result.loss_history[0]
+    assert sum(result.loss_history[-3:]) < sum(result.loss_history[:3])
+    assert result.wall_s > 0
+    assert result.tokens_per_s > 0
+    assert 0.0 <= result.accuracy <= 1.0
+    # metrics: one record per iteration, in order, with the scheduled learning rate
+    assert [step for step, _ in sink.records] == list(range(result.iterations))
+    assert [r["loss"] for _, r in sink.records] == result.loss_history
+    assert [r["lr"] for _, r in sink.records] == pytest.approx(
+        [lr_at(i, result.iterations, cfg.optim.lr, cfg.optim.lr_warmup_steps) for i in range(result.iterations)]
+    )
+    assert set(sink.records[0][1]) >= {"loss", "vloss", "ploss", "accuracy", "lr", "tokens_per_s"}
+    # the target's embeddings and lm_head stay frozen; the drafter's own weights move
+    for key, value in frozen.items():
+        assert torch.equal(model.state_dict()[key], value), key
+    assert not torch.equal(model.fc.weight, fc_before)
+    assert not model.training
+
+
+def test_train_drafter_is_reproducible(target, dataset: list[Sample]) -> None:
+    cfg = TrainConfig(epochs=1, batch_size_per_gpu=6, seed=2)
+    a = train_drafter(drafter_for(target), InMemoryDataset(dataset), cfg)
+    b = train_drafter(drafter_for(target), InMemoryDataset(dataset), cfg)
+    assert a.loss_history == b.loss_history
+
+
+def test_train_drafter_needs_samples(target) -> None:
+    with pytest.raises(ValueError, match="no samples"):
+        train_drafter(drafter_for(target), InMemoryDataset([]), TrainConfig())
