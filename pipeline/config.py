@@ -149,6 +149,23 @@ class HiddenStatesConfig(_Strict):
         return self
 
 
+class TargetConfig(_Strict):
+    """How the RL policy (the target) loads: its checkpoints are transformers directories of safetensors."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="Weights dtype of the loaded policy; `auto`: bfloat16 on CUDA, float32 elsewhere."
+    )
+    cache_dir: str = Field(
+        default="", description="Local copies of policies on object storage; `<data_dir>/target-cache` when empty."
+    )
+    cache_max_gb: float = Field(
+        default=64.0, gt=0, description="Size limit of `cache_dir`; least recently used copies are evicted."
+    )
+    cached_policies: int = Field(
+        default=1, ge=0, description="Loaded policies a process keeps, so a step's assets load its policy once."
+    )
+
+
 class EvalConfig(_Strict):
     num_speculative_tokens: int = Field(default=4, ge=1, description="k: tokens the drafter proposes per round.")
     max_new_tokens: int = Field(default=40, ge=1, description="Tokens generated per held-out prompt.")
@@ -282,6 +299,7 @@ class PipelineConfig(_Strict):
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="MLflow tracking and registry.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Drafter training (FastRL keys).")
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="Drafter model.")
+    target: TargetConfig = Field(default_factory=TargetConfig, description="Loading the RL policy (the target).")
     hidden_states: HiddenStatesConfig = Field(
         default_factory=HiddenStatesConfig, description="Where the target's hidden states come from."
     )

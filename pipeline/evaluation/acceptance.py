@@ -55,7 +55,7 @@ def evaluate_step(
 ) -> dict:
     """Measure the drafters, decide on promotion, move aliases, write the step's acceptance record."""
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
-    target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device)
+    target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
     prompts = held_out_prompts(store, cfg, step)
     k, max_new = cfg.eval.num_speculative_tokens, cfg.eval.max_new_tokens
 

@@ -2,7 +2,8 @@
 
 EAGLE-1/2 (`drafter.kind: eagle`):
     <dir>/
-    ├── config.json         LlamaConfig + "architectures": ["EagleLlamaForCausalLM"]
+    ├── config.json         LlamaConfig + "architectures": ["EagleLlamaForCausalLM"]; with the target
+    │                       given, its vocab_size, rope_theta, rope_scaling, max_position_embeddings
     └── model.safetensors   fc.weight, layers.0.* (no embed_tokens / lm_head: vLLM
                             shares the target's, which is what we train against)
     vllm serve TARGET --speculative-config '{"method": "eagle", "model": "<dir>", "num_speculative_tokens": 4}'
@@ -11,7 +12,8 @@ EAGLE-3 (`drafter.kind: eagle3`):
     <dir>/
     ├── config.json         "architectures": ["LlamaForCausalLMEagle3"], Llama fields, draft_vocab_size,
     │                       target_hidden_size, eagle_config.eagle_aux_hidden_state_layer_ids,
-    │                       norm_before_residual (always written: engines differ on its default)
+    │                       norm_before_residual (always written: engines differ on its default);
+    │                       with the target given, its rope_theta, rope_scaling, max_position_embeddings
     └── model.safetensors   midlayer.*, fc.weight, norm.weight, lm_head.weight, d2t, t2d
                             [, fc_norm.N.weight (EAGLE-3.1)] [, embed_tokens.weight if not the target's]
     vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "<dir>", "num_speculative_tokens": 4}'
@@ -31,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.models.eagle import EagleConfig, EagleDrafter
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
+from pipeline.models.target import TargetMetadata
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -82,7 +85,33 @@ def eagle3_vllm_config(config: Eagle3Config) -> dict:
     }
 
 
-def save_drafter(model: EagleDrafter | Eagle3Drafter, directory: Path) -> Path:
+def target_fields(config: EagleConfig | Eagle3Config, target: TargetMetadata) -> dict:
+    """What the engines read of the target through the drafter's config: its vocabulary and width,
+    and its position encoding (rope_theta, rope_scaling as the target has them; the draft layer
+    attends over the target's positions) up to its max_position_embeddings (vLLM caps the served
+    context at the draft model's). A drafter shaped after another target is refused."""
+    target_hidden = getattr(config, "target_hidden_size", config.hidden_size)
+    mismatched = [(name, ours, theirs) for name, ours, theirs in (
+        ("vocab_size", config.vocab_size, target.vocab_size),
+        ("target hidden_size", target_hidden, target.hidden_size),
+        ("rope_theta", config.rope_theta, target.rope_theta),
+    ) if ours != theirs]
+    if mismatched:
+        raise CheckpointError("drafter does not fit the target it is exported for: " + ", ".join(
+            f"{name} {ours} != target's {theirs}" for name, ours, theirs in mismatched))
+    fields = {
+        "vocab_size": target.vocab_size,
+        "rope_theta": target.rope_theta,
+        "rope_scaling": target.rope_scaling,
+        "max_position_embeddings": max(config.max_position_embeddings, target.max_position_embeddings),
+    }
+    if isinstance(config, Eagle3Config):
+        fields["target_hidden_size"] = target.hidden_size
+    return fields
+
+
+def save_drafter(model: EagleDrafter | Eagle3Drafter, directory: Path, target: TargetMetadata | None = None) -> Path:
+    """Write the checkpoint; with `target`, its config carries what the engines need of that target."""
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.trainable_state_dict().items()}
     if isinstance(model, Eagle3Drafter):
@@ -91,6 +120,8 @@ def save_drafter(model: EagleDrafter | Eagle3Drafter, directory: Path) -> Path:
         config = eagle3_vllm_config(model.config)
     else:
         config = vllm_config(model.config)
+    if target is not None:
+        config.update(target_fields(model.config, target))
     save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return directory

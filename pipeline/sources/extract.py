@@ -75,7 +75,7 @@ def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int) ->
     from vLLM's connector files (source A), written as shards + manifest."""
     rollouts = rollouts_lib.read_rollouts(store, cfg.run, step)
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
-    model = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device)
+    model = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
     train = training_rollouts(rollouts, cfg.eval.held_out_fraction)
     num_layers = model.config.num_hidden_layers
     layer_ids = stored_layer_ids(cfg.drafter, num_layers)

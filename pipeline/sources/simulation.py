@@ -150,7 +150,8 @@ class SimulatedRL:
     def policy(self, step: int) -> LlamaForCausalLM:
         if step == 0:
             return self.pretrained()
-        return target_lib.load_policy(self.store, policy_prefix(self.run, step))
+        # A model of its own (not the process's shared policy): run_step fine-tunes it in place.
+        return target_lib.load_checkpoint(self.store.uri(policy_prefix(self.run, step)), store=self.store)
 
     def run_step(self, step: int) -> PolicyPointer:
         """Update the policy of step-1 with RWR toward step's task, then write step's rollouts."""

@@ -214,7 +214,7 @@ def run_training(
     # A resumed training keeps the warm start it began with (its vocabulary maps are in the checkpoint).
     origin_key = f"{checkpoints.prefix}/origin.json"
     origin = store.read_json(origin_key) if store.exists(origin_key) else {"champion": job.warm_start_version}
-    target = target_lib.load_policy(store, pointer.checkpoint_uri, device)
+    target = target_lib.load_policy(store, pointer.checkpoint_uri, device, target_lib.load_settings(cfg))
     # A generator: only a fresh drafter reads the buffer (once, streamed) for its token counts, and
     # only on rank 0: the other ranks get rank 0's weights and vocabulary below.
     hidden = iter_buffer_samples(store, cfg.run, entries) if ctx.is_main else iter(())
@@ -262,7 +262,8 @@ def run_training(
         if not ctx.is_main:
             return None
         sink.flush()
-        version = _register(registry, job, run_id, cfg, entries, drafter, warm_start)
+        version = _register(registry, job, run_id, cfg, entries, drafter, warm_start,
+                            target_lib.TargetMetadata.of(target.config))
         registry.end_run(run_id, ok=True)
     except BaseException:
         if ctx.is_main:
@@ -277,13 +278,13 @@ def run_training(
 
 def _register(
     registry: DrafterRegistry, job: TrainJob, run_id: str, cfg: PipelineConfig, entries: list[BufferEntry],
-    drafter: drafters.Drafter, warm_start: str | None,
+    drafter: drafters.Drafter, warm_start: str | None, target: target_lib.TargetMetadata,
 ) -> str:
     """One version per input identity, even when a process died between registering and finishing."""
     version = registry.find_version({"input_id": job.input_id})
     if version is None:
         with tempfile.TemporaryDirectory() as tmp:
-            checkpoint = save_drafter(drafter, Path(tmp) / "drafter")
+            checkpoint = save_drafter(drafter, Path(tmp) / "drafter", target)
             steps = list(composition(entries))
             version = registry.register(run_id, checkpoint, {
                 "rl_step": str(job.step), "pipeline_run": cfg.run, "trained_on_steps": json.dumps(steps),
