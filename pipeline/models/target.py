@@ -336,14 +336,16 @@ def check_layout(config: PretrainedConfig, layout: WeightsLayout, where: str) ->
             f"{where}/{entry.file}: tensor {entry.name} is not a parameter of {FAMILIES[config.model_type]} "
             f"with this config" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
         )
-    for name, entry in layout.tensors.items():
+    stored = sum(e.numel for n, e in layout.tensors.items() if n not in optional)  # a tied lm_head repeats
+    for name in sorted(layout.tensors):
+        entry = layout.tensors[name]
         if entry.shape != expected[name]:
             raise TensorShapeError(f"{where}/{entry.file}: tensor {name} has shape {entry.shape}, "
-                                   f"config.json implies {expected[name]}")
+                                   f"config.json implies {expected[name]} (the headers hold {stored} parameters, "
+                                   f"config.json implies {implied})")
         if entry.dtype not in FLOAT_DTYPES:
             raise TensorDtypeError(f"{where}/{entry.file}: tensor {name} is {entry.dtype}, "
                                    f"expected one of {', '.join(sorted(FLOAT_DTYPES))}")
-    stored = sum(e.numel for n, e in layout.tensors.items() if n not in optional)  # a tied lm_head repeats
     if stored != implied:
         raise TargetConfigError(f"{where}: weights hold {stored} parameters, config.json implies {implied}")
 
@@ -412,8 +414,10 @@ def _materialize(config: PretrainedConfig, directory: Path, layout: WeightsLayou
     one tensor at a time (peak memory: the model plus its largest tensor)."""
     with no_init_weights(), torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # skipped with initialisation
     state = model.state_dict(keep_vars=True)
     tied = _tied(model)
+    unfilled = {n for n, p in state.items() if not (tied and p is model.get_output_embeddings().weight)}
     own_head = None
     for file in layout.files:
         with safe_open(str(directory / file), framework="pt", device="cpu") as f:
@@ -428,6 +432,9 @@ def _materialize(config: PretrainedConfig, directory: Path, layout: WeightsLayou
                     raise TensorShapeError(f"{where}/{file}: tensor {name} changed while loading")
                 with torch.no_grad():
                     param.copy_(tensor)
+                unfilled.discard(name)
+    if unfilled:  # only if the files changed since their headers were checked: never leave memory as it was
+        raise MissingTensorError(f"{where}: tensors {sorted(unfilled)[:3]} vanished while loading")
     if own_head is not None and not torch.equal(own_head.to(device, dtype), model.get_output_embeddings().weight):
         raise TiedWeightsError(f"{where}: config.json ties lm_head to embed_tokens, but the checkpoint's "
                                "lm_head.weight differs from embed_tokens.weight")
