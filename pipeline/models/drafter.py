@@ -51,7 +51,8 @@ def teacher(drafter: Drafter, target) -> Teacher | None:
     """EAGLE-3's soft labels come from the target's norm and lm_head rows of the draft vocab."""
     if not isinstance(drafter, Eagle3Drafter):
         return None
-    head = target.get_output_embeddings().weight[drafter.draft_to_target].detach()
+    # In the drafter's dtype: a target loaded in bf16 (target.dtype auto on CUDA) meets fp32 drafter states.
+    head = target.get_output_embeddings().weight[drafter.draft_to_target].detach().to(drafter.lm_head.weight.dtype)
     return Teacher(norm=target.model.norm.requires_grad_(False), head=head)
 
 
