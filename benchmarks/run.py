@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import batch_prep, hidden_states_io, policy_loss, training
+from benchmarks import batch_prep, hidden_states_io, policy_loss, target_load, training
 
 BENCHMARKS = {
     "policy_loss": policy_loss.run,
@@ -17,6 +17,7 @@ BENCHMARKS = {
     "hidden_states_io_s3": hidden_states_io.run_s3,
     "batch_prep": batch_prep.run,
     "training": training.run,
+    "target_load": target_load.run,
 }
 
 

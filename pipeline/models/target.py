@@ -34,7 +34,6 @@ from urllib.parse import urlsplit, urlunsplit
 import fsspec
 import torch
 import transformers
-from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -46,6 +45,7 @@ from pipeline.models.weights import (
     MAX_INDEX_BYTES,
     SINGLE_FILE,
     TargetCheckpointError,
+    TensorEntry,
     WeightsLayout,
     WeightsLayoutError,
     join_shards,
@@ -95,6 +95,7 @@ REFUSED_KEYS = {
     "quantization_config": "names quantized weights; a policy checkpoint holds float weights",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STORED_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 # A checkpoint per RL step: per-load progress bars are noise in run logs.
 transformers.utils.logging.disable_progress_bar()
@@ -410,35 +411,45 @@ def _read_config(directory: Path, where: str) -> PretrainedConfig:
 
 def _materialize(config: PretrainedConfig, directory: Path, layout: WeightsLayout, where: str,
                  device: str, dtype: torch.dtype) -> PreTrainedModel:
-    """Allocate the model uninitialised on `device` and copy each tensor in from its mapped file,
-    one tensor at a time (peak memory: the model plus its largest tensor)."""
+    """Allocate the model uninitialised on `device` and read each tensor's bytes from the offsets its
+    checked header gave: straight into the parameter when it is on the CPU in the file's dtype, else
+    through a staging tensor (peak memory: the model plus its largest tensor). A file changed since
+    its header was checked can then change values, never shapes or sizes."""
     with no_init_weights(), torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # skipped with initialisation
     state = model.state_dict(keep_vars=True)
-    tied = _tied(model)
-    unfilled = {n for n, p in state.items() if not (tied and p is model.get_output_embeddings().weight)}
+    tied_head = "lm_head.weight" if _tied(model) else None
     own_head = None
     for file in layout.files:
-        with safe_open(str(directory / file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensor = f.get_tensor(name)
-                if name == "lm_head.weight" and tied:
-                    own_head = tensor
-                    continue
-                param = state.get(name)
-                # The file may have changed since its header was checked: shapes again (copy_ would broadcast).
-                if param is None or tuple(tensor.shape) != tuple(param.shape):
-                    raise TensorShapeError(f"{where}/{file}: tensor {name} changed while loading")
-                with torch.no_grad():
-                    param.copy_(tensor)
-                unfilled.discard(name)
-    if unfilled:  # only if the files changed since their headers were checked: never leave memory as it was
-        raise MissingTensorError(f"{where}: tensors {sorted(unfilled)[:3]} vanished while loading")
+        with open(directory / file, "rb", buffering=0) as f:
+            for entry in sorted((e for e in layout.tensors.values() if e.file == file), key=lambda e: e.offset):
+                param = None if entry.name == tied_head else state[entry.name]
+                source = STORED_DTYPES[entry.dtype]
+                direct = param is not None and param.device.type == "cpu" and param.dtype == source
+                staging = param.data if direct else torch.empty(entry.shape, dtype=source)
+                _read_into(f, entry, staging, where)
+                if param is None:
+                    own_head = staging
+                elif not direct:
+                    with torch.no_grad():
+                        param.copy_(staging)
     if own_head is not None and not torch.equal(own_head.to(device, dtype), model.get_output_embeddings().weight):
         raise TiedWeightsError(f"{where}: config.json ties lm_head to embed_tokens, but the checkpoint's "
                                "lm_head.weight differs from embed_tokens.weight")
     return model.eval()
+
+
+def _read_into(f: Any, entry: TensorEntry, out: torch.Tensor, where: str) -> None:
+    """entry's bytes into the contiguous CPU tensor `out`, whose size its checked header fixes."""
+    view = memoryview(out.view(torch.uint8).reshape(-1).numpy())
+    f.seek(entry.offset)
+    done = 0
+    while done < entry.nbytes:
+        n = f.readinto(view[done:])
+        if not n:
+            raise WeightsLayoutError(f"{where}/{entry.file}: tensor {entry.name} cut short while loading")
+        done += n
 
 
 def load_checkpoint(uri: str, device: str = "cpu", store: ObjectStore | None = None,

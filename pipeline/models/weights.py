@@ -50,6 +50,11 @@ class TensorEntry:
     file: str  # the file name inside the checkpoint directory
     dtype: str  # safetensors dtype code: BF16, F32, ...
     shape: tuple[int, ...]
+    offset: int  # of its first byte in the file
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
 
     @property
     def numel(self) -> int:
@@ -63,7 +68,7 @@ class WeightsLayout:
 
     @property
     def data_bytes(self) -> int:
-        return sum(t.numel * DTYPE_BYTES[t.dtype] for t in self.tensors.values())
+        return sum(t.nbytes for t in self.tensors.values())
 
 
 def layout_file(names: list[str], where: str) -> str:
@@ -121,7 +126,7 @@ def read_header(f: IO[bytes], size: int, where: str) -> dict[str, TensorEntry]:
     file = where.rsplit("/", 1)[-1]
     entries, spans = {}, []
     for name, info in header.items():
-        entries[name] = _entry(name, info, file, where, spans)
+        entries[name] = _entry(name, info, file, where, spans, 8 + length)
     spans.sort()
     end = 0
     for begin, stop, name in spans:
@@ -133,7 +138,7 @@ def read_header(f: IO[bytes], size: int, where: str) -> dict[str, TensorEntry]:
     return entries
 
 
-def _entry(name: str, info: object, file: str, where: str, spans: list) -> TensorEntry:
+def _entry(name: str, info: object, file: str, where: str, spans: list, base: int) -> TensorEntry:
     if not isinstance(info, dict):
         raise WeightsLayoutError(f"{where}: tensor {name}: entry is not a mapping")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
@@ -144,8 +149,8 @@ def _entry(name: str, info: object, file: str, where: str, spans: list) -> Tenso
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
             and 0 <= offsets[0] <= offsets[1]):
         raise WeightsLayoutError(f"{where}: tensor {name}: data_offsets {offsets!r} malformed")
-    entry = TensorEntry(name, file, dtype, tuple(shape))
-    if offsets[1] - offsets[0] != entry.numel * DTYPE_BYTES[dtype]:
+    entry = TensorEntry(name, file, dtype, tuple(shape), base + offsets[0])
+    if offsets[1] - offsets[0] != entry.nbytes:
         raise WeightsLayoutError(
             f"{where}: tensor {name}: {offsets[1] - offsets[0]} bytes for shape {tuple(shape)} of {dtype}"
         )
