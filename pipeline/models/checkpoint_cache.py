@@ -86,6 +86,9 @@ class CheckpointCache:
         return entry
 
     def _evict(self, need: int) -> None:
+        # Copies run under the lock, so a partial copy seen here is one whose process died.
+        for stale in self.root.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         entries = self.entries()
         used = sum(_entry_bytes(p) for p in entries)
         for old in entries:

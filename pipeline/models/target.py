@@ -28,7 +28,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
@@ -53,6 +53,9 @@ from pipeline.models.weights import (
     parse_index,
     read_header,
 )
+
+if TYPE_CHECKING:
+    from pipeline.config import PipelineConfig
 
 try:  # transformers 5
     from transformers.initialization import no_init_weights
@@ -160,7 +163,7 @@ class LoadSettings:
         return CheckpointCache(root, self.cache_max_bytes)
 
 
-def load_settings(cfg: Any) -> LoadSettings:
+def load_settings(cfg: PipelineConfig) -> LoadSettings:
     """The settings of a PipelineConfig's `target` section."""
     t = cfg.target
     cache_dir = Path(t.cache_dir) if t.cache_dir else cfg.data_path / "target-cache"

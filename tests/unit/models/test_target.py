@@ -228,7 +228,9 @@ def test_s3_checkpoint_loads_through_a_bounded_lru_cache(s3_store: ObjectStore, 
     target_lib.load_checkpoint(s3_store.uri("a"), store=s3_store, settings=settings)
     assert (entry_a / "config.json").stat().st_mtime_ns == stamp  # a hit: not copied again
 
+    (settings.cache_dir / ".tmp-of-a-crashed-process").mkdir()
     loaded_b = target_lib.load_checkpoint(s3_store.uri("b"), store=s3_store, settings=settings)
+    assert not (settings.cache_dir / ".tmp-of-a-crashed-process").exists()
     assert all(torch.equal(loaded_b.state_dict()[k], v) for k, v in model_b.state_dict().items())
     (entry_b,) = cache.entries()  # a evicted: both do not fit
     assert entry_b != entry_a
