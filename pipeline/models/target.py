@@ -76,7 +76,8 @@ FAMILIES = {
 # Families whose forward differs in a way `forward` would silently get wrong.
 REFUSED_FAMILIES = {
     "gemma": "scales embeddings by sqrt(hidden_size)", "gemma2": "soft-caps logits", "gemma3": "soft-caps logits",
-    "granite": "scales embeddings, residuals and logits", "mixtral": "mixture-of-experts layers",
+    "granite": "scales embeddings, residuals and logits", "cohere": "scales logits",
+    "mixtral": "mixture-of-experts layers",
     "qwen2_moe": "mixture-of-experts layers", "qwen3_moe": "mixture-of-experts layers",
 }
 # Generous bounds: the largest open models are well inside; a config beyond them is an attack or a bug.

@@ -44,6 +44,8 @@ from pipeline.models.weights import (
     SINGLE_FILE,
     MissingWeightsError,
     PickledWeightsError,
+    TensorEntry,
+    WeightsLayout,
     WeightsLayoutError,
 )
 
@@ -184,6 +186,65 @@ def test_store_round_trip_and_the_policy_is_loaded_once_per_checkpoint(tmp_path:
     assert not torch.equal(a.lm_head.weight, b.lm_head.weight)
 
 
+# Configs as published on the hub (transformers-4 JSON: rope_theta / rope_scaling at the top level).
+PUBLISHED = {
+    "meta-llama/Llama-3.1-8B": ({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "transformers_version": "4.43.0.dev0"}, 8_030_261_248),
+    "Qwen/Qwen2.5-7B": ({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "max_position_embeddings": 131072, "rope_theta": 1000000.0, "sliding_window": 131072,
+        "use_sliding_window": False, "max_window_layers": 28, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151643},
+        7_615_616_512),
+    "Qwen/Qwen3-8B": ({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
+        "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000, "rope_scaling": None,
+        "attention_bias": False, "sliding_window": None, "use_sliding_window": False, "max_window_layers": 36,
+        "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}, 8_190_735_360),
+    "mistralai/Mistral-7B-v0.3": ({
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 32768, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 32768, "rope_theta": 1000000.0, "sliding_window": None,
+        "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}, 7_248_023_552),
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_published_configs_pass_and_their_headers_are_checked_without_weights(name: str) -> None:
+    """The real 7-8B configs pass the bounds, imply their published parameter counts, and a header
+    layout of that size is checked on the meta device (nothing allocated); one wrong shape is refused."""
+    raw, published = PUBLISHED[name]
+    config = target_lib.check_config(json.dumps(raw).encode(), name)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in meta.parameters()) == published
+    entries, offset = {}, 0
+    for key, t in meta.state_dict().items():
+        entries[key] = TensorEntry(key, "model-00001-of-00004.safetensors", "BF16", tuple(t.shape), offset)
+        offset += entries[key].nbytes
+    layout = WeightsLayout(("model-00001-of-00004.safetensors",), entries)
+    assert layout.data_bytes == 2 * published
+    target_lib.check_layout(config, layout, name)
+    entries["model.layers.7.self_attn.k_proj.weight"] = TensorEntry(
+        "model.layers.7.self_attn.k_proj.weight", "model-00001-of-00004.safetensors", "BF16", (1024, 1024), 0)
+    with pytest.raises(TensorShapeError, match=f"{name}/model-00001-of-00004.safetensors: tensor "
+                                               r"model.layers.7.self_attn.k_proj.weight has shape \(1024, 1024\)"):
+        target_lib.check_layout(config, WeightsLayout(layout.files, entries), name)
+    meta_fields = TargetMetadata.of(config)
+    assert meta_fields.rope_theta == raw["rope_theta"]
+    assert meta_fields.rope_scaling == raw.get("rope_scaling")
+    assert meta_fields.max_position_embeddings == raw["max_position_embeddings"]
+
+
 # -- object storage through the local cache
 
 @pytest.fixture(scope="module")
@@ -319,7 +380,7 @@ def test_remote_code_configs_are_refused(checkpoint: Path, key: str) -> None:
         _load(checkpoint)
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "mixtral", "bert", None])
+@pytest.mark.parametrize("model_type", ["gemma2", "cohere", "mixtral", "bert", None])
 @pytest.mark.reliability("bad_input", "policy of a family the forward cannot capture: refused by name")
 def test_unsupported_families_are_refused_by_name(checkpoint: Path, model_type: str | None) -> None:
     _edit_config(checkpoint, model_type=model_type)
