@@ -306,7 +306,7 @@ def check_config(raw_bytes: bytes, where: str) -> PretrainedConfig:
         raise TargetConfigError(f"{where}/{CONFIG_FILE}: tie_word_embeddings is {raw['tie_word_embeddings']!r}")
     try:
         return CONFIG_MAPPING[family].from_dict(raw)
-    except (ValueError, TypeError, KeyError) as exc:
+    except Exception as exc:  # noqa: BLE001 - untrusted JSON: whatever transformers' validators raise refuses it
         raise TargetConfigError(f"{where}/{CONFIG_FILE}: {exc}") from None
 
 
@@ -322,7 +322,12 @@ def _tied(model: PreTrainedModel) -> bool:
 def check_layout(config: PretrainedConfig, layout: WeightsLayout, where: str) -> None:
     """Every parameter the config implies present with its exact shape and a float dtype, nothing
     else; a tied lm_head may be absent. Checked on the meta device: no weight is allocated."""
-    model = _meta_model(config)
+    try:
+        model = _meta_model(config)
+    except Exception as exc:  # noqa: BLE001
+        # A value transformers cannot build from (an unknown hidden_act, a malformed rope_scaling...).
+        raise TargetConfigError(f"{where}/{CONFIG_FILE}: no {FAMILIES[config.model_type]} can be built from it "
+                                f"({type(exc).__name__}: {exc})") from None
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     optional = {"lm_head.weight"} if _tied(model) else set()
     implied = sum(p.numel() for p in model.parameters())

@@ -407,6 +407,15 @@ def test_config_sizes_are_bounded(checkpoint: Path, key: str, value: object) -> 
         _load(checkpoint)
 
 
+@pytest.mark.parametrize(("key", "value"), [("hidden_act", "os.system"), ("rope_scaling", {"rope_type": "evil"}),
+                                            ("rms_norm_eps", "tiny")])
+@pytest.mark.reliability("bad_input", "policy config with values transformers cannot build a model from")
+def test_unbuildable_config_values_are_refused(checkpoint: Path, key: str, value: object) -> None:
+    _edit_config(checkpoint, **{key: value})
+    with pytest.raises(TargetConfigError, match="ckpt/config.json: "):
+        _load(checkpoint)
+
+
 @pytest.mark.reliability("bad_input", "policy config whose sizes disagree with the tensors in the headers")
 def test_config_inconsistent_with_weights_is_refused(checkpoint: Path) -> None:
     _edit_config(checkpoint, intermediate_size=128)
