@@ -141,6 +141,10 @@ class HiddenStatesConfig(_Strict):
     vllm_layer_ids: list[int] = Field(
         default_factory=list, description="eagle_aux_hidden_state_layer_ids vLLM was started with, in order."
     )
+    tokens_per_batch: int = Field(
+        default=8192, ge=1,
+        description="`forward`: padded tokens per forward batch (rollouts sorted by length); bounds extraction memory.",
+    )
 
     @model_validator(mode="after")
     def _vllm_needs_path(self) -> HiddenStatesConfig:

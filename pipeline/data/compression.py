@@ -34,23 +34,29 @@ import threading
 
 import numpy as np
 import torch
-import zstandard
+
+try:
+    import zstandard
+except ImportError:  # only split-zstd needs it: raw and fp8 shards are written and read without it
+    zstandard = None
 
 # 128 KiB of high bytes per zstd frame: decoded into L2 and combined into words from there.
 CHUNK_WORDS = 1 << 17
 _MAGIC = b"SZ16"
 _HEADER = struct.Struct("<4sQI")  # magic, words, chunks; then a u32 size per chunk
-# Literals only: with a 7-byte minimum match and one probe zstd finds (almost) no matches in
-# high bytes and Huffman-codes them; the window is the chunk.
-_LITERALS_ONLY = zstandard.ZstdCompressionParameters(
-    window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7, strategy=zstandard.STRATEGY_FAST
-)
 _per_thread = threading.local()  # zstd contexts are not thread-safe: one set per thread
 
 
 def _zstd() -> threading.local:
     if not hasattr(_per_thread, "decoder"):
-        _per_thread.encoder = zstandard.ZstdCompressor(compression_params=_LITERALS_ONLY)
+        if zstandard is None:
+            raise CompressionError("split-zstd needs the zstandard package (pip install zstandard)")
+        # Literals only: with a 7-byte minimum match and one probe zstd finds (almost) no matches in
+        # high bytes and Huffman-codes them; the window is the chunk.
+        literals_only = zstandard.ZstdCompressionParameters(
+            window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7, strategy=zstandard.STRATEGY_FAST
+        )
+        _per_thread.encoder = zstandard.ZstdCompressor(compression_params=literals_only)
         _per_thread.decoder = zstandard.ZstdDecompressor()
         _per_thread.high = np.empty(CHUNK_WORDS, np.uint8)  # one chunk's decoded high bytes
     return _per_thread

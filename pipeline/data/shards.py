@@ -276,7 +276,7 @@ def _planes(sample: HiddenSample, compression: str) -> list[np.ndarray]:
     return planes
 
 
-def _write_shard(out: BinaryIO, samples: list[HiddenSample], schema: pa.Schema, compression: str,
+def _write_shard(out: BinaryIO, samples: Iterable[HiddenSample], schema: pa.Schema, compression: str,
                  name: str) -> tuple[int, str, list[dict]]:
     """Write one shard to `out`; its size, digest and its samples' index entries."""
     index = []
@@ -311,18 +311,41 @@ def _write_shard(out: BinaryIO, samples: list[HiddenSample], schema: pa.Schema, 
     return sink.pos, sink.shard_hash.hexdigest(), index
 
 
-def _chunks(samples: list[HiddenSample], max_rows: int, max_bytes: int) -> Iterator[list[HiddenSample]]:
-    chunk: list[HiddenSample] = []
-    size = 0
-    for s in samples:
-        nbytes = s.hidden.numel() * 2
-        if chunk and (len(chunk) >= max_rows or size + nbytes > max_bytes):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(s)
-        size += nbytes
-    if chunk:
-        yield chunk
+class _Checked:
+    """The samples of a write, validated and counted as they arrive: a writer streams them into
+    shards and holds one at a time, never the step."""
+
+    def __init__(self, samples: Iterable[HiddenSample], step: int, hidden_size: int, num_layers: int) -> None:
+        self._samples = iter(samples)
+        self._step, self._hidden_size, self._num_layers = step, hidden_size, num_layers
+        self._next: HiddenSample | None = None
+        self.ids: set[str] = set()
+        self.num_tokens = 0
+
+    def peek(self) -> HiddenSample | None:
+        """The next sample (validated), or None at the end."""
+        if self._next is None:
+            sample = next(self._samples, None)
+            if sample is not None:
+                # Values are checked while written.
+                validate_sample(sample, self._hidden_size, self._num_layers, check_finite=False)
+                if sample.sample_id in self.ids:
+                    raise ShardError(f"step {self._step}: duplicate sample_id {sample.sample_id!r}")
+                self.ids.add(sample.sample_id)
+                self.num_tokens += sample.input_ids.shape[0]
+            self._next = sample
+        return self._next
+
+    def take(self, max_rows: int, max_bytes: int) -> Iterator[HiddenSample]:
+        """The next samples of one shard: at least one, then while within `max_rows` and `max_bytes`."""
+        rows = size = 0
+        while (sample := self.peek()) is not None:
+            nbytes = sample.hidden.numel() * 2
+            if rows and (rows >= max_rows or size + nbytes > max_bytes):
+                return
+            self._next = None
+            rows, size = rows + 1, size + nbytes
+            yield sample
 
 
 def write_hidden_states(
@@ -337,18 +360,15 @@ def write_hidden_states(
     samples_per_shard: int = 256,
     compression: str = "none",
 ) -> Manifest:
-    """Validate every sample, write the shards, then commit them with the manifest."""
+    """Validate every sample, write the shards, then commit them with the manifest.
+
+    `samples` is consumed as it is written (a generator streams a step through one sample at a
+    time); a sample refused mid-way leaves no shard of this write behind."""
     if compression not in COMPRESSIONS:
         raise ShardError(f"compression {compression!r} is not one of {', '.join(COMPRESSIONS)}")
-    samples = list(samples)
-    if not samples:
+    stream = _Checked(samples, step, hidden_size, len(layer_ids))
+    if stream.peek() is None:
         raise ShardError(f"step {step}: no samples to write (empty step)")
-    for s in samples:
-        validate_sample(s, hidden_size, len(layer_ids), check_finite=False)  # values: while writing
-    ids = [s.sample_id for s in samples]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise ShardError(f"step {step}: duplicate sample_id {dup!r}")
 
     prefix = hidden_states_prefix(run, step)
     schema = shard_schema(list(layer_ids), compression)
@@ -356,11 +376,14 @@ def write_hidden_states(
     shards: list[ShardInfo] = []
     index: list[dict] = []
     try:
-        for part, chunk in enumerate(_chunks(samples, samples_per_shard, SHARD_TARGET_BYTES)):
+        for part in itertools.count():
+            if stream.peek() is None:
+                break
             name = f"part-{part:05d}-{write_id}.arrow"
             with store.open_write(f"{prefix}/{name}") as f:
-                size, digest, entries = _write_shard(f, chunk, schema, compression, name)
-            shards.append(ShardInfo(name, len(chunk), size, digest))
+                size, digest, entries = _write_shard(f, stream.take(samples_per_shard, SHARD_TARGET_BYTES), schema,
+                                                     compression, name)
+            shards.append(ShardInfo(name, len(entries), size, digest))
             index += entries
     except BaseException:
         for written in shards:  # no manifest names them, so no reader could see them; leave nothing behind
@@ -374,8 +397,8 @@ def write_hidden_states(
         dtype="bfloat16",
         target=dict(target),
         shards=shards,
-        num_samples=len(samples),
-        num_tokens=sum(s.input_ids.shape[0] for s in samples),
+        num_samples=len(index),
+        num_tokens=stream.num_tokens,
         compression=compression,
         samples=index,
     )

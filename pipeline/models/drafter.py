@@ -8,7 +8,14 @@ import torch
 from pipeline.config import DrafterConfig
 from pipeline.data.shards import HiddenSample
 from pipeline.models.eagle import EagleConfig, EagleDrafter
-from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids, draft_vocab
+from pipeline.models.eagle3 import (
+    Eagle3Config,
+    Eagle3Drafter,
+    default_aux_layer_ids,
+    draft_vocab,
+    read_positions,
+    stored_layer_ids,
+)
 from pipeline.training.dataset import Sample
 from pipeline.training.loop import Teacher
 
@@ -56,16 +63,19 @@ def teacher(drafter: Drafter, target) -> Teacher | None:
     return Teacher(norm=target.model.norm.requires_grad_(False), head=head)
 
 
-def training_sample(drafter: Drafter, sample: HiddenSample) -> Sample:
-    """(input_ids, features (T, D), loss_mask): EAGLE-3 reads every stored layer, EAGLE-1/2 the last."""
+def training_sample(drafter: Drafter, sample: HiddenSample, num_layers: int) -> Sample:
+    """(input_ids, features (T, D), loss_mask): EAGLE-3 reads its layers [aux..., L] (a layer stored
+    once may be read twice), EAGLE-1/2 the last."""
     if isinstance(drafter, Eagle3Drafter):
-        return sample.input_ids, sample.hidden.flatten(1), sample.loss_mask
+        positions = read_positions(drafter.config.aux_layer_ids, num_layers)
+        return sample.input_ids, sample.hidden[:, positions].flatten(1), sample.loss_mask
     return sample.input_ids, sample.hidden[:, -1, :], sample.loss_mask
 
 
 def check_layers(drafter: Drafter, layer_ids: list[int], num_layers: int, where: str) -> None:
     """Stored shards must hold what the drafter reads (a kind switch mid-run would not)."""
-    wanted = [*drafter.config.aux_layer_ids, num_layers] if isinstance(drafter, Eagle3Drafter) else [num_layers]
+    wanted = (stored_layer_ids(drafter.config.aux_layer_ids, num_layers) if isinstance(drafter, Eagle3Drafter)
+              else [num_layers])
     if list(layer_ids) != wanted:
         raise ValueError(f"{where}: hidden states hold layers {list(layer_ids)}, this drafter needs {wanted}; "
                          "re-materialize hidden_states for the buffer's steps")

@@ -20,6 +20,7 @@ The draft vocabulary is the N most frequent target tokens: `d2t[i] = target_id -
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +67,19 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     if num_layers < 2:
         raise ValueError("EAGLE-3 needs a target with at least 2 layers")
     return (0, round(num_layers / 2), num_layers)
+
+
+def stored_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """The target layers (vLLM ids) an EAGLE-3 drafter's hidden states hold, each once: the aux
+    layers, then the last layer L for the soft labels. An id the list repeats (L among the aux
+    ids of a small target, or vLLM's (2, 3, 3) at L=6) is stored at its first place only."""
+    return list(dict.fromkeys([*aux_layer_ids, num_layers]))
+
+
+def read_positions(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """Where the drafter's inputs [aux..., L] lie among `stored_layer_ids`."""
+    stored = stored_layer_ids(aux_layer_ids, num_layers)
+    return [stored.index(i) for i in [*aux_layer_ids, num_layers]]
 
 
 def draft_vocab(token_counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:

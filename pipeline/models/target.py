@@ -573,3 +573,36 @@ class TargetMetadata:
             scaling = getattr(config, "rope_scaling", None)
         return cls(config.model_type, config.hidden_size, config.vocab_size, config.num_hidden_layers,
                    config.max_position_embeddings, float(theta), dict(scaling) if scaling else None)
+
+
+@torch.no_grad()
+def layer_states(model: PreTrainedModel, input_ids: torch.Tensor, layer_ids: list[int] | None) -> list[torch.Tensor]:
+    """input_ids (B, T) -> one (B, T, H) tensor per requested layer (vLLM ids, as in `forward`), or
+    [post-norm last layer] when `layer_ids` is None.
+
+    What extraction runs: no logits (at a 128k vocabulary the lm_head is a quarter of a 1B
+    target's forward) and no KV cache; only the requested layers are kept, each caught on
+    its way into the module that reads it (decoder layer k, or the final norm for id L).
+    """
+    inner = model.model
+    if not layer_ids:
+        return [inner(input_ids=input_ids, use_cache=False).last_hidden_state]
+    num_layers = model.config.num_hidden_layers
+    bad = [i for i in layer_ids if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(f"layer ids {bad} outside [0, {num_layers}] of the target")
+    caught: dict[int, torch.Tensor] = {}
+
+    def catch(layer_id: int):
+        def hook(_module, args, kwargs):
+            caught[layer_id] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    modules = [*inner.layers[:num_layers], inner.norm]  # module k reads the residual stream of vLLM id k
+    hooks = [modules[i].register_forward_pre_hook(catch(i), with_kwargs=True) for i in sorted(set(layer_ids))]
+    try:
+        inner(input_ids=input_ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [caught[i] for i in layer_ids]

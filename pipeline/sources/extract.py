@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.config import DrafterConfig, PipelineConfig
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import shards
 from pipeline.data.keys import step_key
 from pipeline.data.rollouts import Rollout
 from pipeline.data.shards import HiddenSample, Manifest
 from pipeline.data.store import ObjectStore
+from pipeline.models import eagle3
 from pipeline.models import target as target_lib
 from pipeline.models.eagle3 import default_aux_layer_ids
 from pipeline.sources import vllm_connector as vllm_hidden_states
+
+if TYPE_CHECKING:  # the forward path runs where only torch, transformers and pyarrow are installed (benchmarks)
+    from pipeline.config import DrafterConfig, PipelineConfig
 
 
 def training_rollouts(rollouts: list[Rollout], held_out_fraction: float) -> list[Rollout]:
@@ -33,41 +37,65 @@ def aux_layer_ids(drafter: DrafterConfig, num_layers: int) -> list[int]:
 
 
 def stored_layer_ids(drafter: DrafterConfig, num_layers: int) -> list[int] | None:
-    """Layers the drafter kind trains on: EAGLE-3 its aux layers plus the last one (for the soft
-    labels); EAGLE-1/2 only the post-norm last layer (None)."""
-    return [*aux_layer_ids(drafter, num_layers), num_layers] if drafter.kind == "eagle3" else None
+    """Layers the drafter kind trains on, each stored once: EAGLE-3 its aux layers plus the last
+    one (for the soft labels); EAGLE-1/2 only the post-norm last layer (None)."""
+    return eagle3.stored_layer_ids(aux_layer_ids(drafter, num_layers), num_layers) if drafter.kind == "eagle3" else None
+
+
+def plan_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
+    """Forward batches as indices into `lengths`: longest first, each batch as many samples as fit
+    `tokens_per_batch` once padded to its longest (a longer sample forms a batch alone).
+
+        lengths  [5, 3, 8, 2, 7], tokens_per_batch 16
+        sorted   8(#2) 7(#4) 5(#0) 3(#1) 2(#3)
+        batches  [2, 4]     2 x 8 = 16 padded tokens (a third sample: 3 x 8 = 24)
+                 [0, 1, 3]  3 x 5 = 15
+
+    Sorting keeps padding small: a batch's samples differ in length only as much as neighbours
+    in the sorted order do.
+    """
+    if tokens_per_batch < 1:
+        raise ValueError(f"tokens_per_batch must be >= 1, got {tokens_per_batch}")
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= tokens_per_batch:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
 
 
 @torch.no_grad()
-def compute_hidden_states(
-    model, rollouts: list[Rollout], step: int, device: str = "cpu", batch_size: int = 32,
+def iter_hidden_states(
+    model, rollouts: list[Rollout], step: int, *, tokens_per_batch: int, device: str = "cpu",
     layer_ids: list[int] | None = None,
-) -> list[HiddenSample]:
-    """bf16 features, one (T, n_layers, H) tensor per rollout: the requested layers (vLLM ids,
-    pre-norm), or the post-norm last layer when `layer_ids` is None.
+) -> Iterator[HiddenSample]:
+    """bf16 features of each rollout, (T, n_layers, H): the requested layers (vLLM ids, pre-norm),
+    or the post-norm last layer when `layer_ids` is None; batch by batch (`plan_batches`), so that
+    a caller that writes them as they come holds one batch, never the step.
 
-    Rollouts are grouped by length so that batches need no padding (padding would
-    change nothing for causal attention, but costs compute and needs masks).
+    Batches are right-padded and run without an attention mask: causal attention never lets a
+    token see the padding after it, and positions count from 0 in every row, so each sample's
+    states are those of a forward of it alone (tests/unit/sources/test_extract.py).
     """
-    by_length: dict[int, list[Rollout]] = defaultdict(list)
-    for r in rollouts:
-        by_length[len(r.input_ids)].append(r)
-    samples: dict[str, HiddenSample] = {}
-    for group in by_length.values():
-        for start in range(0, len(group), batch_size):
-            chunk = group[start : start + batch_size]
-            ids = torch.tensor([r.input_ids for r in chunk], dtype=torch.int64, device=device)  # (B, T)
-            out = target_lib.forward(model, ids, layer_ids)
-            features = out.features[:, :, None] if layer_ids is None else out.layers  # (B, T, n_layers, H)
-            features = features.to(torch.bfloat16).cpu()
-            for r, feat in zip(chunk, features, strict=True):
-                samples[r.sample_id] = HiddenSample(
-                    sample_id=r.sample_id, step=step,
-                    input_ids=torch.tensor(r.input_ids, dtype=torch.int64),
-                    loss_mask=torch.tensor(r.loss_mask, dtype=torch.int64),
-                    hidden=feat.clone(),  # (T, n_layers, H)
-                )
-    return [samples[r.sample_id] for r in rollouts]  # keep the rollouts' order
+    for batch in plan_batches([len(r.input_ids) for r in rollouts], tokens_per_batch):
+        chunk = [rollouts[i] for i in batch]
+        longest = len(chunk[0].input_ids)
+        ids = torch.zeros(len(chunk), longest, dtype=torch.int64)  # (B, T), right-padded with token 0
+        for row, r in enumerate(chunk):
+            ids[row, : len(r.input_ids)] = torch.tensor(r.input_ids, dtype=torch.int64)
+        layers = target_lib.layer_states(model, ids.to(device), layer_ids)  # n x (B, T, H)
+        # Layer-major (B, n, T, H): each stored layer plane of a sample is contiguous, written without a copy.
+        features = torch.stack([x.to(torch.bfloat16) for x in layers], dim=1).cpu()
+        del layers
+        for r, feat in zip(chunk, features, strict=True):
+            tokens = len(r.input_ids)
+            yield HiddenSample(
+                sample_id=r.sample_id, step=step,
+                input_ids=torch.tensor(r.input_ids, dtype=torch.int64),
+                loss_mask=torch.tensor(r.loss_mask, dtype=torch.int64),
+                hidden=feat[:, :tokens].permute(1, 0, 2),  # (T, n_layers, H) view of the batch
+            )
 
 
 def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int) -> Manifest:
@@ -82,7 +110,8 @@ def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int) ->
     if cfg.hidden_states.source == "vllm":
         samples = _from_vllm(cfg, step, train, model, layer_ids)
     else:
-        samples = compute_hidden_states(model, train, step, cfg.device, layer_ids=layer_ids)
+        samples = iter_hidden_states(model, train, step, tokens_per_batch=cfg.hidden_states.tokens_per_batch,
+                                     device=cfg.device, layer_ids=layer_ids)
     return shards.write_hidden_states(
         store, cfg.run, step, samples,
         hidden_size=model.config.hidden_size,

@@ -232,7 +232,7 @@ def run_training(
     for step_in_buffer in sorted({e.step for e in entries}):
         manifest = shards.read_manifest(store, cfg.run, step_in_buffer)
         drafters.check_layers(drafter, manifest.layer_ids, num_layers, f"hidden states of step {step_in_buffer}")
-    data = BufferDataset(store, cfg.run, entries, lambda s: drafters.training_sample(drafter, s))
+    data = BufferDataset(store, cfg.run, entries, lambda s: drafters.training_sample(drafter, s, num_layers))
 
     run_id = job.run_id
     if ctx.is_main and run_id is None:
