@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import batch_prep, hidden_states_io, policy_loss, target_load, training
+from benchmarks import batch_prep, extraction, hidden_states_io, policy_loss, target_load, training
 
 BENCHMARKS = {
     "policy_loss": policy_loss.run,
@@ -18,6 +18,7 @@ BENCHMARKS = {
     "batch_prep": batch_prep.run,
     "training": training.run,
     "target_load": target_load.run,
+    "extraction": extraction.run,
 }
 
 
@@ -31,7 +32,7 @@ def main() -> None:
         report[name]["wall_s"] = round(time.perf_counter() - start, 2)
         figures = {k: round(v, 3) for k, v in report[name].items()
                    if k.endswith(("ratio", "_vs_raw", "_vs_torch_save", "_vs_safetensors", "_per_core", "_ms", "_vs_1g",
-                                  "reference", "_h64"))}
+                                  "reference", "_h64", "_vs_plain_forward", "_4x_step"))}
         sys.stdout.write(f"{name}: {figures}\n")
     path = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(report, indent=2))
