@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
-from dataclasses import replace
+from contextlib import suppress
+from dataclasses import dataclass, replace
 from pathlib import Path
+from queue import Empty, Full, Queue
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,36 +68,86 @@ def plan_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
     return batches
 
 
+@dataclass(frozen=True)
+class _Batch:
+    rollouts: list[Rollout]
+    features: torch.Tensor  # (B, n_layers, T, H) bf16 on the host: layer-major, so each layer of a sample is contiguous
+
+
 @torch.no_grad()
+def _forward_batches(model, rollouts: list[Rollout], plan: list[list[int]], device: str,
+                     layer_ids: list[int] | None) -> Iterator[_Batch]:
+    for batch in plan:
+        chunk = [rollouts[i] for i in batch]
+        ids = torch.zeros(len(chunk), len(chunk[0].input_ids), dtype=torch.int64)  # (B, T), right-padded with 0
+        for row, r in enumerate(chunk):
+            ids[row, : len(r.input_ids)] = torch.tensor(r.input_ids, dtype=torch.int64)
+        layers = target_lib.layer_states(model, ids.to(device), layer_ids)  # n x (B, T, H)
+        features = torch.stack([x.to(torch.bfloat16) for x in layers], dim=1)  # (B, n, T, H)
+        del layers
+        if features.is_cuda:
+            # Pinned: the copy runs at PCIe speed, and torch's pinned-memory cache hands a batch's block
+            # to a later batch once the writer has let go of its samples (no fresh pages to fault in).
+            host = torch.empty(features.shape, dtype=features.dtype, pin_memory=True)
+            host.copy_(features, non_blocking=True)
+            torch.cuda.current_stream(features.device).synchronize()
+            features = host
+        yield _Batch(chunk, features)
+
+
+def _ahead(batches: Iterator[_Batch]) -> Iterator[_Batch]:
+    """`batches`, computed one ahead on a thread: the next forward runs while the caller writes this
+    batch's samples (at most three batches exist: written, queued, computing)."""
+    queue: Queue = Queue(maxsize=1)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                while not stop.is_set():
+                    with suppress(Full):
+                        queue.put(batch, timeout=0.1)
+                        break
+                if stop.is_set():
+                    return
+            queue.put(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            queue.put(exc)
+
+    thread = threading.Thread(target=produce, name="extract-forward", daemon=True)
+    thread.start()
+    try:
+        while (item := queue.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        with suppress(Empty):
+            queue.get_nowait()  # unblock a producer waiting to put
+        thread.join()
+
+
 def iter_hidden_states(
     model, rollouts: list[Rollout], step: int, *, tokens_per_batch: int, device: str = "cpu",
     layer_ids: list[int] | None = None,
 ) -> Iterator[HiddenSample]:
     """bf16 features of each rollout, (T, n_layers, H): the requested layers (vLLM ids, pre-norm),
     or the post-norm last layer when `layer_ids` is None; batch by batch (`plan_batches`), so that
-    a caller that writes them as they come holds one batch, never the step.
+    a caller that writes them as they come holds a few batches, never the step.
 
     Batches are right-padded and run without an attention mask: causal attention never lets a
     token see the padding after it, and positions count from 0 in every row, so each sample's
     states are those of a forward of it alone (tests/unit/sources/test_extract.py).
     """
-    for batch in plan_batches([len(r.input_ids) for r in rollouts], tokens_per_batch):
-        chunk = [rollouts[i] for i in batch]
-        longest = len(chunk[0].input_ids)
-        ids = torch.zeros(len(chunk), longest, dtype=torch.int64)  # (B, T), right-padded with token 0
-        for row, r in enumerate(chunk):
-            ids[row, : len(r.input_ids)] = torch.tensor(r.input_ids, dtype=torch.int64)
-        layers = target_lib.layer_states(model, ids.to(device), layer_ids)  # n x (B, T, H)
-        # Layer-major (B, n, T, H): each stored layer plane of a sample is contiguous, written without a copy.
-        features = torch.stack([x.to(torch.bfloat16) for x in layers], dim=1).cpu()
-        del layers
-        for r, feat in zip(chunk, features, strict=True):
-            tokens = len(r.input_ids)
+    plan = plan_batches([len(r.input_ids) for r in rollouts], tokens_per_batch)
+    for batch in _ahead(_forward_batches(model, rollouts, plan, device, layer_ids)):
+        for r, feat in zip(batch.rollouts, batch.features, strict=True):
             yield HiddenSample(
                 sample_id=r.sample_id, step=step,
                 input_ids=torch.tensor(r.input_ids, dtype=torch.int64),
                 loss_mask=torch.tensor(r.loss_mask, dtype=torch.int64),
-                hidden=feat[:, :tokens].permute(1, 0, 2),  # (T, n_layers, H) view of the batch
+                hidden=feat[:, : len(r.input_ids)].permute(1, 0, 2),  # (T, n_layers, H) view of the batch
             )
 
 

@@ -139,7 +139,8 @@ def test_layer_states_are_forwards_layers(target: torch.nn.Module) -> None:
 
 def test_shards_are_written_while_later_batches_are_still_to_run(tmp_path: Path, target: torch.nn.Module) -> None:
     store = ObjectStore(tmp_path.as_uri())
-    rollouts = _rollouts([30, 28, 26, 24, 22, 20, 18, 16], vocab=64)
+    rollouts = _rollouts([30 - i for i in range(16)], vocab=64)
+    batches = len(extract.plan_batches([len(r.input_ids) for r in rollouts], 60))
     forwards: list[int] = []
     hook = target.model.register_forward_hook(lambda *_: forwards.append(1))
     shards_seen: list[tuple[int, int]] = []  # (forwards run, shard files written) as each sample reaches the writer
@@ -154,11 +155,14 @@ def test_shards_are_written_while_later_batches_are_still_to_run(tmp_path: Path,
                                               target={}, samples_per_shard=2)
     finally:
         hook.remove()
-    assert len(forwards) == 4 == len(extract.plan_batches([len(r.input_ids) for r in rollouts], 60))
-    assert shards_seen[0] == (1, 0)  # the first sample is written after one batch, not after the step
-    assert any(f < 4 and n >= 1 for f, n in shards_seen)  # shards are on storage before the last batch runs
-    assert manifest.num_samples == 8
-    assert len(manifest.shards) == 4
+    assert batches >= 6
+    assert len(forwards) == batches
+    # The first sample reaches the writer after its batch, with at most two more computed ahead ...
+    assert shards_seen[0][0] <= 3
+    # ... and shards are on storage while batches are still to run.
+    assert any(f < batches and n >= 1 for f, n in shards_seen)
+    assert manifest.num_samples == 16
+    assert len(manifest.shards) == 8
     assert manifest.num_tokens == sum(len(r.input_ids) for r in rollouts)
 
 
