@@ -23,7 +23,7 @@ from pipeline.models import target as target_lib
 from pipeline.models.eagle3 import default_aux_layer_ids
 from pipeline.sources import vllm_connector as vllm_hidden_states
 
-if TYPE_CHECKING:  # the forward path runs where only torch, transformers and pyarrow are installed (benchmarks)
+if TYPE_CHECKING:  # the forward path also runs without pydantic (benchmarks/extraction.py on a bare GPU image)
     from pipeline.config import DrafterConfig, PipelineConfig
 
 
@@ -153,7 +153,8 @@ def iter_hidden_states(
 
 def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int) -> Manifest:
     """The hidden states of the step's training rollouts, from a forward pass here (source B) or
-    from vLLM's connector files (source A), written as shards + manifest."""
+    from vLLM's connector files (source A), written as shards + manifest. Source B streams: each
+    batch's samples are written as they are computed, in the batches' (length-sorted) order."""
     rollouts = rollouts_lib.read_rollouts(store, cfg.run, step)
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
     model = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
