@@ -1,4 +1,4 @@
-"""The README's configuration reference matches the configuration the code accepts."""
+"""The documentation matches the code: the configuration reference, the code map, the links."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ import yaml
 
 from pipeline.config import load_config
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+CONFIGURATION = ROOT / "docs" / "configuration.md"
 ROW = re.compile(r"^\| `([a-z0-9_.]+)` \| `([^`]*)` \|", re.MULTILINE)
+CODE_MAP_ENTRY = re.compile(r"`(pipeline/[A-Za-z0-9_/]+\.py)`")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def _leaves(data: dict, prefix: str = "") -> dict[str, object]:
@@ -24,13 +28,40 @@ def _leaves(data: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
+def _section(text: str, heading: str) -> str:
+    """The body of a `## heading` section, up to the next `## ` heading."""
+    match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL)
+    assert match, f"README has no '## {heading}' section"
+    return match.group(1)
+
+
 def test_every_config_key_is_documented_with_its_default() -> None:
-    documented = dict(ROW.findall(README.read_text()))
+    documented = dict(ROW.findall(CONFIGURATION.read_text()))
     actual = _leaves(load_config().model_dump())
-    assert sorted(documented) == sorted(actual), "README configuration reference and config keys differ"
+    assert sorted(documented) == sorted(actual), "docs/configuration.md and the config keys differ"
     for key, default in documented.items():
         if default == "[...]":  # a list of mappings: described in words
             continue
         parsed = yaml.safe_load(default) if default != '""' else ""
         code = json.dumps(actual[key])
-        assert parsed == actual[key], f"README says {key} defaults to {default}, the code says {code}"
+        assert parsed == actual[key], f"docs/configuration.md says {key} defaults to {default}, the code says {code}"
+
+
+def test_code_map_lists_every_module_of_pipeline() -> None:
+    listed = set(CODE_MAP_ENTRY.findall(_section(README.read_text(), "Code map")))
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "pipeline").rglob("*.py") if p.name != "__init__.py"}
+    assert not modules - listed, f"modules missing from the README code map: {sorted(modules - listed)}"
+    assert not listed - modules, f"README code map lists modules that do not exist: {sorted(listed - modules)}"
+
+
+def test_relative_links_in_the_docs_point_at_files() -> None:
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):  # a URL or an anchor on the same page
+                continue
+            path = (page.parent / target.split("#", 1)[0]).resolve()
+            if not path.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, f"links to files that do not exist: {broken}"
