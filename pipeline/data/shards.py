@@ -15,9 +15,9 @@ A record batch (one sample, T tokens, one column per stored layer):
                                   high and low bytes apart and zstd-codes the high ones; with
                                   "fp8-e4m3" (lossy) e4m3 values with a scale per token (compression.py)
 
-Why this layout (measured by `benchmarks/hidden_states_io.py`, README "Hidden-state
-storage layout"): an IPC body is the tensors' own bytes, so writing is a write of the
-tensor memory, and a local read views those bytes in the mapped file, with no decoding step.
+Why this layout (measured by `benchmarks/hidden_states_io.py`, docs/storage.md): an IPC body
+is the tensors' own bytes, so writing is a write of the tensor memory, and a local read views
+those bytes in the mapped file, with no decoding step.
 The manifest indexes every sample's byte ranges (its metadata, and each layer) with an
 xxh3 digest per range, so a reader fetches one sample, or only the layers it needs, with
 ranged reads and verifies exactly what it read. The shard digest in the manifest covers
