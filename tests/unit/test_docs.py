@@ -54,14 +54,22 @@ def test_code_map_lists_every_module_of_pipeline() -> None:
     assert not listed - modules, f"README code map lists modules that do not exist: {sorted(listed - modules)}"
 
 
-def test_relative_links_in_the_docs_point_at_files() -> None:
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a Markdown page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```", "", page.read_text(), flags=re.MULTILINE | re.DOTALL),
+                          re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_relative_links_in_the_docs_point_at_files_and_headings() -> None:
     pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
     broken = []
     for page in pages:
         for target in LINK.findall(page.read_text()):
-            if re.match(r"[a-z]+:", target) or target.startswith("#"):  # a URL or an anchor on the same page
+            if re.match(r"[a-z]+:", target):  # a URL
                 continue
-            path = (page.parent / target.split("#", 1)[0]).resolve()
-            if not path.exists():
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
+            if not path.exists() or (anchor and path.suffix == ".md" and anchor not in _anchors(path)):
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
-    assert not broken, f"links to files that do not exist: {broken}"
+    assert not broken, f"links to files or headings that do not exist: {broken}"
