@@ -47,7 +47,7 @@ def _demo_setup():  # noqa: ANN202
     ids = torch.randint(0, sim.vocab_size, (n, length), generator=g)
     drafter = drafters.fresh_drafter(cfg.drafter, target, torch.bincount(ids.flatten(), minlength=sim.vocab_size),
                                      cfg.train.seed)
-    drafters.attach_target(drafter, target)
+    drafter.attach(target)
     layer_ids = [*drafter.config.aux_layer_ids, sim.num_layers]
     with torch.no_grad():
         layers = target_lib.forward(target, ids, layer_ids).layers  # (n, T, layers, H)
@@ -59,7 +59,6 @@ def _demo_setup():  # noqa: ANN202
 def _cpu_rank(rank: int, world: int, port: int, out: str) -> None:
     import torch
 
-    from pipeline.models import drafter as drafters
     from pipeline.training.distributed import DistContext, destroy_process_group, init_process_group
     from pipeline.training.loop import train_drafter
 
@@ -71,7 +70,7 @@ def _cpu_rank(rank: int, world: int, port: int, out: str) -> None:
         cfg, target, drafter, data = _demo_setup()
         train = cfg.train.model_copy(update={"batch_size_per_gpu": cfg.train.batch_size_per_gpu // world,
                                              "epochs": 4})
-        result = train_drafter(drafter, data, train, teacher=drafters.teacher(drafter, target), ctx=ctx)
+        result = train_drafter(drafter, data, train, teacher=drafter.teacher(target), ctx=ctx)
         if ctx.is_main:
             Path(out).write_text(json.dumps({"tokens": result.tokens, "wall_s": result.wall_s,
                                              "iterations": result.iterations, "loss": result.loss}))
@@ -128,7 +127,8 @@ def _gpu_mfu(steps: int = 10, warmup: int = 3) -> dict | None:
     from pipeline.config import TrainConfig
     from pipeline.models.eagle import RMSNorm
     from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter
-    from pipeline.training.loop import Teacher, compute_loss
+    from pipeline.models.teacher import Teacher
+    from pipeline.training.loop import compute_loss
     from pipeline.training.window import PackedBatch
 
     torch.manual_seed(0)

@@ -17,7 +17,6 @@ from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.keys import acceptance_key
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import speculative
-from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
 from pipeline.registry import DrafterRegistry
 from pipeline.sources.extract import held_out_rollouts
@@ -67,9 +66,9 @@ def evaluate_step(
     measured: dict[str, dict] = {}
     for version in {v for v in roles.values() if v is not None}:
         drafter = registry.load(version)
-        drafters.attach_target(drafter, target)
+        drafter.attach(target)
         measured[version] = speculative.evaluate(
-            target, speculative.make_proposer(drafter), prompts, max_new, k
+            target, speculative.follow_target(drafter, target), prompts, max_new, k
         ).as_dict()
 
     def tau(version: str | None) -> float | None:

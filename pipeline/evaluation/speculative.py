@@ -1,10 +1,17 @@
-"""Chain speculative decoding with greedy verification, and the acceptance metrics it yields.
+"""Chain speculative decoding with greedy verification, batched over prompts, and its metrics.
 
-One round: the drafter proposes k tokens from its own predicted features, the target
-runs once over the sequence plus the proposal, the longest prefix of the proposal that
-matches the target's greedy choices is kept, plus one token from the target. So the
-output is exactly the target's greedy decoding; only the number of target forwards
-changes. Metrics follow vLLM's names:
+One round, for every row of the batch at once: the drafter proposes k tokens, the target
+runs once over the row's pending token plus the proposal, the longest prefix of the
+proposal that matches the target's greedy choices is kept, plus one token from the target.
+So each row's output is exactly the target's greedy decoding; only the number of target
+forwards changes.
+
+Both models keep key/value caches, so a round costs k + 1 target positions and k drafter
+steps whatever the sequence length. Rows accept different numbers of tokens: a row's
+rejected columns stay in the caches, masked (the attention mask and per-row positions say
+what each row holds), and columns no row kept are cropped off the end.
+
+Metrics follow vLLM's names:
 
     mean acceptance length  tau = 1 + accepted / rounds       (tokens per target forward)
     acceptance rate             = accepted / (rounds * k)
@@ -13,85 +20,25 @@ changes. Metrics follow vLLM's names:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
-from transformers import LlamaForCausalLM
+from transformers import DynamicCache, LlamaForCausalLM
 
 from pipeline.models import target as target_lib
-from pipeline.models.eagle import EagleDrafter
-from pipeline.models.eagle3 import Eagle3Drafter, TTTCache
+from pipeline.models.drafter import CommittedPairs, Drafter, Proposer
 
 
-class Proposer(Protocol):
-    # Target layers (vLLM ids) the proposer reads; None = the post-norm last layer.
-    layer_ids: list[int] | None
-
-    def propose(self, tokens: torch.Tensor, features: torch.Tensor, k: int) -> torch.Tensor:
-        """tokens (T,) committed so far, features (T-1, D) of tokens[:-1] -> (k,) proposed tokens."""
-        ...
-
-
-def _features(out: target_lib.TargetOutput, layer_ids: list[int] | None) -> torch.Tensor:
-    """(1, T, D) what a proposer reads from a target forward."""
+def features_for(out: target_lib.TargetOutput, layer_ids: list[int] | None) -> torch.Tensor:
+    """(B, T, D) what a proposer reads from a target forward."""
     return out.features if layer_ids is None else out.layers.flatten(2)
 
 
-class EagleProposer:
-    """Drafts with an EAGLE drafter: pairs (f_i, x_{i+1}), then its own predicted features."""
-
-    layer_ids = None
-
-    def __init__(self, drafter: EagleDrafter) -> None:
-        self.drafter = drafter.eval()
-
-    @torch.no_grad()
-    def propose(self, tokens: torch.Tensor, features: torch.Tensor, k: int) -> torch.Tensor:
-        feats = features.float()  # (T-1, H)
-        ids = tokens[1:]  # (T-1,)
-        proposal = []
-        for _ in range(k):
-            n = ids.shape[0]
-            mask = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()[None, None]  # (1, 1, n, n)
-            positions = torch.arange(n, device=ids.device)[None]  # (1, n)
-            predicted = self.drafter(feats[None], ids[None], positions, mask)[0, -1]  # (H,)
-            token = self.drafter.lm_head(predicted).argmax()
-            proposal.append(token)
-            feats = torch.cat([feats, predicted[None]])
-            ids = torch.cat([ids, token[None]])
-        return torch.stack(proposal)
-
-
-class Eagle3Proposer:
-    """Drafts with an EAGLE-3 drafter: step 0 over the whole prefix, then one query per step
-    at the last position with the TTT cache (the runtime's attention pattern)."""
-
-    def __init__(self, drafter: Eagle3Drafter) -> None:
-        self.drafter = drafter.eval()
-        self.layer_ids = list(drafter.config.aux_layer_ids)
-
-    @torch.no_grad()
-    def propose(self, tokens: torch.Tensor, features: torch.Tensor, k: int) -> torch.Tensor:
-        d = self.drafter
-        n = tokens.shape[0] - 1
-        positions = torch.arange(n, device=tokens.device)[None]  # (1, n)
-        cache = TTTCache()
-        causal = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()[None, None]  # (1, 1, n, n)
-        state = d.step(tokens[None, 1:], d.project_aux(features[None].float()), positions, causal, cache)
-        state = state[:, -1:]  # (1, 1, H): only the last position drafts
-        everything = torch.ones(1, 1, 1, n, dtype=torch.bool, device=tokens.device)
-        proposal = []
-        for j in range(k):
-            token = d.draft_to_target[d.lm_head(d.logits_input(state)).argmax(-1)]  # (1, 1) target ids
-            proposal.append(token[0, 0])
-            if j + 1 < k:
-                state = d.step(token, state, positions[:, -1:], everything, cache)
-        return torch.stack(proposal)
-
-
-def make_proposer(drafter: EagleDrafter | Eagle3Drafter) -> EagleProposer | Eagle3Proposer:
-    return Eagle3Proposer(drafter) if isinstance(drafter, Eagle3Drafter) else EagleProposer(drafter)
+def follow_target(drafter: Drafter, model: LlamaForCausalLM) -> Callable[[], Proposer]:
+    """The drafter on the target's device and in its dtype; returns its proposer factory."""
+    drafter.to(device=model.device, dtype=model.dtype)
+    return drafter.proposer
 
 
 @dataclass
@@ -102,7 +49,7 @@ class GenerationTrace:
 
 @torch.no_grad()
 def greedy_generate(model: LlamaForCausalLM, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
-    """Plain greedy decoding: the reference speculative decoding must reproduce."""
+    """Plain greedy decoding, one full forward per token: the reference speculative decoding must reproduce."""
     tokens = prompt.clone()
     for _ in range(max_new_tokens):
         logits = target_lib.forward(model, tokens[None]).logits[0, -1]
@@ -110,26 +57,92 @@ def greedy_generate(model: LlamaForCausalLM, prompt: torch.Tensor, max_new_token
     return tokens[prompt.shape[0] :].tolist()
 
 
+@dataclass
+class TargetCache:
+    """The target's key/value cache for a batch and the columns each row may attend."""
+
+    past: DynamicCache = field(default_factory=DynamicCache)
+    valid: torch.Tensor | None = None  # (B, S) bool: False = padding or a rejected draft
+
+    def forward(
+        self, model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor, new_valid: torch.Tensor,
+        layer_ids: list[int] | None,
+    ) -> target_lib.TargetOutput:
+        """input_ids, positions, new_valid (B, N): N new columns per row -> the target's output over them."""
+        self.valid = new_valid if self.valid is None else torch.cat([self.valid, new_valid], dim=1)  # (B, S + N)
+        return target_lib.forward(model, input_ids, layer_ids, attention_mask=self.valid.long(),
+                                  position_ids=positions, past_key_values=self.past)
+
+    def keep(self, new_valid: torch.Tensor) -> None:
+        """Of the last call's columns, keep new_valid (B, N) per row; crop the ones no row kept off the end."""
+        n = new_valid.shape[1]
+        self.valid[:, -n:] = new_valid
+        drop = n - int(new_valid.sum(dim=1).max())
+        if drop:
+            self.past.crop(-drop)
+            self.valid = self.valid[:, :-drop]
+
+
 @torch.no_grad()
+def generate_batch(
+    model: LlamaForCausalLM, new_proposer: Callable[[], Proposer], prompts: list[torch.Tensor],
+    max_new_tokens: int, k: int,
+) -> list[GenerationTrace]:
+    """Speculative decoding of `prompts` as one batch; each row's tokens equal greedy decoding's."""
+    if not prompts or min(p.shape[0] for p in prompts) < 1:
+        raise ValueError("speculative decoding needs at least one prompt, each of at least one token")
+    device = model.device
+    proposer, cache = new_proposer(), TargetCache()
+    B = len(prompts)
+    lengths = torch.tensor([p.shape[0] for p in prompts], device=device)  # (B,)
+    rows = torch.arange(B, device=device)
+    # -- prefill: prompts right-padded; its logits at each row's last token give the first generated token
+    width = int(lengths.max())
+    ids = torch.zeros(B, width, dtype=torch.int64, device=device)  # (B, T)
+    for b, p in enumerate(prompts):
+        ids[b, : p.shape[0]] = p.to(device)
+    valid = torch.arange(width, device=device)[None] < lengths[:, None]  # (B, T)
+    positions = torch.arange(width, device=device).expand(B, width)  # (B, T)
+    out = cache.forward(model, ids, positions, valid, proposer.layer_ids)
+    pending = out.logits[rows, lengths - 1].argmax(-1)  # (B,) committed, not yet in the cache
+    next_tokens = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # (B, T) x_{t+1}
+    next_tokens[rows, lengths - 1] = pending
+    pairs = CommittedPairs(features_for(out, proposer.layer_ids), next_tokens, positions, valid)
+    generated = [[int(t)] for t in pending.tolist()]
+    committed = lengths + 1  # (B,) tokens per row, the pending one included
+    traces = [GenerationTrace(tokens=[]) for _ in prompts]
+    offsets = torch.arange(k + 1, device=device)  # (k+1,)
+    # -- rounds: every row each time; a row past max_new_tokens keeps step but counts no more rounds
+    while min(len(g) for g in generated) < max_new_tokens:
+        active = [len(g) < max_new_tokens for g in generated]
+        proposal = proposer.propose(pairs, k)  # (B, k)
+        ids = torch.cat([pending[:, None], proposal], dim=1)  # (B, k+1)
+        positions = (committed - 1)[:, None] + offsets  # (B, k+1)
+        out = cache.forward(model, ids, positions, torch.ones_like(ids, dtype=torch.bool), proposer.layer_ids)
+        greedy = out.logits.argmax(-1)  # (B, k+1) the target's choice after each column
+        accepted = (proposal == greedy[:, :k]).long().cumprod(dim=1).sum(dim=1)  # (B,)
+        kept = offsets[None] <= accepted[:, None]  # (B, k+1): the pending token and the accepted drafts
+        cache.keep(kept)
+        pending = greedy[rows, accepted]  # (B,) the target's token after the accepted drafts
+        next_tokens = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # (B, k+1)
+        next_tokens[rows, accepted] = pending
+        pairs = CommittedPairs(features_for(out, proposer.layer_ids), next_tokens, positions, kept)
+        committed = committed + accepted + 1
+        for b, (a, drafts, bonus) in enumerate(zip(accepted.tolist(), proposal.tolist(), pending.tolist(),
+                                                  strict=True)):
+            if active[b]:
+                traces[b].accepted_per_round.append(a)
+                generated[b] += [*drafts[:a], bonus]
+    for trace, tokens in zip(traces, generated, strict=True):
+        trace.tokens = tokens[:max_new_tokens]
+    return traces
+
+
 def speculative_generate(
-    model: LlamaForCausalLM, proposer: Proposer, prompt: torch.Tensor, max_new_tokens: int, k: int
+    model: LlamaForCausalLM, new_proposer: Callable[[], Proposer], prompt: torch.Tensor, max_new_tokens: int, k: int
 ) -> GenerationTrace:
-    out = target_lib.forward(model, prompt[None], proposer.layer_ids)
-    tokens = torch.cat([prompt, out.logits[0, -1].argmax()[None]])  # prefill yields the first token
-    features = _features(out, proposer.layer_ids)[0]  # (T-1, D) features of all tokens but the newest
-    trace = GenerationTrace(tokens=[])
-    while tokens.shape[0] - prompt.shape[0] < max_new_tokens:
-        T = tokens.shape[0]
-        proposal = proposer.propose(tokens, features, k)  # (k,)
-        out = target_lib.forward(model, torch.cat([tokens, proposal])[None], proposer.layer_ids)
-        greedy = out.logits[0, T - 1 :].argmax(dim=-1)  # (k+1,) the target's choice for positions T..T+k
-        matches = (proposal == greedy[:k]).int()
-        accepted = int(matches.cumprod(dim=0).sum())
-        tokens = torch.cat([tokens, proposal[:accepted], greedy[accepted : accepted + 1]])
-        features = _features(out, proposer.layer_ids)[0, : T + accepted]
-        trace.accepted_per_round.append(accepted)
-    trace.tokens = tokens[prompt.shape[0] : prompt.shape[0] + max_new_tokens].tolist()
-    return trace
+    """One prompt: a batch of one."""
+    return generate_batch(model, new_proposer, [prompt], max_new_tokens, k)[0]
 
 
 @dataclass(frozen=True)
@@ -161,10 +174,12 @@ def acceptance_metrics(accepted_per_round: list[int], k: int) -> AcceptanceMetri
 
 
 def evaluate(
-    model: LlamaForCausalLM, proposer: Proposer, prompts: list[torch.Tensor], max_new_tokens: int, k: int
+    model: LlamaForCausalLM, new_proposer: Callable[[], Proposer], prompts: list[torch.Tensor],
+    max_new_tokens: int, k: int, batch_size: int = 16,
 ) -> AcceptanceMetrics:
-    """Acceptance of `proposer` against `model` over held-out prompts."""
+    """Acceptance of the proposer against `model` over held-out prompts, `batch_size` prompts at a time."""
     rounds: list[int] = []
-    for prompt in prompts:
-        rounds += speculative_generate(model, proposer, prompt, max_new_tokens, k).accepted_per_round
+    for start in range(0, len(prompts), batch_size):
+        for trace in generate_batch(model, new_proposer, prompts[start : start + batch_size], max_new_tokens, k):
+            rounds += trace.accepted_per_round
     return acceptance_metrics(rounds, k)

@@ -12,7 +12,9 @@ EAGLE-3 (`drafter.kind: eagle3`):
     <dir>/
     ├── config.json         "architectures": ["LlamaForCausalLMEagle3"], Llama fields, draft_vocab_size,
     │                       target_hidden_size, eagle_config.eagle_aux_hidden_state_layer_ids,
-    │                       norm_before_residual (always written: engines differ on its default);
+    │                       norm_before_residual (always written: engines differ on its default),
+    │                       fc_norm / norm_output (EAGLE-3.1; written only when true: SpecForge 0.2
+    │                       reads `norm_output: false` as "no final norm", vLLM always applies it);
     │                       with the target given, its rope_theta, rope_scaling, max_position_embeddings
     └── model.safetensors   midlayer.*, fc.weight, norm.weight, lm_head.weight, d2t, t2d
                             [, fc_norm.N.weight (EAGLE-3.1)] [, embed_tokens.weight if not the target's]
@@ -31,58 +33,18 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from pipeline.models.eagle import EagleConfig, EagleDrafter
+from pipeline.models.drafter import Drafter
+from pipeline.models.eagle import ARCHITECTURE, EagleConfig, EagleDrafter
+from pipeline.models.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from pipeline.models.target import TargetMetadata
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-ARCHITECTURE = "EagleLlamaForCausalLM"
-EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 class CheckpointError(ValueError):
     """A drafter checkpoint that does not match its config or is not safetensors."""
-
-
-def _llama_fields(config: EagleConfig | Eagle3Config) -> dict:
-    """The LlamaConfig fields both engines read for the one draft decoder layer."""
-    return {
-        "model_type": "llama",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-    }
-
-
-def vllm_config(config: EagleConfig) -> dict:
-    return {"architectures": [ARCHITECTURE], **_llama_fields(config)}
-
-
-def eagle3_vllm_config(config: Eagle3Config) -> dict:
-    return {
-        "architectures": [EAGLE3_ARCHITECTURE],
-        **_llama_fields(config),
-        "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": config.target_hidden_size,
-        "norm_before_residual": config.norm_before_residual,
-        "fc_norm": config.fc_norm,
-        "norm_output": config.norm_output,
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
-            "use_aux_hidden_state": True,
-        },
-    }
 
 
 def target_fields(config: EagleConfig | Eagle3Config, target: TargetMetadata) -> dict:
@@ -105,21 +67,16 @@ def target_fields(config: EagleConfig | Eagle3Config, target: TargetMetadata) ->
         "rope_scaling": target.rope_scaling,
         "max_position_embeddings": max(config.max_position_embeddings, target.max_position_embeddings),
     }
-    if isinstance(config, Eagle3Config):
+    if hasattr(config, "target_hidden_size"):
         fields["target_hidden_size"] = target.hidden_size
     return fields
 
 
-def save_drafter(model: EagleDrafter | Eagle3Drafter, directory: Path, target: TargetMetadata | None = None) -> Path:
+def save_drafter(model: Drafter, directory: Path, target: TargetMetadata | None = None) -> Path:
     """Write the checkpoint; with `target`, its config carries what the engines need of that target."""
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in model.trainable_state_dict().items()}
-    if isinstance(model, Eagle3Drafter):
-        if model.own_embeddings:
-            tensors["embed_tokens.weight"] = model.embed_tokens.weight.detach().cpu().contiguous()
-        config = eagle3_vllm_config(model.config)
-    else:
-        config = vllm_config(model.config)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.checkpoint_tensors().items()}
+    config = model.checkpoint_config()
     if target is not None:
         config.update(target_fields(model.config, target))
     save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
@@ -142,7 +99,7 @@ def _read(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return json.loads(config_path.read_text()), tensors
 
 
-def load_drafter(directory: Path, target_num_layers: int | None = None) -> EagleDrafter | Eagle3Drafter:
+def load_drafter(directory: Path, target_num_layers: int | None = None) -> Drafter:
     """Load and check a checkpoint of either kind; the caller then attaches the target.
 
     `target_num_layers` supplies vLLM's default aux layers for EAGLE-3 checkpoints that do

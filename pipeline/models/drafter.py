@@ -1,28 +1,82 @@
-"""What differs between the drafter kinds, in one place: building, attaching to a target,
-and the features and soft labels each one trains on."""
+"""The drafter interface both kinds implement, and a new drafter shaped after a target.
+
+EAGLE-1/2 (`EagleDrafter`) and EAGLE-3 (`Eagle3Drafter`) differ in what they read from the
+target, what they learn from and how they are stored; each says so through the same methods,
+so code outside pipeline/models/ never asks which kind it holds.
+"""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+from torch import nn
 
 from pipeline.config import DrafterConfig
 from pipeline.data.shards import HiddenSample
-from pipeline.models.eagle import EagleConfig, EagleDrafter
-from pipeline.models.eagle3 import (
-    Eagle3Config,
-    Eagle3Drafter,
-    default_aux_layer_ids,
-    draft_vocab,
-    read_positions,
-    stored_layer_ids,
-)
-from pipeline.training.dataset import Sample
-from pipeline.training.loop import Teacher
+from pipeline.models.eagle import CommittedPairs, EagleConfig, EagleDrafter
+from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids, draft_vocab
+from pipeline.models.teacher import Teacher
 
-Drafter = EagleDrafter | Eagle3Drafter
+__all__ = ["CommittedPairs", "Drafter", "Proposer", "Teacher", "check_layers", "fresh_drafter"]
 
 
-def fresh_drafter(cfg: DrafterConfig, target, token_counts: torch.Tensor, seed: int) -> Drafter:
+class Proposer(Protocol):
+    """A drafter at decoding time: keeps its own key/value cache over the rows of a batch."""
+
+    layer_ids: list[int] | None  # target layers (vLLM ids) it reads; None = the post-norm last layer
+
+    def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
+        """The pairs committed since the last call (the prompts' on the first) -> (B, k) proposed tokens."""
+        ...
+
+
+class Drafter(Protocol):
+    """What every drafter kind does, by the same names. Implementations are `torch.nn.Module`s."""
+
+    decode_layer_ids: list[int] | None  # target layers read at decoding time; None = post-norm last layer
+
+    def attach(self, target: nn.Module) -> None:
+        """Share the current target's (frozen) embeddings, and lm_head where the kind uses the target's."""
+        ...
+
+    def stored_layer_ids(self, num_layers: int) -> list[int]:
+        """The target layers (vLLM ids) stored hidden states must hold for this drafter to train on."""
+        ...
+
+    def training_sample(
+        self, sample: HiddenSample, num_layers: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A stored sample of a target of `num_layers` layers -> (input_ids (T,), features (T, D), loss_mask (T,))."""
+        ...
+
+    def teacher(self, target: nn.Module) -> Teacher | None:
+        """What the target lends the loss as soft labels; None when the drafter's own head serves."""
+        ...
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def checkpoint_config(self) -> dict:
+        """config.json of the exported checkpoint, as serving engines read it."""
+        ...
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """model.safetensors of the exported checkpoint."""
+        ...
+
+    def proposer(self) -> Proposer:
+        """A fresh proposer (empty cache) for one batch of speculative decoding."""
+        ...
+
+    def draft_unrolled(
+        self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+        attention_mask: torch.Tensor, steps: int,
+    ) -> torch.Tensor:
+        """Teacher-forced drafts at every position at once -> (steps, B, N) target token ids."""
+        ...
+
+
+def fresh_drafter(cfg: DrafterConfig, target: nn.Module, token_counts: torch.Tensor, seed: int) -> Drafter:
     """A new drafter shaped after the target; EAGLE-3's draft vocab from the buffer's token counts."""
     torch.manual_seed(seed)
     tc = target.config
@@ -42,40 +96,14 @@ def fresh_drafter(cfg: DrafterConfig, target, token_counts: torch.Tensor, seed: 
         norm_before_residual=cfg.norm_before_residual, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
     ))
     model.set_vocab(*draft_vocab(token_counts, size))
-    model.use_target(target, init_lm_head=True)
+    model.attach(target)
+    model.init_lm_head(target)
     return model
-
-
-def attach_target(drafter: Drafter, target) -> None:
-    """Share the current target's embeddings (and, for EAGLE-1/2, its lm_head)."""
-    if isinstance(drafter, Eagle3Drafter):
-        drafter.use_target(target, init_lm_head=False)
-    else:
-        drafter.use_target_heads(target)
-
-
-def teacher(drafter: Drafter, target) -> Teacher | None:
-    """EAGLE-3's soft labels come from the target's norm and lm_head rows of the draft vocab."""
-    if not isinstance(drafter, Eagle3Drafter):
-        return None
-    # In the drafter's dtype: a target loaded in bf16 (target.dtype auto on CUDA) meets fp32 drafter states.
-    head = target.get_output_embeddings().weight[drafter.draft_to_target].detach().to(drafter.lm_head.weight.dtype)
-    return Teacher(norm=target.model.norm.requires_grad_(False), head=head)
-
-
-def training_sample(drafter: Drafter, sample: HiddenSample, num_layers: int) -> Sample:
-    """(input_ids, features (T, D), loss_mask): EAGLE-3 reads its layers [aux..., L] (a layer stored
-    once may be read twice), EAGLE-1/2 the last."""
-    if isinstance(drafter, Eagle3Drafter):
-        positions = read_positions(drafter.config.aux_layer_ids, num_layers)
-        return sample.input_ids, sample.hidden[:, positions].flatten(1), sample.loss_mask
-    return sample.input_ids, sample.hidden[:, -1, :], sample.loss_mask
 
 
 def check_layers(drafter: Drafter, layer_ids: list[int], num_layers: int, where: str) -> None:
     """Stored shards must hold what the drafter reads (a kind switch mid-run would not)."""
-    wanted = (stored_layer_ids(drafter.config.aux_layer_ids, num_layers) if isinstance(drafter, Eagle3Drafter)
-              else [num_layers])
+    wanted = drafter.stored_layer_ids(num_layers)
     if list(layer_ids) != wanted:
         raise ValueError(f"{where}: hidden states hold layers {list(layer_ids)}, this drafter needs {wanted}; "
                          "re-materialize hidden_states for the buffer's steps")

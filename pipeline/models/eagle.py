@@ -14,11 +14,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pipeline.data.shards import HiddenSample
+from pipeline.models.teacher import Teacher
+
+ARCHITECTURE = "EagleLlamaForCausalLM"
 
 
 def check_heads(hidden_size: int, num_attention_heads: int, num_key_value_heads: int) -> None:
@@ -62,6 +68,26 @@ class EagleConfig:
         )
 
 
+def llama_fields(config: EagleConfig) -> dict:
+    """The LlamaConfig fields vLLM and SGLang read for the one draft decoder layer (either kind)."""
+    return {
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -75,17 +101,118 @@ class RMSNorm(nn.Module):
         return self.weight * (hidden_states * torch.rsqrt(variance + self.eps)).to(dtype)
 
 
-def rotary(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, N) positions -> cos, sin of shape (B, 1, N, head_dim)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim)
-    freqs = position_ids.float()[..., None] * inv_freq  # (B, N, head_dim/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (B, N, head_dim)
-    return emb.cos()[:, None], emb.sin()[:, None]
+class RotaryEmbedding(nn.Module):
+    """Llama's rotary phases; `inv_freq` is computed once and, like transformers', not saved."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)  # (D/2,)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids (B, N) -> cos, sin (B, 1, N, D), float32 whatever the model's dtype."""
+        freqs = position_ids.float()[..., None] * self.inv_freq.float()  # (B, N, D/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (B, N, D)
+        return emb.cos()[:, None], emb.sin()[:, None]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, N, D) rotated by cos, sin (B, 1, N, D); computed in x's dtype."""
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
+
+
+def attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """Eager scaled dot-product attention, the softmax in float32 (as transformers' eager Llama).
+
+    query:          (B, heads, Nq, D)
+    key, value:     (B, heads, S, D)
+    attention_mask: (B, 1, Nq, S) bool, True = may attend
+    returns:        (B, heads, Nq, D)
+    """
+    scores = (query @ key.transpose(-1, -2)) / math.sqrt(query.shape[-1])  # (B, heads, Nq, S)
+    scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(value.dtype)  # (B, heads, Nq, S)
+    return probs @ value
+
+
+@dataclass
+class LayerCache:
+    """One draft layer's keys and values at decoding time (heads already repeated for GQA).
+
+    Columns are appended per call and cropped after a proposal; which columns a row may
+    attend is the caller's mask, so a row's rejected or padded columns stay in place, masked.
+    """
+
+    key: torch.Tensor | None = None  # (B, heads, S, D)
+    value: torch.Tensor | None = None  # (B, heads, S, D)
+    position_offset: int = 0  # rotary phase added to the positions (TTT steps use theirs)
+
+    @property
+    def length(self) -> int:
+        return 0 if self.key is None else self.key.shape[2]
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """query/key/value (B, heads, Nq, D) of the new columns; attention_mask (B, 1, Nq, S + Nq)."""
+        self.key = key if self.key is None else torch.cat([self.key, key], dim=2)  # (B, heads, S + Nq, D)
+        self.value = value if self.value is None else torch.cat([self.value, value], dim=2)
+        return attend(query, self.key, self.value, attention_mask)
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` columns."""
+        if self.key is not None:
+            self.key, self.value = self.key[:, :, :length], self.value[:, :, :length]
+
+
+@dataclass
+class TTTCache:
+    """Keys/values of one training-time-test unroll: step 0's (a causal block) and the diagonal
+    ones of later steps. Step k's query at position t sees step 0's keys at positions <= t and
+    the keys of steps 1..k at t; its rotary phase is t + k."""
+
+    key0: torch.Tensor | None = None  # (B, heads, N0, D)
+    value0: torch.Tensor | None = None
+    keys: list[torch.Tensor] = field(default_factory=list)  # each (B, heads, Nq, D)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        return 0 if self.key0 is None else 1 + len(self.keys)
+
+    @property
+    def position_offset(self) -> int:
+        return self.step
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """query/key/value (B, heads, Nq, D) of this step; attention_mask (B, 1, Nq, N0) the causal block."""
+        if self.key0 is None:
+            self.key0, self.value0 = key, value
+        else:
+            self.keys.append(key)
+            self.values.append(value)
+        scale = 1.0 / math.sqrt(query.shape[-1])
+        block = (query @ self.key0.transpose(-1, -2)) * scale  # (B, heads, Nq, N0)
+        block = block.masked_fill(~attention_mask, torch.finfo(block.dtype).min)
+        diagonal = [(query * k).sum(-1, keepdim=True) * scale for k in self.keys]  # each (B, heads, Nq, 1)
+        scores = torch.cat([block, *diagonal], dim=-1)  # (B, heads, Nq, N0 + steps)
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(value.dtype)
+        n0 = self.key0.shape[2]
+        attn = probs[..., :n0] @ self.value0  # (B, heads, Nq, D)
+        for i, v in enumerate(self.values):
+            attn = attn + probs[..., n0 + i, None] * v
+        return attn
 
 
 class Attention(nn.Module):
@@ -99,21 +226,34 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
 
     def forward(
-        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
+        """
+        hidden_states:  (B, N, H)
+        cos, sin:       (B, 1, N, D)
+        attention_mask: (B, 1, N, N) bool, True = may attend; with `cache`, (B, 1, N, S + N)
+        cache:          decoding only: earlier columns, extended by these N
+        returns:        (B, N, H)
+        """
         B, N, _ = hidden_states.shape
         c = self.config
-        query_states = self.q_proj(hidden_states).view(B, N, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(B, N, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(B, N, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        # (B, heads, N, head_dim)
-        query_states = query_states * cos + rotate_half(query_states) * sin
-        key_states = key_states * cos + rotate_half(key_states) * sin
         groups = c.num_attention_heads // c.num_key_value_heads
-        key_states = key_states.repeat_interleave(groups, dim=1)
-        value_states = value_states.repeat_interleave(groups, dim=1)
-        attn = F.scaled_dot_product_attention(query_states, key_states, value_states, attn_mask=attention_mask)
-        return self.o_proj(attn.transpose(1, 2).reshape(B, N, -1))  # (B, N, H)
+        query_states = self.q_proj(hidden_states).view(B, N, c.num_attention_heads, c.head_dim)  # (B, N, heads, D)
+        key_states = self.k_proj(hidden_states).view(B, N, c.num_key_value_heads, c.head_dim)  # (B, N, kv_heads, D)
+        value_states = self.v_proj(hidden_states).view(B, N, c.num_key_value_heads, c.head_dim)
+        query_states = apply_rotary(query_states.transpose(1, 2), cos, sin)  # (B, heads, N, D)
+        key_states = apply_rotary(key_states.transpose(1, 2), cos, sin).repeat_interleave(groups, dim=1)
+        value_states = value_states.transpose(1, 2).repeat_interleave(groups, dim=1)  # (B, heads, N, D)
+        if cache is None:
+            attn = attend(query_states, key_states, value_states, attention_mask)  # (B, heads, N, D)
+        else:
+            attn = cache.attend(query_states, key_states, value_states, attention_mask)
+        return self.o_proj(attn.transpose(1, 2).reshape(B, N, -1))  # (B, N, heads * D) -> (B, N, H)
 
 
 class MLP(nn.Module):
@@ -137,9 +277,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: LayerCache | TTTCache | None = None,
     ) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(hidden_states, cos, sin, attention_mask)
+        """hidden_states (B, N, H) -> (B, N, H); the other arguments as `Attention.forward`'s."""
+        hidden_states = hidden_states + self.self_attn(hidden_states, cos, sin, attention_mask, cache)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
@@ -151,10 +297,14 @@ class EagleDrafter(nn.Module):
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(config)])
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.embed_tokens.requires_grad_(False)
         self.lm_head.requires_grad_(False)
 
-    def use_target_heads(self, target: nn.Module) -> None:
+    # -- the drafter interface (pipeline.models.drafter.Drafter)
+    decode_layer_ids = None  # reads the target's post-norm last layer, as vLLM hands its `eagle` drafter
+
+    def attach(self, target: nn.Module) -> None:
         """Take (frozen) token embeddings and lm_head from the current target."""
         embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
         if embed.shape != self.embed_tokens.weight.shape or head.shape != self.lm_head.weight.shape:
@@ -166,18 +316,43 @@ class EagleDrafter(nn.Module):
             self.embed_tokens.weight.copy_(embed)
             self.lm_head.weight.copy_(head)
 
+    def stored_layer_ids(self, num_layers: int) -> list[int]:
+        """The target's last layer (vLLM id L), whose post-norm state the stored sample holds last."""
+        return [num_layers]
+
+    def training_sample(
+        self, sample: HiddenSample, num_layers: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids (T,), features (T, H) of the last stored layer, loss_mask (T,))."""
+        return sample.input_ids, sample.hidden[:, -1, :], sample.loss_mask
+
+    def teacher(self, target: nn.Module) -> Teacher | None:
+        """None: EAGLE-1/2's soft labels come from its own (the target's) lm_head over the stored features."""
+        return None
+
+    def checkpoint_config(self) -> dict:
+        return {"architectures": [ARCHITECTURE], **llama_fields(self.config)}
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        return self.trainable_state_dict()
+
+    def proposer(self) -> EagleProposer:
+        return EagleProposer(self)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
+        caches: list[LayerCache] | list[TTTCache] | None = None,
     ) -> torch.Tensor:
         """
         hidden_states:  (B, N, H) target features f_t
         input_ids:      (B, N)    tokens x_{t+1}
         position_ids:   (B, N)
-        attention_mask: (B, 1, N, N) bool, True = may attend
+        attention_mask: (B, 1, N, N) bool, True = may attend; with `caches`, (B, 1, N, S + N)
+        caches:         one per layer: decoding's key/value columns, or a TTT unroll's
         returns:        (B, N, H) predicted features f^_{t+1}
         """
         B, N, H = hidden_states.shape
@@ -187,11 +362,122 @@ class EagleDrafter(nn.Module):
             raise ValueError(f"hidden size {H} differs from the drafter's {self.config.hidden_size}")
         inputs_embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)  # (B, N, H)
         hidden_states = self.fc(torch.cat([inputs_embeds, hidden_states], dim=-1))  # (B, N, 2H) -> (B, N, H)
-        cos, sin = rotary(position_ids, self.config.head_dim, self.config.rope_theta)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, cos, sin, attention_mask)
+        offset = caches[0].position_offset if caches else 0
+        cos, sin = self.rotary_emb(position_ids + offset)  # (B, 1, N, D)
+        for i, layer in enumerate(self.layers):
+            hidden_states = layer(hidden_states, cos, sin, attention_mask, caches[i] if caches else None)
         return hidden_states
+
+    def draft_unrolled(
+        self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+        attention_mask: torch.Tensor, steps: int,
+    ) -> torch.Tensor:
+        """Teacher-forced drafting at every position at once, as a TTT unroll.
+
+        features (B, N, H) f_t, input_ids (B, N) x_{t+1}, attention_mask (B, 1, N, N) ->
+        (steps, B, N) target token ids: step j at position t drafts x_{t+2+j} from the real pairs
+        up to t, its own features of steps < j and the true tokens x_{t+2..t+1+j} (the runtime's
+        attention pattern when every earlier draft was accepted).
+        """
+        caches = [TTTCache() for _ in self.layers]
+        drafts = []
+        for j in range(steps):
+            predicted = self(features, shift_left(input_ids, j), position_ids, attention_mask, caches)  # (B, N, H)
+            drafts.append(self.lm_head(predicted).argmax(-1))  # (B, N)
+            features = predicted
+        return torch.stack(drafts)  # (steps, B, N)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights that go into the checkpoint: everything but the target's embeddings and lm_head."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens.", "lm_head."))}
+
+
+def shift_left(x: torch.Tensor, k: int, fill: int = 0) -> torch.Tensor:
+    """x (B, N) -> x[:, t + k], `fill` past the end."""
+    return x if k == 0 else F.pad(x[:, k:], (0, k), value=fill)
+
+
+# -- decoding: a batch of rows, each accepting its own number of drafts per round
+
+
+@dataclass(frozen=True)
+class CommittedPairs:
+    """What the target committed since the last proposal: pairs (f_t, x_{t+1}) per row.
+
+    Rows accept different numbers of drafts, so each row's new pairs are a left-aligned
+    prefix of the block (`valid`); the rest is padding the drafter masks out.
+    """
+
+    features: torch.Tensor  # (B, N, D) target features f_t (D: the layers the proposer reads, concatenated)
+    next_tokens: torch.Tensor  # (B, N) x_{t+1}
+    positions: torch.Tensor  # (B, N) t
+    valid: torch.Tensor  # (B, N) bool
+
+    def last(self) -> torch.Tensor:
+        """(B,) index of each row's last valid pair: where drafting continues from."""
+        return self.valid.sum(dim=1) - 1
+
+
+class DraftCache:
+    """A drafter's decoding state: its layers' key/value columns and which columns each row may attend."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.layers = [LayerCache() for _ in range(num_layers)]
+        self.valid: torch.Tensor | None = None  # (B, S) bool: False = padding or a withdrawn draft
+
+    @property
+    def length(self) -> int:
+        return 0 if self.valid is None else self.valid.shape[1]
+
+    def extend(self, new_valid: torch.Tensor) -> torch.Tensor:
+        """Admit Nq new columns (new_valid (B, Nq)); the attention mask (B, 1, Nq, S + Nq) of their queries:
+        every valid earlier column and the valid new ones up to the query's own."""
+        S, Nq = self.length, new_valid.shape[1]
+        self.valid = new_valid if self.valid is None else torch.cat([self.valid, new_valid], dim=1)  # (B, S + Nq)
+        columns = torch.arange(S + Nq, device=new_valid.device)  # (S + Nq,)
+        causal = columns[None, :] <= S + torch.arange(Nq, device=new_valid.device)[:, None]  # (Nq, S + Nq)
+        return self.valid[:, None, None, :] & causal[None, None]  # (B, 1, Nq, S + Nq)
+
+    def crop(self, length: int) -> None:
+        for layer in self.layers:
+            layer.crop(length)
+        if self.valid is not None:
+            self.valid = self.valid[:, :length]
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x (B, N, ...) and index (B,) -> x[b, index[b]] (B, 1, ...)."""
+    return x[torch.arange(x.shape[0], device=x.device), index][:, None]
+
+
+class EagleProposer:
+    """Drafts with an EAGLE-1/2 drafter: the committed pairs (f_t, x_{t+1}) enter its key/value
+    cache once; each drafted token is one more pair (its own predicted feature, the token),
+    withdrawn from the cache after the proposal."""
+
+    layer_ids = None
+
+    def __init__(self, drafter: EagleDrafter) -> None:
+        self.drafter = drafter.eval()
+        self.cache = DraftCache(len(drafter.layers))
+
+    @torch.no_grad()
+    def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
+        """pairs: the block committed since the last call -> (B, k) proposed tokens per row."""
+        d = self.drafter
+        dtype = d.fc.weight.dtype
+        mask = self.cache.extend(pairs.valid)  # (B, 1, N, S + N)
+        predicted = d(pairs.features.to(dtype), pairs.next_tokens, pairs.positions, mask, self.cache.layers)
+        committed = self.cache.length
+        last = pairs.last()  # (B,)
+        feature = gather_rows(predicted, last)  # (B, 1, H)
+        position = gather_rows(pairs.positions, last)  # (B, 1)
+        proposal = []
+        for j in range(k):
+            token = d.lm_head(feature).argmax(-1)  # (B, 1)
+            proposal.append(token)
+            if j + 1 < k:
+                mask = self.cache.extend(torch.ones_like(token, dtype=torch.bool))  # (B, 1, 1, S + 1)
+                feature = d(feature, token, position + 1 + j, mask, self.cache.layers)  # (B, 1, H)
+        self.cache.crop(committed)
+        return torch.cat(proposal, dim=1)  # (B, k)

@@ -19,15 +19,31 @@ The draft vocabulary is the N most frequent target tokens: `d2t[i] = target_id -
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.models.eagle import MLP, RMSNorm, check_heads, rotary, rotate_half
+from pipeline.data.shards import HiddenSample
+from pipeline.models.eagle import (
+    MLP,
+    CommittedPairs,
+    DraftCache,
+    LayerCache,
+    RMSNorm,
+    RotaryEmbedding,
+    TTTCache,
+    apply_rotary,
+    check_heads,
+    gather_rows,
+    llama_fields,
+    shift_left,
+)
+from pipeline.models.teacher import Teacher
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 @dataclass(frozen=True)
@@ -95,20 +111,6 @@ def draft_vocab(token_counts: torch.Tensor, size: int) -> tuple[torch.Tensor, to
     return d2t, t2d
 
 
-@dataclass
-class TTTCache:
-    """Keys/values of one TTT unroll: step 0's (causal block) and the diagonal ones of later steps."""
-
-    key0: torch.Tensor | None = None  # (B, heads, N0, head_dim)
-    value0: torch.Tensor | None = None
-    keys: list[torch.Tensor] = field(default_factory=list)  # each (B, heads, Nq, head_dim)
-    values: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def step(self) -> int:
-        return 0 if self.key0 is None else 1 + len(self.keys)
-
-
 class Eagle3Attention(nn.Module):
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__()
@@ -118,45 +120,35 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * h, config.num_key_value_heads * d, bias=False)
         self.v_proj = nn.Linear(2 * h, config.num_key_value_heads * d, bias=False)
         self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
+        self.rotary_emb = RotaryEmbedding(d, config.rope_theta)
 
     def forward(
-        self, hidden_states: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache: TTTCache
+        self,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: TTTCache | LayerCache,
     ) -> torch.Tensor:
         """
         hidden_states:  (B, Nq, 2H)
-        position_ids:   (B, Nq) positions of the queries (step 0: of all N0 keys too)
-        attention_mask: (B, 1, Nq, N0) bool, the causal block against step 0's keys
+        position_ids:   (B, Nq) positions of the queries (TTT step 0: of all N0 keys too)
+        attention_mask: (B, 1, Nq, N0) bool: TTT, the causal block against step 0's keys;
+                        decoding (LayerCache), (B, 1, Nq, S + Nq) against every column
+        cache:          the TTT unroll's keys (training) or the decoding columns
+        returns:        (B, Nq, H)
         """
         B, Nq, _ = hidden_states.shape
         c = self.config
-        step = cache.step
-        cos, sin = rotary(position_ids + step, c.head_dim, c.rope_theta)  # (B, 1, Nq, head_dim)
+        cos, sin = self.rotary_emb(position_ids + cache.position_offset)  # (B, 1, Nq, D)
         groups = c.num_attention_heads // c.num_key_value_heads
-
-        def heads(proj: nn.Linear, n: int) -> torch.Tensor:
-            return proj(hidden_states).view(B, Nq, n, c.head_dim).transpose(1, 2)
-
-        query_states = heads(self.q_proj, c.num_attention_heads)  # (B, heads, Nq, d)
-        key_states = heads(self.k_proj, c.num_key_value_heads).repeat_interleave(groups, dim=1)
-        value_states = heads(self.v_proj, c.num_key_value_heads).repeat_interleave(groups, dim=1)
-        query_states = query_states * cos + rotate_half(query_states) * sin
-        key_states = key_states * cos + rotate_half(key_states) * sin
-        if step == 0:
-            cache.key0, cache.value0 = key_states, value_states
-        else:
-            cache.keys.append(key_states)
-            cache.values.append(value_states)
-
-        scale = 1.0 / math.sqrt(c.head_dim)
-        block = (query_states @ cache.key0.transpose(-1, -2)) * scale  # (B, heads, Nq, N0)
-        block = block.masked_fill(~attention_mask, torch.finfo(block.dtype).min)
-        diagonal = [(query_states * k).sum(-1, keepdim=True) * scale for k in cache.keys]  # each (B, heads, Nq, 1)
-        probs = torch.cat([block, *diagonal], dim=-1).softmax(dim=-1)  # (B, heads, Nq, N0 + step)
-        n0 = cache.key0.shape[2]
-        attn = probs[..., :n0] @ cache.value0  # (B, heads, Nq, d)
-        for i, value in enumerate(cache.values):
-            attn = attn + probs[..., n0 + i, None] * value
-        return self.o_proj(attn.transpose(1, 2).reshape(B, Nq, -1))  # (B, Nq, H)
+        query_states = self.q_proj(hidden_states).view(B, Nq, c.num_attention_heads, c.head_dim)  # (B, Nq, heads, D)
+        key_states = self.k_proj(hidden_states).view(B, Nq, c.num_key_value_heads, c.head_dim)  # (B, Nq, kv, D)
+        value_states = self.v_proj(hidden_states).view(B, Nq, c.num_key_value_heads, c.head_dim)
+        query_states = apply_rotary(query_states.transpose(1, 2), cos, sin)  # (B, heads, Nq, D)
+        key_states = apply_rotary(key_states.transpose(1, 2).repeat_interleave(groups, dim=1), cos, sin)
+        value_states = value_states.transpose(1, 2).repeat_interleave(groups, dim=1)  # (B, heads, Nq, D)
+        attn = cache.attend(query_states, key_states, value_states, attention_mask)  # (B, heads, Nq, D)
+        return self.o_proj(attn.transpose(1, 2).reshape(B, Nq, -1))  # (B, Nq, heads * D) -> (B, Nq, H)
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -175,8 +167,14 @@ class Eagle3DecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        cache: TTTCache,
+        cache: TTTCache | LayerCache,
     ) -> torch.Tensor:
+        """
+        inputs_embeds:  (B, Nq, H) embeddings of the tokens
+        hidden_states:  (B, Nq, H) the fused aux features (step 0) or the previous step's state
+        position_ids, attention_mask, cache: as `Eagle3Attention.forward`'s
+        returns:        (B, Nq, H)
+        """
         embeds = self.input_layernorm(inputs_embeds)  # (B, Nq, H)
         if self.config.norm_before_residual:
             hidden_states = self.hidden_norm(hidden_states)
@@ -219,16 +217,88 @@ class Eagle3Drafter(nn.Module):
         """(draft_vocab,) target id of each draft id."""
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
-    def use_target(self, target: nn.Module, init_lm_head: bool) -> None:
-        """Frozen token embeddings from the target; the draft lm_head starts from the target's rows."""
+    # -- the drafter interface (pipeline.models.drafter.Drafter)
+    @property
+    def decode_layer_ids(self) -> list[int]:
+        """The target layers (vLLM ids) the drafter reads at decoding time: its aux layers."""
+        return list(self.config.aux_layer_ids)
+
+    def attach(self, target: nn.Module) -> None:
+        """Frozen token embeddings from the target (unless a checkpoint brought its own)."""
         embed = target.get_input_embeddings().weight
         if embed.shape != self.embed_tokens.weight.shape:
             raise ValueError(f"target embeddings {tuple(embed.shape)} do not fit the drafter")
-        with torch.no_grad():
-            if not self.own_embeddings:
+        if not self.own_embeddings:
+            with torch.no_grad():
                 self.embed_tokens.weight.copy_(embed)
-            if init_lm_head:
-                self.lm_head.weight.copy_(target.get_output_embeddings().weight[self.draft_to_target])
+
+    def init_lm_head(self, target: nn.Module) -> None:
+        """A new drafter's lm_head starts from the target's rows of the draft vocabulary."""
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target.get_output_embeddings().weight[self.draft_to_target])
+
+    def stored_layer_ids(self, num_layers: int) -> list[int]:
+        """The aux layers, then the last (its next-token state is what the teacher's labels come from), each once."""
+        return stored_layer_ids(self.config.aux_layer_ids, num_layers)
+
+    def training_sample(
+        self, sample: HiddenSample, num_layers: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids (T,), features (T, (n_aux + 1) * H_t) of layers [aux..., L], loss_mask (T,));
+        a layer stored once may be read twice."""
+        positions = read_positions(self.config.aux_layer_ids, num_layers)
+        return sample.input_ids, sample.hidden[:, positions].flatten(1), sample.loss_mask
+
+    def teacher(self, target: nn.Module) -> Teacher:
+        """Soft labels from the target's final norm and its lm_head rows of the draft vocabulary."""
+        # In the drafter's dtype: a target loaded in bf16 (target.dtype auto on CUDA) meets fp32 drafter states.
+        head = target.get_output_embeddings().weight[self.draft_to_target].detach().to(self.lm_head.weight.dtype)
+        return Teacher(norm=target.model.norm.requires_grad_(False), head=head)
+
+    def checkpoint_config(self) -> dict:
+        """config.json as vLLM, SGLang and SpecForge read it. `norm_before_residual` is always written
+        (the engines' defaults differ); the EAGLE-3.1 flags only when set, since an engine may read a
+        written `false` differently from an absent key (SpecForge 0.2: `norm_output: false` = no final norm)."""
+        c = self.config
+        return {
+            "architectures": [ARCHITECTURE],
+            **llama_fields(c),
+            "draft_vocab_size": c.draft_vocab_size,
+            "target_hidden_size": c.target_hidden_size,
+            "norm_before_residual": c.norm_before_residual,
+            **{flag: True for flag in ("fc_norm", "norm_output") if getattr(c, flag)},
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+                "use_aux_hidden_state": True,
+            },
+        }
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The trainable tensors, plus the embeddings when they are not the target's."""
+        tensors = self.trainable_state_dict()
+        if self.own_embeddings:
+            tensors["embed_tokens.weight"] = self.embed_tokens.weight
+        return tensors
+
+    def proposer(self) -> Eagle3Proposer:
+        return Eagle3Proposer(self)
+
+    def draft_unrolled(
+        self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+        attention_mask: torch.Tensor, steps: int,
+    ) -> torch.Tensor:
+        """Teacher-forced drafting at every position at once: the TTT unroll of training.
+
+        features (B, N, n_aux * H_t) aux states at t, input_ids (B, N) x_{t+1}, attention_mask
+        (B, 1, N, N) -> (steps, B, N) target token ids, step j at position t drafting x_{t+2+j}.
+        """
+        cache = TTTCache()
+        state = self.project_aux(features)  # (B, N, H)
+        drafts = []
+        for j in range(steps):
+            state = self.step(shift_left(input_ids, j), state, position_ids, attention_mask, cache)  # (B, N, H)
+            drafts.append(self.draft_to_target[self.lm_head(self.logits_input(state)).argmax(-1)])  # (B, N)
+        return torch.stack(drafts)  # (steps, B, N)
 
     # -- forward
     def project_aux(self, aux_hidden: torch.Tensor) -> torch.Tensor:
@@ -244,17 +314,17 @@ class Eagle3Drafter(nn.Module):
         hidden_states: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        cache: TTTCache,
+        cache: TTTCache | LayerCache,
     ) -> torch.Tensor:
-        """One TTT step.
+        """One TTT step (training), or one decoding call (a LayerCache).
 
         input_ids:      (B, Nq)     token x_{t+1+k}
         hidden_states:  (B, Nq, H)  step 0: project_aux(aux); step k: the output of step k-1
         position_ids:   (B, Nq)
-        attention_mask: (B, 1, Nq, N0)
+        attention_mask: (B, 1, Nq, N0) TTT; (B, 1, Nq, S + Nq) decoding
         returns:        (B, Nq, H)  this step's state (post-norm if norm_output)
         """
-        inputs_embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)
+        inputs_embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)  # (B, Nq, H)
         out = self.midlayer(inputs_embeds, hidden_states, position_ids, attention_mask, cache)
         return self.norm(out) if self.config.norm_output else out
 
@@ -265,6 +335,40 @@ class Eagle3Drafter(nn.Module):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors: everything but the (frozen, shared) target embeddings."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+class Eagle3Proposer:
+    """Drafts with an EAGLE-3 drafter: the committed pairs (aux_t, x_{t+1}) enter its key/value cache
+    once (TTT step 0's keys); step j then queries at the row's last position with phase t + j,
+    attending to every committed column and the earlier steps' (TTT's pattern at decoding time).
+    The steps' columns are withdrawn after the proposal."""
+
+    def __init__(self, drafter: Eagle3Drafter) -> None:
+        self.drafter = drafter.eval()
+        self.layer_ids = drafter.decode_layer_ids
+        self.cache = DraftCache(1)
+
+    @torch.no_grad()
+    def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
+        """pairs: the block committed since the last call -> (B, k) proposed target tokens per row."""
+        d = self.drafter
+        layer = self.cache.layers[0]
+        mask = self.cache.extend(pairs.valid)  # (B, 1, N, S + N)
+        fused = d.project_aux(pairs.features.to(d.fc.weight.dtype))  # (B, N, H)
+        state = d.step(pairs.next_tokens, fused, pairs.positions, mask, layer)  # (B, N, H)
+        committed = self.cache.length
+        last = pairs.last()  # (B,)
+        state = gather_rows(state, last)  # (B, 1, H): only the last position drafts
+        position = gather_rows(pairs.positions, last)  # (B, 1)
+        proposal = []
+        for j in range(k):
+            token = d.draft_to_target[d.lm_head(d.logits_input(state)).argmax(-1)]  # (B, 1) target ids
+            proposal.append(token)
+            if j + 1 < k:
+                mask = self.cache.extend(torch.ones_like(token, dtype=torch.bool))  # (B, 1, 1, S + 1)
+                state = d.step(token, state, position + 1 + j, mask, layer)  # (B, 1, H)
+        self.cache.crop(committed)
+        return torch.cat(proposal, dim=1)  # (B, k)
 
 
 def shift_within_document(x: torch.Tensor, document_ids: torch.Tensor, k: int, fill: float = 0) -> torch.Tensor:

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit, urlunsplit
 import fsspec
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, Cache, LlamaConfig, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from pipeline.data.store import ObjectStore
@@ -518,16 +518,29 @@ def load_policy(store: ObjectStore, checkpoint_uri: str, device: str = "cpu",
 # -- running
 
 @torch.no_grad()
-def forward(model: PreTrainedModel, input_ids: torch.Tensor, layer_ids: list[int] | None = None) -> TargetOutput:
+def forward(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    layer_ids: list[int] | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    past_key_values: Cache | None = None,
+) -> TargetOutput:
     """input_ids (B, T) -> post-norm features (B, T, H), logits (B, T, V) and the requested layers.
+
+    Decoding passes its cache (`past_key_values`, extended in place), the mask over every
+    cached and new column (B, S + T) and the new columns' positions (B, T).
 
     Layer ids follow vLLM: id k is the residual stream entering decoder layer k (transformers'
     hidden_states[k] for k < L); id L is the last layer's output BEFORE the final norm. For every
     family in FAMILIES transformers' last hidden_states entry is AFTER the final norm (the same
     tensor as last_hidden_state), so id L is caught on its way into the norm instead.
     """
+    decoding = {"attention_mask": attention_mask, "position_ids": position_ids, "past_key_values": past_key_values,
+                "use_cache": past_key_values is not None}
     if not layer_ids:
-        features = model.model(input_ids=input_ids).last_hidden_state  # (B, T, H)
+        features = model.model(input_ids=input_ids, **decoding).last_hidden_state  # (B, T, H)
         return TargetOutput(features=features, logits=model.lm_head(features))
     num_layers = model.config.num_hidden_layers
     bad = [i for i in layer_ids if not 0 <= i <= num_layers]
@@ -536,7 +549,7 @@ def forward(model: PreTrainedModel, input_ids: torch.Tensor, layer_ids: list[int
     caught: list[torch.Tensor] = []
     hook = model.model.norm.register_forward_pre_hook(lambda _m, args: caught.append(args[0]))
     try:
-        out = model.model(input_ids=input_ids, output_hidden_states=True)
+        out = model.model(input_ids=input_ids, output_hidden_states=True, **decoding)
     finally:
         hook.remove()
     states = [*out.hidden_states[:num_layers], caught[0]]  # L + 1 entries, all before the final norm

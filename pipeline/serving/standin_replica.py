@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 from pipeline.evaluation import speculative
-from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import load_drafter
 from pipeline.serving.metrics import SpecCounters, render
@@ -40,20 +39,20 @@ class Replica:
     def __init__(self, target_uri: str, drafter_dir: str | None, k: int, model_name: str) -> None:
         self.model_name, self.k = model_name, k
         self.target = target_lib.load_checkpoint(target_uri)
-        self.proposer = None
+        self.new_proposer = None  # one proposer per request: it holds that request's cache
         if drafter_dir:
             drafter = load_drafter(Path(drafter_dir), self.target.config.num_hidden_layers)
-            drafters.attach_target(drafter, self.target)
-            self.proposer = speculative.make_proposer(drafter)
+            drafter.attach(self.target)
+            self.new_proposer = speculative.follow_target(drafter, self.target)
         self.counters = SpecCounters(accepted_per_position={j: 0.0 for j in range(k)})
         self._lock = threading.Lock()
 
     def complete(self, prompt: list[int], max_tokens: int) -> list[int]:
         ids = torch.tensor(prompt, dtype=torch.int64)
         with self._lock:
-            if self.proposer is None:
+            if self.new_proposer is None:
                 return speculative.greedy_generate(self.target, ids, max_tokens)
-            trace = speculative.speculative_generate(self.target, self.proposer, ids, max_tokens, self.k)
+            trace = speculative.speculative_generate(self.target, self.new_proposer, ids, max_tokens, self.k)
             c = self.counters
             rounds = trace.accepted_per_round
             self.counters = SpecCounters(

@@ -226,13 +226,13 @@ def run_training(
         # The checkpoint's vocabulary maps decide the teacher's rows, so they are in place before it is built.
         drafter.load_state_dict(checkpoints.model_weights(found[1]), strict=False)
         progress(f"resuming from the checkpoint at iteration {found[0].iteration} of {found[0].total_iterations}")
-    drafters.attach_target(drafter, target)
+    drafter.attach(target)
     broadcast_state(drafter.to(device).trainable_state_dict(), ctx)  # before the teacher reads the vocabulary
     num_layers = target.config.num_hidden_layers
     for step_in_buffer in sorted({e.step for e in entries}):
         manifest = shards.read_manifest(store, cfg.run, step_in_buffer)
         drafters.check_layers(drafter, manifest.layer_ids, num_layers, f"hidden states of step {step_in_buffer}")
-    data = BufferDataset(store, cfg.run, entries, lambda s: drafters.training_sample(drafter, s, num_layers))
+    data = BufferDataset(store, cfg.run, entries, lambda s: drafter.training_sample(s, num_layers))
 
     run_id = job.run_id
     if ctx.is_main and run_id is None:
@@ -256,7 +256,7 @@ def run_training(
                      f"loss {state.loss_history[-1]:.4f}")
 
         result = train_drafter(
-            drafter, data, cfg.train, sink, device, drafters.teacher(drafter, target), ctx=ctx,
+            drafter, data, cfg.train, sink, device, drafter.teacher(target), ctx=ctx,
             checkpoints=checkpoints if cfg.train.checkpoint_every else None, on_checkpoint=committed,
         )
         if not ctx.is_main:

@@ -15,25 +15,17 @@ from typing import Protocol
 import torch
 
 from pipeline.config import TrainConfig
-from pipeline.models.eagle import EagleDrafter
-from pipeline.models.eagle3 import Eagle3Drafter
+from pipeline.models.drafter import Drafter
+from pipeline.models.teacher import Teacher
 from pipeline.training.dataset import Dataset, iter_batches, plan_epoch
 from pipeline.training.distributed import DistContext, global_plan_sizes, rank_share, reduce_gradients
-from pipeline.training.losses import LossParts, eagle3_loss, eagle_loss
+from pipeline.training.losses import LossParts, drafter_loss
 from pipeline.training.state import ResumeState, TrainingCheckpoints
-from pipeline.training.window import DeviceBatch, block_causal_mask
+from pipeline.training.window import DeviceBatch
 
 
 class MetricsSink(Protocol):
     def log_dict(self, payload: dict[str, float], step: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class Teacher:
-    """The target's final norm and lm_head rows of the draft vocabulary: EAGLE-3's soft labels."""
-
-    norm: torch.nn.Module
-    head: torch.Tensor  # (draft_vocab, H_t)
 
 
 class NullSink:
@@ -67,20 +59,12 @@ def lr_at(iteration: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def compute_loss(
-    model: EagleDrafter | Eagle3Drafter, batch: DeviceBatch, cfg: TrainConfig, teacher: Teacher | None
-) -> LossParts:
-    if isinstance(model, Eagle3Drafter):
-        if teacher is None:
-            raise ValueError("EAGLE-3 training needs the target's norm and lm_head (teacher)")
-        return eagle3_loss(model, batch, teacher.norm, teacher.head, cfg.ttt_steps, cfg.ttt_decay)
-    predicted = model(batch.hidden_states, batch.input_ids, batch.position_ids, block_causal_mask(batch.document_ids))
-    return eagle_loss(predicted, batch.target, model.lm_head.weight, batch.loss_mask, cfg.vloss_weight,
-                      cfg.ploss_weight)
+def compute_loss(model: Drafter, batch: DeviceBatch, cfg: TrainConfig, teacher: Teacher | None) -> LossParts:
+    return drafter_loss(model, batch, cfg, teacher)
 
 
 def train_drafter(
-    model: EagleDrafter | Eagle3Drafter,
+    model: Drafter,
     data: Dataset,
     cfg: TrainConfig,
     sink: MetricsSink | None = None,

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import singledispatch
 
 import torch
 import torch.nn.functional as F
 
+from pipeline.config import TrainConfig
+from pipeline.models.eagle import EagleDrafter
 from pipeline.models.eagle3 import Eagle3Drafter, TTTCache, shift_within_document
+from pipeline.models.teacher import Teacher
 from pipeline.training.window import DeviceBatch, block_causal_mask
 
 
@@ -195,3 +199,23 @@ def eagle3_loss(
             accuracy = hits / num_valid
     ploss = total / weights
     return LossParts(ploss, ploss.new_zeros(()), ploss, accuracy)
+
+
+@singledispatch
+def drafter_loss(model: torch.nn.Module, batch: DeviceBatch, cfg: TrainConfig, teacher: Teacher | None) -> LossParts:
+    """The training objective of `model`'s kind on one batch; each kind registers its own below."""
+    raise TypeError(f"no training objective for {type(model).__name__}")
+
+
+@drafter_loss.register
+def _(model: EagleDrafter, batch: DeviceBatch, cfg: TrainConfig, teacher: Teacher | None) -> LossParts:
+    predicted = model(batch.hidden_states, batch.input_ids, batch.position_ids, block_causal_mask(batch.document_ids))
+    return eagle_loss(predicted, batch.target, model.lm_head.weight, batch.loss_mask, cfg.vloss_weight,
+                      cfg.ploss_weight)
+
+
+@drafter_loss.register
+def _(model: Eagle3Drafter, batch: DeviceBatch, cfg: TrainConfig, teacher: Teacher | None) -> LossParts:
+    if teacher is None:
+        raise ValueError("EAGLE-3 training needs the target's norm and lm_head (teacher)")
+    return eagle3_loss(model, batch, teacher.norm, teacher.head, cfg.ttt_steps, cfg.ttt_decay)

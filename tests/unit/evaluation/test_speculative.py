@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from pipeline.config import DrafterConfig
 from pipeline.evaluation.speculative import (
-    EagleProposer,
     acceptance_metrics,
     evaluate,
+    follow_target,
+    generate_batch,
     greedy_generate,
     speculative_generate,
 )
 from pipeline.models import target as target_lib
+from pipeline.models.drafter import CommittedPairs, Drafter, Proposer, fresh_drafter
 from pipeline.models.eagle import EagleConfig, EagleDrafter
+from pipeline.models.eagle3 import TTTCache
 
 V, H, LAYERS, HEADS = 32, 32, 1, 2
 MAX_NEW = 10
@@ -58,51 +63,71 @@ class GreedyOracle:
         return self.continuation(prompt, max_new_tokens).tolist()
 
 
+class History:
+    """Each row's sequence as a proposer sees it: the prompt's first token, then every committed pair."""
+
+    def __init__(self, prompts: list[torch.Tensor]) -> None:
+        self.tokens = [p[:1].clone() for p in prompts]  # row b: x_0, x_1, ... (T,)
+        self.features: list[torch.Tensor | None] = [None] * len(prompts)  # row b: f_0 ... f_{T-2} (T-1, D)
+
+    def add(self, pairs: CommittedPairs) -> None:
+        for b in range(pairs.valid.shape[0]):
+            valid = pairs.valid[b]
+            feats = pairs.features[b, valid]
+            self.tokens[b] = torch.cat([self.tokens[b], pairs.next_tokens[b, valid]])
+            self.features[b] = feats if self.features[b] is None else torch.cat([self.features[b], feats])
+
+
 class OracleProposer:
     """Proposes exactly what the target would generate greedily."""
 
     layer_ids = None  # reads the post-norm last layer, like an EAGLE-1/2 drafter
 
-    def __init__(self, greedy: GreedyOracle) -> None:
-        self.greedy = greedy
+    def __init__(self, greedy: GreedyOracle, prompts: list[torch.Tensor]) -> None:
+        self.greedy, self.history = greedy, History(prompts)
 
-    def propose(self, tokens: torch.Tensor, features: torch.Tensor, k: int) -> torch.Tensor:
-        return self.greedy.continuation(tokens, k)
+    def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
+        self.history.add(pairs)
+        return torch.stack([self.greedy.continuation(tokens, k) for tokens in self.history.tokens])
 
 
-class WrongProposer:
+class WrongProposer(OracleProposer):
     """Always proposes a token the target does not pick next."""
 
-    layer_ids = None  # reads the post-norm last layer, like an EAGLE-1/2 drafter
-
-    def __init__(self, greedy: GreedyOracle) -> None:
-        self.greedy = greedy
-
-    def propose(self, tokens: torch.Tensor, features: torch.Tensor, k: int) -> torch.Tensor:
-        return (self.greedy.continuation(tokens, k) + 1) % V
+    def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
+        return (super().propose(pairs, k) + 1) % V
 
 
 class RecordingProposer:
-    """Records what speculative_generate hands a proposer; always proposes token 0."""
+    """Records each row's sequence and features as a proposer sees them; always proposes token 0."""
 
     layer_ids = None  # reads the post-norm last layer, like an EAGLE-1/2 drafter
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    def __init__(self, prompts: list[torch.Tensor]) -> None:
+        self.history = History(prompts)
+        self.calls: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
 
-    def propose(self, tokens: torch.Tensor, features: torch.Tensor, k: int) -> torch.Tensor:
-        self.calls.append((tokens.clone(), features.clone()))
-        return torch.zeros(k, dtype=torch.int64)
+    def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
+        self.history.add(pairs)
+        self.calls.append([(t.clone(), f.clone()) for t, f in zip(self.history.tokens, self.history.features,
+                                                                  strict=True)])
+        return torch.zeros(pairs.valid.shape[0], k, dtype=torch.int64)
 
 
-def eagle_proposer(greedy: GreedyOracle) -> EagleProposer:
+def eagle_drafter(model: LlamaForCausalLM) -> EagleDrafter:
     torch.manual_seed(5)
-    drafter = EagleDrafter(EagleConfig.from_target(greedy.model.config))
-    drafter.use_target_heads(greedy.model)
-    return EagleProposer(drafter)
+    drafter = EagleDrafter(EagleConfig.from_target(model.config))
+    drafter.attach(model)
+    return drafter
 
 
-PROPOSERS = {"oracle": OracleProposer, "wrong": WrongProposer, "eagle": eagle_proposer}
+def proposer_factory(kind: str, greedy: GreedyOracle, prompts: list[torch.Tensor]) -> Callable[[], Proposer]:
+    if kind == "eagle":
+        return eagle_drafter(greedy.model).proposer
+    return lambda: PROPOSERS[kind](greedy, prompts)
+
+
+PROPOSERS = {"oracle": OracleProposer, "wrong": WrongProposer, "eagle": None}
 
 
 @pytest.mark.parametrize("k", [1, 3, 4], ids=lambda k: f"k{k}")
@@ -110,9 +135,8 @@ PROPOSERS = {"oracle": OracleProposer, "wrong": WrongProposer, "eagle": eagle_pr
 def test_output_is_exactly_greedy(
     model: LlamaForCausalLM, prompts: list[torch.Tensor], greedy: GreedyOracle, kind: str, k: int
 ) -> None:
-    proposer = PROPOSERS[kind](greedy)
     for prompt in prompts:
-        trace = speculative_generate(model, proposer, prompt, MAX_NEW, k)
+        trace = speculative_generate(model, proposer_factory(kind, greedy, [prompt]), prompt, MAX_NEW, k)
 
         assert trace.tokens == greedy.generate(prompt, MAX_NEW)  # greedy_generate's tokens, precomputed
         assert len(trace.tokens) == MAX_NEW
@@ -125,9 +149,8 @@ def test_output_is_exactly_greedy(
 def test_oracle_accepts_every_proposal(
     model: LlamaForCausalLM, prompts: list[torch.Tensor], greedy: GreedyOracle, k: int
 ) -> None:
-    proposer = OracleProposer(greedy)
     for prompt in prompts:
-        trace = speculative_generate(model, proposer, prompt, MAX_NEW, k)
+        trace = speculative_generate(model, lambda p=prompt: OracleProposer(greedy, [p]), prompt, MAX_NEW, k)
         metrics = acceptance_metrics(trace.accepted_per_round, k)
 
         assert trace.accepted_per_round == [k] * math.ceil((MAX_NEW - 1) / (k + 1))
@@ -140,9 +163,8 @@ def test_oracle_accepts_every_proposal(
 def test_wrong_proposer_accepts_nothing(
     model: LlamaForCausalLM, prompts: list[torch.Tensor], greedy: GreedyOracle, k: int
 ) -> None:
-    proposer = WrongProposer(greedy)
     for prompt in prompts:
-        trace = speculative_generate(model, proposer, prompt, MAX_NEW, k)
+        trace = speculative_generate(model, lambda p=prompt: WrongProposer(greedy, [p]), prompt, MAX_NEW, k)
         metrics = acceptance_metrics(trace.accepted_per_round, k)
 
         assert trace.accepted_per_round == [0] * (MAX_NEW - 1)
@@ -154,22 +176,24 @@ def test_wrong_proposer_accepts_nothing(
 def test_proposer_gets_tokens_and_features_of_all_but_the_newest(
     model: LlamaForCausalLM, prompts: list[torch.Tensor]
 ) -> None:
-    proposer = RecordingProposer()
-    speculative_generate(model, proposer, prompts[1], MAX_NEW, 3)
+    proposer = RecordingProposer(prompts)
+    generate_batch(model, lambda: proposer, prompts, MAX_NEW, 3)
 
     assert proposer.calls
-    for tokens, features in proposer.calls:
-        assert features.shape == (tokens.shape[0] - 1, H)
-        expected = target_lib.forward(model, tokens[None]).features[0, :-1]
-        torch.testing.assert_close(features, expected, atol=1e-5, rtol=1e-5)
+    for call in proposer.calls:
+        for (tokens, features), prompt in zip(call, prompts, strict=True):
+            assert torch.equal(tokens[: prompt.shape[0]], prompt)
+            assert features.shape == (tokens.shape[0] - 1, H)
+            expected = target_lib.forward(model, tokens[None]).features[0, :-1]
+            torch.testing.assert_close(features, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_evaluate_aggregates_rounds_over_prompts(
     model: LlamaForCausalLM, prompts: list[torch.Tensor], greedy: GreedyOracle
 ) -> None:
     k = 3
-    oracle = evaluate(model, OracleProposer(greedy), prompts, MAX_NEW, k)
-    wrong = evaluate(model, WrongProposer(greedy), prompts, MAX_NEW, k)
+    oracle = evaluate(model, lambda: OracleProposer(greedy, prompts), prompts, MAX_NEW, k)
+    wrong = evaluate(model, lambda: WrongProposer(greedy, prompts), prompts, MAX_NEW, k)
 
     assert oracle.tau == k + 1
     assert oracle.rounds == len(prompts) * math.ceil((MAX_NEW - 1) / (k + 1))
@@ -209,3 +233,140 @@ def test_acceptance_metrics_hand_made() -> None:
 def test_acceptance_metrics_needs_rounds() -> None:
     with pytest.raises(ValueError, match="no speculative rounds"):
         acceptance_metrics([], k=4)
+
+
+# -- batched, cached decoding with both drafter kinds --------------------------------------------------------------
+
+KINDS = ["eagle", "eagle3"]
+
+
+@pytest.fixture(scope="module")
+def deep_model() -> LlamaForCausalLM:
+    """Four layers: EAGLE-3 reads three of them."""
+    return target_lib.build_target(target_lib.tiny_llama_config(V, H, 4, HEADS), seed=3)
+
+
+@pytest.fixture(scope="module")
+def ragged_prompts() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(12)
+    return [torch.randint(0, V, (n,), generator=g) for n in (1, 4, 9, 13)]
+
+
+@pytest.fixture(scope="module")
+def deep_greedy(deep_model: LlamaForCausalLM, ragged_prompts: list[torch.Tensor]) -> GreedyOracle:
+    return GreedyOracle(deep_model, ragged_prompts)
+
+
+def drafter_of(kind: str, model: LlamaForCausalLM) -> Drafter:
+    drafter = fresh_drafter(DrafterConfig(kind=kind), model, torch.arange(V), seed=4)
+    drafter.attach(model)
+    return drafter
+
+
+def reference_proposal(drafter: Drafter, tokens: torch.Tensor, features: torch.Tensor, k: int) -> list[int]:
+    """The drafter's k tokens computed without any cache: every step re-runs the whole prefix
+    (EAGLE-1/2), or step 0 over the prefix and the TTT steps at its last position (EAGLE-3)."""
+    n = tokens.shape[0] - 1
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]  # (1, 1, n, n)
+    positions = torch.arange(n)[None]  # (1, n)
+    proposal = []
+    with torch.no_grad():
+        if isinstance(drafter, EagleDrafter):  # the reference is per kind on purpose
+            feats, ids = features, tokens[1:]
+            for _ in range(k):
+                m = ids.shape[0]
+                mask = torch.ones(m, m, dtype=torch.bool).tril()[None, None]
+                predicted = drafter(feats[None], ids[None], torch.arange(m)[None], mask)[0, -1]  # (H,)
+                token = drafter.lm_head(predicted).argmax()
+                proposal.append(int(token))
+                feats, ids = torch.cat([feats, predicted[None]]), torch.cat([ids, token[None]])
+            return proposal
+        cache = TTTCache()
+        state = drafter.step(tokens[None, 1:], drafter.project_aux(features[None]), positions, causal, cache)[:, -1:]
+        for j in range(k):
+            token = drafter.draft_to_target[drafter.lm_head(drafter.logits_input(state)).argmax(-1)]  # (1, 1)
+            proposal.append(int(token))
+            if j + 1 < k:
+                state = drafter.step(token, state, positions[:, -1:], torch.ones(1, 1, 1, n, dtype=torch.bool), cache)
+    return proposal
+
+
+class ShadowProposer:
+    """Checks the drafter's cached proposals against `reference_proposal` at every round, while it
+    proposes the target's greedy tokens with one of them spoilt in turn, so that rows accept
+    0..k tokens in changing patterns (the cache must withdraw exactly the rejected columns)."""
+
+    def __init__(self, drafter: Drafter, greedy: GreedyOracle, prompts: list[torch.Tensor]) -> None:
+        self.drafter, self.inner, self.greedy = drafter, drafter.proposer(), greedy
+        self.layer_ids = self.inner.layer_ids
+        self.history = History(prompts)
+        self.rounds = 0
+        self.checked = 0
+
+    def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
+        self.history.add(pairs)
+        drafted = self.inner.propose(pairs, k)
+        out = []
+        for b, (tokens, features) in enumerate(zip(self.history.tokens, self.history.features, strict=True)):
+            assert drafted[b].tolist() == reference_proposal(self.drafter, tokens, features, k), (b, self.rounds)
+            self.checked += 1
+            proposal = self.greedy.continuation(tokens, k)
+            spoilt = (self.rounds + b) % (k + 1)
+            if spoilt < k:
+                proposal[spoilt] = (proposal[spoilt] + 1) % V
+            out.append(proposal)
+        self.rounds += 1
+        return torch.stack(out)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cached_proposals_equal_the_uncached_reference(
+    deep_model: LlamaForCausalLM, ragged_prompts: list[torch.Tensor], deep_greedy: GreedyOracle, kind: str
+) -> None:
+    k = 3
+    shadow = ShadowProposer(drafter_of(kind, deep_model), deep_greedy, ragged_prompts)
+
+    traces = generate_batch(deep_model, lambda: shadow, ragged_prompts, MAX_NEW, k)
+
+    assert shadow.checked >= len(ragged_prompts) * 3
+    assert {a for t in traces for a in t.accepted_per_round} == set(range(k + 1))  # every acceptance count occurs
+    for trace, prompt in zip(traces, ragged_prompts, strict=True):
+        assert trace.tokens == deep_greedy.generate(prompt, MAX_NEW)
+
+
+@pytest.mark.parametrize("k", [1, 4], ids=lambda k: f"k{k}")
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_output_is_the_targets_greedy_generate(
+    deep_model: LlamaForCausalLM, ragged_prompts: list[torch.Tensor], kind: str, k: int
+) -> None:
+    """Prompts of different lengths in one batch, each row accepting its own count: every row's tokens are
+    transformers' own greedy `generate`'s (its KV-cached decoding, independent of ours)."""
+    drafter = drafter_of(kind, deep_model)
+
+    traces = generate_batch(deep_model, follow_target(drafter, deep_model), ragged_prompts, MAX_NEW, k)
+
+    for trace, prompt in zip(traces, ragged_prompts, strict=True):
+        expected = deep_model.generate(prompt[None], attention_mask=torch.ones(1, prompt.shape[0], dtype=torch.int64),
+                                       max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
+        assert trace.tokens == expected[0, prompt.shape[0] :].tolist()
+        assert all(0 <= a <= k for a in trace.accepted_per_round)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_rounds_are_the_one_at_a_time_rounds(
+    deep_model: LlamaForCausalLM, ragged_prompts: list[torch.Tensor], kind: str
+) -> None:
+    drafter = drafter_of(kind, deep_model)
+
+    batched = generate_batch(deep_model, drafter.proposer, ragged_prompts, MAX_NEW, 3)
+    alone = [speculative_generate(deep_model, drafter.proposer, p, MAX_NEW, 3) for p in ragged_prompts]
+
+    assert [t.accepted_per_round for t in batched] == [t.accepted_per_round for t in alone]
+    assert [t.tokens for t in batched] == [t.tokens for t in alone]
+    metrics = evaluate(deep_model, drafter.proposer, ragged_prompts, MAX_NEW, 3, batch_size=3)
+    assert metrics.rounds == sum(len(t.accepted_per_round) for t in alone)
+
+
+def test_generate_batch_refuses_an_empty_prompt(model: LlamaForCausalLM) -> None:
+    with pytest.raises(ValueError, match="at least one token"):
+        generate_batch(model, lambda: OracleProposer(None, []), [torch.tensor([], dtype=torch.int64)], 4, 2)

@@ -130,17 +130,17 @@ def test_positions_matter() -> None:
     assert not torch.allclose(spread[:, 1:], out[:, 1:], atol=1e-4)
 
 
-def test_use_target_heads_copies_and_checks_shapes() -> None:
+def test_attach_copies_the_heads_and_checks_shapes() -> None:
     target = target_lib.build_target(target_lib.tiny_llama_config(V, H, 1, HEADS), seed=0)
     model = tiny_drafter()
 
-    model.use_target_heads(target)
+    model.attach(target)
 
     assert torch.equal(model.embed_tokens.weight, target.get_input_embeddings().weight)
     assert torch.equal(model.lm_head.weight, target.get_output_embeddings().weight)
     wrong = target_lib.build_target(target_lib.tiny_llama_config(V + 1, H, 1, HEADS), seed=0)
     with pytest.raises(ValueError, match="do not fit the drafter"):
-        model.use_target_heads(wrong)
+        model.attach(wrong)
 
 
 # -- checkpoint -------------------------------------------------------------------------------------------------
@@ -155,10 +155,10 @@ def checkpoint(tmp_path: Path) -> tuple[EagleDrafter, Path]:
 def test_checkpoint_round_trip(checkpoint: tuple[EagleDrafter, Path]) -> None:
     model, directory = checkpoint
     target = target_lib.build_target(target_lib.tiny_llama_config(V, H, 1, HEADS), seed=0)
-    model.use_target_heads(target)
+    model.attach(target)
 
     loaded = load_drafter(directory).eval()
-    loaded.use_target_heads(target)
+    loaded.attach(target)
 
     assert loaded.config == model.config
     hidden, ids = inputs(9)

@@ -13,13 +13,14 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from pipeline.config import OptimConfig, TrainConfig
-from pipeline.evaluation.speculative import Eagle3Proposer, greedy_generate, make_proposer, speculative_generate
-from pipeline.models import drafter as drafters
+from pipeline.evaluation.speculative import greedy_generate, speculative_generate
 from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import CheckpointError, load_drafter, save_drafter
+from pipeline.models.eagle import CommittedPairs
 from pipeline.models.eagle3 import (
     Eagle3Config,
     Eagle3Drafter,
+    Eagle3Proposer,
     TTTCache,
     default_aux_layer_ids,
     draft_vocab,
@@ -398,7 +399,8 @@ def drafter_for(target: LlamaForCausalLM, seed: int = 0, **overrides) -> Eagle3D
     torch.manual_seed(seed)
     model = Eagle3Drafter(make_config(aux_layer_ids=default_aux_layer_ids(num_layers), **overrides))
     model.set_vocab(*draft_vocab(random_counts(seed), DV))
-    model.use_target(target, init_lm_head=True)
+    model.attach(target)
+    model.init_lm_head(target)
     return model
 
 
@@ -422,7 +424,7 @@ def target_samples(target: LlamaForCausalLM, aux: tuple[int, ...], count: int, s
 def test_gradients_reach_only_the_drafters_trainable_weights(target: LlamaForCausalLM, variant: str) -> None:
     model = drafter_for(target, **VARIANTS[variant]).train()
     batch = pack(target_samples(target, model.config.aux_layer_ids, 2), window_tokens=64).to("cpu")
-    teacher = drafters.teacher(model, target)
+    teacher = model.teacher(target)
     assert teacher is not None
     target.zero_grad(set_to_none=True)
 
@@ -496,7 +498,7 @@ def test_draft_vocab_rejects_a_size_above_the_vocab() -> None:
         make_config(draft_vocab_size=V + 1)
 
 
-def test_use_target_initialises_lm_head_from_the_draft_rows(target: LlamaForCausalLM) -> None:
+def test_init_lm_head_starts_from_the_draft_rows(target: LlamaForCausalLM) -> None:
     model = drafter_for(target)
     assert torch.equal(model.embed_tokens.weight, target.get_input_embeddings().weight)
     assert torch.equal(model.lm_head.weight, target.get_output_embeddings().weight[model.draft_to_target])
@@ -611,6 +613,26 @@ def test_exported_keys_and_config_are_the_published_ones(tmp_path: Path, variant
     assert config["head_dim"] == H // HEADS
 
 
+@pytest.mark.parametrize("variant", ["plain", "fc-norm", "norm-output", "norm-before-residual"],
+                         ids=["plain", "fc-norm", "norm-output", "norm-before-residual"])
+def test_eagle31_flags_are_written_only_when_set(tmp_path: Path, variant: str) -> None:
+    """SpecForge 0.2 reads `norm_output: false` as "no final norm" where vLLM always applies it: an unset
+    EAGLE-3.1 flag is left out, so every engine reads its absence alike. norm_before_residual is always
+    written (the engines' defaults differ)."""
+    model = vocab_drafter(**VARIANTS[variant])
+    directory = save_drafter(model, tmp_path / "ckpt")
+    config = json.loads((directory / "config.json").read_text())
+
+    for flag in ("fc_norm", "norm_output"):
+        if getattr(model.config, flag):
+            assert config[flag] is True
+        else:
+            assert flag not in config
+    assert config["norm_before_residual"] is model.config.norm_before_residual
+    loaded = load_drafter(directory)
+    assert loaded.config == model.config
+
+
 def _rewrite(directory: Path, rename=None, drop=(), extra=None) -> None:
     tensors = load_file(directory / "model.safetensors")
     tensors = {(rename(k) if rename else k): v for k, v in tensors.items() if k not in drop}
@@ -680,7 +702,7 @@ def test_import_keeps_bundled_embeddings(tmp_path: Path, target: LlamaForCausalL
 
     assert loaded.own_embeddings
     assert torch.equal(loaded.embed_tokens.weight, own)
-    loaded.use_target(target, init_lm_head=False)
+    loaded.attach(target)
     assert torch.equal(loaded.embed_tokens.weight, own)  # not the target's
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
     # and they travel on: a re-export writes them back
@@ -688,10 +710,10 @@ def test_import_keeps_bundled_embeddings(tmp_path: Path, target: LlamaForCausalL
     assert torch.equal(again["embed_tokens.weight"], own)
 
 
-def test_use_target_replaces_the_embeddings_of_a_drafter_without_its_own(target: LlamaForCausalLM) -> None:
+def test_attach_replaces_the_embeddings_of_a_drafter_without_its_own(target: LlamaForCausalLM) -> None:
     model = vocab_drafter()
     head = model.lm_head.weight.detach().clone()
-    model.use_target(target, init_lm_head=False)
+    model.attach(target)
     assert torch.equal(model.embed_tokens.weight, target.get_input_embeddings().weight)
     assert torch.equal(model.lm_head.weight, head)
 
@@ -764,13 +786,13 @@ MAX_NEW = 10
 
 
 class RecordingProposer:
-    def __init__(self, inner: Eagle3Proposer) -> None:
+    def __init__(self, inner: Eagle3Proposer, proposals: list[torch.Tensor]) -> None:
         self.inner = inner
         self.layer_ids = inner.layer_ids
-        self.proposals: list[torch.Tensor] = []
+        self.proposals = proposals
 
-    def propose(self, tokens: torch.Tensor, features: torch.Tensor, k: int) -> torch.Tensor:
-        proposal = self.inner.propose(tokens, features, k)
+    def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
+        proposal = self.inner.propose(pairs, k)
         self.proposals.append(proposal)
         return proposal
 
@@ -791,23 +813,24 @@ def test_speculative_decoding_with_eagle3_is_lossless(
     target: LlamaForCausalLM, prompts: list[torch.Tensor], greedy: list[list[int]], k: int
 ) -> None:
     model = drafter_for(target, seed=1)
-    proposer = make_proposer(model)
+    proposer = model.proposer()
     assert isinstance(proposer, Eagle3Proposer)
     assert proposer.layer_ids == list(default_aux_layer_ids(4))
-    recording = RecordingProposer(proposer)
+    proposals: list[torch.Tensor] = []
     allowed = set(model.draft_to_target.tolist())
     assert len(allowed) == DV
 
     for prompt, expected in zip(prompts, greedy, strict=True):
-        trace = speculative_generate(target, recording, prompt, MAX_NEW, k)
+        trace = speculative_generate(target, lambda: RecordingProposer(model.proposer(), proposals), prompt,
+                                     MAX_NEW, k)
         assert trace.tokens == expected
         assert all(0 <= a <= k for a in trace.accepted_per_round)
 
-    assert recording.proposals
-    for proposal in recording.proposals:
-        assert proposal.shape == (k,)
+    assert proposals
+    for proposal in proposals:
+        assert proposal.shape == (1, k)  # a batch of one prompt
         assert proposal.dtype == torch.int64
-        assert set(proposal.tolist()) <= allowed
+        assert set(proposal[0].tolist()) <= allowed
 
 
 def test_proposer_returns_target_ids_of_the_draft_argmax(target: LlamaForCausalLM) -> None:
@@ -816,9 +839,10 @@ def test_proposer_returns_target_ids_of_the_draft_argmax(target: LlamaForCausalL
     out = target_lib.forward(target, prompt[None], list(model.config.aux_layer_ids))
     features = out.layers.flatten(2)[0, :-1]  # (T-1, n_aux * H)
 
-    proposal = Eagle3Proposer(model).propose(prompt, features, 1)
-
     n = prompt.shape[0] - 1
+    pairs = CommittedPairs(features[None], prompt[None, 1:], torch.arange(n)[None], torch.ones(1, n, dtype=torch.bool))
+    proposal = Eagle3Proposer(model).propose(pairs, 1)[0]
+
     with torch.no_grad():
         state = model.step(prompt[None, 1:], model.project_aux(features[None]), torch.arange(n)[None], causal(n),
                            TTTCache())
@@ -843,7 +867,7 @@ def test_train_drafter_lowers_the_eagle3_loss(peaked_target: LlamaForCausalLM) -
     target = peaked_target
     model = drafter_for(target, seed=0)
     samples = target_samples(target, model.config.aux_layer_ids, 8, seed=1)
-    teacher = drafters.teacher(model, target)
+    teacher = model.teacher(target)
     cfg = TrainConfig(
         epochs=8, batch_size_per_gpu=4, max_seq_len=128, window_tokens=128, seed=1, ttt_steps=2, ttt_decay=0.8,
         optim=OptimConfig(lr=3e-3, lr_warmup_steps=2),

@@ -220,7 +220,7 @@ def test_extracted_step_stores_the_last_layer_once_and_trains_on_aux_and_last(tm
     drafters.check_layers(drafter, manifest.layer_ids, 2, "step 1")
     rollouts = {r.sample_id: r for r in read_rollouts(store, cfg.run, 1)}
     sample = next(shards.iter_samples(store, cfg.run, manifest))
-    ids, features, _ = drafters.training_sample(drafter, sample, 2)
+    ids, features, _ = drafter.training_sample(sample, 2)
     assert torch.equal(ids, torch.tensor(rollouts[sample.sample_id].input_ids))
     expected = target_lib.forward(policy, ids[None], [0, 1, 2, 2]).layers[0]  # [aux..., L]: (T, 4, H)
     torch.testing.assert_close(features, expected.to(torch.bfloat16).flatten(1), rtol=0, atol=0.02)

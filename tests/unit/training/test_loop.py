@@ -78,7 +78,7 @@ def dataset(target) -> list[Sample]:
 def drafter_for(target) -> EagleDrafter:
     torch.manual_seed(0)
     model = EagleDrafter(EagleConfig.from_target(target.config))
-    model.use_target_heads(target)
+    model.attach(target)
     return model
 
 
