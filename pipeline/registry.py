@@ -18,8 +18,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from pipeline.models.checkpoint import load_drafter
-from pipeline.models.eagle import EagleDrafter
-from pipeline.models.eagle3 import Eagle3Drafter
+from pipeline.models.drafter import Drafter
 
 ARTIFACT_PATH = "drafter"
 ALIASES = ("challenger", "champion", "baseline", "live")
@@ -179,7 +178,7 @@ class DrafterRegistry:
             files += self._artifact_files(run_id, relative, where) if info.is_dir else [relative]
         return files
 
-    def load(self, version: str) -> EagleDrafter | Eagle3Drafter:
+    def load(self, version: str) -> Drafter:
         """Download a version's checkpoint directory and load it (safetensors only)."""
         with tempfile.TemporaryDirectory() as tmp:
             return load_drafter(self.download(version, Path(tmp)))

@@ -37,7 +37,18 @@ def step_row(store: ObjectStore, run: str, step: int) -> dict:
         "version_cotrained": (record["drafters"]["cotrained"] or {}).get("version"),
         "version_served": (record["drafters"]["served"] or {}).get("version"),
         "acceptance_rate_cotrained": round((record["drafters"]["cotrained"] or {}).get("acceptance_rate", 0.0), 4),
+        # what the co-trained tau rests on, and its teacher-forced estimate from one pass over held-out rollouts
+        "eval_prompts_cotrained": (record["drafters"]["cotrained"] or {}).get("prompts"),
+        "eval_rounds_cotrained": (record["drafters"]["cotrained"] or {}).get("rounds"),
+        "tau_estimate_cotrained": _estimate(record["drafters"]["cotrained"]),
     }
+
+
+def _estimate(measured: dict | None) -> dict | None:
+    estimate = (measured or {}).get("estimate")
+    if not estimate:
+        return None
+    return {"tau": round(estimate["tau"], 4), "rollouts": estimate["sequences"], "positions": estimate["positions"]}
 
 
 def format_table(rows: list[dict]) -> str:

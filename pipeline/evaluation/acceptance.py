@@ -16,7 +16,7 @@ from pipeline.config import PipelineConfig, PromotionConfig
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.keys import acceptance_key
 from pipeline.data.store import ObjectStore
-from pipeline.evaluation import speculative
+from pipeline.evaluation import speculative, teacher_forced
 from pipeline.models import target as target_lib
 from pipeline.registry import DrafterRegistry
 from pipeline.sources.extract import held_out_rollouts
@@ -49,6 +49,13 @@ def held_out_prompts(store: ObjectStore, cfg: PipelineConfig, step: int) -> list
     return [torch.tensor(r.input_ids[: max(1, r.prompt_len)]) for r in rollouts[: cfg.eval.num_prompts]]
 
 
+def held_out_sequences(store: ObjectStore, cfg: PipelineConfig, step: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Whole held-out rollouts (prompt + response) and their prompt lengths: what the acceptance estimate reads."""
+    rollouts = held_out_rollouts(rollouts_lib.read_rollouts(store, cfg.run, step), cfg.eval.held_out_fraction)
+    rollouts = rollouts[: cfg.eval.num_prompts]
+    return [torch.tensor(r.input_ids) for r in rollouts], [max(1, r.prompt_len) for r in rollouts]
+
+
 def evaluate_step(
     store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, new_version: str | None
 ) -> dict:
@@ -56,6 +63,7 @@ def evaluate_step(
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
     target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
     prompts = held_out_prompts(store, cfg, step)
+    sequences, prompt_lens = held_out_sequences(store, cfg, step)
     k, max_new = cfg.eval.num_speculative_tokens, cfg.eval.max_new_tokens
 
     roles = {
@@ -67,9 +75,11 @@ def evaluate_step(
     for version in {v for v in roles.values() if v is not None}:
         drafter = registry.load(version)
         drafter.attach(target)
-        measured[version] = speculative.evaluate(
-            target, speculative.follow_target(drafter, target), prompts, max_new, k
-        ).as_dict()
+        exact = speculative.evaluate(target, speculative.follow_target(drafter, target), prompts, max_new, k)
+        estimate = teacher_forced.estimate_acceptance(target, drafter, sequences, prompt_lens, k)
+        # each tau says what it rests on: exact, prompts decoded and rounds; the estimate, rollouts and positions
+        measured[version] = {**exact.as_dict(), "prompts": len(prompts),
+                             "estimate": estimate.as_dict() if estimate else None}
 
     def tau(version: str | None) -> float | None:
         return measured[version]["tau"] if version else None

@@ -34,6 +34,7 @@ class Proposer(Protocol):
 class Drafter(Protocol):
     """What every drafter kind does, by the same names. Implementations are `torch.nn.Module`s."""
 
+    kind: str  # the `drafter.kind` of the config that builds it: "eagle" (EAGLE-1/2) or "eagle3"
     decode_layer_ids: list[int] | None  # target layers read at decoding time; None = post-norm last layer
 
     def attach(self, target: nn.Module) -> None:

@@ -302,6 +302,7 @@ class EagleDrafter(nn.Module):
         self.lm_head.requires_grad_(False)
 
     # -- the drafter interface (pipeline.models.drafter.Drafter)
+    kind = "eagle"
     decode_layer_ids = None  # reads the target's post-norm last layer, as vLLM hands its `eagle` drafter
 
     def attach(self, target: nn.Module) -> None:

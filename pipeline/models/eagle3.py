@@ -218,6 +218,8 @@ class Eagle3Drafter(nn.Module):
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     # -- the drafter interface (pipeline.models.drafter.Drafter)
+    kind = "eagle3"
+
     @property
     def decode_layer_ids(self) -> list[int]:
         """The target layers (vLLM ids) the drafter reads at decoding time: its aux layers."""

@@ -21,8 +21,6 @@ from pipeline.data.store import ObjectStore, open_store
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import load_drafter, save_drafter
-from pipeline.models.eagle import EagleDrafter
-from pipeline.models.eagle3 import Eagle3Drafter
 from pipeline.registry import DrafterRegistry, MetricsBatcher
 from pipeline.training.dataset import BufferDataset
 from pipeline.training.distributed import DistContext, broadcast_state, rank_device
@@ -123,14 +121,13 @@ def _initial_drafter(
     cfg: PipelineConfig, registry: DrafterRegistry, champion: str | None, target, hidden: Iterable[HiddenSample]
 ) -> tuple[drafters.Drafter, str | None]:
     """The champion if it is of the configured kind, else `drafter.warm_start`, else a fresh drafter."""
-    wanted = Eagle3Drafter if cfg.drafter.kind == "eagle3" else EagleDrafter
     if champion:
         drafter = registry.load(champion)
-        if isinstance(drafter, wanted):
+        if drafter.kind == cfg.drafter.kind:
             return drafter, champion
     if cfg.drafter.warm_start:
         drafter = load_drafter(Path(cfg.drafter.warm_start), target.config.num_hidden_layers)
-        if not isinstance(drafter, wanted):
+        if drafter.kind != cfg.drafter.kind:
             raise ValueError(f"drafter.warm_start {cfg.drafter.warm_start} is not a {cfg.drafter.kind} checkpoint")
         return drafter, f"file:{cfg.drafter.warm_start}"
     counts = _token_counts(hidden, target.config.vocab_size)

@@ -1,0 +1,81 @@
+"""The teacher-forced acceptance estimate: on the target's own greedy text it is exact, start by start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from pipeline.config import DrafterConfig, OptimConfig, TrainConfig
+from pipeline.evaluation.speculative import acceptance_metrics, generate_batch, greedy_generate
+from pipeline.evaluation.teacher_forced import estimate_acceptance
+from pipeline.models import target as target_lib
+from pipeline.models.drafter import Drafter, fresh_drafter
+from pipeline.training.dataset import InMemoryDataset
+from pipeline.training.loop import train_drafter
+
+V, H, LAYERS, HEADS = 32, 32, 4, 2
+K = 3
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaForCausalLM:
+    """A larger lm_head makes the greedy text repetitive enough for a briefly trained drafter to predict."""
+    model = target_lib.build_target(target_lib.tiny_llama_config(V, H, LAYERS, HEADS), seed=0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def greedy_texts(target: LlamaForCausalLM) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, V, (int(n),), generator=g) for n in torch.randint(2, 6, (20,), generator=g)]
+    return [torch.cat([p, torch.tensor(greedy_generate(target, p, 16))]) for p in prompts]
+
+
+@pytest.fixture(scope="module", params=["eagle", "eagle3"])
+def drafter(request: pytest.FixtureRequest, target: LlamaForCausalLM, greedy_texts: list[torch.Tensor]) -> Drafter:
+    kind = request.param
+    model = fresh_drafter(DrafterConfig(kind=kind), target, torch.ones(V, dtype=torch.int64), seed=0)
+    layer_ids = model.stored_layer_ids(LAYERS)
+    samples = []
+    for text in greedy_texts[:14]:  # trains on some texts, is measured on all
+        out = target_lib.forward(target, text[None], layer_ids)
+        hidden = out.layers[0] if kind == "eagle3" else out.features[0][:, None]  # (T, layers, H)
+        samples.append((text, hidden.flatten(1), torch.ones_like(text)))
+    cfg = TrainConfig(epochs=6, batch_size_per_gpu=4, max_seq_len=64, window_tokens=64, seed=0, ttt_steps=3,
+                      optim=OptimConfig(lr=3e-3, lr_warmup_steps=2))
+    train_drafter(model, InMemoryDataset(samples), cfg, teacher=model.teacher(target))
+    model.attach(target)
+    return model.eval()
+
+
+def test_estimate_on_greedy_text_is_one_decoding_round_per_start(
+    target: LlamaForCausalLM, greedy_texts: list[torch.Tensor], drafter: Drafter
+) -> None:
+    """On text the target itself decoded greedily, step j at start t is accepted exactly when a decoding
+    round whose context ends at token t+1 accepts more than j drafts: the estimate's shares are those of
+    one real round from every start."""
+    prompt_lens = [int(t.shape[0]) - 16 for t in greedy_texts]
+
+    estimate = estimate_acceptance(target, drafter, greedy_texts, prompt_lens, K, batch_size=7)
+
+    # a round from start t: the prompt is the text up to t, so the first generated token is t+1's
+    starts = [text[: t + 1] for text, p in zip(greedy_texts, prompt_lens, strict=True)
+              for t in range(p - 1, text.shape[0] - K)]
+    rounds = [trace.accepted_per_round[0] for trace in generate_batch(target, drafter.proposer, starts, 2, K)]
+    exact = acceptance_metrics(rounds, K)
+    assert estimate is not None
+    assert estimate.positions == len(starts)
+    assert estimate.sequences == len(greedy_texts)
+    assert estimate.per_position == pytest.approx(exact.per_position)
+    assert estimate.tau == pytest.approx(exact.tau)
+    assert estimate.per_position[0] > 0.2  # the drafter predicts something: the comparison is not 0 == 0
+    assert estimate.per_position == sorted(estimate.per_position, reverse=True)
+
+
+def test_estimate_needs_a_response_of_k_tokens(target: LlamaForCausalLM, drafter: Drafter) -> None:
+    text = torch.arange(6)
+    assert estimate_acceptance(target, drafter, [text], [6 - K + 1], K) is None
+    assert estimate_acceptance(target, drafter, [text], [6 - K], K).positions == 1
