@@ -7,16 +7,18 @@ so code outside pipeline/models/ never asks which kind it holds.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
 from pipeline.config import DrafterConfig
-from pipeline.data.shards import HiddenSample
 from pipeline.models.eagle import CommittedPairs, EagleConfig, EagleDrafter
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids, draft_vocab
 from pipeline.models.teacher import Teacher
+
+if TYPE_CHECKING:
+    from pipeline.data.shards import HiddenSample
 
 __all__ = ["CommittedPairs", "Drafter", "Proposer", "Teacher", "check_layers", "fresh_drafter"]
 

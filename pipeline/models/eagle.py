@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.data.shards import HiddenSample
 from pipeline.models.teacher import Teacher
+
+if TYPE_CHECKING:
+    from pipeline.data.shards import HiddenSample
 
 ARCHITECTURE = "EagleLlamaForCausalLM"
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.data.shards import HiddenSample
 from pipeline.models.eagle import (
     MLP,
     CommittedPairs,
@@ -42,6 +42,9 @@ from pipeline.models.eagle import (
     shift_left,
 )
 from pipeline.models.teacher import Teacher
+
+if TYPE_CHECKING:
+    from pipeline.data.shards import HiddenSample
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
