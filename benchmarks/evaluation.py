@@ -1,0 +1,171 @@
+"""Speculative-decoding evaluation at scale: cost per token vs context length, batching, and the
+teacher-forced estimate against exact tau.
+
+* per_token_cost_ratio_2048_vs_128: seconds per generated token with a 2048-token prompt over a
+  128-token one: the median time between two proposals (one round: verification + proposal, the
+  prefill left out) over the tokens a round yields. Both caches keep a round at k + 1 target
+  positions and k drafter steps, so only attention over the longer cache grows (2 S H of the
+  16 H^2 multiply-adds per token and layer: S / 8H); without caches (a full forward per round,
+  the drafter re-reading the prefix per draft) the ratio would be about 2048 / 128. Target:
+  Llama hidden 1024, 2 layers, MLP 4096, vocab 2048 (big enough on one CPU core that matmuls,
+  not Python, set the cost); the worse of the two drafter kinds.
+* batched_speedup: 16 prompts decoded as one batch over the same 16 one at a time.
+* tau_estimate_abs_diff: the demo's simulated target (pre-trained, cached under the data dir) and
+  its sampled rollouts; an EAGLE-3 drafter trained on them as the demo trains one; exact tau over
+  the held-out prompts against the teacher-forced estimate over the same held-out rollouts.
+
+Goals: ratio <= 1.5, speedup >= 4, estimate within 0.3 of exact tau. One thread throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+K = 4
+REPEATS = 2
+
+
+def _target(torch, hidden: int = 1024, layers: int = 2, vocab: int = 2048):  # noqa: ANN001, ANN202
+    from pipeline.models import target as target_lib
+
+    config = target_lib.tiny_llama_config(vocab, hidden, layers, 16)
+    config.intermediate_size = 4 * hidden
+    config.max_position_embeddings = 4096
+    return target_lib.build_target(config, seed=0)
+
+
+def _drafter(torch, target, kind: str):  # noqa: ANN001, ANN202
+    from pipeline.config import DrafterConfig
+    from pipeline.models.drafter import fresh_drafter
+
+    drafter = fresh_drafter(DrafterConfig(kind=kind), target, torch.ones(target.config.vocab_size), seed=0)
+    drafter.attach(target)
+    return drafter
+
+
+def _best(fn) -> float:  # noqa: ANN001
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+class TimedProposer:
+    """A drafter's proposer that notes when each round's proposal is asked for: the time between two
+    calls is one round (verification + proposal), whatever the prefill cost."""
+
+    def __init__(self, inner, stamps: list[float]) -> None:  # noqa: ANN001
+        self.inner, self.stamps, self.layer_ids = inner, stamps, inner.layer_ids
+
+    def propose(self, pairs, k: int):  # noqa: ANN001, ANN201
+        self.stamps.append(time.perf_counter())
+        return self.inner.propose(pairs, k)
+
+
+def _per_token_s(torch, target, drafter, context: int, new_tokens: int) -> float:  # noqa: ANN001
+    """Median seconds per round over tokens per round (1 + mean accepted drafts)."""
+    import statistics
+
+    from pipeline.evaluation.speculative import generate_batch
+
+    prompt = torch.randint(0, target.config.vocab_size, (context,), generator=torch.Generator().manual_seed(context))
+    stamps: list[float] = []
+    trace = generate_batch(target, lambda: TimedProposer(drafter.proposer(), stamps), [prompt], new_tokens, K)[0]
+    rounds = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    tokens_per_round = 1 + sum(trace.accepted_per_round) / len(trace.accepted_per_round)
+    return statistics.median(rounds) / tokens_per_round
+
+
+def cost_ratio(torch) -> dict:  # noqa: ANN001
+    target = _target(torch)
+    out = {}
+    for kind in ("eagle", "eagle3"):
+        drafter = _drafter(torch, target, kind)
+        short, long = (_per_token_s(torch, target, drafter, n, 24) for n in (128, 2048))
+        out[kind] = {"per_token_ms_128": short * 1e3, "per_token_ms_2048": long * 1e3, "ratio": long / short}
+    return out
+
+
+def batched_speedup(torch) -> dict:  # noqa: ANN001
+    from pipeline.evaluation.speculative import generate_batch
+
+    target = _target(torch)
+    drafter = _drafter(torch, target, "eagle3")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, target.config.vocab_size, (int(n),), generator=g)
+               for n in torch.randint(24, 48, (16,), generator=g)]
+    batched = _best(lambda: generate_batch(target, drafter.proposer, prompts, 16, K))
+    alone = _best(lambda: [generate_batch(target, drafter.proposer, [p], 16, K) for p in prompts])
+    return {"batched_s": batched, "one_at_a_time_s": alone, "speedup": alone / batched, "prompts": len(prompts)}
+
+
+def tau_estimate(torch) -> dict:  # noqa: ANN001
+    from pipeline.config import load_config
+    from pipeline.data.rollouts import is_held_out
+    from pipeline.evaluation import speculative
+    from pipeline.evaluation.teacher_forced import estimate_acceptance
+    from pipeline.models import target as target_lib
+    from pipeline.models.drafter import fresh_drafter
+    from pipeline.sources.simulation import SimulatedRL
+    from pipeline.training.dataset import InMemoryDataset
+    from pipeline.training.loop import train_drafter
+
+    cfg = load_config()
+    sim = SimulatedRL(cfg.simulation, store=None, run="bench", cache_dir=cfg.data_path / "cache")
+    target = sim.pretrained()
+    rollouts = sim.generate_rollouts(target, 1, torch.Generator().manual_seed(7))
+    held = [r for r in rollouts if is_held_out(r.sample_id, cfg.eval.held_out_fraction)]
+    train = [r for r in rollouts if not is_held_out(r.sample_id, cfg.eval.held_out_fraction)]
+    ids = torch.tensor([r.input_ids for r in train])  # (N, T)
+    drafter = fresh_drafter(cfg.drafter, target, torch.bincount(ids.flatten(), minlength=target.config.vocab_size),
+                            cfg.train.seed)
+    layers = target_lib.forward(target, ids, drafter.stored_layer_ids(target.config.num_hidden_layers)).layers
+    samples = [(ids[i], layers[i].flatten(1), torch.tensor(r.loss_mask)) for i, r in enumerate(train)]
+    start = time.perf_counter()
+    train_drafter(drafter, InMemoryDataset(samples), cfg.train.model_copy(update={"epochs": 10}),
+                  teacher=drafter.teacher(target))
+    train_s = time.perf_counter() - start
+    drafter.attach(target)
+    k, max_new = cfg.eval.num_speculative_tokens, cfg.eval.max_new_tokens
+    prompts = [torch.tensor(r.input_ids[: r.prompt_len]) for r in held]
+    start = time.perf_counter()
+    exact = speculative.evaluate(target, speculative.follow_target(drafter, target), prompts, max_new, k)
+    exact_s = time.perf_counter() - start
+    start = time.perf_counter()
+    estimate = estimate_acceptance(target, drafter, [torch.tensor(r.input_ids) for r in held],
+                                   [r.prompt_len for r in held], k)
+    estimate_s = time.perf_counter() - start
+    return {"exact": {**exact.as_dict(), "prompts": len(prompts), "wall_s": exact_s},
+            "estimate": {**estimate.as_dict(), "wall_s": estimate_s}, "train_s": train_s,
+            "abs_diff": abs(estimate.tau - exact.tau)}
+
+
+def run() -> dict:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            cost = cost_ratio(torch)
+            batch = batched_speedup(torch)
+        tau = tau_estimate(torch)
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "per_token_cost_ratio_2048_vs_128": max(c["ratio"] for c in cost.values()),
+        "batched_speedup": batch["speedup"],
+        "tau_estimate_abs_diff": tau["abs_diff"],
+        "cost": cost,
+        "batching": batch,
+        "tau": tau,
+    }
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.stdout.write(json.dumps(run(), indent=2) + "\n")
