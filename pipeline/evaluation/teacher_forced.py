@@ -3,15 +3,17 @@
 Exact acceptance (speculative.evaluate) decodes: a target forward per round. This estimate
 runs the target once over whole rollouts and the drafter once per draft step, all
 positions at once (the TTT unroll of training, like NeMo's tau_sim or SpecForge's
-per-step accuracy): at every response position t, step j drafts token t+2+j from the true
-tokens before it and the drafter's own earlier steps, and counts as accepted when it and
-every earlier step equal the target's greedy choice there.
+per-step accuracy): at a response position t, step j drafts token t+2+j from the rollout's
+tokens up to t+1+j and the drafter's own earlier steps, and counts as accepted when it and
+every earlier step equal the target's greedy choice there. Only positions whose token t+1 is
+the target's greedy choice start a chain: in decoding, the token a round starts from always is.
 
     per_position[j] = share of start positions whose steps 0..j all match
     tau             = 1 + sum_j per_position[j]
 
-It reads the rollouts' (sampled) tokens where decoding would follow the target's greedy
-ones, so it estimates, not reproduces, tau.
+Its contexts are the rollouts' sampled text where decoding's are the target's greedy text,
+so it estimates, not reproduces, tau (on the demo's temperature-1 rollouts it reads low;
+see benchmarks/evaluation.py); on greedy text it is exact, start by start.
 """
 
 from __future__ import annotations
@@ -63,11 +65,13 @@ def estimate_acceptance(
         features = features_for(out, drafter.decode_layer_ids)[:, :n]  # (B, n, D)
         mask = valid[:, None, None, :n] & torch.ones(n, n, dtype=torch.bool, device=device).tril()  # (B, 1, n, n)
         positions = torch.arange(n, device=device).expand(B, n)  # (B, n)
-        drafts = drafter.draft_unrolled(features, ids[:, 1:], positions, mask, k)  # (k, B, n)
+        step_ids = [torch.nn.functional.pad(ids[:, 1 + j :], (0, j))[:, :n] for j in range(k)]  # x_{t+1+j}
+        drafts = drafter.draft_unrolled(features, step_ids, positions, mask)  # (k, B, n)
         # step j at start t drafts token t+2+j, the target's greedy choice at column t+1+j
         t = torch.arange(n, device=device)  # (n,)
         first_start = torch.tensor(prompts, device=device)[:, None] - 1  # (B, 1): the first round's pair
         usable = (t[None] >= first_start) & (t[None] + k <= lengths[:, None] - 1)  # (B, n) all k steps checkable
+        usable &= ids[:, 1:] == greedy[:, :n]  # token t+1 is the target's greedy choice, as decoding's always is
         matched = torch.ones(B, n, dtype=torch.bool, device=device)
         for j in range(k):
             reference = torch.nn.functional.pad(greedy[:, 1 + j :], (0, j))[:, :n]  # (B, n) column t+1+j

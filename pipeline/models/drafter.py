@@ -72,10 +72,11 @@ class Drafter(Protocol):
         ...
 
     def draft_unrolled(
-        self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-        attention_mask: torch.Tensor, steps: int,
+        self, features: torch.Tensor, step_ids: list[torch.Tensor], position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
     ) -> torch.Tensor:
-        """Teacher-forced drafts at every position at once -> (steps, B, N) target token ids."""
+        """Teacher-forced drafts at every position at once, step j reading step_ids[j] (B, N)
+        -> (len(step_ids), B, N) target token ids."""
         ...
 
 

@@ -373,20 +373,21 @@ class EagleDrafter(nn.Module):
         return hidden_states
 
     def draft_unrolled(
-        self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-        attention_mask: torch.Tensor, steps: int,
+        self, features: torch.Tensor, step_ids: list[torch.Tensor], position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
     ) -> torch.Tensor:
         """Teacher-forced drafting at every position at once, as a TTT unroll.
 
-        features (B, N, H) f_t, input_ids (B, N) x_{t+1}, attention_mask (B, 1, N, N) ->
-        (steps, B, N) target token ids: step j at position t drafts x_{t+2+j} from the real pairs
-        up to t, its own features of steps < j and the true tokens x_{t+2..t+1+j} (the runtime's
-        attention pattern when every earlier draft was accepted).
+        features (B, N, H) f_t; step_ids[j] (B, N) the token step j reads at position t (step 0:
+        x_{t+1}; step j: the token step j-1 should have drafted); attention_mask (B, 1, N, N) ->
+        (steps, B, N) target token ids: step j at position t drafts token t+2+j from the real pairs
+        up to t and its own features of steps < j (the runtime's attention pattern when every
+        earlier draft was accepted).
         """
         caches = [TTTCache() for _ in self.layers]
         drafts = []
-        for j in range(steps):
-            predicted = self(features, shift_left(input_ids, j), position_ids, attention_mask, caches)  # (B, N, H)
+        for ids in step_ids:
+            predicted = self(features, ids, position_ids, attention_mask, caches)  # (B, N, H)
             drafts.append(self.lm_head(predicted).argmax(-1))  # (B, N)
             features = predicted
         return torch.stack(drafts)  # (steps, B, N)
@@ -394,11 +395,6 @@ class EagleDrafter(nn.Module):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights that go into the checkpoint: everything but the target's embeddings and lm_head."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens.", "lm_head."))}
-
-
-def shift_left(x: torch.Tensor, k: int, fill: int = 0) -> torch.Tensor:
-    """x (B, N) -> x[:, t + k], `fill` past the end."""
-    return x if k == 0 else F.pad(x[:, k:], (0, k), value=fill)
 
 
 # -- decoding: a batch of rows, each accepting its own number of drafts per round

@@ -39,7 +39,6 @@ from pipeline.models.eagle import (
     check_heads,
     gather_rows,
     llama_fields,
-    shift_left,
 )
 from pipeline.models.teacher import Teacher
 
@@ -289,19 +288,19 @@ class Eagle3Drafter(nn.Module):
         return Eagle3Proposer(self)
 
     def draft_unrolled(
-        self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-        attention_mask: torch.Tensor, steps: int,
+        self, features: torch.Tensor, step_ids: list[torch.Tensor], position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
     ) -> torch.Tensor:
         """Teacher-forced drafting at every position at once: the TTT unroll of training.
 
-        features (B, N, n_aux * H_t) aux states at t, input_ids (B, N) x_{t+1}, attention_mask
-        (B, 1, N, N) -> (steps, B, N) target token ids, step j at position t drafting x_{t+2+j}.
+        features (B, N, n_aux * H_t) aux states at t; step_ids[j] (B, N) the token step j reads at
+        t; attention_mask (B, 1, N, N) -> (steps, B, N) target token ids, step j at t drafting token t+2+j.
         """
         cache = TTTCache()
         state = self.project_aux(features)  # (B, N, H)
         drafts = []
-        for j in range(steps):
-            state = self.step(shift_left(input_ids, j), state, position_ids, attention_mask, cache)  # (B, N, H)
+        for ids in step_ids:
+            state = self.step(ids, state, position_ids, attention_mask, cache)  # (B, N, H)
             drafts.append(self.draft_to_target[self.lm_head(self.logits_input(state)).argmax(-1)])  # (B, N)
         return torch.stack(drafts)  # (steps, B, N)
 

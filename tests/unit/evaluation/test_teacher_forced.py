@@ -75,7 +75,18 @@ def test_estimate_on_greedy_text_is_one_decoding_round_per_start(
     assert estimate.per_position == sorted(estimate.per_position, reverse=True)
 
 
-def test_estimate_needs_a_response_of_k_tokens(target: LlamaForCausalLM, drafter: Drafter) -> None:
-    text = torch.arange(6)
-    assert estimate_acceptance(target, drafter, [text], [6 - K + 1], K) is None
-    assert estimate_acceptance(target, drafter, [text], [6 - K], K).positions == 1
+def test_estimate_needs_a_response_of_k_tokens(
+    target: LlamaForCausalLM, greedy_texts: list[torch.Tensor], drafter: Drafter
+) -> None:
+    text = greedy_texts[0][: 4 + K]
+    assert estimate_acceptance(target, drafter, [text], [5], K) is None
+    assert estimate_acceptance(target, drafter, [text], [4], K).positions == 1
+
+
+def test_only_tokens_the_target_would_pick_start_a_round(
+    target: LlamaForCausalLM, greedy_texts: list[torch.Tensor], drafter: Drafter
+) -> None:
+    """Decoding's rounds start from the target's greedy token; a start after any other token is left out."""
+    text = greedy_texts[0][: 4 + K].clone()
+    text[4] = (text[4] + 1) % V  # token t+1 of the only start is not the target's choice
+    assert estimate_acceptance(target, drafter, [text], [4], K) is None
