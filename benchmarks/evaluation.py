@@ -11,8 +11,10 @@ teacher-forced estimate against exact tau.
   not Python, set the cost); the worse of the two drafter kinds.
 * batched_speedup: 16 prompts decoded as one batch over the same 16 one at a time.
 * tau_estimate_abs_diff: the demo's simulated target (pre-trained, cached under the data dir) and
-  its sampled rollouts; an EAGLE-3 drafter trained on them as the demo trains one; exact tau over
-  the held-out prompts against the teacher-forced estimate over the same held-out rollouts.
+  its sampled rollouts (temperature 1); an EAGLE-3 drafter trained on them (the demo's settings,
+  6 epochs); exact tau over the held-out prompts against the teacher-forced estimate over the
+  same held-out rollouts. The estimate reads low here: its contexts are sampled text, decoding's
+  the target's greedy text, on which the drafter does better.
 
 Goals: ratio <= 1.5, speedup >= 4, estimate within 0.3 of exact tau. One thread throughout.
 """
@@ -84,7 +86,7 @@ def cost_ratio(torch) -> dict:  # noqa: ANN001
     out = {}
     for kind in ("eagle", "eagle3"):
         drafter = _drafter(torch, target, kind)
-        short, long = (_per_token_s(torch, target, drafter, n, 24) for n in (128, 2048))
+        short, long = (_per_token_s(torch, target, drafter, n, 16) for n in (128, 2048))
         out[kind] = {"per_token_ms_128": short * 1e3, "per_token_ms_2048": long * 1e3, "ratio": long / short}
     return out
 
@@ -97,8 +99,8 @@ def batched_speedup(torch) -> dict:  # noqa: ANN001
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, target.config.vocab_size, (int(n),), generator=g)
                for n in torch.randint(24, 48, (16,), generator=g)]
-    batched = _best(lambda: generate_batch(target, drafter.proposer, prompts, 16, K))
-    alone = _best(lambda: [generate_batch(target, drafter.proposer, [p], 16, K) for p in prompts])
+    batched = _best(lambda: generate_batch(target, drafter.proposer, prompts, 12, K))
+    alone = _best(lambda: [generate_batch(target, drafter.proposer, [p], 12, K) for p in prompts])
     return {"batched_s": batched, "one_at_a_time_s": alone, "speedup": alone / batched, "prompts": len(prompts)}
 
 
@@ -125,7 +127,7 @@ def tau_estimate(torch) -> dict:  # noqa: ANN001
     layers = target_lib.forward(target, ids, drafter.stored_layer_ids(target.config.num_hidden_layers)).layers
     samples = [(ids[i], layers[i].flatten(1), torch.tensor(r.loss_mask)) for i, r in enumerate(train)]
     start = time.perf_counter()
-    train_drafter(drafter, InMemoryDataset(samples), cfg.train.model_copy(update={"epochs": 10}),
+    train_drafter(drafter, InMemoryDataset(samples), cfg.train.model_copy(update={"epochs": 6}),
                   teacher=drafter.teacher(target))
     train_s = time.perf_counter() - start
     drafter.attach(target)
