@@ -86,7 +86,7 @@ def cost_ratio(torch) -> dict:  # noqa: ANN001
     out = {}
     for kind in ("eagle", "eagle3"):
         drafter = _drafter(torch, target, kind)
-        short, long = (_per_token_s(torch, target, drafter, n, 16) for n in (128, 2048))
+        short, long = (_per_token_s(torch, target, drafter, n, 24) for n in (128, 2048))
         out[kind] = {"per_token_ms_128": short * 1e3, "per_token_ms_2048": long * 1e3, "ratio": long / short}
     return out
 
@@ -99,14 +99,15 @@ def batched_speedup(torch) -> dict:  # noqa: ANN001
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, target.config.vocab_size, (int(n),), generator=g)
                for n in torch.randint(24, 48, (16,), generator=g)]
-    batched = _best(lambda: generate_batch(target, drafter.proposer, prompts, 12, K))
-    alone = _best(lambda: [generate_batch(target, drafter.proposer, [p], 12, K) for p in prompts])
+    batched = _best(lambda: generate_batch(target, drafter.proposer, prompts, 16, K))
+    alone = _best(lambda: [generate_batch(target, drafter.proposer, [p], 16, K) for p in prompts])
     return {"batched_s": batched, "one_at_a_time_s": alone, "speedup": alone / batched, "prompts": len(prompts)}
 
 
 def tau_estimate(torch) -> dict:  # noqa: ANN001
     from pipeline.config import load_config
     from pipeline.data.rollouts import is_held_out
+    from pipeline.data.shards import HiddenSample
     from pipeline.evaluation import speculative
     from pipeline.evaluation.teacher_forced import estimate_acceptance
     from pipeline.models import target as target_lib
@@ -124,8 +125,10 @@ def tau_estimate(torch) -> dict:  # noqa: ANN001
     ids = torch.tensor([r.input_ids for r in train])  # (N, T)
     drafter = fresh_drafter(cfg.drafter, target, torch.bincount(ids.flatten(), minlength=target.config.vocab_size),
                             cfg.train.seed)
-    layers = target_lib.forward(target, ids, drafter.stored_layer_ids(target.config.num_hidden_layers)).layers
-    samples = [(ids[i], layers[i].flatten(1), torch.tensor(r.loss_mask)) for i, r in enumerate(train)]
+    num_layers = target.config.num_hidden_layers
+    layers = target_lib.forward(target, ids, drafter.stored_layer_ids(num_layers)).layers  # (N, T, stored, H)
+    samples = [drafter.training_sample(HiddenSample(r.sample_id, 1, ids[i], torch.tensor(r.loss_mask), layers[i]),
+                                       num_layers) for i, r in enumerate(train)]
     start = time.perf_counter()
     train_drafter(drafter, InMemoryDataset(samples), cfg.train.model_copy(update={"epochs": 6}),
                   teacher=drafter.teacher(target))

@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from pipeline.config import DrafterConfig, OptimConfig, TrainConfig
+from pipeline.data.shards import HiddenSample
 from pipeline.evaluation.speculative import acceptance_metrics, generate_batch, greedy_generate
 from pipeline.evaluation.teacher_forced import estimate_acceptance
 from pipeline.models import target as target_lib
@@ -40,10 +41,11 @@ def drafter(request: pytest.FixtureRequest, target: LlamaForCausalLM, greedy_tex
     model = fresh_drafter(DrafterConfig(kind=kind), target, torch.ones(V, dtype=torch.int64), seed=0)
     layer_ids = model.stored_layer_ids(LAYERS)
     samples = []
-    for text in greedy_texts[:14]:  # trains on some texts, is measured on all
-        out = target_lib.forward(target, text[None], layer_ids)
-        hidden = out.layers[0] if kind == "eagle3" else out.features[0][:, None]  # (T, layers, H)
-        samples.append((text, hidden.flatten(1), torch.ones_like(text)))
+    for i, text in enumerate(greedy_texts[:14]):  # trains on some texts, is measured on all
+        out = target_lib.forward(target, text[None], None if kind == "eagle" else layer_ids)
+        hidden = out.features[0][:, None] if kind == "eagle" else out.layers[0]  # (T, stored layers, H), as extracted
+        stored = HiddenSample(f"s{i}", 1, text, torch.ones_like(text), hidden)
+        samples.append(model.training_sample(stored, LAYERS))
     cfg = TrainConfig(epochs=6, batch_size_per_gpu=4, max_seq_len=64, window_tokens=64, seed=0, ttt_steps=3,
                       optim=OptimConfig(lr=3e-3, lr_warmup_steps=2))
     train_drafter(model, InMemoryDataset(samples), cfg, teacher=model.teacher(target))
