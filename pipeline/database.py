@@ -76,8 +76,6 @@ def _reason(exc: psycopg2.OperationalError) -> str:
     text = " ".join(str(exc).split())
     if "password authentication failed" in text:
         return f"{text} (wrong password?)"
-    if "Connection refused" in text or "timeout expired" in text:
-        return f"{text} (is the server up and reachable?)"
     return text
 
 

@@ -119,9 +119,9 @@ class PostgresServer:
         return f"postgresql+psycopg2://{self.user}@{self.host}:{self.port}/{db}"
 
     def dagster_env(self, db: str, password: str | None = None) -> dict[str, str]:
-        """The environment deploy/dagster.yaml reads its connection settings from."""
-        return {"DAGSTER_PG_HOST": self.host, "DAGSTER_PG_USER": self.user, "DAGSTER_PG_DB": db,
-                "DAGSTER_PG_PASSWORD": self.password if password is None else password}
+        """The environment deploy/dagster.yaml reads its connection settings from (DAGSTER_PG_PORT: check-db's)."""
+        return {"DAGSTER_PG_HOST": self.host, "DAGSTER_PG_PORT": str(self.port), "DAGSTER_PG_USER": self.user,
+                "DAGSTER_PG_DB": db, "DAGSTER_PG_PASSWORD": self.password if password is None else password}
 
 
 def production_instance_yaml(port: int) -> str:
