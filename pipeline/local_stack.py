@@ -56,6 +56,9 @@ class PostgresServer:
     user: str = "pipeline"
     host: str = "127.0.0.1"
 
+    def __post_init__(self) -> None:
+        self.directory = self.directory.resolve()  # the server runs from its data directory: paths must be absolute
+
     @property
     def data_dir(self) -> Path:
         return self.directory / "data"

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -168,6 +169,7 @@ def _rows(stack: Stack, sql: str) -> list[tuple]:
 
 
 @pytest.mark.slow
+@pytest.mark.reliability("security", "PostgreSQL password: in no log, Dagster event or run, MLflow param or tag")
 def test_sensor_step_and_a_backfill_through_a_real_daemon(stack: Stack) -> None:
     from dagster._core.storage.tags import RUN_KEY_TAG
 
@@ -228,6 +230,21 @@ def test_sensor_step_and_a_backfill_through_a_real_daemon(stack: Stack) -> None:
     assert artifact_root.startswith("mlflow-artifacts:")
     stored = [p for p in s3.find(f"{BUCKET}/") if "/mlflow-" in p and p.endswith("model.safetensors")]
     assert len(stored) == 1
+    assert _places_holding_the_password(stack) == []
+
+
+def _places_holding_the_password(stack: Stack) -> list[str]:
+    """Logs and files of the stack (daemon, MLflow server, run logs), Dagster's events and runs, MLflow's params
+    and tags: every place that holds the database password."""
+    secret = stack.pg.password
+    found = [str(p) for p in stack.home.parent.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    pattern = f"'%{secret}%'"
+    for db, table, column in [(stack.dagster_db, "event_logs", "event"), (stack.dagster_db, "runs", "run_body"),
+                              (stack.mlflow_db, "params", "value"), (stack.mlflow_db, "tags", "value"),
+                              (stack.mlflow_db, "model_version_tags", "value")]:
+        if stack.pg.query(db, f"SELECT count(*) FROM {table} WHERE {column} LIKE {pattern}") != [(0,)]:
+            found.append(f"{db}.{table}")
+    return found
 
 
 @pytest.mark.ui
@@ -251,3 +268,23 @@ def test_promotions_reach_the_fleet_on_postgres_and_s3(stack: Stack, tmp_path: P
         check_promotions_reach_the_fleet_once_each(tmp_path, instance, overrides)
     deploys = stack.pg.query(db, "SELECT count(*) FROM runs WHERE pipeline_name = 'deploy_job'")
     assert deploys == [(2,)]  # one per alias change, in PostgreSQL
+
+
+@pytest.mark.reliability("fault", "PostgreSQL under the MLflow server stopped mid-run and back 3 s later")
+def test_mlflow_database_goes_away_mid_run(stack: Stack) -> None:
+    """The last test of the module: it stops the server the stack's other parts use."""
+    registry = DrafterRegistry(stack.mlflow, "pg-outage", "pg-outage-drafter")
+    run_id = registry.start_run("outage", {"rl_step": "step-000001"})
+    stack.pg.stop("immediate")  # as a crash: connections cut, no checkpoint
+    restart = threading.Timer(3.0, stack.pg.start)
+    restart.start()
+    try:
+        # Sent while the database is gone: the server answers 500, the client backs off and sends it again.
+        registry.client.log_metric(run_id, "loss", 0.5, step=1)
+        registry.end_run(run_id)
+    finally:
+        restart.join()
+    assert registry.find_run({"rl_step": "step-000001"}) == run_id  # one run, not a second one
+    assert registry.client.get_run(run_id).info.status == "FINISHED"
+    assert [(m.step, m.value) for m in registry.client.get_metric_history(run_id, "loss")] == [(1, 0.5)]
+    assert _places_holding_the_password(stack) == []
