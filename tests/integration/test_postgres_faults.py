@@ -21,6 +21,7 @@ from pipeline.config import load_config
 from pipeline.data.store import open_store
 from pipeline.database import DatabaseError
 from pipeline.local_stack import PostgresServer, free_port, write_dagster_home
+from pipeline.sources.simulation import SimulatedRL
 from tests.integration.test_dagster import _fake_step
 from tests.integration.test_reliability import _daemon
 from tests.support.config import write_config
@@ -55,7 +56,7 @@ def test_steps_of_two_rl_runs_materialize_at_once(home: Path, tmp_path: Path) ->
     for run in ("alpha", "beta"):
         config = write_config(tmp_path / run, {"run": run, "fleet": {"driver": "none"}})
         cfg = load_config(config)
-        _fake_step(open_store(cfg), cfg.run, 1)
+        SimulatedRL(cfg.simulation, open_store(cfg), cfg.run, cfg.data_path / "cache").run_step(1)
         env = dict(os.environ, DAGSTER_HOME=str(home), DRAFTER_PIPELINE_CONFIG=str(config), PYTHONPATH=str(ROOT))
         with _instance(home) as instance:
             instance.add_dynamic_partitions("rl_step", ["step-000001"])
@@ -73,10 +74,12 @@ def test_steps_of_two_rl_runs_materialize_at_once(home: Path, tmp_path: Path) ->
         # The two runs were in progress at the same time: each started before the other ended.
         assert max(s.start_time for s in stats) < min(s.end_time for s in stats)
         events = instance.fetch_materializations(dg.AssetKey("rollouts"), limit=10).records
-        assert sorted(e.asset_materialization.metadata["run"].value for e in events) == ["alpha", "beta"]
+        uris = [e.asset_materialization.metadata["uri"].value for e in events]  # .../rollouts/<run>/step-000001
+        assert sorted(uri.rstrip("/").split("/")[-2] for uri in uris) == ["alpha", "beta"]
         # hidden_states takes the one `gpu` slot (production's pool limit): held by one run at a time, all freed.
         assert len(instance.fetch_materializations(dg.AssetKey("hidden_states"), limit=10).records) == 2
-        assert instance.event_log_storage.get_concurrency_info("gpu").active_slot_count == 0
+        gpu = instance.event_log_storage.get_concurrency_info("gpu")
+        assert (gpu.slot_count, gpu.active_slot_count) == (1, 0)
 
 
 @pytest.mark.reliability("fault", "Dagster daemon killed mid-tick and restarted, instance on PostgreSQL")
