@@ -34,9 +34,10 @@ os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 
 # The longest files first (each takes minutes, the others seconds): `make test` runs a file at a time per
 # pytest-xdist worker, so these start side by side at once instead of one of them running last, alone.
-SLOWEST_FIRST = ["tests/integration/test_ui.py", "tests/integration/test_e2e.py",
+SLOWEST_FIRST = ["tests/integration/test_ui.py", "tests/integration/test_postgres.py", "tests/integration/test_e2e.py",
                  "tests/integration/test_reliability.py", "tests/integration/test_deploy.py",
-                 "tests/integration/test_train_process.py", "tests/integration/test_dagster.py",
+                 "tests/integration/test_train_process.py", "tests/integration/test_postgres_faults.py",
+                 "tests/integration/test_dagster.py",
                  "tests/unit/serving/test_fleet.py", "tests/integration/test_s3.py"]
 
 

@@ -37,7 +37,7 @@ from tests.support.mlflow_server import mlflow_server
 pytestmark = pytest.mark.postgres
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN_TIMEOUT_S = 420  # a loaded 2-core machine
+RUN_TIMEOUT_S = 900  # a loaded 2-core machine: a run takes 1-3 minutes there
 
 
 @dataclass
@@ -136,11 +136,19 @@ def _wait_for_runs(instance: dg.DagsterInstance, filters: dg.RunsFilter, count: 
 
 
 def _stop_sensor(instance: dg.DagsterInstance, name: str) -> None:
-    """What an operator's "stop" on the sensor does: its stored state (kept by the daemon) set to STOPPED."""
-    from dagster._core.scheduler.instigation import InstigatorStatus, InstigatorType
+    """What an operator's "stop" on the sensor does: its stored state (kept by the daemon) set to STOPPED. A tick
+    already under way still finishes and requests what it sees, so this returns once none is."""
+    from dagster._core.scheduler.instigation import InstigatorStatus, InstigatorType, TickStatus
 
     [state] = [s for s in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR) if s.name == name]
     instance.update_instigator_state(state.with_status(InstigatorStatus.STOPPED))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ticks = instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=1)
+        if not ticks or ticks[0].status != TickStatus.STARTED:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"a tick of {name} still under way after 120 s")
 
 
 def _submit_backfill(instance: dg.DagsterInstance, keys: list[str]) -> str:

@@ -54,6 +54,7 @@ def test_steps_of_two_rl_runs_materialize_at_once(home: Path, tmp_path: Path) ->
     """Two processes, each a step of its own RL run (run name), write one instance at the same time."""
     procs = {}
     for run in ("alpha", "beta"):
+        (tmp_path / run).mkdir()
         config = write_config(tmp_path / run, {"run": run, "fleet": {"driver": "none"}})
         cfg = load_config(config)
         SimulatedRL(cfg.simulation, open_store(cfg), cfg.run, cfg.data_path / "cache").run_step(1)
