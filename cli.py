@@ -390,7 +390,9 @@ def main(argv: list[str] | None = None) -> None:
             checked = check_databases()
         except DatabaseError as exc:
             raise SystemExit(f"check-db: {exc}") from None
-        for line in checked or ["no PostgreSQL database configured (DAGSTER_PG_HOST, MLFLOW_BACKEND_STORE_URI)"]:
+        if not checked:
+            out("nothing to check: neither DAGSTER_PG_HOST nor a postgresql MLFLOW_BACKEND_STORE_URI is set")
+        for line in checked:
             out(f"ok: {line}")
     elif args.command == "retention":
         retention(args.config, args.apply)
