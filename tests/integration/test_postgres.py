@@ -249,6 +249,8 @@ def _places_holding_the_password(stack: Stack) -> list[str]:
     for db, table, column in [(stack.dagster_db, "event_logs", "event"), (stack.dagster_db, "runs", "run_body"),
                               (stack.mlflow_db, "params", "value"), (stack.mlflow_db, "tags", "value"),
                               (stack.mlflow_db, "model_version_tags", "value")]:
+        if stack.pg.query(db, f"SELECT to_regclass('{table}')") == [(None,)]:
+            continue  # no Dagster tables yet: the daemon test did not run before this one
         if stack.pg.query(db, f"SELECT count(*) FROM {table} WHERE {column} LIKE {pattern}") != [(0,)]:
             found.append(f"{db}.{table}")
     return found
