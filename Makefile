@@ -8,7 +8,7 @@ DRAFTER ?= eagle3
 export PYTHONPATH := $(CURDIR)
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup browser demo test test-fast test-ui ui status bench lint clean
+.PHONY: setup browser postgresql demo test test-fast test-ui ui status bench lint clean
 
 setup: $(STAMP)
 
@@ -28,12 +28,18 @@ browser:
 	@test -x $(CHROMIUM) || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; }
 
+# Debian's PostgreSQL server binaries (initdb, pg_ctl) for the tests marked postgres and `make ui STACK=postgres`;
+# each starts its own throwaway server in a temporary directory, never the system's cluster.
+postgresql:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq postgresql; }
+
 demo: $(STAMP)
 	$(PY) cli.py demo --steps $(STEPS) --drafter $(DRAFTER)
 
 # pytest-xdist: one worker per core, each running a whole test file at a time, in the order of
 # tests/conftest.py (the longest files first; xdist would otherwise start the files with the most tests).
-test: $(STAMP) browser
+test: $(STAMP) browser postgresql
 	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
 
 test-fast: $(STAMP)
@@ -45,8 +51,10 @@ test-ui: $(STAMP) browser
 	UI_SCREENSHOTS=$(UI_SCREENSHOTS) $(PY) -m pytest -q -m ui tests
 	@echo $(UI_SCREENSHOTS)
 
-ui: $(STAMP)
-	$(PY) cli.py ui
+# STACK=postgres: the production stack locally (PostgreSQL, an S3-compatible server); see docs/production.md.
+STACK ?= embedded
+ui: $(STAMP) $(if $(filter postgres,$(STACK)),postgresql)
+	$(PY) cli.py ui --stack $(STACK)
 
 status: $(STAMP)
 	$(PY) cli.py status

@@ -2,7 +2,9 @@
 
 demo    simulate N RL steps and drive each through the persisted Dagster instance, as the
         sensor would; print a table, write a JSON summary and a PNG plot.
-ui      Dagster webserver + daemon and the MLflow UI on the demo's data.
+ui      Dagster webserver + daemon and the MLflow UI on the demo's data (--stack postgres: on the
+        production stack run locally: PostgreSQL, an S3-compatible server).
+check-db  the production databases reachable, the credentials accepted, the schema current.
 status  steps known, last materializations, runs, registry aliases, fleet state.
 """
 
@@ -177,7 +179,10 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None) -> Pat
     return summary
 
 
-def ui(config_path: str | None) -> None:
+def ui(config_path: str | None, stack: str = "embedded") -> None:
+    if stack == "postgres":
+        ui_on_postgres(config_path)
+        return
     cfg = load_config(config_path)
     home = prepare_dagster_home(cfg)
     import dagster as dg
@@ -189,20 +194,47 @@ def ui(config_path: str | None) -> None:
         env[CONFIG_ENV] = str(Path(config_path).resolve())
     bin_dir = Path(sys.executable).parent
     (cfg.data_path / "mlflow").mkdir(parents=True, exist_ok=True)
+    embedded_mlflow = not cfg.mlflow.tracking_uri  # a configured tracking server has its own UI
+    mlflow = [str(bin_dir / "mlflow"), "server", "--backend-store-uri", cfg.tracking_uri, "--default-artifact-root",
+              cfg.artifact_root, "--host", "127.0.0.1", "--port", "5000", "--workers", "1"]
+    serve_ui(env, mlflow if embedded_mlflow else None,
+             "http://127.0.0.1:5000" if embedded_mlflow else cfg.mlflow.tracking_uri)
+
+
+def ui_on_postgres(config_path: str | None) -> None:
+    """The UIs on the production stack run locally: Dagster's instance on PostgreSQL (deploy/dagster.yaml less
+    Kubernetes), MLflow on PostgreSQL with its artifacts on S3, the object store on S3 (moto's server)."""
+    from pipeline.database import DatabaseError, PostgresTarget, check_database
+    from pipeline.local_stack import postgres_stack
+
+    cfg = load_config(config_path)
+    bin_dir = Path(sys.executable).parent
+    with postgres_stack(cfg.data_path / "postgres-stack", config_path, bin_dir / "mlflow") as stack:
+        try:
+            check_database(PostgresTarget.from_dagster_env(stack.env, stack.postgres.port))
+        except DatabaseError as exc:
+            raise SystemExit(str(exc)) from None
+        env = dict(os.environ, **stack.env, DAGSTER_HOME=str(stack.dagster_home),
+                   MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+        env[CONFIG_ENV] = str(stack.config_path)
+        out(f"PostgreSQL  127.0.0.1:{stack.postgres.port} (databases dagster, mlflow; in {stack.postgres.directory})")
+        out(f"S3 (moto)   {stack.s3_endpoint} (bucket drafter, in memory)")
+        out("No RL steps yet: launch simulate_rl_job from the Dagster UI (Jobs > simulate_rl_job > Launchpad).")
+        serve_ui(env, stack.mlflow_command, "http://127.0.0.1:5000")
+
+
+def serve_ui(env: dict[str, str], mlflow_command: list[str] | None, mlflow_url: str) -> None:
+    """dagster-webserver and dagster-daemon (and `mlflow_command`'s server) until Ctrl-C or SIGTERM."""
+    bin_dir = Path(sys.executable).parent
     commands = [
         [str(bin_dir / "dagster-webserver"), "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", "3000"],
         [str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+        *([mlflow_command] if mlflow_command else []),
     ]
-    embedded_mlflow = not cfg.mlflow.tracking_uri  # a configured tracking server has its own UI
-    if embedded_mlflow:
-        commands.append([str(bin_dir / "mlflow"), "server", "--backend-store-uri", cfg.tracking_uri,
-                         "--default-artifact-root", cfg.artifact_root, "--host", "127.0.0.1", "--port", "5000",
-                         "--workers", "1"])
     procs = [subprocess.Popen(c, cwd=ROOT, env=env) for c in commands]
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the children too
     out("Dagster UI: http://127.0.0.1:3000   (asset graph: /asset-groups, runs: /runs)")
-    out(f"MLflow UI:  {'http://127.0.0.1:5000' if embedded_mlflow else cfg.mlflow.tracking_uri}   "
-        "(model registry: /#/models; training runs: Experiments > the experiment > Runs)")
+    out(f"MLflow UI:  {mlflow_url}   (model registry: /#/models; training runs: Experiments > the experiment > Runs)")
     out("Ctrl-C stops them.")
     try:
         while all(p.poll() is None for p in procs):
@@ -295,6 +327,38 @@ def retention(config_path: str | None, apply: bool) -> None:
         out(f"dry run: {len(plan.delete)} objects, {plan.bytes} bytes would be deleted; rerun with --apply")
 
 
+def schema_scripts(kind: str):  # noqa: ANN201  (alembic's ScriptDirectory)
+    """The Alembic migrations of the installed Dagster (`dagster`) or MLflow (`mlflow`): their head is the schema
+    revision this version needs."""
+    from alembic.script import ScriptDirectory
+
+    if kind == "dagster":
+        import dagster_postgres.run_storage.run_storage as dagster_pg
+        from dagster_postgres.utils import pg_alembic_config
+
+        return ScriptDirectory.from_config(pg_alembic_config(dagster_pg.__file__))
+    from mlflow.store.db.utils import _get_alembic_config
+
+    return ScriptDirectory.from_config(_get_alembic_config("postgresql://"))
+
+
+def check_databases() -> list[str]:
+    """Dagster's storage (DAGSTER_PG_*) and MLflow's backend store (MLFLOW_BACKEND_STORE_URI, PGPASSWORD), where
+    set: reachable, the credentials accepted, the schema this version needs. What each database is, or why not."""
+    from pipeline.database import PostgresTarget, check_database, check_schema
+
+    targets = []
+    if os.environ.get("DAGSTER_PG_HOST"):
+        targets.append((PostgresTarget.from_dagster_env(), "dagster", "dagster instance migrate"))
+    if os.environ.get("MLFLOW_BACKEND_STORE_URI", "").startswith("postgresql"):
+        targets.append((PostgresTarget.from_url("MLflow backend store", os.environ["MLFLOW_BACKEND_STORE_URI"]),
+                        "mlflow", "mlflow db upgrade $MLFLOW_BACKEND_STORE_URI"))
+    for target, kind, upgrade in targets:
+        check_database(target)
+        check_schema(target, schema_scripts(kind).get_current_head(), upgrade)
+    return [target.describe() for target, _, _ in targets]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="cli.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--config", help=f"YAML config merged over the defaults (or ${CONFIG_ENV})")
@@ -302,8 +366,12 @@ def main(argv: list[str] | None = None) -> None:
     demo_p = sub.add_parser("demo", help="run N simulated RL steps through the pipeline")
     demo_p.add_argument("--steps", type=int, default=6)
     demo_p.add_argument("--drafter", choices=["eagle", "eagle3"], help="drafter.kind for this demo")
-    sub.add_parser("ui", help="Dagster and MLflow UIs on the demo's data")
+    ui_p = sub.add_parser("ui", help="Dagster and MLflow UIs on the demo's data")
+    ui_p.add_argument("--stack", choices=["embedded", "postgres"], default="embedded",
+                      help="postgres: a local PostgreSQL and S3-compatible server, production's instance settings")
     sub.add_parser("status", help="steps, last materializations, runs, champion, fleet")
+    sub.add_parser("check-db", help="the PostgreSQL databases of $DAGSTER_PG_* and $MLFLOW_BACKEND_STORE_URI: "
+                   "reachable, credentials accepted, schema current")
     retention_p = sub.add_parser("retention", help="hidden-state shards nothing refers to (dry run; --apply deletes)")
     retention_p.add_argument("--apply", action="store_true", help="delete them (default: only list them)")
     args = parser.parse_args(argv)
@@ -314,7 +382,18 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--steps must be >= 1")
         demo(args.steps, args.config, args.drafter)
     elif args.command == "ui":
-        ui(args.config)
+        ui(args.config, args.stack)
+    elif args.command == "check-db":
+        from pipeline.database import DatabaseError
+
+        try:
+            checked = check_databases()
+        except DatabaseError as exc:
+            raise SystemExit(f"check-db: {exc}") from None
+        if not checked:
+            out("nothing to check: neither DAGSTER_PG_HOST nor a postgresql MLFLOW_BACKEND_STORE_URI is set")
+        for line in checked:
+            out(f"ok: {line}")
     elif args.command == "retention":
         retention(args.config, args.apply)
     else:

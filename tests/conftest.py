@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
-import urllib.request
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +16,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 from pipeline.config import PipelineConfig, load_config
-from tests.support.config import free_port, write_config
+from pipeline.local_stack import PostgresServer
+from tests.support.config import write_config
+from tests.support.mlflow_server import mlflow_server as run_mlflow_server
+from tests.support.postgres import start_server
 from tests.support.reliability import (  # noqa: F401  (the report's fixture and hooks)
     pytest_configure,
     pytest_deselected,
@@ -34,9 +34,10 @@ os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 
 # The longest files first (each takes minutes, the others seconds): `make test` runs a file at a time per
 # pytest-xdist worker, so these start side by side at once instead of one of them running last, alone.
-SLOWEST_FIRST = ["tests/integration/test_ui.py", "tests/integration/test_e2e.py",
+SLOWEST_FIRST = ["tests/integration/test_ui.py", "tests/integration/test_postgres.py", "tests/integration/test_e2e.py",
                  "tests/integration/test_reliability.py", "tests/integration/test_deploy.py",
-                 "tests/integration/test_train_process.py", "tests/integration/test_dagster.py",
+                 "tests/integration/test_train_process.py", "tests/integration/test_postgres_faults.py",
+                 "tests/integration/test_dagster.py",
                  "tests/unit/serving/test_fleet.py", "tests/integration/test_s3.py"]
 
 
@@ -61,27 +62,16 @@ def tiny_config(tiny_config_path: Path) -> PipelineConfig:
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real `mlflow server` (SQLite backend, proxied artifacts) on a loopback port."""
     root = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--artifacts-destination", str(root / "artifacts")],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("mlflow server did not start") from None
-                time.sleep(0.5)
+    with run_mlflow_server(f"sqlite:///{root / 'mlflow.db'}", str(root / "artifacts")) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """A throwaway PostgreSQL server on a loopback port (Debian's postgresql; `make test` installs it)."""
+    server = start_server()
+    try:
+        yield server
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        server.stop("immediate")
+        shutil.rmtree(server.directory.parent, ignore_errors=True)

@@ -41,60 +41,65 @@ def _complete(url: str, prompt: list[int], max_tokens: int) -> None:
 
 
 def test_promotions_reach_the_fleet_once_each(tmp_path: Path, mlflow_server: str) -> None:
+    with dg.instance_for_test() as instance:
+        check_promotions_reach_the_fleet_once_each(tmp_path, instance, {"mlflow": {"tracking_uri": mlflow_server}})
+
+
+def check_promotions_reach_the_fleet_once_each(tmp_path: Path, instance: dg.DagsterInstance, overrides: dict) -> None:
+    """Promotions on `instance` with the config's MLflow server and object store given by `overrides`."""
     # A floor above any reachable tau, so that the live-tau sensor's retraining request shows.
-    path = write_config(tmp_path, {"promotion": {"policy": "manual"}, "fleet": {"live_tau_floor": 4.9},
-                                   "mlflow": {"tracking_uri": mlflow_server, "model_name": "deploy-test-drafter"}})
+    path = write_config(tmp_path, {"promotion": {"policy": "manual"}, "fleet": {"live_tau_floor": 4.9}, **overrides,
+                                   "mlflow": {**overrides["mlflow"], "model_name": "deploy-test-drafter"}})
     cfg = load_config(path)
     store = open_store(cfg)
     simulator = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
     defs = build_definitions(str(path))
     registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name)
     try:
-        with dg.instance_for_test() as instance:
-            # Step 1 trains version 1; with nothing to compare against, even the manual policy has no
-            # champion: a person promotes it in the MLflow UI (here: the MLflow client).
-            simulator.run_step(1)
-            instance.add_dynamic_partitions("rl_step", ["step-000001"])
-            assert defs.resolve_job_def("rl_step_job").execute_in_process(
-                instance=instance, partition_key="step-000001").success
-            assert isinstance(_tick(defs, instance, None), dg.SkipReason)
-            registry.client.set_registered_model_alias(cfg.mlflow.model_name, "champion", "1")
+        # Step 1 trains version 1; with nothing to compare against, even the manual policy has no
+        # champion: a person promotes it in the MLflow UI (here: the MLflow client).
+        simulator.run_step(1)
+        instance.add_dynamic_partitions("rl_step", ["step-000001"])
+        assert defs.resolve_job_def("rl_step_job").execute_in_process(
+            instance=instance, partition_key="step-000001").success
+        assert isinstance(_tick(defs, instance, None), dg.SkipReason)
+        registry.client.set_registered_model_alias(cfg.mlflow.model_name, "champion", "1")
 
-            tick = _tick(defs, instance, None)
-            assert [r.run_key for r in tick.run_requests] == [f"{cfg.mlflow.model_name}:1"]
-            deploy_job = defs.resolve_job_def("deploy_job")
-            assert deploy_job.execute_in_process(instance=instance, run_config=tick.run_requests[0].run_config).success
-            assert isinstance(_tick(defs, instance, tick.cursor), dg.SkipReason)  # exactly once
-            assert registry.alias_version("live") == "1"
+        tick = _tick(defs, instance, None)
+        assert [r.run_key for r in tick.run_requests] == [f"{cfg.mlflow.model_name}:1"]
+        deploy_job = defs.resolve_job_def("deploy_job")
+        assert deploy_job.execute_in_process(instance=instance, run_config=tick.run_requests[0].run_config).success
+        assert isinstance(_tick(defs, instance, tick.cursor), dg.SkipReason)  # exactly once
+        assert registry.alias_version("live") == "1"
 
-            simulator.run_step(2)
-            instance.add_dynamic_partitions("rl_step", ["step-000002"])
-            assert defs.resolve_job_def("rl_step_job").execute_in_process(
-                instance=instance, partition_key="step-000002").success
-            assert registry.alias_version("champion") == "1"  # manual: the new version waits for a person
-            registry.client.set_registered_model_alias(cfg.mlflow.model_name, "champion", "2")
-            second = _tick(defs, instance, tick.cursor)
-            assert [r.run_key for r in second.run_requests] == [f"{cfg.mlflow.model_name}:2"]
-            run_config = second.run_requests[0].run_config
-            assert deploy_job.execute_in_process(instance=instance, run_config=run_config).success
+        simulator.run_step(2)
+        instance.add_dynamic_partitions("rl_step", ["step-000002"])
+        assert defs.resolve_job_def("rl_step_job").execute_in_process(
+            instance=instance, partition_key="step-000002").success
+        assert registry.alias_version("champion") == "1"  # manual: the new version waits for a person
+        registry.client.set_registered_model_alias(cfg.mlflow.model_name, "champion", "2")
+        second = _tick(defs, instance, tick.cursor)
+        assert [r.run_key for r in second.run_requests] == [f"{cfg.mlflow.model_name}:2"]
+        run_config = second.run_requests[0].run_config
+        assert deploy_job.execute_in_process(instance=instance, run_config=run_config).success
 
-            md = instance.get_latest_materialization_event(dg.AssetKey("fleet")).asset_materialization.metadata
-            assert md["version"].value == "2"
-            assert md["mean_live_tau"].value >= 1.0
+        md = instance.get_latest_materialization_event(dg.AssetKey("fleet")).asset_materialization.metadata
+        assert md["version"].value == "2"
+        assert md["mean_live_tau"].value >= 1.0
 
-            # Live tau: the first tick sets the baseline, traffic flows, the next tick observes it.
-            first = _live(defs, instance, None)
-            assert first.run_requests == []
-            for replica in deploy.replicas(cfg):
-                _complete(replica.url, [1, 2, 3, 4], 12)
-            observed = _live(defs, instance, first.cursor)
-            taus = {k: v for k, v in observed.asset_events[0].metadata.items() if k.endswith("_live_tau")}
-            assert sorted(taus) == ["standin-0_live_tau", "standin-1_live_tau"]
-            assert all(1.0 <= float(getattr(v, "value", v)) <= 5.0 for v in taus.values())
-            [retrain] = observed.run_requests
-            assert retrain.partition_key == "step-000002"
-            assert retrain.run_key == "retrain:step-000002"
-            assert "< fleet.live_tau_floor 4.9" in retrain.tags["retrain_reason"]
+        # Live tau: the first tick sets the baseline, traffic flows, the next tick observes it.
+        first = _live(defs, instance, None)
+        assert first.run_requests == []
+        for replica in deploy.replicas(cfg):
+            _complete(replica.url, [1, 2, 3, 4], 12)
+        observed = _live(defs, instance, first.cursor)
+        taus = {k: v for k, v in observed.asset_events[0].metadata.items() if k.endswith("_live_tau")}
+        assert sorted(taus) == ["standin-0_live_tau", "standin-1_live_tau"]
+        assert all(1.0 <= float(getattr(v, "value", v)) <= 5.0 for v in taus.values())
+        [retrain] = observed.run_requests
+        assert retrain.partition_key == "step-000002"
+        assert retrain.run_key == "retrain:step-000002"
+        assert "< fleet.live_tau_floor 4.9" in retrain.tags["retrain_reason"]
         state = deploy.read_state(store, cfg.run)
         assert state["version"] == "2"
         assert [r["replica"] for r in state["replicas"]] == ["standin-0", "standin-1"]

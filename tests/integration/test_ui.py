@@ -11,6 +11,7 @@ Screenshots: $UI_SCREENSHOTS or .data/test-ui/screenshots (`make test-ui` prints
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -180,6 +181,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Itera
 
 @pytest.fixture(scope="module")
 def page(stack: Stack):
+    with browser_page() as page:
+        yield page
+
+
+@contextlib.contextmanager
+def browser_page():  # noqa: ANN201  (a Playwright page)
+    """A page of headless Chromium (Debian's), screenshot as it is when the block ends."""
     if not CHROMIUM.exists():
         pytest.fail(f"{CHROMIUM} is missing: `make browser` installs Debian's chromium (make test does it first)")
     from playwright.sync_api import sync_playwright
@@ -311,27 +319,32 @@ def _open_plot(page, url: str, label: str, alt: str, shot_page: str, shot_plot: 
 
 
 def test_registered_drafter_and_alias_in_the_mlflow_ui(stack: Stack, page) -> None:
-    s = stack
-    client = MlflowClient(tracking_uri=s.mlflow)
-    champion = client.get_model_version_by_alias(MODEL, "champion")
-    assert champion.tags["rl_step"] in {str(x) for x in STEPS}
+    check_mlflow_ui(page, stack.mlflow, "ui-test", MODEL, STEPS)
+
+
+def check_mlflow_ui(page, mlflow: str, experiment_name: str, model: str, steps: list[int], shots: str = "") -> None:  # noqa: ANN001
+    """The runs of `steps` in the experiment, the registered `model` with its champion alias and tags, in the
+    MLflow UI at `mlflow`; screenshots named with the prefix `shots`."""
+    client = MlflowClient(tracking_uri=mlflow)
+    champion = client.get_model_version_by_alias(model, "champion")
+    assert champion.tags["rl_step"] in {str(x) for x in steps}
     assert "tau" in champion.tags
     assert "trained_on_steps" in champion.tags
 
     # Runs named by RL step, in the training experiment.
-    experiment = client.get_experiment_by_name("ui-test")
+    experiment = client.get_experiment_by_name(experiment_name)
     # (the runs tab: MLflow 3 opens an experiment on its GenAI traces overview)
-    page.goto(f"{s.mlflow}/#/experiments/{experiment.experiment_id}/runs")
-    for step in STEPS:
+    page.goto(f"{mlflow}/#/experiments/{experiment.experiment_id}/runs")
+    for step in steps:
         page.get_by_text(f"drafter-step-{step:06d}").first.wait_for()
-    _shot(page, "09-mlflow-runs")
+    _shot(page, f"{shots}09-mlflow-runs")
 
-    page.goto(f"{s.mlflow}/#/models/{MODEL}")
-    page.get_by_text(MODEL).first.wait_for()
+    page.goto(f"{mlflow}/#/models/{model}")
+    page.get_by_text(model).first.wait_for()
     page.get_by_text("champion").first.wait_for()
-    _shot(page, "10-mlflow-model")
-    page.goto(f"{s.mlflow}/#/models/{MODEL}/versions/{champion.version}")
+    _shot(page, f"{shots}10-mlflow-model")
+    page.goto(f"{mlflow}/#/models/{model}/versions/{champion.version}")
     page.get_by_text("@champion", exact=False).or_(page.get_by_text("champion")).first.wait_for()
     for tag in ("rl_step", "tau", "trained_on_steps", "train_samples"):
         page.get_by_text(tag, exact=True).first.wait_for()
-    _shot(page, "11-mlflow-champion-version")
+    _shot(page, f"{shots}11-mlflow-champion-version")
