@@ -5,17 +5,22 @@ from __future__ import annotations
 import re
 
 _STEP_KEY = re.compile(r"step-([0-9]{6,})")
+MAX_STEP = 2**63 - 1  # steps are int64 wherever they are stored (Parquet, Dagster, MLflow tags)
 
 
 def step_key(step: int) -> str:
     if step < 0:
         raise ValueError(f"RL step must be >= 0, got {step}")
+    if step > MAX_STEP:
+        raise ValueError(f"RL step {step} is too large for int64")
     return f"step-{step:06d}"
 
 
 def parse_step_key(key: str) -> int:
     """`step-000123` -> 123; anything else is rejected with the offending key in the message."""
     match = _STEP_KEY.fullmatch(key)
+    if match and int(match.group(1)) > MAX_STEP:
+        raise ValueError(f"partition key {key!r}: step too large for int64")
     if not match or step_key(int(match.group(1))) != key:  # one key per step: no extra leading zeros
         raise ValueError(f"partition key {key!r} is not 'step-' followed by the step zero-padded to six digits "
                          "(e.g. step-000001)")

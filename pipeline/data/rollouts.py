@@ -4,34 +4,45 @@
     ├── rollouts.parquet   one row per rollout (schema below)
     └── policy.json        written LAST: the step is complete once it exists
 
-rollouts.parquet (file metadata `schema_version` = "1"):
-    sample_id       string        unique within the step
-    input_ids       list<int32>   prompt + response token ids
-    loss_mask       list<int8>    1 on response tokens, 0 on prompt tokens; same length
-    reward          float32
-    policy_version  int64         version of the policy that generated the rollout
+rollouts.parquet (file metadata `schema_version` = "1"), no nulls anywhere:
+    sample_id       string        unique within the step, not empty
+    input_ids       list<int32>   prompt + response token ids, no padding; each in [0, vocab_size)
+    loss_mask       list<int8>    1 on response tokens, 0 on prompt tokens; same length; at least one 1
+    reward          float32       finite
+    policy_version  int64         >= 0: version of the policy that generated the rollout
 
 policy.json:
     {"schema_version": 1, "policy_version": 123, "model_id": "...",
      "checkpoint_uri": "s3://.../step-000123"  (or a key relative to the store root)}
-    The checkpoint is a transformers directory: config.json + model.safetensors.
+    The checkpoint is a transformers directory: config.json + safetensors weights.
+
+The validators below are the contract: the pipeline runs them on what it reads and the
+trainer-side client (`pipeline/client.py`) runs the same ones before it writes, so a trainer
+hears of a mistake when it makes it. Each refusal is a `RolloutsError` naming the file, the
+sample and the field; values a trainer sent are echoed only where they cannot be a secret
+(numbers, sample ids), never a URI.
 """
 
 from __future__ import annotations
 
 import io
+import json
+import math
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.data.keys import parse_step_key, rollouts_prefix
+from pipeline.data.keys import MAX_STEP, parse_step_key, rollouts_prefix
 from pipeline.data.store import ObjectStore
 
 SCHEMA_VERSION = 1
 ROLLOUTS_FILE = "rollouts.parquet"
 POLICY_FILE = "policy.json"
+INT64_MAX = MAX_STEP
 
 ROLLOUTS_SCHEMA = pa.schema(
     [
@@ -43,10 +54,20 @@ ROLLOUTS_SCHEMA = pa.schema(
     ],
     metadata={"schema_version": str(SCHEMA_VERSION)},
 )
+POINTER_FIELDS = ("policy_version", "checkpoint_uri", "model_id")
 
 
 class RolloutsError(ValueError):
-    """A rollouts file or policy pointer breaks the contract; the message says where."""
+    """A rollouts file or policy pointer breaks the contract; the message says the file, the sample and the field."""
+
+    def __init__(self, where: str, problem: str, sample: str | None = None, field: str | None = None) -> None:
+        self.where, self.problem, self.sample, self.field = where, problem, sample, field
+        parts = [where]
+        if sample is not None:
+            parts.append(f"sample {sample!r}")
+        if field is not None:
+            parts.append(f"field {field}")
+        super().__init__(f"{': '.join(parts)}: {problem}")
 
 
 @dataclass(frozen=True)
@@ -56,6 +77,16 @@ class Rollout:
     loss_mask: list[int]
     reward: float
     policy_version: int
+
+    @classmethod
+    def from_prompt_and_response(
+        cls, sample_id: str, prompt_ids: Sequence[int], response_ids: Sequence[int], reward: float,
+        policy_version: int,
+    ) -> Rollout:
+        """One rollout from unpadded prompt and response ids: the mask is 1 exactly on the response."""
+        prompt, response = [int(t) for t in prompt_ids], [int(t) for t in response_ids]
+        return cls(sample_id, prompt + response, [0] * len(prompt) + [1] * len(response), float(reward),
+                   int(policy_version))
 
     @property
     def prompt_len(self) -> int:
@@ -70,46 +101,136 @@ class PolicyPointer:
     model_id: str
 
 
-def validate_rollouts(rollouts: list[Rollout], where: str) -> None:
+@dataclass(frozen=True)
+class TargetLimits:
+    """What the policy that reads the rollouts accepts: token ids below `vocab_size`, at most
+    `max_positions` tokens per sequence."""
+
+    vocab_size: int
+    max_positions: int | None = None
+
+    @classmethod
+    def of(cls, config: Any) -> TargetLimits:
+        """From a transformers config (its text config for multimodal families), or anything with
+        `vocab_size` and `max_position_embeddings`."""
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return cls(int(config.vocab_size), getattr(config, "max_position_embeddings", None))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_policy_version(value: Any, where: str, sample: str | None = None) -> int:
+    """A non-negative integer that fits int64 (booleans and fractions are refused, not rounded)."""
+    if not _is_int(value):
+        shown = repr(value) if isinstance(value, (bool, float, type(None))) else f"a {type(value).__name__}"
+        raise RolloutsError(where, f"must be a non-negative integer, got {shown}", sample, "policy_version")
+    if not 0 <= value <= INT64_MAX:
+        raise RolloutsError(where, f"{value} is outside [0, 2**63 - 1]", sample, "policy_version")
+    return value
+
+
+def check_step(step: Any, where: str) -> int:
+    """An RL step number: an integer in [0, 2**63 - 1] (it becomes a partition key and an int64)."""
+    if not _is_int(step) or not 0 <= step <= MAX_STEP:
+        raise RolloutsError(where, f"RL step must be an integer in [0, 2**63 - 1], got {step!r}", None, "step")
+    return step
+
+
+def validate_rollout(r: Rollout, where: str, limits: TargetLimits | None = None) -> None:
+    """One rollout against the contract (and the target's limits when they are known)."""
+    sid = r.sample_id
+    if not isinstance(sid, str) or not sid:
+        raise RolloutsError(where, "must be a non-empty string", str(sid), "sample_id")
+    for name in ("input_ids", "loss_mask"):
+        value = getattr(r, name)
+        if not isinstance(value, (list, tuple)):
+            raise RolloutsError(where, f"must be a list of integers, got {type(value).__name__}", sid, name)
+        bad = next((i for i, t in enumerate(value) if not _is_int(t)), None)
+        if bad is not None:
+            raise RolloutsError(where, f"position {bad} holds {value[bad]!r}, not an integer", sid, name)
+    if len(r.input_ids) != len(r.loss_mask):
+        raise RolloutsError(where, f"{len(r.loss_mask)} values for {len(r.input_ids)} input_ids", sid, "loss_mask")
+    if len(r.input_ids) < 2:
+        raise RolloutsError(where, f"{len(r.input_ids)} token(s), fewer than 2", sid, "input_ids")
+    bad = next((i for i, m in enumerate(r.loss_mask) if m not in (0, 1)), None)
+    if bad is not None:
+        raise RolloutsError(where, f"value {r.loss_mask[bad]} at position {bad} is not 0/1", sid, "loss_mask")
+    if 1 not in r.loss_mask:
+        raise RolloutsError(where, "all zeros (no response token)", sid, "loss_mask")
+    low = min(r.input_ids)
+    if low < 0:
+        raise RolloutsError(where, f"negative token id {low} at position {r.input_ids.index(low)}", sid, "input_ids")
+    high = max(r.input_ids)
+    if limits is not None and high >= limits.vocab_size:
+        raise RolloutsError(where, f"token id {high} at position {r.input_ids.index(high)} is not below the "
+                                   f"vocabulary size {limits.vocab_size}", sid, "input_ids")
+    if limits is None and high > 2**31 - 1:
+        raise RolloutsError(where, f"token id {high} does not fit int32", sid, "input_ids")
+    if limits is not None and limits.max_positions is not None and len(r.input_ids) > limits.max_positions:
+        raise RolloutsError(where, f"{len(r.input_ids)} tokens, more than the target's {limits.max_positions} "
+                                   "positions", sid, "input_ids")
+    if isinstance(r.reward, bool) or not isinstance(r.reward, (int, float)) or not math.isfinite(r.reward):
+        shown = repr(r.reward) if isinstance(r.reward, (int, float, type(None))) else type(r.reward).__name__
+        raise RolloutsError(where, f"must be a finite number, got {shown}", sid, "reward")
+    check_policy_version(r.policy_version, where, sid)
+
+
+def validate_rollouts(rollouts: Sequence[Rollout], where: str, limits: TargetLimits | None = None) -> None:
     if not rollouts:
-        raise RolloutsError(f"{where}: no rollouts (empty step)")
+        raise RolloutsError(where, "no rollouts (empty step)")
     seen: set[str] = set()
     for r in rollouts:
+        validate_rollout(r, where, limits)
         if r.sample_id in seen:
-            raise RolloutsError(f"{where}: duplicate sample_id {r.sample_id!r}")
+            raise RolloutsError(where, "duplicate within the step", r.sample_id, "sample_id")
         seen.add(r.sample_id)
-        if len(r.input_ids) != len(r.loss_mask):
-            raise RolloutsError(
-                f"{where}: sample {r.sample_id!r} has {len(r.input_ids)} input_ids but "
-                f"{len(r.loss_mask)} loss_mask values"
-            )
-        if len(r.input_ids) < 2:
-            raise RolloutsError(f"{where}: sample {r.sample_id!r} has fewer than 2 tokens")
-        if any(m not in (0, 1) for m in r.loss_mask):
-            raise RolloutsError(f"{where}: sample {r.sample_id!r} has a loss_mask value other than 0/1")
-        if 1 not in r.loss_mask:
-            raise RolloutsError(f"{where}: sample {r.sample_id!r} has a loss_mask of all zeros (no response token)")
-        if min(r.input_ids) < 0:
-            raise RolloutsError(f"{where}: sample {r.sample_id!r} has a negative token id")
 
 
-def write_rollouts(store: ObjectStore, run: str, step: int, rollouts: list[Rollout], pointer: PolicyPointer) -> str:
+def pointer_record(pointer: PolicyPointer) -> dict[str, Any]:
+    """policy.json's content for a pointer."""
+    return {"schema_version": SCHEMA_VERSION, "policy_version": pointer.policy_version,
+            "checkpoint_uri": pointer.checkpoint_uri, "model_id": pointer.model_id}
+
+
+def validate_pointer(data: Any, where: str) -> PolicyPointer:
+    """policy.json's parsed content -> the pointer; wrong keys, versions or types are refused."""
+    if not isinstance(data, dict):
+        raise RolloutsError(where, f"must hold a JSON object, got {type(data).__name__}")
+    missing = [k for k in POINTER_FIELDS if k not in data]
+    if missing:
+        raise RolloutsError(where, f"missing key(s) {', '.join(missing)}")
+    found = data.get("schema_version")
+    if found != SCHEMA_VERSION or isinstance(found, bool):
+        raise RolloutsError(where, f"schema_version {found!r}, expected {SCHEMA_VERSION}", None, "schema_version")
+    version = check_policy_version(data["policy_version"], where)
+    for key in ("checkpoint_uri", "model_id"):
+        if not isinstance(data[key], str) or not data[key]:
+            raise RolloutsError(where, f"must be a non-empty string, got {type(data[key]).__name__}", None, key)
+    return PolicyPointer(version, data["checkpoint_uri"], data["model_id"])
+
+
+def rollouts_table(rollouts: Sequence[Rollout]) -> pa.Table:
+    return pa.Table.from_pylist([r.__dict__ for r in rollouts], schema=ROLLOUTS_SCHEMA)
+
+
+def write_rollouts(store: ObjectStore, run: str, step: int, rollouts: list[Rollout], pointer: PolicyPointer,
+                   limits: TargetLimits | None = None) -> str:
     """Write the step's rollouts, then its policy pointer (the commit point). Returns the parquet URI."""
     prefix = rollouts_prefix(run, step)
-    validate_rollouts(rollouts, store.uri(f"{prefix}/{ROLLOUTS_FILE}"))
-    table = pa.Table.from_pylist([r.__dict__ for r in rollouts], schema=ROLLOUTS_SCHEMA)
-    with store.open_write(f"{prefix}/{ROLLOUTS_FILE}") as f:
-        pq.write_table(table, f)
-    store.write_json(
-        f"{prefix}/{POLICY_FILE}",
-        {
-            "schema_version": SCHEMA_VERSION,
-            "policy_version": pointer.policy_version,
-            "checkpoint_uri": pointer.checkpoint_uri,
-            "model_id": pointer.model_id,
-        },
-    )
-    return store.uri(f"{prefix}/{ROLLOUTS_FILE}")
+    where = store.uri(f"{prefix}/{ROLLOUTS_FILE}")
+    validate_rollouts(rollouts, where, limits)
+    validate_pointer(pointer_record(pointer), store.uri(f"{prefix}/{POLICY_FILE}"))
+    write_rollouts_file(store, run, step, rollouts)
+    store.write_json(f"{prefix}/{POLICY_FILE}", pointer_record(pointer))
+    return where
+
+
+def write_rollouts_file(store: ObjectStore, run: str, step: int, rollouts: Sequence[Rollout]) -> None:
+    """rollouts.parquet alone (no commit point); callers have validated the rollouts."""
+    with store.open_write(f"{rollouts_prefix(run, step)}/{ROLLOUTS_FILE}") as f:
+        pq.write_table(rollouts_table(rollouts), f)
 
 
 def is_committed(store: ObjectStore, run: str, step: int) -> bool:
@@ -130,37 +251,87 @@ def committed_steps(store: ObjectStore, run: str) -> list[int]:
     return sorted(steps)
 
 
-def read_rollouts(store: ObjectStore, run: str, step: int) -> list[Rollout]:
+def parse_rollouts(data: bytes, where: str, limits: TargetLimits | None = None) -> list[Rollout]:
+    """rollouts.parquet's bytes -> validated rollouts."""
+    if not data:
+        raise RolloutsError(where, "empty file (0 bytes), not a Parquet file")
+    try:
+        table = pq.read_table(io.BytesIO(data))
+    except (pa.ArrowException, OSError) as exc:
+        raise RolloutsError(where, f"not a readable Parquet file ({type(exc).__name__})") from None
+    version = (table.schema.metadata or {}).get(b"schema_version", b"?").decode(errors="replace")
+    if version != str(SCHEMA_VERSION):
+        raise RolloutsError(where, f"schema_version {version!r}, this pipeline reads {SCHEMA_VERSION}")
+    missing = [name for name in ROLLOUTS_SCHEMA.names if name not in table.column_names]
+    if missing:
+        raise RolloutsError(where, f"missing column(s) {', '.join(missing)}")
+    table = table.select(ROLLOUTS_SCHEMA.names)
+    for field in ROLLOUTS_SCHEMA:
+        found = table.schema.field(field.name).type
+        if found != field.type:
+            if _kind(found) != _kind(field.type):  # a cast would turn booleans or fractions into integers
+                raise RolloutsError(where, f"column type {found} does not match the rollouts schema's {field.type}",
+                                    None, field.name)
+            try:
+                table = table.set_column(table.schema.get_field_index(field.name), field.name,
+                                         table.column(field.name).cast(field.type))
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+                raise RolloutsError(where, f"column type {found} does not match the rollouts schema's "
+                                           f"{field.type}: values do not fit ({type(exc).__name__})", None,
+                                    field.name) from None
+    _refuse_nulls(table, where)
+    rollouts = [Rollout(**row) for row in table.to_pylist()]
+    validate_rollouts(rollouts, where, limits)
+    return rollouts
+
+
+def _kind(t: pa.DataType) -> str:
+    """The family a column type belongs to; widening and narrowing within one is a checked cast."""
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return f"list<{_kind(t.value_type)}>"
+    if pa.types.is_integer(t):
+        return "integer"
+    if pa.types.is_floating(t):
+        return "floating"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    return str(t)
+
+
+def _refuse_nulls(table: pa.Table, where: str) -> None:
+    sample_ids = table.column("sample_id").to_pylist()
+    for name in ROLLOUTS_SCHEMA.names:
+        column = table.column(name)
+        nulls = column.is_null()
+        if pa.types.is_list(column.type):
+            flat = pa.chunked_array([c.flatten() for c in column.chunks], column.type.value_type)
+            if flat.null_count:
+                row = next(i for i, v in enumerate(column.to_pylist()) if v is not None and None in v)
+                raise RolloutsError(where, "null inside the list", str(sample_ids[row]), name)
+        if column.null_count:
+            row = nulls.to_pylist().index(True)
+            raise RolloutsError(where, "null value", str(sample_ids[row]) if name != "sample_id" else f"row {row}",
+                                name)
+
+
+def read_rollouts(store: ObjectStore, run: str, step: int, limits: TargetLimits | None = None) -> list[Rollout]:
     key = f"{rollouts_prefix(run, step)}/{ROLLOUTS_FILE}"
     where = store.uri(key)
     if not store.exists(key):
-        raise RolloutsError(f"{where}: not found")
-    table = pq.read_table(io.BytesIO(store.read_bytes(key)))
-    version = (table.schema.metadata or {}).get(b"schema_version", b"?").decode()
-    if version != str(SCHEMA_VERSION):
-        raise RolloutsError(f"{where}: schema_version {version!r}, this pipeline reads {SCHEMA_VERSION}")
-    missing = [name for name in ROLLOUTS_SCHEMA.names if name not in table.column_names]
-    if missing:
-        raise RolloutsError(f"{where}: missing column(s) {', '.join(missing)}")
-    try:
-        table = table.select(ROLLOUTS_SCHEMA.names).cast(ROLLOUTS_SCHEMA)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-        raise RolloutsError(f"{where}: column types do not match the rollouts schema: {exc}") from exc
-    rollouts = [Rollout(**row) for row in table.to_pylist()]
-    validate_rollouts(rollouts, where)
-    return rollouts
+        raise RolloutsError(where, "not found")
+    return parse_rollouts(store.read_bytes(key), where, limits)
 
 
 def read_policy_pointer(store: ObjectStore, run: str, step: int) -> PolicyPointer:
     key = f"{rollouts_prefix(run, step)}/{POLICY_FILE}"
-    data = store.read_json(key)
-    missing = [k for k in ("policy_version", "checkpoint_uri", "model_id") if k not in data]
-    if missing:
-        raise RolloutsError(f"{store.uri(key)}: missing key(s) {', '.join(missing)}")
-    if data.get("schema_version") != SCHEMA_VERSION:
-        found = data.get("schema_version")
-        raise RolloutsError(f"{store.uri(key)}: schema_version {found!r}, expected {SCHEMA_VERSION}")
-    return PolicyPointer(int(data["policy_version"]), str(data["checkpoint_uri"]), str(data["model_id"]))
+    where = store.uri(key)
+    if not store.exists(key):
+        raise RolloutsError(where, "not found")
+    try:
+        data = json.loads(store.read_bytes(key))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RolloutsError(where, f"not JSON ({type(exc).__name__} at position {getattr(exc, 'pos', '?')})") from None
+    return validate_pointer(data, where)
 
 
 def is_held_out(sample_id: str, fraction: float) -> bool:

@@ -42,16 +42,22 @@ def promotion_decision(
     return Decision(False, f"new tau {new_tau:.3f} <= champion tau {champion_tau:.3f} + margin {policy.margin}")
 
 
-def held_out_prompts(store: ObjectStore, cfg: PipelineConfig, step: int) -> list[torch.Tensor]:
-    rollouts = held_out_rollouts(rollouts_lib.read_rollouts(store, cfg.run, step), cfg.eval.held_out_fraction)
+def held_out_prompts(
+    store: ObjectStore, cfg: PipelineConfig, step: int, limits: rollouts_lib.TargetLimits | None = None
+) -> list[torch.Tensor]:
+    rollouts = held_out_rollouts(rollouts_lib.read_rollouts(store, cfg.run, step, limits),
+                                 cfg.eval.held_out_fraction)
     if not rollouts:
         raise ValueError(f"step {step}: no held-out rollouts (eval.held_out_fraction={cfg.eval.held_out_fraction})")
     return [torch.tensor(r.input_ids[: max(1, r.prompt_len)]) for r in rollouts[: cfg.eval.num_prompts]]
 
 
-def held_out_sequences(store: ObjectStore, cfg: PipelineConfig, step: int) -> tuple[list[torch.Tensor], list[int]]:
+def held_out_sequences(
+    store: ObjectStore, cfg: PipelineConfig, step: int, limits: rollouts_lib.TargetLimits | None = None
+) -> tuple[list[torch.Tensor], list[int]]:
     """Whole held-out rollouts (prompt + response) and their prompt lengths: what the acceptance estimate reads."""
-    rollouts = held_out_rollouts(rollouts_lib.read_rollouts(store, cfg.run, step), cfg.eval.held_out_fraction)
+    rollouts = held_out_rollouts(rollouts_lib.read_rollouts(store, cfg.run, step, limits),
+                                 cfg.eval.held_out_fraction)
     rollouts = rollouts[: cfg.eval.num_prompts]
     return [torch.tensor(r.input_ids) for r in rollouts], [max(1, r.prompt_len) for r in rollouts]
 
@@ -62,8 +68,9 @@ def evaluate_step(
     """Measure the drafters, decide on promotion, move aliases, write the step's acceptance record."""
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
     target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
-    prompts = held_out_prompts(store, cfg, step)
-    sequences, prompt_lens = held_out_sequences(store, cfg, step)
+    limits = rollouts_lib.TargetLimits.of(target.config)
+    prompts = held_out_prompts(store, cfg, step, limits)
+    sequences, prompt_lens = held_out_sequences(store, cfg, step, limits)
     k, max_new = cfg.eval.num_speculative_tokens, cfg.eval.max_new_tokens
 
     roles = {

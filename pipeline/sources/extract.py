@@ -15,7 +15,7 @@ import torch
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import shards
 from pipeline.data.keys import step_key
-from pipeline.data.rollouts import Rollout
+from pipeline.data.rollouts import Rollout, TargetLimits
 from pipeline.data.shards import HiddenSample, Manifest
 from pipeline.data.store import ObjectStore
 from pipeline.models import eagle3
@@ -155,9 +155,10 @@ def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int) ->
     """The hidden states of the step's training rollouts, from a forward pass here (source B) or
     from vLLM's connector files (source A), written as shards + manifest. Source B streams: each
     batch's samples are written as they are computed, in the batches' (length-sorted) order."""
-    rollouts = rollouts_lib.read_rollouts(store, cfg.run, step)
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
     model = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
+    # Token ids and lengths are checked against the policy that reads them, before its forward pass.
+    rollouts = rollouts_lib.read_rollouts(store, cfg.run, step, TargetLimits.of(model.config))
     train = training_rollouts(rollouts, cfg.eval.held_out_fraction)
     num_layers = model.config.num_hidden_layers
     layer_ids = stored_layer_ids(cfg.drafter, num_layers)

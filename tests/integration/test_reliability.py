@@ -485,7 +485,7 @@ def test_loss_mask_all_zero_is_refused(tmp_path: Path, reliability) -> None:  # 
     reliability.bad_input("loss mask all zero")
     store = ObjectStore((tmp_path / "store").as_uri())
     rows = [Rollout("a", [1, 2, 3], [0, 1, 1], 1.0, 0), Rollout("b", [1, 2, 3], [0, 0, 0], 1.0, 0)]
-    with pytest.raises(RolloutsError, match="sample 'b' has a loss_mask of all zeros"):
+    with pytest.raises(RolloutsError, match="sample 'b': field loss_mask: all zeros"):
         write_rollouts(store, "r", 1, rows, PolicyPointer(0, "x", "m"))
     assert not is_committed(store, "r", 1)
     assert not (tmp_path / "store").exists() or not any(p.is_file() for p in (tmp_path / "store").rglob("*"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import re
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from pipeline.data.rollouts import (
     PolicyPointer,
     Rollout,
     RolloutsError,
+    committed_steps,
     is_committed,
     is_held_out,
     read_policy_pointer,
@@ -26,6 +26,7 @@ from pipeline.data.rollouts import (
     write_rollouts,
 )
 from pipeline.data.store import ObjectStore
+from tests.support.contract_cases import BAD, BAD_ROLLOUTS, LIMITS
 
 RUN = "r"
 STEP = 3
@@ -113,7 +114,7 @@ def test_wrong_column_type_is_reported(store: ObjectStore) -> None:
     rows = [{**row, "input_ids": ["a", "b"], "loss_mask": [0, 1]} for row in rows_of(rollouts(2))]
     write_parquet(store, rows, schema)
 
-    with pytest.raises(RolloutsError, match="column types do not match"):
+    with pytest.raises(RolloutsError, match="does not match the rollouts schema"):
         read_rollouts(store, RUN, STEP)
 
 
@@ -133,64 +134,175 @@ def test_other_schema_version_is_rejected(store: ObjectStore, metadata: dict | N
         read_rollouts(store, RUN, STEP)
 
 
-BAD = functools.partial(pytest.mark.reliability, "bad_input")
-
-BAD_ROLLOUTS = [
-    pytest.param(
-        [Rollout("a", [1, 2, 3], [0, 1], 1.0, 0)], "sample 'a' has 3 input_ids but 2 loss_mask values",
-        id="mask-length", marks=BAD("loss mask and token ids of different lengths (rollouts)"),
-    ),
-    pytest.param(
-        [Rollout("a", [1, 2], [0, 1], 1.0, 0), Rollout("a", [3, 4], [0, 1], 1.0, 0)], "duplicate sample_id 'a'",
-        id="duplicate-ids", marks=BAD("duplicate sample ids (rollouts)"),
-    ),
-    pytest.param([], "empty step", id="empty", marks=BAD("empty step (rollouts)")),
-    pytest.param([Rollout("a", [1], [1], 1.0, 0)], "sample 'a' has fewer than 2 tokens", id="one-token"),
-    pytest.param(
-        [Rollout("a", [1, 2], [0, 2], 1.0, 0)], "sample 'a' has a loss_mask value other than 0/1", id="mask-2"
-    ),
-    pytest.param([Rollout("a", [1, -2], [0, 1], 1.0, 0)], "sample 'a' has a negative token id", id="negative-id"),
-]
+def assert_names(exc: RolloutsError, sample: str | None, field: str | None, message: str) -> None:
+    assert "rollouts/r/step-000003/" in exc.where
+    assert (exc.sample, exc.field) == (sample, field)
+    assert message in str(exc)
 
 
-@pytest.mark.parametrize(("items", "message"), BAD_ROLLOUTS)
+@pytest.mark.parametrize(("items", "sample", "field", "message"), BAD_ROLLOUTS)
 def test_write_rejects_bad_rollouts_before_writing(
-    store: ObjectStore, tmp_path: Path, items: list[Rollout], message: str
+    store: ObjectStore, tmp_path: Path, items: list[Rollout], sample: str | None, field: str | None, message: str
 ) -> None:
-    with pytest.raises(RolloutsError, match=re.escape(message)):
-        write_rollouts(store, RUN, STEP, items, POINTER)
+    with pytest.raises(RolloutsError) as excinfo:
+        write_rollouts(store, RUN, STEP, items, POINTER, LIMITS)
 
+    assert_names(excinfo.value, sample, field, message)
     assert not is_committed(store, RUN, STEP)
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
 
 
-@pytest.mark.parametrize(("items", "message"), BAD_ROLLOUTS)
+@pytest.mark.parametrize(("items", "sample", "field", "message"), BAD_ROLLOUTS)
 def test_read_rejects_bad_rollouts_from_an_external_writer(
-    store: ObjectStore, items: list[Rollout], message: str
+    store: ObjectStore, items: list[Rollout], sample: str | None, field: str | None, message: str
 ) -> None:
     write_parquet(store, rows_of(items), ROLLOUTS_SCHEMA)
 
+    with pytest.raises(RolloutsError) as excinfo:
+        read_rollouts(store, RUN, STEP, LIMITS)
+    assert_names(excinfo.value, sample, field, message)
+
+
+def write_file(store: ObjectStore, name: str, data: bytes) -> None:
+    store.write_bytes(f"{rollouts_prefix(RUN, STEP)}/{name}", data)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        pytest.param(b"", "empty file (0 bytes)", id="empty", marks=BAD("empty rollouts.parquet (0 bytes)")),
+        pytest.param(b"PAR1 this is not parquet PAR1", "not a readable Parquet file", id="garbage",
+                     marks=BAD("corrupt rollouts.parquet")),
+    ],
+)
+def test_corrupt_parquet_is_a_named_error(store: ObjectStore, data: bytes, message: str) -> None:
+    write_file(store, ROLLOUTS_FILE, data)
+
     with pytest.raises(RolloutsError, match=re.escape(message)) as excinfo:
         read_rollouts(store, RUN, STEP)
-    assert "rollouts/r/step-000003/rollouts.parquet" in str(excinfo.value)
+    assert excinfo.value.where.endswith("rollouts/r/step-000003/rollouts.parquet")
+
+
+def test_truncated_parquet_is_a_named_error(store: ObjectStore) -> None:
+    write_parquet(store, rows_of(rollouts()), ROLLOUTS_SCHEMA)
+    key = f"{rollouts_prefix(RUN, STEP)}/{ROLLOUTS_FILE}"
+    write_file(store, ROLLOUTS_FILE, store.read_bytes(key)[:-40])
+
+    with pytest.raises(RolloutsError, match="not a readable Parquet file"):
+        read_rollouts(store, RUN, STEP)
+
+
+NULLABLE = pa.schema([f.with_nullable(True) for f in ROLLOUTS_SCHEMA], metadata={"schema_version": "1"})
+
+
+@pytest.mark.parametrize(
+    ("row", "sample", "field", "message"),
+    [
+        pytest.param({"reward": None}, "id-1", "reward", "null value", id="reward"),
+        pytest.param({"policy_version": None}, "id-1", "policy_version", "null value", id="policy-version"),
+        pytest.param({"input_ids": None, "loss_mask": None}, "id-1", "input_ids", "null value", id="input-ids"),
+        pytest.param({"input_ids": [1, None, 3]}, "id-1", "input_ids", "null inside the list", id="null-token"),
+        pytest.param({"sample_id": None}, "row 1", "sample_id", "null value", id="sample-id"),
+    ],
+)
+@pytest.mark.reliability("bad_input", "null values in rollouts.parquet")
+def test_nulls_are_refused_naming_the_sample_and_field(
+    store: ObjectStore, row: dict, sample: str, field: str, message: str
+) -> None:
+    rows = rows_of(rollouts(3))
+    rows[1].update(row)
+    write_parquet(store, rows, NULLABLE)
+
+    with pytest.raises(RolloutsError) as excinfo:
+        read_rollouts(store, RUN, STEP)
+    assert_names(excinfo.value, sample, field, message)
+
+
+@pytest.mark.parametrize(
+    ("field", "arrow_type", "value"),
+    [
+        pytest.param("policy_version", pa.bool_(), True, id="bool-version"),
+        pytest.param("policy_version", pa.float64(), 2.5, id="fractional-version"),
+        pytest.param("loss_mask", pa.list_(pa.bool_()), [False, True, True], id="bool-mask"),
+    ],
+)
+@pytest.mark.reliability("bad_input", "boolean or fractional column where the contract has integers (rollouts)")
+def test_booleans_and_fractions_are_not_cast_to_integers(
+    store: ObjectStore, field: str, arrow_type: pa.DataType, value: object
+) -> None:
+    schema = pa.schema([pa.field(f.name, arrow_type) if f.name == field else f for f in ROLLOUTS_SCHEMA],
+                       metadata={"schema_version": "1"})
+    write_parquet(store, [{**row, field: value} for row in rows_of(rollouts(2))], schema)
+
+    with pytest.raises(RolloutsError, match="does not match the rollouts schema") as excinfo:
+        read_rollouts(store, RUN, STEP)
+    assert excinfo.value.field == field
+
+
+@pytest.mark.reliability("bad_input", "token id too large for int32 (rollouts)")
+def test_token_ids_that_do_not_fit_int32_are_refused(store: ObjectStore) -> None:
+    schema = pa.schema([pa.field("input_ids", pa.list_(pa.int64())) if f.name == "input_ids" else f
+                        for f in ROLLOUTS_SCHEMA], metadata={"schema_version": "1"})
+    write_parquet(store, [{**row, "input_ids": [1, 2**40, 3][: len(row["input_ids"])]}
+                          for row in rows_of(rollouts(2))], schema)
+
+    with pytest.raises(RolloutsError, match="values do not fit") as excinfo:
+        read_rollouts(store, RUN, STEP)
+    assert excinfo.value.field == "input_ids"
 
 
 # -- policy pointer ---------------------------------------------------------------------------------------------
 
 
+GOOD_POINTER = {"schema_version": 1, "policy_version": 1, "model_id": "m", "checkpoint_uri": "policies/x"}
+
+
 @pytest.mark.parametrize(
-    ("pointer", "message"),
+    ("pointer", "field", "message"),
     [
-        pytest.param({"schema_version": 1, "policy_version": 1, "model_id": "m"}, "missing key(s) checkpoint_uri",
-                     id="missing-key"),
-        pytest.param({"schema_version": 2, "policy_version": 1, "model_id": "m", "checkpoint_uri": "x"},
-                     "schema_version 2, expected 1", id="other-version"),
+        pytest.param({"schema_version": 1, "policy_version": 1, "model_id": "m"}, None,
+                     "missing key(s) checkpoint_uri", id="missing-key"),
+        pytest.param({**GOOD_POINTER, "schema_version": 2}, "schema_version", "schema_version 2, expected 1",
+                     id="other-version"),
+        pytest.param({**GOOD_POINTER, "policy_version": -1}, "policy_version", "-1 is outside", id="negative",
+                     marks=BAD("negative policy_version (policy.json)")),
+        pytest.param({**GOOD_POINTER, "policy_version": 1.5}, "policy_version", "got 1.5", id="fractional",
+                     marks=BAD("fractional policy_version (policy.json)")),
+        pytest.param({**GOOD_POINTER, "policy_version": True}, "policy_version", "got True", id="bool",
+                     marks=BAD("boolean policy_version (policy.json)")),
+        pytest.param({**GOOD_POINTER, "policy_version": "3"}, "policy_version", "got a str", id="string-version",
+                     marks=BAD("policy.json value of the wrong type")),
+        pytest.param({**GOOD_POINTER, "policy_version": 2**63}, "policy_version", "outside [0, 2**63 - 1]",
+                     id="beyond-int64", marks=BAD("policy_version too large for int64 (policy.json)")),
+        pytest.param({**GOOD_POINTER, "checkpoint_uri": 7}, "checkpoint_uri", "non-empty string, got int",
+                     id="uri-not-a-string", marks=BAD("policy.json value of the wrong type")),
+        pytest.param([GOOD_POINTER], None, "must hold a JSON object, got list", id="a-list",
+                     marks=BAD("policy.json value of the wrong type")),
     ],
 )
-def test_bad_policy_pointer(store: ObjectStore, pointer: dict, message: str) -> None:
+def test_bad_policy_pointer(store: ObjectStore, pointer: object, field: str | None, message: str) -> None:
     store.write_json(f"{rollouts_prefix(RUN, STEP)}/{POLICY_FILE}", pointer)
-    with pytest.raises(RolloutsError, match=re.escape(message)):
+    with pytest.raises(RolloutsError, match=re.escape(message)) as excinfo:
         read_policy_pointer(store, RUN, STEP)
+    assert excinfo.value.field == field
+    assert excinfo.value.where.endswith("rollouts/r/step-000003/policy.json")
+
+
+@pytest.mark.parametrize("data", [b"{not json", b"", b"\xff\xfe"], ids=["broken", "empty", "not-utf8"])
+@pytest.mark.reliability("bad_input", "policy.json that is not JSON")
+def test_policy_pointer_that_is_not_json(store: ObjectStore, data: bytes) -> None:
+    write_file(store, POLICY_FILE, data)
+    with pytest.raises(RolloutsError, match="policy.json: not JSON"):
+        read_policy_pointer(store, RUN, STEP)
+
+
+def test_policy_pointer_errors_do_not_echo_the_uri(store: ObjectStore) -> None:
+    secret = "s3://AKIAEXAMPLE:hunter2@bucket/x"
+    store.write_json(f"{rollouts_prefix(RUN, STEP)}/{POLICY_FILE}", {**GOOD_POINTER, "checkpoint_uri": secret,
+                                                                     "policy_version": "x"})
+    with pytest.raises(RolloutsError) as excinfo:
+        read_policy_pointer(store, RUN, STEP)
+    assert "hunter2" not in str(excinfo.value)
 
 
 # -- held-out split ---------------------------------------------------------------------------------------------
@@ -217,7 +329,7 @@ def test_held_out_sets_grow_with_the_fraction() -> None:
 # -- step keys --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("step", [0, 1, 42, 123, 999_999, 1_000_000, 12_345_678])
+@pytest.mark.parametrize("step", [0, 1, 42, 123, 999_999, 1_000_000, 12_345_678, 2**63 - 1])
 def test_step_key_round_trip(step: int) -> None:
     key = step_key(step)
     assert re.fullmatch(r"step-\d{6,}", key)
@@ -235,6 +347,17 @@ def test_step_key_format() -> None:
 def test_step_key_rejects_negative_steps() -> None:
     with pytest.raises(ValueError, match="-1"):
         step_key(-1)
+
+
+@pytest.mark.reliability("bad_input", "step number too large for int64")
+def test_steps_beyond_int64_are_refused(store: ObjectStore) -> None:
+    with pytest.raises(ValueError, match="too large for int64"):
+        step_key(2**63)
+    with pytest.raises(ValueError, match="step too large for int64"):
+        parse_step_key("step-9223372036854775808")
+    store.write_bytes("rollouts/r/step-9223372036854775808/policy.json", b"{}")
+    store.write_bytes("rollouts/r/step-9223372036854775808/rollouts.parquet", b"")
+    assert committed_steps(store, RUN) == []  # never a partition: Dagster and the int64 columns could not hold it
 
 
 @pytest.mark.parametrize(
