@@ -136,12 +136,12 @@ def _weight_files(directory: Path, where: str) -> list[str]:
 
 
 def _check_safetensors(path: Path, where: str) -> None:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="numpy") as f:
             f.keys()
-    except Exception as exc:  # safetensors raises its own error types for a file that is not one of its files
+    except (SafetensorError, OSError) as exc:
         raise RolloutsError(where, f"{path.name} is not a safetensors file ({type(exc).__name__})", None,
                             "checkpoint") from None
 
