@@ -5,6 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 STEPS  ?= 6
 DRAFTER ?= eagle3
+SOURCE ?= simulated
 export PYTHONPATH := $(CURDIR)
 export HF_HUB_OFFLINE := 1
 
@@ -35,7 +36,7 @@ postgresql:
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq postgresql; }
 
 demo: $(STAMP)
-	$(PY) cli.py demo --steps $(STEPS) --drafter $(DRAFTER)
+	$(PY) cli.py demo --steps $(STEPS) --drafter $(DRAFTER) --source $(SOURCE)
 
 # pytest-xdist: one worker per core, each running a whole test file at a time, in the order of
 # tests/conftest.py (the longest files first; xdist would otherwise start the files with the most tests).

@@ -60,7 +60,7 @@ def out(line: str = "") -> None:
     sys.stdout.flush()
 
 
-def demo(steps: int, config_path: str | None, drafter: str | None = None) -> Path:
+def demo(steps: int, config_path: str | None, drafter: str | None = None, source: str = "simulated") -> Path:
     overrides = {"drafter": {"kind": drafter}} if drafter else None
     cfg = load_config(config_path, overrides)
     if cfg.rollout_source != "simulated":
@@ -85,7 +85,12 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None) -> Pat
     instance = dg.DagsterInstance.get()
     defs = build_definitions(config_path, overrides)
     store = open_store(cfg)
-    simulator = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
+    if source == "trl":  # real GRPO with TRL publishing through the trainer client
+        from pipeline.sources.trl import GRPODemo
+
+        simulator = GRPODemo(store, cfg.run, steps, cfg.data_path / "demo" / "trl")
+    else:
+        simulator = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
     job = defs.resolve_job_def("rl_step_job")
     deploy_job = defs.resolve_job_def("deploy_job")
     resources = defs.resources
@@ -93,14 +98,16 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None) -> Pat
     with_fleet = cfg.fleet.driver != "none"
     quiet = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
-    out(f"Co-training demo: {steps} simulated RL steps on {cfg.device}, drafter kind {cfg.drafter.kind}")
+    kind = "TRL GRPO" if source == "trl" else "simulated RL"
+    out(f"Co-training demo: {steps} {kind} steps on {cfg.device}, drafter kind {cfg.drafter.kind}")
     out(f"  object store {cfg.storage_root}")
     out(f"  MLflow       {cfg.tracking_uri}")
     out(f"  Dagster home {instance.root_directory}")
     start = time.perf_counter()
     tick = time.perf_counter()
     simulator.pretrained()  # cached after the first demo
-    out(f"  pre-trained target ready in {time.perf_counter() - tick:.1f}s")
+    out(f"  {'TRL trainer and policy' if source == 'trl' else 'pre-trained target'} ready in "
+        f"{time.perf_counter() - tick:.1f}s")
 
     if with_fleet:
         out(f"  fleet: {len(cfg.fleet.replicas)} {cfg.fleet.driver} replicas "
@@ -110,8 +117,9 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None) -> Pat
     try:
         for step in bar:
             tick = time.perf_counter()
-            bar.set_postfix_str(f"step {step}: simulating the RL update and rollouts")
-            simulator.run_step(step)
+            bar.set_postfix_str(f"step {step}: {'TRL GRPO step' if source == 'trl' else 'simulating the RL update'}"
+                                " and rollouts")
+            produced = simulator.run_step(step)
 
             # One sensor tick, exactly as the daemon would run it, against the persisted instance.
             bar.set_postfix_str(f"step {step}: sensor tick")
@@ -143,11 +151,16 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None) -> Pat
             step_walls.append(time.perf_counter() - tick)
             rows.append({**report.step_row(store, cfg.run, step),
                          "deployed_version": registry.alias_version("live") if with_fleet else None})
+            if source == "trl":
+                rows[-1]["trl_mean_reward"] = round(produced.mean_reward, 4)
             r = rows[-1]
             promoted = "  (promoted)" if r["promoted"] else ""
             live = f"  fleet runs v{r['deployed_version']}" if r["deployed_version"] else ""
             bar.write(f"  step {step}: {step_walls[-1]:5.1f}s  tau co-trained {r['tau_cotrained']:.2f}  "
-                      f"served {r['tau_served']:.2f}  baseline {r['tau_baseline']:.2f}{promoted}{live}")
+                      f"served {r['tau_served']:.2f}  baseline {r['tau_baseline']:.2f}{promoted}{live}"
+                      + (f"  TRL mean reward {r['trl_mean_reward']:.3f}" if source == "trl" else ""))
+        if source == "trl":
+            simulator.finish()  # TRL's last optimizer step
         fleet_state = deploy.read_state(store, cfg.run)["replicas"] if with_fleet else []
     finally:
         if with_fleet and cfg.fleet.driver == "standin":
@@ -161,7 +174,8 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None) -> Pat
     fleet = [{"replica": r["replica"], "version": r["version"], "live_tau": round(r["live_tau"], 4)}
              for r in fleet_state]
     summary = report.write_summary(rows, wall, step_walls, out_dir / "summary.json", fleet=fleet,
-                                   num_speculative_tokens=k, drafter_kind=cfg.drafter.kind, device=cfg.device)
+                                   num_speculative_tokens=k, drafter_kind=cfg.drafter.kind, device=cfg.device,
+                                   source=source)
     out()
     out(report.format_table(rows))
     out()
@@ -366,6 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     demo_p = sub.add_parser("demo", help="run N simulated RL steps through the pipeline")
     demo_p.add_argument("--steps", type=int, default=6)
     demo_p.add_argument("--drafter", choices=["eagle", "eagle3"], help="drafter.kind for this demo")
+    demo_p.add_argument("--source", choices=["simulated", "trl"], default="simulated",
+                        help="what writes the RL steps: the built-in simulator, or real GRPO with TRL")
     ui_p = sub.add_parser("ui", help="Dagster and MLflow UIs on the demo's data")
     ui_p.add_argument("--stack", choices=["embedded", "postgres"], default="embedded",
                       help="postgres: a local PostgreSQL and S3-compatible server, production's instance settings")
@@ -380,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "demo":
         if args.steps < 1:
             parser.error("--steps must be >= 1")
-        demo(args.steps, args.config, args.drafter)
+        demo(args.steps, args.config, args.drafter, args.source)
     elif args.command == "ui":
         ui(args.config, args.stack)
     elif args.command == "check-db":

@@ -52,14 +52,15 @@ def _estimate(measured: dict | None) -> dict | None:
 
 
 def format_table(rows: list[dict]) -> str:
+    reward = any("trl_mean_reward" in r for r in rows)  # the RL trainer's own mean reward, when it reports one
     head = f"{'step':>4} {'samples':>7} {'buffer':>6} {'trained':>7} {'tau co-trained':>14} " \
-           f"{'tau served':>10} {'tau baseline':>12} {'promoted':>8}"
+           f"{'tau served':>10} {'tau baseline':>12} {'promoted':>8}" + (f" {'TRL reward':>10}" if reward else "")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['step']:>4} {r['samples']:>7} {r['buffer_samples']:>6} {'yes' if r['trained'] else 'no':>7} "
             f"{r['tau_cotrained']:>14.2f} {r['tau_served']:>10.2f} {r['tau_baseline']:>12.2f} "
-            f"{'yes' if r['promoted'] else 'no':>8}"
+            f"{'yes' if r['promoted'] else 'no':>8}" + (f" {r['trl_mean_reward']:>10.3f}" if reward else "")
         )
     return "\n".join(lines)
 
