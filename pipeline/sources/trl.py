@@ -25,6 +25,7 @@ from __future__ import annotations
 import random
 import tempfile
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,6 +209,8 @@ class GRPODemo:
         from trl import GRPOConfig
 
         s = self.settings
+        # TRL 1.16 still calls transformers' gradient_checkpointing names, deprecated in transformers 5.
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
         args = GRPOConfig(
             output_dir=str(self.output_dir), max_steps=self.steps, per_device_train_batch_size=
             s.prompts_per_step * s.num_generations, num_generations=s.num_generations,
