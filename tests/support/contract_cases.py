@@ -59,3 +59,13 @@ BAD_CALLER_ROLLOUTS = [
     pytest.param([ok(input_ids=[1, 2.0, 3])], "a", "input_ids", "position 1 holds 2.0", id="float-token",
                  marks=BAD("token id that is not an integer (client)")),
 ]
+
+
+def refused_by_the_client(params: list) -> list:
+    """The same cases as rows of their own: the client's refusal is a second place the input is stopped."""
+    out = []
+    for p in params:
+        marks = [BAD(m.args[1].replace("(rollouts)", "(client, before writing)")) if m.name == "reliability" else m
+                 for m in p.marks]
+        out.append(pytest.param(*p.values, id=p.id, marks=marks))
+    return out

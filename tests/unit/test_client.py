@@ -19,7 +19,7 @@ from pipeline.data.keys import policy_prefix
 from pipeline.data.rollouts import TargetLimits, is_committed, read_policy_pointer, read_rollouts
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
-from tests.support.contract_cases import BAD, BAD_CALLER_ROLLOUTS, BAD_ROLLOUTS, LIMITS, ok
+from tests.support.contract_cases import BAD, BAD_CALLER_ROLLOUTS, BAD_ROLLOUTS, LIMITS, ok, refused_by_the_client
 
 RUN, STEP = "r", 3
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,7 +151,8 @@ def test_second_different_publication_is_refused_and_changes_nothing(
     assert stored_files(store) == before
 
 
-@pytest.mark.parametrize(("items", "sample", "field", "message"), BAD_ROLLOUTS + BAD_CALLER_ROLLOUTS)
+@pytest.mark.parametrize(("items", "sample", "field", "message"),
+                         refused_by_the_client(BAD_ROLLOUTS) + BAD_CALLER_ROLLOUTS)
 def test_client_refuses_what_the_pipeline_refuses_with_nothing_written(
     store: ObjectStore, tmp_path: Path, items: list[Rollout], sample: str | None, field: str | None, message: str
 ) -> None:
