@@ -215,6 +215,9 @@ class GRPODemo:
             output_dir=str(self.output_dir), max_steps=self.steps, per_device_train_batch_size=
             s.prompts_per_step * s.num_generations, num_generations=s.num_generations,
             max_completion_length=s.max_completion_length, learning_rate=s.learning_rate, temperature=s.temperature,
+            # float32 compute (GRPOConfig defaults to bf16 autocast): the published fp32 checkpoint then
+            # reproduces the logits TRL sampled from, not only to bf16 precision.
+            bf16=False,
             beta=0.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=s.seed,
             disable_tqdm=True, dataloader_num_workers=0,
             # <pad> and <unk> are never sampled: a pad id inside a completion would be indistinguishable

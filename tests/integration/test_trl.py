@@ -35,11 +35,10 @@ def recording_trainer_class() -> type:
             out = super()._generate_and_score_completions(inputs)
             ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)  # (B, P + C) left/right padded
             mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
-            with torch.no_grad():
-                logps, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, mask,
-                                                                      out["completion_ids"].size(1))
+            with torch.no_grad():  # TRL's model, padded as TRL pads it, before the optimizer step
+                logits = self.model(input_ids=ids, attention_mask=mask).logits  # (B, P + C, V)
             self.batches.append({k: out[k].clone() for k in ("prompt_ids", "prompt_mask", "completion_ids",
-                                                              "completion_mask")} | {"logps": logps.clone()})
+                                                              "completion_mask")} | {"logits": logits.clone()})
             return out
 
     return Recording
@@ -84,15 +83,13 @@ def test_grpo_steps_through_the_pipeline(tmp_path: Path, monkeypatch: pytest.Mon
     assert all(len(r.input_ids) - r.prompt_len == SETTINGS.max_completion_length
                for r in first if r.input_ids[-1] != tokenizer.eos_token_id)
 
-    # The step's checkpoint reproduces TRL's log-probabilities of the completions it generated.
+    # The step's checkpoint reproduces TRL's logits for the completions it generated (unpadded here, padded there).
     for step, batch in zip(range(1, STEPS + 1), recorder.batches, strict=True):
         policy = target_lib.load_policy(store, read_policy_pointer(store, cfg.run, step).checkpoint_uri)
-        for i, r in enumerate(read_rollouts(store, cfg.run, step)[:8]):
+        real = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1).bool()  # (B, P + C)
+        for i, r in enumerate(read_rollouts(store, cfg.run, step)):
             logits = target_lib.forward(policy, torch.tensor([r.input_ids])).logits[0]  # (T, V)
-            logps = logits.log_softmax(-1)[r.prompt_len - 1 : -1].gather(
-                1, torch.tensor(r.input_ids[r.prompt_len:])[:, None])[:, 0]
-            n = len(r.input_ids) - r.prompt_len
-            torch.testing.assert_close(logps, batch["logps"][i][:n], atol=2e-4, rtol=1e-4)
+            torch.testing.assert_close(logits, batch["logits"][i][real[i]], atol=1e-4, rtol=1e-4)
 
     # Through the pipeline: the sensor sees the three steps, each runs as a Dagster run.
     defs = build_definitions(str(config_path))
