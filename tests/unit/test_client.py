@@ -77,6 +77,9 @@ def test_sharded_checkpoint_is_published_with_its_index(store: ObjectStore, tmp_
     assert "model.safetensors.index.json" in names
     assert len([n for n in names if n.startswith("model-")]) > 1
     assert names == set(staged.files)
+    loaded = target_lib.load_policy(store, policy_prefix(RUN, STEP))  # the pipeline reads the shards
+    ids = torch.tensor([group()[0].input_ids])
+    torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
 
 
 def test_publish_writes_policy_json_last(store: ObjectStore, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
