@@ -17,6 +17,7 @@ from mlflow.entities import Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from pipeline.config import PipelineConfig
 from pipeline.models.checkpoint import load_drafter
 from pipeline.models.drafter import Drafter
 
@@ -194,3 +195,8 @@ def check_artifact_path(path: str, where: str) -> str:
     if path.startswith(("/", "\\")) or "://" in path or (len(path) > 1 and path[1] == ":") or ".." in parts:
         raise ArtifactPathError(f"{where}: artifact path {path!r} points outside the artifact root")
     return path
+
+
+def open_registry(cfg: PipelineConfig) -> DrafterRegistry:
+    """The drafter registry a pipeline config names (its MLflow tracking server and registered model)."""
+    return DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)

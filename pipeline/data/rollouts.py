@@ -26,12 +26,15 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.data.keys import parse_step_key, rollouts_prefix
+from pipeline.data.keys import (
+    parse_step_key,
+    policy_pointer_key,
+    rollouts_key,
+    rollouts_root,
+)
 from pipeline.data.store import ObjectStore
 
 SCHEMA_VERSION = 1
-ROLLOUTS_FILE = "rollouts.parquet"
-POLICY_FILE = "policy.json"
 
 ROLLOUTS_SCHEMA = pa.schema(
     [
@@ -95,13 +98,13 @@ def validate_rollouts(rollouts: list[Rollout], where: str) -> None:
 
 def write_rollouts(store: ObjectStore, run: str, step: int, rollouts: list[Rollout], pointer: PolicyPointer) -> str:
     """Write the step's rollouts, then its policy pointer (the commit point). Returns the parquet URI."""
-    prefix = rollouts_prefix(run, step)
-    validate_rollouts(rollouts, store.uri(f"{prefix}/{ROLLOUTS_FILE}"))
+    key = rollouts_key(run, step)
+    validate_rollouts(rollouts, store.uri(key))
     table = pa.Table.from_pylist([r.__dict__ for r in rollouts], schema=ROLLOUTS_SCHEMA)
-    with store.open_write(f"{prefix}/{ROLLOUTS_FILE}") as f:
+    with store.open_write(key) as f:
         pq.write_table(table, f)
     store.write_json(
-        f"{prefix}/{POLICY_FILE}",
+        policy_pointer_key(run, step),
         {
             "schema_version": SCHEMA_VERSION,
             "policy_version": pointer.policy_version,
@@ -109,18 +112,17 @@ def write_rollouts(store: ObjectStore, run: str, step: int, rollouts: list[Rollo
             "model_id": pointer.model_id,
         },
     )
-    return store.uri(f"{prefix}/{ROLLOUTS_FILE}")
+    return store.uri(key)
 
 
 def is_committed(store: ObjectStore, run: str, step: int) -> bool:
-    prefix = rollouts_prefix(run, step)
-    return store.exists(f"{prefix}/{POLICY_FILE}") and store.exists(f"{prefix}/{ROLLOUTS_FILE}")
+    return store.exists(policy_pointer_key(run, step)) and store.exists(rollouts_key(run, step))
 
 
 def committed_steps(store: ObjectStore, run: str) -> list[int]:
     """Steps under rollouts/<run>/ whose policy pointer (the commit point) exists."""
     steps = []
-    for name in store.list_dirs(f"rollouts/{run}"):
+    for name in store.list_dirs(rollouts_root(run)):
         try:
             step = parse_step_key(name)
         except ValueError:
@@ -131,7 +133,7 @@ def committed_steps(store: ObjectStore, run: str) -> list[int]:
 
 
 def read_rollouts(store: ObjectStore, run: str, step: int) -> list[Rollout]:
-    key = f"{rollouts_prefix(run, step)}/{ROLLOUTS_FILE}"
+    key = rollouts_key(run, step)
     where = store.uri(key)
     if not store.exists(key):
         raise RolloutsError(f"{where}: not found")
@@ -152,7 +154,7 @@ def read_rollouts(store: ObjectStore, run: str, step: int) -> list[Rollout]:
 
 
 def read_policy_pointer(store: ObjectStore, run: str, step: int) -> PolicyPointer:
-    key = f"{rollouts_prefix(run, step)}/{POLICY_FILE}"
+    key = policy_pointer_key(run, step)
     data = store.read_json(key)
     missing = [k for k in ("policy_version", "checkpoint_uri", "model_id") if k not in data]
     if missing:

@@ -8,6 +8,7 @@ from a fault-injecting proxy (tests/support/fault_proxy.py) in front of a moto s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -29,7 +30,7 @@ from mlflow.exceptions import MlflowException
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data import buffer, shards
 from pipeline.data import rollouts as rollouts_lib
-from pipeline.data.keys import hidden_states_prefix
+from pipeline.data.keys import fleet_state_key, hidden_states_prefix
 from pipeline.data.store import ObjectStore, StorageFullError, open_store, storage_options_for
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
@@ -207,7 +208,7 @@ def test_sigkill_during_a_deploy_then_rerun_serves_one_drafter(loop, reliability
         # Mid-rollout: the first replica already runs v2; the record still says v1.
         assert [f"/v{v2}/" in _served_drafter(driver, r) for r in replicas] == [True, False]
         assert registry.alias_version("live") == v1
-        assert not store.exists(deploy.state_key(cfg.run))
+        assert not store.exists(fleet_state_key(cfg.run))
 
         first_pid = int((cfg.data_path / "fleet" / "replicas" / f"{replicas[0].name}.pid").read_text())
         deploy.deploy(cfg, store, registry, v2, driver)
@@ -598,8 +599,8 @@ def test_secrets_stay_out_of_logs_metadata_and_errors(
     import dagster as dg
 
     from definitions import build_definitions
-    from jobs import LIVE_TAU_SENSOR_NAME, live_tau_sensor
-    from pipeline.serving.fleet import GateConfig, GateError, ReplicaSpec, check_replica
+    from jobs.sensors import LIVE_TAU_SENSOR_NAME, live_tau_sensor
+    from pipeline.serving.fleet import GateError, ReplicaSpec, check_replica
     from tests.support.config import free_port
 
     reliability.security("S3 secret key, MLflow token, replica API key: none in logs, metadata, MLflow, errors")
@@ -632,7 +633,7 @@ def test_secrets_stay_out_of_logs_metadata_and_errors(
         events = [str(e) for e in instance.all_logs(failed.run_id)] + [str(tick.asset_events), str(tick.cursor)]
     replica = ReplicaSpec("keyed", "127.0.0.1", free_port(), "policy", api_key_env="REPLICA_API_KEY")
     with pytest.raises(GateError) as gate:
-        check_replica(replica, GateConfig(ready_timeout_s=0.5), [[1, 2]])
+        check_replica(replica, dataclasses.replace(deploy.gate_config(load_config()), ready_timeout_s=0.5), [[1, 2]])
     errors.append(gate.value)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     with pytest.raises(MlflowException) as unreachable:

@@ -11,10 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data import keys as steps
-from pipeline.data.keys import parse_step_key, rollouts_prefix, step_key
+from pipeline.data.keys import POLICY_FILE, ROLLOUTS_FILE, parse_step_key, rollouts_prefix, step_key
 from pipeline.data.rollouts import (
-    POLICY_FILE,
-    ROLLOUTS_FILE,
     ROLLOUTS_SCHEMA,
     PolicyPointer,
     Rollout,

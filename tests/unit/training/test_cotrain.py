@@ -16,7 +16,8 @@ from pipeline.models.eagle import EagleDrafter
 from pipeline.models.eagle3 import Eagle3Drafter
 from pipeline.models.target import build_target, tiny_llama_config
 from pipeline.registry import DrafterRegistry
-from pipeline.training.cotrain import _initial_drafter, training_decision
+from pipeline.training.cotrain import _initial_drafter
+from pipeline.training.plan import training_decision
 
 
 @pytest.mark.parametrize(

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from pipeline.config import OptimConfig, TrainConfig
+from pipeline.data.keys import training_prefix
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.training.dataset import InMemoryDataset, Sample
 from pipeline.training.loop import train_drafter
-from pipeline.training.state import LATEST, ResumeState, TrainingCheckpoints, checkpoint_prefix
+from pipeline.training.state import LATEST, ResumeState, TrainingCheckpoints
 from tests.unit.training.test_loop import drafter_for as _drafter
 
 V, H, HEADS = 32, 32, 2
@@ -45,7 +46,7 @@ def test_resume_from_the_last_checkpoint_reproduces_the_uninterrupted_training(
     tmp_path: Path, target, samples: list[Sample]  # noqa: ANN001
 ) -> None:
     store = ObjectStore(tmp_path.as_uri())
-    checkpoints = TrainingCheckpoints(store, checkpoint_prefix("test", "abc"))
+    checkpoints = TrainingCheckpoints(store, training_prefix("test", "abc"))
     saved: list[int] = []
     reference = _drafter(target)
     full = train_drafter(reference, InMemoryDataset(samples), CFG, checkpoints=checkpoints,
