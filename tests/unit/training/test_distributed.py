@@ -45,8 +45,9 @@ def _samples(target, n: int = 11) -> list[Sample]:  # noqa: ANN001
 
 
 def _cfg(batch_size_per_gpu: int) -> TrainConfig:
+    # fp32 on a GPU too: the GPU runs are compared with the CPU's fp32 losses.
     return TrainConfig(epochs=2, batch_size_per_gpu=batch_size_per_gpu, max_seq_len=256, window_tokens=64, seed=4,
-                       optim=OptimConfig(lr=3e-3, lr_warmup_steps=2))
+                       optim=OptimConfig(lr=3e-3, lr_warmup_steps=2), dtype="fp32")
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str, device: str = "cpu") -> None:
