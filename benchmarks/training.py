@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # imported where used: the GPU path needs only torch and the 
 REPEATS = 2
 
 
-def _demo_setup():  # noqa: ANN202
+def _demo_setup():
     import torch
 
     from pipeline.config import load_config
@@ -134,7 +134,7 @@ def model_flops_per_token(shapes: DrafterShapes, ttt_steps: int) -> float:
     return ttt_steps * (3 * (proj + mlp + head + attention) + teacher) + 3 * fc
 
 
-def _bf16_matmul_flops(torch) -> float:  # noqa: ANN001
+def _bf16_matmul_flops(torch) -> float:
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)

@@ -63,13 +63,6 @@ class DrafterRegistry:
     def start_run(self, run_name: str, tags: dict[str, str]) -> str:
         return self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
 
-    def find_run(self, tags: dict[str, str]) -> str | None:
-        """The newest run carrying all `tags` (so a retried partition reuses its run)."""
-        query = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
-        runs = self.client.search_runs([self.experiment_id], filter_string=query, order_by=["start_time DESC"],
-                                       max_results=1)
-        return runs[0].info.run_id if runs else None
-
     def reopen_run(self, run_id: str, tags: dict[str, str]) -> None:
         """Mark a run of an interrupted training running again, tagged with the attempt that continues it."""
         self.set_run_tags(run_id, tags)

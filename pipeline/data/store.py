@@ -187,10 +187,6 @@ class ObjectStore:
         if self.fs.exists(path):
             self.fs.rm(path, recursive=True)
 
-    def local_path(self, key: str) -> str | None:
-        """The filesystem path of `key` when the store is local (else None)."""
-        return self._path(key) if self._local else None
-
 
 class RangeReader:
     """Byte ranges of one stored object: read into the caller's memory, or, when the whole object is

@@ -22,12 +22,12 @@ from pipeline.sources.simulation import SimulatedRL
 from tests.support.config import write_config
 
 
-def _tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None):  # noqa: ANN202
+def _tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None):
     return champion_sensor(dg.build_sensor_context(instance=instance, cursor=cursor, sensor_name=DEPLOY_SENSOR_NAME,
                                                    definitions=defs, resources=defs.resources))
 
 
-def _live(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None):  # noqa: ANN202
+def _live(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None):
     return live_tau_sensor(dg.build_sensor_context(instance=instance, cursor=cursor, sensor_name="live_tau_sensor",
                                                    definitions=defs, resources=defs.resources))
 

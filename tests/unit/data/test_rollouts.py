@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import io
 import re
 from pathlib import Path
 
@@ -64,7 +65,7 @@ def test_round_trip(store: ObjectStore) -> None:
     assert uri == store.uri(f"rollouts/{RUN}/step-000003/{ROLLOUTS_FILE}")
     assert read_rollouts(store, RUN, STEP) == items
     assert read_policy_pointer(store, RUN, STEP) == POINTER
-    table = pq.read_table(store.local_path(f"rollouts/{RUN}/step-000003/{ROLLOUTS_FILE}"))
+    table = pq.read_table(io.BytesIO(store.read_bytes(f"rollouts/{RUN}/step-000003/{ROLLOUTS_FILE}")))
     assert table.schema.metadata[b"schema_version"] == b"1"
     assert table.schema.field("input_ids").type == pa.list_(pa.int32())
     assert table.schema.field("loss_mask").type == pa.list_(pa.int8())

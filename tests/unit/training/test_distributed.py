@@ -26,11 +26,11 @@ from tests.unit.training.test_loop import drafter_for as _drafter
 V, H, HEADS = 32, 32, 2
 
 
-def _target():  # noqa: ANN202
+def _target():
     return target_lib.build_target(target_lib.tiny_llama_config(V, H, 1, HEADS), seed=0)
 
 
-def _samples(target, n: int = 11) -> list[Sample]:  # noqa: ANN001
+def _samples(target, n: int = 11) -> list[Sample]:
     """Odd count and mixed lengths: shares differ in size and the last global batch has one sample."""
     g = torch.Generator().manual_seed(3)
     out = []
