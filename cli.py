@@ -362,7 +362,7 @@ def retention(config_path: str | None, apply: bool) -> None:
         out(f"dry run: {len(plan.delete)} objects, {plan.bytes} bytes would be deleted; rerun with --apply")
 
 
-def schema_scripts(kind: str):  # noqa: ANN201  (alembic's ScriptDirectory)
+def schema_scripts(kind: str):
     """The Alembic migrations of the installed Dagster (`dagster`) or MLflow (`mlflow`): their head is the schema
     revision this version needs."""
     from alembic.script import ScriptDirectory
