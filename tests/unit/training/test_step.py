@@ -19,7 +19,7 @@ TINY = DrafterShapes(hidden=64, heads=4, kv_heads=2, mlp=128, vocab=256, draft_v
 def _drafter() -> EagleDrafter:
     target = build_target(tiny_llama_config(32, 32, 1, 2), seed=0)
     model = EagleDrafter(EagleConfig.from_target(target.config))
-    model.use_target_heads(target)
+    model.attach(target)
     return model
 
 
