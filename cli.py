@@ -18,9 +18,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.config import CONFIG_ENV, PipelineConfig, load_config
+
+if TYPE_CHECKING:  # imported where used: `cli.py --help` starts without them
+    import dagster as dg
+
+    from pipeline.sources.simulation import SimulatedRL
+    from pipeline.sources.trl import GRPODemo
 
 ROOT = Path(__file__).resolve().parent
 
@@ -60,116 +68,80 @@ def out(line: str = "") -> None:
     sys.stdout.flush()
 
 
-def demo(steps: int, config_path: str | None, drafter: str | None = None, source: str = "simulated") -> Path:
-    overrides = {"drafter": {"kind": drafter}} if drafter else None
+# The tag under which Dagster records the run key of a sensor's run request (the daemon skips a
+# request whose key a run already carries; the demo does the same).
+RUN_KEY_TAG = "dagster/run_key"
+
+
+class _SensorTicks:
+    """What the Dagster daemon does with a sensor, done in this process against the persisted
+    instance: evaluate it with its cursor, add the partitions it asks for, and run each of its
+    requests once per run key."""
+
+    def __init__(self, instance: dg.DagsterInstance, defs: dg.Definitions) -> None:
+        self.instance, self.defs, self.cursors = instance, defs, {}
+
+    def tick(self, sensor: dg.SensorDefinition, job_name: str, progress: Callable[[str], None]) -> bool:
+        """One evaluation of `sensor`; False when it skipped."""
+        import dagster as dg
+
+        result = sensor(dg.build_sensor_context(
+            instance=self.instance, cursor=self.cursors.get(sensor.name), sensor_name=sensor.name,
+            resources=self.defs.resources, definitions=self.defs))
+        if isinstance(result, dg.SkipReason):
+            return False
+        for request in result.dynamic_partitions_requests or []:
+            self.instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        for request in result.run_requests:
+            if self.instance.get_runs(dg.RunsFilter(tags={RUN_KEY_TAG: request.run_key}), limit=1):
+                continue
+            progress(f"{request.partition_key or request.run_key} running in Dagster")
+            # The run's full event log is in the instance (`make ui`); the terminal shows progress only.
+            self.defs.resolve_job_def(job_name).execute_in_process(
+                instance=self.instance, partition_key=request.partition_key,
+                run_config={**(request.run_config or {}), **QUIET_RUN},
+                tags={**request.tags, RUN_KEY_TAG: request.run_key})
+        self.cursors[sensor.name] = result.cursor
+        return True
+
+
+QUIET_RUN = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+
+
+def _fresh_demo(config_path: str | None, overrides: dict | None) -> PipelineConfig:
+    """The demo's config, its data directories emptied (the pre-trained target cache stays)."""
     cfg = load_config(config_path, overrides)
     if cfg.rollout_source != "simulated":
         raise SystemExit("demo needs rollout_source: simulated (an external trainer drives its own steps)")
-    for sub in ("store", "mlflow", "dagster", "demo"):  # a fresh demo; the pre-trained target cache stays
+    for sub in ("store", "mlflow", "dagster", "demo"):
         shutil.rmtree(cfg.data_path / sub, ignore_errors=True)
     prepare_dagster_home(cfg)
     _quiet_libraries()
+    return cfg
 
-    import dagster as dg
-    from dagster._core.storage.tags import RUN_KEY_TAG, SENSOR_NAME_TAG
-    from tqdm import tqdm
 
-    from definitions import build_definitions
-    from jobs import DEPLOY_SENSOR_NAME, SENSOR_NAME, champion_sensor, rl_step_sensor
-    from pipeline import report
-    from pipeline.data.store import open_store
-    from pipeline.registry import DrafterRegistry
-    from pipeline.serving import deploy
-    from pipeline.sources.simulation import SimulatedRL
+def _demo_step(step: int, source: SimulatedRL | GRPODemo, what: str, ticks: _SensorTicks, with_fleet: bool,
+               progress: Callable[[str], None]) -> object:
+    """One RL step, as the daemon would drive it: the RL update and rollouts, the rl_step sensor's
+    run, and the champion sensor's deploy of a promotion. Returns what the source produced."""
+    from jobs.sensors import champion_sensor, rl_step_sensor
 
-    instance = dg.DagsterInstance.get()
-    defs = build_definitions(config_path, overrides)
-    store = open_store(cfg)
-    if source == "trl":  # real GRPO with TRL publishing through the trainer client
-        from pipeline.sources.trl import GRPODemo
-
-        simulator = GRPODemo(store, cfg.run, steps, cfg.data_path / "demo" / "trl")
-    else:
-        simulator = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
-    job = defs.resolve_job_def("rl_step_job")
-    deploy_job = defs.resolve_job_def("deploy_job")
-    resources = defs.resources
-    registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)
-    with_fleet = cfg.fleet.driver != "none"
-    quiet = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
-
-    kind = "TRL GRPO" if source == "trl" else "simulated RL"
-    out(f"Co-training demo: {steps} {kind} steps on {cfg.device}, drafter kind {cfg.drafter.kind}")
-    out(f"  object store {cfg.storage_root}")
-    out(f"  MLflow       {cfg.tracking_uri}")
-    out(f"  Dagster home {instance.root_directory}")
-    start = time.perf_counter()
-    tick = time.perf_counter()
-    simulator.pretrained()  # cached after the first demo
-    out(f"  {'TRL trainer and policy' if source == 'trl' else 'pre-trained target'} ready in "
-        f"{time.perf_counter() - tick:.1f}s")
-
+    progress(f"step {step}: {what}")
+    produced = source.run_step(step)
+    progress(f"step {step}: sensor tick")
+    if not ticks.tick(rl_step_sensor, "rl_step_job", lambda m: progress(f"step {step}: {m}")):
+        raise RuntimeError(f"sensor saw no new step after simulating step {step}")
     if with_fleet:
-        out(f"  fleet: {len(cfg.fleet.replicas)} {cfg.fleet.driver} replicas "
-            f"({'local CPU stand-ins, not vLLM' if cfg.fleet.driver == 'standin' else cfg.fleet.driver})")
-    rows, step_walls, cursor, deploy_cursor = [], [], None, None
-    bar = tqdm(range(1, steps + 1), desc="RL steps", unit="step", file=sys.stdout, dynamic_ncols=True)
-    try:
-        for step in bar:
-            tick = time.perf_counter()
-            bar.set_postfix_str(f"step {step}: {'TRL GRPO step' if source == 'trl' else 'simulating the RL update'}"
-                                " and rollouts")
-            produced = simulator.run_step(step)
+        ticks.tick(champion_sensor, "deploy_job", lambda m: progress(f"step {step}: deploy, {m}"))
+    return produced
 
-            # One sensor tick, exactly as the daemon would run it, against the persisted instance.
-            bar.set_postfix_str(f"step {step}: sensor tick")
-            result = rl_step_sensor(dg.build_sensor_context(
-                instance=instance, cursor=cursor, sensor_name=SENSOR_NAME, resources=resources, definitions=defs))
-            if isinstance(result, dg.SkipReason):
-                raise RuntimeError(f"sensor saw no new step after simulating step {step}: {result.skip_message}")
-            for request in result.dynamic_partitions_requests or []:
-                instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
-            cursor = result.cursor
-            for run_request in result.run_requests:
-                bar.set_postfix_str(f"step {step}: {run_request.partition_key} running in Dagster")
-                # The run's full event log is in the instance (`make ui`); the terminal shows progress only.
-                job.execute_in_process(instance=instance, partition_key=run_request.partition_key, run_config=quiet,
-                                       tags={RUN_KEY_TAG: run_request.run_key, SENSOR_NAME_TAG: SENSOR_NAME})
 
-            # The champion sensor's tick: a promotion is rolled out to the fleet.
-            if with_fleet:
-                deployed = champion_sensor(dg.build_sensor_context(
-                    instance=instance, cursor=deploy_cursor, sensor_name=DEPLOY_SENSOR_NAME, resources=resources,
-                    definitions=defs))
-                if not isinstance(deployed, dg.SkipReason):
-                    for run_request in deployed.run_requests:
-                        bar.set_postfix_str(f"step {step}: rolling {run_request.run_key} out to the fleet")
-                        deploy_job.execute_in_process(
-                            instance=instance, run_config={**run_request.run_config, **quiet},
-                            tags={RUN_KEY_TAG: run_request.run_key, SENSOR_NAME_TAG: DEPLOY_SENSOR_NAME})
-                    deploy_cursor = deployed.cursor
-            step_walls.append(time.perf_counter() - tick)
-            rows.append({**report.step_row(store, cfg.run, step),
-                         "deployed_version": registry.alias_version("live") if with_fleet else None})
-            if source == "trl":
-                rows[-1]["trl_mean_reward"] = round(produced.mean_reward, 4)
-            r = rows[-1]
-            promoted = "  (promoted)" if r["promoted"] else ""
-            live = f"  fleet runs v{r['deployed_version']}" if r["deployed_version"] else ""
-            bar.write(f"  step {step}: {step_walls[-1]:5.1f}s  tau co-trained {r['tau_cotrained']:.2f}  "
-                      f"served {r['tau_served']:.2f}  baseline {r['tau_baseline']:.2f}{promoted}{live}"
-                      + (f"  TRL mean reward {r['trl_mean_reward']:.3f}" if source == "trl" else ""))
-        if source == "trl":
-            simulator.finish()  # TRL's last optimizer step
-        fleet_state = deploy.read_state(store, cfg.run)["replicas"] if with_fleet else []
-    finally:
-        if with_fleet and cfg.fleet.driver == "standin":
-            deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the demo's stand-ins end with it
-    bar.close()
-    wall = time.perf_counter() - start
+def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls: list[float],
+                 fleet_state: list[dict], source: str) -> Path:
+    """The table, the plot and the JSON summary of a demo."""
+    from pipeline import report
 
-    out_dir = cfg.data_path / "demo"
-    k = cfg.eval.num_speculative_tokens
+    out_dir, k, steps = cfg.data_path / "demo", cfg.eval.num_speculative_tokens, len(rows)
     plot = report.plot(rows, k, out_dir / "acceptance.png", cfg.drafter.kind)
     fleet = [{"replica": r["replica"], "version": r["version"], "live_tau": round(r["live_tau"], 4)}
              for r in fleet_state]
@@ -191,6 +163,70 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     out(f"summary: {summary}")
     out("Browse the runs, partitions and checks with `make ui`.")
     return summary
+
+
+def demo(steps: int, config_path: str | None, drafter: str | None = None, source: str = "simulated") -> Path:
+    overrides = {"drafter": {"kind": drafter}} if drafter else None
+    cfg = _fresh_demo(config_path, overrides)
+
+    import dagster as dg
+    from tqdm import tqdm
+
+    from definitions import build_definitions
+    from pipeline import report
+    from pipeline.data.store import open_store
+    from pipeline.registry import open_registry
+    from pipeline.serving import deploy
+    from pipeline.sources.simulation import SimulatedRL
+
+    instance = dg.DagsterInstance.get()
+    ticks = _SensorTicks(instance, build_definitions(config_path, overrides))
+    store, registry = open_store(cfg), open_registry(cfg)
+    if source == "trl":  # real GRPO with TRL publishing through the trainer client
+        from pipeline.sources.trl import GRPODemo
+
+        rl = GRPODemo(store, cfg.run, steps, cfg.data_path / "demo" / "trl")
+        kind, what, ready = "TRL GRPO", "a TRL GRPO step and its rollouts", "TRL trainer and policy"
+    else:
+        rl = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
+        kind, what, ready = "simulated RL", "simulating the RL update and rollouts", "pre-trained target"
+    with_fleet = cfg.fleet.driver != "none"
+
+    out(f"Co-training demo: {steps} {kind} steps on {cfg.device}, drafter kind {cfg.drafter.kind}")
+    out(f"  object store {cfg.storage_root}")
+    out(f"  MLflow       {cfg.tracking_uri}")
+    out(f"  Dagster home {instance.root_directory}")
+    start = tick = time.perf_counter()
+    rl.pretrained()  # cached after the first demo
+    out(f"  {ready} ready in {time.perf_counter() - tick:.1f}s")
+    if with_fleet:
+        out(f"  fleet: {len(cfg.fleet.replicas)} {cfg.fleet.driver} replicas "
+            f"({'local CPU stand-ins, not vLLM' if cfg.fleet.driver == 'standin' else cfg.fleet.driver})")
+    rows, step_walls = [], []
+    bar = tqdm(range(1, steps + 1), desc="RL steps", unit="step", file=sys.stdout, dynamic_ncols=True)
+    try:
+        for step in bar:
+            tick = time.perf_counter()
+            produced = _demo_step(step, rl, what, ticks, with_fleet, bar.set_postfix_str)
+            step_walls.append(time.perf_counter() - tick)
+            r = {**report.step_row(store, cfg.run, step),
+                 "deployed_version": registry.alias_version("live") if with_fleet else None}
+            if source == "trl":
+                r["trl_mean_reward"] = round(produced.mean_reward, 4)
+            rows.append(r)
+            promoted = "  (promoted)" if r["promoted"] else ""
+            live = f"  fleet runs v{r['deployed_version']}" if r["deployed_version"] else ""
+            bar.write(f"  step {step}: {step_walls[-1]:5.1f}s  tau co-trained {r['tau_cotrained']:.2f}  "
+                      f"served {r['tau_served']:.2f}  baseline {r['tau_baseline']:.2f}{promoted}{live}"
+                      + (f"  TRL mean reward {r['trl_mean_reward']:.3f}" if source == "trl" else ""))
+        if source == "trl":
+            rl.finish()  # TRL's last optimizer step
+        fleet_state = deploy.read_state(store, cfg.run)["replicas"] if with_fleet else []
+    finally:
+        if with_fleet and cfg.fleet.driver == "standin":
+            deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the demo's stand-ins end with it
+    bar.close()
+    return _demo_report(cfg, rows, time.perf_counter() - start, step_walls, fleet_state, source)
 
 
 def ui(config_path: str | None, stack: str = "embedded") -> None:
@@ -274,7 +310,7 @@ def status(config_path: str | None) -> None:
 
     from pipeline.data.rollouts import committed_steps
     from pipeline.data.store import open_store
-    from pipeline.registry import DrafterRegistry
+    from pipeline.registry import open_registry
     from pipeline.serving import deploy
 
     instance = dg.DagsterInstance.get()
@@ -295,7 +331,7 @@ def status(config_path: str | None) -> None:
     active = [r for r in runs if not r.is_finished]
     failed = [r for r in runs if r.status == dg.DagsterRunStatus.FAILURE]
     out(f"runs: {len(active)} queued or running, {len(failed)} failed among the last {len(runs)}")
-    registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)
+    registry = open_registry(cfg)
     out(f"registry {cfg.mlflow.model_name} ({cfg.tracking_uri}):")
     for alias in ("champion", "challenger", "baseline", "live"):
         version = registry.alias_version(alias)
@@ -321,10 +357,10 @@ def retention(config_path: str | None, apply: bool) -> None:
     _quiet_libraries()
     from pipeline.data.retention import apply_retention, plan_retention, registered_training_steps
     from pipeline.data.store import open_store
-    from pipeline.registry import DrafterRegistry
+    from pipeline.registry import open_registry
 
     store = open_store(cfg)
-    registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)
+    registry = open_registry(cfg)
     registered = registered_training_steps(registry.client, cfg.mlflow.model_name, cfg.run)
     plan = plan_retention(store, cfg.run, registered, cfg.train.buffer_steps)
     out(f"run {cfg.run}: live buffers {[f'step-{s:06d}' for s in plan.live_buffers] or 'none'}; "
@@ -341,7 +377,7 @@ def retention(config_path: str | None, apply: bool) -> None:
         out(f"dry run: {len(plan.delete)} objects, {plan.bytes} bytes would be deleted; rerun with --apply")
 
 
-def schema_scripts(kind: str):  # noqa: ANN201  (alembic's ScriptDirectory)
+def schema_scripts(kind: str):
     """The Alembic migrations of the installed Dagster (`dagster`) or MLflow (`mlflow`): their head is the schema
     revision this version needs."""
     from alembic.script import ScriptDirectory

@@ -1,6 +1,7 @@
-"""The Dagster code location: assets, checks, jobs, sensors and resources of the pipeline.
+"""The Dagster code location: assets, checks, jobs, sensors and the pipeline resource.
 
-The pipeline config comes from $DRAFTER_PIPELINE_CONFIG (embedded defaults when unset).
+The pipeline config comes from $DRAFTER_PIPELINE_CONFIG (embedded defaults when unset); it is
+read when a run or a sensor tick starts (see `resources`), not when this module loads.
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ import dagster as dg
 
 from assets.cotraining import acceptance, drafter, drafter_buffer, hidden_states, rollouts
 from assets.fleet import fleet
-from jobs import champion_sensor, deploy_job, live_tau_sensor, rl_step_job, rl_step_sensor, simulate_rl_job
-from resources import build_resources
+from jobs import deploy_job, rl_step_job, simulate_rl_job
+from jobs.sensors import champion_sensor, live_tau_sensor, rl_step_sensor
+from resources import pipeline_resource
 
 
 def build_definitions(config_path: str | None = None, overrides: dict | None = None) -> dg.Definitions:
@@ -18,7 +20,7 @@ def build_definitions(config_path: str | None = None, overrides: dict | None = N
         assets=[rollouts, hidden_states, drafter_buffer, drafter, acceptance, fleet],
         jobs=[rl_step_job, simulate_rl_job, deploy_job],
         sensors=[rl_step_sensor, champion_sensor, live_tau_sensor],
-        resources=build_resources(config_path, overrides),
+        resources={"pipeline": pipeline_resource(config_path, overrides)},
         # A step's assets form a chain, so a process per asset (the multiprocess default) would only add
         # start-up: five imports of torch, transformers and MLflow per step. Pools are honoured in-process.
         executor=dg.in_process_executor,

@@ -8,21 +8,22 @@ object store by that code and the assets return metadata only (no pickling IO ma
 
 import dagster as dg
 
+from assets.partitions import RETRAIN_TAG, rl_step, step_of
 from pipeline import report
+from pipeline.config import PipelineConfig
 from pipeline.data import buffer as buffer_lib
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import shard_checks as checks
-from pipeline.data.keys import acceptance_key, buffer_key, hidden_states_prefix, parse_step_key, rollouts_prefix
+from pipeline.data.keys import acceptance_key, buffer_key, hidden_states_prefix, rollouts_key, rollouts_prefix
 from pipeline.data.rollouts import committed_steps
+from pipeline.data.store import ObjectStore
 from pipeline.evaluation import acceptance as acceptance_lib
 from pipeline.sources import extract
-from pipeline.training import cotrain
-from resources import MlflowResource, ObjectStoreResource, PipelineConfigResource, TrainingLauncherResource
-
-rl_step = dg.DynamicPartitionsDefinition(name="rl_step")
+from pipeline.training import outcome as outcome_lib
+from pipeline.training import plan as plan_lib
+from resources import PipelineResource
 
 GROUP = "cotraining"
-RETRAIN_TAG = "retrain_reason"  # set by live_tau_sensor: train even off the interval
 PLOT_STEPS = 50  # steps shown in the acceptance plot of a materialization
 
 
@@ -34,10 +35,6 @@ BUFFER_SCHEMA = dg.TableSchema(
 )
 
 
-def _step(context: dg.AssetExecutionContext) -> int:
-    return parse_step_key(context.partition_key)
-
-
 @dg.asset(
     partitions_def=rl_step,
     group_name=GROUP,
@@ -46,10 +43,9 @@ def _step(context: dg.AssetExecutionContext) -> int:
     "to the policy checkpoint, as the RL trainer (or the simulated source) committed them.",
 )
 def rollouts(
-    context: dg.AssetExecutionContext, settings: PipelineConfigResource, object_store: ObjectStoreResource
-) -> dg.MaterializeResult:
+    context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     """Validates the step's rollouts against the schema; everything downstream trusts them."""
-    cfg, store, step = settings.load(), object_store.store(), _step(context)
+    cfg, store, step = pipeline.config, pipeline.store(), step_of(context)
     rows = rollouts_lib.read_rollouts(store, cfg.run, step)
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
     held_out = extract.held_out_rollouts(rows, cfg.eval.held_out_fraction)
@@ -62,7 +58,7 @@ def rollouts(
             "mean_reward": round(sum(r.reward for r in rows) / len(rows), 4),
             "policy_version": pointer.policy_version,
             "policy_checkpoint": dg.MetadataValue.path(pointer.checkpoint_uri),
-            "bytes": store.size(f"{rollouts_prefix(cfg.run, step)}/rollouts.parquet"),
+            "bytes": store.size(rollouts_key(cfg.run, step)),
             "uri": dg.MetadataValue.path(store.uri(rollouts_prefix(cfg.run, step))),
         }
     )
@@ -86,10 +82,9 @@ def rollouts(
     ],
 )
 def hidden_states(
-    context: dg.AssetExecutionContext, settings: PipelineConfigResource, object_store: ObjectStoreResource
-) -> dg.MaterializeResult:
+    context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     """Source B (default): the step's policy runs forward over its rollouts; source A: vLLM's files."""
-    cfg, store, step = settings.load(), object_store.store(), _step(context)
+    cfg, store, step = pipeline.config, pipeline.store(), step_of(context)
     manifest = extract.extract_hidden_states(store, cfg, step)
     problems = checks.check_shards(store, cfg.run, step)
     return dg.MaterializeResult(
@@ -130,10 +125,9 @@ def hidden_states(
     ],
 )
 def drafter_buffer(
-    context: dg.AssetExecutionContext, settings: PipelineConfigResource, object_store: ObjectStoreResource
-) -> dg.MaterializeResult:
+    context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     """A manifest, not a copy: buffers of consecutive steps share their shards."""
-    cfg, store, step = settings.load(), object_store.store(), _step(context)
+    cfg, store, step = pipeline.config, pipeline.store(), step_of(context)
     doc = buffer_lib.build_buffer(store, cfg.run, step, cfg.train.buffer_steps, cfg.train.data_buffer_max_size)
     by_step = {int(s): n for s, n in doc["composition"].items()}
     oldest_allowed = step - cfg.train.buffer_steps + 1
@@ -168,30 +162,24 @@ def drafter_buffer(
     description="A drafter training run warm-started from the champion, tracked in MLflow and registered "
     "as a model version (alias `challenger`). Skipped, with the reason, when FastRL's trigger says so.",
 )
-def drafter(
-    context: dg.AssetExecutionContext,
-    settings: PipelineConfigResource,
-    object_store: ObjectStoreResource,
-    mlflow: MlflowResource,
-    trainer: TrainingLauncherResource,
-) -> dg.MaterializeResult:
-    """Trains every `train.training_interval_steps` once the buffer holds `train.min_samples`, in its own
-    process (torchrun, or a GPU pod) that resumes from its last checkpoint when a rerun finds one."""
-    cfg, store, step = settings.load(), object_store.store(), _step(context)
-    tags = {
-        "dagster_run_id": context.run.run_id,
-        "dagster_asset": "drafter",
-        "rl_step": context.partition_key,
-        "pipeline_run": cfg.run,
-    }
-    planned = cotrain.plan_training(store, cfg, step, mlflow.registry(), tags, context.run.tags.get(RETRAIN_TAG))
-    if isinstance(planned, cotrain.TrainOutcome):  # skipped, or a version trained on identical inputs exists
-        cotrain.write_outcome(store, cfg.run, step, planned)
-        return dg.MaterializeResult(metadata=cotrain.outcome_metadata(planned))
+def drafter(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
+    """Trains every `train.training_interval_steps` once the buffer holds `train.min_samples` (or when
+    live_tau_sensor asks for a retraining), in its own process (torchrun, or a GPU pod) that resumes
+    from its last checkpoint when a rerun finds one."""
+    cfg, store, registry, step = pipeline.config, pipeline.store(), pipeline.registry(), step_of(context)
+    requested_by = context.run.tags.get(RETRAIN_TAG)
+    plan = plan_lib.plan_training(store, cfg, step, registry, requested_by)
+    tags = {"dagster_run_id": context.run.run_id, "dagster_asset": "drafter", "rl_step": context.partition_key,
+            "pipeline_run": cfg.run}
+    planned = plan_lib.settle_plan(plan, cfg, registry, tags)
+    if isinstance(planned, outcome_lib.TrainOutcome):  # skipped, or a version trained on identical inputs exists
+        outcome_lib.write_outcome(store, cfg.run, step, planned)
+        return dg.MaterializeResult(metadata=outcome_lib.outcome_metadata(planned))
     context.log.info(f"launching training ({cfg.train.launcher}, {cfg.train.nproc_per_node} process(es) per node)"
-                     + (f", continuing MLflow run {planned.run_id}" if planned.run_id else ""))
+                     + (f", continuing MLflow run {planned.run_id}" if planned.run_id else "")
+                     + (f", requested: {requested_by}" if requested_by else ""))
     # Rank 0 of the training process reports the materialization (and writes the step's outcome).
-    return trainer.launch(context, cfg, planned, mlflow.ui_url).get_materialize_result()
+    return pipeline.launcher().launch(context, planned).get_materialize_result()
 
 
 @dg.asset(
@@ -208,41 +196,19 @@ def drafter(
         )
     ],
 )
-def acceptance(
-    context: dg.AssetExecutionContext,
-    settings: PipelineConfigResource,
-    object_store: ObjectStoreResource,
-    mlflow: MlflowResource,
-) -> dg.MaterializeResult:
+def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     """Real speculative decoding with greedy verification against the step's target."""
-    cfg, store, step = settings.load(), object_store.store(), _step(context)
-    new_version = cotrain.read_outcome(store, cfg.run, step)["version"]
-    registry = mlflow.registry()
+    cfg, store, registry, step = pipeline.config, pipeline.store(), pipeline.registry(), step_of(context)
+    new_version = outcome_lib.read_outcome(store, cfg.run, step)["version"]
     record = acceptance_lib.evaluate_step(store, cfg, step, registry, new_version)
     ceiling = cfg.eval.num_speculative_tokens + 1
     measured = {role: d for role, d in record["drafters"].items() if d}
-    metadata: dict = {f"tau_{role}": round(d["tau"], 3) for role, d in measured.items()}
-    metadata.update({f"version_{role}": d["version"] for role, d in measured.items()})
-    metadata.update(
-        {
-            "promoted": record["promoted"],
-            "decision": record["decision"],
-            "champion_after": record["champion_after"] or "none",
-            "uri": dg.MetadataValue.path(store.uri(acceptance_key(cfg.run, step))),
-        }
-    )
-    if "cotrained" in measured:
-        metadata["acceptance_rate_cotrained"] = round(measured["cotrained"]["acceptance_rate"], 3)
-        metadata["per_position_cotrained"] = str([round(p, 3) for p in measured["cotrained"]["per_position"]])
+    metadata = _acceptance_metadata(record, measured)
+    metadata["uri"] = dg.MetadataValue.path(store.uri(acceptance_key(cfg.run, step)))
     if record["champion_after"]:
-        champion_url = registry.version_url(record["champion_after"], mlflow.ui_url)
-        metadata["mlflow_champion"] = dg.MetadataValue.url(champion_url)
-    # The picture an operator looks for: tau per step over the last PLOT_STEPS steps, up to this one.
-    earlier = [s for s in committed_steps(store, cfg.run) if s <= step][-PLOT_STEPS:]
-    rows = report.acceptance_rows(store, cfg.run, earlier)
-    metadata["tau_by_step"] = dg.MetadataValue.md(report.png_markdown(
-        report.acceptance_png(rows, cfg.eval.num_speculative_tokens, cfg.drafter.kind, dpi=90),
-        "tau per RL step: co-trained, served (champion), never retrained (baseline)"))
+        metadata["mlflow_champion"] = dg.MetadataValue.url(
+            registry.version_url(record["champion_after"], pipeline.mlflow_ui_url))
+    metadata["tau_by_step"] = _tau_plot(store, cfg, step)
     return dg.MaterializeResult(
         metadata=metadata,
         check_results=[
@@ -253,3 +219,24 @@ def acceptance(
             )
         ],
     )
+
+
+def _acceptance_metadata(record: dict, measured: dict[str, dict]) -> dict:
+    """Tau and version per drafter role, and the promotion decision."""
+    metadata: dict = {f"tau_{role}": round(d["tau"], 3) for role, d in measured.items()}
+    metadata.update({f"version_{role}": d["version"] for role, d in measured.items()})
+    metadata.update({"promoted": record["promoted"], "decision": record["decision"],
+                     "champion_after": record["champion_after"] or "none"})
+    if "cotrained" in measured:
+        metadata["acceptance_rate_cotrained"] = round(measured["cotrained"]["acceptance_rate"], 3)
+        metadata["per_position_cotrained"] = str([round(p, 3) for p in measured["cotrained"]["per_position"]])
+    return metadata
+
+
+def _tau_plot(store: ObjectStore, cfg: PipelineConfig, step: int) -> dg.MetadataValue:
+    """The picture an operator looks for: tau per step over the last PLOT_STEPS steps, up to this one."""
+    earlier = [s for s in committed_steps(store, cfg.run) if s <= step][-PLOT_STEPS:]
+    rows = report.acceptance_rows(store, cfg.run, earlier)
+    return dg.MetadataValue.md(report.png_markdown(
+        report.acceptance_png(rows, cfg.eval.num_speculative_tokens, cfg.drafter.kind, dpi=90),
+        "tau per RL step: co-trained, served (champion), never retrained (baseline)"))

@@ -6,7 +6,7 @@ import dagster as dg
 from pydantic import Field
 
 from pipeline.serving import deploy
-from resources import MlflowResource, ObjectStoreResource, PipelineConfigResource
+from resources import PipelineResource
 
 
 class DeployConfig(dg.Config):
@@ -21,16 +21,10 @@ class DeployConfig(dg.Config):
     "time, gated on /health, /v1/models, a smoke completion and live tau from /metrics; a failed replica is "
     "rolled back and the deploy stops. A replica already serving the version on the newest policy is only gated.",
 )
-def fleet(
-    context: dg.AssetExecutionContext,
-    config: DeployConfig,
-    settings: PipelineConfigResource,
-    object_store: ObjectStoreResource,
-    mlflow: MlflowResource,
-) -> dg.MaterializeResult:
+def fleet(context: dg.AssetExecutionContext, config: DeployConfig, pipeline: PipelineResource) -> dg.MaterializeResult:
     """Rolling update to `config.version`; the registry's `live` alias follows only a full success."""
-    cfg = settings.load()
-    report = deploy.deploy(cfg, object_store.store(), mlflow.registry(), config.version)
+    cfg = pipeline.config
+    report = deploy.deploy(cfg, pipeline.store(), pipeline.registry(), config.version)
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     header = "| replica | version | since (UTC) | live tau | deploy s | restarted |\n|---|---|---|---|---|---|\n"
     table = header + "".join(

@@ -28,7 +28,7 @@ K = 4
 REPEATS = 2
 
 
-def _target(torch, hidden: int = 1024, layers: int = 2, vocab: int = 2048):  # noqa: ANN001, ANN202
+def _target(torch, hidden: int = 1024, layers: int = 2, vocab: int = 2048):
     from pipeline.models import target as target_lib
 
     config = target_lib.tiny_llama_config(vocab, hidden, layers, 16)
@@ -37,7 +37,7 @@ def _target(torch, hidden: int = 1024, layers: int = 2, vocab: int = 2048):  # n
     return target_lib.build_target(config, seed=0)
 
 
-def _drafter(torch, target, kind: str):  # noqa: ANN001, ANN202
+def _drafter(torch, target, kind: str):
     from pipeline.config import DrafterConfig
     from pipeline.models.drafter import fresh_drafter
 
@@ -46,7 +46,7 @@ def _drafter(torch, target, kind: str):  # noqa: ANN001, ANN202
     return drafter
 
 
-def _best(fn) -> float:  # noqa: ANN001
+def _best(fn) -> float:
     times = []
     for _ in range(REPEATS):
         start = time.perf_counter()
@@ -59,15 +59,15 @@ class TimedProposer:
     """A drafter's proposer that notes when each round's proposal is asked for: the time between two
     calls is one round (verification + proposal), whatever the prefill cost."""
 
-    def __init__(self, inner, stamps: list[float]) -> None:  # noqa: ANN001
+    def __init__(self, inner, stamps: list[float]) -> None:
         self.inner, self.stamps, self.layer_ids = inner, stamps, inner.layer_ids
 
-    def propose(self, pairs, k: int):  # noqa: ANN001, ANN201
+    def propose(self, pairs, k: int):
         self.stamps.append(time.perf_counter())
         return self.inner.propose(pairs, k)
 
 
-def _per_token_s(torch, target, drafter, context: int, new_tokens: int) -> float:  # noqa: ANN001
+def _per_token_s(torch, target, drafter, context: int, new_tokens: int) -> float:
     """Median seconds per round over tokens per round (1 + mean accepted drafts)."""
     import statistics
 
@@ -81,7 +81,7 @@ def _per_token_s(torch, target, drafter, context: int, new_tokens: int) -> float
     return statistics.median(rounds) / tokens_per_round
 
 
-def cost_ratio(torch) -> dict:  # noqa: ANN001
+def cost_ratio(torch) -> dict:
     target = _target(torch)
     out = {}
     for kind in ("eagle", "eagle3"):
@@ -91,7 +91,7 @@ def cost_ratio(torch) -> dict:  # noqa: ANN001
     return out
 
 
-def batched_speedup(torch) -> dict:  # noqa: ANN001
+def batched_speedup(torch) -> dict:
     from pipeline.evaluation.speculative import generate_batch
 
     target = _target(torch)
@@ -104,7 +104,7 @@ def batched_speedup(torch) -> dict:  # noqa: ANN001
     return {"batched_s": batched, "one_at_a_time_s": alone, "speedup": alone / batched, "prompts": len(prompts)}
 
 
-def tau_estimate(torch) -> dict:  # noqa: ANN001
+def tau_estimate(torch) -> dict:
     from pipeline.config import load_config
     from pipeline.data.rollouts import is_held_out
     from pipeline.data.shards import HiddenSample
@@ -169,7 +169,7 @@ def gpu_throughput(prompts: int = 16, prompt_len: int = 128, new_tokens: int = 1
     g = torch.Generator().manual_seed(0)
     batch = [torch.randint(0, config.vocab_size, (prompt_len,), generator=g) for _ in range(prompts)]
 
-    def timed(fn) -> float:  # noqa: ANN001
+    def timed(fn) -> float:
         fn()  # warm-up
         torch.cuda.synchronize()
         start = time.perf_counter()

@@ -22,7 +22,7 @@ from pathlib import Path
 REPEATS = 3
 
 
-def _reference(directory: Path):  # noqa: ANN202
+def _reference(directory: Path):
     from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -31,7 +31,7 @@ def _reference(directory: Path):  # noqa: ANN202
         return AutoModelForCausalLM.from_pretrained(tmp, dtype="float32", local_files_only=True).eval()
 
 
-def _first_forward(model) -> None:  # noqa: ANN001
+def _first_forward(model) -> None:
     import torch
 
     with torch.no_grad():

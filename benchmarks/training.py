@@ -9,9 +9,11 @@ to two (with more threads per process, OpenMP's barriers dominate on a busy mach
 the single process looks worse than it is). Single and DDP runs alternate, best of
 `REPEATS`, so that load from other work on the machine hits both alike.
 
-GPU (CUDA only, else null): hidden 4096, vocab 128256, draft vocab 32000, MLP 14336, 32
-heads / 8 KV heads, three aux layers, 2048-token packed sequences of four documents, bf16
-autocast over fp32 master weights, fused AdamW. Model FLOPs per token count the drafter's
+GPU (CUDA only, else null; `--gpu` runs only this, with nothing but torch, transformers,
+safetensors and pyarrow installed): the training step the loop runs (`pipeline.training.step`:
+bf16 autocast over fp32 master weights, fused AdamW) on a drafter of Llama-3.1-8B's sizes, hidden
+4096, vocab 128256, draft vocab 32000, MLP 14336, 32 heads / 8 KV heads, three aux layers,
+2048-token sequences of four documents packed by `window.pack`. Model FLOPs per token count the drafter's
 matmuls and causal attention three times (forward, backward) per training-time-test step
 plus the teacher's lm_head rows once; MFU is their rate over the GPU's bf16 matmul rate
 measured in the same run (8192^3 matmuls).
@@ -19,17 +21,26 @@ measured in the same run (8192^3 matmuls).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: the GPU path needs only torch and the model code
+    from pipeline.training.losses import LossParts
+    from pipeline.training.step import StepStats
+    from pipeline.training.window import DeviceBatch
 
 REPEATS = 2
-DRAFT_VOCAB, VOCAB, HIDDEN, MLP, HEADS, KV_HEADS, TOKENS, DOCS = 32000, 128256, 4096, 14336, 32, 8, 2048, 4
 
 
-def _demo_setup():  # noqa: ANN202
+def _demo_setup():
     import torch
 
     from pipeline.config import load_config
@@ -93,19 +104,37 @@ def _cpu_tokens_per_s(world: int) -> dict:
     return {**result, "tokens_per_s": result["tokens"] / result["wall_s"]}
 
 
-def model_flops_per_token(tokens: int, ttt_steps: int) -> float:
+@dataclass(frozen=True)
+class DrafterShapes:
+    """An EAGLE-3 drafter of a target, and the packed batch it trains on."""
+
+    hidden: int = 4096
+    heads: int = 32
+    kv_heads: int = 8
+    mlp: int = 14336
+    vocab: int = 128256
+    draft_vocab: int = 32000
+    tokens: int = 2048  # one packed sequence of `docs` documents
+    docs: int = 4
+
+
+LLAMA_8B = DrafterShapes()  # Llama-3.1-8B's sizes
+TTT_STEPS, TTT_DECAY = 3, 0.8  # the defaults of train.ttt_steps and train.ttt_decay
+
+
+def model_flops_per_token(shapes: DrafterShapes, ttt_steps: int) -> float:
     """Training FLOPs per token of the EAGLE-3 drafter above (see the module docstring)."""
-    d = HIDDEN // HEADS
-    proj = 2 * (2 * HIDDEN) * (HEADS + 2 * KV_HEADS) * d + 2 * HEADS * d * HIDDEN  # q, k, v from 2H; o
-    mlp = 2 * 3 * HIDDEN * MLP
-    head = 2 * HIDDEN * DRAFT_VOCAB
-    attention = 2 * 2 * (tokens / DOCS / 2) * HIDDEN  # QK^T and PV, causal within a document
-    teacher = 2 * HIDDEN * DRAFT_VOCAB  # the target's logits over the draft vocab: forward only
-    fc = 2 * 3 * HIDDEN * HIDDEN
+    h, d = shapes.hidden, shapes.hidden // shapes.heads
+    proj = 2 * (2 * h) * (shapes.heads + 2 * shapes.kv_heads) * d + 2 * shapes.heads * d * h  # q, k, v from 2H; o
+    mlp = 2 * 3 * h * shapes.mlp
+    head = 2 * h * shapes.draft_vocab
+    attention = 2 * 2 * (shapes.tokens / shapes.docs / 2) * h  # QK^T and PV, causal within a document
+    teacher = 2 * h * shapes.draft_vocab  # the target's logits over the draft vocab: forward only
+    fc = 2 * 3 * h * h
     return ttt_steps * (3 * (proj + mlp + head + attention) + teacher) + 3 * fc
 
 
-def _bf16_matmul_flops(torch) -> float:  # noqa: ANN001
+def _bf16_matmul_flops(torch) -> float:
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -119,58 +148,69 @@ def _bf16_matmul_flops(torch) -> float:  # noqa: ANN001
     return 2 * n**3 * reps / (time.perf_counter() - start)
 
 
-def _gpu_mfu(steps: int = 10, warmup: int = 3) -> dict | None:
+def shipped_step(shapes: DrafterShapes, device: str, dtype: str = "bf16") -> Callable[[], StepStats]:
+    """One training step of an EAGLE-3 drafter of `shapes`, built and run as the training loop runs
+    it: a batch packed by `window.pack` and moved by `PackedBatch.to`, `step.forward_backward`
+    over the EAGLE-3 loss, `step.apply_gradients` with the loop's optimizer. Returns a
+    function that runs one step and returns its loss parts (on the device)."""
+    import torch
+
+    from pipeline.models.eagle import RMSNorm
+    from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter
+    from pipeline.training.losses import eagle3_loss
+    from pipeline.training.step import apply_gradients, forward_backward, make_optimizer
+    from pipeline.training.window import pack
+
+    torch.manual_seed(0)
+    h = shapes.hidden
+    config = Eagle3Config(vocab_size=shapes.vocab, draft_vocab_size=shapes.draft_vocab, hidden_size=h,
+                          target_hidden_size=h, intermediate_size=shapes.mlp, num_attention_heads=shapes.heads,
+                          num_key_value_heads=shapes.kv_heads, aux_layer_ids=(2, 16, 29),
+                          max_position_embeddings=shapes.tokens)
+    model = Eagle3Drafter(config).to(device).train()
+    norm = RMSNorm(h, 1e-5).to(device).requires_grad_(False)
+    # The target's lm_head rows (draft_vocab, H_t), in the target's bf16 where autocast runs, else fp32.
+    head_dtype = torch.bfloat16 if torch.device(device).type == "cuda" and dtype == "bf16" else torch.float32
+    head = torch.randn(shapes.draft_vocab, h, device=device, dtype=head_dtype) * 0.02
+    per_doc = shapes.tokens // shapes.docs + 1  # a document's window: its positions plus the shifted target
+    g = torch.Generator().manual_seed(0)
+    samples = [(torch.randint(0, shapes.vocab, (per_doc,), generator=g),
+                torch.randn(per_doc, 4 * h, generator=g).to(torch.bfloat16),  # (T, 4H) as the shards hold them
+                torch.ones(per_doc, dtype=torch.int64)) for _ in range(shapes.docs)]
+    batch = pack(samples, window_tokens=per_doc).to(device)  # (1, tokens, 4H) float32 features
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(model, lr=1e-4, weight_decay=0.0, device=device)
+
+    def loss_of(b: DeviceBatch) -> LossParts:
+        return eagle3_loss(model, b, norm, head, TTT_STEPS, TTT_DECAY)
+
+    def step() -> StepStats:
+        stats = forward_backward(loss_of, batch, dtype)
+        apply_gradients(optimizer, params, 1e-4, 1.0)
+        return stats
+
+    return step
+
+
+def _gpu_mfu(shapes: DrafterShapes = LLAMA_8B, steps: int = 10, warmup: int = 3) -> dict | None:
     import torch
 
     if not torch.cuda.is_available():
         return None
-    from pipeline.config import TrainConfig
-    from pipeline.models.eagle import RMSNorm
-    from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter
-    from pipeline.models.teacher import Teacher
-    from pipeline.training.loop import compute_loss
-    from pipeline.training.window import PackedBatch
-
-    torch.manual_seed(0)
-    cfg = TrainConfig()
-    config = Eagle3Config(vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, hidden_size=HIDDEN,
-                          target_hidden_size=HIDDEN, intermediate_size=MLP, num_attention_heads=HEADS,
-                          num_key_value_heads=KV_HEADS, aux_layer_ids=(2, 16, 29), max_position_embeddings=TOKENS)
-    model = Eagle3Drafter(config).cuda().train()
-    teacher = Teacher(norm=RMSNorm(HIDDEN, 1e-5).cuda().requires_grad_(False),
-                      head=torch.randn(DRAFT_VOCAB, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02)
-    per_doc = TOKENS // DOCS
-    features = torch.randn(1, TOKENS + 1, 4 * HIDDEN, device="cuda", dtype=torch.bfloat16)
-    batch = PackedBatch(
-        input_ids=torch.randint(0, VOCAB, (1, TOKENS), device="cuda"),
-        hidden_states=features[:, :-1], target=features[:, 1:],
-        loss_mask=torch.ones(1, TOKENS, device="cuda"),
-        position_ids=torch.arange(per_doc, device="cuda").repeat(DOCS)[None],
-        document_ids=torch.arange(DOCS, device="cuda").repeat_interleave(per_doc)[None],
-    )
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
-
-    def train_step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            parts = compute_loss(model, batch, cfg, teacher)
-        parts.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    step = shipped_step(shapes, "cuda")
     for _ in range(warmup):
-        train_step()
+        step()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
-        train_step()
+        step()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - start) / steps
-    achieved = model_flops_per_token(TOKENS, cfg.ttt_steps) * TOKENS / step_s
+    achieved = model_flops_per_token(shapes, TTT_STEPS) * shapes.tokens / step_s
     peak = _bf16_matmul_flops(torch)
-    return {"gpu": torch.cuda.get_device_name(), "tokens_per_s": TOKENS / step_s, "model_tflops": achieved / 1e12,
-            "bf16_matmul_tflops": peak / 1e12, "mfu": achieved / peak}
+    return {"gpu": torch.cuda.get_device_name(), "step_s": step_s, "tokens_per_s": shapes.tokens / step_s,
+            "model_tflops": achieved / 1e12, "bf16_matmul_tflops": peak / 1e12, "mfu": achieved / peak,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
 def run() -> dict:
@@ -191,7 +231,18 @@ def run() -> dict:
     }
 
 
-if __name__ == "__main__":
-    import sys
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.training", description=__doc__.split("\n")[0])
+    parser.add_argument("--gpu", action="store_true",
+                        help="only the GPU measurement (needs only torch, transformers, safetensors and pyarrow)")
+    args = parser.parse_args(argv)
+    if args.gpu:
+        gpu = _gpu_mfu()
+        result = {"gpu_mfu": gpu["mfu"] if gpu else None, "gpu": gpu}
+    else:
+        result = run()
+    sys.stdout.write(json.dumps(result, indent=2) + "\n")
 
-    sys.stdout.write(json.dumps(run(), indent=2) + "\n")
+
+if __name__ == "__main__":
+    main()

@@ -27,10 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.data.keys import policy_prefix, rollouts_prefix, step_key
+from pipeline.data.keys import policy_pointer_key, policy_prefix, rollouts_key, rollouts_prefix, step_key
 from pipeline.data.rollouts import (
-    POLICY_FILE,
-    ROLLOUTS_FILE,
     PolicyPointer,
     Rollout,
     RolloutsError,
@@ -164,9 +162,8 @@ def publish_step(
     len(tokenizer): a tokenizer with more ids than the policy's embedding is refused."""
     store = store if isinstance(store, ObjectStore) else ObjectStore(store, storage_options)
     check_step(step, f"{store.uri(f'rollouts/{run}')}/step-?")
-    prefix = rollouts_prefix(run, step)
-    rollouts_where = store.uri(f"{prefix}/{ROLLOUTS_FILE}")
-    pointer_where = store.uri(f"{prefix}/{POLICY_FILE}")
+    rollouts_where = store.uri(rollouts_key(run, step))
+    pointer_where = store.uri(policy_pointer_key(run, step))
     staged = checkpoint if isinstance(checkpoint, StagedCheckpoint) else stage_checkpoint(checkpoint)
     if tokenizer_vocab_size is not None and tokenizer_vocab_size > staged.limits.vocab_size:
         raise RolloutsError(
@@ -188,7 +185,7 @@ def publish_step(
         with (staged.directory / name).open("rb") as src, store.open_write(f"{checkpoint_key}/{name}") as dst:
             while chunk := src.read(1 << 24):
                 dst.write(chunk)
-    store.write_json(f"{prefix}/{POLICY_FILE}", pointer_record(pointer))
+    store.write_json(policy_pointer_key(run, step), pointer_record(pointer))
     return PublishedStep(rollouts_where, store.uri(checkpoint_key), pointer, written=True)
 
 

@@ -89,6 +89,12 @@ class TrainConfig(_Strict):
     checkpoint_every: int = Field(
         default=50, ge=0, description="Save a resumable checkpoint every N iterations into the store (0: never)."
     )
+    log_every: int = Field(
+        default=10, ge=1, description="Bring the iterations' metrics to the host and log them every N iterations."
+    )
+    dtype: Literal["bf16", "fp32"] = Field(
+        default="bf16", description="GPU compute: bf16 autocast over fp32 weights, or fp32; a CPU trains in fp32."
+    )
     launcher: Literal["subprocess", "k8s"] = Field(
         default="subprocess",
         description="`subprocess`: torchrun on the orchestrator's machine; `k8s`: a GPU pod (Dagster Pipes both).",

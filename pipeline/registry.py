@@ -17,6 +17,7 @@ from mlflow.entities import Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from pipeline.config import PipelineConfig
 from pipeline.models.checkpoint import load_drafter
 from pipeline.models.drafter import Drafter
 
@@ -61,13 +62,6 @@ class DrafterRegistry:
     # -- runs
     def start_run(self, run_name: str, tags: dict[str, str]) -> str:
         return self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
-
-    def find_run(self, tags: dict[str, str]) -> str | None:
-        """The newest run carrying all `tags` (so a retried partition reuses its run)."""
-        query = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
-        runs = self.client.search_runs([self.experiment_id], filter_string=query, order_by=["start_time DESC"],
-                                       max_results=1)
-        return runs[0].info.run_id if runs else None
 
     def reopen_run(self, run_id: str, tags: dict[str, str]) -> None:
         """Mark a run of an interrupted training running again, tagged with the attempt that continues it."""
@@ -194,3 +188,8 @@ def check_artifact_path(path: str, where: str) -> str:
     if path.startswith(("/", "\\")) or "://" in path or (len(path) > 1 and path[1] == ":") or ".." in parts:
         raise ArtifactPathError(f"{where}: artifact path {path!r} points outside the artifact root")
     return path
+
+
+def open_registry(cfg: PipelineConfig) -> DrafterRegistry:
+    """The drafter registry a pipeline config names (its MLflow tracking server and registered model)."""
+    return DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)

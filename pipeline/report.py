@@ -11,7 +11,7 @@ from pipeline.data import buffer as buffer_lib
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.keys import acceptance_key
 from pipeline.data.store import ObjectStore
-from pipeline.training import cotrain
+from pipeline.training.outcome import read_outcome
 
 NO_DRAFTER_TAU = 1.0  # without a drafter every target forward yields one token
 
@@ -19,7 +19,7 @@ NO_DRAFTER_TAU = 1.0  # without a drafter every target forward yields one token
 def step_row(store: ObjectStore, run: str, step: int) -> dict:
     """One line of the summary, read from what the step's assets stored."""
     record = store.read_json(acceptance_key(run, step))
-    trained = cotrain.read_outcome(store, run, step)
+    trained = read_outcome(store, run, step)
 
     def tau(role: str) -> float:
         d = record["drafters"][role]

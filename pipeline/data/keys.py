@@ -1,4 +1,14 @@
-"""RL step identifiers: partition keys `step-000123` and the store keys derived from them."""
+"""RL step identifiers and every object-store key the pipeline reads or writes.
+
+    rollouts/<run>/step-000123/rollouts.parquet   policy.json (commit point)
+    policies/<run>/step-000123/                   the simulated trainer's policy checkpoints
+    hidden_states/<run>/step-000123/              Arrow shards + _manifest.json (commit point)
+    buffer/<run>/step-000123/_manifest.json       the cross-step buffer of a step
+    drafter/<run>/step-000123.json                a step's training outcome
+    acceptance/<run>/step-000123.json             a step's acceptance record
+    training/<run>/<input id>/                    resumable checkpoints of one training, origin.json
+    fleet/<run>/state.json                        which drafter version the fleet serves
+"""
 
 from __future__ import annotations
 
@@ -6,6 +16,10 @@ import re
 
 _STEP_KEY = re.compile(r"step-([0-9]{6,})")
 MAX_STEP = 2**63 - 1  # steps are int64 wherever they are stored (Parquet, Dagster, MLflow tags)
+
+ROLLOUTS_FILE = "rollouts.parquet"
+POLICY_FILE = "policy.json"
+HIDDEN_STATES_MANIFEST = "_manifest.json"
 
 
 def step_key(step: int) -> str:
@@ -27,20 +41,44 @@ def parse_step_key(key: str) -> int:
     return int(match.group(1))
 
 
+def rollouts_root(run: str) -> str:
+    return f"rollouts/{run}"
+
+
 def rollouts_prefix(run: str, step: int) -> str:
-    return f"rollouts/{run}/{step_key(step)}"
+    return f"{rollouts_root(run)}/{step_key(step)}"
+
+
+def rollouts_key(run: str, step: int) -> str:
+    return f"{rollouts_prefix(run, step)}/{ROLLOUTS_FILE}"
+
+
+def policy_pointer_key(run: str, step: int) -> str:
+    return f"{rollouts_prefix(run, step)}/{POLICY_FILE}"
 
 
 def policy_prefix(run: str, step: int) -> str:
     return f"policies/{run}/{step_key(step)}"
 
 
+def hidden_states_root(run: str) -> str:
+    return f"hidden_states/{run}"
+
+
 def hidden_states_prefix(run: str, step: int) -> str:
-    return f"hidden_states/{run}/{step_key(step)}"
+    return f"{hidden_states_root(run)}/{step_key(step)}"
+
+
+def hidden_states_manifest_key(run: str, step: int) -> str:
+    return f"{hidden_states_prefix(run, step)}/{HIDDEN_STATES_MANIFEST}"
+
+
+def buffer_root(run: str) -> str:
+    return f"buffer/{run}"
 
 
 def buffer_key(run: str, step: int) -> str:
-    return f"buffer/{run}/{step_key(step)}/_manifest.json"
+    return f"{buffer_root(run)}/{step_key(step)}/_manifest.json"
 
 
 def acceptance_key(run: str, step: int) -> str:
@@ -49,3 +87,17 @@ def acceptance_key(run: str, step: int) -> str:
 
 def drafter_key(run: str, step: int) -> str:
     return f"drafter/{run}/{step_key(step)}.json"
+
+
+def training_prefix(run: str, input_id: str) -> str:
+    """The checkpoints of one training, named by its input identity."""
+    return f"training/{run}/{input_id}"
+
+
+def training_origin_key(run: str, input_id: str) -> str:
+    """The warm start a training began with: a resumed attempt keeps it."""
+    return f"{training_prefix(run, input_id)}/origin.json"
+
+
+def fleet_state_key(run: str) -> str:
+    return f"fleet/{run}/state.json"

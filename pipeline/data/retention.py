@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pipeline.data import shards
-from pipeline.data.keys import buffer_key, hidden_states_prefix, parse_step_key
+from pipeline.data.keys import (
+    buffer_key,
+    buffer_root,
+    hidden_states_manifest_key,
+    hidden_states_prefix,
+    hidden_states_root,
+    parse_step_key,
+)
 from pipeline.data.store import ObjectStore
 
 ORPHAN_GRACE_S = 3600.0
@@ -64,7 +71,7 @@ def plan_retention(
     """What retention would delete, and why; reads only manifests and listings."""
     now = time.time() if now is None else now
     plan = RetentionPlan(run)
-    buffers = [s for s in _steps_under(store, f"buffer/{run}") if store.exists(buffer_key(run, s))]
+    buffers = [s for s in _steps_under(store, buffer_root(run)) if store.exists(buffer_key(run, s))]
     if not buffers:  # nothing has been buffered yet: nothing can be judged unreferenced
         return plan
     latest = buffers[-1]
@@ -79,10 +86,10 @@ def plan_retention(
             plan.delete.append(Doomed(key, store.size(key), "expired buffer manifest (not the newest, no drafter)"))
 
     window_start = latest - buffer_steps + 1
-    for step in _steps_under(store, f"hidden_states/{run}"):
+    for step in _steps_under(store, hidden_states_root(run)):
         prefix = hidden_states_prefix(run, step)
         files = store.list_files(prefix)
-        manifest_key = f"{prefix}/{shards.MANIFEST}"
+        manifest_key = hidden_states_manifest_key(run, step)
         try:
             manifest = shards.read_manifest(store, run, step) if store.exists(manifest_key) else None
         except shards.ShardError as exc:  # e.g. another schema version: not ours to judge

@@ -36,12 +36,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.data.keys import MAX_STEP, parse_step_key, rollouts_prefix
+from pipeline.data.keys import MAX_STEP, parse_step_key, policy_pointer_key, rollouts_key, rollouts_root
 from pipeline.data.store import ObjectStore
 
 SCHEMA_VERSION = 1
-ROLLOUTS_FILE = "rollouts.parquet"
-POLICY_FILE = "policy.json"
 INT64_MAX = MAX_STEP
 
 ROLLOUTS_SCHEMA = pa.schema(
@@ -218,30 +216,28 @@ def rollouts_table(rollouts: Sequence[Rollout]) -> pa.Table:
 def write_rollouts(store: ObjectStore, run: str, step: int, rollouts: list[Rollout], pointer: PolicyPointer,
                    limits: TargetLimits | None = None) -> str:
     """Write the step's rollouts, then its policy pointer (the commit point). Returns the parquet URI."""
-    prefix = rollouts_prefix(run, step)
-    where = store.uri(f"{prefix}/{ROLLOUTS_FILE}")
+    where = store.uri(rollouts_key(run, step))
     validate_rollouts(rollouts, where, limits)
-    validate_pointer(pointer_record(pointer), store.uri(f"{prefix}/{POLICY_FILE}"))
+    validate_pointer(pointer_record(pointer), store.uri(policy_pointer_key(run, step)))
     write_rollouts_file(store, run, step, rollouts)
-    store.write_json(f"{prefix}/{POLICY_FILE}", pointer_record(pointer))
+    store.write_json(policy_pointer_key(run, step), pointer_record(pointer))
     return where
 
 
 def write_rollouts_file(store: ObjectStore, run: str, step: int, rollouts: Sequence[Rollout]) -> None:
     """rollouts.parquet alone (no commit point); callers have validated the rollouts."""
-    with store.open_write(f"{rollouts_prefix(run, step)}/{ROLLOUTS_FILE}") as f:
+    with store.open_write(rollouts_key(run, step)) as f:
         pq.write_table(rollouts_table(rollouts), f)
 
 
 def is_committed(store: ObjectStore, run: str, step: int) -> bool:
-    prefix = rollouts_prefix(run, step)
-    return store.exists(f"{prefix}/{POLICY_FILE}") and store.exists(f"{prefix}/{ROLLOUTS_FILE}")
+    return store.exists(policy_pointer_key(run, step)) and store.exists(rollouts_key(run, step))
 
 
 def committed_steps(store: ObjectStore, run: str) -> list[int]:
     """Steps under rollouts/<run>/ whose policy pointer (the commit point) exists."""
     steps = []
-    for name in store.list_dirs(f"rollouts/{run}"):
+    for name in store.list_dirs(rollouts_root(run)):
         try:
             step = parse_step_key(name)
         except ValueError:
@@ -315,7 +311,7 @@ def _refuse_nulls(table: pa.Table, where: str) -> None:
 
 
 def read_rollouts(store: ObjectStore, run: str, step: int, limits: TargetLimits | None = None) -> list[Rollout]:
-    key = f"{rollouts_prefix(run, step)}/{ROLLOUTS_FILE}"
+    key = rollouts_key(run, step)
     where = store.uri(key)
     if not store.exists(key):
         raise RolloutsError(where, "not found")
@@ -323,7 +319,7 @@ def read_rollouts(store: ObjectStore, run: str, step: int, limits: TargetLimits 
 
 
 def read_policy_pointer(store: ObjectStore, run: str, step: int) -> PolicyPointer:
-    key = f"{rollouts_prefix(run, step)}/{POLICY_FILE}"
+    key = policy_pointer_key(run, step)
     where = store.uri(key)
     if not store.exists(key):
         raise RolloutsError(where, "not found")

@@ -118,11 +118,6 @@ class ObjectStore:
         return json.loads(self.read_bytes(key))
 
     @contextmanager
-    def open_read(self, key: str) -> Iterator[IO[bytes]]:
-        with self.fs.open(self._path(key), "rb") as f:
-            yield f
-
-    @contextmanager
     def open_ranges(self, key: str) -> Iterator[RangeReader]:
         """Reads of byte ranges of one object: a memory map of a local file, ranged GETs on S3."""
         path = self._path(key)
@@ -191,10 +186,6 @@ class ObjectStore:
         path = self._path(prefix)
         if self.fs.exists(path):
             self.fs.rm(path, recursive=True)
-
-    def local_path(self, key: str) -> str | None:
-        """The filesystem path of `key` when the store is local (else None)."""
-        return self._path(key) if self._local else None
 
 
 class RangeReader:

@@ -62,17 +62,31 @@ def held_out_sequences(
     return [torch.tensor(r.input_ids) for r in rollouts], [max(1, r.prompt_len) for r in rollouts]
 
 
-def evaluate_step(
+@dataclass(frozen=True)
+class StepMeasurement:
+    """The step's drafters measured on the same held-out prompts of the step's policy."""
+
+    step: int
+    policy_version: int
+    num_prompts: int
+    roles: dict[str, str | None]  # role (cotrained, served, baseline) -> registered version, None: no such drafter
+    measured: dict[str, dict]  # version -> exact tau and its parts, the teacher-forced estimate
+
+    def tau(self, role: str) -> float | None:
+        version = self.roles[role]
+        return self.measured[version]["tau"] if version else None
+
+
+def measure_step(
     store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, new_version: str | None
-) -> dict:
-    """Measure the drafters, decide on promotion, move aliases, write the step's acceptance record."""
+) -> StepMeasurement:
+    """Speculative decoding of each drafter against the step's target; reads, writes nothing."""
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
     target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
     limits = rollouts_lib.TargetLimits.of(target.config)
     prompts = held_out_prompts(store, cfg, step, limits)
     sequences, prompt_lens = held_out_sequences(store, cfg, step, limits)
     k, max_new = cfg.eval.num_speculative_tokens, cfg.eval.max_new_tokens
-
     roles = {
         "cotrained": new_version or registry.alias_version("challenger"),
         "served": registry.alias_version("champion"),
@@ -87,37 +101,58 @@ def evaluate_step(
         # each tau says what it rests on: exact, prompts decoded and rounds; the estimate, rollouts and positions
         measured[version] = {**exact.as_dict(), "prompts": len(prompts),
                              "estimate": estimate.as_dict() if estimate else None}
+    return StepMeasurement(step, pointer.policy_version, len(prompts), roles, measured)
 
-    def tau(version: str | None) -> float | None:
-        return measured[version]["tau"] if version else None
 
-    decision = promotion_decision(cfg.promotion, tau(new_version), tau(roles["served"]))
+def apply_promotion(
+    registry: DrafterRegistry, measurement: StepMeasurement, new_version: str | None, decision: Decision
+) -> None:
+    """Move `champion` on a promotion; tag the new version and log its acceptance on its training run."""
     if decision.promote:
         registry.set_alias("champion", new_version)
-    if new_version:
-        registry.set_version_tags(new_version, {
-            "tau": f"{tau(new_version):.4f}", "promoted": str(decision.promote).lower(),
-            "champion_tau_at_decision": "none" if roles["served"] is None else f"{tau(roles['served']):.4f}",
-        })
-        run_id = registry.client.get_model_version(registry.model_name, new_version).run_id
-        new = measured[new_version]
-        registry.log_metrics(run_id, {
-            "eval_tau": new["tau"], "eval_acceptance_rate": new["acceptance_rate"],
-            **{f"eval_accept_pos{j}": p for j, p in enumerate(new["per_position"])},
-            **({"eval_champion_tau": tau(roles["served"])} if roles["served"] else {}),
-        })
-        registry.set_run_tags(run_id, {"promotion": decision.reason})
+    if not new_version:
+        return
+    served_tau = measurement.tau("served")
+    registry.set_version_tags(new_version, {
+        "tau": f"{measurement.measured[new_version]['tau']:.4f}", "promoted": str(decision.promote).lower(),
+        "champion_tau_at_decision": "none" if served_tau is None else f"{served_tau:.4f}",
+    })
+    run_id = registry.client.get_model_version(registry.model_name, new_version).run_id
+    new = measurement.measured[new_version]
+    registry.log_metrics(run_id, {
+        "eval_tau": new["tau"], "eval_acceptance_rate": new["acceptance_rate"],
+        **{f"eval_accept_pos{j}": p for j, p in enumerate(new["per_position"])},
+        **({"eval_champion_tau": served_tau} if served_tau is not None else {}),
+    })
+    registry.set_run_tags(run_id, {"promotion": decision.reason})
 
-    record = {
-        "step": step,
-        "policy_version": pointer.policy_version,
-        "num_prompts": len(prompts),
-        "num_speculative_tokens": k,
-        "max_new_tokens": max_new,
-        "drafters": {role: ({"version": v, **measured[v]} if v else None) for role, v in roles.items()},
+
+def acceptance_record(
+    cfg: PipelineConfig, measurement: StepMeasurement, decision: Decision, champion_after: str | None
+) -> dict:
+    """The step's acceptance record, as stored and as the reports read it."""
+    return {
+        "step": measurement.step,
+        "policy_version": measurement.policy_version,
+        "num_prompts": measurement.num_prompts,
+        "num_speculative_tokens": cfg.eval.num_speculative_tokens,
+        "max_new_tokens": cfg.eval.max_new_tokens,
+        "drafters": {role: ({"version": v, **measurement.measured[v]} if v else None)
+                     for role, v in measurement.roles.items()},
         "promoted": decision.promote,
         "decision": decision.reason,
-        "champion_after": registry.alias_version("champion"),
+        "champion_after": champion_after,
     }
+
+
+def evaluate_step(
+    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, new_version: str | None
+) -> dict:
+    """Measure the drafters, decide on promotion, move aliases, write the step's acceptance record."""
+    measurement = measure_step(store, cfg, step, registry, new_version)
+    new_tau = measurement.measured[new_version]["tau"] if new_version else None
+    decision = promotion_decision(cfg.promotion, new_tau, measurement.tau("served"))
+    apply_promotion(registry, measurement, new_version, decision)
+    record = acceptance_record(cfg, measurement, decision, registry.alias_version("champion"))
     store.write_json(acceptance_key(cfg.run, step), record)
     return record

@@ -7,10 +7,12 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import PipelineConfig
 from pipeline.data import rollouts as rollouts_lib
+from pipeline.data.keys import fleet_state_key, rollouts_root
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation.acceptance import held_out_prompts
 from pipeline.models import target as target_lib
@@ -38,44 +40,75 @@ def make_driver(cfg: PipelineConfig) -> ReplicaDriver:
     return StandInDriver(k, cfg.data_path / "fleet" / "replicas")
 
 
-def state_key(run: str) -> str:
-    return f"fleet/{run}/state.json"
+def gate_config(cfg: PipelineConfig) -> GateConfig:
+    f = cfg.fleet
+    return GateConfig(f.ready_timeout_s, f.canary_requests, f.canary_tokens, f.min_live_tau)
 
 
 def read_state(store: ObjectStore, run: str) -> dict:
-    key = state_key(run)
+    key = fleet_state_key(run)
     return store.read_json(key) if store.exists(key) else {"version": None, "replicas": []}
 
 
-def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, version: str,
-           driver: ReplicaDriver | None = None) -> DeployReport:
-    """Stage `version`, roll it over the fleet, then record it as `live` (registry alias + fleet state)."""
+@dataclass(frozen=True)
+class StagedVersions:
+    """Checkpoint directories on local disk: the version to roll out and the one to roll back to."""
+
+    version: str
+    directory: Path
+    previous: tuple[str, str] | None  # (version, checkpoint directory) of `live`, None before the first deploy
+
+
+def stage_versions(cfg: PipelineConfig, registry: DrafterRegistry, version: str) -> StagedVersions:
+    """Download `version` (and `live`, when it is not on disk already) for the replicas to read. A
+    checkpoint that does not load (pickle, keys or shapes not matching its config) is refused here,
+    before any replica is touched, rather than by a crashed replica and a rollback."""
     stage = cfg.data_path / "fleet" / "staged"
     drafter_dir = registry.download(version, stage / f"v{version}")
-    # A checkpoint that does not load (pickle, keys or shapes not matching its config) is refused
-    # here, before any replica is touched, rather than by a crashed replica and a rollback.
     load_drafter(drafter_dir)
     live = registry.alias_version("live")
     previous = (live, str(stage / f"v{live}" / "drafter")) if live else None
     if previous and not Path(previous[1]).exists():
         registry.download(live, stage / f"v{live}")
+    return StagedVersions(version, drafter_dir, previous)
 
-    # The fleet serves the newest policy; canaries are its held-out prompts.
+
+@dataclass(frozen=True)
+class ServedPolicy:
+    """What the fleet serves: the newest committed policy, with its held-out prompts as canaries."""
+
+    step: int
+    target: str  # the policy checkpoint, as a replica loads it
+    canary_prompts: list[list[int]]
+
+
+def served_policy(store: ObjectStore, cfg: PipelineConfig) -> ServedPolicy:
     steps = rollouts_lib.committed_steps(store, cfg.run)
     if not steps:
-        raise ValueError(f"no committed RL step under rollouts/{cfg.run}/: no policy for the fleet to serve")
+        raise ValueError(f"no committed RL step under {rollouts_root(cfg.run)}/: no policy for the fleet to serve")
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, steps[-1])
-    target = target_lib.resolve_uri(store, pointer.checkpoint_uri)
-    prompts = [p.tolist() for p in held_out_prompts(store, cfg, steps[-1])]
+    return ServedPolicy(steps[-1], target_lib.resolve_uri(store, pointer.checkpoint_uri),
+                        [p.tolist() for p in held_out_prompts(store, cfg, steps[-1])])
 
-    f = cfg.fleet
-    gates = GateConfig(f.ready_timeout_s, f.canary_requests, f.canary_tokens, f.min_live_tau)
-    report = rolling_deploy(replicas(cfg), driver or make_driver(cfg), target, version, str(drafter_dir),
-                            previous, gates, prompts)
+
+def record_live(
+    store: ObjectStore, run: str, registry: DrafterRegistry, version: str, policy_step: int, report: DeployReport
+) -> None:
+    """The fleet runs `version` everywhere: the registry's `live` alias and the fleet's state say so."""
     registry.set_alias("live", version)
     registry.set_version_tags(version, {"deployed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                         "fleet": ",".join(r["replica"] for r in report.replicas)})
-    store.write_json(state_key(cfg.run), {
-        "version": version, "policy_step": steps[-1], "since": time.time(), "replicas": report.replicas,
+    store.write_json(fleet_state_key(run), {
+        "version": version, "policy_step": policy_step, "since": time.time(), "replicas": report.replicas,
     })
+
+
+def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, version: str,
+           driver: ReplicaDriver | None = None) -> DeployReport:
+    """Stage `version`, roll it over the fleet, then record it as `live` (registry alias + fleet state)."""
+    staged = stage_versions(cfg, registry, version)
+    policy = served_policy(store, cfg)
+    report = rolling_deploy(replicas(cfg), driver or make_driver(cfg), policy.target, version, str(staged.directory),
+                            staged.previous, gate_config(cfg), policy.canary_prompts)
+    record_live(store, cfg.run, registry, version, policy.step, report)
     return report

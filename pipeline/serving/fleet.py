@@ -201,10 +201,12 @@ class GateError(RuntimeError):
 
 @dataclass(frozen=True)
 class GateConfig:
-    ready_timeout_s: float = 120.0
-    canary_requests: int = 8
-    canary_tokens: int = 24
-    min_live_tau: float = 1.0
+    """The deploy gates of a replica; the values come from `fleet.*` of the pipeline config (one default each)."""
+
+    ready_timeout_s: float
+    canary_requests: int
+    canary_tokens: int
+    min_live_tau: float
 
 
 def _request(replica: ReplicaSpec, path: str, body: dict | None = None, timeout: float = 60.0) -> bytes:

@@ -85,7 +85,7 @@ def make_handler(replica: Replica, api_key: str | None) -> type[BaseHTTPRequestH
                 return False
             return True
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             if self.path == "/health":
                 self._send(200, b"", "text/plain")
             elif self.path == "/metrics":
@@ -97,7 +97,7 @@ def make_handler(replica: Replica, api_key: str | None) -> type[BaseHTTPRequestH
             else:
                 self._json(404, {"error": f"no route {self.path}"})
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             if self.path != "/v1/completions":
                 self._json(404, {"error": f"no route {self.path}"})
                 return

@@ -2,13 +2,17 @@
 
 One visible loop. Metrics leave through `MetricsSink.log_dict(payload, step)`, which
 the MLflow side implements; nothing here knows about Dagster or MLflow.
+
+The iteration's figures stay on the training device until `train.log_every` iterations have
+run (or a checkpoint is saved, or training ends): then one copy brings them to the host and
+each iteration is logged. On a GPU, nothing else in an iteration waits for the device.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -21,6 +25,7 @@ from pipeline.training.dataset import Dataset, iter_batches, plan_epoch
 from pipeline.training.distributed import DistContext, global_plan_sizes, rank_share, reduce_gradients
 from pipeline.training.losses import LossParts, drafter_loss
 from pipeline.training.state import ResumeState, TrainingCheckpoints
+from pipeline.training.step import StepStats, apply_gradients, forward_backward, make_optimizer
 from pipeline.training.window import DeviceBatch
 
 
@@ -63,6 +68,111 @@ def compute_loss(model: Drafter, batch: DeviceBatch, cfg: TrainConfig, teacher: 
     return drafter_loss(model, batch, cfg, teacher)
 
 
+# -- the loop
+
+
+@dataclass(frozen=True)
+class _Iteration:
+    """An iteration's figures, kept until the next log."""
+
+    iteration: int
+    lr: float
+    tokens: int
+    stats: StepStats
+    grad_norm: torch.Tensor
+
+
+@dataclass(frozen=True)
+class IterationMetrics:
+    """An iteration's figures on the host, as logged."""
+
+    iteration: int
+    loss: float
+    vloss: float
+    ploss: float
+    accuracy: float
+    grad_norm: float
+    lr: float
+    tokens: int
+
+
+class _Progress:
+    """What training has done so far: the logged history, and the iterations not yet logged."""
+
+    def __init__(self, state: ResumeState, sink: MetricsSink, is_main: bool) -> None:
+        self.tokens, self.history = state.tokens, list(state.loss_history)
+        self.sink, self.is_main = sink, is_main
+        self.pending: list[_Iteration] = []
+        self.last: IterationMetrics | None = None
+        self.window_start = time.perf_counter()
+
+    def add(self, done: _Iteration) -> None:
+        self.pending.append(done)
+
+    def flush(self) -> None:
+        """One copy of the pending figures to the host, then one log record per iteration (rank 0)."""
+        if not self.pending:
+            return
+        rows = torch.stack([torch.stack([*p.stats.values(), p.grad_norm.float()]) for p in self.pending]).tolist()
+        now = time.perf_counter()
+        window_tokens = sum(p.tokens for p in self.pending)
+        tokens_per_s = window_tokens / max(now - self.window_start, 1e-9)
+        for p, (loss, vloss, ploss, accuracy, grad_norm) in zip(self.pending, rows, strict=True):
+            self.last = IterationMetrics(p.iteration, loss, vloss, ploss, accuracy, grad_norm, p.lr, p.tokens)
+            self.history.append(loss)
+            if self.is_main:  # rank 0 speaks for the job: the figures are already summed over the ranks
+                self.sink.log_dict({"loss": loss, "vloss": vloss, "ploss": ploss, "accuracy": accuracy,
+                                    "grad_norm": grad_norm, "lr": p.lr, "tokens_per_s": tokens_per_s}, p.iteration)
+        self.tokens += window_tokens
+        self.pending, self.window_start = [], now
+
+
+def _plan(data: Dataset, cfg: TrainConfig, ctx: DistContext) -> list[list[int]]:
+    """The global batches of every epoch, in order (seeded: the same in every attempt)."""
+    batch_size, max_seq_len = global_plan_sizes(cfg.batch_size_per_gpu, cfg.max_seq_len, ctx)
+    plan_cfg = cfg.model_copy(update={"batch_size_per_gpu": batch_size, "max_seq_len": max_seq_len})
+    return [batch for e in range(cfg.epochs) for batch in plan_epoch(data.lengths, plan_cfg, e)]
+
+
+def _resume(
+    checkpoints: TrainingCheckpoints | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer, total: int,
+    ctx: DistContext,
+) -> ResumeState:
+    """The latest checkpoint's state (model and optimizer restored in place), or a fresh start."""
+    state = checkpoints.restore(model, optimizer) if checkpoints else None
+    if state and (state.total_iterations, state.world_size) != (total, ctx.world_size):
+        raise ValueError(f"checkpoint at iteration {state.iteration} is of a training of {state.total_iterations} "
+                         f"iterations on {state.world_size} ranks, this one has {total} on {ctx.world_size}")
+    return state or ResumeState(iteration=0, total_iterations=total, world_size=ctx.world_size)
+
+
+def _summed_over_ranks(
+    params: list[torch.nn.Parameter], batch: DeviceBatch | None, stats: StepStats | None, device: str
+) -> tuple[StepStats, int] | None:
+    """The global batch's gradient and figures: token-weighted sums over the ranks, divided by the
+    global batch's loss tokens; None when no rank had a token to learn from. The figures cross
+    the host here, once per iteration: the all-reduce carries them with the gradient."""
+    loss_tokens = float(batch.loss_mask.sum()) if batch is not None else 0.0
+    local = [float(v) for v in stats.values()] if stats is not None else [0.0] * 4
+    summed = reduce_gradients(params, loss_tokens, [loss_tokens, batch.num_tokens if batch is not None else 0,
+                                                    *(v * loss_tokens for v in local)])
+    if summed[0] == 0:
+        return None
+    for p in params:
+        p.grad.div_(summed[0])
+    means = torch.tensor([v / summed[0] for v in summed[2:]], device=device)
+    return StepStats(*means.unbind()), int(summed[1])
+
+
+def _iterations(
+    data: Dataset, plan: list[list[int]], start: int, cfg: TrainConfig, ctx: DistContext
+) -> Iterator[tuple[int, DeviceBatch | None]]:
+    """(iteration, this rank's share of the global batch) from `start` on; None: nothing of this share
+    could be read (warned), or nothing to read."""
+    shares = [rank_share(batch, ctx) for batch in plan[start:]]
+    yield from enumerate(iter_batches(data, shares, cfg.window_tokens), start)
+
+
 def train_drafter(
     model: Drafter,
     data: Dataset,
@@ -93,76 +203,46 @@ def train_drafter(
     torch.manual_seed(cfg.seed)
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    batch_size, max_seq_len = global_plan_sizes(cfg.batch_size_per_gpu, cfg.max_seq_len, ctx)
-    plan_cfg = cfg.model_copy(update={"batch_size_per_gpu": batch_size, "max_seq_len": max_seq_len})
-    plan = [batch for e in range(cfg.epochs) for batch in plan_epoch(data.lengths, plan_cfg, e)]  # global batches
+    optimizer = make_optimizer(model, cfg.optim.lr, cfg.optim.weight_decay, device)
+    plan = _plan(data, cfg, ctx)
     total = len(plan)
-
-    # -- resume: the plan is seeded, so iteration i is the same global batch in every attempt
-    state = checkpoints.restore(model, optimizer) if checkpoints else None
-    if state and (state.total_iterations, state.world_size) != (total, ctx.world_size):
-        raise ValueError(f"checkpoint at iteration {state.iteration} is of a training of {state.total_iterations} "
-                         f"iterations on {state.world_size} ranks, this one has {total} on {ctx.world_size}")
-    state = state or ResumeState(iteration=0, total_iterations=total, world_size=ctx.world_size)
-    resumed_from, iteration, tokens, history = state.iteration, state.iteration, state.tokens, list(state.loss_history)
-    last: tuple[float, float, float, float] | None = None  # loss, vloss, ploss, accuracy of the last step
+    state = _resume(checkpoints, model, optimizer, total, ctx)
+    progress = _Progress(state, sink, ctx.is_main)
     start = time.perf_counter() - state.wall_s
-    shares = [rank_share(batch, ctx) for batch in plan[resumed_from:]]
-    for batch in iter_batches(data, shares, cfg.window_tokens):
-        # -- learning rate
-        lr = lr_at(iteration, total, cfg.optim.lr, cfg.optim.lr_warmup_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        # -- forward, loss and backward; None: nothing of this share could be read (warned), or nothing to read
-        tick = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        local = (0.0, 0.0, 0.0, 0.0)
-        if batch is not None:
-            parts = compute_loss(model, batch.to(device), cfg, teacher)
-            parts.loss.backward()
-            local = (parts.loss.item(), parts.vloss.item(), parts.ploss.item(), parts.accuracy.item())
-        batch_tokens = batch.num_tokens if batch is not None else 0
-        # -- the global batch's gradient: token-weighted sum over the ranks
+    iterations = state.iteration  # run so far, skipped ones included: the plan's position
+    for iteration, batch in _iterations(data, plan, state.iteration, cfg, ctx):
+        iterations = iteration + 1
+        stats = None if batch is None else forward_backward(
+            lambda b: compute_loss(model, b, cfg, teacher), batch.to(device), cfg.dtype)
+        tokens = batch.num_tokens if batch is not None else 0
         if ctx.distributed:
-            loss_tokens = float(batch.loss_mask.sum()) if batch is not None else 0.0
-            summed = reduce_gradients(params, loss_tokens, [loss_tokens, batch_tokens,
-                                                            *(v * loss_tokens for v in local)])
-            loss_tokens, batch_tokens = summed[0], int(summed[1])
-            if loss_tokens == 0:  # no rank had a token to learn from: keep the iteration count aligned with the plan
-                iteration += 1
+            summed = _summed_over_ranks(params, batch, stats, device)
+            if summed is None:  # no rank had a token to learn from: the iteration count stays aligned with the plan
+                optimizer.zero_grad(set_to_none=True)
                 continue
-            for p in params:
-                p.grad.div_(loss_tokens)
-            local = tuple(v / loss_tokens for v in summed[2:])
-        elif batch is None:
-            iteration += 1
+            stats, tokens = summed
+        elif stats is None:
             continue
-        # -- step
-        torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
-        optimizer.step()
-        # -- metrics (rank 0 speaks for the job: the figures are already summed over the ranks)
-        tokens += batch_tokens
-        history.append(local[0])
-        last = local
-        if ctx.is_main:
-            sink.log_dict({
-                "loss": local[0], "vloss": local[1], "ploss": local[2], "accuracy": local[3], "lr": lr,
-                "tokens_per_s": batch_tokens / max(time.perf_counter() - tick, 1e-9),
-            }, iteration)
-        iteration += 1
-        # -- checkpoint
-        if checkpoints and cfg.checkpoint_every and iteration % cfg.checkpoint_every == 0 and iteration < total:
+        lr = lr_at(iteration, total, cfg.optim.lr, cfg.optim.lr_warmup_steps)
+        grad_norm = apply_gradients(optimizer, params, lr, cfg.optim.grad_clip)
+        progress.add(_Iteration(iteration, lr, tokens, stats, grad_norm))
+        if (iterations - state.iteration) % cfg.log_every == 0:
+            progress.flush()
+        if checkpoints and cfg.checkpoint_every and iterations % cfg.checkpoint_every == 0 and iterations < total:
+            progress.flush()
             if ctx.is_main:
-                state = ResumeState(iteration, total, ctx.world_size, tokens, time.perf_counter() - start, history)
-                checkpoints.save(model, optimizer, state)
+                saved = ResumeState(iterations, total, ctx.world_size, progress.tokens, time.perf_counter() - start,
+                                    progress.history)
+                checkpoints.save(model, optimizer, saved)
                 if on_checkpoint:
-                    on_checkpoint(state)
+                    on_checkpoint(saved)
+    progress.flush()
     model.eval()
+    last = progress.last
     if last is None:
         raise ValueError("train_drafter: no batch could be read (every shard unreadable)")
     return TrainResult(
-        iterations=iteration, samples=len(data.lengths), tokens=tokens, loss=history[-1],
-        vloss=last[1], ploss=last[2], accuracy=last[3],
-        wall_s=time.perf_counter() - start, loss_history=history, resumed_from_iteration=resumed_from,
+        iterations=iterations, samples=len(data.lengths), tokens=progress.tokens, loss=last.loss,
+        vloss=last.vloss, ploss=last.ploss, accuracy=last.accuracy,
+        wall_s=time.perf_counter() - start, loss_history=progress.history, resumed_from_iteration=state.iteration,
     )

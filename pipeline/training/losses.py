@@ -50,7 +50,7 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, target_hidden, target_weight, mask, chunk):  # noqa: ANN001
+    def forward(ctx, hidden, weight, target_hidden, target_weight, mask, chunk):
         acc = torch.promote_types(hidden.dtype, torch.float32)  # bf16 inputs accumulate in float32
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
@@ -90,7 +90,7 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
         return loss, hits
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_hits):  # noqa: ANN001
+    def backward(ctx, grad_loss, _grad_hits):
         grad_hidden, grad_weight = ctx.saved_tensors
         return (
             None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype),

@@ -1,6 +1,6 @@
 """Resumable training state in the object store: safetensors and JSON, never pickle.
 
-    training/<run>/<input id>/              one directory per training (its input identity)
+    training/<run>/<input id>/              one directory per training (`keys.training_prefix`)
     ├── latest.json                         commit point: {"iteration": 40, "directory": "iter-00000040"}
     └── iter-00000040/
         ├── model.safetensors               the drafter's trainable state (as in its vLLM checkpoint)
@@ -29,10 +29,6 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
 RNG_KEY = "rng.cpu"
-
-
-def checkpoint_prefix(run: str, input_id: str) -> str:
-    return f"training/{run}/{input_id}"
 
 
 @dataclass
@@ -66,7 +62,7 @@ class TrainingCheckpoints:
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: ResumeState) -> str:
         directory = f"iter-{state.iteration:08d}"
-        names = _trainable_names(model)
+        names = _optimizer_names(model, optimizer)
         optim_state = optimizer.state_dict()
         tensors = {RNG_KEY: torch.get_rng_state()}
         for index, per_param in optim_state["state"].items():
@@ -91,7 +87,7 @@ class TrainingCheckpoints:
             return None
         state, directory = found
         doc = self.store.read_json(self._key(directory, STATE_FILE))
-        names = _trainable_names(model)
+        names = _optimizer_names(model, optimizer)
         if doc["parameters"] != names:
             raise ValueError(f"{self.store.uri(self._key(directory))}: checkpoint parameters {doc['parameters']} "
                              f"differ from the model's {names}")
@@ -126,9 +122,11 @@ class TrainingCheckpoints:
         self.store.delete_prefix(self.prefix)
 
 
-def _trainable_names(model: torch.nn.Module) -> list[str]:
-    """Names of the parameters the optimizer holds, in its order (trainable ones, module order)."""
-    return [name for name, p in model.named_parameters() if p.requires_grad]
+def _optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Names of the parameters the optimizer holds, in its order (group by group): the optimizer's
+    state is indexed by that order."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node=N -m pipeline.training.worker   (N data-parallel ranks)
     python -m pipeline.training.worker --job job.json                      (by hand, without Dagster)
 
-The job (`cotrain.TrainJob`: config, RL step, MLflow run, input identity, warm start)
+The job (`plan.TrainJob`: config, RL step, MLflow run, input identity, warm start)
 arrives as the Pipes extra `job`. Every rank reads it from the Pipes context; only rank 0
 opens the message channel, so Dagster sees one process: rank 0 sends progress logs and the
 materialization (its metadata sums all ranks' work), and is the only rank that writes to
@@ -21,13 +21,14 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dagster_pipes import PipesDefaultContextLoader, PipesEnvVarParamsLoader, open_dagster_pipes
 
 from pipeline import report
-from pipeline.registry import DrafterRegistry
-from pipeline.training.cotrain import TrainJob, TrainOutcome, outcome_metadata, run_training
+from pipeline.registry import open_registry
+from pipeline.training.cotrain import run_training
 from pipeline.training.distributed import (
     DistContext,
     context_from_env,
@@ -35,6 +36,8 @@ from pipeline.training.distributed import (
     init_process_group,
     rank_device,
 )
+from pipeline.training.outcome import TrainOutcome, outcome_metadata
+from pipeline.training.plan import TrainJob
 
 
 def _exit_with_launcher(poll_s: float = 1.0) -> None:
@@ -51,7 +54,9 @@ def _exit_with_launcher(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
-def _train(job: TrainJob, ctx: DistContext, progress=None) -> TrainOutcome | None:  # noqa: ANN001
+def _train(
+    job: TrainJob, ctx: DistContext, progress: Callable[[str], None] | None = None
+) -> TrainOutcome | None:
     init_process_group(ctx, rank_device(ctx, job.pipeline_config.device))
     try:
         return run_training(job, ctx, progress)
@@ -88,20 +93,21 @@ def main(argv: list[str] | None = None) -> None:
         continued = f", continuing MLflow run {job.run_id}" if job.run_id else ""
         pipes.log.info(f"training RL step {job.step} on {ctx.world_size} rank(s){continued}")
         outcome = _train(job, ctx, pipes.log.info)
-        metadata: dict = outcome_metadata(outcome)
-        ui_url = pipes.extras.get("mlflow_ui_url")
-        if ui_url:
-            cfg = job.pipeline_config
-            registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name,
-                                       cfg.artifact_root)
-            metadata["mlflow_run"] = {"raw_value": registry.run_url(outcome.run_id, ui_url), "type": "url"}
-            metadata["mlflow_model_version"] = {"raw_value": registry.version_url(outcome.version, ui_url),
-                                                "type": "url"}
-        curve = report.loss_png(outcome.result.loss_history, f"drafter training, RL step {job.step}")
-        metadata["loss_curve"] = {"raw_value": report.png_markdown(curve, "training loss per iteration"),
-                                  "type": "md"}
-        metadata["world_size"] = ctx.world_size
+        metadata = _materialization(job, outcome, ctx, pipes.extras.get("mlflow_ui_url"))
         pipes.report_asset_materialization(metadata=metadata)
+
+
+def _materialization(job: TrainJob, outcome: TrainOutcome, ctx: DistContext, ui_url: str | None) -> dict:
+    """The drafter asset's metadata as rank 0 reports it: the outcome, links into MLflow, the loss curve."""
+    metadata: dict = outcome_metadata(outcome)
+    if ui_url:
+        registry = open_registry(job.pipeline_config)
+        metadata["mlflow_run"] = {"raw_value": registry.run_url(outcome.run_id, ui_url), "type": "url"}
+        metadata["mlflow_model_version"] = {"raw_value": registry.version_url(outcome.version, ui_url), "type": "url"}
+    curve = report.loss_png(outcome.result.loss_history, f"drafter training, RL step {job.step}")
+    metadata["loss_curve"] = {"raw_value": report.png_markdown(curve, "training loss per iteration"), "type": "md"}
+    metadata["world_size"] = ctx.world_size
+    return metadata
 
 
 if __name__ == "__main__":

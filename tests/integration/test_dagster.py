@@ -8,9 +8,10 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from definitions import build_definitions
-from jobs import SENSOR_NAME, rl_step_sensor
+from jobs.sensors import SENSOR_NAME, rl_step_sensor
 from pipeline.config import load_config
 from pipeline.data import shards
 from pipeline.data.keys import hidden_states_prefix, rollouts_prefix
@@ -18,6 +19,7 @@ from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.registry import DrafterRegistry
 from pipeline.sources.simulation import SimulatedRL
+from resources import PipelineResource, pipeline_resource
 
 ASSETS = ["rollouts", "hidden_states", "drafter_buffer", "drafter", "acceptance"]
 ALL_ASSETS = [*ASSETS, "fleet"]
@@ -248,3 +250,25 @@ def test_rerun_of_a_step_does_not_train_or_register_twice(tiny_config_path: Path
     registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name)
     assert len(registry.client.search_runs([registry.experiment_id])) == 1
     assert [str(v.version) for v in registry.client.search_model_versions(f"name = '{cfg.mlflow.model_name}'")] == ["1"]
+
+
+def test_a_run_reads_the_config_once_and_the_next_run_sees_an_edit(tiny_config_path: Path) -> None:
+    """Editing the YAML while a run is under way changes nothing in that run; the next run sees the edit
+    (the code location is not reloaded in between)."""
+    seen: list[str] = []
+
+    @dg.asset
+    def first(pipeline: PipelineResource) -> None:
+        seen.append(pipeline.config.run)
+        data = yaml.safe_load(tiny_config_path.read_text())
+        tiny_config_path.write_text(yaml.safe_dump({**data, "run": f"{data['run']}-edited"}))
+
+    @dg.asset(deps=[first])
+    def second(pipeline: PipelineResource) -> None:
+        seen.append(pipeline.config.run)
+
+    resources = {"pipeline": pipeline_resource(str(tiny_config_path))}
+    with dg.instance_for_test() as instance:
+        assert dg.materialize([first, second], resources=resources, instance=instance).success
+        assert dg.materialize([second], resources=resources, instance=instance).success
+    assert seen == ["test", "test", "test-edited"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import dagster as dg
 
 from definitions import build_definitions
-from jobs import DEPLOY_SENSOR_NAME, champion_sensor, live_tau_sensor
+from jobs.sensors import DEPLOY_SENSOR_NAME, champion_sensor, live_tau_sensor
 from pipeline.config import load_config
 from pipeline.data.store import open_store
 from pipeline.registry import DrafterRegistry
@@ -22,12 +22,12 @@ from pipeline.sources.simulation import SimulatedRL
 from tests.support.config import write_config
 
 
-def _tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None):  # noqa: ANN202
+def _tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None):
     return champion_sensor(dg.build_sensor_context(instance=instance, cursor=cursor, sensor_name=DEPLOY_SENSOR_NAME,
                                                    definitions=defs, resources=defs.resources))
 
 
-def _live(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None):  # noqa: ANN202
+def _live(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None):
     return live_tau_sensor(dg.build_sensor_context(instance=instance, cursor=cursor, sensor_name="live_tau_sensor",
                                                    definitions=defs, resources=defs.resources))
 
@@ -100,6 +100,14 @@ def check_promotions_reach_the_fleet_once_each(tmp_path: Path, instance: dg.Dags
         assert retrain.partition_key == "step-000002"
         assert retrain.run_key == "retrain:step-000002"
         assert "< fleet.live_tau_floor 4.9" in retrain.tags["retrain_reason"]
+        # The request retrains: the step's scheduled training (version 2) is not reused.
+        assert defs.resolve_job_def("rl_step_job").execute_in_process(
+            instance=instance, partition_key=retrain.partition_key, tags=retrain.tags,
+            asset_selection=retrain.asset_selection).success
+        md = instance.get_latest_materialization_event(dg.AssetKey("drafter")).asset_materialization.metadata
+        assert (md["trained"].value, md["model_version"].value) == (True, "3")
+        assert md["retrain_requested_by"].value == retrain.tags["retrain_reason"]
+        assert md["reason"].value.startswith(f"requested ({retrain.tags['retrain_reason']})")
         state = deploy.read_state(store, cfg.run)
         assert state["version"] == "2"
         assert [r["replica"] for r in state["replicas"]] == ["standin-0", "standin-1"]

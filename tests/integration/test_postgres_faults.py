@@ -154,7 +154,7 @@ def test_wrong_password_names_the_database_and_never_the_password(
 
     # Dagster left alone (a daemon, a webserver, a run worker): its own, vaguer error, without the password too.
     monkeypatch.setenv("DAGSTER_PG_HOST", postgres.host)
-    with pytest.raises(Exception, match="too many retries for DB connection") as e:  # noqa: PT011
+    with pytest.raises(Exception, match="too many retries for DB connection") as e:
         _instance(home).get_runs()
     assert WRONG not in _texts(e.value)
 

@@ -37,7 +37,7 @@ def test_production_instance_config_is_valid(tmp_path: Path) -> None:
     assert config["concurrency"]["pools"]["default_limit"] == 1
     launcher = config["run_launcher"]
     assert (launcher["module"], launcher["class"]) == ("dagster_k8s", "K8sRunLauncher")
-    checked = dg._config.validate_config(K8sRunLauncher.config_type(), launcher["config"])  # noqa: SLF001
+    checked = dg._config.validate_config(K8sRunLauncher.config_type(), launcher["config"])
     assert checked.success, checked.errors
 
 
@@ -138,7 +138,7 @@ def test_step_pods_run_config_fits_the_k8s_job_executor() -> None:
     from dagster_k8s import k8s_job_executor
 
     run_config = yaml.safe_load((DEPLOY / "executor.yaml").read_text())
-    checked = dg._config.validate_config(  # noqa: SLF001
+    checked = dg._config.validate_config(
         k8s_job_executor.config_schema.config_type, run_config["execution"]["config"])
     assert checked.success, checked.errors
     per_step = run_config["execution"]["config"]["per_step_k8s_config"]

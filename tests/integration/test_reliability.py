@@ -8,6 +8,7 @@ from a fault-injecting proxy (tests/support/fault_proxy.py) in front of a moto s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -29,7 +30,7 @@ from mlflow.exceptions import MlflowException
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data import buffer, shards
 from pipeline.data import rollouts as rollouts_lib
-from pipeline.data.keys import hidden_states_prefix
+from pipeline.data.keys import fleet_state_key, hidden_states_prefix
 from pipeline.data.store import ObjectStore, StorageFullError, open_store, storage_options_for
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
@@ -93,11 +94,11 @@ def _files(directory: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_sigkill_during_a_shard_write_leaves_no_partial_step(loop, reliability) -> None:  # noqa: ANN001
+def test_sigkill_during_a_shard_write_leaves_no_partial_step(loop, reliability) -> None:
     reliability.fault("SIGKILL during a shard write (first write and rewrite of a step), then rerun")
     path, cfg, store = loop
-    step1_dir = Path(store.local_path(hidden_states_prefix(cfg.run, 1)))
-    step2_dir = Path(store.local_path(hidden_states_prefix(cfg.run, 2)))
+    step1_dir = Path(store.uri(hidden_states_prefix(cfg.run, 1)).removeprefix("file://"))
+    step2_dir = Path(store.uri(hidden_states_prefix(cfg.run, 2)).removeprefix("file://"))
     committed = shards.read_manifest(store, cfg.run, 1)
 
     # A rewrite of step 1 killed halfway through its shard: readers still get the old, whole step.
@@ -137,7 +138,7 @@ def _versions(registry: DrafterRegistry) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("point", ["unregistered", "registered"])
 def test_sigkill_during_registration_then_rerun_gives_one_run_and_one_version(
-    loop, reliability, point: str  # noqa: ANN001
+    loop, reliability, point: str
 ) -> None:
     reliability.fault(f"SIGKILL during model registration ({'before' if point == 'unregistered' else 'after'} "
                       "the version is created), then rerun")
@@ -176,7 +177,7 @@ def _register_fresh(registry: DrafterRegistry, cfg: PipelineConfig, store: Objec
     return version
 
 
-def _served_drafter(driver: StandInDriver, replica) -> str:  # noqa: ANN001
+def _served_drafter(driver: StandInDriver, replica) -> str:
     """The --drafter directory the replica's running process was started with."""
     pid = int((driver.state_dir / f"{replica.name}.pid").read_text())
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
@@ -184,7 +185,7 @@ def _served_drafter(driver: StandInDriver, replica) -> str:  # noqa: ANN001
 
 
 @pytest.mark.slow
-def test_sigkill_during_a_deploy_then_rerun_serves_one_drafter(loop, reliability, tmp_path: Path) -> None:  # noqa: ANN001
+def test_sigkill_during_a_deploy_then_rerun_serves_one_drafter(loop, reliability, tmp_path: Path) -> None:
     reliability.fault("SIGKILL during a rolling deploy (after the first replica), then rerun")
     path, _, store = loop
     config = _variant(path, "kill-deploy", {"fleet": {"replicas": [{"name": f"rel-{i}", "port": p} for i, p in
@@ -207,7 +208,7 @@ def test_sigkill_during_a_deploy_then_rerun_serves_one_drafter(loop, reliability
         # Mid-rollout: the first replica already runs v2; the record still says v1.
         assert [f"/v{v2}/" in _served_drafter(driver, r) for r in replicas] == [True, False]
         assert registry.alias_version("live") == v1
-        assert not store.exists(deploy.state_key(cfg.run))
+        assert not store.exists(fleet_state_key(cfg.run))
 
         first_pid = int((cfg.data_path / "fleet" / "replicas" / f"{replicas[0].name}.pid").read_text())
         deploy.deploy(cfg, store, registry, v2, driver)
@@ -235,7 +236,7 @@ def _ports(n: int) -> list[int]:
 # -- S3 answering errors or slowly ------------------------------------------------------------------------------
 
 
-def test_s3_errors_and_slow_answers_are_retried(s3_endpoint: str, reliability) -> None:  # noqa: ANN001, F811
+def test_s3_errors_and_slow_answers_are_retried(s3_endpoint: str, reliability) -> None:  # noqa: F811
     reliability.fault("S3 server answering 500/503 and slowly for a while (shards + manifest)")
     prefix = f"faults-{uuid.uuid4().hex[:6]}"
     root = f"s3://{BUCKET}/{prefix}"
@@ -261,7 +262,7 @@ def test_s3_errors_and_slow_answers_are_retried(s3_endpoint: str, reliability) -
 
 
 @pytest.mark.slow
-def test_mlflow_down_mid_registration(loop, mlflow_server: str, reliability, monkeypatch) -> None:  # noqa: ANN001
+def test_mlflow_down_mid_registration(loop, mlflow_server: str, reliability, monkeypatch) -> None:
     reliability.fault("MLflow server down for a while at registration: the client waits and retries")
     reliability.fault("MLflow server down longer than the retries: clear error, the rerun resumes the run")
     reliability.fault("MLflow answer to create-version lost after the server acted (client retry)")
@@ -332,7 +333,7 @@ def _file_size_limit(limit: int) -> Iterator[None]:
         signal.signal(signal.SIGXFSZ, handler)
 
 
-def test_disk_full_while_writing_shards(tmp_path: Path, reliability) -> None:  # noqa: ANN001
+def test_disk_full_while_writing_shards(tmp_path: Path, reliability) -> None:
     reliability.fault("disk full while writing shards")
     with _small_filesystem(tmp_path / "small", "4m") as kind:
         store = ObjectStore((tmp_path / "small" / "store").as_uri())
@@ -389,7 +390,7 @@ def sqlite_registry(tmp_path_factory: pytest.TempPathFactory) -> DrafterRegistry
     ],
 )
 def test_registry_refuses_artifact_uris_outside_the_artifact_root(
-    sqlite_registry: DrafterRegistry, tmp_path: Path, reliability, source: str  # noqa: ANN001
+    sqlite_registry: DrafterRegistry, tmp_path: Path, reliability, source: str
 ) -> None:
     reliability.bad_input("registry artifact URI outside the artifact root (.., absolute path, other directory)")
     registry = sqlite_registry
@@ -405,7 +406,7 @@ def test_registry_refuses_artifact_uris_outside_the_artifact_root(
 
 
 @pytest.mark.parametrize("path", ["../evil", "drafter/../../evil", "/etc/passwd", "C:/x", "s3://b/k", "a/../../b"])
-def test_artifact_listing_paths_outside_the_root_are_refused(path: str, reliability) -> None:  # noqa: ANN001
+def test_artifact_listing_paths_outside_the_root_are_refused(path: str, reliability) -> None:
     from pipeline.registry import ArtifactPathError, check_artifact_path
 
     reliability.bad_input("registry artifact listing with .. or absolute paths")
@@ -430,7 +431,7 @@ def _edit_weights(directory: Path, key: str, tensor: torch.Tensor | None) -> Non
 
 @pytest.mark.parametrize("bad", ["pickle", "wrong-shape", "missing-key"])
 def test_deploy_refuses_a_bad_checkpoint_before_touching_a_replica(
-    loop, reliability, tmp_path: Path, bad: str  # noqa: ANN001
+    loop, reliability, tmp_path: Path, bad: str
 ) -> None:
     reliability.bad_input(f"deploy checkpoint: {'a pickle' if bad == 'pickle' else 'keys/shapes not its config'}")
     path, _, store = loop
@@ -459,7 +460,7 @@ def test_deploy_refuses_a_bad_checkpoint_before_touching_a_replica(
     assert deploy.read_state(store, cfg.run) == state
 
 
-def test_warm_start_checkpoint_that_does_not_match_its_config(loop, reliability, tmp_path: Path) -> None:  # noqa: ANN001
+def test_warm_start_checkpoint_that_does_not_match_its_config(loop, reliability, tmp_path: Path) -> None:
     reliability.bad_input("warm-start checkpoint whose safetensors shapes do not match its config")
     path, _, store = loop
     pointer = rollouts_lib.read_policy_pointer(store, load_config(path).run, 1)
@@ -479,7 +480,7 @@ def test_warm_start_checkpoint_that_does_not_match_its_config(loop, reliability,
 # -- bad rollouts -------------------------------------------------------------------------------------------------
 
 
-def test_loss_mask_all_zero_is_refused(tmp_path: Path, reliability) -> None:  # noqa: ANN001
+def test_loss_mask_all_zero_is_refused(tmp_path: Path, reliability) -> None:
     from pipeline.data.rollouts import PolicyPointer, Rollout, RolloutsError, is_committed, write_rollouts
 
     reliability.bad_input("loss mask all zero")
@@ -510,7 +511,7 @@ def test_loss_mask_all_zero_is_refused(tmp_path: Path, reliability) -> None:  # 
                      id="s3"),
     ],
 )
-def test_credentials_in_config_uris_are_refused_without_echoing_them(overrides: dict, key: str, reliability) -> None:  # noqa: ANN001
+def test_credentials_in_config_uris_are_refused_without_echoing_them(overrides: dict, key: str, reliability) -> None:
     from pipeline.config import ConfigError
 
     reliability.bad_input("credentials written into a config URI (user:password@)")
@@ -532,7 +533,7 @@ def _daemon(home: Path, config: Path, clocks: list[float], crash_point: str = ""
 
 
 @pytest.mark.slow
-def test_daemon_restarted_between_sensor_ticks_requests_each_step_once(tmp_path: Path, reliability) -> None:  # noqa: ANN001
+def test_daemon_restarted_between_sensor_ticks_requests_each_step_once(tmp_path: Path, reliability) -> None:
     import dagster as dg
     from dagster._core.storage.tags import RUN_KEY_TAG
 
@@ -591,15 +592,15 @@ def _leaks(*roots: Path) -> list[str]:
 def test_secrets_stay_out_of_logs_metadata_and_errors(
     s3_endpoint: str, mlflow_server: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture,
-    reliability,  # noqa: ANN001
+    reliability,
 ) -> None:
     import traceback
 
     import dagster as dg
 
     from definitions import build_definitions
-    from jobs import LIVE_TAU_SENSOR_NAME, live_tau_sensor
-    from pipeline.serving.fleet import GateConfig, GateError, ReplicaSpec, check_replica
+    from jobs.sensors import LIVE_TAU_SENSOR_NAME, live_tau_sensor
+    from pipeline.serving.fleet import GateError, ReplicaSpec, check_replica
     from tests.support.config import free_port
 
     reliability.security("S3 secret key, MLflow token, replica API key: none in logs, metadata, MLflow, errors")
@@ -632,7 +633,7 @@ def test_secrets_stay_out_of_logs_metadata_and_errors(
         events = [str(e) for e in instance.all_logs(failed.run_id)] + [str(tick.asset_events), str(tick.cursor)]
     replica = ReplicaSpec("keyed", "127.0.0.1", free_port(), "policy", api_key_env="REPLICA_API_KEY")
     with pytest.raises(GateError) as gate:
-        check_replica(replica, GateConfig(ready_timeout_s=0.5), [[1, 2]])
+        check_replica(replica, dataclasses.replace(deploy.gate_config(load_config()), ready_timeout_s=0.5), [[1, 2]])
     errors.append(gate.value)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     with pytest.raises(MlflowException) as unreachable:
@@ -664,7 +665,7 @@ UNSAFE = [
 ]
 
 
-def test_no_unsafe_loading_in_the_product(reliability) -> None:  # noqa: ANN001
+def test_no_unsafe_loading_in_the_product(reliability) -> None:
     import re
 
     reliability.security("no pickle loading, torch.load only weights_only=True, no unchecked archive extraction")

@@ -22,9 +22,10 @@ from pipeline.data.store import open_store
 from pipeline.registry import DrafterRegistry
 from pipeline.sources import extract
 from pipeline.sources.simulation import SimulatedRL
-from pipeline.training import cotrain
+from pipeline.training import plan as plan_lib
 from pipeline.training.launch import TRAIN_MODULE
-from resources import build_resources
+from pipeline.training.outcome import read_outcome
+from resources import pipeline_resource
 from tests.support.config import write_config
 
 STEP, KEY = 1, "step-000001"
@@ -40,7 +41,7 @@ def _prepare_step(config_path: Path) -> None:
 
 
 def _materialize_drafter(config_path: Path, instance: dg.DagsterInstance) -> dg.ExecuteInProcessResult:
-    return dg.materialize([drafter], partition_key=KEY, resources=build_resources(str(config_path)),
+    return dg.materialize([drafter], partition_key=KEY, resources={"pipeline": pipeline_resource(str(config_path))},
                           instance=instance, raise_on_error=False)
 
 
@@ -68,7 +69,7 @@ def test_two_ranks_through_the_launcher_equal_one_process(tmp_path: Path) -> Non
             assert result.success, name
             metadata = result.asset_materializations_for_node("drafter")[0].metadata
             assert metadata["world_size"].value == (2 if name == "two" else 1)
-            records[name] = cotrain.read_outcome(store, load_config(path).run, STEP)
+            records[name] = read_outcome(store, load_config(path).run, STEP)
     assert records["two"]["iterations"] == records["one"]["iterations"] >= 4
     torch.testing.assert_close(torch.tensor(records["two"]["loss_history"]),
                                torch.tensor(records["one"]["loss_history"]), rtol=2e-3, atol=1e-4)
@@ -144,7 +145,7 @@ def test_a_killed_training_resumes_from_its_checkpoint(tmp_path: Path, mlflow_se
         assert metadata["resumed_from_iteration"].value == checkpointed
         assert metadata["model_version"].value == "1"
 
-    outcome = cotrain.read_outcome(store, cfg.run, STEP)
+    outcome = read_outcome(store, cfg.run, STEP)
     assert checkpointed < outcome["iterations"]
     assert outcome["resumed_from_iteration"] == checkpointed
     assert len(outcome["loss_history"]) == outcome["iterations"]
@@ -161,15 +162,15 @@ def test_a_killed_training_resumes_from_its_checkpoint(tmp_path: Path, mlflow_se
 
 def test_a_training_job_round_trips_as_json_and_names_what_is_missing(tiny_config_path: Path) -> None:
     cfg = load_config(tiny_config_path)
-    job = cotrain.TrainJob(3, cfg.model_dump(mode="json"), "run-1", "abc", "buffer holds 9 samples", None,
+    job = plan_lib.TrainJob(3, cfg.model_dump(mode="json"), "run-1", "abc", "buffer holds 9 samples", None,
                            {"rl_step": "step-000003"})
-    again = cotrain.TrainJob.from_dict(json.loads(json.dumps(job.to_dict())))
+    again = plan_lib.TrainJob.from_dict(json.loads(json.dumps(job.to_dict())))
     assert again == job
     assert again.pipeline_config == cfg  # the process rebuilds the very same config
     doc = job.to_dict()
     del doc["run_id"], doc["input_id"]
     with pytest.raises(ValueError, match="training job is missing input_id, run_id"):
-        cotrain.TrainJob.from_dict(doc)
+        plan_lib.TrainJob.from_dict(doc)
 
 
 def test_placement_settings_do_not_change_a_trainings_identity(tiny_config_path: Path) -> None:
@@ -177,6 +178,6 @@ def test_placement_settings_do_not_change_a_trainings_identity(tiny_config_path:
     cfg = load_config(tiny_config_path)
     moved = load_config(tiny_config_path, {"train": {"checkpoint_every": 7, "k8s": {"image": "x"}}})
     entries = [buffer_lib.BufferEntry(step=1, sample_id="a", shard="s", row=0, tokens=5)]
-    assert cotrain.input_identity(cfg, entries, "p") == cotrain.input_identity(moved, entries, "p")
+    assert plan_lib.input_identity(cfg, entries, "p") == plan_lib.input_identity(moved, entries, "p")
     wider = load_config(tiny_config_path, {"train": {"nproc_per_node": 2}})  # a different global batch
-    assert cotrain.input_identity(cfg, entries, "p") != cotrain.input_identity(wider, entries, "p")
+    assert plan_lib.input_identity(cfg, entries, "p") != plan_lib.input_identity(wider, entries, "p")

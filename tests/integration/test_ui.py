@@ -186,7 +186,7 @@ def page(stack: Stack):
 
 
 @contextlib.contextmanager
-def browser_page():  # noqa: ANN201  (a Playwright page)
+def browser_page():
     """A page of headless Chromium (Debian's), screenshot as it is when the block ends."""
     if not CHROMIUM.exists():
         pytest.fail(f"{CHROMIUM} is missing: `make browser` installs Debian's chromium (make test does it first)")
@@ -322,7 +322,7 @@ def test_registered_drafter_and_alias_in_the_mlflow_ui(stack: Stack, page) -> No
     check_mlflow_ui(page, stack.mlflow, "ui-test", MODEL, STEPS)
 
 
-def check_mlflow_ui(page, mlflow: str, experiment_name: str, model: str, steps: list[int], shots: str = "") -> None:  # noqa: ANN001
+def check_mlflow_ui(page, mlflow: str, experiment_name: str, model: str, steps: list[int], shots: str = "") -> None:
     """The runs of `steps` in the experiment, the registered `model` with its champion alias and tags, in the
     MLflow UI at `mlflow`; screenshots named with the prefix `shots`."""
     client = MlflowClient(tracking_uri=mlflow)

@@ -63,7 +63,7 @@ def _seed_pretrained_target(config_path: Path) -> None:
         os.environ[_PRETRAINED_ENV] = shared_dir
         atexit.register(shutil.rmtree, shared_dir, True)
     shared = SimulatedRL(cfg.simulation, None, cfg.run, Path(shared_dir))
-    source = shared._cache_path()  # noqa: SLF001  (the cache's own naming, by the simulation config)
+    source = shared._cache_path()  # the cache's own naming, by the simulation config
     if not (source / "model.safetensors").exists():
         shared.pretrained()
     shutil.copytree(source, cfg.data_path / "cache" / source.name, dirs_exist_ok=True)

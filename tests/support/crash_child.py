@@ -31,7 +31,7 @@ def _kill_halfway_through_first_shard() -> None:
     original = ObjectStore.open_write
 
     class HalfThenDie:
-        def __init__(self, f) -> None:  # noqa: ANN001
+        def __init__(self, f) -> None:
             self.f = f
 
         def write(self, data: bytes) -> None:
@@ -41,7 +41,7 @@ def _kill_halfway_through_first_shard() -> None:
             _die()
 
     @contextmanager
-    def open_write(self: ObjectStore, key: str):  # noqa: ANN202
+    def open_write(self: ObjectStore, key: str):
         with original(self, key) as f:
             yield HalfThenDie(f) if key.endswith(".arrow") else f
 
@@ -53,7 +53,7 @@ def _kill_around_create_model_version(after: bool) -> None:
 
     original = MlflowClient.create_model_version
 
-    def create_model_version(self: MlflowClient, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def create_model_version(self: MlflowClient, *args, **kwargs):
         if not after:
             _die()
         result = original(self, *args, **kwargs)
@@ -68,7 +68,7 @@ def _kill_after_first_replica() -> None:
 
     original = fleet.check_replica
 
-    def check_replica(*args, **kwargs) -> float:  # noqa: ANN002, ANN003
+    def check_replica(*args, **kwargs) -> float:
         tau = original(*args, **kwargs)
         _die()
         return tau

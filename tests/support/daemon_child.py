@@ -30,7 +30,7 @@ def main(clocks: list[float], crash_point: str = "") -> None:
     from dagster._core.workspace.load_target import InProcessWorkspaceLoadTarget
     from dagster._daemon.sensor import execute_sensor_iteration
 
-    from jobs import SENSOR_NAME
+    from jobs.sensors import SENSOR_NAME
 
     origin = InProcessCodeLocationOrigin(
         LoadableTargetOrigin(executable_path=sys.executable, python_file=str(ROOT / "definitions.py"),

@@ -150,6 +150,6 @@ class FaultProxy:
                 if self.command != "HEAD":
                     self.wfile.write(data)
 
-            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = do_PATCH = _any  # noqa: N815
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = do_PATCH = _any
 
         return Handler

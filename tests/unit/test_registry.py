@@ -39,8 +39,8 @@ def test_register_alias_and_load_through_server(mlflow_server: str, tmp_path: Pa
     # A second registry object (another process in production) sees the same state.
     again = DrafterRegistry(mlflow_server, "exp", "drafter")
     assert again.alias_version("champion") == "1"
-    assert again.find_run({"rl_step": "step-000001"}) == run_id
-    assert again.find_run({"rl_step": "step-000002"}) is None
+    assert again.run_finished(run_id)
+    assert again.version_tags(version)["rl_step"] == "1"
 
 
 def test_sqlite_registry_versions_increase(tmp_path: Path) -> None:

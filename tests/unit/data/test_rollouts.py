@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import re
 from pathlib import Path
 
@@ -10,10 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data import keys as steps
-from pipeline.data.keys import parse_step_key, rollouts_prefix, step_key
+from pipeline.data.keys import POLICY_FILE, ROLLOUTS_FILE, parse_step_key, rollouts_prefix, step_key
 from pipeline.data.rollouts import (
-    POLICY_FILE,
-    ROLLOUTS_FILE,
     ROLLOUTS_SCHEMA,
     PolicyPointer,
     Rollout,
@@ -67,7 +66,7 @@ def test_round_trip(store: ObjectStore) -> None:
     assert uri == store.uri(f"rollouts/{RUN}/step-000003/{ROLLOUTS_FILE}")
     assert read_rollouts(store, RUN, STEP) == items
     assert read_policy_pointer(store, RUN, STEP) == POINTER
-    table = pq.read_table(store.local_path(f"rollouts/{RUN}/step-000003/{ROLLOUTS_FILE}"))
+    table = pq.read_table(io.BytesIO(store.read_bytes(f"rollouts/{RUN}/step-000003/{ROLLOUTS_FILE}")))
     assert table.schema.metadata[b"schema_version"] == b"1"
     assert table.schema.field("input_ids").type == pa.list_(pa.int32())
     assert table.schema.field("loss_mask").type == pa.list_(pa.int8())

@@ -133,7 +133,7 @@ class _StandInVllm(BaseHTTPRequestHandler):
 
     seen: list[dict] = []
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         _StandInVllm.seen.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
         reply = {"id": "cmpl-1", "choices": [{"text": "x"}]}

@@ -16,7 +16,8 @@ from pipeline.models.eagle import EagleDrafter
 from pipeline.models.eagle3 import Eagle3Drafter
 from pipeline.models.target import build_target, tiny_llama_config
 from pipeline.registry import DrafterRegistry
-from pipeline.training.cotrain import _initial_drafter, training_decision
+from pipeline.training.cotrain import _initial_drafter
+from pipeline.training.plan import training_decision
 
 
 @pytest.mark.parametrize(
@@ -45,7 +46,7 @@ def test_a_retraining_request_overrides_the_interval_only() -> None:
 
 
 @pytest.fixture
-def target():  # noqa: ANN201
+def target():
     return build_target(tiny_llama_config(32, 32, 2, 2), 0)
 
 
@@ -55,7 +56,7 @@ def _hidden(n: int = 4) -> list[HiddenSample]:
                          torch.zeros(10, 4, 32, dtype=torch.bfloat16)) for i in range(n)]
 
 
-def test_warm_start_from_an_external_eagle3_checkpoint(tmp_path: Path, target) -> None:  # noqa: ANN001
+def test_warm_start_from_an_external_eagle3_checkpoint(tmp_path: Path, target) -> None:
     """A checkpoint trained elsewhere, in the `layers.0.` variant, starts the first training."""
     cfg = load_config(overrides={"data_dir": str(tmp_path), "drafter": {"kind": "eagle3", "draft_vocab_size": 24}})
     external = fresh_drafter(cfg.drafter, target, torch.arange(32), seed=5)
@@ -73,7 +74,7 @@ def test_warm_start_from_an_external_eagle3_checkpoint(tmp_path: Path, target) -
         assert torch.equal(drafter.trainable_state_dict()[key], tensor), key
 
 
-def test_warm_start_of_the_wrong_kind_is_refused(tmp_path: Path, target) -> None:  # noqa: ANN001
+def test_warm_start_of_the_wrong_kind_is_refused(tmp_path: Path, target) -> None:
     cfg = load_config(overrides={"data_dir": str(tmp_path), "drafter": {"kind": "eagle"}})
     directory = save_drafter(fresh_drafter(cfg.drafter, target, torch.arange(32), seed=0), tmp_path / "eagle")
     registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)
@@ -83,7 +84,7 @@ def test_warm_start_of_the_wrong_kind_is_refused(tmp_path: Path, target) -> None
         _initial_drafter(cfg, registry, None, target, _hidden())
 
 
-def test_fresh_eagle3_draft_vocab_counts_response_tokens_only(tmp_path: Path, target) -> None:  # noqa: ANN001
+def test_fresh_eagle3_draft_vocab_counts_response_tokens_only(tmp_path: Path, target) -> None:
     cfg = load_config(overrides={"data_dir": str(tmp_path), "drafter": {"kind": "eagle3", "draft_vocab_size": 3}})
     registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)
     ids = torch.tensor([9, 9, 9, 9, 1, 2, 3, 1, 2, 1])  # prompt: token 9 four times; response: 1 x3, 2 x2, 3 x1
@@ -93,7 +94,7 @@ def test_fresh_eagle3_draft_vocab_counts_response_tokens_only(tmp_path: Path, ta
     assert drafter.draft_to_target.tolist() == [1, 2, 3]
 
 
-def test_champion_of_another_kind_is_not_a_warm_start(tmp_path: Path, target) -> None:  # noqa: ANN001
+def test_champion_of_another_kind_is_not_a_warm_start(tmp_path: Path, target) -> None:
     cfg = load_config(overrides={"data_dir": str(tmp_path), "drafter": {"kind": "eagle"}})
     registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)
     run_id = registry.start_run("r", {})

@@ -26,11 +26,11 @@ from tests.unit.training.test_loop import drafter_for as _drafter
 V, H, HEADS = 32, 32, 2
 
 
-def _target():  # noqa: ANN202
+def _target():
     return target_lib.build_target(target_lib.tiny_llama_config(V, H, 1, HEADS), seed=0)
 
 
-def _samples(target, n: int = 11) -> list[Sample]:  # noqa: ANN001
+def _samples(target, n: int = 11) -> list[Sample]:
     """Odd count and mixed lengths: shares differ in size and the last global batch has one sample."""
     g = torch.Generator().manual_seed(3)
     out = []
@@ -45,8 +45,9 @@ def _samples(target, n: int = 11) -> list[Sample]:  # noqa: ANN001
 
 
 def _cfg(batch_size_per_gpu: int) -> TrainConfig:
+    # fp32 on a GPU too: the GPU runs are compared with the CPU's fp32 losses.
     return TrainConfig(epochs=2, batch_size_per_gpu=batch_size_per_gpu, max_seq_len=256, window_tokens=64, seed=4,
-                       optim=OptimConfig(lr=3e-3, lr_warmup_steps=2))
+                       optim=OptimConfig(lr=3e-3, lr_warmup_steps=2), dtype="fp32")
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str, device: str = "cpu") -> None:

@@ -129,3 +129,22 @@ def test_train_drafter_is_reproducible(target, dataset: list[Sample]) -> None:
 def test_train_drafter_needs_samples(target) -> None:
     with pytest.raises(ValueError, match="no samples"):
         train_drafter(drafter_for(target), InMemoryDataset([]), TrainConfig())
+
+
+def test_metrics_logged_every_n_iterations_are_those_of_every_iteration(target, dataset: list[Sample]) -> None:
+    """Copying the figures to the host every `log_every` iterations changes neither the training nor the
+    log: each iteration is logged once, in order, with its own loss and gradient norm."""
+    runs = {}
+    for log_every in (1, 5):
+        cfg = TrainConfig(epochs=2, batch_size_per_gpu=3, seed=3, log_every=log_every)
+        sink = RecordingSink()
+        result = train_drafter(drafter_for(target), InMemoryDataset(dataset), cfg, sink=sink)
+        runs[log_every] = (result, sink.records)
+    (every, every_records), (fifth, fifth_records) = runs[1], runs[5]
+    assert fifth.iterations % 5 != 0  # the last, partial window is logged too
+    assert fifth.loss_history == every.loss_history
+    assert [step for step, _ in fifth_records] == list(range(fifth.iterations))
+    for (_, a), (_, b) in zip(every_records, fifth_records, strict=True):
+        assert {k: a[k] for k in ("loss", "vloss", "ploss", "accuracy", "grad_norm", "lr")} == {
+            k: b[k] for k in ("loss", "vloss", "ploss", "accuracy", "grad_norm", "lr")}
+    assert all(r["grad_norm"] > 0 for _, r in fifth_records)

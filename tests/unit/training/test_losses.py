@@ -123,7 +123,7 @@ class _RecordShapes(TorchFunctionMode):
         super().__init__()
         self.shapes: list[tuple[int, ...]] = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, tuple) else (out,):
             if isinstance(t, torch.Tensor):

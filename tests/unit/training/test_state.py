@@ -8,23 +8,24 @@ import pytest
 import torch
 
 from pipeline.config import OptimConfig, TrainConfig
+from pipeline.data.keys import training_prefix
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.training.dataset import InMemoryDataset, Sample
 from pipeline.training.loop import train_drafter
-from pipeline.training.state import LATEST, ResumeState, TrainingCheckpoints, checkpoint_prefix
+from pipeline.training.state import LATEST, ResumeState, TrainingCheckpoints
 from tests.unit.training.test_loop import drafter_for as _drafter
 
 V, H, HEADS = 32, 32, 2
 
 
 @pytest.fixture(scope="module")
-def target():  # noqa: ANN201
+def target():
     return target_lib.build_target(target_lib.tiny_llama_config(V, H, 1, HEADS), seed=0)
 
 
 @pytest.fixture(scope="module")
-def samples(target) -> list[Sample]:  # noqa: ANN001
+def samples(target) -> list[Sample]:
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(10):
@@ -42,10 +43,10 @@ CFG = TrainConfig(epochs=3, batch_size_per_gpu=3, max_seq_len=128, window_tokens
 
 
 def test_resume_from_the_last_checkpoint_reproduces_the_uninterrupted_training(
-    tmp_path: Path, target, samples: list[Sample]  # noqa: ANN001
+    tmp_path: Path, target, samples: list[Sample]
 ) -> None:
     store = ObjectStore(tmp_path.as_uri())
-    checkpoints = TrainingCheckpoints(store, checkpoint_prefix("test", "abc"))
+    checkpoints = TrainingCheckpoints(store, training_prefix("test", "abc"))
     saved: list[int] = []
     reference = _drafter(target)
     full = train_drafter(reference, InMemoryDataset(samples), CFG, checkpoints=checkpoints,
@@ -67,7 +68,7 @@ def test_resume_from_the_last_checkpoint_reproduces_the_uninterrupted_training(
         assert torch.equal(resumed_model.trainable_state_dict()[key], value), key
 
 
-def test_optimizer_state_round_trips_bit_exactly(tmp_path: Path, target, samples: list[Sample]) -> None:  # noqa: ANN001
+def test_optimizer_state_round_trips_bit_exactly(tmp_path: Path, target, samples: list[Sample]) -> None:
     model = _drafter(target)
     train_drafter(model, InMemoryDataset(samples), CFG.model_copy(update={"epochs": 1}))
     params = [p for p in model.parameters() if p.requires_grad]
@@ -92,7 +93,7 @@ def test_optimizer_state_round_trips_bit_exactly(tmp_path: Path, target, samples
             assert torch.equal(optimizer.state[a][key], other_optimizer.state[b][key]), key
 
 
-def test_no_pickle_in_a_checkpoint(tmp_path: Path, target) -> None:  # noqa: ANN001
+def test_no_pickle_in_a_checkpoint(tmp_path: Path, target) -> None:
     model = _drafter(target)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params)
@@ -102,7 +103,7 @@ def test_no_pickle_in_a_checkpoint(tmp_path: Path, target) -> None:  # noqa: ANN
     assert files == ["latest.json", "model.safetensors", "optimizer.safetensors", "state.json"]
 
 
-def test_a_checkpoint_of_another_training_shape_is_refused(tmp_path: Path, target, samples) -> None:  # noqa: ANN001
+def test_a_checkpoint_of_another_training_shape_is_refused(tmp_path: Path, target, samples) -> None:
     checkpoints = TrainingCheckpoints(ObjectStore(tmp_path.as_uri()), "training/x/y")
     train_drafter(_drafter(target), InMemoryDataset(samples), CFG, checkpoints=checkpoints)
     longer = CFG.model_copy(update={"epochs": 4})
@@ -110,7 +111,7 @@ def test_a_checkpoint_of_another_training_shape_is_refused(tmp_path: Path, targe
         train_drafter(_drafter(target), InMemoryDataset(samples), longer, checkpoints=checkpoints)
 
 
-def test_a_half_written_checkpoint_is_ignored_and_cleaned(tmp_path: Path, target, samples) -> None:  # noqa: ANN001
+def test_a_half_written_checkpoint_is_ignored_and_cleaned(tmp_path: Path, target, samples) -> None:
     """A process killed after writing weights but before `latest.json` leaves the previous checkpoint in force."""
     store = ObjectStore(tmp_path.as_uri())
     checkpoints = TrainingCheckpoints(store, "training/x/y")

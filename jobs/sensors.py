@@ -1,0 +1,123 @@
+"""Sensors: new RL steps in (one run per step), a promoted champion out to the fleet, and a
+retraining when the fleet's live acceptance falls below its floor."""
+
+import json
+
+import dagster as dg
+
+from assets.partitions import RETRAIN_TAG, rl_step
+from jobs import deploy_job, rl_step_job
+from pipeline.config import PipelineConfig
+from pipeline.data.keys import rollouts_root, step_key
+from pipeline.data.rollouts import committed_steps
+from pipeline.serving import deploy
+from pipeline.serving.fleet import scrape
+from pipeline.serving.metrics import SpecCounters
+from resources import PipelineResource
+
+SENSOR_NAME = "rl_step_sensor"
+DEPLOY_SENSOR_NAME = "champion_sensor"
+LIVE_TAU_SENSOR_NAME = "live_tau_sensor"
+
+
+@dg.sensor(
+    name=SENSOR_NAME,
+    job=rl_step_job,
+    minimum_interval_seconds=30,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Adds an `rl_step` partition for every committed step under rollouts/<run>/ and requests "
+    "one run of rl_step_job per step (run_key = the step, so a step is never run twice).",
+)
+def rl_step_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResource) -> dg.SensorResult | dg.SkipReason:
+    cfg = pipeline.config
+    last_seen = int(context.cursor) if context.cursor else 0
+    # Past the cursor, or behind it but never added (a trainer that committed steps out of order):
+    # none is skipped, and run_key = the step keeps any from being requested twice.
+    known = set(context.instance.get_dynamic_partitions(rl_step.name))
+    new = [s for s in committed_steps(pipeline.store(), cfg.run) if s > last_seen or step_key(s) not in known]
+    if not new:
+        return dg.SkipReason(f"no committed RL step after {step_key(last_seen)} under {rollouts_root(cfg.run)}/")
+    keys = [step_key(s) for s in new]
+    return dg.SensorResult(
+        run_requests=[dg.RunRequest(partition_key=k, run_key=k) for k in keys],
+        dynamic_partitions_requests=[rl_step.build_add_request(keys)],
+        cursor=str(max(new[-1], last_seen)),
+    )
+
+
+@dg.sensor(
+    name=DEPLOY_SENSOR_NAME,
+    job=deploy_job,
+    minimum_interval_seconds=30,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Watches the `champion` alias of the registered drafter (moved by policy or by a person in the "
+    "MLflow UI) and requests one deploy per version: run_key = <model>:<version>.",
+)
+def champion_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResource) -> dg.SensorResult | dg.SkipReason:
+    cfg = pipeline.config
+    if cfg.fleet.driver == "none":
+        return dg.SkipReason("fleet.driver is none: no fleet to deploy to")
+    registry = pipeline.registry()
+    champion = registry.alias_version("champion")
+    if champion is None:
+        return dg.SkipReason(f"{registry.model_name} has no `champion` alias yet")
+    if champion == context.cursor:
+        return dg.SkipReason(f"champion {registry.model_name} version {champion} already requested")
+    return dg.SensorResult(
+        run_requests=[
+            dg.RunRequest(
+                run_key=f"{registry.model_name}:{champion}",
+                run_config={"ops": {"fleet": {"config": {"version": champion}}}},
+                tags={"drafter_version": champion},
+            )
+        ],
+        cursor=champion,
+    )
+
+
+@dg.sensor(
+    name=LIVE_TAU_SENSOR_NAME,
+    job=rl_step_job,
+    minimum_interval_seconds=60,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Scrapes each replica's /metrics, records the live tau since the last tick as an observation "
+    "of `fleet`, and below fleet.live_tau_floor requests retraining on the newest step.",
+)
+def live_tau_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResource) -> dg.SensorResult | dg.SkipReason:
+    cfg = pipeline.config
+    if cfg.fleet.driver == "none" or not cfg.fleet.replicas:
+        return dg.SkipReason("no fleet configured")
+    now, metadata, taus = _scrape_live_tau(cfg, json.loads(context.cursor) if context.cursor else {})
+    events = [dg.AssetObservation(asset_key="fleet", metadata=metadata)] if metadata else []
+    requests = []
+    floor = cfg.fleet.live_tau_floor
+    steps = committed_steps(pipeline.store(), cfg.run) if taus and floor and sum(taus) / len(taus) < floor else []
+    if steps:
+        requests.append(dg.RunRequest(
+            # One retraining per step: the daemon drops repeats of a run_key. The reason tag makes the
+            # drafter asset train (it is part of the training's input identity) and says why.
+            partition_key=step_key(steps[-1]),
+            run_key=f"retrain:{step_key(steps[-1])}",
+            asset_selection=[dg.AssetKey("drafter"), dg.AssetKey("acceptance")],
+            tags={RETRAIN_TAG: f"live tau {sum(taus) / len(taus):.2f} < fleet.live_tau_floor {floor}"},
+        ))
+    return dg.SensorResult(asset_events=events, run_requests=requests, cursor=json.dumps(now))
+
+
+def _scrape_live_tau(cfg: PipelineConfig, earlier: dict) -> tuple[dict, dict, list[float]]:
+    """Each replica's counters now, the observation's metadata, and the live tau of each replica
+    over the window since `earlier` (the last tick's counters)."""
+    now, metadata, taus = {}, {}, []
+    for replica in deploy.replicas(cfg):
+        try:
+            counters = scrape(replica)
+        except OSError as exc:
+            metadata[f"{replica.name}_status"] = f"unreachable: {exc}"
+            continue
+        now[replica.name] = counters.to_json()
+        if replica.name in earlier:
+            window = counters - SpecCounters.from_json(earlier[replica.name])
+            if window.mean_acceptance_length is not None:
+                metadata[f"{replica.name}_live_tau"] = window.mean_acceptance_length
+                taus.append(window.mean_acceptance_length)
+    return now, metadata, taus

@@ -1,0 +1,62 @@
+"""What a step's training stage ended with: trained (and what), reused, or skipped, and why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.data.keys import drafter_key
+from pipeline.data.store import ObjectStore
+from pipeline.training.loop import TrainResult
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    trained: bool
+    reason: str
+    buffer_samples: int
+    run_id: str | None = None
+    version: str | None = None
+    warm_start_version: str | None = None
+    result: TrainResult | None = None
+    trained_on_steps: tuple[int, ...] = ()
+    requested_by: str | None = None  # why a retraining was requested off the schedule (e.g. live tau too low)
+
+    def record(self, step: int) -> dict:
+        """What later stages (and people) need to know about this step's training."""
+        out = {"step": step, "trained": self.trained, "reason": self.reason, "buffer_samples": self.buffer_samples,
+               "run_id": self.run_id, "version": self.version, "warm_start_version": self.warm_start_version,
+               "trained_on_steps": list(self.trained_on_steps), "requested_by": self.requested_by}
+        if self.result:
+            out.update(iterations=self.result.iterations, resumed_from_iteration=self.result.resumed_from_iteration,
+                       loss=self.result.loss, vloss=self.result.vloss,
+                       ploss=self.result.ploss, accuracy=self.result.accuracy, wall_s=self.result.wall_s,
+                       tokens_per_s=self.result.tokens_per_s, loss_history=self.result.loss_history)
+        return out
+
+
+def outcome_metadata(outcome: TrainOutcome) -> dict[str, str | int | float | bool]:
+    """What an operator reads on the drafter asset (plain values: Dagster and Dagster Pipes both take them)."""
+    metadata: dict[str, str | int | float | bool] = {
+        "trained": outcome.trained, "reason": outcome.reason, "buffer_samples": outcome.buffer_samples}
+    if outcome.requested_by:
+        metadata["retrain_requested_by"] = outcome.requested_by
+    if outcome.trained and outcome.result:
+        metadata.update({
+            "mlflow_run_id": outcome.run_id or "", "model_version": outcome.version or "",
+            "trained_on_steps": str(sorted(outcome.trained_on_steps)),
+            "warm_start_version": outcome.warm_start_version or "none (fresh)",
+            "iterations": outcome.result.iterations, "resumed_from_iteration": outcome.result.resumed_from_iteration,
+            "final_loss": round(outcome.result.loss, 4), "token_accuracy": round(outcome.result.accuracy, 4),
+            "tokens_per_s": round(outcome.result.tokens_per_s, 1),
+        })
+    return metadata
+
+
+def write_outcome(store: ObjectStore, run: str, step: int, outcome: TrainOutcome) -> dict:
+    record = outcome.record(step)
+    store.write_json(drafter_key(run, step), record)
+    return record
+
+
+def read_outcome(store: ObjectStore, run: str, step: int) -> dict:
+    return store.read_json(drafter_key(run, step))

@@ -1,0 +1,164 @@
+"""The orchestrator's half of a training: decide, identify the inputs, and hand the training
+process a job (or record why there is nothing to train).
+
+`plan_training` only reads (the buffer, the policy pointer, the registry); `settle_plan`
+is where the plan touches MLflow: it finishes what a killed attempt left registered, or
+reopens the run an unfinished attempt left behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+from pipeline.config import PipelineConfig, TrainConfig, parse_config
+from pipeline.data import rollouts as rollouts_lib
+from pipeline.data.buffer import BufferEntry, composition, read_buffer
+from pipeline.data.store import ObjectStore
+from pipeline.registry import DrafterRegistry
+from pipeline.training.outcome import TrainOutcome
+
+
+def training_decision(
+    step: int, buffer_samples: int, cfg: TrainConfig, requested_by: str | None = None
+) -> tuple[bool, str]:
+    """FastRL's trigger: every `training_interval_steps`, once the buffer holds `min_samples`;
+    a request (e.g. live tau below its floor) overrides the interval, not the other two."""
+    if not cfg.enable_drafter_training:
+        return False, "train.enable_drafter_training is false"
+    if requested_by and buffer_samples >= cfg.min_samples:
+        return True, f"requested ({requested_by}); buffer holds {buffer_samples} samples"
+    if step % cfg.training_interval_steps:
+        return False, f"step {step} is not a multiple of train.training_interval_steps={cfg.training_interval_steps}"
+    if buffer_samples < cfg.min_samples:
+        return False, f"buffer holds {buffer_samples} samples, fewer than train.min_samples={cfg.min_samples}"
+    return True, f"buffer holds {buffer_samples} samples"
+
+
+# Where a training runs, how often it saves and how often it reports do not change what it learns:
+# kept out of its identity.
+_PLACEMENT_KEYS = {"launcher", "k8s", "checkpoint_every", "log_every"}
+
+
+def input_identity(
+    cfg: PipelineConfig, entries: list[BufferEntry], policy_uri: str, requested_by: str | None = None
+) -> str:
+    """The data and settings a training depends on, and the request that asked for it off the
+    schedule: a retraining must not find the version the step's scheduled training registered.
+    The warm start is left out on purpose: a rerun of a step finds the champion that step itself
+    promoted, yet trains on the same data."""
+    doc = {
+        "run": cfg.run, "train": cfg.train.model_dump(exclude=_PLACEMENT_KEYS), "drafter": cfg.drafter.model_dump(),
+        # Samples by id, not by shard file: rewriting a step's shards gives new file names.
+        "samples": [(e.step, e.sample_id) for e in entries], "policy": policy_uri,
+    }
+    if requested_by:
+        doc["requested_by"] = requested_by
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """One training as the training process receives it (JSON: Dagster Pipes extras or a file).
+
+    The orchestrator decides, names the MLflow run and fixes the warm start; the training
+    process (every rank) rebuilds everything else from the config and the store.
+    """
+
+    step: int
+    config: dict  # the full PipelineConfig, resolved (the process may not see the orchestrator's files)
+    run_id: str | None  # the MLflow run an earlier attempt left unfinished; None: rank 0 starts one
+    input_id: str
+    reason: str
+    warm_start_version: str | None  # the champion when the training was first decided
+    tags: dict[str, str] = field(default_factory=dict)  # of a new MLflow run
+    requested_by: str | None = None  # why a retraining was requested off the schedule
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> TrainJob:
+        optional = {"tags", "requested_by"}
+        missing = sorted({f.name for f in fields(cls) if f.name not in optional} - set(doc))
+        if missing:
+            raise ValueError(f"training job is missing {', '.join(missing)}")
+        return cls(**{f.name: doc[f.name] for f in fields(cls) if f.name in doc})
+
+    @property
+    def pipeline_config(self) -> PipelineConfig:
+        return parse_config(self.config)
+
+
+@dataclass(frozen=True)
+class RegisteredVersion:
+    """A version already trained on a plan's inputs, and whether the run that trained it finished."""
+
+    version: str
+    run_id: str
+    run_finished: bool
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    step: int
+    train: bool
+    reason: str
+    buffer_samples: int
+    requested_by: str | None = None
+    input_id: str = ""
+    champion: str | None = None  # the warm start of a new training
+    trained_on_steps: tuple[int, ...] = ()
+    existing: RegisteredVersion | None = None  # a rerun on identical inputs: nothing to train
+    unfinished_run: str | None = None  # the MLflow run of an attempt that died: its training carries on
+
+
+def plan_training(
+    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, requested_by: str | None = None
+) -> TrainingPlan:
+    """Skip (with the reason), reuse a version trained on identical inputs, or train; reads only."""
+    entries = read_buffer(store, cfg.run, step)
+    trained, reason = training_decision(step, len(entries), cfg.train, requested_by)
+    if not trained:
+        return TrainingPlan(step, False, reason, len(entries), requested_by)
+    pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
+    identity = input_identity(cfg, entries, pointer.checkpoint_uri, requested_by)
+    existing = registry.find_version({"input_id": identity})
+    registered = None
+    if existing:
+        run_id = registry.client.get_model_version(registry.model_name, existing).run_id
+        registered = RegisteredVersion(existing, run_id, registry.run_finished(run_id))
+    return TrainingPlan(
+        step, True, reason, len(entries), requested_by, identity, registry.alias_version("champion"),
+        tuple(composition(entries)), registered,
+        None if registered else registry.unfinished_run({"input_id": identity}),
+    )
+
+
+def settle_plan(
+    plan: TrainingPlan, cfg: PipelineConfig, registry: DrafterRegistry, tags: dict[str, str]
+) -> TrainOutcome | TrainJob:
+    """The step's outcome when there is nothing to train, else the training process's job: with
+    the MLflow run an earlier attempt left unfinished, or none (rank 0 starts one once the drafter
+    is built, so a refused warm start leaves no run behind)."""
+    if not plan.train:
+        return TrainOutcome(False, plan.reason, plan.buffer_samples, requested_by=plan.requested_by)
+    if plan.existing:  # a rerun of the same partition on the same inputs: no second run, no second version
+        if not plan.existing.run_finished:  # killed after registering: finish what it started
+            publish_challenger(registry, plan.existing.version)
+            registry.end_run(plan.existing.run_id, ok=True)
+        return TrainOutcome(True, f"reused version {plan.existing.version}, trained on identical inputs",
+                            plan.buffer_samples, plan.existing.run_id, plan.existing.version, plan.champion,
+                            trained_on_steps=plan.trained_on_steps, requested_by=plan.requested_by)
+    if plan.unfinished_run:  # an earlier attempt died: its run (and its checkpoint) carry on
+        registry.reopen_run(plan.unfinished_run, tags)
+    return TrainJob(plan.step, cfg.model_dump(mode="json"), plan.unfinished_run, plan.input_id, plan.reason,
+                    plan.champion, tags, plan.requested_by)
+
+
+def publish_challenger(registry: DrafterRegistry, version: str) -> None:
+    """A newly registered version is the challenger; the first one ever is also the baseline."""
+    registry.set_alias("challenger", version)
+    if registry.alias_version("baseline") is None:
+        registry.set_alias("baseline", version)

@@ -1,0 +1,85 @@
+"""One training step of a drafter, as the loop runs it and as benchmarks/training.py times it.
+
+    forward_backward   the loss of a batch on the device (bf16 autocast on a GPU) and its gradient
+    apply_gradients    clip, AdamW step at the scheduled learning rate, drop the gradient
+
+Nothing here reads the device's results back to the host: the loss parts and the gradient norm
+come back as 0-d tensors, and the loop copies them out every `train.log_every` iterations.
+This module imports only torch and the model and loss code, so the GPU benchmark runs where
+torch alone is installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.training.losses import LossParts
+from pipeline.training.window import DeviceBatch
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """An iteration's loss parts: 0-d tensors on the training device (reading them waits for it)."""
+
+    loss: torch.Tensor
+    vloss: torch.Tensor
+    ploss: torch.Tensor
+    accuracy: torch.Tensor
+
+    @classmethod
+    def of(cls, parts: LossParts) -> StepStats:
+        return cls(parts.loss.detach(), parts.vloss.detach(), parts.ploss.detach(), parts.accuracy.detach())
+
+    def values(self) -> list[torch.Tensor]:
+        return [self.loss, self.vloss, self.ploss, self.accuracy]
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """The trainable parameters in two AdamW groups: matrices decay; norms and biases (1-d) never
+    do, as pulling a norm's gain or a bias towards 0 only fights what it is for."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(
+    model: torch.nn.Module, lr: float, weight_decay: float, device: str | torch.device
+) -> torch.optim.AdamW:
+    """AdamW over `param_groups`; on a GPU the fused kernel (one launch for all parameters)."""
+    fused = True if torch.device(device).type == "cuda" else None
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, fused=fused)
+
+
+def autocast(device: str | torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    """bf16 autocast on a GPU when `train.dtype` is bf16 (weights, gradients and optimizer state
+    stay fp32); fp32 otherwise, and always on a CPU."""
+    if torch.device(device).type == "cuda" and dtype == "bf16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def forward_backward(loss_of: Callable[[DeviceBatch], LossParts], batch: DeviceBatch, dtype: str) -> StepStats:
+    """The loss of one batch on its device and its gradient, accumulated into the parameters' .grad."""
+    with autocast(batch.input_ids.device, dtype):
+        parts = loss_of(batch)
+    parts.loss.backward()
+    return StepStats.of(parts)
+
+
+def apply_gradients(
+    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], lr: float, grad_clip: float
+) -> torch.Tensor:
+    """Clip the gradient, take the optimizer step at `lr` and drop the gradient; returns the
+    gradient's norm before clipping (a 0-d tensor on the device)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
