@@ -14,6 +14,7 @@ from pydantic import Field
 
 from pipeline.config import PROJECT_ROOT, PipelineConfig, load_config
 from pipeline.data.store import ObjectStore, storage_options_for
+from pipeline.data.uris import UriPolicy
 from pipeline.registry import DrafterRegistry
 from pipeline.sources.simulation import SimulatedRL
 from pipeline.training.cotrain import TrainJob
@@ -36,10 +37,13 @@ class ObjectStoreResource(dg.ConfigurableResource):
     root: str = Field(description="Root URI: file:///... or s3://bucket/prefix.")
     endpoint_url: str = Field(default="", description="S3-compatible endpoint; AWS when empty.")
     region: str = Field(default="", description="S3 region.")
+    checkpoint_prefixes: list[str] = Field(default=[], description="Allowed checkpoint_uri prefixes.")
+    allow_http_checkpoints: bool = Field(default=False, description="checkpoint_uri may be http(s).")
 
     def store(self) -> ObjectStore:
         # Credentials come from the standard AWS environment variables, never from config.
-        return ObjectStore(self.root, storage_options_for(self.root, self.endpoint_url, self.region))
+        return ObjectStore(self.root, storage_options_for(self.root, self.endpoint_url, self.region),
+                           UriPolicy(tuple(self.checkpoint_prefixes), self.allow_http_checkpoints))
 
 
 class MlflowResource(dg.ConfigurableResource):
@@ -104,7 +108,9 @@ def build_resources(
             overrides_json=json.dumps(overrides) if overrides else "",
         ),
         "object_store": ObjectStoreResource(
-            root=cfg.storage_root, endpoint_url=cfg.storage.endpoint_url, region=cfg.storage.region
+            root=cfg.storage_root, endpoint_url=cfg.storage.endpoint_url, region=cfg.storage.region,
+            checkpoint_prefixes=cfg.storage.checkpoint_prefixes,
+            allow_http_checkpoints=cfg.storage.allow_http_checkpoints,
         ),
         "mlflow": MlflowResource(
             tracking_uri=cfg.tracking_uri,

@@ -160,6 +160,8 @@ def read_policy_pointer(store: ObjectStore, run: str, step: int) -> PolicyPointe
     if data.get("schema_version") != SCHEMA_VERSION:
         found = data.get("schema_version")
         raise RolloutsError(f"{store.uri(key)}: schema_version {found!r}, expected {SCHEMA_VERSION}")
+    # The trainer's pointer is checked before anything can show or fetch it (uris.py).
+    store.resolve(data["checkpoint_uri"], f"{store.uri(key)}: field checkpoint_uri")
     return PolicyPointer(int(data["policy_version"]), str(data["checkpoint_uri"]), str(data["model_id"]))
 
 
