@@ -13,6 +13,7 @@ from pipeline import report
 from pipeline.config import PipelineConfig
 from pipeline.data import buffer as buffer_lib
 from pipeline.data import rollouts as rollouts_lib
+from pipeline.data import run_layout
 from pipeline.data import shard_checks as checks
 from pipeline.data.keys import acceptance_key, buffer_key, hidden_states_prefix, rollouts_key, rollouts_prefix
 from pipeline.data.rollouts import committed_steps
@@ -48,6 +49,9 @@ def rollouts(
     cfg, store, step = pipeline.config, pipeline.store(), step_of(context)
     rows = rollouts_lib.read_rollouts(store, cfg.run, step)
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
+    layout = run_layout.checkpoint_layout(store, pointer.checkpoint_uri,
+                                          lambda n: extract.stored_layer_ids(cfg.drafter, n) or [n])
+    run_layout.check_step_layout(store, cfg.run, step, layout)  # a policy of another layout needs a new run
     held_out = extract.held_out_rollouts(rows, cfg.eval.held_out_fraction)
     return dg.MaterializeResult(
         metadata={
@@ -57,6 +61,7 @@ def rollouts(
             "response_tokens": sum(sum(r.loss_mask) for r in rows),
             "mean_reward": round(sum(r.reward for r in rows) / len(rows), 4),
             "policy_version": pointer.policy_version,
+            "target_layout": str(layout),
             "policy_checkpoint": dg.MetadataValue.path(pointer.checkpoint_uri),
             "bytes": store.size(rollouts_key(cfg.run, step)),
             "uri": dg.MetadataValue.path(store.uri(rollouts_prefix(cfg.run, step))),
@@ -97,6 +102,7 @@ def hidden_states(
             "layer_ids": str(manifest.layer_ids),
             "compression": manifest.compression,
             "target": manifest.target["model_id"],
+            **manifest.ingest,  # vLLM connector files: read, unmatched, refused; rollouts without a file
             "uri": dg.MetadataValue.path(store.uri(hidden_states_prefix(cfg.run, step))),
         },
         check_results=[

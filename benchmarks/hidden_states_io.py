@@ -212,7 +212,7 @@ def read_shards(store, manifest) -> list:
 
     out = []
     for shard in manifest.shards:
-        rows = [e["row"] for e in manifest.samples if e["shard"] == shard.name]
+        rows = [e.row for e in manifest.samples if e.shard == shard.name]
         out += shards.read_rows(store, "bench", manifest, shard.name, rows)
     return out
 
@@ -225,7 +225,7 @@ def random_read_ms(store, manifest) -> float:
     times = []
     for i in picks:
         start = time.perf_counter()
-        shards.read_sample(store, "bench", manifest, manifest.samples[i]["sample_id"])
+        shards.read_sample(store, "bench", manifest, manifest.samples[i].sample_id)
         times.append(time.perf_counter() - start)
     return 1000 * sorted(times)[len(times) // 2]
 

@@ -8,7 +8,7 @@ import dagster as dg
 from assets.partitions import RETRAIN_TAG, rl_step
 from jobs import deploy_job, rl_step_job
 from pipeline.config import PipelineConfig
-from pipeline.data.keys import rollouts_root, step_key
+from pipeline.data.keys import malformed_step_names, rollouts_root, step_key
 from pipeline.data.rollouts import committed_steps
 from pipeline.serving import deploy
 from pipeline.serving.fleet import scrape
@@ -34,9 +34,16 @@ def rl_step_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResour
     # Past the cursor, or behind it but never added (a trainer that committed steps out of order):
     # none is skipped, and run_key = the step keeps any from being requested twice.
     known = set(context.instance.get_dynamic_partitions(rl_step.name))
-    new = [s for s in committed_steps(pipeline.store(), cfg.run) if s > last_seen or step_key(s) not in known]
+    store = pipeline.store()
+    new = [s for s in committed_steps(store, cfg.run) if s > last_seen or step_key(s) not in known]
+    malformed = malformed_step_names(store.list_dirs(rollouts_root(cfg.run)))
+    ignored = (f"; ignored {len(malformed)} step director(ies) whose name is not 'step-' and the step in six "
+               f"digits (e.g. step-000001): {', '.join(malformed[:10])}") if malformed else ""
+    if ignored:
+        context.log.warning(f"{rollouts_root(cfg.run)}/{ignored[1:]}")
     if not new:
-        return dg.SkipReason(f"no committed RL step after {step_key(last_seen)} under {rollouts_root(cfg.run)}/")
+        return dg.SkipReason(f"no committed RL step after {step_key(last_seen)} under {rollouts_root(cfg.run)}/"
+                             f"{ignored}")
     keys = [step_key(s) for s in new]
     return dg.SensorResult(
         run_requests=[dg.RunRequest(partition_key=k, run_key=k) for k in keys],

@@ -76,6 +76,10 @@ class TrainConfig(_Strict):
     max_seq_len: int = Field(default=4096, ge=2, description="Cap on tokens of one packed training sequence.")
     data_buffer_max_size: int = Field(default=10000, ge=1, description="Most samples the cross-step buffer holds.")
     buffer_steps: int = Field(default=2, ge=1, description="The buffer keeps samples of the last N RL steps.")
+    max_unreadable_share: float = Field(
+        default=0.1, ge=0, le=1,
+        description="The most buffer samples a training may find unreadable (corrupt shards) before it fails.",
+    )
     window_tokens: int = Field(default=512, ge=2, description="Most tokens per sample (response end first).")
     vloss_weight: float = Field(default=0.5, ge=0, description="Weight of the SmoothL1 hidden-state loss.")
     ploss_weight: float = Field(default=0.5, ge=0, description="Weight of the soft cross-entropy token loss.")
@@ -150,6 +154,11 @@ class HiddenStatesConfig(_Strict):
     tokens_per_batch: int = Field(
         default=8192, ge=1,
         description="`forward`: padded tokens per forward batch (rollouts sorted by length); bounds extraction memory.",
+    )
+    max_unmatched_share: float = Field(
+        default=0.0, ge=0, le=1,
+        description="vLLM files: the most connector files matching no rollout, and rollouts without a file, "
+                    "each as a share of the rollouts, before the step is refused.",
     )
 
     @model_validator(mode="after")
@@ -239,6 +248,7 @@ def _no_credentials(uri: str, where: str) -> str:
 ENV_SECRETS = {
     "storage.root": "S3 keys come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY",
     "storage.endpoint_url": "S3 keys come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY",
+    "storage.checkpoint_prefixes": "S3 keys come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY",
     "mlflow.tracking_uri": "use MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD",
 }
 
@@ -253,10 +263,33 @@ class StorageConfig(_Strict):
                     "(2x smaller).",
     )
 
+    checkpoint_prefixes: list[str] = Field(
+        default_factory=list,
+        description="URI prefixes (besides the store root) a trainer's policy.json may point its checkpoint_uri at.",
+    )
+    allow_http_checkpoints: bool = Field(
+        default=False, description="Let checkpoint_uri be http(s) (still only under checkpoint_prefixes)."
+    )
+    step_lease_s: float = Field(
+        default=1800.0, gt=0,
+        description="S3: how long a writer of a step's hidden states holds its lease (renewed before its commit).",
+    )
+    step_lease_wait_s: float = Field(
+        default=120.0, ge=0, description="How long a second writer of a step waits for the first before failing."
+    )
+
     @field_validator("root", "endpoint_url")
     @classmethod
     def _no_credentials(cls, value: str, info: ValidationInfo) -> str:
         return _no_credentials(value, f"storage.{info.field_name}")
+
+    @field_validator("checkpoint_prefixes")
+    @classmethod
+    def _prefixes_without_credentials(cls, value: list[str]) -> list[str]:
+        for prefix in value:
+            if "://" not in prefix or any(c in prefix for c in "@?#"):
+                raise ValueError("storage.checkpoint_prefixes must be full URIs without credentials, query or fragment")
+        return value
 
 
 class MlflowConfig(_Strict):

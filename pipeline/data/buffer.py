@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
-from pipeline.data import shards
+from pipeline.data import run_layout, shards
 from pipeline.data.keys import buffer_key
 from pipeline.data.shards import HiddenSample, Manifest
 from pipeline.data.store import ObjectStore
@@ -41,11 +41,11 @@ def select_buffer(
         raise ValueError("buffer_steps and data_buffer_max_size must be >= 1")
     oldest = current_step - buffer_steps + 1
     entries = [
-        BufferEntry(m.step, s["sample_id"], s["shard"], s["row"], s["tokens"])
+        BufferEntry(m.step, s.sample_id, s.shard, s.row, s.tokens)
         for m in sorted(manifests, key=lambda m: m.step)
         if oldest <= m.step <= current_step
         for s in m.samples
-        if s["tokens"] >= 2
+        if s.tokens >= 2
     ]
     return entries[-max_samples:]
 
@@ -70,20 +70,28 @@ def read_buffer(store: ObjectStore, run: str, step: int) -> list[BufferEntry]:
     return [BufferEntry(**e) for e in store.read_json(buffer_key(run, step))["entries"]]
 
 
+Unreadable = Callable[[str, list[BufferEntry]], None]  # (why, the entries it cost)
+
+
+def _warn(why: str, lost: list[BufferEntry]) -> None:
+    log.warning("%s: skipping its %d buffer samples", why, len(lost))
+
+
 def iter_buffer_samples(
-    store: ObjectStore, run: str, entries: list[BufferEntry], manifests: dict[int, Manifest] | None = None
+    store: ObjectStore, run: str, entries: list[BufferEntry], manifests: dict[int, Manifest] | None = None,
+    on_unreadable: Unreadable = _warn,
 ) -> Iterator[HiddenSample]:
     """Load the samples an entry list points at, in entry order, one shard at a time.
 
-    A shard that fails its checksum is skipped with a warning, never used: one bad file
-    costs its samples, not the training run. Entries address samples by (step, sample_id);
-    their (shard, row) is followed while the step's manifest still lists that shard, and looked
-    up again in the manifest when the step was rewritten since (its old shards are gone).
-    `manifests` caches manifests across calls."""
+    A shard that fails its checksum is skipped, never used, and `on_unreadable` told which entries
+    it cost (by default a warning): the caller decides how many lost samples a run can take.
+    Entries address samples by (step, sample_id); their (shard, row) is followed while the step's
+    manifest still lists that shard, and looked up again in the manifest when the step was rewritten
+    since (its old shards are gone). `manifests` caches manifests across calls."""
     manifests = {} if manifests is None else manifests
     for step in sorted({e.step for e in entries} - manifests.keys()):
         manifests[step] = shards.read_manifest(store, run, step)
-    entries = _current(entries, manifests)
+    entries = _current(entries, manifests, on_unreadable)
     i = 0
     while i < len(entries):
         step, shard = entries[i].step, entries[i].shard
@@ -92,33 +100,35 @@ def iter_buffer_samples(
             j += 1
         try:
             yield from shards.read_rows(store, run, manifests[step], shard, [e.row for e in entries[i:j]])
-        except shards.CorruptShardError as exc:
-            log.warning("%s: skipping its %d buffer samples", exc, j - i)
+        except (shards.CorruptShardError, FileNotFoundError) as exc:
+            on_unreadable(f"step {step}: shard {shard}: {exc}", entries[i:j])
         i = j
 
 
-def _current(entries: list[BufferEntry], manifests: dict[int, Manifest]) -> list[BufferEntry]:
+def _current(entries: list[BufferEntry], manifests: dict[int, Manifest],
+             on_unreadable: Unreadable) -> list[BufferEntry]:
     """The entries, those whose shard their step's manifest no longer lists re-addressed by sample id."""
     # Runs for every batch the trainer loads: look at the entries' own steps only, and build a
     # step's sample index only when one of its entries points at a shard that is gone.
     listed = {step: {s.name for s in manifests[step].shards} for step in {e.step for e in entries}}
-    index: dict[int, dict[str, dict]] = {}
+    index: dict[int, dict[str, shards.SampleIndex]] = {}
     out = []
     for e in entries:
         if e.shard in listed[e.step]:
             out.append(e)
             continue
         if e.step not in index:
-            index[e.step] = {s["sample_id"]: s for s in manifests[e.step].samples}
+            index[e.step] = {s.sample_id: s for s in manifests[e.step].samples}
         if (found := index[e.step].get(e.sample_id)) is not None:
-            out.append(BufferEntry(e.step, e.sample_id, found["shard"], found["row"], found["tokens"]))
+            out.append(BufferEntry(e.step, e.sample_id, found.shard, found.row, found.tokens))
         else:
-            log.warning("step %d was rewritten without sample %s: skipping it", e.step, e.sample_id)
+            on_unreadable(f"step {e.step}: rewritten without sample {e.sample_id!r}", [e])
     return out
 
 
 def build_buffer(store: ObjectStore, run: str, step: int, buffer_steps: int, max_samples: int) -> dict:
-    """Select from the committed hidden states of the last `buffer_steps` steps and write the manifest."""
+    """Select from the committed hidden states of the last `buffer_steps` steps and write the manifest;
+    LayoutError when one of them is not of the run's target layout."""
     if not shards.has_manifest(store, run, step):
         raise FileNotFoundError(f"hidden states of step {step} are not committed (no manifest)")
     manifests = [
@@ -126,4 +136,6 @@ def build_buffer(store: ObjectStore, run: str, step: int, buffer_steps: int, max
         for s in range(max(0, step - buffer_steps + 1), step + 1)
         if shards.has_manifest(store, run, s)
     ]
+    for m in manifests:  # one drafter trains on all of them: one target layout (run_layout.py)
+        run_layout.check_stored(store, run, m.step, m.hidden_size, m.layer_ids, m.layout)
     return write_buffer(store, run, step, select_buffer(manifests, step, buffer_steps, max_samples))

@@ -45,6 +45,13 @@ def rollouts_root(run: str) -> str:
     return f"rollouts/{run}"
 
 
+def malformed_step_names(names: list[str]) -> list[str]:
+    """The names among `names` meant as step directories (they start with 'step') that are not step keys
+    (step-12, step-0000001, Step-000001, step-00001a): ignored, so the operator must be told."""
+    return [n for n in names if n.lower().startswith("step") and not (_STEP_KEY.fullmatch(n) and
+                                                                      step_key(int(n[5:])) == n)]
+
+
 def rollouts_prefix(run: str, step: int) -> str:
     return f"{rollouts_root(run)}/{step_key(step)}"
 

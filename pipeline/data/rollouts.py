@@ -327,7 +327,10 @@ def read_policy_pointer(store: ObjectStore, run: str, step: int) -> PolicyPointe
         data = json.loads(store.read_bytes(key))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RolloutsError(where, f"not JSON ({type(exc).__name__} at position {getattr(exc, 'pos', '?')})") from None
-    return validate_pointer(data, where)
+    pointer = validate_pointer(data, where)
+    # The trainer's pointer is checked before anything can show or fetch it (uris.py).
+    store.resolve(pointer.checkpoint_uri, f"{where}: field checkpoint_uri")
+    return pointer
 
 
 def is_held_out(sample_id: str, fraction: float) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from pipeline.data import rollouts as rollouts_lib
-from pipeline.data import shards
+from pipeline.data import run_layout, shards
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 
@@ -24,6 +24,10 @@ def check_shards(store: ObjectStore, run: str, step: int) -> list[str]:
     expected = target_hidden_size(store, run, step)
     if manifest.hidden_size != expected:
         problems.append(f"manifest hidden_size {manifest.hidden_size} != target hidden_size {expected}")
+    try:
+        run_layout.check_stored(store, run, step, manifest.hidden_size, manifest.layer_ids, manifest.layout)
+    except run_layout.LayoutError as exc:
+        problems.append(str(exc))
     rows = 0
     for shard in manifest.shards:
         try:

@@ -40,8 +40,10 @@ import pyarrow as pa
 import torch
 import xxhash
 
+from pipeline.data import lease, run_layout
 from pipeline.data.compression import compress_bf16, decompress_bf16_into, dequantize_fp8_into, quantize_fp8
 from pipeline.data.keys import hidden_states_prefix
+from pipeline.data.run_layout import TargetLayout
 from pipeline.data.store import ObjectStore, RangeReader, fill_range
 
 # 4: split-zstd frames are zstd literals (compression.py); schema 3 stored Blosc frames there.
@@ -81,6 +83,55 @@ class ShardInfo:
 
 
 @dataclass(frozen=True)
+class ByteRange:
+    """A range of a shard's bytes and the xxh3 digest a reader checks it against."""
+
+    offset: int
+    length: int
+    xxh3: str
+
+    def to_json(self) -> list:
+        return [self.offset, self.length, self.xxh3]
+
+    @classmethod
+    def from_json(cls, value: object) -> ByteRange:
+        if not (isinstance(value, list) and len(value) == 3 and all(isinstance(v, int) and v >= 0 for v in value[:2])
+                and isinstance(value[2], str)):
+            raise ShardError(f"manifest byte range {value!r} is not [offset, length, xxh3]")
+        return cls(*value)
+
+
+@dataclass(frozen=True)
+class SampleIndex:
+    """Where one sample lies in its shard: the buffer addresses it as (shard, row); a reader fetches its
+    metadata range (token ids and loss mask inside it, at `ids` and `mask`) and the ranges of the
+    layers it needs, each verified against its digest."""
+
+    sample_id: str
+    shard: str
+    row: int
+    tokens: int
+    meta: ByteRange
+    ids: int  # offset of the int32 token ids, inside `meta`
+    mask: int  # offset of the int8 loss mask, inside `meta`
+    layers: list[ByteRange]  # one per stored layer, in the manifest's layer order
+
+    def to_json(self) -> dict:
+        return {"sample_id": self.sample_id, "shard": self.shard, "row": self.row, "tokens": self.tokens,
+                "meta": self.meta.to_json(), "ids": self.ids, "mask": self.mask,
+                "layers": [r.to_json() for r in self.layers]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> SampleIndex:
+        try:
+            return cls(str(data["sample_id"]), str(data["shard"]), int(data["row"]), int(data["tokens"]),
+                       ByteRange.from_json(data["meta"]), int(data["ids"]), int(data["mask"]),
+                       [ByteRange.from_json(r) for r in data["layers"]])
+        except (KeyError, TypeError) as exc:
+            raise ShardError(f"manifest sample entry lacks or mistypes a field ({exc})") from None
+
+
+@dataclass(frozen=True)
 class Manifest:
     step: int
     hidden_size: int
@@ -92,13 +143,13 @@ class Manifest:
     num_tokens: int
     compression: str = "none"
     schema_version: int = SCHEMA_VERSION
-    # One entry per sample: the buffer addresses samples as (shard, row); readers fetch
-    # {"meta": [offset, length, xxh3], "ids": offset, "mask": offset,
-    #  "layers": [[offset, length, xxh3], ...per layer]}
-    samples: list[dict] = field(default_factory=list)
+    samples: list[SampleIndex] = field(default_factory=list)  # one per sample, in write order
+    write_id: str = ""  # the write that committed the step; its shard names carry it
+    ingest: dict[str, int] = field(default_factory=dict)  # the source's account of its input (connector files)
+    layout: TargetLayout | None = None  # the target's layout (run_layout.py), when the writer gave it
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "samples": [e.to_json() for e in self.samples]}
 
     @classmethod
     def from_json(cls, data: dict) -> Manifest:
@@ -110,6 +161,9 @@ class Manifest:
             )
         data = dict(data)
         data["shards"] = [ShardInfo(**s) for s in data["shards"]]
+        data["samples"] = [SampleIndex.from_json(e) for e in data.get("samples", [])]
+        if data.get("layout") is not None:
+            data["layout"] = TargetLayout.from_json(data["layout"])
         return cls(**data)
 
     @property
@@ -277,7 +331,7 @@ def _planes(sample: HiddenSample, compression: str) -> list[np.ndarray]:
 
 
 def _write_shard(out: BinaryIO, samples: Iterable[HiddenSample], schema: pa.Schema, compression: str,
-                 name: str) -> tuple[int, str, list[dict]]:
+                 name: str) -> tuple[int, str, list[SampleIndex]]:
     """Write one shard to `out`; its size, digest and its samples' index entries."""
     index = []
     with ThreadPoolExecutor(1, thread_name_prefix="shard-scan") as pool, \
@@ -301,13 +355,13 @@ def _write_shard(out: BinaryIO, samples: Iterable[HiddenSample], schema: pa.Sche
             ranges = [[sink.found[f"plane{i}"], buf.size, sink.digests[buf.address]] for i, buf in enumerate(stored)]
             meta_end = sink.meta_end if sink.meta_end is not None else sink.pos
             tokens = int(sample.input_ids.shape[0])
-            index.append({
-                "sample_id": sample.sample_id, "shard": name, "row": row, "tokens": tokens,
-                "meta": [sink.meta_start, meta_end - sink.meta_start, sink.meta_hash.hexdigest()],
+            index.append(SampleIndex(
+                sample_id=sample.sample_id, shard=name, row=row, tokens=tokens,
+                meta=ByteRange(sink.meta_start, meta_end - sink.meta_start, sink.meta_hash.hexdigest()),
                 # Empty buffers are not written: point them at the region's start (0 bytes are read there).
-                "ids": sink.found.get("ids", sink.meta_start), "mask": sink.found.get("mask", sink.meta_start),
-                "layers": ranges,
-            })
+                ids=sink.found.get("ids", sink.meta_start), mask=sink.found.get("mask", sink.meta_start),
+                layers=[ByteRange(*r) for r in ranges],
+            ))
     return sink.pos, sink.shard_hash.hexdigest(), index
 
 
@@ -359,13 +413,23 @@ def write_hidden_states(
     target: dict[str, str],
     samples_per_shard: int = 256,
     compression: str = "none",
+    lease_s: float = 1800.0,
+    lease_wait_s: float = 120.0,
+    ingest: dict[str, int] | None = None,
+    layout: TargetLayout | None = None,
 ) -> Manifest:
-    """Validate every sample, write the shards, then commit them with the manifest.
+    """Validate every sample, write the shards, then commit them with the manifest; one writer of the
+    step at a time (lease.py): a second waits up to `lease_wait_s`, then fails with StepBusyError.
 
     `samples` is consumed as it is written (a generator streams a step through one sample at a
     time); a sample refused mid-way leaves no shard of this write behind."""
     if compression not in COMPRESSIONS:
         raise ShardError(f"compression {compression!r} is not one of {', '.join(COMPRESSIONS)}")
+    if layout is not None:
+        if (layout.hidden_size, list(layout.layer_ids)) != (hidden_size, list(layer_ids)):
+            raise ShardError(f"step {step}: hidden size {hidden_size} and layers {list(layer_ids)} are not the "
+                             f"target layout's {layout.hidden_size} and {list(layout.layer_ids)}")
+        run_layout.check_step_layout(store, run, step, layout)  # before anything of the step is stored
     stream = _Checked(samples, step, hidden_size, len(layer_ids))
     if stream.peek() is None:
         raise ShardError(f"step {step}: no samples to write (empty step)")
@@ -373,23 +437,36 @@ def write_hidden_states(
     prefix = hidden_states_prefix(run, step)
     schema = shard_schema(list(layer_ids), compression)
     write_id = uuid.uuid4().hex[:8]
-    shards: list[ShardInfo] = []
-    index: list[dict] = []
-    try:
-        for part in itertools.count():
-            if stream.peek() is None:
-                break
-            name = f"part-{part:05d}-{write_id}.arrow"
-            with store.open_write(f"{prefix}/{name}") as f:
-                size, digest, entries = _write_shard(f, stream.take(samples_per_shard, SHARD_TARGET_BYTES), schema,
-                                                     compression, name)
-            shards.append(ShardInfo(name, len(entries), size, digest))
-            index += entries
-    except BaseException:
-        for written in shards:  # no manifest names them, so no reader could see them; leave nothing behind
-            store.delete_prefix(f"{prefix}/{written.name}")
-        raise
+    with lease.hold(store, prefix, write_id, lease_s, lease_wait_s) as held:
+        shards: list[ShardInfo] = []
+        index: list[SampleIndex] = []
+        try:
+            for part in itertools.count():
+                if stream.peek() is None:
+                    break
+                name = f"part-{part:05d}-{write_id}.arrow"
+                with store.open_write(f"{prefix}/{name}") as f:
+                    size, digest, entries = _write_shard(f, stream.take(samples_per_shard, SHARD_TARGET_BYTES),
+                                                         schema, compression, name)
+                shards.append(ShardInfo(name, len(entries), size, digest))
+                index += entries
+            held.confirm()  # a writer that lost its lease stops here: it never commits
+        except BaseException:
+            for written in shards:  # no manifest names them, so no reader could see them; leave nothing behind
+                store.delete_prefix(f"{prefix}/{written.name}")
+            raise
+        manifest = _commit(store, prefix, step, stream.num_tokens, shards, index, hidden_size=hidden_size,
+                           layer_ids=layer_ids, target=target, compression=compression, write_id=write_id,
+                           ingest=dict(ingest or {}), layout=layout)
+    return manifest
 
+
+def _commit(store: ObjectStore, prefix: str, step: int, num_tokens: int, shards: list[ShardInfo],
+            index: list[SampleIndex], *, hidden_size: int, layer_ids: list[int], target: dict[str, str],
+            compression: str, write_id: str, ingest: dict[str, int], layout: TargetLayout | None) -> Manifest:
+    """Write the manifest (the commit point), then sweep what no manifest names any more. Runs under the
+    step's lease: other write ids under the step are writers that died or lost the lease (they never
+    commit), and the shards of the manifest replaced here are unreachable."""
     manifest = Manifest(
         step=step,
         hidden_size=hidden_size,
@@ -398,14 +475,15 @@ def write_hidden_states(
         target=dict(target),
         shards=shards,
         num_samples=len(index),
-        num_tokens=stream.num_tokens,
+        num_tokens=num_tokens,
         compression=compression,
         samples=index,
+        write_id=write_id,
+        ingest=ingest,
+        layout=layout,
     )
     store.write_json(f"{prefix}/{MANIFEST}", manifest.to_json())
-    # Now unreachable: the shards of a replaced write, and what a killed write left behind
-    # (its shards, temporary files). Readers only ever follow the manifest.
-    keep = {MANIFEST, *(s.name for s in shards)}
+    keep = {MANIFEST, lease.LEASE_FILE, *(s.name for s in shards)}
     for key, _, _ in store.list_files(prefix):
         if key.rsplit("/", 1)[-1] not in keep:
             store.delete_prefix(key)
@@ -433,35 +511,38 @@ def layer_positions(manifest: Manifest, layers: list[int] | None) -> list[int]:
     return [manifest.layer_ids.index(layer) for layer in layers]
 
 
-def _corrupt(manifest: Manifest, entry: dict, what: str) -> CorruptShardError:
+def _corrupt(manifest: Manifest, entry: SampleIndex, what: str) -> CorruptShardError:
     return CorruptShardError(
-        f"step {manifest.step}: shard {entry['shard']} does not match its manifest checksum "
-        f"({what} of sample {entry['sample_id']!r})"
+        f"step {manifest.step}: shard {entry.shard} does not match its manifest checksum "
+        f"({what} of sample {entry.sample_id!r})"
     )
 
 
-def _checked(data, digest: str, manifest: Manifest, entry: dict, what: str) -> None:
+def _checked(data, digest: str, manifest: Manifest, entry: SampleIndex, what: str) -> None:
     if _digest(data) != digest:
         raise _corrupt(manifest, entry, what)
 
 
-def _read_entry(reader: RangeReader, manifest: Manifest, entry: dict, positions: list[int]) -> HiddenSample:
+def _read_entry(reader: RangeReader, manifest: Manifest, entry: SampleIndex, positions: list[int]) -> HiddenSample:
     """One sample through its index entry: its metadata range and the ranges of the layers asked for,
     each verified against its digest. Raw layers of a mapped shard are viewed where they lie;
     otherwise layers are read or decoded straight into the output tensor's memory."""
-    tokens, hidden_size = entry["tokens"], manifest.hidden_size
-    meta_offset, meta_length, meta_digest = entry["meta"]
-    meta = reader.read(meta_offset, meta_length)
-    _checked(meta, meta_digest, manifest, entry, "metadata")
-    ids = np.frombuffer(meta, np.int32, count=tokens, offset=entry["ids"] - meta_offset)
-    mask = np.frombuffer(meta, np.int8, count=tokens, offset=entry["mask"] - meta_offset)
+    tokens, hidden_size = entry.tokens, manifest.hidden_size
+    meta = reader.read(entry.meta.offset, entry.meta.length)
+    _checked(meta, entry.meta.xxh3, manifest, entry, "metadata")
+    try:
+        ids = np.frombuffer(meta, np.int32, count=tokens, offset=entry.ids - entry.meta.offset)
+        mask = np.frombuffer(meta, np.int8, count=tokens, offset=entry.mask - entry.meta.offset)
+    except ValueError:
+        raise _corrupt(manifest, entry, "token ids or loss mask outside the metadata range") from None
     raw = manifest.compression == "none"
     hidden = _mapped_layers(reader, entry, positions, hidden_size) if raw and reader.mapped else None
     viewed = hidden is not None
     if not viewed:
         hidden = torch.empty(len(positions), tokens, hidden_size, dtype=torch.bfloat16)  # (L, T, H): layer-major
     for out, position, layer in zip(hidden, positions, [manifest.layer_ids[p] for p in positions], strict=True):
-        offset, length, digest = entry["layers"][position]
+        byte_range = entry.layers[position]
+        offset, length, digest = byte_range.offset, byte_range.length, byte_range.xxh3
         if raw and length != out.numel() * 2:
             raise _corrupt(manifest, entry, f"length of layer {layer}")
         if viewed:  # the digest is the one pass over the bytes: it faults them in
@@ -477,24 +558,25 @@ def _read_entry(reader: RangeReader, manifest: Manifest, entry: dict, positions:
             else:
                 dequantize_fp8_into(frame, out)
     return HiddenSample(
-        sample_id=entry["sample_id"], step=manifest.step,
+        sample_id=entry.sample_id, step=manifest.step,
         input_ids=torch.from_numpy(ids.astype(np.int64)), loss_mask=torch.from_numpy(mask.astype(np.int64)),
         hidden=hidden.permute(1, 0, 2),  # (T, L, H) view; each layer stays contiguous in memory
     )
 
 
-def _mapped_layers(reader: RangeReader, entry: dict, positions: list[int], hidden_size: int) -> torch.Tensor | None:
+def _mapped_layers(reader: RangeReader, entry: SampleIndex, positions: list[int],
+                   hidden_size: int) -> torch.Tensor | None:
     """(L, T, H) bf16 over the mapped shard itself, or None when the layers asked for do not lie
     evenly spaced in the file (then they are copied). Copy-on-write: a caller's writes stay its own."""
-    layer_bytes = entry["tokens"] * hidden_size * 2
-    offsets = [entry["layers"][p][0] for p in positions]
+    layer_bytes = entry.tokens * hidden_size * 2
+    offsets = [entry.layers[p].offset for p in positions]
     stride = offsets[1] - offsets[0] if len(offsets) > 1 else layer_bytes
     even = all(b - a == stride for a, b in itertools.pairwise(offsets))
     if not even or stride < layer_bytes or (offsets[0] | stride) % 2:  # bf16 words start at even offsets
         return None
     span = reader.read(offsets[0], stride * (len(offsets) - 1) + layer_bytes)
     words = torch.frombuffer(span, dtype=torch.bfloat16)
-    return words.as_strided((len(offsets), entry["tokens"], hidden_size), (stride // 2, hidden_size, 1))
+    return words.as_strided((len(offsets), entry.tokens, hidden_size), (stride // 2, hidden_size, 1))
 
 
 def _read_digest(reader: RangeReader, offset: int, out: memoryview) -> str:
@@ -509,10 +591,10 @@ def _read_digest(reader: RangeReader, offset: int, out: memoryview) -> str:
     return hasher.hexdigest()
 
 
-def _shard_entries(manifest: Manifest, shard: str) -> list[dict]:
+def _shard_entries(manifest: Manifest, shard: str) -> list[SampleIndex]:
     if not any(s.name == shard for s in manifest.shards):
         raise ShardError(f"step {manifest.step}: shard {shard} is not in the manifest")
-    return [e for e in manifest.samples if e["shard"] == shard]
+    return [e for e in manifest.samples if e.shard == shard]
 
 
 def read_rows(store: ObjectStore, run: str, manifest: Manifest, shard: str, rows: list[int],
@@ -523,7 +605,7 @@ def read_rows(store: ObjectStore, run: str, manifest: Manifest, shard: str, rows
     From a local store, raw layers view the shard's copy-on-write map: the map (and the file
     descriptor Python's mmap keeps) stays open until the last tensor of this call is freed, so
     read a shard's rows in one call rather than one call per row when many are held at once."""
-    entries = {e["row"]: e for e in _shard_entries(manifest, shard)}
+    entries = {e.row: e for e in _shard_entries(manifest, shard)}
     positions = layer_positions(manifest, layers)
     missing = [r for r in rows if r not in entries]
     if missing:
@@ -534,7 +616,7 @@ def read_rows(store: ObjectStore, run: str, manifest: Manifest, shard: str, rows
             if reader.mapped:
                 return [_read_entry(reader, manifest, entries[r], positions) for r in rows]
             info = next(i for i in manifest.shards if i.name == shard)
-            wanted = sum(e["meta"][1] + sum(e["layers"][p][1] for p in positions)
+            wanted = sum(e.meta.length + sum(e.layers[p].length for p in positions)
                          for e in map(entries.get, rows))
             if wanted >= info.bytes // 2:  # most of the shard: one GET (s3fs splits it into concurrent parts)
                 in_memory = RangeReader(data=memoryview(store.read_bytes(key)))
@@ -543,8 +625,8 @@ def read_rows(store: ObjectStore, run: str, manifest: Manifest, shard: str, rows
             out: list[HiddenSample] = []
             for start in range(0, len(rows), _CONCURRENT_SAMPLES):
                 group = [entries[r] for r in rows[start : start + _CONCURRENT_SAMPLES]]
-                ranges = [(e["meta"][0], e["meta"][1]) for e in group]
-                ranges += [tuple(e["layers"][p][:2]) for e in group for p in positions]
+                ranges = [(e.meta.offset, e.meta.length) for e in group]
+                ranges += [(e.layers[p].offset, e.layers[p].length) for e in group for p in positions]
                 prefetched = _prefetched(dict(zip(ranges, store.read_ranges(key, ranges), strict=True)))
                 out += [_read_entry(prefetched, manifest, e, positions) for e in group]
             return out
@@ -561,16 +643,16 @@ def _prefetched(fetched: dict[tuple[int, int], bytes]) -> RangeReader:
 def read_sample(store: ObjectStore, run: str, manifest: Manifest, sample_id: str,
                 layers: list[int] | None = None) -> HiddenSample:
     """One sample by id, reading only its own byte ranges (not its shard)."""
-    entry = next((e for e in manifest.samples if e["sample_id"] == sample_id), None)
+    entry = next((e for e in manifest.samples if e.sample_id == sample_id), None)
     if entry is None:
         raise KeyError(f"step {manifest.step} has no sample {sample_id!r}")
-    return read_rows(store, run, manifest, entry["shard"], [entry["row"]], layers)[0]
+    return read_rows(store, run, manifest, entry.shard, [entry.row], layers)[0]
 
 
-def shard_digest(data: memoryview, entries: list[dict]) -> str:
+def shard_digest(data: memoryview, entries: list[SampleIndex]) -> str:
     """The digest the manifest records for a shard: every byte of the file, each indexed layer
     range counted through its own digest (so the writer hashes each byte once)."""
-    ranges = sorted(tuple(layer) for e in entries for layer in e["layers"])
+    ranges = sorted((r.offset, r.length, r.xxh3) for e in entries for r in e.layers)
     shard_hash, pos = xxhash.xxh3_128(), 0
     for offset, length, digest in ranges:
         shard_hash.update(data[pos:offset])

@@ -31,7 +31,10 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import fsspec
+import fsspec.asyn
 import numpy as np
+
+from pipeline.data.uris import UriPolicy, check_uri
 
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
@@ -60,17 +63,27 @@ def storage_options_for(root: str, endpoint_url: str = "", region: str = "") -> 
 class ObjectStore:
     """Keys are '/'-separated paths relative to the root URI."""
 
-    def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None,
+                 uri_policy: UriPolicy | None = None) -> None:
         self.root = root.rstrip("/")
+        # Which URIs outside its keys (a trainer's checkpoint_uri) this store opens: see uris.py.
+        self.uri_policy = uri_policy or UriPolicy()
         self.options = dict(storage_options or {})
         self.fs, self._root_path = fsspec.core.url_to_fs(self.root, **self.options)
         protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
         self._protocols = protocols
         self._local = "file" in protocols
 
+    def resolve(self, uri_or_key: str, where: str = "checkpoint_uri") -> str:
+        """The full URI of a key under the root or of a URI the store's policy allows; UriPolicyError
+        (naming `where`, showing the URI redacted) for anything else."""
+        return check_uri(uri_or_key, self.root, self.uri_policy, where)
+
     def filesystem(self, uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
-        """Filesystem and path of any URI; URIs of this store's protocol get its options (endpoint...)."""
-        protocol = uri.split("://", 1)[0] if "://" in uri else "file"
+        """Filesystem and path of a URI the store's policy allows; URIs of this store's protocol get its
+        options (endpoint...)."""
+        uri = self.resolve(uri)
+        protocol = uri.split("://", 1)[0]
         return fsspec.core.url_to_fs(uri, **(self.options if protocol in self._protocols else {}))
 
     def uri(self, key: str) -> str:
@@ -187,6 +200,48 @@ class ObjectStore:
         if self.fs.exists(path):
             self.fs.rm(path, recursive=True)
 
+    def read_tagged(self, key: str) -> tuple[bytes, str] | None:
+        """An object on object storage and its ETag (the token of a conditional write), None if absent."""
+        bucket, name, _ = self.fs.split_path(self._path(key))
+        try:
+            response = self.fs.call_s3("get_object", Bucket=bucket, Key=name)
+        except FileNotFoundError:
+            return None
+        body = response["Body"]
+        data = _read_body(self.fs, body)
+        return data, response["ETag"]
+
+    def put_if(self, key: str, data: bytes, *, etag: str | None) -> str | None:
+        """Write `key` on object storage only if it is absent (`etag` None) or still the version `etag`
+        (S3's If-None-Match / If-Match); its new ETag, or None when the condition did not hold."""
+        bucket, name, _ = self.fs.split_path(self._path(key))
+        condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
+        try:
+            return self.fs.call_s3("put_object", Bucket=bucket, Key=name, Body=data, **condition)["ETag"]
+        except (FileExistsError, FileNotFoundError):
+            return None
+        except OSError as exc:
+            if "PreconditionFailed" in str(exc.__cause__) or "ConditionalRequestConflict" in str(exc.__cause__):
+                return None
+            raise
+
+    def delete_if(self, key: str, etag: str) -> bool:
+        """Delete `key` on object storage only if it is still the version `etag`."""
+        bucket, name, _ = self.fs.split_path(self._path(key))
+        try:
+            self.fs.call_s3("delete_object", Bucket=bucket, Key=name, IfMatch=etag)
+        except (OSError, FileNotFoundError):
+            return False
+        return True
+
+    @property
+    def is_local(self) -> bool:
+        return self._local
+
+    def local_path(self, key: str) -> str | None:
+        """The filesystem path of `key` when the store is local (else None)."""
+        return self._path(key) if self._local else None
+
 
 class RangeReader:
     """Byte ranges of one stored object: read into the caller's memory, or, when the whole object is
@@ -224,6 +279,14 @@ class RangeReader:
         return data
 
 
+def _read_body(fs: fsspec.AbstractFileSystem, body: Any) -> bytes:
+    """The bytes of an aiobotocore streaming body, read on the filesystem's event loop."""
+    async def read() -> bytes:
+        async with body as stream:
+            return await stream.read()
+    return fsspec.asyn.sync(fs.loop, read)
+
+
 def fill_range(out: memoryview, data: bytes) -> None:
     if len(data) != len(out):
         raise EOFError(f"ranged read returned {len(data)} bytes, expected {len(out)}")
@@ -233,4 +296,8 @@ def fill_range(out: memoryview, data: bytes) -> None:
 def open_store(cfg: PipelineConfig) -> ObjectStore:
     """The object store a pipeline config names."""
     return ObjectStore(cfg.storage_root, storage_options_for(cfg.storage_root, cfg.storage.endpoint_url,
-                                                             cfg.storage.region))
+                                                             cfg.storage.region), uri_policy_for(cfg))
+
+
+def uri_policy_for(cfg: PipelineConfig) -> UriPolicy:
+    return UriPolicy(tuple(cfg.storage.checkpoint_prefixes), cfg.storage.allow_http_checkpoints)

@@ -211,8 +211,8 @@ def save_checkpoint(model: PreTrainedModel, store: ObjectStore, prefix: str) -> 
 # -- locating
 
 def resolve_uri(store: ObjectStore, uri_or_key: str) -> str:
-    """A pointer may hold a full URI or a key relative to the store root."""
-    return uri_or_key if "://" in uri_or_key else store.uri(uri_or_key)
+    """A pointer may hold a key relative to the store root or a URI the store's policy allows (uris.py)."""
+    return store.resolve(uri_or_key)
 
 
 def redact(uri: str) -> str:

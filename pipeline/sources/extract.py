@@ -16,6 +16,7 @@ from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import shards
 from pipeline.data.keys import step_key
 from pipeline.data.rollouts import Rollout, TargetLimits
+from pipeline.data.run_layout import TargetLayout
 from pipeline.data.shards import HiddenSample, Manifest
 from pipeline.data.store import ObjectStore
 from pipeline.models import eagle3
@@ -162,8 +163,9 @@ def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int) ->
     train = training_rollouts(rollouts, cfg.eval.held_out_fraction)
     num_layers = model.config.num_hidden_layers
     layer_ids = stored_layer_ids(cfg.drafter, num_layers)
+    ingest: dict[str, int] = {}
     if cfg.hidden_states.source == "vllm":
-        samples = _from_vllm(cfg, step, train, model, layer_ids)
+        samples, ingest = _from_vllm(cfg, step, rollouts, {r.sample_id for r in train}, model, layer_ids)
     else:
         samples = iter_hidden_states(model, train, step, tokens_per_batch=cfg.hidden_states.tokens_per_batch,
                                      device=cfg.device, layer_ids=layer_ids)
@@ -177,19 +179,24 @@ def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int) ->
         target={"model_id": pointer.model_id, "policy_version": str(pointer.policy_version),
                 "checkpoint_uri": pointer.checkpoint_uri, "source": cfg.hidden_states.source,
                 "final_norm": "applied" if layer_ids is None else "not applied"},
+        layout=TargetLayout.from_config(model.config.to_dict(), layer_ids or [num_layers]),
+        ingest=ingest, lease_s=cfg.storage.step_lease_s, lease_wait_s=cfg.storage.step_lease_wait_s,
     )
 
 
 @torch.no_grad()
-def _from_vllm(cfg: PipelineConfig, step: int, rollouts: list[Rollout], model, layer_ids: list[int] | None):
+def _from_vllm(cfg: PipelineConfig, step: int, rollouts: list[Rollout], train_ids: set[str], model,
+               layer_ids: list[int] | None) -> tuple[list[HiddenSample], dict[str, int]]:
     directory = Path(cfg.hidden_states.vllm_path.format(step=step_key(step)))
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no vLLM hidden-state files (*.safetensors) in {directory}")
     num_layers = model.config.num_hidden_layers
-    samples, _unmatched = vllm_hidden_states.join_to_rollouts(
-        files, rollouts, step, cfg.hidden_states.vllm_layer_ids, layer_ids or [num_layers]
+    ingested = vllm_hidden_states.ingest_directory(
+        directory, rollouts, step, cfg.hidden_states.vllm_layer_ids, layer_ids or [num_layers],
+        hidden_size=model.config.hidden_size, train_ids=train_ids,
+        max_unmatched_share=cfg.hidden_states.max_unmatched_share,
     )
+    if not ingested.samples:
+        raise FileNotFoundError(f"no vLLM hidden-state files (*.safetensors) for this step's rollouts in {directory}")
+    samples = ingested.samples
     if layer_ids is None:  # EAGLE-1/2 reads the last layer after the target's final norm
         samples = [replace(s, hidden=model.model.norm(s.hidden.float()).to(torch.bfloat16)) for s in samples]
-    return samples
+    return samples, ingested.metadata()

@@ -4,105 +4,258 @@ vLLM (>= 0.18) serving with `--speculative-config '{"method": "extract_hidden_st
 "eagle_aux_hidden_state_layer_ids": [...]}'` and the `ExampleHiddenStatesConnector` writes,
 for every request, `<shared_storage_path>/<req_id>.safetensors`:
 
-    token_ids      (T,)                 int64, the prompt's tokens only
-    hidden_states  (T, num_layers, H)   model dtype, layers in the requested order
+    token_ids      (T,)                 int64 (int32 accepted), the prompt's tokens only
+    hidden_states  (T, num_layers, H)   bfloat16, layers in the requested order
 
 and holds `<file>.lock`; readers take a shared flock on it while reading. Only prompt
 tokens are saved, so each rollout is sent whole as the prompt with `max_tokens: 1`
 (`request_hidden_states`). Run vLLM with prefix caching off, or lengths can disagree.
 
-Files are joined to the step's rollouts by their token ids; a file whose tokens match a
-rollout only up to a different length is refused with a message naming both.
+The directory is written by another system, so ingestion trusts nothing in it:
+
+* Only regular files are read: a symlink (which could lead out of the directory), a FIFO
+  (which would block the reader forever), a directory or a socket named like a data or lock
+  file is refused without being opened for reading, and counted.
+* A lock held longer than `lock_timeout_s` refuses its file instead of blocking ingestion.
+* Every sample is accounted for: a file whose name is a rollout's sample id belongs to that
+  rollout; the others are matched by token ids, one file to one rollout, so rollouts with
+  identical tokens (normal within a GRPO group) each get their own file. Files that match no
+  rollout and rollouts without a file are counted, and the step is refused past
+  `max_unmatched_share` of its rollouts.
+* dtype and shape are checked, never converted: a file that breaks the format is refused
+  with a message naming the file and the field.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import os
+import stat
+import time
 import urllib.request
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 
 from pipeline.data.rollouts import Rollout
 from pipeline.data.shards import HiddenSample
 
+SUFFIX = ".safetensors"
+LOCK_SUFFIX = ".lock"
+TOKEN_DTYPES = (torch.int64, torch.int32)
+HIDDEN_DTYPE = torch.bfloat16
+_POLL_S = 0.05
+
 
 class ConnectorFileError(ValueError):
-    """A connector file that cannot be used; the message names the file."""
+    """A connector file (or directory) that cannot be used; the message names the file and the field."""
+
+
+class RefusedFileError(ConnectorFileError):
+    """An entry that is not read at all: not a regular file, or locked past the timeout."""
+
+
+@dataclass(frozen=True)
+class Ingested:
+    """What a step's connector directory gave: the samples, and an account of everything else."""
+
+    samples: list[HiddenSample]  # one per wanted rollout that has a file, in the rollouts' order
+    files: int  # connector files read
+    unmatched_files: list[str] = field(default_factory=list)  # names of files that match no rollout
+    missing: list[str] = field(default_factory=list)  # sample ids of wanted rollouts without a file
+    refused: list[str] = field(default_factory=list)  # "name: why" of entries not read (not a regular file...)
+
+    def metadata(self) -> dict[str, int]:
+        return {"connector_files": self.files, "connector_unmatched_files": len(self.unmatched_files),
+                "connector_rollouts_without_file": len(self.missing), "connector_refused_files": len(self.refused)}
+
+
+def _open_regular(path: Path) -> int:
+    """A read descriptor of `path` if it is a regular file, never following a symlink and never
+    blocking on a FIFO (O_NONBLOCK); ConnectorFileError otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise RefusedFileError(f"{path}: cannot be opened as a regular file ({exc.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RefusedFileError(f"{path}: not a regular file")
+    return fd
 
 
 @contextmanager
-def _shared_lock(path: Path) -> Iterator[None]:
-    lock = path.with_name(path.name + ".lock")
-    if not lock.exists():  # the writer has released and removed it, or never made one
+def _shared_lock(path: Path, timeout_s: float) -> Iterator[None]:
+    lock = path.with_name(path.name + LOCK_SUFFIX)
+    try:
+        mode = lock.lstat().st_mode
+    except FileNotFoundError:  # the writer has released and removed it, or never made one
         yield
         return
-    with lock.open("rb") as handle:
-        fcntl.flock(handle, fcntl.LOCK_SH)
+    if not stat.S_ISREG(mode):
+        raise RefusedFileError(f"{lock}: the lock file is not a regular file")
+    fd = _open_regular(lock)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise RefusedFileError(f"{lock}: still locked by its writer after {timeout_s:g} s") from None
+                time.sleep(_POLL_S)
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
-def read_connector_file(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> token_ids (T,) int64 and hidden_states (T, num_layers, H), read under a shared flock."""
-    with _shared_lock(path):
-        try:
-            tensors = load_file(path)
-        except (SafetensorError, OSError) as exc:
-            raise ConnectorFileError(f"{path}: not a readable safetensors file ({exc})") from None
+def read_connector_file(path: Path, lock_timeout_s: float = 30.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> token_ids (T,) int64 and hidden_states (T, num_layers, H) bf16, read under a shared flock."""
+    with _shared_lock(path, lock_timeout_s):
+        fd = _open_regular(path)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
+    try:
+        tensors = load_safetensors(data)
+    except (SafetensorError, ValueError) as exc:
+        raise ConnectorFileError(f"{path}: not a readable safetensors file ({exc})") from None
     missing = {"token_ids", "hidden_states"} - set(tensors)
     if missing:
         raise ConnectorFileError(f"{path}: missing tensor(s) {', '.join(sorted(missing))}")
     token_ids, hidden = tensors["token_ids"], tensors["hidden_states"]
-    if token_ids.dim() != 1 or hidden.dim() != 3:
+    if token_ids.dtype not in TOKEN_DTYPES:
+        raise ConnectorFileError(f"{path}: field token_ids is {token_ids.dtype}, expected torch.int64 or torch.int32")
+    if hidden.dtype != HIDDEN_DTYPE:
+        raise ConnectorFileError(f"{path}: field hidden_states is {hidden.dtype}, expected {HIDDEN_DTYPE} "
+                                 "(converting would change the values the drafter trains on)")
+    if token_ids.dim() != 1 or hidden.dim() != 3 or token_ids.shape[0] == 0:
         raise ConnectorFileError(
-            f"{path}: token_ids {tuple(token_ids.shape)} / hidden_states {tuple(hidden.shape)}, "
-            "expected (T,) and (T, num_layers, H)"
+            f"{path}: field token_ids {tuple(token_ids.shape)} / hidden_states {tuple(hidden.shape)}, "
+            "expected (T,) and (T, num_layers, H) with T >= 1"
         )
     if hidden.shape[0] != token_ids.shape[0]:
         raise ConnectorFileError(f"{path}: {token_ids.shape[0]} token ids but {hidden.shape[0]} hidden-state rows")
     return token_ids.to(torch.int64), hidden
 
 
-def join_to_rollouts(
-    files: list[Path],
+def list_connector_files(directory: Path) -> tuple[list[Path], list[str]]:
+    """The regular `*.safetensors` files directly in `directory`, and "name: why" of the entries named
+    like one that are refused (symlinks, FIFOs, directories, sockets). Nothing is opened or followed."""
+    files, refused = [], []
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except OSError as exc:
+        raise ConnectorFileError(f"{directory}: connector directory cannot be listed ({exc.strerror})") from None
+    for entry in entries:
+        if not entry.name.endswith(SUFFIX):
+            continue
+        if entry.is_symlink():
+            refused.append(f"{entry.name}: a symlink (not followed)")
+        elif not entry.is_file(follow_symlinks=False):
+            refused.append(f"{entry.name}: not a regular file")
+        else:
+            files.append(Path(entry.path))
+    return files, refused
+
+
+def ingest_directory(
+    directory: Path,
     rollouts: list[Rollout],
     step: int,
     requested_layer_ids: list[int],
     wanted_layer_ids: list[int],
-) -> tuple[list[HiddenSample], list[Path]]:
-    """Samples for the rollouts the files cover, with the wanted layers picked from the requested
-    ones; also the files that match no rollout of this step."""
-    missing = [i for i in wanted_layer_ids if i not in requested_layer_ids]
-    if missing:
-        raise ConnectorFileError(f"layers {missing} were not requested from vLLM (requested {requested_layer_ids})")
+    *,
+    hidden_size: int,
+    train_ids: set[str] | None = None,
+    max_unmatched_share: float = 0.0,
+    lock_timeout_s: float = 30.0,
+) -> Ingested:
+    """The samples of a step's connector directory: files joined one to one to the step's `rollouts`
+    (all of them, so that files of held-out rollouts are not unmatched); samples are made for the
+    rollouts in `train_ids` (all when None). Refused past `max_unmatched_share` (see the module doc)."""
+    missing_layers = [i for i in wanted_layer_ids if i not in requested_layer_ids]
+    if missing_layers:
+        raise ConnectorFileError(
+            f"layers {missing_layers} were not requested from vLLM (requested {requested_layer_ids})")
     pick = [requested_layer_ids.index(i) for i in wanted_layer_ids]
-    by_tokens = {tuple(r.input_ids): r for r in rollouts}
-    samples, unmatched = {}, []
-    for path in sorted(files):
-        token_ids, hidden = read_connector_file(path)
-        if hidden.shape[1] != len(requested_layer_ids):
-            raise ConnectorFileError(
-                f"{path}: {hidden.shape[1]} layers, but {len(requested_layer_ids)} were requested"
-            )
-        rollout = by_tokens.get(tuple(token_ids.tolist()))
-        if rollout is None:
-            _refuse_length_mismatch(path, token_ids, rollouts)
-            unmatched.append(path)
+    files, refused = list_connector_files(directory)
+    by_id = {r.sample_id: r for r in rollouts}
+    by_tokens: dict[tuple[int, ...], list[Rollout]] = defaultdict(list)
+    for r in rollouts:
+        by_tokens[tuple(r.input_ids)].append(r)
+    wanted = {r.sample_id for r in rollouts} if train_ids is None else train_ids
+    taken: dict[str, tuple[Path, torch.Tensor, torch.Tensor]] = {}
+    pending: list[tuple[Path, torch.Tensor, torch.Tensor]] = []
+    for path in files:
+        try:
+            token_ids, hidden = read_connector_file(path, lock_timeout_s)
+        except RefusedFileError as exc:  # blocked, or swapped for a non-file since it was listed
+            refused.append(f"{path.name}: {str(exc).split(': ', 1)[-1]}")
             continue
-        samples[rollout.sample_id] = HiddenSample(
-            sample_id=rollout.sample_id, step=step, input_ids=token_ids,
-            loss_mask=torch.tensor(rollout.loss_mask, dtype=torch.int64),
-            hidden=hidden[:, pick, :].to(torch.bfloat16).contiguous(),
+        _check_layout(path, hidden, requested_layer_ids, hidden_size)
+        named = by_id.get(path.name[: -len(SUFFIX)])
+        if named is not None and named.sample_id not in taken:
+            _check_tokens(path, token_ids, named)
+            taken[named.sample_id] = (path, token_ids, hidden)
+        else:
+            pending.append((path, token_ids, hidden))
+    unmatched: list[str] = []
+    for path, token_ids, hidden in pending:  # the rest by token ids: the first rollout of those tokens still free
+        tokens = tuple(token_ids.tolist())
+        rollout = next((r for r in by_tokens.get(tokens, ()) if r.sample_id not in taken), None)
+        if rollout is None:
+            if tokens not in by_tokens:
+                _refuse_length_mismatch(path, token_ids, rollouts)
+            unmatched.append(path.name)
+            continue
+        taken[rollout.sample_id] = (path, token_ids, hidden)
+    samples = [
+        HiddenSample(sample_id=r.sample_id, step=step, input_ids=taken[r.sample_id][1],
+                     loss_mask=torch.tensor(r.loss_mask, dtype=torch.int64),
+                     hidden=taken[r.sample_id][2][:, pick, :].contiguous())
+        for r in rollouts if r.sample_id in wanted and r.sample_id in taken
+    ]
+    result = Ingested(samples, len(files), unmatched, [r.sample_id for r in rollouts
+                                                       if r.sample_id in wanted and r.sample_id not in taken], refused)
+    _check_accounting(directory, result, len(rollouts), len(wanted), max_unmatched_share)
+    return result
+
+
+def _check_layout(path: Path, hidden: torch.Tensor, requested_layer_ids: list[int], hidden_size: int) -> None:
+    if hidden.shape[1] != len(requested_layer_ids):
+        raise ConnectorFileError(f"{path}: field hidden_states has {hidden.shape[1]} layers, but "
+                                 f"{len(requested_layer_ids)} were requested")
+    if hidden.shape[2] != hidden_size:
+        raise ConnectorFileError(f"{path}: field hidden_states has hidden size {hidden.shape[2]}, the target's "
+                                 f"is {hidden_size}")
+
+
+def _check_tokens(path: Path, token_ids: torch.Tensor, rollout: Rollout) -> None:
+    if token_ids.tolist() != rollout.input_ids:
+        raise ConnectorFileError(f"{path}: named after sample {rollout.sample_id!r}, but its field token_ids "
+                                 f"({token_ids.shape[0]} tokens) differs from the rollout's input_ids "
+                                 f"({len(rollout.input_ids)} tokens)")
+
+
+def _check_accounting(directory: Path, result: Ingested, rollouts: int, wanted: int, share: float) -> None:
+    extra = len(result.unmatched_files) + len(result.refused)
+    if extra > share * rollouts or len(result.missing) > share * wanted:
+        shown = [*result.refused, *(f"{n}: matches no rollout" for n in result.unmatched_files)][:5]
+        raise ConnectorFileError(
+            f"{directory}: {extra} connector file(s) match no rollout or were refused, and {len(result.missing)} "
+            f"of {wanted} rollouts have no file (hidden_states.max_unmatched_share {share:g}); "
+            f"first files: {shown}; first rollouts without a file: {result.missing[:5]}"
         )
-    return [samples[r.sample_id] for r in rollouts if r.sample_id in samples], unmatched
 
 
 def _refuse_length_mismatch(path: Path, token_ids: torch.Tensor, rollouts: list[Rollout]) -> None:

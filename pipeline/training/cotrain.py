@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -134,7 +134,8 @@ def run_training(
     broadcast_state(drafter.to(inputs.device).trainable_state_dict(), ctx)  # before the teacher reads the vocabulary
     num_layers = target.config.num_hidden_layers
     _check_buffer_layers(drafter, inputs, num_layers)
-    data = BufferDataset(store, cfg.run, inputs.entries, lambda s: drafter.training_sample(s, num_layers))
+    data = BufferDataset(store, cfg.run, inputs.entries, lambda s: drafter.training_sample(s, num_layers),
+                         cfg.train.max_unreadable_share)
 
     run_id = job.run_id
     if ctx.is_main and run_id is None:
@@ -157,9 +158,11 @@ def run_training(
         )
         if not ctx.is_main:
             return None
+        result = replace(result, samples=data.samples_read)  # what was read, not what the buffer lists
+        registry.log_params(run_id, {"samples_read": data.samples_read, "samples_unreadable": data.unreadable_samples})
         sink.flush()
         version = _register(registry, job, run_id, cfg, inputs.entries, drafter, warm_start,
-                            target_lib.TargetMetadata.of(target.config))
+                            target_lib.TargetMetadata.of(target.config), result.samples)
         registry.end_run(run_id, ok=True)
     except BaseException:
         if ctx.is_main:
@@ -181,7 +184,7 @@ def _finish(
 
 def _register(
     registry: DrafterRegistry, job: TrainJob, run_id: str, cfg: PipelineConfig, entries: list[BufferEntry],
-    drafter: drafters.Drafter, warm_start: str | None, target: target_lib.TargetMetadata,
+    drafter: drafters.Drafter, warm_start: str | None, target: target_lib.TargetMetadata, samples_read: int,
 ) -> str:
     """One version per input identity, even when a process died between registering and finishing."""
     version = registry.find_version({"input_id": job.input_id})
@@ -191,14 +194,14 @@ def _register(
             steps = list(composition(entries))
             tags = {
                 "rl_step": str(job.step), "pipeline_run": cfg.run, "trained_on_steps": json.dumps(steps),
-                "train_samples": str(len(entries)), "warm_start_version": warm_start or "none",
+                "train_samples": str(samples_read), "warm_start_version": warm_start or "none",
                 "input_id": job.input_id, "drafter_kind": cfg.drafter.kind,
             }
             if job.requested_by:
                 tags["retrain_requested_by"] = job.requested_by
             version = registry.register(run_id, checkpoint, tags, description=(
                 f"{cfg.drafter.kind} drafter trained at RL step {job.step} of run {cfg.run} on "
-                f"{len(entries)} samples of steps {steps}, warm-started from "
+                f"{samples_read} samples of steps {steps}, warm-started from "
                 f"{f'version {warm_start}' if warm_start else 'a fresh initialisation'}."))
     publish_challenger(registry, version)
     return version

@@ -9,6 +9,7 @@ trains; at most `prefetch` + 1 batches are in memory, whatever the buffer's size
 
 from __future__ import annotations
 
+import logging
 import queue
 import random
 import threading
@@ -23,12 +24,15 @@ from pipeline.data.shards import HiddenSample, Manifest
 from pipeline.data.store import ObjectStore
 from pipeline.training.window import PackedBatch, pack
 
+log = logging.getLogger(__name__)
+
 # One training sample: input_ids (T,), features (T, D), loss_mask (T,)
 Sample = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class Dataset(Protocol):
     lengths: list[int]  # tokens per sample, before windowing
+    samples_read: int  # samples not found unreadable: what a run trained on
 
     def load(self, indices: list[int]) -> list[Sample]:
         """The samples at `indices`, in that order; unreadable ones are left out (with a warning)."""
@@ -39,27 +43,57 @@ class InMemoryDataset:
     def __init__(self, samples: list[Sample]) -> None:
         self.samples = samples
         self.lengths = [int(s[0].shape[0]) for s in samples]
+        self.samples_read = len(samples)
 
     def load(self, indices: list[int]) -> list[Sample]:
         return [self.samples[i] for i in indices]
 
 
+class UnreadableDataError(RuntimeError):
+    """More of the buffer is unreadable than train.max_unreadable_share allows; the message names the shards."""
+
+
 class BufferDataset:
-    """The buffer's rows, read from their shards batch by batch and turned into training samples."""
+    """The buffer's rows, read from their shards batch by batch and turned into training samples.
+
+    It keeps count of what it could not read (a corrupt shard, a sample a rewrite dropped), so that
+    what a run reports is what it read: `samples_read` is the buffer less the samples found
+    unreadable. Past `max_unreadable_share` of the buffer, `load` raises UnreadableDataError."""
 
     def __init__(
-        self, store: ObjectStore, run: str, entries: list[BufferEntry], transform: Callable[[HiddenSample], Sample]
+        self, store: ObjectStore, run: str, entries: list[BufferEntry], transform: Callable[[HiddenSample], Sample],
+        max_unreadable_share: float = 1.0,
     ) -> None:
         self.store, self.run, self.entries, self.transform = store, run, entries, transform
         self.lengths = [e.tokens for e in entries]
+        self.max_unreadable_share = max_unreadable_share
+        self.unreadable: dict[str, set[tuple[int, str]]] = {}  # why (names the shard) -> (step, sample_id) lost
         self._manifests: dict[int, Manifest] = {}
+
+    @property
+    def unreadable_samples(self) -> int:
+        return len(set().union(*self.unreadable.values()))
+
+    @property
+    def samples_read(self) -> int:
+        return len(self.entries) - self.unreadable_samples
+
+    def _lost(self, why: str, entries: list[BufferEntry]) -> None:
+        log.warning("%s: %d buffer samples unreadable", why, len(entries))
+        self.unreadable.setdefault(why, set()).update((e.step, e.sample_id) for e in entries)
+        if self.unreadable_samples > self.max_unreadable_share * len(self.entries):
+            raise UnreadableDataError(
+                f"{self.unreadable_samples} of {len(self.entries)} buffer samples are unreadable, more than "
+                f"train.max_unreadable_share {self.max_unreadable_share:g} allows: {'; '.join(sorted(self.unreadable))}"
+            )
 
     def load(self, indices: list[int]) -> list[Sample]:
         # Read in shard order (one pass per shard), hand back in plan order.
         wanted = sorted({*indices}, key=lambda i: (self.entries[i].step, self.entries[i].shard, self.entries[i].row))
         loaded = {
             (s.step, s.sample_id): s
-            for s in iter_buffer_samples(self.store, self.run, [self.entries[i] for i in wanted], self._manifests)
+            for s in iter_buffer_samples(self.store, self.run, [self.entries[i] for i in wanted], self._manifests,
+                                         on_unreadable=self._lost)
         }
         keys = [(self.entries[i].step, self.entries[i].sample_id) for i in indices]
         return [self.transform(loaded[k]) for k in keys if k in loaded]

@@ -213,7 +213,9 @@ def test_external_trainer_step_runs_like_a_simulated_one(tmp_path: Path) -> None
 
     from tests.support.config import write_config
 
-    path = write_config(tmp_path, {"rollout_source": "external"})
+    # The trainer keeps its checkpoints outside the store: the config allows that place (and only it).
+    path = write_config(tmp_path, {"rollout_source": "external",
+                                   "storage": {"checkpoint_prefixes": [(tmp_path / "trainer-ckpt").parent.as_uri()]}})
     cfg = load_config(path)
     store = open_store(cfg)
     # The trainer's own checkpoint directory, outside the pipeline's store.

@@ -118,6 +118,22 @@ def _read_rows(path: Path) -> list[Row]:
     return rows
 
 
+# The trust boundary with the RL trainer: each class of bad input it can hand over, and the tests that try it.
+TRUST_CLASSES = [
+    ("1. checkpoint_uri leaves the store / carries credentials", "tests/unit/data/test_uris.py, "
+     "tests/integration/test_untrusted_trainer.py (run database), tests/integration/test_reliability.py"),
+    ("2. policy checkpoint contents", "tests/unit/models/, tests/integration/test_reliability.py"),
+    ("3. a step whose target layout differs from the run's", "tests/unit/data/test_run_layout.py, "
+     "tests/integration/test_untrusted_trainer.py"),
+    ("4. rollouts.parquet / policy.json fields; malformed step directories", "tests/unit/data/test_rollouts.py, "
+     "tests/integration/test_untrusted_trainer.py (sensor)"),
+    ("5. vLLM connector directory", "tests/unit/sources/test_vllm_connector.py"),
+    ("6. two writers of one step", "tests/integration/test_writers.py"),
+    ("7. corrupt shards during training", "tests/unit/training/test_dataset.py, "
+     "tests/integration/test_untrusted_trainer.py"),
+]
+
+
 def render(rows: list[Row]) -> str:
     faults = [r for r in rows if r.kind == "fault" and r.outcome != "skipped"]
     bad = [r for r in rows if r.kind == "bad_input" and r.outcome != "skipped"]
@@ -138,6 +154,12 @@ def render(rows: list[Row]) -> str:
         "| kind | fault or bad input | outcome | test |",
         "|---|---|---|---|",
         *(r.line() for r in ordered),
+        "",
+        "## The RL trainer's inputs, by class",
+        "",
+        "| class | tests |",
+        "|---|---|",
+        *(f"| {name} | {tests} |" for name, tests in TRUST_CLASSES),
         "",
     ])
 

@@ -10,7 +10,7 @@ import torch
 from pipeline.data import buffer, shards
 from pipeline.data.buffer import BufferEntry, composition, select_buffer
 from pipeline.data.keys import buffer_key
-from pipeline.data.shards import HiddenSample, Manifest
+from pipeline.data.shards import ByteRange, HiddenSample, Manifest, SampleIndex
 from pipeline.data.store import ObjectStore
 
 RUN = "r"
@@ -20,8 +20,8 @@ H = 4
 def manifest(step: int, tokens: list[int], per_shard: int = 100) -> Manifest:
     """A hand-made manifest: sample i of `step` is 's<step>-<i>' with tokens[i] tokens."""
     samples = [
-        {"sample_id": f"s{step}-{i}", "shard": f"part-{i // per_shard:05d}-x.parquet", "row": i % per_shard,
-         "tokens": n}
+        SampleIndex(f"s{step}-{i}", f"part-{i // per_shard:05d}-x.parquet", i % per_shard, n,
+                    ByteRange(0, 0, ""), 0, 0, [])
         for i, n in enumerate(tokens)
     ]
     return Manifest(

@@ -118,11 +118,11 @@ def test_round_trip_is_bit_exact(
     # Random access through the manifest's (shard, row) index, rows out of order.
     by_id = {s.sample_id: s for s in samples}
     for shard in manifest.shards:
-        entries = [e for e in manifest.samples if e["shard"] == shard.name][::-1]
-        rows = shards.read_rows(store, RUN, manifest, shard.name, [e["row"] for e in entries])
+        entries = [e for e in manifest.samples if e.shard == shard.name][::-1]
+        rows = shards.read_rows(store, RUN, manifest, shard.name, [e.row for e in entries])
         for got, entry in zip(rows, entries, strict=True):
-            assert got.sample_id == entry["sample_id"]
-            assert_same_sample(got, by_id[entry["sample_id"]])
+            assert got.sample_id == entry.sample_id
+            assert_same_sample(got, by_id[entry.sample_id])
 
 
 @pytest.mark.parametrize("compression", shards.LOSSLESS)
@@ -150,7 +150,7 @@ def test_raw_layers_of_a_local_shard_are_viewed_in_place_copy_on_write(store: Ob
             assert torch.equal(sample.hidden.view(torch.int16), want.hidden[:, positions].view(torch.int16))
         # Evenly spaced layers are views of the mapped file (two samples lie as far apart in memory as
         # in the file), not copies; [12, 3] runs backwards: copied.
-        rows = {e["row"]: e["layers"][positions[0]][0] for e in manifest.samples}
+        rows = {e.row: e.layers[positions[0]].offset for e in manifest.samples}
         viewed = got[0].hidden.data_ptr() - got[1].hidden.data_ptr() == rows[1] - rows[0]
         assert viewed == (layers != [12, 3])
         for sample in got:  # a caller's writes stay in its own pages
@@ -169,7 +169,7 @@ def test_one_sample_by_id_reads_only_its_own_ranges(store: ObjectStore, tmp_path
     path = tmp_path / "store" / hidden_states_prefix(RUN, 6) / manifest.shards[0].name
     entry = manifest.samples[1]
     # Zero every byte of the shard outside sample s6-1's metadata and layer-2 ranges: it still reads.
-    keep = [entry["meta"][:2], entry["layers"][1][:2]]
+    keep = [(entry.meta.offset, entry.meta.length), (entry.layers[1].offset, entry.layers[1].length)]
     data = path.read_bytes()
     kept = bytearray(len(data))
     for offset, length in keep:
@@ -192,7 +192,7 @@ def test_a_flipped_layer_byte_is_caught_by_every_reader(store: ObjectStore, tmp_
     samples = make_samples(8, [6, 6])
     manifest = write(store, 8, samples, compression=compression)
     path = tmp_path / "store" / hidden_states_prefix(RUN, 8) / manifest.shards[0].name
-    offset, length, _ = manifest.samples[1]["layers"][0]
+    offset, length = manifest.samples[1].layers[0].offset, manifest.samples[1].layers[0].length
     data = bytearray(path.read_bytes())
     data[offset + length // 2] ^= 0x01
     path.write_bytes(bytes(data))
@@ -210,7 +210,7 @@ def test_a_flipped_layer_byte_is_caught_by_every_reader(store: ObjectStore, tmp_
 def test_a_truncated_shard_is_reported_as_corrupt(store: ObjectStore, tmp_path: Path, compression: str) -> None:
     manifest = write(store, 9, make_samples(9, [6, 6]), compression=compression)
     path = tmp_path / "store" / hidden_states_prefix(RUN, 9) / manifest.shards[0].name
-    path.write_bytes(path.read_bytes()[: manifest.samples[1]["layers"][0][0] + 3])
+    path.write_bytes(path.read_bytes()[: manifest.samples[1].layers[0].offset + 3])
 
     with pytest.raises(shards.CorruptShardError, match=f"shard {manifest.shards[0].name} is shorter than its manifest"):
         shards.read_sample(store, RUN, manifest, "s9-1")
@@ -238,7 +238,7 @@ def test_fp8_halves_the_bytes_within_e4m3_precision(store: ObjectStore) -> None:
     lossy = write(store, 2, [replace(sample, step=2)], hidden_size=256, layer_ids=[1, 2], compression="fp8-e4m3")
 
     assert lossy.compression == "fp8-e4m3"
-    assert [length for _, length, _ in lossy.samples[0]["layers"]] == [64 * (4 + 256)] * 2  # scale + 1 B/value
+    assert [r.length for r in lossy.samples[0].layers] == [64 * (4 + 256)] * 2  # scale + 1 B/value
     assert lossy.total_bytes < 0.53 * plain.total_bytes
     got = shards.read_sample(store, RUN, lossy, "a", layers=[2]).hidden
     want = hidden[:, 1:].float()
@@ -296,13 +296,13 @@ def test_manifest_fields_match_the_files(store: ObjectStore, tmp_path: Path) -> 
     for info in manifest.shards:
         data = (tmp_path / "store" / prefix / info.name).read_bytes()
         assert info.bytes == len(data) == store.size(f"{prefix}/{info.name}")
-        entries = [e for e in manifest.samples if e["shard"] == info.name]
+        entries = [e for e in manifest.samples if e.shard == info.name]
         assert info.xxh3_128 == shards.shard_digest(memoryview(data), entries)
     assert manifest.total_bytes == sum(s.bytes for s in manifest.shards)
-    assert [(e["sample_id"], e["tokens"]) for e in manifest.samples] == [
+    assert [(e.sample_id, e.tokens) for e in manifest.samples] == [
         (s.sample_id, n) for s, n in zip(samples, lengths, strict=True)
     ]
-    assert [(e["shard"], e["row"]) for e in manifest.samples] == [
+    assert [(e.shard, e.row) for e in manifest.samples] == [
         (manifest.shards[i // 2].name, i % 2) for i in range(5)
     ]
     # The stored manifest is the returned one, and the directory holds nothing else.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -27,7 +28,8 @@ from pipeline.sources import extract
 from pipeline.sources.simulation import SimulatedRL
 from pipeline.sources.vllm_connector import (
     ConnectorFileError,
-    join_to_rollouts,
+    Ingested,
+    ingest_directory,
     read_connector_file,
     request_hidden_states,
 )
@@ -60,35 +62,155 @@ def test_read_waits_for_the_writers_lock(tmp_path: Path) -> None:
     assert done.is_set()
 
 
+def _ingest(directory: Path, rollouts: list[Rollout], requested: list[int] | None = None,
+            wanted: list[int] | None = None, **kwargs) -> Ingested:  # noqa: ANN003
+    requested = requested or [1, 2]
+    return ingest_directory(directory, rollouts, 1, requested, wanted or requested, hidden_size=8, **kwargs)
+
+
 def test_join_picks_layers_and_matches_by_tokens(tmp_path: Path) -> None:
     hidden = torch.randn(5, 4, 8).to(torch.bfloat16)  # requested layers [5, 1, 3, 8]
     _connector_file(tmp_path / "a.safetensors", [4, 5, 6, 7, 8], hidden)
     _connector_file(tmp_path / "other-step.safetensors", [9, 9, 9], torch.zeros(3, 4, 8, dtype=torch.bfloat16))
     rollouts = [_rollout("r0", [1, 2, 3]), _rollout("r1", [4, 5, 6, 7, 8])]
-    samples, unmatched = join_to_rollouts(sorted(tmp_path.glob("*.safetensors")), rollouts, 1, [5, 1, 3, 8], [1, 3, 8])
-    assert [s.sample_id for s in samples] == ["r1"]
-    assert [p.name for p in unmatched] == ["other-step.safetensors"]
-    assert torch.equal(samples[0].hidden.view(torch.int16), hidden[:, 1:].view(torch.int16))
-    assert samples[0].loss_mask.tolist() == [0, 0, 1, 1, 1]
+    got = _ingest(tmp_path, rollouts, [5, 1, 3, 8], [1, 3, 8], max_unmatched_share=0.5)
+    assert [s.sample_id for s in got.samples] == ["r1"]
+    assert (got.unmatched_files, got.missing) == (["other-step.safetensors"], ["r0"])
+    assert got.metadata() == {"connector_files": 2, "connector_unmatched_files": 1,
+                              "connector_rollouts_without_file": 1, "connector_refused_files": 0}
+    assert torch.equal(samples_hidden(got, "r1").view(torch.int16), hidden[:, 1:].view(torch.int16))
+    assert got.samples[0].loss_mask.tolist() == [0, 0, 1, 1, 1]
+
+
+def samples_hidden(got: Ingested, sample_id: str) -> torch.Tensor:
+    return next(s.hidden for s in got.samples if s.sample_id == sample_id)
+
+
+@pytest.mark.reliability("bad_input", "connector: rollouts with identical token ids (a GRPO group) each get "
+                                      "their own file, none collapsed")
+def test_rollouts_with_identical_tokens_each_keep_their_own_file(tmp_path: Path) -> None:
+    group = [_rollout(f"g{i}", [4, 5, 6, 7]) for i in range(3)]
+    for i in range(3):
+        _connector_file(tmp_path / f"req-{i}.safetensors", [4, 5, 6, 7], torch.full((4, 2, 8), float(i)).bfloat16())
+    got = _ingest(tmp_path, group)
+    assert [s.sample_id for s in got.samples] == ["g0", "g1", "g2"]
+    assert sorted(float(s.hidden[0, 0, 0]) for s in got.samples) == [0.0, 1.0, 2.0]  # three files, not one thrice
+    assert (got.unmatched_files, got.missing) == ([], [])
+
+
+def test_a_file_named_after_its_sample_id_is_matched_by_id(tmp_path: Path) -> None:
+    group = [_rollout("g0", [4, 5, 6]), _rollout("g1", [4, 5, 6])]
+    _connector_file(tmp_path / "g1.safetensors", [4, 5, 6], torch.ones(3, 2, 8).bfloat16())
+    _connector_file(tmp_path / "g0.safetensors", [4, 5, 6], torch.zeros(3, 2, 8).bfloat16())
+    got = _ingest(tmp_path, group)
+    assert float(samples_hidden(got, "g1")[0, 0, 0]) == 1.0
+    assert float(samples_hidden(got, "g0")[0, 0, 0]) == 0.0
+    _connector_file(tmp_path / "g0.safetensors", [4, 5, 9], torch.zeros(3, 2, 8).bfloat16())
+    with pytest.raises(ConnectorFileError, match="g0.safetensors: named after sample 'g0'.*token_ids"):
+        _ingest(tmp_path, group)
+
+
+@pytest.mark.reliability("bad_input", "connector: files that match no rollout and rollouts with no file, past "
+                                      "hidden_states.max_unmatched_share")
+def test_unmatched_files_and_rollouts_without_a_file_are_counted_and_refused_past_the_share(tmp_path: Path) -> None:
+    rollouts = [_rollout(f"r{i}", [4, 5, 6, i + 10]) for i in range(4)]
+    for i in range(3):
+        _connector_file(tmp_path / f"req-{i}.safetensors", [4, 5, 6, i + 10], torch.zeros(4, 2, 8).bfloat16())
+    _connector_file(tmp_path / "stray.safetensors", [1, 1, 1, 1], torch.zeros(4, 2, 8).bfloat16())
+    with pytest.raises(ConnectorFileError, match=r"1 connector file\(s\) match no rollout.*1 of 4 rollouts have no "
+                                                 r"file.*stray.safetensors.*\['r3'\]"):
+        _ingest(tmp_path, rollouts)
+    got = _ingest(tmp_path, rollouts, max_unmatched_share=0.25)
+    assert (len(got.samples), got.unmatched_files, got.missing) == (3, ["stray.safetensors"], ["r3"])
+
+
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda d: _fifo(d / "req-9.safetensors"), id="fifo-data",
+                 marks=pytest.mark.reliability("bad_input", "connector: a FIFO named like a data file")),
+    pytest.param(lambda d: _fifo(d / "req-0.safetensors.lock"), id="fifo-lock",
+                 marks=pytest.mark.reliability("bad_input", "connector: a FIFO named like a lock file")),
+    pytest.param(lambda d: (d / "req-9.safetensors").symlink_to(d.parent / "outside.safetensors"), id="symlink-data",
+                 marks=pytest.mark.reliability("bad_input", "connector: a symlink to a file outside the directory")),
+    pytest.param(lambda d: (d / "req-0.safetensors.lock").symlink_to(d.parent / "outside.lock"), id="symlink-lock",
+                 marks=pytest.mark.reliability("bad_input", "connector: a lock file that is a symlink out of the "
+                                                            "directory")),
+    pytest.param(lambda d: (d / "req-9.safetensors").mkdir(), id="directory",
+                 marks=pytest.mark.reliability("bad_input", "connector: a directory named like a data file")),
+])
+def test_entries_that_are_not_regular_files_are_refused_without_blocking(tmp_path: Path, make) -> None:  # noqa: ANN001
+    directory = tmp_path / "vllm"
+    directory.mkdir()
+    _connector_file(tmp_path / "outside.safetensors", [4, 5, 6], torch.zeros(3, 2, 8).bfloat16())
+    (tmp_path / "outside.lock").touch()
+    _connector_file(directory / "req-0.safetensors", [4, 5, 6], torch.zeros(3, 2, 8).bfloat16())
+    (directory / "req-0.safetensors.lock").unlink()
+    make(directory)
+    began = time.monotonic()
+    got = _ingest(directory, [_rollout("r0", [4, 5, 6])], max_unmatched_share=1.0)
+    assert time.monotonic() - began < 5
+    assert len(got.refused) == 1
+    assert got.metadata()["connector_refused_files"] == 1
+    with pytest.raises(ConnectorFileError, match="refused|match no rollout"):
+        _ingest(directory, [_rollout("r0", [4, 5, 6])])
+
+
+@pytest.mark.reliability("bad_input", "connector: a lock file held by its writer forever")
+def test_a_lock_held_forever_refuses_its_file_instead_of_hanging(tmp_path: Path) -> None:
+    path = _connector_file(tmp_path / "req-0.safetensors", [4, 5, 6], torch.zeros(3, 2, 8).bfloat16())
+    with path.with_name(path.name + ".lock").open("rb") as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)
+        got = _ingest(tmp_path, [_rollout("r0", [4, 5, 6])], max_unmatched_share=1.0, lock_timeout_s=0.2)
+    assert got.refused == ["req-0.safetensors: still locked by its writer after 0.2 s"]
+    assert got.missing == ["r0"]
 
 
 @pytest.mark.parametrize(
-    ("tokens", "hidden_rows", "requested", "wanted", "message"),
+    ("tokens", "hidden", "requested", "wanted", "message"),
     [
-        ([4, 5, 6], 3, [1, 2], [1, 2], "match rollout 'r1' .* only up to the shorter length"),
-        ([4, 5, 6, 7, 8], 4, [1, 2], [1, 2], "5 token ids but 4 hidden-state rows"),
-        ([4, 5, 6, 7, 8], 5, [1, 2], [1, 3], r"layers \[3\] were not requested"),
-        ([4, 5, 6, 7, 8], 5, [1, 2, 3], [1, 2], "2 layers, but 3 were requested"),
+        pytest.param([4, 5, 6], torch.zeros(3, 2, 8).bfloat16(), [1, 2], [1, 2],
+                     "match rollout 'r1' .* only up to the shorter length", id="prefix-caching-length",
+                     marks=pytest.mark.reliability("bad_input", "connector: tokens a prefix of a rollout's "
+                                                                "(prefix caching on)")),
+        pytest.param([4, 5, 6, 7, 8], torch.zeros(4, 2, 8).bfloat16(), [1, 2], [1, 2],
+                     "5 token ids but 4 hidden-state rows", id="rows-vs-tokens",
+                     marks=pytest.mark.reliability("bad_input", "connector: token ids and hidden-state rows "
+                                                                "disagree")),
+        pytest.param([4, 5, 6, 7, 8], torch.zeros(5, 2, 8).bfloat16(), [1, 2], [1, 3],
+                     r"layers \[3\] were not requested", id="layer-not-requested"),
+        pytest.param([4, 5, 6, 7, 8], torch.zeros(5, 2, 8).bfloat16(), [1, 2, 3], [1, 2],
+                     "field hidden_states has 2 layers, but 3 were requested", id="layer-count",
+                     marks=pytest.mark.reliability("bad_input", "connector: fewer layers than requested")),
+        pytest.param([4, 5, 6, 7, 8], torch.zeros(5, 2, 6).bfloat16(), [1, 2], [1, 2],
+                     "field hidden_states has hidden size 6, the target's is 8", id="hidden-size",
+                     marks=pytest.mark.reliability("bad_input", "connector: hidden size not the target's")),
+        pytest.param([4, 5, 6, 7, 8], torch.zeros(5, 2, 8), [1, 2], [1, 2],
+                     "field hidden_states is torch.float32, expected torch.bfloat16", id="hidden-float32",
+                     marks=pytest.mark.reliability("bad_input", "connector: hidden states float32 (no silent "
+                                                                "conversion)")),
+        pytest.param([4, 5, 6, 7, 8], torch.zeros(5, 2, 8).half(), [1, 2], [1, 2],
+                     "field hidden_states is torch.float16", id="hidden-float16",
+                     marks=pytest.mark.reliability("bad_input", "connector: hidden states float16 (no silent "
+                                                                "conversion)")),
+        pytest.param(torch.tensor([4.0, 5, 6, 7, 8]), torch.zeros(5, 2, 8).bfloat16(), [1, 2], [1, 2],
+                     "field token_ids is torch.float32", id="tokens-float",
+                     marks=pytest.mark.reliability("bad_input", "connector: token ids as floats")),
+        pytest.param([4, 5, 6, 7, 8], torch.zeros(5, 8).bfloat16(), [1, 2], [1, 2],
+                     r"expected \(T,\) and \(T, num_layers, H\)", id="hidden-2d",
+                     marks=pytest.mark.reliability("bad_input", "connector: hidden states of the wrong rank")),
     ],
-    ids=["prefix-caching-length", "rows-vs-tokens", "layer-not-requested", "layer-count"],
 )
 def test_bad_connector_files_are_refused(
-    tmp_path: Path, tokens: list[int], hidden_rows: int, requested: list[int], wanted: list[int], message: str
+    tmp_path: Path, tokens, hidden: torch.Tensor, requested: list[int], wanted: list[int], message: str  # noqa: ANN001
 ) -> None:
     path = tmp_path / "bad.safetensors"
-    save_file({"token_ids": torch.tensor(tokens), "hidden_states": torch.zeros(hidden_rows, 2, 8)}, str(path))
+    save_file({"token_ids": torch.as_tensor(tokens), "hidden_states": hidden}, str(path))
     with pytest.raises(ConnectorFileError, match=message):
-        join_to_rollouts([path], [_rollout("r1", [4, 5, 6, 7, 8])], 1, requested, wanted)
+        _ingest(tmp_path, [_rollout("r1", [4, 5, 6, 7, 8])], requested, wanted)
 
 
 def test_a_pickle_is_not_a_connector_file(tmp_path: Path) -> None:

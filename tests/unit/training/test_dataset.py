@@ -11,7 +11,14 @@ import torch
 from pipeline.config import TrainConfig
 from pipeline.data import buffer, shards
 from pipeline.data.store import ObjectStore
-from pipeline.training.dataset import BufferDataset, InMemoryDataset, Sample, iter_batches, plan_epoch
+from pipeline.training.dataset import (
+    BufferDataset,
+    InMemoryDataset,
+    Sample,
+    UnreadableDataError,
+    iter_batches,
+    plan_epoch,
+)
 from pipeline.training.window import PackedBatch
 
 V = 32
@@ -170,16 +177,21 @@ def test_buffer_dataset_loads_rows_in_the_order_asked(stored) -> None:
         assert torch.equal(features.view(torch.int16), want.hidden[:, -1, :].view(torch.int16))
 
 
-def test_buffer_dataset_leaves_out_a_corrupt_shard(stored, caplog: pytest.LogCaptureFixture) -> None:
-    store, entries, _ = stored
+def _corrupt_first_shard(store: ObjectStore) -> str:
     manifest = shards.read_manifest(store, "run", 1)
     key = f"hidden_states/run/step-000001/{manifest.shards[0].name}"  # rows s1-0, s1-1
     data = bytearray(store.read_bytes(key))
     data[len(data) // 2] ^= 0xFF
     store.write_bytes(key, bytes(data))
+    return manifest.shards[0].name
+
+
+def test_buffer_dataset_leaves_out_a_corrupt_shard(stored, caplog: pytest.LogCaptureFixture) -> None:
+    store, entries, _ = stored
+    _corrupt_first_shard(store)
     dataset = BufferDataset(store, "run", entries, last_layer)
 
-    with caplog.at_level("WARNING", logger="pipeline.data.buffer"):
+    with caplog.at_level("WARNING", logger="pipeline.training.dataset"):
         loaded = dataset.load([0, 1, 2, 3])
         nothing = list(iter_batches(dataset, [[0, 1], [2, 3]], window_tokens=512))
 
@@ -187,3 +199,17 @@ def test_buffer_dataset_leaves_out_a_corrupt_shard(stored, caplog: pytest.LogCap
     assert "does not match its manifest checksum" in caplog.text
     assert nothing[0] is None  # the whole batch was unreadable: a gap, not a crash
     assert isinstance(nothing[1], PackedBatch)
+    assert (dataset.samples_read, dataset.unreadable_samples) == (4, 2)  # counted once, though read twice
+
+
+@pytest.mark.reliability("fault", "corrupt shard during training, past train.max_unreadable_share: the run fails "
+                                  "naming the shard")
+def test_past_the_unreadable_share_loading_fails_naming_the_shards(stored) -> None:
+    store, entries, _ = stored
+    name = _corrupt_first_shard(store)
+    dataset = BufferDataset(store, "run", entries, last_layer, max_unreadable_share=0.25)  # 2 of 6 lost
+    with pytest.raises(UnreadableDataError, match=f"2 of 6 buffer samples are unreadable.*0.25.*shard {name}"):
+        list(iter_batches(dataset, [[0, 1], [2, 3], [4, 5]], window_tokens=512))
+    within = BufferDataset(store, "run", entries, last_layer, max_unreadable_share=0.34)
+    assert sum(b is not None for b in iter_batches(within, [[0, 1], [2, 3], [4, 5]], window_tokens=512)) == 2
+    assert within.samples_read == 4

@@ -1,0 +1,119 @@
+"""One target layout per run: hidden size, vocabulary, stored layer ids and model family.
+
+The buffer mixes the hidden states of several steps and one drafter trains on all of them, so
+every step of a run must come from a target of the same layout. The first step that is checked
+records the run's layout; every later step (at the rollouts asset, again when its hidden states
+are written, and in the buffer) is compared with it, and a step that differs is refused before
+anything of it is stored. A policy of another layout starts a new run.
+
+    <root>/hidden_states/<run>/_target_layout.json   {"layout": {...}, "recorded_by_step": 1}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from pipeline.data.store import ObjectStore
+
+
+class LayoutError(ValueError):
+    """A step whose target layout is not its run's; the message says what differs and what to do."""
+
+
+@dataclass(frozen=True)
+class TargetLayout:
+    family: str  # config.json model_type (llama, qwen2, ...)
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    layer_ids: tuple[int, ...]  # vLLM ids of the layers stored per token
+
+    @classmethod
+    def from_config(cls, config: dict, layer_ids: list[int]) -> TargetLayout:
+        """From a transformers config.json; LayoutError naming the field when one is missing or not an int."""
+        try:
+            return cls(str(config["model_type"]), _int(config, "hidden_size"), _int(config, "vocab_size"),
+                       _int(config, "num_hidden_layers"), tuple(int(i) for i in layer_ids))
+        except KeyError as exc:
+            raise LayoutError(f"config.json has no field {exc.args[0]!r}") from None
+
+    @classmethod
+    def from_json(cls, data: dict) -> TargetLayout:
+        return cls(str(data["family"]), int(data["hidden_size"]), int(data["vocab_size"]), int(data["num_layers"]),
+                   tuple(int(i) for i in data["layer_ids"]))
+
+    def differences(self, other: TargetLayout) -> list[str]:
+        """'field: this -> other' for every field that differs."""
+        mine, theirs = asdict(self), asdict(other)
+        return [f"{k}: {mine[k]} -> {theirs[k]}" for k in mine if mine[k] != theirs[k]]
+
+
+def _int(config: dict, name: str) -> int:
+    value = config[name]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise LayoutError(f"config.json field {name!r} is {value!r}, expected a positive integer")
+    return value
+
+
+def layout_key(run: str) -> str:
+    return f"hidden_states/{run}/_target_layout.json"
+
+
+def checkpoint_layout(store: ObjectStore, checkpoint_uri: str,
+                      layer_ids_of: Callable[[int], list[int]]) -> TargetLayout:
+    """The layout of a policy checkpoint from its config.json alone (no weights are read);
+    `layer_ids_of(num_layers)` gives the layer ids stored for a target of that depth."""
+    fs, path = store.filesystem(store.resolve(checkpoint_uri))
+    with fs.open(f"{path}/config.json", "rb") as f:
+        try:
+            config = json.loads(f.read(1 << 20))
+        except ValueError as exc:
+            raise LayoutError(f"{checkpoint_uri}/config.json is not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise LayoutError(f"{checkpoint_uri}/config.json is not a JSON object")
+    try:
+        return TargetLayout.from_config(config, layer_ids_of(_int(config, "num_hidden_layers")))
+    except LayoutError as exc:
+        raise LayoutError(f"{checkpoint_uri}/{exc}") from None
+
+
+def run_layout(store: ObjectStore, run: str) -> tuple[TargetLayout, int] | None:
+    """The run's recorded layout and the step that recorded it; None before the first step."""
+    key = layout_key(run)
+    if not store.exists(key):
+        return None
+    doc = store.read_json(key)
+    return TargetLayout.from_json(doc["layout"]), int(doc["recorded_by_step"])
+
+
+def check_step_layout(store: ObjectStore, run: str, step: int, layout: TargetLayout, record: bool = True) -> None:
+    """LayoutError when `layout` is not the run's; the first step checked records it (`record`)."""
+    found = run_layout(store, run)
+    if found is None:
+        if record:
+            store.write_json(layout_key(run), {"layout": asdict(layout), "recorded_by_step": step})
+        return
+    expected, by_step = found
+    differences = expected.differences(layout)
+    if differences:
+        raise LayoutError(
+            f"step {step} of run {run!r}: the target's layout differs from the run's (recorded by step {by_step} in "
+            f"{store.uri(layout_key(run))}): {'; '.join(differences)}. One drafter cannot train across layouts: "
+            f"start a new run for this policy (set `run` in the pipeline config to a new name, and point the RL "
+            f"trainer's output at rollouts/<new run>/)"
+        )
+
+
+def check_stored(store: ObjectStore, run: str, step: int, hidden_size: int, layer_ids: list[int],
+                 layout: TargetLayout | None) -> None:
+    """A committed step's manifest against the run's layout (its full layout when it recorded one)."""
+    found = run_layout(store, run)
+    if found is None:
+        return
+    expected = found[0]
+    if layout is None:  # written without a layout: the fields a manifest always has
+        layout = TargetLayout(expected.family, hidden_size, expected.vocab_size, expected.num_layers,
+                              tuple(layer_ids))
+    check_step_layout(store, run, step, layout, record=False)
