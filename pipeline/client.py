@@ -228,7 +228,8 @@ def _stored_value(value: Any, field: str) -> Any:
 
 def _digest(store: ObjectStore, key: str) -> str:
     h = hashlib.sha256()
-    with store.open_read(key) as f:
+    fs, path = store.filesystem(store.uri(key))
+    with fs.open(path, "rb") as f:
         while chunk := f.read(1 << 24):
             h.update(chunk)
     return h.hexdigest()

@@ -13,8 +13,7 @@ from definitions import build_definitions
 from jobs import SENSOR_NAME, rl_step_sensor
 from pipeline.config import load_config
 from pipeline.data import buffer, shards
-from pipeline.data.keys import hidden_states_prefix, rollouts_prefix
-from pipeline.data.rollouts import POLICY_FILE
+from pipeline.data.keys import hidden_states_prefix, policy_pointer_key
 from pipeline.data.store import open_store
 from pipeline.registry import DrafterRegistry
 from pipeline.sources import extract
@@ -58,7 +57,7 @@ def test_a_pointer_with_credentials_never_reaches_the_run_database(tiny_config_p
     cfg = load_config(tiny_config_path)
     store = open_store(cfg)
     SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(1)
-    key = f"{rollouts_prefix(cfg.run, 1)}/{POLICY_FILE}"
+    key = policy_pointer_key(cfg.run, 1)
     pointer = store.read_json(key)
     pointer["checkpoint_uri"] = f"{store.root}/policies/{cfg.run}/step-000001?token={SECRET}"
     store.write_json(key, pointer)

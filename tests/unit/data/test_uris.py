@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.data.keys import rollouts_prefix
-from pipeline.data.rollouts import POLICY_FILE, read_policy_pointer
+from pipeline.data.keys import policy_pointer_key
+from pipeline.data.rollouts import read_policy_pointer
 from pipeline.data.store import ObjectStore
 from pipeline.data.uris import UriPolicy, UriPolicyError, check_uri, redact
 from pipeline.models import target as target_lib
@@ -87,7 +87,7 @@ def test_redact_hides_every_credential_form(uri: str) -> None:
                                  f"policies/r/step-000001?token={SECRET}", f"https://bot:{SECRET}@attacker.example/ckpt"])
 def test_a_pointer_with_credentials_is_refused_everywhere_without_echo(tmp_path: Path, uri: str) -> None:
     store = ObjectStore((tmp_path / "store").as_uri(), uri_policy=POLICY)
-    key = f"{rollouts_prefix('r', 1)}/{POLICY_FILE}"
+    key = policy_pointer_key("r", 1)
     store.write_json(key, {"schema_version": 1, "policy_version": 1, "checkpoint_uri": uri, "model_id": "m"})
     for attempt in (lambda: read_policy_pointer(store, "r", 1), lambda: target_lib.load_policy(store, uri),
                     lambda: store.filesystem(uri)):
