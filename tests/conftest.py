@@ -6,6 +6,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -16,10 +17,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 from pipeline.config import PipelineConfig, load_config
-from pipeline.local_stack import PostgresServer
 from tests.support.config import write_config
 from tests.support.mlflow_server import mlflow_server as run_mlflow_server
-from tests.support.postgres import start_server
 from tests.support.reliability import (  # noqa: F401  (the report's fixture and hooks)
     pytest_configure,
     pytest_deselected,
@@ -27,6 +26,9 @@ from tests.support.reliability import (  # noqa: F401  (the report's fixture and
     pytest_sessionfinish,
     reliability,
 )
+
+if TYPE_CHECKING:
+    from pipeline.local_stack import PostgresServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -69,6 +71,8 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PostgresServer]:
     """A throwaway PostgreSQL server on a loopback port (Debian's postgresql; `make test` installs it)."""
+    from tests.support.postgres import start_server  # psycopg2 only where PostgreSQL is used
+
     server = start_server()
     try:
         yield server

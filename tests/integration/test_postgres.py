@@ -158,7 +158,7 @@ def _submit_backfill(instance: dg.DagsterInstance, keys: list[str]) -> str:
     from dagster._core.scheduler.instigation import InstigatorType
     from dagster._time import get_current_timestamp
 
-    from jobs import SENSOR_NAME
+    from jobs.sensors import SENSOR_NAME
 
     [sensor] = [s for s in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR)
                 if s.name == SENSOR_NAME]
@@ -181,7 +181,7 @@ def _rows(stack: Stack, sql: str) -> list[tuple]:
 def test_sensor_step_and_a_backfill_through_a_real_daemon(stack: Stack) -> None:
     from dagster._core.storage.tags import RUN_KEY_TAG
 
-    from jobs import SENSOR_NAME
+    from jobs.sensors import SENSOR_NAME
 
     cfg = stack.cfg
     simulator = SimulatedRL(cfg.simulation, open_store(cfg), cfg.run, cfg.data_path / "cache")
@@ -293,7 +293,8 @@ def test_mlflow_database_goes_away_mid_run(stack: Stack) -> None:
         registry.end_run(run_id)
     finally:
         restart.join()
-    assert registry.find_run({"rl_step": "step-000001"}) == run_id  # one run, not a second one
+    runs = registry.client.search_runs([registry.experiment_id], filter_string="tags.rl_step = 'step-000001'")
+    assert [r.info.run_id for r in runs] == [run_id]  # one run, not a second one
     assert registry.client.get_run(run_id).info.status == "FINISHED"
     assert [(m.step, m.value) for m in registry.client.get_metric_history(run_id, "loss")] == [(1, 0.5)]
     assert _places_holding_the_password(stack) == []

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from definitions import build_definitions
-from jobs import SENSOR_NAME, rl_step_sensor
+from jobs.sensors import SENSOR_NAME, rl_step_sensor
 from pipeline.config import load_config
 from pipeline.data import shards
 from pipeline.data.rollouts import read_policy_pointer, read_rollouts

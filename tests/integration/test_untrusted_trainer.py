@@ -10,7 +10,7 @@ import dagster as dg
 import pytest
 
 from definitions import build_definitions
-from jobs import SENSOR_NAME, rl_step_sensor
+from jobs.sensors import SENSOR_NAME, rl_step_sensor
 from pipeline.config import load_config
 from pipeline.data import buffer, shards
 from pipeline.data.keys import hidden_states_prefix, policy_pointer_key
