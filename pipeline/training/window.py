@@ -12,8 +12,8 @@ the embedding of token x_{t+1} (the token that feature produced), and predicts f
 
     hidden_in = hidden[:-1]   ids_in = ids[1:]   target = hidden[1:]   mask = mask[1:]
 
-DESIGN section 4 writes `ids[:-1]`; that pairs f_t with x_t, which f_t already encodes,
-and does not match what vLLM feeds an EAGLE drafter at inference, so we use ids[1:].
+ids[1:], not ids[:-1]: pairing f_t with x_t would feed the drafter a token f_t already encodes,
+and vLLM feeds an EAGLE drafter x_{t+1} beside f_t at inference.
 """
 
 from __future__ import annotations
