@@ -37,6 +37,7 @@ from pipeline.models.drafter import Drafter
 from pipeline.models.eagle import ARCHITECTURE, EagleConfig, EagleDrafter
 from pipeline.models.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
+from pipeline.models.rope import UnsupportedRopeError, check_scaling, scaling_kind
 from pipeline.models.target import TargetMetadata
 
 CONFIG_FILE = "config.json"
@@ -57,6 +58,7 @@ def target_fields(config: EagleConfig | Eagle3Config, target: TargetMetadata) ->
         ("vocab_size", config.vocab_size, target.vocab_size),
         ("target hidden_size", target_hidden, target.hidden_size),
         ("rope_theta", config.rope_theta, target.rope_theta),
+        ("rope_scaling", config.rope_scaling, target.rope_scaling),
     ) if ours != theirs]
     if mismatched:
         raise CheckpointError("drafter does not fit the target it is exported for: " + ", ".join(
@@ -117,7 +119,7 @@ def load_drafter(directory: Path, target_num_layers: int | None = None) -> Draft
     try:
         config = EagleConfig(**{k: raw[k] for k in (
             "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-            "rms_norm_eps", "rope_theta", "max_position_embeddings")})
+            "rms_norm_eps", "rope_theta", "max_position_embeddings")}, rope_scaling=_rope_scaling(raw, config_path))
     except KeyError as exc:
         raise CheckpointError(f"{config_path}: missing key {exc}") from None
     model = EagleDrafter(config)
@@ -133,6 +135,18 @@ def load_drafter(directory: Path, target_num_layers: int | None = None) -> Draft
             )
     model.load_state_dict({k: tensors[k].to(torch.float32) for k in expected}, strict=False)
     return model
+
+
+def _rope_scaling(raw: dict, config_path: Path) -> dict | None:
+    """The checkpoint's RoPE scaling, written as transformers 4 (`rope_scaling`) or 5 (`rope_parameters`)."""
+    params = raw.get("rope_scaling") or {k: v for k, v in (raw.get("rope_parameters") or {}).items()
+                                         if k != "rope_theta"}
+    scaling = params if scaling_kind(params or None) != "default" else None
+    try:
+        check_scaling(scaling)
+    except UnsupportedRopeError as exc:
+        raise CheckpointError(f"{config_path}: {exc}") from None
+    return scaling
 
 
 def _canonical_eagle3_key(key: str) -> str:
@@ -152,6 +166,7 @@ def _load_eagle3(
             raise CheckpointError(f"{config_path}: no eagle_aux_hidden_state_layer_ids and no target to default from")
         aux = default_aux_layer_ids(target_num_layers)
     rope = raw.get("rope_parameters") or {}
+    rope_scaling = _rope_scaling(raw, config_path)
     try:
         heads = raw["num_attention_heads"]
         config = Eagle3Config(
@@ -165,6 +180,7 @@ def _load_eagle3(
             aux_layer_ids=tuple(aux),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
             rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+            rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             # Absent means the EAGLE authors' / SpecForge layer (residual before hidden_norm).
             norm_before_residual=bool(raw.get("norm_before_residual", False)),

@@ -95,7 +95,7 @@ def fresh_drafter(cfg: DrafterConfig, target: nn.Module, token_counts: torch.Ten
         target_hidden_size=tc.hidden_size, intermediate_size=base.intermediate_size,
         num_attention_heads=base.num_attention_heads, num_key_value_heads=base.num_key_value_heads,
         aux_layer_ids=tuple(cfg.aux_layer_ids or default_aux_layer_ids(tc.num_hidden_layers)),
-        rms_norm_eps=base.rms_norm_eps, rope_theta=base.rope_theta,
+        rms_norm_eps=base.rms_norm_eps, rope_theta=base.rope_theta, rope_scaling=base.rope_scaling,
         max_position_embeddings=max(base.max_position_embeddings, tc.max_position_embeddings),
         norm_before_residual=cfg.norm_before_residual, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
     ))

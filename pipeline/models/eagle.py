@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.models.rope import RotaryEmbedding, apply_rotary, rope_of
 from pipeline.models.teacher import Teacher
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ class EagleConfig:
     num_key_value_heads: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # the target's; None: plain RoPE
     max_position_embeddings: int = 2048
 
     @property
@@ -58,7 +60,7 @@ class EagleConfig:
     @classmethod
     def from_target(cls, target_config, intermediate_size: int | None = None) -> EagleConfig:
         """The drafter mirrors the target's widths so that its features live in the same space."""
-        rope = getattr(target_config, "rope_parameters", None) or {}
+        rope_theta, rope_scaling = rope_of(target_config)
         return cls(
             vocab_size=target_config.vocab_size,
             hidden_size=target_config.hidden_size,
@@ -66,7 +68,8 @@ class EagleConfig:
             num_attention_heads=target_config.num_attention_heads,
             num_key_value_heads=target_config.num_key_value_heads,
             rms_norm_eps=target_config.rms_norm_eps,
-            rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=target_config.max_position_embeddings,
         )
 
@@ -85,6 +88,7 @@ def llama_fields(config: EagleConfig) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,
         "max_position_embeddings": config.max_position_embeddings,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
@@ -102,33 +106,6 @@ class RMSNorm(nn.Module):
         hidden_states = hidden_states.float()
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         return self.weight * (hidden_states * torch.rsqrt(variance + self.eps)).to(dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """Llama's rotary phases; `inv_freq` is computed once and, like transformers', not saved."""
-
-    inv_freq: torch.Tensor
-
-    def __init__(self, head_dim: int, theta: float) -> None:
-        super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)  # (D/2,)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids (B, N) -> cos, sin (B, 1, N, D), float32 whatever the model's dtype."""
-        freqs = position_ids.float()[..., None] * self.inv_freq.float()  # (B, N, D/2)
-        emb = torch.cat([freqs, freqs], dim=-1)  # (B, N, D)
-        return emb.cos()[:, None], emb.sin()[:, None]
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, N, D) rotated by cos, sin (B, 1, N, D); computed in x's dtype."""
-    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
 
 
 def attend(
@@ -300,7 +277,8 @@ class EagleDrafter(nn.Module):
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(config)])
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                          config.max_position_embeddings)
         self.embed_tokens.requires_grad_(False)
         self.lm_head.requires_grad_(False)
 

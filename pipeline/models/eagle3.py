@@ -33,13 +33,12 @@ from pipeline.models.eagle import (
     DraftCache,
     LayerCache,
     RMSNorm,
-    RotaryEmbedding,
     TTTCache,
-    apply_rotary,
     check_heads,
     gather_rows,
     llama_fields,
 )
+from pipeline.models.rope import RotaryEmbedding, apply_rotary
 from pipeline.models.teacher import Teacher
 
 if TYPE_CHECKING:
@@ -60,6 +59,7 @@ class Eagle3Config:
     aux_layer_ids: tuple[int, ...]
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # the target's; None: plain RoPE
     max_position_embeddings: int = 2048
     norm_before_residual: bool = False
     fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux chunk before fc
@@ -122,7 +122,7 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * h, config.num_key_value_heads * d, bias=False)
         self.v_proj = nn.Linear(2 * h, config.num_key_value_heads * d, bias=False)
         self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
-        self.rotary_emb = RotaryEmbedding(d, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(d, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
 
     def forward(
         self,

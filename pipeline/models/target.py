@@ -39,6 +39,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from pipeline.data.store import ObjectStore
 from pipeline.models.checkpoint_cache import CheckpointCache, RemoteFile
+from pipeline.models.rope import UnsupportedRopeError, check_scaling, rope_of
 from pipeline.models.weights import (
     FLOAT_DTYPES,
     INDEX_FILE,
@@ -305,9 +306,14 @@ def check_config(raw_bytes: bytes, where: str) -> PretrainedConfig:
     if "tie_word_embeddings" in raw and not isinstance(raw["tie_word_embeddings"], bool):
         raise TargetConfigError(f"{where}/{CONFIG_FILE}: tie_word_embeddings is {raw['tie_word_embeddings']!r}")
     try:
-        return CONFIG_MAPPING[family].from_dict(raw)
+        config = CONFIG_MAPPING[family].from_dict(raw)
     except Exception as exc:  # noqa: BLE001 - untrusted JSON: whatever transformers' validators raise refuses it
         raise TargetConfigError(f"{where}/{CONFIG_FILE}: {exc}") from None
+    try:
+        check_scaling(rope_of(config)[1])
+    except UnsupportedRopeError as exc:
+        raise TargetConfigError(f"{where}/{CONFIG_FILE}: {exc}") from None
+    return config
 
 
 def _meta_model(config: PretrainedConfig) -> PreTrainedModel:
@@ -579,13 +585,9 @@ class TargetMetadata:
     def of(cls, config: PretrainedConfig) -> TargetMetadata:
         """From a transformers config of either major version (rope_parameters in 5, rope_theta /
         rope_scaling in 4)."""
-        params = dict(getattr(config, "rope_parameters", None) or {})
-        theta = params.pop("rope_theta", None) or getattr(config, "rope_theta", None) or 10000.0
-        scaling = params if params.get("rope_type", "default") != "default" else None
-        if scaling is None and not hasattr(config, "rope_parameters"):
-            scaling = getattr(config, "rope_scaling", None)
+        theta, scaling = rope_of(config)
         return cls(config.model_type, config.hidden_size, config.vocab_size, config.num_hidden_layers,
-                   config.max_position_embeddings, float(theta), dict(scaling) if scaling else None)
+                   config.max_position_embeddings, theta, scaling)
 
 
 @torch.no_grad()

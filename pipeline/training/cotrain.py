@@ -24,7 +24,7 @@ from pipeline.data.shards import HiddenSample
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
-from pipeline.models.checkpoint import load_drafter, save_drafter
+from pipeline.models.checkpoint import load_drafter, save_drafter, target_fields
 from pipeline.registry import DrafterRegistry, MetricsBatcher, open_registry
 from pipeline.training.dataset import BufferDataset
 from pipeline.training.distributed import DistContext, broadcast_state, rank_device
@@ -54,6 +54,7 @@ def _initial_drafter(
         drafter = load_drafter(Path(cfg.drafter.warm_start), target.config.num_hidden_layers)
         if drafter.kind != cfg.drafter.kind:
             raise ValueError(f"drafter.warm_start {cfg.drafter.warm_start} is not a {cfg.drafter.kind} checkpoint")
+        target_fields(drafter.config, target_lib.TargetMetadata.of(target.config))  # refused before training
         return drafter, f"file:{cfg.drafter.warm_start}"
     counts = _token_counts(hidden, target.config.vocab_size)
     return drafters.fresh_drafter(cfg.drafter, target, counts, cfg.train.seed), None
