@@ -59,10 +59,12 @@ def greedy_generate(model: LlamaForCausalLM, prompt: torch.Tensor, max_new_token
 
 @dataclass
 class TargetCache:
-    """The target's key/value cache for a batch and the columns each row may attend."""
+    """The target's key/value cache for a batch, with each cached column's position and whether a row may
+    attend it (padding and rejected drafts may not)."""
 
     past: DynamicCache = field(default_factory=DynamicCache)
-    valid: torch.Tensor | None = None  # (B, S) bool: False = padding or a rejected draft
+    positions: torch.Tensor | None = None  # (B, S)
+    valid: torch.Tensor | None = None  # (B, S) bool
 
     def forward(
         self, model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor, new_valid: torch.Tensor,
@@ -70,8 +72,10 @@ class TargetCache:
     ) -> target_lib.TargetOutput:
         """input_ids, positions, new_valid (B, N): N new columns per row -> the target's output over them."""
         self.valid = new_valid if self.valid is None else torch.cat([self.valid, new_valid], dim=1)  # (B, S + N)
-        return target_lib.forward(model, input_ids, layer_ids, attention_mask=self.valid.long(),
-                                  position_ids=positions, past_key_values=self.past)
+        self.positions = positions if self.positions is None else torch.cat([self.positions, positions], dim=1)
+        mask = target_lib.decoding_mask(model.config, self.positions, self.valid, positions, model.dtype)
+        return target_lib.forward(model, input_ids, layer_ids, attention_mask=mask, position_ids=positions,
+                                  past_key_values=self.past)
 
     def keep(self, new_valid: torch.Tensor) -> None:
         """Of the last call's columns, keep new_valid (B, N) per row; crop the ones no row kept off the end."""
@@ -80,7 +84,7 @@ class TargetCache:
         drop = n - int(new_valid.sum(dim=1).max())
         if drop:
             self.past.crop(-drop)
-            self.valid = self.valid[:, :-drop]
+            self.valid, self.positions = self.valid[:, :-drop], self.positions[:, :-drop]
 
 
 @torch.no_grad()

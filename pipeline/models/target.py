@@ -74,6 +74,8 @@ FAMILIES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+# Families whose decoder reads one attention mask per layer type (full or sliding-window attention).
+MASKS_PER_LAYER_TYPE = {"qwen2", "qwen3"}
 # Families whose forward differs in a way `forward` would silently get wrong.
 REFUSED_FAMILIES = {
     "gemma": "scales embeddings by sqrt(hidden_size)", "gemma2": "soft-caps logits", "gemma3": "soft-caps logits",
@@ -529,14 +531,14 @@ def forward(
     input_ids: torch.Tensor,
     layer_ids: list[int] | None = None,
     *,
-    attention_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
     position_ids: torch.Tensor | None = None,
     past_key_values: Cache | None = None,
 ) -> TargetOutput:
     """input_ids (B, T) -> post-norm features (B, T, H), logits (B, T, V) and the requested layers.
 
     Decoding passes its cache (`past_key_values`, extended in place), the mask over every
-    cached and new column (B, S + T) and the new columns' positions (B, T).
+    cached and new column (`decoding_mask`) and the new columns' positions (B, T).
 
     Layer ids follow vLLM: id k is the residual stream entering decoder layer k (transformers'
     hidden_states[k] for k < L); id L is the last layer's output BEFORE the final norm. For every
@@ -561,6 +563,36 @@ def forward(
     states = [*out.hidden_states[:num_layers], caught[0]]  # L + 1 entries, all before the final norm
     features = out.last_hidden_state  # (B, T, H)
     return TargetOutput(features, model.lm_head(features), torch.stack([states[i] for i in layer_ids], dim=2))
+
+
+def decoding_mask(
+    config: PretrainedConfig, key_positions: torch.Tensor, key_valid: torch.Tensor, query_positions: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The attention mask of a decoding step over a cache with gaps (padding, rejected drafts), by position.
+
+    key_positions, key_valid: (B, S) every cached column, the new ones last
+    query_positions:          (B, N) the new columns
+    returns:                  (B, 1, N, S) additive mask, or one per layer type for families that mix
+                              full and sliding-window layers
+
+    transformers derives causality and sliding windows from column indices, which differ from positions
+    once a row has gaps; a window of W keeps the keys at positions p - W < key <= p, as its own masks do.
+    """
+    q, k = query_positions[:, :, None], key_positions[:, None, :]  # (B, N, 1), (B, 1, S)
+    causal = key_valid[:, None, :] & (k <= q)  # (B, N, S)
+    window = getattr(config, "sliding_window", None)
+
+    def additive(allowed: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)[:, None]  # (B, 1, N, S)
+
+    if config.model_type in MASKS_PER_LAYER_TYPE:
+        masks = {"full_attention": additive(causal)}
+        if "sliding_attention" in config.layer_types:
+            masks["sliding_attention"] = additive(causal & (q - k < window))
+        return masks
+    return additive(causal & (q - k < window) if window else causal)
 
 
 def model_id(model: PreTrainedModel) -> str:

@@ -22,6 +22,7 @@ from pipeline.models import target as target_lib
 from pipeline.models.drafter import CommittedPairs, Drafter, Proposer, fresh_drafter
 from pipeline.models.eagle import EagleConfig, EagleDrafter
 from pipeline.models.eagle3 import TTTCache
+from tests.support.families import VARIANTS, random_model
 
 V, H, LAYERS, HEADS = 32, 32, 1, 2
 MAX_NEW = 10
@@ -98,6 +99,24 @@ class WrongProposer(OracleProposer):
         return (super().propose(pairs, k) + 1) % V
 
 
+class PartlyRightProposer(OracleProposer):
+    """Right up to a place that moves with the round and the row: rows accept different numbers of
+    drafts, so every row's cache holds columns the others rejected."""
+
+    def __init__(self, greedy: GreedyOracle, prompts: list[torch.Tensor]) -> None:
+        super().__init__(greedy, prompts)
+        self.round = 0
+
+    def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
+        proposal = super().propose(pairs, k)
+        for b in range(proposal.shape[0]):
+            j = (self.round + b) % (k + 1)
+            if j < k:
+                proposal[b, j] = (proposal[b, j] + 1) % self.greedy.model.config.vocab_size
+        self.round += 1
+        return proposal
+
+
 class RecordingProposer:
     """Records each row's sequence and features as a proposer sees them; always proposes token 0."""
 
@@ -128,6 +147,19 @@ def proposer_factory(kind: str, greedy: GreedyOracle, prompts: list[torch.Tensor
 
 
 PROPOSERS = {"oracle": OracleProposer, "wrong": WrongProposer, "eagle": None}
+
+
+@pytest.mark.parametrize("family", VARIANTS)
+def test_batched_output_is_greedy_for_every_family(family: str) -> None:
+    """Prompts of different lengths (padding) and rows accepting differently (rejected columns kept):
+    positions and cache columns part, which sliding-window layers (Mistral's, Qwen2's) must not see."""
+    model = random_model(family)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (3, 7, 12)]
+    greedy = GreedyOracle(model, prompts)
+    traces = generate_batch(model, lambda: PartlyRightProposer(greedy, prompts), prompts, MAX_NEW, 3)
+    assert [t.tokens for t in traces] == [greedy.generate(p, MAX_NEW) for p in prompts]
+    assert len({tuple(t.accepted_per_round) for t in traces}) == len(prompts)
 
 
 @pytest.mark.parametrize("k", [1, 3, 4], ids=lambda k: f"k{k}")

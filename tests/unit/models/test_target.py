@@ -1,8 +1,6 @@
 """Policy loading and the target forward, for every supported family, against plain transformers.
 
-Each family is a tiny random model built from its config (2 layers; Qwen2 with non-zero q/k/v
-biases, Qwen3 with q/k norms and tied embeddings, Llama with llama3 rope scaling, Mistral with a
-sliding window shorter than the sequence), saved in shards with an index.
+Each family is a tiny random model of tests/support/families.py, saved in shards with an index.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pipeline.config import DrafterConfig
 from pipeline.data.store import ObjectStore, storage_options_for
@@ -47,39 +45,16 @@ from pipeline.models.weights import (
     WeightsLayout,
     WeightsLayoutError,
 )
+from tests.support.families import FAMILIES, LAYERS, LLAMA3_ROPE, SHARD, H, V, random_model
 
-V, H, LAYERS, SEQ = 96, 32, 2, 12
-COMMON = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
-              pad_token_id=None)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-FAMILIES = {
-    "llama": lambda: LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False),
-    "mistral": lambda: MistralConfig(**COMMON, sliding_window=4, tie_word_embeddings=False),
-    "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=False,
-                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=8, tie_word_embeddings=True),
-}
-SHARD = "24KB"  # several shards per tiny model
-
-
-def _random_model(family: str) -> torch.nn.Module:
-    """Every parameter random, biases and norm weights included (transformers initialises them to
-    0 and 1, which would hide a bias or norm the loader dropped)."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    return model
+SEQ = 12
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
     out = {}
     for family in FAMILIES:
-        model = _random_model(family)
+        model = random_model(family)
         directory = tmp_path_factory.mktemp(family)
         model.save_pretrained(directory, safe_serialization=True, max_shard_size=SHARD)
         out[family] = (model, directory)
