@@ -13,8 +13,9 @@ teacher-forced estimate against exact tau.
 * tau_estimate_abs_diff: the demo's simulated target (pre-trained, cached under the data dir) and
   its sampled rollouts (temperature 1); an EAGLE-3 drafter trained on them (the demo's settings,
   6 epochs); exact tau over the held-out prompts against the teacher-forced estimate over the
-  same held-out rollouts. The estimate reads low here: its contexts are sampled text, decoding's
-  the target's greedy text, on which the drafter does better.
+  same held-out rollouts. The estimate counts a draft step only where the rollout's tokens are
+  what decoding would have fed it, yet still reads low: the earlier context is sampled text,
+  decoding's the target's greedy text, on which the drafter does better.
 
 Goals: ratio <= 1.5, speedup >= 4, estimate within 0.3 of exact tau. One thread throughout.
 """

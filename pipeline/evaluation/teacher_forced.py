@@ -4,20 +4,26 @@ Exact acceptance (speculative.evaluate) decodes: a target forward per round. Thi
 runs the target once over whole rollouts and the drafter once per draft step, all
 positions at once (the TTT unroll of training, like NeMo's tau_sim or SpecForge's
 per-step accuracy): at a response position t, step j drafts token t+2+j from the rollout's
-tokens up to t+1+j and the drafter's own earlier steps, and counts as accepted when it and
-every earlier step equal the target's greedy choice there. Only positions whose token t+1 is
-the target's greedy choice start a chain: in decoding, the token a round starts from always is.
+tokens up to t+1+j and the drafter's own earlier steps, and is accepted when it equals the
+target's greedy choice there.
 
-    per_position[j] = share of start positions whose steps 0..j all match
+Decoding's text after the prompt is the target's greedy text; a rollout's is sampled. So a
+step counts only where its context is what decoding would have fed it: token t+1 (the
+round's start) and the tokens step j reads (t+2..t+1+j, decoding's accepted drafts) are the
+target's greedy choices, and so is token t unless t+1 is the first response token. Each step
+gets its acceptance rate given the earlier ones, over the starts whose context qualifies:
+
+    alpha[j]        = starts whose steps 0..j matched / starts whose steps 0..j-1 matched
+    per_position[j] = alpha[0] * ... * alpha[j]
     tau             = 1 + sum_j per_position[j]
 
-Its contexts are the rollouts' sampled text where decoding's are the target's greedy text,
-so it estimates, not reproduces, tau (on the demo's temperature-1 rollouts it reads low;
-see benchmarks/evaluation.py); on greedy text it is exact, start by start.
+On greedy text every start qualifies and this is exact, start by start. On sampled text it
+still reads low (the earlier context is sampled; see benchmarks/evaluation.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +39,7 @@ class AcceptanceEstimate:
     tau: float
     per_position: list[float]
     sequences: int  # rollouts read
-    positions: int  # draft start positions the shares average over
+    positions: int  # start positions whose first step counts
 
     def as_dict(self) -> dict:
         return {"tau": self.tau, "per_position": self.per_position, "sequences": self.sequences,
@@ -49,8 +55,8 @@ def estimate_acceptance(
     over `sequences` (prompt + response tokens), `batch_size` sequences per pass; None when no
     response has k tokens (nothing to estimate on)."""
     device = model.device
-    chains = torch.zeros(k, dtype=torch.float64)  # summed over start positions: steps 0..j all matched
-    starts = 0
+    accepted = torch.zeros(k, dtype=torch.float64)  # per step: qualifying starts whose steps 0..j matched
+    reached = torch.zeros(k, dtype=torch.float64)  # per step: qualifying starts whose steps 0..j-1 matched
     for first in range(0, len(sequences), batch_size):
         batch, prompts = sequences[first : first + batch_size], prompt_lens[first : first + batch_size]
         B, T = len(batch), max(s.shape[0] for s in batch)
@@ -65,22 +71,28 @@ def estimate_acceptance(
         features = features_for(out, drafter.decode_layer_ids)[:, :n]  # (B, n, D)
         mask = valid[:, None, None, :n] & torch.ones(n, n, dtype=torch.bool, device=device).tril()  # (B, 1, n, n)
         positions = torch.arange(n, device=device).expand(B, n)  # (B, n)
-        step_ids = [torch.nn.functional.pad(ids[:, 1 + j :], (0, j))[:, :n] for j in range(k)]  # x_{t+1+j}
+        step_ids = [_shifted(ids, 1 + j, n) for j in range(k)]  # x_{t+1+j}
         drafts = drafter.draft_unrolled(features, step_ids, positions, mask)  # (k, B, n)
-        # step j at start t drafts token t+2+j, the target's greedy choice at column t+1+j
         t = torch.arange(n, device=device)  # (n,)
         first_start = torch.tensor(prompts, device=device)[:, None] - 1  # (B, 1): the first round's pair
-        usable = (t[None] >= first_start) & (t[None] + k <= lengths[:, None] - 1)  # (B, n) all k steps checkable
-        usable &= ids[:, 1:] == greedy[:, :n]  # token t+1 is the target's greedy choice, as decoding's always is
+        greedy_next = ids[:, 1:] == greedy[:, :n]  # (B, n): token t+1 is the target's choice at t
+        after_greedy = torch.nn.functional.pad(greedy_next, (1, 0))[:, :n] | (t[None] == first_start)  # (B, n)
+        context = (t[None] >= first_start) & (t[None] + k <= lengths[:, None] - 1) & after_greedy  # (B, n)
         matched = torch.ones(B, n, dtype=torch.bool, device=device)
         for j in range(k):
-            reference = torch.nn.functional.pad(greedy[:, 1 + j :], (0, j))[:, :n]  # (B, n) column t+1+j
-            matched &= drafts[j] == reference
-            chains[j] += float((matched & usable).sum())
-        starts += int(usable.sum())
-    if starts == 0:
+            context &= _shifted(greedy_next, j, n)  # step j reads token t+1+j: decoding's accepted draft
+            reached[j] += float((matched & context).sum())
+            matched &= drafts[j] == _shifted(greedy, 1 + j, n)  # step j drafts the choice at column t+1+j
+            accepted[j] += float((matched & context).sum())
+    if reached[0] == 0:
         return None
-    per_position = (chains / starts).tolist()
+    rates = [float(a / r) if r else 0.0 for a, r in zip(accepted, reached, strict=True)]
+    per_position = [math.prod(rates[: j + 1]) for j in range(k)]
     return AcceptanceEstimate(tau=1 + sum(per_position), per_position=per_position, sequences=len(sequences),
-                              positions=starts)
+                              positions=int(reached[0]))
+
+
+def _shifted(x: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+    """x (B, T) -> (B, n): column t holds x[:, t + offset] (zero/False past the end)."""
+    return torch.nn.functional.pad(x[:, offset:], (0, offset))[:, :n]
 

@@ -92,3 +92,21 @@ def test_only_tokens_the_target_would_pick_start_a_round(
     text = greedy_texts[0][: 4 + K].clone()
     text[4] = (text[4] + 1) % V  # token t+1 of the only start is not the target's choice
     assert estimate_acceptance(target, drafter, [text], [4], K) is None
+
+
+def test_a_step_counts_only_where_it_reads_what_decoding_would_feed_it(
+    target: LlamaForCausalLM, greedy_texts: list[torch.Tensor], drafter: Drafter
+) -> None:
+    """Sampled text: where decoding would feed step 1 the accepted draft (the target's choice), the rollout
+    has another token. Step 0 is measured as before; the steps reading that token are not measured at all."""
+    prompt_lens = [int(t.shape[0]) - 16 for t in greedy_texts]
+    texts = [t[: p + K] for t, p in zip(greedy_texts, prompt_lens, strict=True)]  # one start each, at p - 1
+    sampled = [t.clone() for t in texts]
+    for t, p in zip(sampled, prompt_lens, strict=True):
+        t[p + 1] = (t[p + 1] + 1) % V  # token t+2, what step 1 reads
+    clean = estimate_acceptance(target, drafter, texts, prompt_lens, K)
+    estimate = estimate_acceptance(target, drafter, sampled, prompt_lens, K)
+    assert estimate.positions == clean.positions == len(texts)
+    assert estimate.per_position[0] == clean.per_position[0] > 0
+    assert clean.per_position[1] > 0
+    assert estimate.per_position[1:] == [0.0] * (K - 1)
