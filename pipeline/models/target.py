@@ -569,30 +569,40 @@ def decoding_mask(
     config: PretrainedConfig, key_positions: torch.Tensor, key_valid: torch.Tensor, query_positions: torch.Tensor,
     dtype: torch.dtype,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The attention mask of a decoding step over a cache with gaps (padding, rejected drafts), by position.
+    """The attention mask of a decoding step over a cache with gaps (padding, rejected drafts).
 
     key_positions, key_valid: (B, S) every cached column, the new ones last
     query_positions:          (B, N) the new columns
-    returns:                  (B, 1, N, S) additive mask, or one per layer type for families that mix
-                              full and sliding-window layers
+    returns:                  key_valid (B, S) when no layer has a sliding window; else (B, 1, N, S)
+                              additive, or one per layer type for families that mix full and sliding layers
 
-    transformers derives causality and sliding windows from column indices, which differ from positions
-    once a row has gaps; a window of W keeps the keys at positions p - W < key <= p, as its own masks do.
+    transformers derives causality and sliding windows from column indices. Within a row, columns are
+    in position order, so causality by index is causality by position and a padding mask suffices;
+    a window by index is not a window by position once a row has gaps, so it is built here from the
+    positions: a window of W keeps the keys at positions p - W < key <= p, as transformers' masks do.
     """
+    window = sliding_window(config)
+    if window is None:
+        return key_valid.long()
     q, k = query_positions[:, :, None], key_positions[:, None, :]  # (B, N, 1), (B, 1, S)
     causal = key_valid[:, None, :] & (k <= q)  # (B, N, S)
-    window = getattr(config, "sliding_window", None)
 
     def additive(allowed: torch.Tensor) -> torch.Tensor:
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
             ~allowed, torch.finfo(dtype).min)[:, None]  # (B, 1, N, S)
 
+    windowed = additive(causal & (q - k < window))
     if config.model_type in MASKS_PER_LAYER_TYPE:
-        masks = {"full_attention": additive(causal)}
-        if "sliding_attention" in config.layer_types:
-            masks["sliding_attention"] = additive(causal & (q - k < window))
-        return masks
-    return additive(causal & (q - k < window) if window else causal)
+        return {"full_attention": additive(causal), "sliding_attention": windowed}
+    return windowed
+
+
+def sliding_window(config: PretrainedConfig) -> int | None:
+    """The window of the target's sliding-window layers; None when no layer has one."""
+    window = getattr(config, "sliding_window", None)
+    if config.model_type in MASKS_PER_LAYER_TYPE and "sliding_attention" not in (config.layer_types or []):
+        return None
+    return window or None
 
 
 def model_id(model: PreTrainedModel) -> str:
