@@ -37,7 +37,7 @@ from pipeline.models.drafter import Drafter
 from pipeline.models.eagle import ARCHITECTURE, EagleConfig, EagleDrafter
 from pipeline.models.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
-from pipeline.models.rope import UnsupportedRopeError, check_scaling, scaling_kind
+from pipeline.models.rope import UnsupportedRopeError, check_scaling, rope_from
 from pipeline.models.target import TargetMetadata
 
 CONFIG_FILE = "config.json"
@@ -116,10 +116,11 @@ def load_drafter(directory: Path, target_num_layers: int | None = None) -> Draft
             f"[{ARCHITECTURE!r}] or [{EAGLE3_ARCHITECTURE!r}]"
         )
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    rope_theta, rope_scaling = _rope(raw, config_path)
     try:
         config = EagleConfig(**{k: raw[k] for k in (
             "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-            "rms_norm_eps", "rope_theta", "max_position_embeddings")}, rope_scaling=_rope_scaling(raw, config_path))
+            "rms_norm_eps", "max_position_embeddings")}, rope_theta=rope_theta, rope_scaling=rope_scaling)
     except KeyError as exc:
         raise CheckpointError(f"{config_path}: missing key {exc}") from None
     model = EagleDrafter(config)
@@ -137,16 +138,14 @@ def load_drafter(directory: Path, target_num_layers: int | None = None) -> Draft
     return model
 
 
-def _rope_scaling(raw: dict, config_path: Path) -> dict | None:
-    """The checkpoint's RoPE scaling, written as transformers 4 (`rope_scaling`) or 5 (`rope_parameters`)."""
-    params = raw.get("rope_scaling") or {k: v for k, v in (raw.get("rope_parameters") or {}).items()
-                                         if k != "rope_theta"}
-    scaling = params if scaling_kind(params or None) != "default" else None
+def _rope(raw: dict, config_path: Path) -> tuple[float, dict | None]:
+    """The checkpoint's (rope_theta, rope_scaling), of a scaling the draft layer can follow."""
+    theta, scaling = rope_from(raw)
     try:
         check_scaling(scaling)
     except UnsupportedRopeError as exc:
         raise CheckpointError(f"{config_path}: {exc}") from None
-    return scaling
+    return theta, scaling
 
 
 def _canonical_eagle3_key(key: str) -> str:
@@ -165,8 +164,7 @@ def _load_eagle3(
         if target_num_layers is None:
             raise CheckpointError(f"{config_path}: no eagle_aux_hidden_state_layer_ids and no target to default from")
         aux = default_aux_layer_ids(target_num_layers)
-    rope = raw.get("rope_parameters") or {}
-    rope_scaling = _rope_scaling(raw, config_path)
+    rope_theta, rope_scaling = _rope(raw, config_path)
     try:
         heads = raw["num_attention_heads"]
         config = Eagle3Config(
@@ -179,7 +177,7 @@ def _load_eagle3(
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
             aux_layer_ids=tuple(aux),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             # Absent means the EAGLE authors' / SpecForge layer (residual before hidden_norm).

@@ -11,6 +11,7 @@ phases with the sequence length, so a target using them is refused by name.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -26,14 +27,17 @@ class UnsupportedRopeError(ValueError):
 
 
 def rope_of(config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) of a transformers config of either major version (`rope_parameters`
-    in 5, `rope_theta` / `rope_scaling` in 4); rope_scaling None means plain RoPE."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    theta = params.pop("rope_theta", None) or getattr(config, "rope_theta", None) or 10000.0
-    scaling = params if params.get("rope_type", "default") != "default" else None
-    if scaling is None and not hasattr(config, "rope_parameters"):
-        scaling = getattr(config, "rope_scaling", None)
-    return float(theta), dict(scaling) if scaling else None
+    """(rope_theta, rope_scaling) of a transformers config object; see `rope_from`."""
+    return rope_from({key: getattr(config, key, None) for key in ("rope_parameters", "rope_theta", "rope_scaling")})
+
+
+def rope_from(fields: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from config fields of either transformers major version
+    (`rope_parameters` in 5, `rope_theta` / `rope_scaling` in 4); rope_scaling None means plain RoPE."""
+    params = dict(fields.get("rope_parameters") or {})
+    theta = params.pop("rope_theta", None) or fields.get("rope_theta") or 10000.0
+    scaling = params if fields.get("rope_parameters") else fields.get("rope_scaling")
+    return float(theta), dict(scaling) if scaling_kind(scaling or None) != "default" else None
 
 
 def scaling_kind(scaling: dict[str, Any] | None) -> str:
