@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +24,7 @@ from torch import nn
 
 from pipeline.models.rope import RotaryEmbedding, apply_rotary, rope_of
 from pipeline.models.teacher import Teacher
+from pipeline.models.ttt import TTTCache
 
 if TYPE_CHECKING:
     from pipeline.data.shards import HiddenSample
@@ -152,47 +153,6 @@ class LayerCache:
         """Keep the first `length` columns."""
         if self.key is not None:
             self.key, self.value = self.key[:, :, :length], self.value[:, :, :length]
-
-
-@dataclass
-class TTTCache:
-    """Keys/values of one training-time-test unroll: step 0's (a causal block) and the diagonal
-    ones of later steps. Step k's query at position t sees step 0's keys at positions <= t and
-    the keys of steps 1..k at t; its rotary phase is t + k."""
-
-    key0: torch.Tensor | None = None  # (B, heads, N0, D)
-    value0: torch.Tensor | None = None
-    keys: list[torch.Tensor] = field(default_factory=list)  # each (B, heads, Nq, D)
-    values: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def step(self) -> int:
-        return 0 if self.key0 is None else 1 + len(self.keys)
-
-    @property
-    def position_offset(self) -> int:
-        return self.step
-
-    def attend(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor
-    ) -> torch.Tensor:
-        """query/key/value (B, heads, Nq, D) of this step; attention_mask (B, 1, Nq, N0) the causal block."""
-        if self.key0 is None:
-            self.key0, self.value0 = key, value
-        else:
-            self.keys.append(key)
-            self.values.append(value)
-        scale = 1.0 / math.sqrt(query.shape[-1])
-        block = (query @ self.key0.transpose(-1, -2)) * scale  # (B, heads, Nq, N0)
-        block = block.masked_fill(~attention_mask, torch.finfo(block.dtype).min)
-        diagonal = [(query * k).sum(-1, keepdim=True) * scale for k in self.keys]  # each (B, heads, Nq, 1)
-        scores = torch.cat([block, *diagonal], dim=-1)  # (B, heads, Nq, N0 + steps)
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(value.dtype)
-        n0 = self.key0.shape[2]
-        attn = probs[..., :n0] @ self.value0  # (B, heads, Nq, D)
-        for i, v in enumerate(self.values):
-            attn = attn + probs[..., n0 + i, None] * v
-        return attn
 
 
 class Attention(nn.Module):

@@ -33,13 +33,13 @@ from pipeline.models.eagle import (
     DraftCache,
     LayerCache,
     RMSNorm,
-    TTTCache,
     check_heads,
     gather_rows,
     llama_fields,
 )
 from pipeline.models.rope import RotaryEmbedding, apply_rotary
 from pipeline.models.teacher import Teacher
+from pipeline.models.ttt import FlexTTTCache, TTTCache
 
 if TYPE_CHECKING:
     from pipeline.data.shards import HiddenSample
@@ -129,7 +129,7 @@ class Eagle3Attention(nn.Module):
         hidden_states: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        cache: TTTCache | LayerCache,
+        cache: TTTCache | FlexTTTCache | LayerCache,
     ) -> torch.Tensor:
         """
         hidden_states:  (B, Nq, 2H)
@@ -169,7 +169,7 @@ class Eagle3DecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        cache: TTTCache | LayerCache,
+        cache: TTTCache | FlexTTTCache | LayerCache,
     ) -> torch.Tensor:
         """
         inputs_embeds:  (B, Nq, H) embeddings of the tokens
@@ -318,7 +318,7 @@ class Eagle3Drafter(nn.Module):
         hidden_states: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        cache: TTTCache | LayerCache,
+        cache: TTTCache | FlexTTTCache | LayerCache,
     ) -> torch.Tensor:
         """One TTT step (training), or one decoding call (a LayerCache).
 

@@ -73,11 +73,19 @@ def plan_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
 class _Batch:
     rollouts: list[Rollout]
     features: torch.Tensor  # (B, n_layers, T, H) bf16 on the host: layer-major, so each layer of a sample is contiguous
+    copied: torch.cuda.Event | None = None  # from a GPU: recorded when `features` holds the copy
+
+    def ready(self) -> torch.Tensor:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.features
 
 
 @torch.no_grad()
 def _forward_batches(model, rollouts: list[Rollout], plan: list[list[int]], device: str,
                      layer_ids: list[int] | None) -> Iterator[_Batch]:
+    # From a GPU, each batch's copy to the host runs on its own stream, beside the next batch's forward.
+    copy_stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
     for batch in plan:
         chunk = [rollouts[i] for i in batch]
         ids = torch.zeros(len(chunk), len(chunk[0].input_ids), dtype=torch.int64)  # (B, T), right-padded with 0
@@ -86,14 +94,19 @@ def _forward_batches(model, rollouts: list[Rollout], plan: list[list[int]], devi
         layers = target_lib.layer_states(model, ids.to(device), layer_ids)  # n x (B, T, H)
         features = torch.stack([x.to(torch.bfloat16) for x in layers], dim=1)  # (B, n, T, H)
         del layers
-        if features.is_cuda:
-            # Pinned: the copy runs at PCIe speed, and torch's pinned-memory cache hands a batch's block
-            # to a later batch once the writer has let go of its samples (no fresh pages to fault in).
-            host = torch.empty(features.shape, dtype=features.dtype, pin_memory=True)
+        if copy_stream is None:
+            yield _Batch(chunk, features)
+            continue
+        # Pinned: the copy runs at PCIe speed, and torch's pinned-memory cache hands a batch's block
+        # to a later batch once the writer has let go of its samples (no fresh pages to fault in).
+        host = torch.empty(features.shape, dtype=features.dtype, pin_memory=True)
+        copy_stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(copy_stream):
             host.copy_(features, non_blocking=True)
-            torch.cuda.current_stream(features.device).synchronize()
-            features = host
-        yield _Batch(chunk, features)
+            features.record_stream(copy_stream)  # its memory is not reused before the copy is done
+        copied = torch.cuda.Event()
+        copied.record(copy_stream)
+        yield _Batch(chunk, host, copied)
 
 
 def _ahead(batches: Iterator[_Batch]) -> Iterator[_Batch]:
@@ -143,7 +156,7 @@ def iter_hidden_states(
     """
     plan = plan_batches([len(r.input_ids) for r in rollouts], tokens_per_batch)
     for batch in _ahead(_forward_batches(model, rollouts, plan, device, layer_ids)):
-        for r, feat in zip(batch.rollouts, batch.features, strict=True):
+        for r, feat in zip(batch.rollouts, batch.ready(), strict=True):
             yield HiddenSample(
                 sample_id=r.sample_id, step=step,
                 input_ids=torch.tensor(r.input_ids, dtype=torch.int64),

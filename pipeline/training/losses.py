@@ -13,15 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import singledispatch
+from functools import cache, singledispatch
 
 import torch
 import torch.nn.functional as F
 
 from pipeline.config import TrainConfig
 from pipeline.models.eagle import EagleDrafter
-from pipeline.models.eagle3 import Eagle3Drafter, TTTCache, shift_within_document
+from pipeline.models.eagle3 import Eagle3Drafter, shift_within_document
 from pipeline.models.teacher import Teacher
+from pipeline.models.ttt import ttt_cache
 from pipeline.training.window import DeviceBatch, block_causal_mask
 
 
@@ -33,18 +34,55 @@ class LossParts:
     accuracy: torch.Tensor  # scalar, top-1 agreement of drafter and target tokens (step 0 for EAGLE-3)
 
 
-def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """out = a @ b.T, written into `out` (accumulation dtype) without a temporary where dtypes allow."""
-    if a.dtype == out.dtype and b.dtype == out.dtype:
-        torch.matmul(a, b.T, out=out)
-    else:
-        out.copy_(a @ b.T)
+def _matmul_dtype(device: torch.device, acc: torch.dtype) -> torch.dtype:
+    """The dtype the loss's matmuls read: autocast's (bf16) where it is on, else `acc`. Autocast does
+    not reach inside this autograd function's chunked products (they write into buffers), so
+    without this a bf16 run would do its largest matmuls, (tokens, H) x (H, vocab), in float32."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else acc
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b with the result in `acc`: into `out` where a and b already are `acc` (on the CPU, reusing
+    a buffer saves page faults as slow as the matmul); from bf16 operands, cuBLAS's bf16 x bf16 ->
+    float32 product on a GPU, a rounded bf16 product elsewhere."""
+    if a.dtype == acc and b.dtype == acc:
+        return torch.matmul(a, b, out=out)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=acc)
+    result = (a @ b).to(acc)
+    return result if out is None else out.copy_(result)
+
+
+def _soft_ce_terms(
+    logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor, grad_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's terms from its (c, V) float32 logits of the drafter and the target, both
+    overwritten: (masked loss sum, top-1 agreement per row (c,), d loss / d logits (c, V) in
+    `grad_dtype`). In place, with no (c, V) temporary: on the CPU a fresh one costs page faults
+    as slow as the matmuls."""
+    agree = logits.argmax(-1) == target_logits.argmax(-1)
+    p = target_logits.sub_(target_logits.amax(-1, keepdim=True)).exp_()
+    p.div_(p.sum(-1, keepdim=True))  # softmax of the target
+    z = logits.sub_(logits.amax(-1, keepdim=True))
+    p_dot_z = (p[:, None, :] @ z[:, :, None]).view(-1)  # (c,)
+    e = z.exp_()
+    sum_e = e.sum(-1)
+    # sum_v p log q = sum_v p (z - log sum exp z) = p.z - lse, as p sums to 1
+    loss = -((p_dot_z - sum_e.log()) * mask).sum()
+    # d/dlogits of -sum p log softmax(logits) = softmax(logits) - p
+    return loss, agree, e.div_(sum_e[:, None]).sub_(p).mul_(mask[:, None]).to(grad_dtype)
+
+
+@cache
+def _chunk_terms(cuda: bool) -> Callable:
+    """`_soft_ce_terms`, compiled on a GPU: its dozen passes over (c, V) fuse into a few kernels."""
+    return torch.compile(_soft_ce_terms, dynamic=True) if cuda else _soft_ce_terms
 
 
 class _ChunkedSoftCrossEntropy(torch.autograd.Function):
     """sum_t mask_t * -sum_v p_t[v] log q_t[v],  q = softmax(h W^T),  p = softmax(g U^T).
 
-    Returns (loss sum, number of valid tokens whose argmax q == argmax p). The gradient is
+    Returns (loss sum, (N,) bool: argmax q == argmax p). The gradient is
     computed in the same pass over the chunks as the loss (d loss / d logits = q - p), so
     the logits are never recomputed and never held whole; backward only scales it.
     """
@@ -52,11 +90,13 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target_hidden, target_weight, mask, chunk):
         acc = torch.promote_types(hidden.dtype, torch.float32)  # bf16 inputs accumulate in float32
+        mm = _matmul_dtype(hidden.device, acc)
+        weight_mm, target_weight_mm = weight.to(mm), target_weight.to(mm)  # (V, H), (V, H_t); no copy when mm is theirs
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=acc) if need_weight else None
+        grad_weight = None  # (V, H) in acc, from the first chunk on
         loss = hidden.new_zeros((), dtype=acc)
-        hits = hidden.new_zeros((), dtype=acc)
+        agree = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         # Two (chunk, V) buffers reused for every chunk: allocating fresh ones per chunk costs
         # page faults on the CPU that are as slow as the matmuls.
         rows = min(chunk, hidden.shape[0])
@@ -64,30 +104,24 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
         target_buf = hidden.new_empty((rows, target_weight.shape[0]), dtype=acc)
         for start in range(0, hidden.shape[0], chunk):
             sl = slice(start, start + chunk)
-            n = hidden[sl].shape[0]
-            logits, target_logits = logits_buf[:n], target_buf[:n]  # (c, V)
-            _matmul_into(logits, hidden[sl], weight)
-            _matmul_into(target_logits, target_hidden[sl], target_weight)
-            hits += ((logits.argmax(-1) == target_logits.argmax(-1)).to(acc) * mask[sl]).sum()
-            # Everything below works in place on the two buffers.
-            p = target_logits.sub_(target_logits.amax(-1, keepdim=True)).exp_()
-            p.div_(p.sum(-1, keepdim=True))  # softmax of the target
-            z = logits.sub_(logits.amax(-1, keepdim=True))
-            p_dot_z = (p[:, None, :] @ z[:, :, None]).view(n)
-            e = z.exp_()
-            sum_e = e.sum(-1)
-            # sum_v p log q = sum_v p (z - log sum exp z) = p.z - lse, as p sums to 1
-            loss -= ((p_dot_z - sum_e.log()) * mask[sl]).sum()
-            if need_hidden or need_weight:
-                # d/dlogits of -sum p log softmax(logits) = softmax(logits) - p
-                grad_logits = e.div_(sum_e[:, None]).sub_(p).mul_(mask[sl][:, None])
-                if need_hidden:
-                    grad_hidden[sl] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-                if need_weight:
-                    grad_weight.addmm_(grad_logits.T, hidden[sl].to(acc))
+            h = hidden[sl].to(mm)  # (c, H)
+            n = h.shape[0]
+            logits = _product(h, weight_mm.T, acc, out=logits_buf[:n])  # (c, V)
+            target_logits = _product(target_hidden[sl].to(mm), target_weight_mm.T, acc, out=target_buf[:n])
+            loss_c, agree[sl], grad_logits = _chunk_terms(logits.is_cuda)(logits, target_logits, mask[sl], mm)
+            loss += loss_c
+            if need_hidden:
+                grad_hidden[sl] = _product(grad_logits, weight_mm, acc).to(hidden.dtype)  # (c, H)
+            if need_weight:  # (V, H)
+                if grad_weight is None:
+                    grad_weight = _product(grad_logits.T, h, acc)
+                elif mm == acc:
+                    grad_weight.addmm_(grad_logits.T, h)
+                else:
+                    grad_weight += _product(grad_logits.T, h, acc)
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if need_weight else None)
-        ctx.mark_non_differentiable(hits)
-        return loss, hits
+        ctx.mark_non_differentiable(agree)
+        return loss, agree
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_hits):
@@ -117,8 +151,8 @@ def soft_cross_entropy(
     """
     hidden (N, H) and weight (V, H): the drafter's logits are hidden @ weight.T
     target_hidden (N, Ht) and target_weight (V, Ht): the target's logits (no gradient)
-    mask (N,): 1 on tokens that count
-    returns (masked loss sum, masked count of top-1 agreements)
+    mask (N,): each token's weight in the sum (1 on tokens that count, 0 elsewhere)
+    returns (masked loss sum, (N,) bool: the drafter's top-1 token is the target's)
     """
     return _ChunkedSoftCrossEntropy.apply(
         hidden, weight, target_hidden.detach(), target_weight.detach(),
@@ -157,11 +191,11 @@ def eagle_loss(
     mask = loss_mask.reshape(-1).to(predicted.dtype)
     num_valid = mask.sum().clamp(min=1.0)
     vloss = (F.smooth_l1_loss(predicted, target, reduction="none").mean(dim=-1).reshape(-1) * mask).sum() / num_valid
-    ploss_sum, hits = soft_cross_entropy(
+    ploss_sum, agree = soft_cross_entropy(
         predicted.reshape(-1, H), lm_head_weight, target.reshape(-1, H), lm_head_weight, mask
     )
     ploss = ploss_sum / num_valid
-    return LossParts(vloss_weight * vloss + ploss_weight * ploss, vloss, ploss, hits / num_valid)
+    return LossParts(vloss_weight * vloss + ploss_weight * ploss, vloss, ploss, (agree * mask).sum() / num_valid)
 
 
 def eagle3_loss(
@@ -181,23 +215,23 @@ def eagle3_loss(
     last = batch.target[..., aux_dim:]  # (1, N, H_t) last layer at t+1: the target's view of x_{t+2}
     docs, positions = batch.document_ids, batch.position_ids
     mask = block_causal_mask(docs)  # (1, 1, N, N)
-    cache = TTTCache()
+    cache = ttt_cache(docs)
     state = model.project_aux(aux)  # (1, N, H)
-    total, weights, accuracy = aux.new_zeros(()), 0.0, aux.new_zeros(())
+    total_decay = sum(decay**k for k in range(ttt_steps))
+    states, teacher_states, row_weights, valid0 = [], [], [], None
     for k in range(ttt_steps):
         input_ids = shift_within_document(batch.input_ids, docs, k)  # x_{t+1+k}
-        valid = shift_within_document(batch.loss_mask, docs, k)  # 0 past the sample's end
-        target_k = shift_within_document(last, docs, k)
-        state = model.step(input_ids, state, positions, mask, cache)
-        num_valid = valid.sum().clamp(min=1.0)
-        loss_sum, hits = soft_cross_entropy(
-            model.logits_input(state)[0], model.lm_head.weight, target_norm(target_k)[0], target_head, valid[0]
-        )
-        total = total + decay**k * loss_sum / num_valid
-        weights += decay**k
-        if k == 0:
-            accuracy = hits / num_valid
-    ploss = total / weights
+        valid = shift_within_document(batch.loss_mask, docs, k)[0]  # (N,) 0 past the sample's end
+        state = model.step(input_ids, state, positions, mask, cache)  # (1, N, H)
+        states.append(model.logits_input(state)[0])
+        teacher_states.append(target_norm(shift_within_document(last, docs, k))[0])  # (N, H_t)
+        # step k's masked mean, weighted decay**k among the steps
+        row_weights.append(valid * (decay**k / total_decay) / valid.sum().clamp(min=1.0))
+        valid0 = valid if valid0 is None else valid0
+    # One chunked pass over every step's rows: the lm_head is cast, and its gradient made, once.
+    ploss, agree = soft_cross_entropy(torch.cat(states), model.lm_head.weight, torch.cat(teacher_states),
+                                      target_head, torch.cat(row_weights))  # (steps N, H) -> scalar, (steps N,)
+    accuracy = (agree[: valid0.shape[0]] * valid0).sum() / valid0.sum().clamp(min=1.0)  # step 0's
     return LossParts(ploss, ploss.new_zeros(()), ploss, accuracy)
 
 
