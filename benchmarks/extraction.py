@@ -5,6 +5,9 @@
   into shards in a local store) over a plain batched forward of the target's backbone over the same
   padded batches, in the same process. `capture_tokens_per_s_vs_plain_forward` is the same without
   the shard writes (catching, casting and copying the layers only).
+* `storage_bound_vs_plain_forward`: the most the store's disk allows, in the same units: its
+  write-and-fsync rate (what a shard write costs; measured in the same directory, same run)
+  over the plain forward's rate of stored bytes. Extraction cannot beat it, whatever the forward.
 * `peak_rss_ratio_4x_step`: peak RSS of a process that extracts a step of 4N rollouts over one that
   extracts N (same target, same length distribution), each in its own process. Memory bounded by a
   batch gives ~1.0; holding the step would grow with it.
@@ -154,6 +157,24 @@ def _timed(fn) -> tuple[float, int]:
     return time.perf_counter() - start, tokens
 
 
+def _durable_write_bytes_per_s(directory: str, nbytes: int) -> float:
+    """Bytes per second of writing `nbytes` to a file in `directory` and fsyncing it, as a shard write does."""
+    import os
+
+    block = os.urandom(64 << 20)
+    path = Path(directory) / "fsync-probe"
+    start = time.perf_counter()
+    with path.open("wb") as f:
+        for _ in range(max(1, nbytes // len(block))):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    written = path.stat().st_size
+    path.unlink()
+    return written / seconds
+
+
 def throughput(setup: Setup, device: str, repeats: int) -> dict:
     from pipeline.data.keys import hidden_states_prefix
     from pipeline.data.store import ObjectStore
@@ -174,7 +195,9 @@ def throughput(setup: Setup, device: str, repeats: int) -> dict:
             seconds, _ = _timed(lambda r=rep: _extract(model, rollouts, setup, device, store, step=r + 1))
             best["extract"] = min(best["extract"], seconds)
             store.delete_prefix(hidden_states_prefix("bench", rep + 1))
+        disk_bytes_per_s = _durable_write_bytes_per_s(tmp, 1 << 30 if device == "cuda" else 256 << 20)
     layers = len(_layer_ids(setup.num_layers))
+    plain_bytes_per_s = layers * setup.hidden_size * 2 * tokens / best["plain"]  # stored bytes at the forward's rate
     return {
         "tokens": tokens,
         "stored_layers": layers,
@@ -183,6 +206,8 @@ def throughput(setup: Setup, device: str, repeats: int) -> dict:
         "extraction_tokens_per_s": tokens / best["extract"],
         "tokens_per_s_vs_plain_forward": best["plain"] / best["extract"],
         "capture_tokens_per_s_vs_plain_forward": best["plain"] / best["capture"],
+        "storage_write_gb_per_s": disk_bytes_per_s / 1e9,
+        "storage_bound_vs_plain_forward": disk_bytes_per_s / plain_bytes_per_s,
     }
 
 
