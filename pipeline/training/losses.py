@@ -35,22 +35,20 @@ class LossParts:
 
 
 def _matmul_dtype(device: torch.device, acc: torch.dtype) -> torch.dtype:
-    """The dtype the loss's matmuls read: autocast's (bf16) where it is on, else `acc`. Autocast does
+    """The dtype the loss's matmuls read: bf16 where CUDA autocast is on, else `acc`. Autocast does
     not reach inside this autograd function's chunked products (they write into buffers), so
     without this a bf16 run would do its largest matmuls, (tokens, H) x (H, vocab), in float32."""
-    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else acc
+    on = device.type == "cuda" and torch.is_autocast_enabled("cuda")
+    return torch.get_autocast_dtype("cuda") if on else acc
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b with the result in `acc`: into `out` where a and b already are `acc` (on the CPU, reusing
-    a buffer saves page faults as slow as the matmul); from bf16 operands, cuBLAS's bf16 x bf16 ->
-    float32 product on a GPU, a rounded bf16 product elsewhere."""
-    if a.dtype == acc and b.dtype == acc:
+    """a @ b with the result in `acc`: operands already in `acc` write into `out` (on the CPU, reusing
+    a buffer saves page faults as slow as the matmul); bf16 ones (CUDA autocast) use cuBLAS's
+    bf16 x bf16 -> float32 product."""
+    if a.dtype == acc:
         return torch.matmul(a, b, out=out)
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=acc)
-    result = (a @ b).to(acc)
-    return result if out is None else out.copy_(result)
+    return torch.mm(a, b, out_dtype=acc)
 
 
 def _soft_ce_terms(
@@ -117,7 +115,7 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
         return loss, agree
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_hits):
+    def backward(ctx, grad_loss, _grad_agree):
         grad_hidden, grad_weight = ctx.saved_tensors
         return (
             None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype),
