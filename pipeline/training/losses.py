@@ -54,14 +54,21 @@ def _product(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, out: torch.Tens
 def _soft_ce_terms(
     logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor, grad_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk's terms from its (c, V) float32 logits of the drafter and the target:
-    (masked loss sum, top-1 agreement per row (c,), d loss / d logits (c, V) in `grad_dtype`)."""
+    """One chunk's terms from its (c, V) float32 logits of the drafter and the target, both
+    overwritten: (masked loss sum, top-1 agreement per row (c,), d loss / d logits (c, V) in
+    `grad_dtype`). In place: the loss's memory stays the two (c, V) buffers (a fresh one per step
+    would triple the peak measured by benchmarks/policy_loss.py, and costs page faults on the CPU)."""
     agree = logits.argmax(-1) == target_logits.argmax(-1)
-    p = target_logits.softmax(-1)
-    log_q = logits.log_softmax(-1)
-    loss = -((p * log_q).sum(-1) * mask).sum()
+    p = target_logits.sub_(target_logits.amax(-1, keepdim=True)).exp_()
+    p.div_(p.sum(-1, keepdim=True))  # softmax of the target
+    z = logits.sub_(logits.amax(-1, keepdim=True))
+    p_dot_z = (p[:, None, :] @ z[:, :, None]).view(-1)  # (c,)
+    e = z.exp_()
+    sum_e = e.sum(-1)
+    # sum_v p log q = sum_v p (z - log sum exp z) = p.z - lse, as p sums to 1
+    loss = -((p_dot_z - sum_e.log()) * mask).sum()
     # d/dlogits of -sum p log softmax(logits) = softmax(logits) - p
-    return loss, agree, ((log_q.exp() - p) * mask[:, None]).to(grad_dtype)
+    return loss, agree, e.div_(sum_e[:, None]).sub_(p).mul_(mask[:, None]).to(grad_dtype)
 
 
 @cache
@@ -99,7 +106,8 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
             n = h.shape[0]
             logits = _product(h, weight_mm.T, acc, out=logits_buf[:n])  # (c, V)
             target_logits = _product(target_hidden[sl].to(mm), target_weight_mm.T, acc, out=target_buf[:n])
-            loss_c, agree[sl], grad_logits = _chunk_terms(logits.is_cuda)(logits, target_logits, mask[sl], mm)
+            with torch.autocast(hidden.device.type, enabled=False):  # p.z in float32
+                loss_c, agree[sl], grad_logits = _chunk_terms(logits.is_cuda)(logits, target_logits, mask[sl], mm)
             loss += loss_c
             if need_hidden:
                 grad_hidden[sl] = _product(grad_logits, weight_mm, acc).to(hidden.dtype)  # (c, H)
