@@ -67,15 +67,16 @@ class TTTCache:
 def _flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
 
-    # Compiled once per process; a new sequence length recompiles once, then shapes are dynamic.
+    # Compiled once per process; a new sequence length recompiles once, then torch.compile
+    # treats the lengths as dynamic.
     return torch.compile(flex_attention)
 
 
 def ttt_block_mask(document_ids: torch.Tensor, blocks: int):
     """The FlexAttention block mask of a step that has `blocks` key blocks (step k: k + 1).
 
-    document_ids (B, N). The mask reads only tensors indexed by (b, q, kv), no Python ints, so
-    one compiled mask serves every sequence length."""
+    document_ids (B, N). The mask reads only tensors indexed by (b, q, kv), no Python ints, so no
+    sequence length is baked into its compiled form."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, n = document_ids.shape

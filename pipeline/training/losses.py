@@ -217,7 +217,7 @@ def eagle3_loss(
     cache = ttt_cache(docs)
     state = model.project_aux(aux)  # (1, N, H)
     total_decay = sum(decay**k for k in range(ttt_steps))
-    states, teacher_states, row_weights, valid0 = [], [], [], None
+    states, teacher_states, row_weights = [], [], []
     for k in range(ttt_steps):
         input_ids = shift_within_document(batch.input_ids, docs, k)  # x_{t+1+k}
         valid = shift_within_document(batch.loss_mask, docs, k)[0]  # (N,) 0 past the sample's end
@@ -226,11 +226,11 @@ def eagle3_loss(
         teacher_states.append(target_norm(shift_within_document(last, docs, k))[0])  # (N, H_t)
         # step k's masked mean, weighted decay**k among the steps
         row_weights.append(valid * (decay**k / total_decay) / valid.sum().clamp(min=1.0))
-        valid0 = valid if valid0 is None else valid0
     # One chunked pass over every step's rows: the lm_head is cast, and its gradient made, once.
     ploss, agree = soft_cross_entropy(torch.cat(states), model.lm_head.weight, torch.cat(teacher_states),
                                       target_head, torch.cat(row_weights))  # (steps N, H) -> scalar, (steps N,)
-    accuracy = (agree[: valid0.shape[0]] * valid0).sum() / valid0.sum().clamp(min=1.0)  # step 0's
+    valid0 = batch.loss_mask[0]  # (N,) step 0's rows come first
+    accuracy = (agree[: valid0.shape[0]] * valid0).sum() / valid0.sum().clamp(min=1.0)
     return LossParts(ploss, ploss.new_zeros(()), ploss, accuracy)
 
 
