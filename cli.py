@@ -5,6 +5,7 @@ demo    simulate N RL steps and drive each through the persisted Dagster instanc
 ui      Dagster webserver + daemon and the MLflow UI on the demo's data (--stack postgres: on the
         production stack run locally: PostgreSQL, an S3-compatible server).
 check-db  the production databases reachable, the credentials accepted, the schema current.
+init-instance  create what Dagster's processes would race to create (tables, the `gpu` pool's slots).
 status  steps known, last materializations, runs, registry aliases, fleet state.
 """
 
@@ -55,12 +56,43 @@ def prepare_dagster_home(cfg: PipelineConfig) -> Path:
     return home
 
 
-def create_storage(instance) -> None:
-    """Create the instance's SQLite tables once, before the webserver and the daemon start together
-    (two processes creating them at once fail with "table ... already exists")."""
+def prepare_instance(instance: dg.DagsterInstance) -> None:
+    """Create once, from one process, what every Dagster process would otherwise create on first use. Run it
+    before the webserver, the daemon and any run start.
+
+    - The storage's tables: two processes creating SQLite's at once fail with "table ... already exists".
+    - Each concurrency pool the assets use (`gpu`), at dagster.yaml's `pools.default_limit`. Dagster writes a
+      pool's limit when a step first asks it for a slot, and again once the default limit has changed. On
+      PostgreSQL that write fails on a duplicate key when two runs make it at once, and in every run after the
+      default changed (dagster-io/dagster#33552). A limit a person set in the UI is left as it is.
+    """
     instance.get_runs(limit=1)
     instance.get_dynamic_partitions("rl_step")
     instance.all_instigator_state()
+    default = instance.global_op_concurrency_default_limit
+    if default is None:
+        return
+    from definitions import defs
+
+    storage = instance.event_log_storage
+    limits = {limit.name: limit for limit in storage.get_pool_limits()}
+    for pool in sorted({defs.resolve_assets_def(key).op.pool for key in defs.resolve_all_asset_keys()} - {None}):
+        current = limits.get(pool)
+        if current is not None and (current.limit == default or not current.from_default):
+            continue
+        if current is not None:
+            storage.delete_concurrency_limit(pool)  # the update Dagster's own path cannot make on PostgreSQL
+        storage.initialize_concurrency_limit_to_default(pool)
+
+
+def init_instance() -> None:
+    import dagster as dg
+
+    with dg.DagsterInstance.get() as instance:
+        prepare_instance(instance)
+        for pool in instance.event_log_storage.get_pool_limits():
+            source = "dagster.yaml's default" if pool.from_default else "set in the UI"
+            out(f"ok: pool {pool.name}: {pool.limit} slot(s), {source}")
 
 
 def out(line: str = "") -> None:
@@ -238,7 +270,7 @@ def ui(config_path: str | None, stack: str = "embedded") -> None:
     import dagster as dg
 
     with dg.DagsterInstance.get() as instance:
-        create_storage(instance)
+        prepare_instance(instance)
     env = dict(os.environ, DAGSTER_HOME=str(home), MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     if config_path:
         env[CONFIG_ENV] = str(Path(config_path).resolve())
@@ -254,6 +286,8 @@ def ui(config_path: str | None, stack: str = "embedded") -> None:
 def ui_on_postgres(config_path: str | None) -> None:
     """The UIs on the production stack run locally: Dagster's instance on PostgreSQL (deploy/dagster.yaml less
     Kubernetes), MLflow on PostgreSQL with its artifacts on S3, the object store on S3 (moto's server)."""
+    import dagster as dg
+
     from pipeline.database import DatabaseError, PostgresTarget, check_database
     from pipeline.local_stack import postgres_stack
 
@@ -267,6 +301,9 @@ def ui_on_postgres(config_path: str | None) -> None:
         env = dict(os.environ, **stack.env, DAGSTER_HOME=str(stack.dagster_home),
                    MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
         env[CONFIG_ENV] = str(stack.config_path)
+        os.environ.update(stack.env)  # the instance's connection settings
+        with dg.DagsterInstance.from_config(str(stack.dagster_home)) as instance:
+            prepare_instance(instance)
         out(f"PostgreSQL  127.0.0.1:{stack.postgres.port} (databases dagster, mlflow; in {stack.postgres.directory})")
         out(f"S3 (moto)   {stack.s3_endpoint} (bucket drafter, in memory)")
         out("No RL steps yet: launch simulate_rl_job from the Dagster UI (Jobs > simulate_rl_job > Launchpad).")
@@ -424,6 +461,8 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("status", help="steps, last materializations, runs, champion, fleet")
     sub.add_parser("check-db", help="the PostgreSQL databases of $DAGSTER_PG_* and $MLFLOW_BACKEND_STORE_URI: "
                    "reachable, credentials accepted, schema current")
+    sub.add_parser("init-instance", help="the Dagster instance of $DAGSTER_HOME: create its tables and the pools' "
+                   "slots from this one process, before the webserver, the daemon and runs start")
     retention_p = sub.add_parser("retention", help="hidden-state shards nothing refers to (dry run; --apply deletes)")
     retention_p.add_argument("--apply", action="store_true", help="delete them (default: only list them)")
     args = parser.parse_args(argv)
@@ -446,6 +485,8 @@ def main(argv: list[str] | None = None) -> None:
             out("nothing to check: neither DAGSTER_PG_HOST nor a postgresql MLFLOW_BACKEND_STORE_URI is set")
         for line in checked:
             out(f"ok: {line}")
+    elif args.command == "init-instance":
+        init_instance()
     elif args.command == "retention":
         retention(args.config, args.apply)
     else:

@@ -29,7 +29,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-from cli import create_storage
+from cli import prepare_instance
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data.keys import step_key
 from pipeline.data.store import open_store
@@ -151,7 +151,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Itera
     home.mkdir()
     shutil.copyfile(ROOT / "dagster.yaml", home / "dagster.yaml")
     with dg.DagsterInstance.from_config(str(home)) as instance:
-        create_storage(instance)  # before two processes race to create the SQLite tables
+        prepare_instance(instance)  # before the webserver and the daemon race to create it
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "MLFLOW_UI"))}
     env.update(DAGSTER_HOME=str(home), DRAFTER_PIPELINE_CONFIG=str(config_path), PYTHONPATH=str(ROOT),
                HF_HUB_OFFLINE="1", MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false",
