@@ -9,7 +9,10 @@ teacher-forced estimate against exact tau.
   the drafter re-reading the prefix per draft) the ratio would be about 2048 / 128. Target:
   Llama hidden 1024, 2 layers, MLP 4096, vocab 2048 (big enough on one CPU core that matmuls,
   not Python, set the cost); the worse of the two drafter kinds.
-* batched_speedup: 16 prompts decoded as one batch over the same 16 one at a time.
+* batched_speedup: 16 prompts decoded as one batch over the same 16 one at a time. Beside it,
+  matmul_bound: the same ratio for the target's largest matmul on its own, over one round's k + 1
+  rows per prompt. On one CPU thread the BLAS runs a few rows barely faster per row than one, and
+  many rows only a few times faster per row, so batching a round cannot gain much more than this.
 * tau_estimate_abs_diff: the demo's simulated target (pre-trained, cached under the data dir) and
   its sampled rollouts (temperature 1); an EAGLE-3 drafter trained on them (the demo's settings,
   6 epochs); exact tau over the held-out prompts against the teacher-forced estimate over the
@@ -26,7 +29,7 @@ import json
 import time
 
 K = 4
-REPEATS = 2
+REPEATS = 3
 
 
 def _target(torch, hidden: int = 1024, layers: int = 2, vocab: int = 2048):
@@ -47,13 +50,16 @@ def _drafter(torch, target, kind: str):
     return drafter
 
 
-def _best(fn) -> float:
-    times = []
+def _best_interleaved(fns: dict) -> dict[str, float]:
+    """Each fn's best time over REPEATS rounds, the fns taking turns within a round: a shared machine that slows
+    down for a while slows them alike, rather than whichever was being timed then."""
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 class TimedProposer:
@@ -100,9 +106,17 @@ def batched_speedup(torch) -> dict:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, target.config.vocab_size, (int(n),), generator=g)
                for n in torch.randint(24, 48, (16,), generator=g)]
-    batched = _best(lambda: generate_batch(target, drafter.proposer, prompts, 16, K))
-    alone = _best(lambda: [generate_batch(target, drafter.proposer, [p], 16, K) for p in prompts])
-    return {"batched_s": batched, "one_at_a_time_s": alone, "speedup": alone / batched, "prompts": len(prompts)}
+    weight = target.model.layers[0].mlp.up_proj.weight  # (I, H) the verification forward's largest matmul
+    one, all_rows = (torch.randn(n * (K + 1), weight.shape[1], generator=g) for n in (1, len(prompts)))
+    times = _best_interleaved({
+        "batched": lambda: generate_batch(target, drafter.proposer, prompts, 16, K),
+        "alone": lambda: [generate_batch(target, drafter.proposer, [p], 16, K) for p in prompts],
+        "matmul_batched": lambda: [torch.nn.functional.linear(all_rows, weight) for _ in range(20)],
+        "matmul_alone": lambda: [torch.nn.functional.linear(one, weight) for _ in range(20 * len(prompts))],
+    })
+    batched, alone = times["batched"], times["alone"]
+    return {"batched_s": batched, "one_at_a_time_s": alone, "speedup": alone / batched, "prompts": len(prompts),
+            "matmul_bound": times["matmul_alone"] / times["matmul_batched"]}
 
 
 def tau_estimate(torch) -> dict:

@@ -68,14 +68,15 @@ class TargetCache:
 
     def forward(
         self, model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor, new_valid: torch.Tensor,
-        layer_ids: list[int] | None,
+        layer_ids: list[int] | None, logits_at: torch.Tensor | None = None,
     ) -> target_lib.TargetOutput:
-        """input_ids, positions, new_valid (B, N): N new columns per row -> the target's output over them."""
+        """input_ids, positions, new_valid (B, N): N new columns per row -> the target's output over them
+        (logits at every new column, or at the column `logits_at` (B,) of each row)."""
         self.valid = new_valid if self.valid is None else torch.cat([self.valid, new_valid], dim=1)  # (B, S + N)
         self.positions = positions if self.positions is None else torch.cat([self.positions, positions], dim=1)
         mask = target_lib.decoding_mask(model.config, self.positions, self.valid, positions, model.dtype)
         return target_lib.forward(model, input_ids, layer_ids, attention_mask=mask, position_ids=positions,
-                                  past_key_values=self.past)
+                                  past_key_values=self.past, logits_at=logits_at)
 
     def keep(self, new_valid: torch.Tensor) -> None:
         """Of the last call's columns, keep new_valid (B, N) per row; crop the ones no row kept off the end."""
@@ -107,8 +108,8 @@ def generate_batch(
         ids[b, : p.shape[0]] = p.to(device)
     valid = torch.arange(width, device=device)[None] < lengths[:, None]  # (B, T)
     positions = torch.arange(width, device=device).expand(B, width)  # (B, T)
-    out = cache.forward(model, ids, positions, valid, proposer.layer_ids)
-    pending = out.logits[rows, lengths - 1].argmax(-1)  # (B,) committed, not yet in the cache
+    out = cache.forward(model, ids, positions, valid, proposer.layer_ids, logits_at=lengths - 1)
+    pending = out.logits[:, 0].argmax(-1)  # (B,) committed, not yet in the cache
     next_tokens = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # (B, T) x_{t+1}
     next_tokens[rows, lengths - 1] = pending
     pairs = CommittedPairs(features_for(out, proposer.layer_ids), next_tokens, positions, valid)
@@ -181,7 +182,9 @@ def evaluate(
     model: LlamaForCausalLM, new_proposer: Callable[[], Proposer], prompts: list[torch.Tensor],
     max_new_tokens: int, k: int, batch_size: int = 16,
 ) -> AcceptanceMetrics:
-    """Acceptance of the proposer against `model` over held-out prompts, `batch_size` prompts at a time."""
+    """Acceptance of the proposer against `model` over held-out prompts, `batch_size` prompts at a time,
+    shortest first: a batch's prefill pads every prompt to its longest."""
+    prompts = sorted(prompts, key=len)
     rounds: list[int] = []
     for start in range(0, len(prompts), batch_size):
         for trace in generate_batch(model, new_proposer, prompts[start : start + batch_size], max_new_tokens, k):

@@ -143,7 +143,7 @@ class TiedWeightsError(TargetCheckpointError):
 @dataclass(frozen=True)
 class TargetOutput:
     features: torch.Tensor  # (B, T, H) last hidden state after the final norm
-    logits: torch.Tensor  # (B, T, V)
+    logits: torch.Tensor  # (B, T, V); (B, 1, V) with `logits_at`
     layers: torch.Tensor | None = None  # (B, T, len(layer_ids), H) requested layers, vLLM ids
 
 
@@ -534,11 +534,14 @@ def forward(
     attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
     position_ids: torch.Tensor | None = None,
     past_key_values: Cache | None = None,
+    logits_at: torch.Tensor | None = None,
 ) -> TargetOutput:
     """input_ids (B, T) -> post-norm features (B, T, H), logits (B, T, V) and the requested layers.
 
     Decoding passes its cache (`past_key_values`, extended in place), the mask over every
-    cached and new column (`decoding_mask`) and the new columns' positions (B, T).
+    cached and new column (`decoding_mask`) and the new columns' positions (B, T). `logits_at`
+    (B,) asks for one column's logits per row, (B, 1, V): a prefill needs only each prompt's last,
+    and all of them would be B * T * V floats (gigabytes at a 128k vocabulary).
 
     Layer ids follow vLLM: id k is the residual stream entering decoder layer k (transformers'
     hidden_states[k] for k < L); id L is the last layer's output BEFORE the final norm. For every
@@ -547,9 +550,15 @@ def forward(
     """
     decoding = {"attention_mask": attention_mask, "position_ids": position_ids, "past_key_values": past_key_values,
                 "use_cache": past_key_values is not None}
+
+    def logits(features: torch.Tensor) -> torch.Tensor:
+        if logits_at is None:
+            return model.lm_head(features)  # (B, T, V)
+        return model.lm_head(features[torch.arange(features.shape[0], device=features.device), logits_at, None])
+
     if not layer_ids:
         features = model.model(input_ids=input_ids, **decoding).last_hidden_state  # (B, T, H)
-        return TargetOutput(features=features, logits=model.lm_head(features))
+        return TargetOutput(features=features, logits=logits(features))
     num_layers = model.config.num_hidden_layers
     bad = [i for i in layer_ids if not 0 <= i <= num_layers]
     if bad:
@@ -562,7 +571,7 @@ def forward(
         hook.remove()
     states = [*out.hidden_states[:num_layers], caught[0]]  # L + 1 entries, all before the final norm
     features = out.last_hidden_state  # (B, T, H)
-    return TargetOutput(features, model.lm_head(features), torch.stack([states[i] for i in layer_ids], dim=2))
+    return TargetOutput(features, logits(features), torch.stack([states[i] for i in layer_ids], dim=2))
 
 
 def decoding_mask(

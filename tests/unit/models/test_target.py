@@ -133,6 +133,16 @@ def test_layer_ids_follow_vllm_and_id_l_is_before_the_final_norm(saved: dict, fa
     assert torch.equal(out.logits, ref.logits)
 
 
+def test_logits_at_one_column_per_row_equal_the_full_logits_there(saved: dict) -> None:
+    model, _ = saved["llama"]
+    ids = _ids()  # (B, T)
+    at = torch.arange(ids.shape[0]) % ids.shape[1]  # a different column per row
+    full = target_lib.forward(model, ids, [1]).logits  # (B, T, V)
+    picked = target_lib.forward(model, ids, [1], logits_at=at).logits  # (B, 1, V)
+    assert picked.shape == (ids.shape[0], 1, full.shape[-1])
+    torch.testing.assert_close(picked[:, 0], full[torch.arange(ids.shape[0]), at])  # one row's matmul, not T
+
+
 def test_single_file_checkpoint_loads(saved: dict, tmp_path: Path) -> None:
     model, _ = saved["qwen2"]
     model.save_pretrained(tmp_path, safe_serialization=True)
