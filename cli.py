@@ -91,7 +91,7 @@ def init_instance() -> None:
     with dg.DagsterInstance.get() as instance:
         prepare_instance(instance)
         for pool in instance.event_log_storage.get_pool_limits():
-            source = "dagster.yaml's default" if pool.from_default else "set in the UI"
+            source = "dagster.yaml's default" if pool.from_default else "set by hand"
             out(f"ok: pool {pool.name}: {pool.limit} slot(s), {source}")
 
 

@@ -124,7 +124,7 @@ def test_init_instance_sets_the_gpu_pool_to_a_changed_default(home: Path, monkey
         assert (storage.get_concurrency_info("gpu").slot_count, len(storage.get_concurrency_run_ids())) == (2, 0)
         storage.set_concurrency_slots("gpu", 3)  # a person's choice in the UI
     _set_default_pool_limit(home, 1)
-    assert "ok: pool gpu: 3 slot(s), set in the UI" in _init_instance(home, monkeypatch, capsys)
+    assert "ok: pool gpu: 3 slot(s), set by hand" in _init_instance(home, monkeypatch, capsys)
 
 
 @pytest.mark.reliability("fault", "Dagster daemon killed mid-tick and restarted, instance on PostgreSQL")
