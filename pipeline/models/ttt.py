@@ -37,9 +37,7 @@ class TTTCache:
     def step(self) -> int:
         return 0 if self.key0 is None else 1 + len(self.keys)
 
-    @property
-    def position_offset(self) -> int:
-        return self.step
+    position_offset = step  # the rotary phase of the step about to attend: the steps before it
 
     def attend(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor
@@ -104,9 +102,7 @@ class FlexTTTCache:
     def step(self) -> int:
         return len(self.keys)
 
-    @property
-    def position_offset(self) -> int:
-        return self.step
+    position_offset = step  # the rotary phase of the step about to attend: the steps before it
 
     def attend(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor
