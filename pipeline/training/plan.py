@@ -21,20 +21,28 @@ from pipeline.registry import DrafterRegistry
 from pipeline.training.outcome import TrainOutcome
 
 
+@dataclass(frozen=True)
+class TrainingDecision:
+    train: bool
+    reason: str
+
+
 def training_decision(
     step: int, buffer_samples: int, cfg: TrainConfig, requested_by: str | None = None
-) -> tuple[bool, str]:
+) -> TrainingDecision:
     """FastRL's trigger: every `training_interval_steps`, once the buffer holds `min_samples`;
     a request (e.g. live tau below its floor) overrides the interval, not the other two."""
     if not cfg.enable_drafter_training:
-        return False, "train.enable_drafter_training is false"
+        return TrainingDecision(False, "train.enable_drafter_training is false")
     if requested_by and buffer_samples >= cfg.min_samples:
-        return True, f"requested ({requested_by}); buffer holds {buffer_samples} samples"
+        return TrainingDecision(True, f"requested ({requested_by}); buffer holds {buffer_samples} samples")
     if step % cfg.training_interval_steps:
-        return False, f"step {step} is not a multiple of train.training_interval_steps={cfg.training_interval_steps}"
+        return TrainingDecision(
+            False, f"step {step} is not a multiple of train.training_interval_steps={cfg.training_interval_steps}")
     if buffer_samples < cfg.min_samples:
-        return False, f"buffer holds {buffer_samples} samples, fewer than train.min_samples={cfg.min_samples}"
-    return True, f"buffer holds {buffer_samples} samples"
+        return TrainingDecision(
+            False, f"buffer holds {buffer_samples} samples, fewer than train.min_samples={cfg.min_samples}")
+    return TrainingDecision(True, f"buffer holds {buffer_samples} samples")
 
 
 # Where a training runs, how often it saves and how often it reports do not change what it learns:
@@ -120,9 +128,9 @@ def plan_training(
 ) -> TrainingPlan:
     """Skip (with the reason), reuse a version trained on identical inputs, or train; reads only."""
     entries = list(read_buffer(store, cfg.run, step).entries)
-    trained, reason = training_decision(step, len(entries), cfg.train, requested_by)
-    if not trained:
-        return TrainingPlan(step, False, reason, len(entries), requested_by)
+    decision = training_decision(step, len(entries), cfg.train, requested_by)
+    if not decision.train:
+        return TrainingPlan(step, False, decision.reason, len(entries), requested_by)
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
     identity = input_identity(cfg, entries, pointer.checkpoint_uri, requested_by)
     existing = registry.find_version({"input_id": identity})
@@ -131,7 +139,7 @@ def plan_training(
         run_id = registry.client.get_model_version(registry.model_name, existing).run_id
         registered = RegisteredVersion(existing, run_id, registry.run_finished(run_id))
     return TrainingPlan(
-        step, True, reason, len(entries), requested_by, identity, registry.alias_version("champion"),
+        step, True, decision.reason, len(entries), requested_by, identity, registry.alias_version("champion"),
         tuple(composition(entries)), registered,
         None if registered else registry.unfinished_run({"input_id": identity}),
     )
