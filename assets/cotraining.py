@@ -15,6 +15,7 @@ from pipeline.data import buffer as buffer_lib
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import run_layout
 from pipeline.data import shard_checks as checks
+from pipeline.data.held_out import held_out_rollouts
 from pipeline.data.keys import acceptance_key, buffer_key, hidden_states_prefix, rollouts_key, rollouts_prefix
 from pipeline.data.records import AcceptanceRecord, read_training
 from pipeline.data.rollouts import committed_steps
@@ -53,7 +54,7 @@ def rollouts(
     layout = run_layout.checkpoint_layout(store, pointer.checkpoint_uri,
                                           lambda n: extract.stored_layer_ids(cfg.drafter, n) or [n])
     run_layout.check_step_layout(store, cfg.run, step, layout)  # a policy of another layout needs a new run
-    held_out = extract.held_out_rollouts(rows, cfg.eval.held_out_fraction)
+    held_out = held_out_rollouts(rows, cfg.eval.held_out_fraction)
     return dg.MaterializeResult(
         metadata={
             "samples": len(rows),

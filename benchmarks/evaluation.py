@@ -121,7 +121,7 @@ def batched_speedup(torch) -> dict:
 
 def tau_estimate(torch) -> dict:
     from pipeline.config import load_config
-    from pipeline.data.rollouts import is_held_out
+    from pipeline.data.held_out import is_held_out
     from pipeline.data.shards import HiddenSample
     from pipeline.evaluation import speculative
     from pipeline.evaluation.teacher_forced import estimate_acceptance

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from pipeline.config import PipelineConfig, PromotionConfig
 from pipeline.data import rollouts as rollouts_lib
+from pipeline.data.held_out import held_out_prompts, held_out_sequences
 from pipeline.data.keys import acceptance_key
 from pipeline.data.records import AcceptanceRecord, DrafterTau, TauEstimate, write_record
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import speculative, teacher_forced
 from pipeline.models import target as target_lib
 from pipeline.registry import DrafterRegistry
-from pipeline.sources.extract import held_out_rollouts
 
 
 @dataclass(frozen=True)
@@ -41,26 +39,6 @@ def promotion_decision(
     if new_tau > champion_tau + policy.margin:
         return Decision(True, f"new tau {new_tau:.3f} > champion tau {champion_tau:.3f} + margin {policy.margin}")
     return Decision(False, f"new tau {new_tau:.3f} <= champion tau {champion_tau:.3f} + margin {policy.margin}")
-
-
-def held_out_prompts(
-    store: ObjectStore, cfg: PipelineConfig, step: int, limits: rollouts_lib.TargetLimits | None = None
-) -> list[torch.Tensor]:
-    rollouts = held_out_rollouts(rollouts_lib.read_rollouts(store, cfg.run, step, limits),
-                                 cfg.eval.held_out_fraction)
-    if not rollouts:
-        raise ValueError(f"step {step}: no held-out rollouts (eval.held_out_fraction={cfg.eval.held_out_fraction})")
-    return [torch.tensor(r.input_ids[: max(1, r.prompt_len)]) for r in rollouts[: cfg.eval.num_prompts]]
-
-
-def held_out_sequences(
-    store: ObjectStore, cfg: PipelineConfig, step: int, limits: rollouts_lib.TargetLimits | None = None
-) -> tuple[list[torch.Tensor], list[int]]:
-    """Whole held-out rollouts (prompt + response) and their prompt lengths: what the acceptance estimate reads."""
-    rollouts = held_out_rollouts(rollouts_lib.read_rollouts(store, cfg.run, step, limits),
-                                 cfg.eval.held_out_fraction)
-    rollouts = rollouts[: cfg.eval.num_prompts]
-    return [torch.tensor(r.input_ids) for r in rollouts], [max(1, r.prompt_len) for r in rollouts]
 
 
 @dataclass(frozen=True)

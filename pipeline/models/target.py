@@ -213,11 +213,6 @@ def save_checkpoint(model: PreTrainedModel, store: ObjectStore, prefix: str) -> 
 
 # -- locating
 
-def resolve_uri(store: ObjectStore, uri_or_key: str) -> str:
-    """A pointer may hold a key relative to the store root or a URI the store's policy allows (uris.py)."""
-    return store.resolve(uri_or_key)
-
-
 def redact(uri: str) -> str:
     """A URI fit for messages and logs: no user:password@, no query (presigned signatures)."""
     parts = urlsplit(uri)
@@ -519,7 +514,7 @@ def load_policy(store: ObjectStore, checkpoint_uri: str, device: str = "cpu",
                 settings: LoadSettings | None = None) -> PreTrainedModel:
     """The policy a step's pointer names (a full URI or a key under the store root), frozen and
     shared: a second call for the same checkpoint content in this process returns the same model."""
-    listing = list_checkpoint(resolve_uri(store, checkpoint_uri), store)
+    listing = list_checkpoint(store.resolve(checkpoint_uri), store)
     return POLICIES.get(listing, device, settings or LoadSettings())
 
 

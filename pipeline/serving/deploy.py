@@ -12,11 +12,10 @@ from pathlib import Path
 
 from pipeline.config import PipelineConfig
 from pipeline.data import rollouts as rollouts_lib
+from pipeline.data.held_out import held_out_prompts
 from pipeline.data.keys import fleet_state_key, rollouts_root
 from pipeline.data.records import DeployReport, FleetState, read_record, write_record
 from pipeline.data.store import ObjectStore
-from pipeline.evaluation.acceptance import held_out_prompts
-from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import load_drafter
 from pipeline.registry import DrafterRegistry
 from pipeline.serving.fleet import (
@@ -89,7 +88,7 @@ def served_policy(store: ObjectStore, cfg: PipelineConfig) -> ServedPolicy:
     if not steps:
         raise ValueError(f"no committed RL step under {rollouts_root(cfg.run)}/: no policy for the fleet to serve")
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, steps[-1])
-    return ServedPolicy(steps[-1], target_lib.resolve_uri(store, pointer.checkpoint_uri),
+    return ServedPolicy(steps[-1], store.resolve(pointer.checkpoint_uri),
                         [p.tolist() for p in held_out_prompts(store, cfg, steps[-1])])
 
 

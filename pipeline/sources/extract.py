@@ -14,6 +14,7 @@ import torch
 
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import shards
+from pipeline.data.held_out import training_rollouts
 from pipeline.data.keys import step_key
 from pipeline.data.rollouts import Rollout, TargetLimits
 from pipeline.data.run_layout import TargetLayout
@@ -26,14 +27,6 @@ from pipeline.sources import vllm_connector as vllm_hidden_states
 
 if TYPE_CHECKING:  # the forward path also runs without pydantic (benchmarks/extraction.py on a bare GPU image)
     from pipeline.config import DrafterConfig, PipelineConfig
-
-
-def training_rollouts(rollouts: list[Rollout], held_out_fraction: float) -> list[Rollout]:
-    return [r for r in rollouts if not rollouts_lib.is_held_out(r.sample_id, held_out_fraction)]
-
-
-def held_out_rollouts(rollouts: list[Rollout], held_out_fraction: float) -> list[Rollout]:
-    return [r for r in rollouts if rollouts_lib.is_held_out(r.sample_id, held_out_fraction)]
 
 
 def aux_layer_ids(drafter: DrafterConfig, num_layers: int) -> list[int]:

@@ -25,9 +25,9 @@ from definitions import build_definitions
 from pipeline.client import Rollout, publish_checkpoint, publish_step
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data import shards
+from pipeline.data.held_out import held_out_prompts
 from pipeline.data.rollouts import read_policy_pointer
 from pipeline.data.store import open_store
-from pipeline.evaluation.acceptance import held_out_prompts
 from pipeline.evaluation.speculative import follow_target, generate_batch, greedy_generate
 from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import load_drafter, save_drafter

@@ -199,7 +199,7 @@ def test_sigkill_during_a_deploy_then_rerun_serves_one_drafter(loop, reliability
     try:
         # v1 serves on both replicas (started directly: a deploy's gates are tested elsewhere).
         staged = registry.download(v1, cfg.data_path / "fleet" / "staged" / f"v{v1}")
-        target = target_lib.resolve_uri(store, rollouts_lib.read_policy_pointer(store, cfg.run, 2).checkpoint_uri)
+        target = store.resolve(rollouts_lib.read_policy_pointer(store, cfg.run, 2).checkpoint_uri)
         for replica in replicas:
             driver.restart(replica, target, str(staged))
         registry.set_alias("live", v1)

@@ -13,11 +13,11 @@ from definitions import build_definitions
 from jobs.sensors import SENSOR_NAME, rl_step_sensor
 from pipeline.config import load_config
 from pipeline.data import shards
+from pipeline.data.held_out import training_rollouts
 from pipeline.data.rollouts import read_policy_pointer, read_rollouts
 from pipeline.data.store import open_store
 from pipeline.models import target as target_lib
 from pipeline.sources import trl as trl_source
-from pipeline.sources.extract import training_rollouts
 from tests.support.config import write_config
 
 STEPS = 3
