@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.config import CONFIG_ENV, PipelineConfig, load_config
+from pipeline.data.keys import step_key
 
 if TYPE_CHECKING:  # imported where used: `cli.py --help` starts without them
     import dagster as dg
@@ -354,7 +355,7 @@ def status(config_path: str | None) -> None:
     store = open_store(cfg)
     steps = committed_steps(store, cfg.run)
     partitions = instance.get_dynamic_partitions("rl_step")
-    out(f"run {cfg.run}: {len(steps)} committed RL steps{f' (last step-{steps[-1]:06d})' if steps else ''}, "
+    out(f"run {cfg.run}: {len(steps)} committed RL steps{f' (last {step_key(steps[-1])})' if steps else ''}, "
         f"{len(partitions)} rl_step partitions in Dagster ({instance.root_directory})")
     out("last materializations:")
     for asset in ("rollouts", "hidden_states", "drafter_buffer", "drafter", "acceptance", "fleet"):
@@ -399,10 +400,10 @@ def retention(config_path: str | None, apply: bool) -> None:
     registry = open_registry(cfg)
     registered = registered_training_steps(registry.client, cfg.mlflow.model_name, cfg.run)
     plan = plan_retention(store, cfg.run, registered, cfg.train.buffer_steps)
-    out(f"run {cfg.run}: live buffers {[f'step-{s:06d}' for s in plan.live_buffers] or 'none'}; "
+    out(f"run {cfg.run}: live buffers {[step_key(s) for s in plan.live_buffers] or 'none'}; "
         f"drafters registered from steps {sorted(registered) or 'none'}")
     for step, why in sorted(plan.kept_steps.items()):
-        out(f"  keep   hidden_states step-{step:06d}: {why}")
+        out(f"  keep   hidden_states {step_key(step)}: {why}")
     verb = "delete" if apply else "would delete"
     for doomed in plan.delete:
         out(f"  {verb} {doomed.key} ({doomed.bytes} bytes): {doomed.reason}")

@@ -3,6 +3,7 @@
     rollouts/<run>/step-000123/rollouts.parquet   policy.json (commit point)
     policies/<run>/step-000123/                   the simulated trainer's policy checkpoints
     hidden_states/<run>/step-000123/              Arrow shards + _manifest.json (commit point)
+    hidden_states/<run>/_target_layout.json       the run's target layout, recorded by its first step
     buffer/<run>/step-000123/_manifest.json       the cross-step buffer of a step
     drafter/<run>/step-000123.json                a step's training outcome
     acceptance/<run>/step-000123.json             a step's acceptance record
@@ -78,6 +79,15 @@ def hidden_states_prefix(run: str, step: int) -> str:
 
 def hidden_states_manifest_key(run: str, step: int) -> str:
     return f"{hidden_states_prefix(run, step)}/{HIDDEN_STATES_MANIFEST}"
+
+
+def hidden_states_shard_key(run: str, step: int, shard: str) -> str:
+    return f"{hidden_states_prefix(run, step)}/{shard}"
+
+
+def layout_key(run: str) -> str:
+    """The target layout the run's first step recorded: every later step must match it."""
+    return f"{hidden_states_root(run)}/_target_layout.json"
 
 
 def buffer_root(run: str) -> str:

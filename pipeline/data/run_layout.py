@@ -15,6 +15,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from pipeline.data.keys import layout_key
 from pipeline.data.store import ObjectStore
 
 
@@ -55,10 +56,6 @@ def _int(config: dict, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise LayoutError(f"config.json field {name!r} is {value!r}, expected a positive integer")
     return value
-
-
-def layout_key(run: str) -> str:
-    return f"hidden_states/{run}/_target_layout.json"
 
 
 def checkpoint_layout(store: ObjectStore, checkpoint_uri: str,

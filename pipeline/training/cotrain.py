@@ -18,7 +18,7 @@ from pipeline.config import PipelineConfig
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import shards
 from pipeline.data.buffer import iter_buffer_samples, read_buffer
-from pipeline.data.keys import training_origin_key, training_prefix
+from pipeline.data.keys import step_key, training_origin_key, training_prefix
 from pipeline.data.records import BufferEntry, composition
 from pipeline.data.rollouts import PolicyPointer
 from pipeline.data.shards import HiddenSample
@@ -142,7 +142,7 @@ def run_training(
 
     run_id = job.run_id
     if ctx.is_main and run_id is None:
-        run_id = registry.start_run(f"drafter-step-{job.step:06d}", {**job.tags, "input_id": job.input_id})
+        run_id = registry.start_run(f"drafter-{step_key(job.step)}", {**job.tags, "input_id": job.input_id})
     try:
         sink: MetricsSink = NullSink()
         if ctx.is_main:

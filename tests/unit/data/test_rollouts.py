@@ -319,6 +319,9 @@ def test_step_key_format() -> None:
     assert steps.hidden_states_prefix("run", 5) == "hidden_states/run/step-000005"
     assert steps.buffer_key("run", 5) == "buffer/run/step-000005/_manifest.json"
     assert steps.acceptance_key("run", 5) == "acceptance/run/step-000005.json"
+    assert steps.hidden_states_shard_key("run", 5, "part-00000-ab.arrow") == \
+        "hidden_states/run/step-000005/part-00000-ab.arrow"
+    assert steps.layout_key("run") == "hidden_states/run/_target_layout.json"
 
 
 def test_step_key_rejects_negative_steps() -> None:
