@@ -81,12 +81,15 @@ def test_a_document_without_schema_version_reads_as_version_1(store: ObjectStore
     assert read_training(store, RUN, 2) == TRAINED
 
 
+@pytest.mark.reliability("bad_input", "stage record (acceptance) of another schema version: refused naming its key")
 def test_another_schema_version_is_refused_naming_the_file(store: ObjectStore) -> None:
     store.write_json(acceptance_key(RUN, 2), {**ACCEPTANCE.to_json(), "schema_version": 2})
     with pytest.raises(RecordError, match=r"acceptance/r/step-000002\.json: AcceptanceRecord schema_version 2"):
         read_acceptance(store, RUN, 2)
 
 
+@pytest.mark.reliability("bad_input", "stage record (training outcome) missing a field, or not a JSON object: "
+                                      "refused naming its key")
 def test_a_document_missing_a_field_is_refused_naming_the_file_and_field(store: ObjectStore) -> None:
     doc = TRAINED.to_json()
     del doc["reason"]
