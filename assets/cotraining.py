@@ -21,6 +21,7 @@ from pipeline.data.records import AcceptanceRecord, read_training
 from pipeline.data.rollouts import committed_steps
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import acceptance as acceptance_lib
+from pipeline.models.drafter import stored_layer_ids
 from pipeline.sources import extract
 from pipeline.training import outcome as outcome_lib
 from pipeline.training import plan as plan_lib
@@ -52,7 +53,7 @@ def rollouts(
     rows = rollouts_lib.read_rollouts(store, cfg.run, step)
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
     layout = run_layout.checkpoint_layout(store, pointer.checkpoint_uri,
-                                          lambda n: extract.stored_layer_ids(cfg.drafter, n) or [n])
+                                          lambda n: stored_layer_ids(cfg.drafter, n) or [n])
     run_layout.check_step_layout(store, cfg.run, step, layout)  # a policy of another layout needs a new run
     held_out = held_out_rollouts(rows, cfg.eval.held_out_fraction)
     return dg.MaterializeResult(

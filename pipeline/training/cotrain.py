@@ -55,7 +55,7 @@ def _initial_drafter(
         drafter = load_drafter(Path(cfg.drafter.warm_start), target.config.num_hidden_layers)
         if drafter.kind != cfg.drafter.kind:
             raise ValueError(f"drafter.warm_start {cfg.drafter.warm_start} is not a {cfg.drafter.kind} checkpoint")
-        target_fields(drafter.config, target_lib.TargetMetadata.of(target.config))  # refused before training
+        target_fields(drafter, target_lib.TargetMetadata.of(target.config))  # refused before training
         return drafter, f"file:{cfg.drafter.warm_start}"
     counts = _token_counts(hidden, target.config.vocab_size)
     return drafters.fresh_drafter(cfg.drafter, target, counts, cfg.train.seed), None
