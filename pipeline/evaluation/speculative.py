@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, LlamaForCausalLM
 
-from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.models.drafter import CommittedPairs, Drafter, Proposer
 
 
-def features_for(out: target_lib.TargetOutput, layer_ids: list[int] | None) -> torch.Tensor:
+def features_for(out: target_forward.TargetOutput, layer_ids: list[int] | None) -> torch.Tensor:
     """(B, T, D) what a proposer reads from a target forward."""
     return out.features if layer_ids is None else out.layers.flatten(2)
 
@@ -52,7 +52,7 @@ def greedy_generate(model: LlamaForCausalLM, prompt: torch.Tensor, max_new_token
     """Plain greedy decoding, one full forward per token: the reference speculative decoding must reproduce."""
     tokens = prompt.clone()
     for _ in range(max_new_tokens):
-        logits = target_lib.forward(model, tokens[None]).logits[0, -1]
+        logits = target_forward.forward(model, tokens[None]).logits[0, -1]
         tokens = torch.cat([tokens, logits.argmax()[None]])
     return tokens[prompt.shape[0] :].tolist()
 
@@ -69,13 +69,13 @@ class TargetCache:
     def forward(
         self, model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor, new_valid: torch.Tensor,
         layer_ids: list[int] | None, logits_at: torch.Tensor | None = None,
-    ) -> target_lib.TargetOutput:
+    ) -> target_forward.TargetOutput:
         """input_ids, positions, new_valid (B, N): N new columns per row -> the target's output over them
         (logits at every new column, or at the column `logits_at` (B,) of each row)."""
         self.valid = new_valid if self.valid is None else torch.cat([self.valid, new_valid], dim=1)  # (B, S + N)
         self.positions = positions if self.positions is None else torch.cat([self.positions, positions], dim=1)
-        mask = target_lib.decoding_mask(model.config, self.positions, self.valid, positions, model.dtype)
-        return target_lib.forward(model, input_ids, layer_ids, attention_mask=mask, position_ids=positions,
+        mask = target_forward.decoding_mask(model.config, self.positions, self.valid, positions, model.dtype)
+        return target_forward.forward(model, input_ids, layer_ids, attention_mask=mask, position_ids=positions,
                                   past_key_values=self.past, logits_at=logits_at)
 
     def keep(self, new_valid: torch.Tensor) -> None:

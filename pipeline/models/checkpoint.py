@@ -38,7 +38,7 @@ from pipeline.models.eagle import ARCHITECTURE, EagleConfig, EagleDrafter
 from pipeline.models.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from pipeline.models.rope import UnsupportedRopeError, check_scaling, rope_from
-from pipeline.models.target import TargetMetadata
+from pipeline.models.target_forward import TargetMetadata
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -21,6 +21,7 @@ from pipeline.data.run_layout import TargetLayout
 from pipeline.data.shards import HiddenSample, Manifest
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.models.drafter import stored_layer_ids
 from pipeline.sources import vllm_connector as vllm_hidden_states
 
@@ -73,7 +74,7 @@ def _forward_batches(model, rollouts: list[Rollout], plan: list[list[int]], devi
         ids = torch.zeros(len(chunk), len(chunk[0].input_ids), dtype=torch.int64)  # (B, T), right-padded with 0
         for row, r in enumerate(chunk):
             ids[row, : len(r.input_ids)] = torch.tensor(r.input_ids, dtype=torch.int64)
-        layers = target_lib.layer_states(model, ids.to(device), layer_ids)  # n x (B, T, H)
+        layers = target_forward.layer_states(model, ids.to(device), layer_ids)  # n x (B, T, H)
         features = torch.stack([x.to(torch.bfloat16) for x in layers], dim=1)  # (B, n, T, H)
         del layers
         if copy_stream is None:

@@ -33,6 +33,7 @@ from pipeline.data.keys import policy_prefix
 from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 
 FAVOURITE_PROB = 0.6
 PHASES = 3
@@ -171,7 +172,7 @@ class SimulatedRL:
 
         rollouts = self.generate_rollouts(model, step, g)
         pointer = PolicyPointer(policy_version=step, checkpoint_uri=checkpoint_uri,
-                                model_id=target_lib.model_id(model))
+                                model_id=target_forward.model_id(model))
         write_rollouts(self.store, self.run, step, rollouts, pointer)
         return pointer
 

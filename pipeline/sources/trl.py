@@ -38,6 +38,7 @@ from pipeline.client import publish_checkpoint, publish_step
 from pipeline.data.rollouts import Rollout
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 
 LETTERS = "abcdefghijklmnop"
 VOWELS = frozenset("aeio")
@@ -204,7 +205,7 @@ class GRPODemo:
         self.steps = steps
         self.tokenizer = build_tokenizer()
         self.policy = build_policy(self.tokenizer, seed=s.seed)
-        self.publisher = StepPublisher(store, run, target_lib.model_id(self.policy))
+        self.publisher = StepPublisher(store, run, target_forward.model_id(self.policy))
         self.output_dir = output_dir
         self._resume = threading.Semaphore(0)
         self._published = threading.Semaphore(0)

@@ -25,6 +25,7 @@ from pipeline.data.shards import HiddenSample
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.models.checkpoint import load_drafter, save_drafter, target_fields
 from pipeline.registry import DrafterRegistry, MetricsBatcher, open_registry
 from pipeline.training.dataset import BufferDataset
@@ -55,7 +56,7 @@ def _initial_drafter(
         drafter = load_drafter(Path(cfg.drafter.warm_start), target.config.num_hidden_layers)
         if drafter.kind != cfg.drafter.kind:
             raise ValueError(f"drafter.warm_start {cfg.drafter.warm_start} is not a {cfg.drafter.kind} checkpoint")
-        target_fields(drafter, target_lib.TargetMetadata.of(target.config))  # refused before training
+        target_fields(drafter, target_forward.TargetMetadata.of(target.config))  # refused before training
         return drafter, f"file:{cfg.drafter.warm_start}"
     counts = _token_counts(hidden, target.config.vocab_size)
     return drafters.fresh_drafter(cfg.drafter, target, counts, cfg.train.seed), None
@@ -165,7 +166,7 @@ def run_training(
         registry.log_params(run_id, {"samples_read": data.samples_read, "samples_unreadable": data.unreadable_samples})
         sink.flush()
         version = _register(registry, job, run_id, cfg, inputs.entries, drafter, warm_start,
-                            target_lib.TargetMetadata.of(target.config), result.samples)
+                            target_forward.TargetMetadata.of(target.config), result.samples)
         registry.end_run(run_id, ok=True)
     except BaseException:
         if ctx.is_main:
@@ -187,7 +188,7 @@ def _finish(
 
 def _register(
     registry: DrafterRegistry, job: TrainJob, run_id: str, cfg: PipelineConfig, entries: list[BufferEntry],
-    drafter: drafters.Drafter, warm_start: str | None, target: target_lib.TargetMetadata, samples_read: int,
+    drafter: drafters.Drafter, warm_start: str | None, target: target_forward.TargetMetadata, samples_read: int,
 ) -> str:
     """One version per input identity, even when a process died between registering and finishing."""
     version = registry.find_version({"input_id": job.input_id})

@@ -25,6 +25,7 @@ from pipeline.data.records import read_acceptance
 from pipeline.data.rollouts import PolicyPointer, Rollout, committed_steps, read_rollouts, write_rollouts
 from pipeline.data.store import ObjectStore, open_store, storage_options_for
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.sources.simulation import SimulatedRL
 from tests.support.config import write_config
 
@@ -150,7 +151,7 @@ def test_policy_checkpoint_round_trip(store: ObjectStore) -> None:
     loaded = target_lib.load_policy(store, "policies/run/step-000001")
     assert uri.startswith(store.root)
     ids = torch.randint(0, 16, (1, 5))
-    torch.testing.assert_close(target_lib.forward(loaded, ids).logits, target_lib.forward(model, ids).logits)
+    torch.testing.assert_close(target_forward.forward(loaded, ids).logits, target_forward.forward(model, ids).logits)
 
 
 def test_one_rl_step_on_s3(s3_endpoint: str, tmp_path: Path) -> None:

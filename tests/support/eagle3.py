@@ -6,6 +6,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, TTTCache, default_aux_layer_ids, draft_vocab
 from pipeline.training.dataset import Sample
 
@@ -91,7 +92,7 @@ def target_samples(target: LlamaForCausalLM, aux: tuple[int, ...], count: int, s
         n = int(torch.randint(10, 18, (1,), generator=g))
         start = int(torch.randint(0, V, (1,), generator=g))
         ids = (start + 3 * torch.arange(n)) % V  # a repetitive little language
-        layers = target_lib.forward(target, ids[None], layer_ids=layer_ids).layers[0]  # (T, n_aux + 1, H)
+        layers = target_forward.forward(target, ids[None], layer_ids=layer_ids).layers[0]  # (T, n_aux + 1, H)
         mask = torch.ones(n, dtype=torch.int64)
         mask[:3] = 0
         out.append((ids, layers.flatten(1).float(), mask))

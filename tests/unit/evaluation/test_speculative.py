@@ -19,6 +19,7 @@ from pipeline.evaluation.speculative import (
     speculative_generate,
 )
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.models.drafter import CommittedPairs, Drafter, Proposer, fresh_drafter
 from pipeline.models.eagle import EagleConfig, EagleDrafter
 from pipeline.models.eagle3 import TTTCache
@@ -216,7 +217,7 @@ def test_proposer_gets_tokens_and_features_of_all_but_the_newest(
         for (tokens, features), prompt in zip(call, prompts, strict=True):
             assert torch.equal(tokens[: prompt.shape[0]], prompt)
             assert features.shape == (tokens.shape[0] - 1, H)
-            expected = target_lib.forward(model, tokens[None]).features[0, :-1]
+            expected = target_forward.forward(model, tokens[None]).features[0, :-1]
             torch.testing.assert_close(features, expected, atol=1e-5, rtol=1e-5)
 
 

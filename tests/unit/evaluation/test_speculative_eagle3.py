@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from pipeline.evaluation.speculative import greedy_generate, speculative_generate
-from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.models.eagle import CommittedPairs
 from pipeline.models.eagle3 import (
     Eagle3Proposer,
@@ -84,7 +84,7 @@ def test_speculative_decoding_with_eagle3_is_lossless(
 def test_proposer_returns_target_ids_of_the_draft_argmax(target: LlamaForCausalLM) -> None:
     model = drafter_for(target, seed=2)
     prompt = torch.randint(0, V, (6,), generator=torch.Generator().manual_seed(5))
-    out = target_lib.forward(target, prompt[None], list(model.config.aux_layer_ids))
+    out = target_forward.forward(target, prompt[None], list(model.config.aux_layer_ids))
     features = out.layers.flatten(2)[0, :-1]  # (T-1, n_aux * H)
 
     n = prompt.shape[0] - 1

@@ -8,6 +8,7 @@ from transformers import LlamaForCausalLM
 
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.models.eagle import EagleConfig, EagleDrafter
 from pipeline.training.dataset import InMemoryDataset, Sample, plan_epoch
 from pipeline.training.loop import lr_at, train_drafter
@@ -72,7 +73,7 @@ def dataset(target) -> list[Sample]:
         n = int(torch.randint(12, 24, (1,), generator=g))
         start = int(torch.randint(0, V, (1,), generator=g))
         ids = (start + 3 * torch.arange(n)) % V
-        hidden = target_lib.forward(target, ids[None]).features[0].float()
+        hidden = target_forward.forward(target, ids[None]).features[0].float()
         mask = torch.ones(n, dtype=torch.int64)
         mask[:4] = 0
         out.append((ids, hidden, mask))

@@ -11,6 +11,7 @@ from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.keys import training_prefix
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.training.dataset import InMemoryDataset, Sample
 from pipeline.training.loop import train_drafter
 from pipeline.training.state import LATEST, ResumeState, TrainingCheckpoints
@@ -33,7 +34,7 @@ def samples(target) -> list[Sample]:
         ids = (int(torch.randint(0, V, (1,), generator=g)) + 3 * torch.arange(n)) % V
         mask = torch.ones(n, dtype=torch.int64)
         mask[:3] = 0
-        out.append((ids, target_lib.forward(target, ids[None]).features[0].float(), mask))
+        out.append((ids, target_forward.forward(target, ids[None]).features[0].float(), mask))
     return out
 
 
