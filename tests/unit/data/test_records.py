@@ -79,6 +79,9 @@ def test_a_document_without_schema_version_reads_as_version_1(store: ObjectStore
     store.write_json(drafter_key(RUN, 2), TRAINED.to_json())
     assert read_acceptance(store, RUN, 2) == ACCEPTANCE
     assert read_training(store, RUN, 2) == TRAINED
+    for record in (BUFFER, RECORDS[5]):  # the buffer manifest and the fleet's state
+        store.write_json("earlier.json", record.to_json())
+        assert read_record(store, "earlier.json", type(record)) == record
 
 
 @pytest.mark.reliability("bad_input", "stage record (acceptance) of another schema version: refused naming its key")
