@@ -75,12 +75,11 @@ def interval_decision(step: int, interval: int) -> ScheduleDecision:
 def acceptance_decision(champion: ChampionTrack | None, tau_drop: float) -> ScheduleDecision:
     if champion is None:
         return ScheduleDecision(True, "no champion yet")
+    fell = (f"champion v{champion.version} tau {champion.tau_now:.3f} at step {champion.measured_at_step} fell "
+            f"{champion.drop:.3f} since its promotion ({champion.tau_at_promotion:.3f})")
     if champion.drop > tau_drop:
-        return ScheduleDecision(True, f"champion v{champion.version} tau {champion.tau_now:.3f} at step "
-                                      f"{champion.measured_at_step} fell {champion.drop:.3f} since its promotion "
-                                      f"({champion.tau_at_promotion:.3f}), more than train.schedule.tau_drop={tau_drop}")
-    return ScheduleDecision(False, f"champion v{champion.version} tau {champion.tau_now:.3f} fell {champion.drop:.3f} "
-                                   f"since its promotion, within train.schedule.tau_drop={tau_drop}")
+        return ScheduleDecision(True, f"{fell}, more than train.schedule.tau_drop={tau_drop}")
+    return ScheduleDecision(False, f"{fell}, within train.schedule.tau_drop={tau_drop}")
 
 
 def expected_gain_s(champion: ChampionTrack, tokens: int, decoding: DecodingCost) -> float:
