@@ -28,6 +28,7 @@ from pipeline.config import CONFIG_ENV, PipelineConfig, load_config
 if TYPE_CHECKING:  # imported where used: `cli.py --help` starts without them
     import dagster as dg
 
+    from pipeline.data.records import ReplicaDeploy
     from pipeline.sources.simulation import SimulatedRL
     from pipeline.sources.trl import GRPODemo
 
@@ -169,14 +170,13 @@ def _demo_step(step: int, source: SimulatedRL | GRPODemo, what: str, ticks: _Sen
 
 
 def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls: list[float],
-                 fleet_state: list[dict], source: str) -> Path:
+                 fleet_state: tuple[ReplicaDeploy, ...], source: str) -> Path:
     """The table, the plot and the JSON summary of a demo."""
     from pipeline import report
 
     out_dir, k, steps = cfg.data_path / "demo", cfg.eval.num_speculative_tokens, len(rows)
     plot = report.plot(rows, k, out_dir / "acceptance.png", cfg.drafter.kind)
-    fleet = [{"replica": r["replica"], "version": r["version"], "live_tau": round(r["live_tau"], 4)}
-             for r in fleet_state]
+    fleet = [{"replica": r.replica, "version": r.version, "live_tau": round(r.live_tau, 4)} for r in fleet_state]
     summary = report.write_summary(rows, wall, step_walls, out_dir / "summary.json", fleet=fleet,
                                    num_speculative_tokens=k, drafter_kind=cfg.drafter.kind, device=cfg.device,
                                    source=source)
@@ -253,7 +253,7 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
                       + (f"  TRL mean reward {r['trl_mean_reward']:.3f}" if source == "trl" else ""))
         if source == "trl":
             rl.finish()  # TRL's last optimizer step
-        fleet_state = deploy.read_state(store, cfg.run)["replicas"] if with_fleet else []
+        fleet_state = deploy.read_state(store, cfg.run).replicas if with_fleet else ()
     finally:
         if with_fleet and cfg.fleet.driver == "standin":
             deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the demo's stand-ins end with it
@@ -378,14 +378,13 @@ def status(config_path: str | None) -> None:
     state = deploy.read_state(store, cfg.run)
     if cfg.fleet.driver == "none":
         out("fleet: none configured (fleet.driver: none)")
-    elif not state["replicas"]:
+    elif not state.replicas:
         out(f"fleet: {len(cfg.fleet.replicas)} {cfg.fleet.driver} replicas, nothing deployed yet")
     else:
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state["since"])) if state.get("since") else "?"
-        out(f"fleet ({cfg.fleet.driver}): version {state['version']} since {since}")
-        for r in state["replicas"]:
-            tau = r.get("live_tau")
-            out(f"  {r['replica']:<12} version {r['version']}{f', live tau {tau:.2f}' if tau is not None else ''}")
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state.since)) if state.since else "?"
+        out(f"fleet ({cfg.fleet.driver}): version {state.version} since {since}")
+        for r in state.replicas:
+            out(f"  {r.replica:<12} version {r.version}, live tau {r.live_tau:.2f}")
 
 
 def retention(config_path: str | None, apply: bool) -> None:

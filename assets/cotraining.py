@@ -16,6 +16,7 @@ from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import run_layout
 from pipeline.data import shard_checks as checks
 from pipeline.data.keys import acceptance_key, buffer_key, hidden_states_prefix, rollouts_key, rollouts_prefix
+from pipeline.data.records import AcceptanceRecord, read_training
 from pipeline.data.rollouts import committed_steps
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import acceptance as acceptance_lib
@@ -134,13 +135,13 @@ def drafter_buffer(
     context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     """A manifest, not a copy: buffers of consecutive steps share their shards."""
     cfg, store, step = pipeline.config, pipeline.store(), step_of(context)
-    doc = buffer_lib.build_buffer(store, cfg.run, step, cfg.train.buffer_steps, cfg.train.data_buffer_max_size)
-    by_step = {int(s): n for s, n in doc["composition"].items()}
+    built = buffer_lib.build_buffer(store, cfg.run, step, cfg.train.buffer_steps, cfg.train.data_buffer_max_size)
+    by_step = built.composition
     oldest_allowed = step - cfg.train.buffer_steps + 1
     return dg.MaterializeResult(
         metadata={
-            "samples": doc["num_samples"],
-            "tokens": doc["num_tokens"],
+            "samples": built.num_samples,
+            "tokens": built.num_tokens,
             "steps": str(sorted(by_step)),
             "composition": dg.MetadataValue.table(
                 records=[dg.TableRecord({"rl_step": s, "samples": n}) for s, n in sorted(by_step.items())],
@@ -151,7 +152,7 @@ def drafter_buffer(
         check_results=[
             dg.AssetCheckResult(
                 check_name="buffer_within_limits",
-                passed=doc["num_samples"] <= cfg.train.data_buffer_max_size
+                passed=built.num_samples <= cfg.train.data_buffer_max_size
                 and all(oldest_allowed <= s <= step for s in by_step),
                 metadata={"max_samples": cfg.train.data_buffer_max_size, "oldest_step_allowed": oldest_allowed},
             )
@@ -205,37 +206,38 @@ def drafter(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg
 def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     """Real speculative decoding with greedy verification against the step's target."""
     cfg, store, registry, step = pipeline.config, pipeline.store(), pipeline.registry(), step_of(context)
-    new_version = outcome_lib.read_outcome(store, cfg.run, step)["version"]
+    new_version = read_training(store, cfg.run, step).version
     record = acceptance_lib.evaluate_step(store, cfg, step, registry, new_version)
     ceiling = cfg.eval.num_speculative_tokens + 1
-    measured = {role: d for role, d in record["drafters"].items() if d}
-    metadata = _acceptance_metadata(record, measured)
+    measured = record.measured()
+    metadata = _acceptance_metadata(record)
     metadata["uri"] = dg.MetadataValue.path(store.uri(acceptance_key(cfg.run, step)))
-    if record["champion_after"]:
+    if record.champion_after:
         metadata["mlflow_champion"] = dg.MetadataValue.url(
-            registry.version_url(record["champion_after"], pipeline.mlflow_ui_url))
+            registry.version_url(record.champion_after, pipeline.mlflow_ui_url))
     metadata["tau_by_step"] = _tau_plot(store, cfg, step)
     return dg.MaterializeResult(
         metadata=metadata,
         check_results=[
             dg.AssetCheckResult(
                 check_name="tau_in_range",
-                passed=all(1.0 <= d["tau"] <= ceiling for d in measured.values()),
+                passed=all(1.0 <= d.tau <= ceiling for d in measured.values()),
                 metadata={"ceiling": ceiling},
             )
         ],
     )
 
 
-def _acceptance_metadata(record: dict, measured: dict[str, dict]) -> dict:
+def _acceptance_metadata(record: AcceptanceRecord) -> dict:
     """Tau and version per drafter role, and the promotion decision."""
-    metadata: dict = {f"tau_{role}": round(d["tau"], 3) for role, d in measured.items()}
-    metadata.update({f"version_{role}": d["version"] for role, d in measured.items()})
-    metadata.update({"promoted": record["promoted"], "decision": record["decision"],
-                     "champion_after": record["champion_after"] or "none"})
-    if "cotrained" in measured:
-        metadata["acceptance_rate_cotrained"] = round(measured["cotrained"]["acceptance_rate"], 3)
-        metadata["per_position_cotrained"] = str([round(p, 3) for p in measured["cotrained"]["per_position"]])
+    measured = record.measured()
+    metadata: dict = {f"tau_{role}": round(d.tau, 3) for role, d in measured.items()}
+    metadata.update({f"version_{role}": d.version for role, d in measured.items()})
+    metadata.update({"promoted": record.promoted, "decision": record.decision,
+                     "champion_after": record.champion_after or "none"})
+    if cotrained := measured.get("cotrained"):
+        metadata["acceptance_rate_cotrained"] = round(cotrained.acceptance_rate, 3)
+        metadata["per_position_cotrained"] = str([round(p, 3) for p in cotrained.per_position])
     return metadata
 
 

@@ -10,45 +10,44 @@ from pathlib import Path
 from pipeline.data import buffer as buffer_lib
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.keys import acceptance_key
+from pipeline.data.records import DrafterTau, read_acceptance, read_training
 from pipeline.data.store import ObjectStore
-from pipeline.training.outcome import read_outcome
 
 NO_DRAFTER_TAU = 1.0  # without a drafter every target forward yields one token
 
 
 def step_row(store: ObjectStore, run: str, step: int) -> dict:
     """One line of the summary, read from what the step's assets stored."""
-    record = store.read_json(acceptance_key(run, step))
-    trained = read_outcome(store, run, step)
-
-    def tau(role: str) -> float:
-        d = record["drafters"][role]
-        return round(d["tau"], 4) if d else NO_DRAFTER_TAU
-
+    record = read_acceptance(store, run, step)
+    cotrained, served = record.drafters["cotrained"], record.drafters["served"]
     return {
         "step": step,
         "samples": len(rollouts_lib.read_rollouts(store, run, step)),
-        "buffer_samples": len(buffer_lib.read_buffer(store, run, step)),
-        "trained": trained["trained"],
-        "tau_cotrained": tau("cotrained"),
-        "tau_baseline": tau("baseline"),
-        "tau_served": tau("served"),
-        "promoted": record["promoted"],
-        "version_cotrained": (record["drafters"]["cotrained"] or {}).get("version"),
-        "version_served": (record["drafters"]["served"] or {}).get("version"),
-        "acceptance_rate_cotrained": round((record["drafters"]["cotrained"] or {}).get("acceptance_rate", 0.0), 4),
+        "buffer_samples": buffer_lib.read_buffer(store, run, step).num_samples,
+        "trained": read_training(store, run, step).trained,
+        "tau_cotrained": _tau(cotrained),
+        "tau_baseline": _tau(record.drafters["baseline"]),
+        "tau_served": _tau(served),
+        "promoted": record.promoted,
+        "version_cotrained": cotrained.version if cotrained else None,
+        "version_served": served.version if served else None,
+        "acceptance_rate_cotrained": round(cotrained.acceptance_rate if cotrained else 0.0, 4),
         # what the co-trained tau rests on, and its teacher-forced estimate from one pass over held-out rollouts
-        "eval_prompts_cotrained": (record["drafters"]["cotrained"] or {}).get("prompts"),
-        "eval_rounds_cotrained": (record["drafters"]["cotrained"] or {}).get("rounds"),
-        "tau_estimate_cotrained": _estimate(record["drafters"]["cotrained"]),
+        "eval_prompts_cotrained": cotrained.prompts if cotrained else None,
+        "eval_rounds_cotrained": cotrained.rounds if cotrained else None,
+        "tau_estimate_cotrained": _estimate(cotrained),
     }
 
 
-def _estimate(measured: dict | None) -> dict | None:
-    estimate = (measured or {}).get("estimate")
+def _tau(measured: DrafterTau | None) -> float:
+    return round(measured.tau, 4) if measured else NO_DRAFTER_TAU
+
+
+def _estimate(measured: DrafterTau | None) -> dict | None:
+    estimate = measured.estimate if measured else None
     if not estimate:
         return None
-    return {"tau": round(estimate["tau"], 4), "rollouts": estimate["sequences"], "positions": estimate["positions"]}
+    return {"tau": round(estimate.tau, 4), "rollouts": estimate.sequences, "positions": estimate.positions}
 
 
 def format_table(rows: list[dict]) -> str:
@@ -130,12 +129,9 @@ def acceptance_rows(store: ObjectStore, run: str, steps: list[int]) -> list[dict
     """tau of each drafter role for the `steps` that have an acceptance record (no other reads)."""
     rows = []
     for step in steps:
-        key = acceptance_key(run, step)
-        if not store.exists(key):
-            continue
-        drafters = store.read_json(key)["drafters"]
-        rows.append({"step": step, **{f"tau_{role}": round(d["tau"], 4) if d else NO_DRAFTER_TAU
-                                      for role, d in drafters.items()}})
+        if store.exists(acceptance_key(run, step)):
+            drafters = read_acceptance(store, run, step).drafters
+            rows.append({"step": step, **{f"tau_{role}": _tau(d) for role, d in drafters.items()}})
     return rows
 
 

@@ -15,6 +15,7 @@ import torch
 from pipeline.config import PipelineConfig, PromotionConfig
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.keys import acceptance_key
+from pipeline.data.records import AcceptanceRecord, DrafterTau, TauEstimate, write_record
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import speculative, teacher_forced
 from pipeline.models import target as target_lib
@@ -70,11 +71,11 @@ class StepMeasurement:
     policy_version: int
     num_prompts: int
     roles: dict[str, str | None]  # role (cotrained, served, baseline) -> registered version, None: no such drafter
-    measured: dict[str, dict]  # version -> exact tau and its parts, the teacher-forced estimate
+    measured: dict[str, DrafterTau]  # version -> exact tau and its parts, the teacher-forced estimate
 
     def tau(self, role: str) -> float | None:
         version = self.roles[role]
-        return self.measured[version]["tau"] if version else None
+        return self.measured[version].tau if version else None
 
 
 def measure_step(
@@ -92,15 +93,18 @@ def measure_step(
         "served": registry.alias_version("champion"),
         "baseline": registry.alias_version("baseline"),
     }
-    measured: dict[str, dict] = {}
+    measured: dict[str, DrafterTau] = {}
     for version in {v for v in roles.values() if v is not None}:
         drafter = registry.load(version)
         drafter.attach(target)
         exact = speculative.evaluate(target, speculative.follow_target(drafter, target), prompts, max_new, k)
         estimate = teacher_forced.estimate_acceptance(target, drafter, sequences, prompt_lens, k)
         # each tau says what it rests on: exact, prompts decoded and rounds; the estimate, rollouts and positions
-        measured[version] = {**exact.as_dict(), "prompts": len(prompts),
-                             "estimate": estimate.as_dict() if estimate else None}
+        measured[version] = DrafterTau(
+            version, exact.tau, exact.acceptance_rate, tuple(exact.per_position), exact.rounds, exact.drafted,
+            exact.accepted, len(prompts),
+            TauEstimate(estimate.tau, tuple(estimate.per_position), estimate.sequences, estimate.positions)
+            if estimate else None)
     return StepMeasurement(step, pointer.policy_version, len(prompts), roles, measured)
 
 
@@ -114,14 +118,14 @@ def apply_promotion(
         return
     served_tau = measurement.tau("served")
     registry.set_version_tags(new_version, {
-        "tau": f"{measurement.measured[new_version]['tau']:.4f}", "promoted": str(decision.promote).lower(),
+        "tau": f"{measurement.measured[new_version].tau:.4f}", "promoted": str(decision.promote).lower(),
         "champion_tau_at_decision": "none" if served_tau is None else f"{served_tau:.4f}",
     })
     run_id = registry.client.get_model_version(registry.model_name, new_version).run_id
     new = measurement.measured[new_version]
     registry.log_metrics(run_id, {
-        "eval_tau": new["tau"], "eval_acceptance_rate": new["acceptance_rate"],
-        **{f"eval_accept_pos{j}": p for j, p in enumerate(new["per_position"])},
+        "eval_tau": new.tau, "eval_acceptance_rate": new.acceptance_rate,
+        **{f"eval_accept_pos{j}": p for j, p in enumerate(new.per_position)},
         **({"eval_champion_tau": served_tau} if served_tau is not None else {}),
     })
     registry.set_run_tags(run_id, {"promotion": decision.reason})
@@ -129,30 +133,22 @@ def apply_promotion(
 
 def acceptance_record(
     cfg: PipelineConfig, measurement: StepMeasurement, decision: Decision, champion_after: str | None
-) -> dict:
+) -> AcceptanceRecord:
     """The step's acceptance record, as stored and as the reports read it."""
-    return {
-        "step": measurement.step,
-        "policy_version": measurement.policy_version,
-        "num_prompts": measurement.num_prompts,
-        "num_speculative_tokens": cfg.eval.num_speculative_tokens,
-        "max_new_tokens": cfg.eval.max_new_tokens,
-        "drafters": {role: ({"version": v, **measurement.measured[v]} if v else None)
-                     for role, v in measurement.roles.items()},
-        "promoted": decision.promote,
-        "decision": decision.reason,
-        "champion_after": champion_after,
-    }
+    drafters = {role: measurement.measured[v] if v else None for role, v in measurement.roles.items()}
+    return AcceptanceRecord(
+        measurement.step, measurement.policy_version, measurement.num_prompts, cfg.eval.num_speculative_tokens,
+        cfg.eval.max_new_tokens, drafters, decision.promote, decision.reason, champion_after)
 
 
 def evaluate_step(
     store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, new_version: str | None
-) -> dict:
+) -> AcceptanceRecord:
     """Measure the drafters, decide on promotion, move aliases, write the step's acceptance record."""
     measurement = measure_step(store, cfg, step, registry, new_version)
-    new_tau = measurement.measured[new_version]["tau"] if new_version else None
+    new_tau = measurement.measured[new_version].tau if new_version else None
     decision = promotion_decision(cfg.promotion, new_tau, measurement.tau("served"))
     apply_promotion(registry, measurement, new_version, decision)
     record = acceptance_record(cfg, measurement, decision, registry.alias_version("champion"))
-    store.write_json(acceptance_key(cfg.run, step), record)
+    write_record(store, acceptance_key(cfg.run, step), record)
     return record

@@ -13,6 +13,7 @@ from pathlib import Path
 from pipeline.config import PipelineConfig
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.keys import fleet_state_key, rollouts_root
+from pipeline.data.records import DeployReport, FleetState, read_record, write_record
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation.acceptance import held_out_prompts
 from pipeline.models import target as target_lib
@@ -20,10 +21,10 @@ from pipeline.models.checkpoint import load_drafter
 from pipeline.registry import DrafterRegistry
 from pipeline.serving.fleet import (
     CommandDriver,
-    DeployReport,
     GateConfig,
     ReplicaDriver,
     ReplicaSpec,
+    StagedDrafter,
     StandInDriver,
     rolling_deploy,
 )
@@ -45,9 +46,10 @@ def gate_config(cfg: PipelineConfig) -> GateConfig:
     return GateConfig(f.ready_timeout_s, f.canary_requests, f.canary_tokens, f.min_live_tau)
 
 
-def read_state(store: ObjectStore, run: str) -> dict:
+def read_state(store: ObjectStore, run: str) -> FleetState:
+    """The fleet's recorded state; an empty one before the first deploy."""
     key = fleet_state_key(run)
-    return store.read_json(key) if store.exists(key) else {"version": None, "replicas": []}
+    return read_record(store, key, FleetState) if store.exists(key) else FleetState()
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ class StagedVersions:
 
     version: str
     directory: Path
-    previous: tuple[str, str] | None  # (version, checkpoint directory) of `live`, None before the first deploy
+    previous: StagedDrafter | None  # `live`, None before the first deploy
 
 
 def stage_versions(cfg: PipelineConfig, registry: DrafterRegistry, version: str) -> StagedVersions:
@@ -67,8 +69,8 @@ def stage_versions(cfg: PipelineConfig, registry: DrafterRegistry, version: str)
     drafter_dir = registry.download(version, stage / f"v{version}")
     load_drafter(drafter_dir)
     live = registry.alias_version("live")
-    previous = (live, str(stage / f"v{live}" / "drafter")) if live else None
-    if previous and not Path(previous[1]).exists():
+    previous = StagedDrafter(live, str(stage / f"v{live}" / "drafter")) if live else None
+    if previous and not Path(previous.directory).exists():
         registry.download(live, stage / f"v{live}")
     return StagedVersions(version, drafter_dir, previous)
 
@@ -97,10 +99,8 @@ def record_live(
     """The fleet runs `version` everywhere: the registry's `live` alias and the fleet's state say so."""
     registry.set_alias("live", version)
     registry.set_version_tags(version, {"deployed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                        "fleet": ",".join(r["replica"] for r in report.replicas)})
-    store.write_json(fleet_state_key(run), {
-        "version": version, "policy_step": policy_step, "since": time.time(), "replicas": report.replicas,
-    })
+                                        "fleet": ",".join(r.replica for r in report.replicas)})
+    write_record(store, fleet_state_key(run), FleetState(version, policy_step, time.time(), report.replicas))
 
 
 def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, version: str,

@@ -17,8 +17,9 @@ import torch
 from pipeline.config import PipelineConfig
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import shards
-from pipeline.data.buffer import BufferEntry, composition, iter_buffer_samples, read_buffer
+from pipeline.data.buffer import iter_buffer_samples, read_buffer
 from pipeline.data.keys import training_origin_key, training_prefix
+from pipeline.data.records import BufferEntry, composition
 from pipeline.data.rollouts import PolicyPointer
 from pipeline.data.shards import HiddenSample
 from pipeline.data.store import ObjectStore, open_store
@@ -74,7 +75,7 @@ class _Inputs:
 def _read_inputs(job: TrainJob, ctx: DistContext) -> _Inputs:
     cfg = job.pipeline_config
     store = open_store(cfg)
-    return _Inputs(cfg, store, read_buffer(store, cfg.run, job.step),
+    return _Inputs(cfg, store, list(read_buffer(store, cfg.run, job.step).entries),
                    rollouts_lib.read_policy_pointer(store, cfg.run, job.step), rank_device(ctx, cfg.device))
 
 

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 from pipeline.config import PipelineConfig, TrainConfig, parse_config
 from pipeline.data import rollouts as rollouts_lib
-from pipeline.data.buffer import BufferEntry, composition, read_buffer
+from pipeline.data.buffer import read_buffer
+from pipeline.data.records import BufferEntry, composition
 from pipeline.data.store import ObjectStore
 from pipeline.registry import DrafterRegistry
 from pipeline.training.outcome import TrainOutcome
@@ -118,7 +119,7 @@ def plan_training(
     store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, requested_by: str | None = None
 ) -> TrainingPlan:
     """Skip (with the reason), reuse a version trained on identical inputs, or train; reads only."""
-    entries = read_buffer(store, cfg.run, step)
+    entries = list(read_buffer(store, cfg.run, step).entries)
     trained, reason = training_decision(step, len(entries), cfg.train, requested_by)
     if not trained:
         return TrainingPlan(step, False, reason, len(entries), requested_by)

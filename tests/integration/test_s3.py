@@ -21,6 +21,7 @@ from definitions import build_definitions
 from pipeline.config import load_config
 from pipeline.data import buffer, shards
 from pipeline.data.keys import hidden_states_prefix
+from pipeline.data.records import read_acceptance
 from pipeline.data.rollouts import PolicyPointer, Rollout, committed_steps, read_rollouts, write_rollouts
 from pipeline.data.store import ObjectStore, open_store, storage_options_for
 from pipeline.models import target as target_lib
@@ -129,9 +130,8 @@ def test_shards_buffer_and_bad_input(store: ObjectStore) -> None:
     assert all(torch.equal(a.hidden.view(torch.int16), b.hidden.view(torch.int16))
                for a, b in zip(samples, read, strict=True))
 
-    doc = buffer.build_buffer(store, "run", 1, buffer_steps=2, max_samples=3)
-    assert doc["composition"] == {"1": 3}
-    loaded = list(buffer.iter_buffer_samples(store, "run", buffer.read_buffer(store, "run", 1)))
+    assert buffer.build_buffer(store, "run", 1, buffer_steps=2, max_samples=3).composition == {1: 3}
+    loaded = list(buffer.iter_buffer_samples(store, "run", buffer.read_buffer(store, "run", 1).entries))
     assert [s.sample_id for s in loaded] == ["s2", "s3", "s4"]
     assert all(torch.equal(a.hidden.view(torch.int16), b.hidden.view(torch.int16))
                for a, b in zip(samples[2:], loaded, strict=True))
@@ -169,7 +169,7 @@ def test_one_rl_step_on_s3(s3_endpoint: str, tmp_path: Path) -> None:
         uri = instance.get_latest_materialization_event(
             dg.AssetKey("hidden_states")).asset_materialization.metadata["uri"].value
     assert uri.startswith("s3://")
-    assert store.read_json(f"acceptance/{cfg.run}/step-000001.json")["drafters"]["cotrained"]["version"] == "1"
+    assert read_acceptance(store, cfg.run, 1).drafters["cotrained"].version == "1"
 
 
 def test_training_checkpoints_commit_and_restore(store: ObjectStore) -> None:

@@ -62,8 +62,7 @@ def test_a_step_of_another_layout_is_refused_before_anything_is_stored(
     assert store.list_files(hidden_states_prefix(RUN, 2)) == []
     # The next valid step goes through, and the buffer over both steps is sound.
     _write(store, 3, LAYOUT)
-    doc = buffer.build_buffer(store, RUN, 3, buffer_steps=3, max_samples=100)
-    assert doc["composition"] == {"1": 3, "3": 3}
+    assert buffer.build_buffer(store, RUN, 3, buffer_steps=3, max_samples=100).composition == {1: 3, 3: 3}
 
 
 @pytest.mark.reliability("bad_input", "a step of another hidden size committed without a layout: the buffer "

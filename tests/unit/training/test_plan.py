@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import PipelineConfig, load_config
-from pipeline.data.buffer import BufferEntry, write_buffer
+from pipeline.data.buffer import write_buffer
+from pipeline.data.records import BufferEntry
 from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.registry import DrafterRegistry, open_registry
