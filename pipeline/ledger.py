@@ -9,27 +9,17 @@ Lag of step s:
                      (None: not yet)
 
 Cost of step s, in device-seconds (GPU-seconds in production; one process's seconds here):
-    spent   extraction + training + evaluation of the step, plus the deployments of the versions
-            the step's training produced
-    saved   the rollout seconds the served drafter saved on the step's response tokens, by the cost
-            model of pipeline/cost.py with the timings the step's evaluation measured
+    spent   extraction + training + evaluation of the step (its StepCost record), plus the
+            deployments of the versions the step's training produced (the fleet's history)
+    saved   the rollout seconds the served drafter saved on the step's response tokens (StepCost.saved_s)
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from pipeline.cost import DecodingCost
-
-
-@dataclass(frozen=True)
-class Deployment:
-    """A version the whole fleet ran from `live_at` (epoch seconds) on, and what rolling it out took."""
-
-    version: str
-    live_at: float
-    deploy_s: float  # replicas' deploy seconds added up
+from pipeline.data.records import STAGES, Deployment, StepCost
 
 
 @dataclass(frozen=True)
@@ -43,7 +33,7 @@ class StepLag:
 
 
 def step_lags(
-    published_at: dict[int, float], deployments: list[Deployment], seen_step: dict[str, int]
+    published_at: dict[int, float], deployments: tuple[Deployment, ...], seen_step: dict[str, int]
 ) -> list[StepLag]:
     """`published_at`: step -> commit time; `deployments`: the fleet's history; `seen_step`: version ->
     newest step it trained on."""
@@ -56,34 +46,22 @@ def step_lags(
         seen = seen_step.get(served) if served else None
         caught_up = next((d.live_at for d in history if seen_step.get(d.version, -1) >= step), None)
         lags.append(StepLag(step, at, served, seen, step - seen if seen is not None else None,
-                            None if caught_up is None else max(0.0, caught_up - at)))
+                            None if caught_up is None else round(max(0.0, caught_up - at), 3)))
     return lags
 
 
-STAGES = ("extraction", "training", "evaluation", "deployment")
-
-
-@dataclass(frozen=True)
-class StepCost:
-    step: int
-    seconds: dict[str, float]  # stage -> device-seconds, for STAGES
-    rollout_tokens: int  # response tokens of the step's rollouts
-    served_tau: float  # 1.0: no drafter served them
-    saved_s: float
-
-    @property
-    def spent_s(self) -> float:
-        return sum(self.seconds.values())
-
-
-def step_cost(
-    step: int, stage_seconds: dict[str, float], rollout_tokens: int, served_tau: float,
-    decoding: DecodingCost | None,
-) -> StepCost:
-    """The step's ledger entry; without a timed evaluation of a served drafter nothing is counted as saved."""
-    seconds = {stage: round(stage_seconds.get(stage, 0.0), 3) for stage in STAGES}
-    saved = decoding.saved_seconds(served_tau, rollout_tokens) if decoding else 0.0
-    return StepCost(step, seconds, rollout_tokens, served_tau, round(saved, 3))
+def with_deployments(
+    costs: list[StepCost], deployments: tuple[Deployment, ...], trained_at: dict[str, int]
+) -> list[StepCost]:
+    """Each step's cost with the deployments of the versions its training produced (`trained_at`: version ->
+    step) added to its `deployment` seconds."""
+    deploy_s: dict[int, float] = {}
+    for d in deployments:
+        if d.version in trained_at:
+            deploy_s[trained_at[d.version]] = deploy_s.get(trained_at[d.version], 0.0) + d.deploy_s
+    return [replace(c, seconds={**c.seconds, "deployment": round(c.seconds.get("deployment", 0.0)
+                                                                  + deploy_s.get(c.step, 0.0), 3)})
+            for c in costs]
 
 
 @dataclass(frozen=True)
@@ -94,7 +72,7 @@ class LedgerTotals:
 
 
 def totals(costs: list[StepCost]) -> LedgerTotals:
-    by_stage = {stage: round(sum(c.seconds[stage] for c in costs), 3) for stage in STAGES}
+    by_stage = {stage: round(sum(c.seconds.get(stage, 0.0) for c in costs), 3) for stage in STAGES}
     return LedgerTotals(round(sum(by_stage.values()), 3), round(sum(c.saved_s for c in costs), 3), by_stage)
 
 
@@ -109,6 +87,6 @@ def cumulative(costs: list[StepCost]) -> list[Cumulative]:
     spent = saved = 0.0
     out = []
     for cost in costs:
-        spent, saved = spent + cost.spent_s, saved + cost.saved_s
+        spent, saved = spent + sum(cost.seconds.values()), saved + cost.saved_s
         out.append(Cumulative(cost.step, round(spent, 3), round(saved, 3)))
     return out

@@ -59,27 +59,27 @@ class ScheduleInputs:
 
 
 @dataclass(frozen=True)
-class ScheduleDecision:
+class TrainingDecision:
     train: bool
     reason: str
     expected_gain_s: float | None = None  # `cost`: rollout seconds a retraining is expected to save
     expected_cost_s: float | None = None  # `cost`: device-seconds it is expected to take
 
 
-def interval_decision(step: int, interval: int) -> ScheduleDecision:
+def interval_decision(step: int, interval: int) -> TrainingDecision:
     if step % interval:
-        return ScheduleDecision(False, f"step {step} is not a multiple of train.training_interval_steps={interval}")
-    return ScheduleDecision(True, f"step {step} is a multiple of train.training_interval_steps={interval}")
+        return TrainingDecision(False, f"step {step} is not a multiple of train.training_interval_steps={interval}")
+    return TrainingDecision(True, f"step {step} is a multiple of train.training_interval_steps={interval}")
 
 
-def acceptance_decision(champion: ChampionTrack | None, tau_drop: float) -> ScheduleDecision:
+def acceptance_decision(champion: ChampionTrack | None, tau_drop: float) -> TrainingDecision:
     if champion is None:
-        return ScheduleDecision(True, "no champion yet")
+        return TrainingDecision(True, "no champion yet")
     fell = (f"champion v{champion.version} tau {champion.tau_now:.3f} at step {champion.measured_at_step} fell "
             f"{champion.drop:.3f} since its promotion ({champion.tau_at_promotion:.3f})")
     if champion.drop > tau_drop:
-        return ScheduleDecision(True, f"{fell}, more than train.schedule.tau_drop={tau_drop}")
-    return ScheduleDecision(False, f"{fell}, within train.schedule.tau_drop={tau_drop}")
+        return TrainingDecision(True, f"{fell}, more than train.schedule.tau_drop={tau_drop}")
+    return TrainingDecision(False, f"{fell}, within train.schedule.tau_drop={tau_drop}")
 
 
 def expected_gain_s(champion: ChampionTrack, tokens: int, decoding: DecodingCost) -> float:
@@ -89,18 +89,18 @@ def expected_gain_s(champion: ChampionTrack, tokens: int, decoding: DecodingCost
     return decoding.saved_seconds(tau_fresh, tokens) - decoding.saved_seconds(tau_stale, tokens)
 
 
-def cost_decision(inputs: ScheduleInputs) -> ScheduleDecision:
+def cost_decision(inputs: ScheduleInputs) -> TrainingDecision:
     if inputs.champion is None:
-        return ScheduleDecision(True, "no champion yet")
+        return TrainingDecision(True, "no champion yet")
     if inputs.training_cost_s is None or inputs.decoding is None:
-        return ScheduleDecision(True, "no training or decoding cost measured yet")
+        return TrainingDecision(True, "no training or decoding cost measured yet")
     gain = expected_gain_s(inputs.champion, inputs.expected_tokens, inputs.decoding)
     cost = inputs.training_cost_s
     verdict = ">" if gain > cost else "<="
     reason = (f"expected gain {gain:.1f} s (champion v{inputs.champion.version} losing "
               f"{inputs.champion.staleness_rate:.3f} tau/step, {inputs.expected_tokens} tokens before the next "
               f"chance) {verdict} expected training cost {cost:.1f} s")
-    return ScheduleDecision(gain > cost, reason, round(gain, 3), round(cost, 3))
+    return TrainingDecision(gain > cost, reason, round(gain, 3), round(cost, 3))
 
 
 Schedule = Literal["interval", "acceptance", "cost"]
@@ -108,7 +108,7 @@ Schedule = Literal["interval", "acceptance", "cost"]
 
 def schedule_decision(
     schedule: Schedule, step: int, interval: int, tau_drop: float, inputs: ScheduleInputs
-) -> ScheduleDecision:
+) -> TrainingDecision:
     """Whether the step trains, by the configured schedule; `acceptance` and `cost` are checked every
     `interval` steps too."""
     on_interval = interval_decision(step, interval)
