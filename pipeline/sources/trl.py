@@ -45,6 +45,15 @@ PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 
 
 @dataclass(frozen=True)
+class Generation:
+    """What GRPOTrainer generated for one batch of prompts, kept until the batch is scored."""
+
+    prompt_ids: list
+    completion_ids: list
+    tool_mask: list | None  # None: no tool calls, every completion token is the policy's
+
+
+@dataclass(frozen=True)
 class PublishedGRPOStep:
     """What one publication held, as TRL computed it."""
 
@@ -113,13 +122,13 @@ def _grpo_trainer_class():  # TRL is imported on first use: the pipeline runs wi
                      on_published: Callable[[PublishedGRPOStep], None] | None = None, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.publisher, self.on_published = publisher, on_published
-            self._generated: tuple[list, list, list | None] | None = None
+            self._generated: Generation | None = None
             self._rewards_per_func: torch.Tensor | None = None
 
         def _generate(self, prompts: list):  # noqa: ANN202 (TRL's own signature)
             result = super()._generate(prompts)
-            prompt_ids, completion_ids, tool_mask = result[0], result[1], result[2]
-            self._generated = (prompt_ids, completion_ids, tool_mask)
+            prompt_ids, completion_ids, tool_mask = result[:3]  # TRL's tuple opens with these three
+            self._generated = Generation(prompt_ids, completion_ids, tool_mask)
             return result
 
         def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # noqa: ANN001, ANN202
@@ -137,9 +146,9 @@ def _grpo_trainer_class():  # TRL is imported on first use: the pipeline runs wi
 
         def _publish(self, step: int) -> PublishedGRPOStep | None:
             """Gathered over processes (TRL's rewards already are), written by the main process."""
-            prompt_ids, completion_ids, tool_mask = self._generated
-            prompt_ids, completion_ids = gather_object(prompt_ids), gather_object(completion_ids)
-            tool_mask = gather_object(tool_mask) if tool_mask is not None else None
+            generated = self._generated
+            prompt_ids, completion_ids = gather_object(generated.prompt_ids), gather_object(generated.completion_ids)
+            tool_mask = gather_object(generated.tool_mask) if generated.tool_mask is not None else None
             weights = self.reward_weights.to(self._rewards_per_func.device)
             per_func = self._rewards_per_func
             rewards = (per_func * weights.unsqueeze(0)).nansum(dim=1)  # as TRL logs `reward`

@@ -130,8 +130,9 @@ def run_training(
     found = checkpoints.latest() if cfg.train.checkpoint_every else None
     if found:
         # The checkpoint's vocabulary maps decide the teacher's rows, so they are in place before it is built.
-        drafter.load_state_dict(checkpoints.model_weights(found[1]), strict=False)
-        progress(f"resuming from the checkpoint at iteration {found[0].iteration} of {found[0].total_iterations}")
+        drafter.load_state_dict(checkpoints.model_weights(found.directory), strict=False)
+        progress(f"resuming from the checkpoint at iteration {found.state.iteration} of "
+                 f"{found.state.total_iterations}")
     drafter.attach(target)
     broadcast_state(drafter.to(inputs.device).trainable_state_dict(), ctx)  # before the teacher reads the vocabulary
     num_layers = target.config.num_hidden_layers
