@@ -8,7 +8,7 @@ object store by that code and the assets return metadata only (no pickling IO ma
 
 import dagster as dg
 
-from assets.partitions import RETRAIN_TAG, rl_step, step_of
+from assets.partitions import BACKFILL_TAG, RETRAIN_TAG, rl_step, step_of
 from pipeline import report
 from pipeline.config import PipelineConfig
 from pipeline.data import buffer as buffer_lib
@@ -175,7 +175,8 @@ def drafter(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg
     from its last checkpoint when a rerun finds one."""
     cfg, store, registry, step = pipeline.config, pipeline.store(), pipeline.registry(), step_of(context)
     requested_by = context.run.tags.get(RETRAIN_TAG)
-    plan = plan_lib.plan_training(store, cfg, step, registry, requested_by)
+    # A run the sensor asked for trains on the newest buffer; a backfill trains every step, in order.
+    plan = plan_lib.plan_training(store, cfg, step, registry, requested_by, BACKFILL_TAG not in context.run.tags)
     tags = {"dagster_run_id": context.run.run_id, "dagster_asset": "drafter", "rl_step": context.partition_key,
             "pipeline_run": cfg.run}
     planned = plan_lib.settle_plan(plan, cfg, registry, tags)
@@ -206,8 +207,9 @@ def drafter(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg
 def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     """Real speculative decoding with greedy verification against the step's target."""
     cfg, store, registry, step = pipeline.config, pipeline.store(), pipeline.registry(), step_of(context)
-    new_version = read_training(store, cfg.run, step).version
-    record = acceptance_lib.evaluate_step(store, cfg, step, registry, new_version)
+    training = read_training(store, cfg.run, step)
+    spent = _stage_seconds(context, cfg.train.nproc_per_node if training.figures else 0)
+    record = acceptance_lib.evaluate_step(store, cfg, step, registry, training.version, spent)
     ceiling = cfg.eval.num_speculative_tokens + 1
     measured = record.measured()
     metadata = _acceptance_metadata(record)
@@ -226,6 +228,21 @@ def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) ->
             )
         ],
     )
+
+
+STAGE_OF_STEP = {"hidden_states": "extraction", "drafter": "training"}
+
+
+def _stage_seconds(context: dg.AssetExecutionContext, training_devices: int) -> dict[str, float]:
+    """Device-seconds of this run's extraction and training steps, from Dagster's own step timings: the
+    training step's wall time counts once per process it launched (0 when it launched none)."""
+    seconds = {}
+    for stats in context.instance.get_run_step_stats(context.run_id):
+        stage = STAGE_OF_STEP.get(stats.step_key)
+        if stage and stats.start_time and stats.end_time:
+            devices = training_devices if stage == "training" else 1
+            seconds[stage] = (stats.end_time - stats.start_time) * devices
+    return seconds
 
 
 def _acceptance_metadata(record: AcceptanceRecord) -> dict:

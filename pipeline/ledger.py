@@ -19,7 +19,10 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, replace
 
-from pipeline.data.records import STAGES, Deployment, StepCost
+from pipeline.data import rollouts as rollouts_lib
+from pipeline.data.keys import drafter_key
+from pipeline.data.records import STAGES, Deployment, StepCost, read_cost, read_fleet_state, read_training
+from pipeline.data.store import ObjectStore
 
 
 @dataclass(frozen=True)
@@ -90,3 +93,26 @@ def cumulative(costs: list[StepCost]) -> list[Cumulative]:
         spent, saved = spent + sum(cost.seconds.values()), saved + cost.saved_s
         out.append(Cumulative(cost.step, round(spent, 3), round(saved, 3)))
     return out
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """The lag and the cost of every step of a run that has been evaluated, oldest first."""
+
+    lags: list[StepLag]
+    costs: list[StepCost]
+
+    @property
+    def totals(self) -> LedgerTotals:
+        return totals(self.costs)
+
+
+def read_ledger(store: ObjectStore, run: str, steps: list[int]) -> Ledger:
+    """The ledger of `steps` from the records the stages stored: trainings, step costs, the fleet's history."""
+    trainings = [read_training(store, run, s) for s in steps if store.exists(drafter_key(run, s))]
+    trained_at = {t.version: t.step for t in trainings if t.version and t.figures}
+    seen = {t.version: max(t.trained_on_steps, default=t.step) for t in trainings if t.version}
+    history = read_fleet_state(store, run).history
+    costs = [c for c in (read_cost(store, run, s) for s in steps) if c is not None]
+    published = {c.step: rollouts_lib.published_at(store, run, c.step) for c in costs}
+    return Ledger(step_lags(published, history, seen), with_deployments(costs, history, trained_at))

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from pipeline.cost import DecodingCost
-from pipeline.data.keys import acceptance_key, cost_key, drafter_key
+from pipeline.data.keys import acceptance_key, cost_key, drafter_key, fleet_state_key
 from pipeline.data.store import ObjectStore
 
 SCHEMA_VERSION = 1
@@ -211,7 +211,8 @@ class DrafterTau:
                    TauEstimate.from_json(estimate) if estimate else None)
 
 
-ROLES = ("cotrained", "served", "baseline")
+ROLES = ("cotrained", "served", "baseline", "champion")
+NO_DRAFTER_TAU = 1.0  # without a drafter every target forward yields one token
 
 
 @dataclass(frozen=True)
@@ -220,8 +221,9 @@ class AcceptanceRecord:
 
     drafters: role -> its measurement; None when there was no such drafter at this step
         cotrained  the newest drafter (the `challenger`), trained on data up to this step
-        served     the `champion` before this step's decision: what served this step's rollouts
+        served     what the fleet ran when the step was published: what served this step's rollouts
         baseline   the first drafter ever trained, never retrained
+        champion   the `champion` before this step's decision (absent from records that predate it)
     """
 
     step: int
@@ -365,6 +367,18 @@ def read_training(store: ObjectStore, run: str, step: int) -> TrainingRecord:
 
 def read_acceptance(store: ObjectStore, run: str, step: int) -> AcceptanceRecord:
     return read_record(store, acceptance_key(run, step), AcceptanceRecord)
+
+
+def read_fleet_state(store: ObjectStore, run: str) -> FleetState:
+    """The fleet's recorded state; an empty one before the first deploy."""
+    key = fleet_state_key(run)
+    return read_record(store, key, FleetState) if store.exists(key) else FleetState()
+
+
+def served_at(state: FleetState, at: float) -> str | None:
+    """The version the whole fleet ran at `at` (epoch seconds); None before its first deployment."""
+    live = [d.version for d in state.history if d.live_at <= at]
+    return live[-1] if live else None
 
 
 def read_cost(store: ObjectStore, run: str, step: int) -> StepCost | None:

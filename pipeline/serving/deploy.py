@@ -13,7 +13,7 @@ from pathlib import Path
 from pipeline.config import PipelineConfig
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.keys import fleet_state_key, rollouts_root
-from pipeline.data.records import Deployment, DeployReport, FleetState, read_record, write_record
+from pipeline.data.records import Deployment, DeployReport, FleetState, read_fleet_state, write_record
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation.acceptance import held_out_prompts
 from pipeline.models import target as target_lib
@@ -48,8 +48,7 @@ def gate_config(cfg: PipelineConfig) -> GateConfig:
 
 def read_state(store: ObjectStore, run: str) -> FleetState:
     """The fleet's recorded state; an empty one before the first deploy."""
-    key = fleet_state_key(run)
-    return read_record(store, key, FleetState) if store.exists(key) else FleetState()
+    return read_fleet_state(store, run)
 
 
 @dataclass(frozen=True)
