@@ -9,6 +9,7 @@ object store by that code and the assets return metadata only (no pickling IO ma
 import dagster as dg
 
 from assets.partitions import BACKFILL_TAG, RETRAIN_TAG, rl_step, step_of
+from pipeline import ledger as ledger_lib
 from pipeline import report
 from pipeline.config import PipelineConfig
 from pipeline.data import buffer as buffer_lib
@@ -218,6 +219,7 @@ def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) ->
         metadata["mlflow_champion"] = dg.MetadataValue.url(
             registry.version_url(record.champion_after, pipeline.mlflow_ui_url))
     metadata["tau_by_step"] = _tau_plot(store, cfg, step)
+    metadata.update(_ledger_metadata(store, cfg, step))
     return dg.MaterializeResult(
         metadata=metadata,
         check_results=[
@@ -256,6 +258,21 @@ def _acceptance_metadata(record: AcceptanceRecord) -> dict:
         metadata["acceptance_rate_cotrained"] = round(cotrained.acceptance_rate, 3)
         metadata["per_position_cotrained"] = str([round(p, 3) for p in cotrained.per_position])
     return metadata
+
+
+def _ledger_metadata(store: ObjectStore, cfg: PipelineConfig, step: int) -> dict:
+    """This step's lag and cost (numbers Dagster plots over partitions), and the run's ledger up to it."""
+    earlier = [s for s in committed_steps(store, cfg.run) if s <= step][-PLOT_STEPS:]
+    ledger = ledger_lib.read_ledger(store, cfg.run, earlier)
+    cost, lag = ledger.costs[-1], ledger.lags[-1]
+    return {
+        "served_version": cost.served_version or "none",
+        "lag_steps": lag.lag_steps if lag.lag_steps is not None else -1,  # -1: no drafter served the rollouts
+        "spent_s": round(sum(cost.seconds.values()), 2),
+        "saved_s": round(cost.saved_s, 3),
+        "ledger": dg.MetadataValue.md(report.png_markdown(
+            report.ledger_png(ledger, dpi=90), "the served drafter's lag, and device-seconds spent against saved")),
+    }
 
 
 def _tau_plot(store: ObjectStore, cfg: PipelineConfig, step: int) -> dg.MetadataValue:
