@@ -219,7 +219,10 @@ def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) ->
         metadata["mlflow_champion"] = dg.MetadataValue.url(
             registry.version_url(record.champion_after, pipeline.mlflow_ui_url))
     metadata["tau_by_step"] = _tau_plot(store, cfg, step)
-    metadata.update(_ledger_metadata(store, cfg, step))
+    shown = [s for s in committed_steps(store, cfg.run) if s <= step][-PLOT_STEPS:]
+    ledger = ledger_lib.read_ledger(store, cfg.run, shown)
+    metadata.update(_ledger_metadata(ledger))
+    ledger_lib.log_served(registry, ledger)
     return dg.MaterializeResult(
         metadata=metadata,
         check_results=[
@@ -260,10 +263,8 @@ def _acceptance_metadata(record: AcceptanceRecord) -> dict:
     return metadata
 
 
-def _ledger_metadata(store: ObjectStore, cfg: PipelineConfig, step: int) -> dict:
+def _ledger_metadata(ledger: ledger_lib.Ledger) -> dict:
     """This step's lag and cost (numbers Dagster plots over partitions), and the run's ledger up to it."""
-    earlier = [s for s in committed_steps(store, cfg.run) if s <= step][-PLOT_STEPS:]
-    ledger = ledger_lib.read_ledger(store, cfg.run, earlier)
     cost, lag = ledger.costs[-1], ledger.lags[-1]
     return {
         "served_version": cost.served_version or "none",

@@ -23,6 +23,7 @@ from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.keys import drafter_key
 from pipeline.data.records import STAGES, Deployment, StepCost, read_cost, read_fleet_state, read_training
 from pipeline.data.store import ObjectStore
+from pipeline.registry import DrafterRegistry
 
 
 @dataclass(frozen=True)
@@ -116,3 +117,14 @@ def read_ledger(store: ObjectStore, run: str, steps: list[int]) -> Ledger:
     costs = [c for c in (read_cost(store, run, s) for s in steps) if c is not None]
     published = {c.step: rollouts_lib.published_at(store, run, c.step) for c in costs}
     return Ledger(step_lags(published, history, seen), with_deployments(costs, history, trained_at))
+
+
+def log_served(registry: DrafterRegistry, ledger: Ledger) -> None:
+    """The newest step's saving and lag as metrics of the served version's MLflow run, at that RL step: a
+    drafter's run shows what it saved on every step it served."""
+    cost, lag = ledger.costs[-1], ledger.lags[-1]
+    if cost.served_version is None:
+        return
+    run_id = registry.client.get_model_version(registry.model_name, cost.served_version).run_id
+    registry.log_metrics(run_id, {"served_tau": cost.served_tau, "served_saved_s": cost.saved_s,
+                                  "served_lag_steps": float(lag.lag_steps or 0)}, step=cost.step)
