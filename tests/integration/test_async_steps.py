@@ -82,7 +82,7 @@ def test_steps_published_faster_than_training_are_coalesced(tmp_path: Path) -> N
 
 @pytest.mark.slow
 def test_a_backfill_trains_every_step_in_order(tmp_path: Path) -> None:
-    """Runs tagged as a backfill's are not coalesced: each step trains although newer ones are committed."""
+    """Runs tagged as a backfill's are not coalesced: steps 1 and 2 train although step 3 is committed."""
     config = write_config(tmp_path, {"fleet": {"driver": "none"}})
     cfg = load_config(config)
     store = open_store(cfg)
@@ -93,10 +93,10 @@ def test_a_backfill_trains_every_step_in_order(tmp_path: Path) -> None:
     job = defs.resolve_job_def("rl_step_job")
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("rl_step", ["step-000001", "step-000002", "step-000003"])
-        for step in (1, 2, 3):
+        for step in (1, 2):
             result = job.execute_in_process(instance=instance, partition_key=f"step-{step:06d}",
                                             tags={"dagster/backfill": "abcdefgh"})
             assert result.success
-    trainings = [read_training(store, cfg.run, s) for s in (1, 2, 3)]
-    assert [t.trained for t in trainings] == [True, True, True]
-    assert [t.version for t in trainings] == ["1", "2", "3"]
+    trainings = [read_training(store, cfg.run, s) for s in (1, 2)]
+    assert [t.trained for t in trainings] == [True, True]
+    assert [t.version for t in trainings] == ["1", "2"]
