@@ -30,8 +30,6 @@ if TYPE_CHECKING:  # imported where used: `cli.py --help` starts without them
     import dagster as dg
 
     from pipeline.data.records import ReplicaDeploy
-    from pipeline.sources.simulation import SimulatedRL
-    from pipeline.sources.trl import GRPODemo
 
 ROOT = Path(__file__).resolve().parent
 
@@ -154,35 +152,50 @@ def _fresh_demo(config_path: str | None, overrides: dict | None) -> PipelineConf
     return cfg
 
 
-def _demo_step(step: int, source: SimulatedRL | GRPODemo, what: str, ticks: _SensorTicks, with_fleet: bool,
-               progress: Callable[[str], None]) -> object:
-    """One RL step, as the daemon would drive it: the RL update and rollouts, the rl_step sensor's
-    run, and the champion sensor's deploy of a promotion. Returns what the source produced."""
+def _pipeline_tick(ticks: _SensorTicks, with_fleet: bool, progress: Callable[[str], None]) -> bool:
+    """One tick of what the daemon runs: the rl_step sensor's runs for newly committed steps, then the
+    champion sensor's deploy of a promotion. False when there was nothing new."""
     from jobs.sensors import champion_sensor, rl_step_sensor
 
-    progress(f"step {step}: {what}")
-    produced = source.run_step(step)
-    progress(f"step {step}: sensor tick")
-    if not ticks.tick(rl_step_sensor, "rl_step_job", lambda m: progress(f"step {step}: {m}")):
-        raise RuntimeError(f"sensor saw no new step after simulating step {step}")
+    ran = ticks.tick(rl_step_sensor, "rl_step_job", progress)
     if with_fleet:
-        ticks.tick(champion_sensor, "deploy_job", lambda m: progress(f"step {step}: deploy, {m}"))
-    return produced
+        ran = ticks.tick(champion_sensor, "deploy_job", lambda m: progress(f"deploy, {m}")) or ran
+    return ran
+
+
+def _step_line(r: dict, wall_s: float, source: str) -> str:
+    """A finished step as the demo prints it: its wall time from publication to its acceptance record."""
+    promoted = "  (promoted)" if r["promoted"] else ""
+    live = f"  fleet runs v{r['deployed_version']}" if r["deployed_version"] else ""
+    trained = "" if r["trained"] else "  (not trained)"
+    return (f"  step {r['step']}: {wall_s:5.1f}s  tau co-trained {r['tau_cotrained']:.2f}  served "
+            f"{r['tau_served']:.2f}  baseline {r['tau_baseline']:.2f}{trained}{promoted}{live}"
+            + (f"  TRL mean reward {r['trl_mean_reward']:.3f}" if source == "trl" else ""))
 
 
 def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls: list[float],
                  fleet_state: tuple[ReplicaDeploy, ...], source: str) -> Path:
     """The table, the plot and the JSON summary of a demo."""
     from pipeline import report
+    from pipeline.data.store import open_store
+    from pipeline.ledger import read_ledger
 
     out_dir, k, steps = cfg.data_path / "demo", cfg.eval.num_speculative_tokens, len(rows)
     plot = report.plot(rows, k, out_dir / "acceptance.png", cfg.drafter.kind)
+    ledger = read_ledger(open_store(cfg), cfg.run, [r["step"] for r in rows])
+    ledger_plot = out_dir / "ledger.png"
+    ledger_plot.write_bytes(report.ledger_png(ledger))
     fleet = [{"replica": r.replica, "version": r.version, "live_tau": round(r.live_tau, 4)} for r in fleet_state]
+    total = ledger.totals
     summary = report.write_summary(rows, wall, step_walls, out_dir / "summary.json", fleet=fleet,
                                    num_speculative_tokens=k, drafter_kind=cfg.drafter.kind, device=cfg.device,
-                                   source=source)
+                                   source=source, step_period_s=cfg.simulation.step_period_s,
+                                   ledger={"steps": report.ledger_rows(ledger), "spent_s": total.spent_s,
+                                           "saved_s": total.saved_s, "spent_by_stage_s": total.by_stage})
     out()
     out(report.format_table(rows))
+    out()
+    out(report.format_ledger(ledger))
     out()
     first, last = rows[0], rows[-1]
     out(f"tau over {steps} steps: co-trained {first['tau_cotrained']:.2f} -> {last['tau_cotrained']:.2f}, "
@@ -192,7 +205,7 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
         out(f"fleet: {replica['replica']} (stand-in) runs drafter version {replica['version']}, "
             f"live tau {replica['live_tau']:.2f}")
     out(f"wall time {wall:.1f}s ({wall / steps:.1f}s per step)")
-    out(f"plot:    {plot}")
+    out(f"plots:   {plot}, {ledger_plot}")
     out(f"summary: {summary}")
     out("Browse the runs, partitions and checks with `make ui`.")
     return summary
@@ -207,9 +220,11 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
 
     from definitions import build_definitions
     from pipeline import report
+    from pipeline.data.keys import acceptance_key
     from pipeline.data.store import open_store
     from pipeline.registry import open_registry
     from pipeline.serving import deploy
+    from pipeline.sources.pacing import PacedSource
     from pipeline.sources.simulation import SimulatedRL
 
     instance = dg.DagsterInstance.get()
@@ -235,27 +250,35 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     if with_fleet:
         out(f"  fleet: {len(cfg.fleet.replicas)} {cfg.fleet.driver} replicas "
             f"({'local CPU stand-ins, not vLLM' if cfg.fleet.driver == 'standin' else cfg.fleet.driver})")
+    # The source publishes at its own pace in a background thread and never waits for the pipeline;
+    # the pipeline picks committed steps up through its sensor, as it would an external trainer's.
+    paced = PacedSource(rl.run_step, steps, cfg.simulation.step_period_s).start()
     rows, step_walls = [], []
-    bar = tqdm(range(1, steps + 1), desc="RL steps", unit="step", file=sys.stdout, dynamic_ncols=True)
+    bar = tqdm(total=steps, desc="RL steps", unit="step", file=sys.stdout, dynamic_ncols=True)
+    bar.set_postfix_str(what)
     try:
-        for step in bar:
-            tick = time.perf_counter()
-            produced = _demo_step(step, rl, what, ticks, with_fleet, bar.set_postfix_str)
-            step_walls.append(time.perf_counter() - tick)
-            r = {**report.step_row(store, cfg.run, step),
-                 "deployed_version": registry.alias_version("live") if with_fleet else None}
-            if source == "trl":
-                r["trl_mean_reward"] = round(produced.mean_reward, 4)
-            rows.append(r)
-            promoted = "  (promoted)" if r["promoted"] else ""
-            live = f"  fleet runs v{r['deployed_version']}" if r["deployed_version"] else ""
-            bar.write(f"  step {step}: {step_walls[-1]:5.1f}s  tau co-trained {r['tau_cotrained']:.2f}  "
-                      f"served {r['tau_served']:.2f}  baseline {r['tau_baseline']:.2f}{promoted}{live}"
-                      + (f"  TRL mean reward {r['trl_mean_reward']:.3f}" if source == "trl" else ""))
+        while len(rows) < steps:
+            paced.raise_if_failed()
+            ran = _pipeline_tick(ticks, with_fleet, bar.set_postfix_str)
+            for published in paced.published()[len(rows):]:
+                if not store.exists(acceptance_key(cfg.run, published.step)):
+                    break
+                step_walls.append(time.time() - published.at)
+                r = {**report.step_row(store, cfg.run, published.step),
+                     "deployed_version": registry.alias_version("live") if with_fleet else None}
+                if source == "trl":
+                    r["trl_mean_reward"] = round(published.result.mean_reward, 4)
+                rows.append(r)
+                bar.update(1)
+                bar.write(_step_line(r, step_walls[-1], source))
+            if not ran:
+                time.sleep(0.2)  # nothing new committed: wait for the source
+        paced.stop()
         if source == "trl":
             rl.finish()  # TRL's last optimizer step
         fleet_state = deploy.read_state(store, cfg.run).replicas if with_fleet else ()
     finally:
+        paced.stop(timeout=0)
         if with_fleet and cfg.fleet.driver == "standin":
             deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the demo's stand-ins end with it
     bar.close()

@@ -8,7 +8,8 @@ object store by that code and the assets return metadata only (no pickling IO ma
 
 import dagster as dg
 
-from assets.partitions import RETRAIN_TAG, rl_step, step_of
+from assets.partitions import BACKFILL_TAG, RETRAIN_TAG, rl_step, step_of
+from pipeline import ledger as ledger_lib
 from pipeline import report
 from pipeline.config import PipelineConfig
 from pipeline.data import buffer as buffer_lib
@@ -177,7 +178,8 @@ def drafter(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg
     from its last checkpoint when a rerun finds one."""
     cfg, store, registry, step = pipeline.config, pipeline.store(), pipeline.registry(), step_of(context)
     requested_by = context.run.tags.get(RETRAIN_TAG)
-    plan = plan_lib.plan_training(store, cfg, step, registry, requested_by)
+    # A run the sensor asked for trains on the newest buffer; a backfill trains every step, in order.
+    plan = plan_lib.plan_training(store, cfg, step, registry, requested_by, BACKFILL_TAG not in context.run.tags)
     tags = {"dagster_run_id": context.run.run_id, "dagster_asset": "drafter", "rl_step": context.partition_key,
             "pipeline_run": cfg.run}
     planned = plan_lib.settle_plan(plan, cfg, registry, tags)
@@ -208,8 +210,9 @@ def drafter(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg
 def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     """Real speculative decoding with greedy verification against the step's target."""
     cfg, store, registry, step = pipeline.config, pipeline.store(), pipeline.registry(), step_of(context)
-    new_version = read_training(store, cfg.run, step).version
-    record = acceptance_lib.evaluate_step(store, cfg, step, registry, new_version)
+    training = read_training(store, cfg.run, step)
+    spent = _stage_seconds(context, cfg.train.nproc_per_node if training.figures else 0)
+    record = acceptance_lib.evaluate_step(store, cfg, step, registry, training.version, spent)
     ceiling = cfg.eval.num_speculative_tokens + 1
     measured = record.measured()
     metadata = _acceptance_metadata(record)
@@ -218,6 +221,10 @@ def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) ->
         metadata["mlflow_champion"] = dg.MetadataValue.url(
             registry.version_url(record.champion_after, pipeline.mlflow_ui_url))
     metadata["tau_by_step"] = _tau_plot(store, cfg, step)
+    shown = [s for s in committed_steps(store, cfg.run) if s <= step][-PLOT_STEPS:]
+    ledger = ledger_lib.read_ledger(store, cfg.run, shown)
+    metadata.update(_ledger_metadata(ledger))
+    ledger_lib.log_served(registry, ledger)
     return dg.MaterializeResult(
         metadata=metadata,
         check_results=[
@@ -228,6 +235,21 @@ def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) ->
             )
         ],
     )
+
+
+STAGE_OF_STEP = {"hidden_states": "extraction", "drafter": "training"}
+
+
+def _stage_seconds(context: dg.AssetExecutionContext, training_devices: int) -> dict[str, float]:
+    """Device-seconds of this run's extraction and training steps, from Dagster's own step timings: the
+    training step's wall time counts once per process it launched (0 when it launched none)."""
+    seconds = {}
+    for stats in context.instance.get_run_step_stats(context.run_id):
+        stage = STAGE_OF_STEP.get(stats.step_key)
+        if stage and stats.start_time and stats.end_time:
+            devices = training_devices if stage == "training" else 1
+            seconds[stage] = (stats.end_time - stats.start_time) * devices
+    return seconds
 
 
 def _acceptance_metadata(record: AcceptanceRecord) -> dict:
@@ -241,6 +263,19 @@ def _acceptance_metadata(record: AcceptanceRecord) -> dict:
         metadata["acceptance_rate_cotrained"] = round(cotrained.acceptance_rate, 3)
         metadata["per_position_cotrained"] = str([round(p, 3) for p in cotrained.per_position])
     return metadata
+
+
+def _ledger_metadata(ledger: ledger_lib.Ledger) -> dict:
+    """This step's lag and cost (numbers Dagster plots over partitions), and the run's ledger up to it."""
+    cost, lag = ledger.costs[-1], ledger.lags[-1]
+    return {
+        "served_version": cost.served_version or "none",
+        "lag_steps": lag.lag_steps if lag.lag_steps is not None else -1,  # -1: no drafter served the rollouts
+        "spent_s": round(sum(cost.seconds.values()), 2),
+        "saved_s": round(cost.saved_s, 3),
+        "ledger": dg.MetadataValue.md(report.png_markdown(
+            report.ledger_png(ledger, dpi=90), "the served drafter's lag, and device-seconds spent against saved")),
+    }
 
 
 def _tau_plot(store: ObjectStore, cfg: PipelineConfig, step: int) -> dg.MetadataValue:

@@ -7,6 +7,7 @@
     buffer/<run>/step-000123/_manifest.json       the cross-step buffer of a step
     drafter/<run>/step-000123.json                a step's training outcome
     acceptance/<run>/step-000123.json             a step's acceptance record
+    cost/<run>/step-000123.json                   a step's entry in the cost ledger
     training/<run>/<input id>/                    resumable checkpoints of one training, origin.json
     fleet/<run>/state.json                        which drafter version the fleet serves
 """
@@ -100,6 +101,10 @@ def buffer_key(run: str, step: int) -> str:
 
 def acceptance_key(run: str, step: int) -> str:
     return f"acceptance/{run}/{step_key(step)}.json"
+
+
+def cost_key(run: str, step: int) -> str:
+    return f"cost/{run}/{step_key(step)}.json"
 
 
 def drafter_key(run: str, step: int) -> str:

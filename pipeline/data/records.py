@@ -3,7 +3,8 @@
     buffer/<run>/step-000123/_manifest.json   BufferRecord       the drafter_buffer asset -> training
     drafter/<run>/step-000123.json            TrainingRecord     the drafter asset -> acceptance, reports
     acceptance/<run>/step-000123.json         AcceptanceRecord   the acceptance asset -> reports, plots
-    fleet/<run>/state.json                    FleetState         the fleet asset -> status, the demo
+    cost/<run>/step-000123.json               StepCost           the acceptance asset -> schedules, the ledger
+    fleet/<run>/state.json                    FleetState         the fleet asset -> status, the demo, the ledger
     (not stored)                              DeployReport       a rolling deploy -> the fleet asset
 
 Each record writes `schema_version` into its JSON; a document without one is version 1 (what
@@ -17,7 +18,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from pipeline.data.keys import acceptance_key, drafter_key
+from pipeline.cost import DecodingCost
+from pipeline.data.keys import acceptance_key, cost_key, drafter_key, fleet_state_key
 from pipeline.data.store import ObjectStore
 
 SCHEMA_VERSION = 1
@@ -209,7 +211,8 @@ class DrafterTau:
                    TauEstimate.from_json(estimate) if estimate else None)
 
 
-ROLES = ("cotrained", "served", "baseline")
+ROLES = ("cotrained", "served", "baseline", "champion")
+NO_DRAFTER_TAU = 1.0  # without a drafter every target forward yields one token
 
 
 @dataclass(frozen=True)
@@ -218,8 +221,9 @@ class AcceptanceRecord:
 
     drafters: role -> its measurement; None when there was no such drafter at this step
         cotrained  the newest drafter (the `challenger`), trained on data up to this step
-        served     the `champion` before this step's decision: what served this step's rollouts
+        served     what the fleet ran when the step was published: what served this step's rollouts
         baseline   the first drafter ever trained, never retrained
+        champion   the `champion` before this step's decision (absent from records that predate it)
     """
 
     step: int
@@ -287,22 +291,74 @@ class DeployReport:
 
 
 @dataclass(frozen=True)
+class Deployment:
+    """A version the whole fleet ran from `live_at` (epoch seconds) on, and what rolling it out took."""
+
+    version: str
+    live_at: float
+    deploy_s: float  # the replicas' deploy seconds added up
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Deployment:
+        return cls(doc["version"], doc["live_at"], doc["deploy_s"])
+
+
+@dataclass(frozen=True)
 class FleetState:
-    """Which drafter version the fleet runs, on which policy step, since when (epoch seconds)."""
+    """Which drafter version the fleet runs, on which policy step, since when (epoch seconds), and every
+    version it ran before: the history the drafter's lag is read from."""
 
     version: str | None = None  # None: nothing deployed yet
     policy_step: int | None = None
     since: float | None = None
     replicas: tuple[ReplicaDeploy, ...] = field(default_factory=tuple)
+    history: tuple[Deployment, ...] = ()  # oldest first, the current version last
 
     def to_json(self) -> dict:
         return {"version": self.version, "policy_step": self.policy_step, "since": self.since,
-                "replicas": [r.to_json() for r in self.replicas]}
+                "replicas": [r.to_json() for r in self.replicas], "history": [d.to_json() for d in self.history]}
 
     @classmethod
     def from_json(cls, doc: dict) -> FleetState:
         return cls(doc["version"], doc.get("policy_step"), doc.get("since"),
-                   tuple(ReplicaDeploy.from_json(r) for r in doc["replicas"]))
+                   tuple(ReplicaDeploy.from_json(r) for r in doc["replicas"]),
+                   tuple(Deployment.from_json(d) for d in doc.get("history", ())))
+
+
+# --- the cost ledger -------------------------------------------------------------------------------------------
+
+STAGES = ("extraction", "training", "evaluation", "deployment")
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A step's entry in the cost ledger (pipeline/ledger.py): device-seconds its stages spent, and the rollout
+    seconds the drafter that served its rollouts saved by the cost model of pipeline/cost.py."""
+
+    step: int
+    seconds: dict[str, float]  # stage -> device-seconds; deployment is added from the fleet's history
+    rollout_tokens: int  # response tokens of the step's rollouts
+    served_version: str | None  # the drafter the fleet ran while the rollouts were generated
+    served_tau: float  # 1.0: no drafter served them
+    decoding: DecodingCost | None  # timed by the step's evaluation of the served drafter; None: nothing served
+
+    @property
+    def saved_s(self) -> float:
+        return self.decoding.saved_seconds(self.served_tau, self.rollout_tokens) if self.decoding else 0.0
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "seconds": self.seconds, "rollout_tokens": self.rollout_tokens,
+                "served_version": self.served_version, "served_tau": self.served_tau,
+                "decoding": self.decoding.to_json() if self.decoding else None}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> StepCost:
+        decoding = doc["decoding"]
+        return cls(doc["step"], {k: float(v) for k, v in doc["seconds"].items()}, doc["rollout_tokens"],
+                   doc["served_version"], doc["served_tau"], DecodingCost.from_json(decoding) if decoding else None)
 
 
 def read_training(store: ObjectStore, run: str, step: int) -> TrainingRecord:
@@ -311,3 +367,20 @@ def read_training(store: ObjectStore, run: str, step: int) -> TrainingRecord:
 
 def read_acceptance(store: ObjectStore, run: str, step: int) -> AcceptanceRecord:
     return read_record(store, acceptance_key(run, step), AcceptanceRecord)
+
+
+def read_fleet_state(store: ObjectStore, run: str) -> FleetState:
+    """The fleet's recorded state; an empty one before the first deploy."""
+    key = fleet_state_key(run)
+    return read_record(store, key, FleetState) if store.exists(key) else FleetState()
+
+
+def served_at(state: FleetState, at: float) -> str | None:
+    """The version the whole fleet ran at `at` (epoch seconds); None before its first deployment."""
+    live = [d.version for d in state.history if d.live_at <= at]
+    return live[-1] if live else None
+
+
+def read_cost(store: ObjectStore, run: str, step: int) -> StepCost | None:
+    key = cost_key(run, step)
+    return read_record(store, key, StepCost) if store.exists(key) else None

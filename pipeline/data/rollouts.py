@@ -233,6 +233,11 @@ def is_committed(store: ObjectStore, run: str, step: int) -> bool:
     return store.exists(policy_pointer_key(run, step)) and store.exists(rollouts_key(run, step))
 
 
+def published_at(store: ObjectStore, run: str, step: int) -> float:
+    """When the trainer committed the step (its policy pointer's write), as epoch seconds."""
+    return store.modified(policy_pointer_key(run, step))
+
+
 def committed_steps(store: ObjectStore, run: str) -> list[int]:
     """Steps under rollouts/<run>/ whose policy pointer (the commit point) exists."""
     steps = []

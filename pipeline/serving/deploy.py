@@ -14,7 +14,7 @@ from pipeline.config import PipelineConfig
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.held_out import held_out_prompts
 from pipeline.data.keys import fleet_state_key, rollouts_root
-from pipeline.data.records import DeployReport, FleetState, read_record, write_record
+from pipeline.data.records import Deployment, DeployReport, FleetState, read_fleet_state, write_record
 from pipeline.data.store import ObjectStore
 from pipeline.models.checkpoint import load_drafter
 from pipeline.registry import DrafterRegistry
@@ -47,8 +47,7 @@ def gate_config(cfg: PipelineConfig) -> GateConfig:
 
 def read_state(store: ObjectStore, run: str) -> FleetState:
     """The fleet's recorded state; an empty one before the first deploy."""
-    key = fleet_state_key(run)
-    return read_record(store, key, FleetState) if store.exists(key) else FleetState()
+    return read_fleet_state(store, run)
 
 
 @dataclass(frozen=True)
@@ -95,11 +94,15 @@ def served_policy(store: ObjectStore, cfg: PipelineConfig) -> ServedPolicy:
 def record_live(
     store: ObjectStore, run: str, registry: DrafterRegistry, version: str, policy_step: int, report: DeployReport
 ) -> None:
-    """The fleet runs `version` everywhere: the registry's `live` alias and the fleet's state say so."""
+    """The fleet runs `version` everywhere: the registry's `live` alias and the fleet's state say so; the
+    state's history gains the deployment (what the drafter's lag and the cost ledger read)."""
     registry.set_alias("live", version)
     registry.set_version_tags(version, {"deployed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                         "fleet": ",".join(r.replica for r in report.replicas)})
-    write_record(store, fleet_state_key(run), FleetState(version, policy_step, time.time(), report.replicas))
+    now = time.time()
+    deployment = Deployment(version, now, round(sum(r.deploy_s for r in report.replicas), 3))
+    history = (*read_state(store, run).history, deployment)
+    write_record(store, fleet_state_key(run), FleetState(version, policy_step, now, report.replicas, history))
 
 
 def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, version: str,

@@ -128,7 +128,8 @@ class SimulatedRL:
 
     def _cache_path(self) -> Path:
         # Only what shapes pre-training goes into the key: tuning RL knobs keeps the cache.
-        pretrain = self.cfg.model_dump(exclude={"drift", "rl_iters", "rollouts_per_step", "temperature"})
+        pretrain = self.cfg.model_dump(
+            exclude={"drift", "rl_iters", "rollouts_per_step", "temperature", "step_period_s"})
         digest = hashlib.sha256(json.dumps(pretrain, sort_keys=True).encode()).hexdigest()[:12]
         return self.cache_dir / f"pretrained-target-{digest}"
 
