@@ -359,6 +359,17 @@ def test_steps_beyond_int64_are_refused(store: ObjectStore) -> None:
     assert committed_steps(store, RUN) == []  # never a partition: Dagster and the int64 columns could not hold it
 
 
+@pytest.mark.reliability("bad_input", "step directories named beyond int64, or by thousands of digits: reported as "
+                                      "malformed, never an error")
+def test_step_names_beyond_int64_are_malformed_not_errors() -> None:
+    huge = ["step-9223372036854775808", "step-99999999999999999999", "step-" + "9" * 5000, "step-" + "0" * 4990 + "1"]
+    assert steps.malformed_step_names(["step-000001", *huge, "notes"]) == huge
+    assert not any(steps.is_step_key(name) for name in huge)
+    assert steps.is_step_key("step-9223372036854775807")
+    with pytest.raises(ValueError, match="too large for int64"):
+        parse_step_key(huge[2])
+
+
 @pytest.mark.parametrize(
     "key",
     ["step-12", "step-0001a", "123", "step-000001,step-000002", "", "step-", "Step-000001", " step-000001",
