@@ -18,7 +18,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import PipelineConfig
-from pipeline.models.checkpoint import load_drafter
+from pipeline.models.checkpoint import load_drafter, share_as_umask_allows
 from pipeline.models.drafter import Drafter
 
 ARTIFACT_PATH = "drafter"
@@ -160,7 +160,8 @@ class DrafterRegistry:
                 raise ArtifactPathError(f"{where}: artifact {path!r} would be written outside {root}")
         directory.mkdir(parents=True, exist_ok=True)
         for path in files:
-            self.client.download_artifacts(mv.run_id, path, str(directory / Path(path).parent))
+            local = Path(self.client.download_artifacts(mv.run_id, path, str(directory / Path(path).parent)))
+            share_as_umask_allows(local)  # a version logged by a writer that made its weights owner-only
         return directory / ARTIFACT_PATH
 
     def _artifact_files(self, run_id: str, path: str, where: str) -> list[str]:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 from pipeline.models.checkpoint import save_drafter
@@ -53,3 +57,36 @@ def test_sqlite_registry_versions_increase(tmp_path: Path) -> None:
     assert versions == ["1", "2"]
     registry.set_alias("champion", "2")
     assert registry.alias_version("champion") == "2"
+
+
+@pytest.fixture(params=[0o022, 0o027])
+def umask(request: pytest.FixtureRequest) -> Iterator[int]:
+    previous = os.umask(request.param)
+    try:
+        yield request.param
+    finally:
+        os.umask(previous)
+
+
+def _modes(directory: Path) -> dict[str, int]:
+    return {p.name: stat.S_IMODE(p.stat().st_mode) for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.reliability("security", "exported drafter weights: readable as the umask allows, like config.json "
+                                     "(checkpoint, MLflow artifacts, staged fleet directory)")
+def test_exported_weights_get_the_mode_of_the_rest_of_the_checkpoint(tmp_path: Path, umask: int) -> None:
+    """A vLLM server running as another user reads model.safetensors as it reads config.json."""
+    expected = 0o666 & ~umask
+    checkpoint = save_drafter(_drafter(0), tmp_path / "ckpt")
+    assert _modes(checkpoint) == {"config.json": expected, "model.safetensors": expected}
+
+    artifacts = tmp_path / "artifacts"
+    registry = DrafterRegistry(f"sqlite:///{tmp_path / 'db' / 'mlflow.db'}", "exp", "drafter", artifacts.as_uri())
+    version = registry.register(registry.start_run("run", {}), checkpoint, {})
+    [logged] = [p for p in artifacts.rglob("model.safetensors")]
+    assert _modes(logged.parent) == {"config.json": expected, "model.safetensors": expected}
+
+    # A version logged by an older writer, weights owner-only: the staged copy is readable all the same.
+    logged.chmod(0o600)
+    staged = registry.download(version, tmp_path / "fleet" / "staged" / f"v{version}")
+    assert _modes(staged) == {"config.json": expected, "model.safetensors": expected}
