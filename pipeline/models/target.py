@@ -39,6 +39,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from pipeline.data.store import ObjectStore
 from pipeline.models.checkpoint_cache import CheckpointCache, RemoteFile
+from pipeline.models.memory import available_memory
 from pipeline.models.rope import UnsupportedRopeError, check_scaling, rope_of
 from pipeline.models.weights import (
     FLOAT_DTYPES,
@@ -138,6 +139,10 @@ class TensorDtypeError(TargetCheckpointError):
 
 class TiedWeightsError(TargetCheckpointError):
     """A config that ties lm_head to embed_tokens with a checkpoint whose lm_head differs."""
+
+
+class TargetMemoryError(TargetCheckpointError):
+    """A checkpoint whose weights need more memory than this process may allocate."""
 
 
 @dataclass(frozen=True)
@@ -483,7 +488,29 @@ def _load(listing: CheckpointListing, device: str, settings: LoadSettings) -> Pr
     config = _read_config(directory, listing.uri)
     layout = read_layout(directory, listing.uri)
     check_layout(config, layout, listing.uri)
+    check_memory(layout, listing.uri, device, settings.torch_dtype(device))
     return _materialize(config, directory, layout, listing.uri, device, settings.torch_dtype(device))
+
+
+def memory_needed(layout: WeightsLayout, dtype: torch.dtype) -> int:
+    """Bytes `_materialize` allocates: every stored tensor in `dtype` (a tied lm_head that is stored is kept
+    to compare), plus the largest staging tensor when the file's dtype is not `dtype`."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    weights = sum(e.numel for e in layout.tensors.values()) * itemsize
+    staging = max((e.nbytes for e in layout.tensors.values() if STORED_DTYPES[e.dtype] != dtype), default=0)
+    return weights + staging
+
+
+def check_memory(layout: WeightsLayout, where: str, device: str, dtype: torch.dtype) -> None:
+    """TargetMemoryError, naming the checkpoint and both figures, when the weights need more memory than
+    the process may allocate: the headers' sizes, not the files' (a sparse file passes every header check)."""
+    needed, bound = memory_needed(layout, dtype), available_memory(device)
+    if bound is not None and needed > bound.bytes:
+        raise TargetMemoryError(
+            f"{where}: loading needs {needed} bytes ({needed / 2**30:.1f} GiB) for its weights in {dtype} on "
+            f"{device}, more than the {bound.bytes} bytes ({bound.bytes / 2**30:.1f} GiB) this process may use "
+            f"({bound.source}); load it where there is more memory, or in a smaller target.dtype"
+        )
 
 
 class _PolicyCache:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import struct
@@ -24,6 +25,7 @@ from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import load_drafter, save_drafter
 from pipeline.models.checkpoint_cache import CacheLimitError
 from pipeline.models.drafter import fresh_drafter
+from pipeline.models.memory import available_memory
 from pipeline.models.target import (
     LoadSettings,
     MissingTensorError,
@@ -539,6 +541,50 @@ def test_drafter_export_refuses_a_drafter_of_another_target(saved: dict, tmp_pat
     drafter = fresh_drafter(DrafterConfig(kind="eagle3"), saved["llama"][0], torch.arange(V), seed=0)
     with pytest.raises(ValueError, match="rope_theta 500000.0 != target's 1000000.0"):
         save_drafter(drafter, tmp_path / "d", TargetMetadata.of(saved["qwen2"][0].config))
+
+
+# -- a checkpoint larger than the memory the process may use
+
+def _sparse_checkpoint(directory: Path, config: LlamaConfig) -> int:
+    """config.json and a model.safetensors whose header is complete and whose data is a hole: every header
+    check passes, and the file takes no disk space. Returns the weights' bytes as stored (BF16)."""
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    header, offset = {}, 0
+    for name, tensor in meta.state_dict().items():
+        size = tensor.numel() * 2
+        header[name] = {"dtype": "BF16", "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    directory.mkdir()
+    config.save_pretrained(directory)
+    with open(directory / SINGLE_FILE, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+    return offset
+
+
+@pytest.mark.reliability("bad_input", "policy checkpoint needing more memory than the process may use (a sparse "
+                                      "weights file): refused naming it and both figures, before allocating")
+def test_a_checkpoint_larger_than_the_memory_available_is_refused_before_allocating(tmp_path: Path) -> None:
+    config = LlamaConfig(vocab_size=4_194_304, hidden_size=32_768, intermediate_size=1, num_hidden_layers=1,
+                         num_attention_heads=256, num_key_value_heads=256, max_position_embeddings=2048,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    stored = _sparse_checkpoint(tmp_path / "huge", config)
+    needed = stored * 2 + 4_194_304 * 32_768 * 2  # float32 on the CPU, and the largest tensor staged from BF16
+    assert needed > 2**40  # beyond any machine this runs on
+    with pytest.raises(target_lib.TargetMemoryError) as failure:
+        target_lib.load_checkpoint((tmp_path / "huge").as_uri())
+    message = str(failure.value)
+    assert message.startswith(f"{(tmp_path / 'huge').as_uri()}: loading needs {needed} bytes")
+    assert re.search(r"more than the \d+ bytes \(.* GiB\) this process may use \((MemAvailable|cgroup|RLIMIT)",
+                     message), message
+
+
+def test_memory_bound_of_this_process_is_read() -> None:
+    bound = available_memory("cpu")
+    assert bound is not None and 0 < bound.bytes < 2**50, bound
 
 
 # -- a real-size target on a GPU
