@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tempfile
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
@@ -37,6 +38,7 @@ import transformers
 from transformers import AutoModelForCausalLM, Cache, LlamaConfig, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from pipeline.data.local_files import LocalPathError, open_regular
 from pipeline.data.store import ObjectStore
 from pipeline.models.checkpoint_cache import CheckpointCache, RemoteFile
 from pipeline.models.memory import available_memory
@@ -258,6 +260,7 @@ def list_checkpoint(uri: str, store: ObjectStore | None = None) -> CheckpointLis
     files = [e for e in entries if e.get("type") == "file"]
     if not files:
         raise TargetConfigError(f"{where}: no checkpoint directory (nothing listed)")
+    _refuse_links(entries, where)
     sizes, stamps = {}, []
     for e in files:
         name = e["name"].rstrip("/").rsplit("/", 1)[-1]
@@ -266,6 +269,14 @@ def list_checkpoint(uri: str, store: ObjectStore | None = None) -> CheckpointLis
         stamps.append((name, sizes[name], str(stamp), str(e.get("ino", ""))))
     identity = hashlib.sha256(json.dumps([uri, sorted(stamps)]).encode()).hexdigest()[:32]
     return CheckpointListing(where, fs, path, sizes, identity)
+
+
+def _refuse_links(entries: list[dict], where: str) -> None:
+    """A local checkpoint's files are its own: a symlink could lead to any file of the machine."""
+    links = sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("islink"))
+    if links:
+        raise TargetConfigError(f"{where}/{links[0]}: a symlink (not followed); a checkpoint's files must be "
+                                "regular files in its directory")
 
 
 # -- checking
@@ -381,15 +392,16 @@ def read_layout(directory: Path, where: str) -> WeightsLayout:
         weight_map = None
         files = [SINGLE_FILE]
     else:
-        weight_map = parse_index((directory / INDEX_FILE).read_bytes(), where)
+        with _open_file(directory, INDEX_FILE, where) as f:
+            weight_map = parse_index(f.read(MAX_INDEX_BYTES + 1), where)
         files = list(dict.fromkeys(weight_map.values()))
     shards = {}
     for file in files:
         path = directory / file
         if not path.is_file():
             raise WeightsLayoutError(f"{where}: {INDEX_FILE} names {file}, which is not in the checkpoint")
-        with open(path, "rb") as f:
-            shards[file] = read_header(f, path.stat().st_size, f"{where}/{file}")
+        with _open_file(directory, file, where) as f:
+            shards[file] = read_header(f, os.fstat(f.fileno()).st_size, f"{where}/{file}")
     if weight_map is None:
         return WeightsLayout((SINGLE_FILE,), shards[SINGLE_FILE])
     return join_shards(weight_map, shards, where)
@@ -422,13 +434,23 @@ def _local_directory(listing: CheckpointListing, settings: LoadSettings) -> Path
     return settings.cache().fetch(listing.fs, listing.path, files, listing.identity, listing.uri)
 
 
+def _open_file(directory: Path, name: str, where: str) -> BinaryIO:
+    """A file of a local checkpoint, opened as a regular file and never through a symlink."""
+    try:
+        return open_regular(directory / name, f"{where}/{name}")
+    except LocalPathError as exc:
+        raise TargetConfigError(str(exc)) from None
+
+
 def _read_config(directory: Path, where: str) -> PretrainedConfig:
     path = directory / CONFIG_FILE
-    if not path.is_file():
+    if not path.is_file() and not path.is_symlink():
         raise TargetConfigError(f"{where}: no {CONFIG_FILE}")
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise TargetConfigError(f"{where}/{CONFIG_FILE}: {path.stat().st_size} bytes, more than a config needs")
-    return check_config(path.read_bytes(), where)
+    with _open_file(directory, CONFIG_FILE, where) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_CONFIG_BYTES:
+            raise TargetConfigError(f"{where}/{CONFIG_FILE}: {size} bytes, more than a config needs")
+        return check_config(f.read(MAX_CONFIG_BYTES + 1), where)
 
 
 def _materialize(config: PretrainedConfig, directory: Path, layout: WeightsLayout, where: str,
@@ -444,7 +466,7 @@ def _materialize(config: PretrainedConfig, directory: Path, layout: WeightsLayou
     tied_head = "lm_head.weight" if _tied(model) else None
     own_head = None
     for file in layout.files:
-        with open(directory / file, "rb", buffering=0) as f:
+        with _open_file(directory, file, where) as f:
             for entry in sorted((e for e in layout.tensors.values() if e.file == file), key=lambda e: e.offset):
                 param = None if entry.name == tied_head else state[entry.name]
                 source = STORED_DTYPES[entry.dtype]
