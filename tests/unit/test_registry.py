@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,42 @@ def test_exported_weights_get_the_mode_of_the_rest_of_the_checkpoint(tmp_path: P
     logged.chmod(0o600)
     staged = registry.download(version, tmp_path / "fleet" / "staged" / f"v{version}")
     assert _modes(staged) == {"config.json": expected, "model.safetensors": expected}
+
+
+def _meeting_before_create(registry: DrafterRegistry, barrier: threading.Barrier) -> None:
+    """Hold this registrant's create-version request until the other's is sent too: both are past any check
+    made before it (the interleaving two Dagster instances training one step can hit)."""
+    create = registry.client.create_model_version
+
+    def create_when_both_are_here(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        barrier.wait(timeout=120)
+        return create(*args, **kwargs)
+
+    registry.client.create_model_version = create_when_both_are_here
+
+
+@pytest.mark.reliability("fault", "two processes register the same training at once, both past the existence "
+                                  "check (MLflow server): one version, both return it")
+def test_two_concurrent_registrations_of_one_training_leave_one_version(mlflow_server: str, tmp_path: Path) -> None:
+    checkpoint = save_drafter(_drafter(0), tmp_path / "ckpt")
+    for attempt in range(3):
+        tags = {"input_id": f"inputs-{attempt}", "rl_step": "3"}
+        registries = [DrafterRegistry(mlflow_server, "concurrent", "concurrent-drafter") for _ in range(2)]
+        barrier = threading.Barrier(2)
+        for registry in registries:
+            _meeting_before_create(registry, barrier)
+        runs = [r.start_run(f"drafter-step-000003-{i}", {}) for i, r in enumerate(registries)]
+        with ThreadPoolExecutor(2) as pool:
+            versions = list(pool.map(lambda i: registries[i].register(runs[i], checkpoint, tags, identity="input_id"),
+                                     range(2)))
+        live = registries[0].client.search_model_versions(
+            f"name = 'concurrent-drafter' and tags.`input_id` = 'inputs-{attempt}'")
+        assert [v.version for v in live] == [versions[0]], (attempt, versions)
+        assert versions[0] == versions[1]
+
+    # A later registrant of a registered training gets its version, and logs nothing.
+    registry = DrafterRegistry(mlflow_server, "concurrent", "concurrent-drafter")
+    run_id = registry.start_run("late", {})
+    assert registry.register(run_id, checkpoint, {"input_id": "inputs-0"}, identity="input_id") == \
+        registry.find_version({"input_id": "inputs-0"})
+    assert registry.client.list_artifacts(run_id) == []
