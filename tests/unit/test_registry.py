@@ -118,8 +118,9 @@ def test_two_concurrent_registrations_of_one_training_leave_one_version(mlflow_s
             _meeting_before_create(registry, barrier)
         runs = [r.start_run(f"drafter-step-000003-{i}", {}) for i, r in enumerate(registries)]
         with ThreadPoolExecutor(2) as pool:
-            versions = list(pool.map(lambda i: registries[i].register(runs[i], checkpoint, tags, identity="input_id"),
-                                     range(2)))
+            futures = [pool.submit(r.register, run_id, checkpoint, tags, identity="input_id")
+                       for r, run_id in zip(registries, runs, strict=True)]
+            versions = [f.result() for f in futures]
         live = registries[0].client.search_model_versions(
             f"name = 'concurrent-drafter' and tags.`input_id` = 'inputs-{attempt}'")
         assert [v.version for v in live] == [versions[0]], (attempt, versions)
