@@ -212,7 +212,7 @@ class ObjectStore:
         self.write_bytes(key, json.dumps(obj, indent=2, sort_keys=True).encode())
 
     def delete_prefix(self, prefix: str) -> None:
-        path = self._path(prefix)
+        path = self._inside(prefix)  # retention never deletes through a symlink out of the root
         if self.fs.exists(path):
             self.fs.rm(path, recursive=True)
 

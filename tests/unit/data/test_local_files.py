@@ -68,3 +68,16 @@ def test_store_keys_do_not_lead_out_of_the_root_through_a_symlink(store: ObjectS
     (tmp_path / "store" / "policies" / "a.json").write_text("{}")
     (tmp_path / "store" / "policies" / "b.json").symlink_to(tmp_path / "store" / "policies" / "a.json")
     assert store.read_json("policies/b.json") == {}  # a link that stays inside the root is the operator's own
+
+
+@pytest.mark.reliability("security", "deleting a step (retention) through a directory symlinked out of a file:// "
+                                     "store: refused, nothing outside deleted")
+def test_deletes_do_not_follow_a_symlink_out_of_the_root(store: ObjectStore, tmp_path: Path) -> None:
+    victim = tmp_path / "outside" / "step-000001"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("not the pipeline's")
+    (tmp_path / "store" / "hidden_states").mkdir()
+    (tmp_path / "store" / "hidden_states" / "r").symlink_to(tmp_path / "outside")
+    with pytest.raises(LocalPathError, match="store key hidden_states/r/step-000001: .*leads out of"):
+        store.delete_prefix("hidden_states/r/step-000001")
+    assert (victim / "keep.txt").exists()

@@ -387,3 +387,19 @@ def test_parse_step_key_rejects(key: str) -> None:
 def test_parse_step_key_rejects_near_misses(key: str) -> None:
     with pytest.raises(ValueError, match=re.escape(repr(key))):
         parse_step_key(key)
+
+
+@pytest.mark.parametrize("digits", [4000, 5000])
+@pytest.mark.reliability("bad_input", "policy.json with a number thousands of digits long: refused naming the file "
+                                      "and field, the number not echoed")
+def test_a_number_thousands_of_digits_long_is_refused_by_name(store: ObjectStore, digits: int) -> None:
+    huge = "1" + "0" * (digits - 1)
+    store.write_bytes(f"rollouts/{RUN}/step-{STEP:06d}/policy.json", (
+        f'{{"schema_version": 1, "policy_version": {huge}, "model_id": "m", "checkpoint_uri": "policies/x"}}'
+    ).encode())
+    with pytest.raises(RolloutsError, match=f"step-{STEP:06d}/policy.json") as failure:
+        read_policy_pointer(store, RUN, STEP)
+    assert len(str(failure.value)) < 300
+    if digits < 4300:
+        assert "policy_version" in str(failure.value)
+        assert "a 13285-bit integer is outside" in str(failure.value)
