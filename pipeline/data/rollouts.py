@@ -331,8 +331,9 @@ def read_policy_pointer(store: ObjectStore, run: str, step: int) -> PolicyPointe
     where = store.uri(key)
     if not store.exists(key):
         raise RolloutsError(where, "not found")
+    raw = store.read_bytes(key)
     try:
-        data = json.loads(store.read_bytes(key))
+        data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RolloutsError(where, f"not JSON ({type(exc).__name__} at position {getattr(exc, 'pos', '?')})") from None
     except ValueError:  # Python's limit on integer digits: a number thousands of digits long
