@@ -663,6 +663,16 @@ def test_a_checkpoint_larger_than_the_memory_available_is_refused_before_allocat
                      message), message
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_checkpoint_larger_than_the_gpu_is_refused_before_allocating(tmp_path: Path) -> None:
+    config = LlamaConfig(vocab_size=4_194_304, hidden_size=32_768, intermediate_size=1, num_hidden_layers=1,
+                         num_attention_heads=256, num_key_value_heads=256, max_position_embeddings=2048,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    _sparse_checkpoint(tmp_path / "huge", config)
+    with pytest.raises(target_lib.TargetMemoryError, match=r"this process may use \(free memory of cuda"):
+        target_lib.load_checkpoint((tmp_path / "huge").as_uri(), device="cuda")
+
+
 def test_memory_bound_of_this_process_is_read() -> None:
     bound = available_memory("cpu")
     assert bound is not None
