@@ -339,7 +339,7 @@ def train_drafter(
             if saving and iterations % cfg.checkpoint_every == 0 and iterations < total:
                 progress.flush()
                 saved = ResumeState(iterations, total, ctx.world_size, progress.tokens, time.perf_counter() - start,
-                                    progress.history)
+                                    list(progress.history))  # a copy: training appends while it is written
                 snap = sharded_snapshot(trained, optimizer, saved, ctx.is_main) if root is not None \
                     else snapshot(model, optimizer, saved) if ctx.is_main else None
                 if writer and snap:

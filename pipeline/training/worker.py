@@ -107,6 +107,9 @@ def _materialization(job: TrainJob, outcome: TrainOutcome, ctx: DistContext, ui_
     curve = report.loss_png(outcome.result.loss_history, f"drafter training, RL step {job.step}")
     metadata["loss_curve"] = {"raw_value": report.png_markdown(curve, "training loss per iteration"), "type": "md"}
     metadata["world_size"] = ctx.world_size
+    if outcome.result.parallelism:  # how the ranks held the drafter, and the figures `auto` decided on
+        metadata.update(outcome.result.parallelism.metadata())
+        metadata["rank_training_state_gb"] = round(outcome.result.rank_state_bytes / 1e9, 4)
     return metadata
 
 
