@@ -74,6 +74,7 @@ class TrainResult:
     resumed_from_iteration: int = 0  # 0: trained from the start; else the checkpoint it continued from
     parallelism: ParallelPlan | None = None  # how the ranks held the drafter, and why
     rank_state_bytes: int = 0  # the training state one rank held: weights, gradients, AdamW (its shards)
+    checkpoint_s: float = 0.0  # the training thread's time on checkpoints: copies to the host, waits for writes
 
     @property
     def tokens_per_s(self) -> float:
@@ -308,6 +309,7 @@ def train_drafter(
     # At its largest (gradients held, then AdamW's update): weights, and per trainable weight its
     # gradient and two moments, as this rank holds them (its shards, when sharded).
     rank_state_bytes = local_bytes(list(trained.parameters())) + 3 * local_bytes(params)
+    checkpoint_s = 0.0
     try:
         for iteration, batch in _iterations(data, plan, state.iteration, cfg, ctx):
             iterations = iteration + 1
@@ -338,6 +340,7 @@ def train_drafter(
                 progress.flush()
             if saving and iterations % cfg.checkpoint_every == 0 and iterations < total:
                 progress.flush()
+                checkpoint_start = time.perf_counter()
                 saved = ResumeState(iterations, total, ctx.world_size, progress.tokens, time.perf_counter() - start,
                                     list(progress.history))  # a copy: training appends while it is written
                 snap = sharded_snapshot(trained, optimizer, saved, ctx.is_main) if root is not None \
@@ -345,9 +348,12 @@ def train_drafter(
                 if writer and snap:
                     committed(writer.submit(snap))
                     committed(writer.poll())  # a synchronous writer has committed already
+                checkpoint_s += time.perf_counter() - checkpoint_start
         progress.flush()
         if writer:
+            checkpoint_start = time.perf_counter()
             committed(writer.wait())
+            checkpoint_s += time.perf_counter() - checkpoint_start
     except BaseException:
         if writer:  # no write goes on behind a failed training; the previous checkpoint stays in force
             with contextlib.suppress(BaseException):
@@ -368,5 +374,5 @@ def train_drafter(
         iterations=iterations, samples=len(data.lengths), tokens=progress.tokens, loss=last.loss,
         vloss=last.vloss, ploss=last.ploss, accuracy=last.accuracy,
         wall_s=time.perf_counter() - start, loss_history=progress.history, resumed_from_iteration=state.iteration,
-        parallelism=parallel, rank_state_bytes=rank_state_bytes,
+        parallelism=parallel, rank_state_bytes=rank_state_bytes, checkpoint_s=checkpoint_s,
     )
