@@ -270,24 +270,28 @@ def train_drafter(
     A sample's features are (T, D): EAGLE-1/2 reads the last layer (D = H); EAGLE-3 reads
     [aux layers..., last layer] concatenated (D = (n_aux + 1) * H_t).
 
-    Data parallel (`ctx.world_size` > 1, process group already joined): each rank trains
-    on its share of every global batch and the gradients are summed over the ranks (see
-    `pipeline.training.distributed`); only rank 0 logs metrics and saves checkpoints. With
-    `checkpoints`, the latest one is restored first and training continues from its
-    iteration; a new one is saved every `cfg.checkpoint_every` iterations, after which
-    `on_checkpoint` runs (e.g. to flush metrics, so a resumed run never logs an iteration twice).
+    Several ranks (`ctx.world_size` > 1, process group already joined): each rank trains on
+    its share of every global batch and the gradients are summed over the ranks, the drafter
+    replicated or sharded (FSDP2) as `cfg.parallelism` decides (see
+    `pipeline.training.distributed`); only rank 0 logs metrics and writes checkpoints (the ranks
+    of a sharded drafter gather each one together). With `checkpoints`, the latest one is
+    restored first and training continues from its iteration; a new one is saved every
+    `cfg.checkpoint_every` iterations (written in the background with
+    `cfg.checkpoint_background`), and `on_checkpoint` runs on the training thread once it has
+    committed (e.g. to flush metrics, so a resumed run never logs an iteration twice).
     """
     sink, ctx = sink or NullSink(), ctx or DistContext()
     if not data.lengths:
         raise ValueError("train_drafter: no samples")
     torch.manual_seed(cfg.seed)
-    model.to(device).train()
     parallel = choose_parallelism(model, cfg.parallelism, cfg.fsdp_memory_share,
                                   device_memory_bytes(device, cfg.gpu_memory_gb, ctx), ctx.world_size)
     root: LossModule | None = None
     if parallel.mode == "fsdp":
+        model.to("cpu").train()  # the caller's drafter waits on the host for the trained weights
         root = shard_drafter(model, lambda m, b: _parts(compute_loss(m, b, cfg, teacher)), device)
-        model.to("cpu")  # the caller's drafter waits on the host for the trained weights
+    else:
+        model.to(device).train()
     trained: torch.nn.Module = root.drafter if root is not None else model  # what the optimizer updates
     params = [p for p in trained.parameters() if p.requires_grad]
     optimizer = make_optimizer(trained, cfg.optim.lr, cfg.optim.weight_decay, device)
