@@ -70,7 +70,7 @@ def _demo_setup():
     return cfg, target, drafter, InMemoryDataset(samples)
 
 
-def _cpu_rank(rank: int, world: int, port: int, out: str) -> None:
+def _cpu_rank(rank: int, world: int, port: int, out: str, parallelism: str = "ddp") -> None:
     import torch
 
     from pipeline.training.distributed import DistContext, destroy_process_group, init_process_group
@@ -83,16 +83,17 @@ def _cpu_rank(rank: int, world: int, port: int, out: str) -> None:
     try:
         cfg, target, drafter, data = _demo_setup()
         train = cfg.train.model_copy(update={"batch_size_per_gpu": cfg.train.batch_size_per_gpu // world,
-                                             "epochs": 4})
+                                             "epochs": 4, "parallelism": parallelism})
         result = train_drafter(drafter, data, train, teacher=drafter.teacher(target), ctx=ctx)
         if ctx.is_main:
             Path(out).write_text(json.dumps({"tokens": result.tokens, "wall_s": result.wall_s,
-                                             "iterations": result.iterations, "loss": result.loss}))
+                                             "iterations": result.iterations, "loss": result.loss,
+                                             "rank_state_bytes": result.rank_state_bytes}))
     finally:
         destroy_process_group()
 
 
-def _cpu_tokens_per_s(world: int) -> dict:
+def _cpu_tokens_per_s(world: int, parallelism: str = "ddp") -> dict:
     import socket
 
     import torch.multiprocessing as mp
@@ -102,7 +103,7 @@ def _cpu_tokens_per_s(world: int) -> dict:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
-        mp.start_processes(_cpu_rank, args=(world, port, out), nprocs=world, start_method="spawn")
+        mp.start_processes(_cpu_rank, args=(world, port, out, parallelism), nprocs=world, start_method="spawn")
         result = json.loads(Path(out).read_text())
     return {**result, "tokens_per_s": result["tokens"] / result["wall_s"]}
 
@@ -230,22 +231,127 @@ def gpu() -> dict | None:
             "short_step": short}
 
 
+CHECKPOINT_HIDDEN, CHECKPOINT_EPOCHS, CHECKPOINT_EVERY = 384, 1, 3
+
+
+def _checkpoint_setup():
+    """An EAGLE-3 drafter of a small simulated target (hidden 384: checkpoints of 42 MB of weights and
+    AdamW moments) and 48 samples of 128 tokens (12 iterations per epoch of 4 samples)."""
+    import torch
+
+    from pipeline.config import DrafterConfig
+    from pipeline.models import drafter as drafters
+    from pipeline.models import target as target_lib
+    from pipeline.training.dataset import InMemoryDataset
+
+    vocab, h, layers = 512, CHECKPOINT_HIDDEN, 4
+    target = target_lib.build_target(target_lib.tiny_llama_config(vocab, h, layers, 6), seed=0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (48, 128), generator=g)
+    drafter = drafters.fresh_drafter(DrafterConfig(kind="eagle3", aux_layer_ids=[1, 2, 3]), target,
+                                     torch.bincount(ids.flatten(), minlength=vocab), seed=0)
+    with torch.no_grad():
+        hidden = target_lib.forward(target, ids, drafter.stored_layer_ids(layers)).layers  # (48, 128, 4, H)
+    mask = torch.ones(128, dtype=torch.int64)
+    samples = [(ids[i], hidden[i].flatten(1), mask) for i in range(ids.shape[0])]  # (T, [aux..., last] x H)
+    return drafter, drafter.teacher(target), InMemoryDataset(samples)
+
+
+def checkpoint_cost() -> dict:
+    """Training time lost to checkpoints, written synchronously or in the background (to a `file://`
+    store), in the same training, alternating, best of `REPEATS`. Lost: the training thread's time on
+    checkpoints (`TrainResult.checkpoint_s`: the copy to the host, then the write, or the wait for the
+    previous one); also the wall time over the same training without checkpoints, which adds the
+    background thread's competition for the CPU (two cores here, shared)."""
+    import copy
+
+    import torch
+
+    from pipeline.config import OptimConfig, TrainConfig
+    from pipeline.data.store import ObjectStore
+    from pipeline.training.loop import train_drafter
+    from pipeline.training.state import TrainingCheckpoints
+
+    torch.set_num_threads(1)
+    drafter, teacher, data = _checkpoint_setup()
+    results: dict[str, list] = {"none": [], "sync": [], "background": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(REPEATS):
+            for mode in results:
+                cfg = TrainConfig(epochs=CHECKPOINT_EPOCHS, batch_size_per_gpu=4, max_seq_len=512, window_tokens=128,
+                                  optim=OptimConfig(lr=1e-3, lr_warmup_steps=2), dtype="fp32",
+                                  checkpoint_every=0 if mode == "none" else CHECKPOINT_EVERY,
+                                  checkpoint_background=mode == "background")
+                checkpoints = TrainingCheckpoints(ObjectStore(Path(tmp).as_uri()), f"training/bench/{mode}-{repeat}")
+                results[mode].append(train_drafter(copy.deepcopy(drafter), data, cfg, teacher=teacher,
+                                                   checkpoints=checkpoints if mode != "none" else None))
+    best = {mode: min(results[mode], key=lambda r: r.wall_s) for mode in results}
+    saves = (best["none"].iterations - 1) // CHECKPOINT_EVERY
+    sync_s = min(r.checkpoint_s for r in results["sync"])
+    background_s = min(r.checkpoint_s for r in results["background"])
+    wall_sync, wall_background = (best[m].wall_s - best["none"].wall_s for m in ("sync", "background"))
+    return {"checkpoints": saves, "checkpoint_mb": _checkpoint_mb(drafter), "train_s": best["none"].wall_s,
+            "sync_lost_ms_per_checkpoint": 1e3 * sync_s / saves,
+            "background_lost_ms_per_checkpoint": 1e3 * background_s / saves,
+            "checkpoint_lost_background_vs_sync_ratio": background_s / sync_s,
+            "wall_lost_ms_per_checkpoint": {"sync": 1e3 * wall_sync / saves,
+                                            "background": 1e3 * wall_background / saves}}
+
+
+def _checkpoint_mb(drafter) -> float:
+    """Weights and the two AdamW moments of the trainable parameters, as a checkpoint holds them."""
+    return sum(3 * p.numel() * p.element_size() for p in drafter.parameters() if p.requires_grad) / 1e6
+
+
 def run() -> dict:
-    runs: dict[int, list[dict]] = {1: [], 2: []}
+    runs: dict[str, list[dict]] = {"single": [], "ddp": [], "fsdp": []}
     for _ in range(REPEATS):
-        for world in runs:
-            runs[world].append(_cpu_tokens_per_s(world))
-    single, ddp2 = (max(runs[w], key=lambda r: r["tokens_per_s"]) for w in (1, 2))
+        runs["single"].append(_cpu_tokens_per_s(1))
+        runs["ddp"].append(_cpu_tokens_per_s(2, "ddp"))
+        runs["fsdp"].append(_cpu_tokens_per_s(2, "fsdp"))
+    single, ddp2, fsdp2 = (max(runs[w], key=lambda r: r["tokens_per_s"]) for w in ("single", "ddp", "fsdp"))
+    checkpoints = checkpoint_cost()
     gpu_result = gpu()
     return {
         "cpu_tokens_per_s": single["tokens_per_s"],
         "ddp2_tokens_per_s": ddp2["tokens_per_s"],
         "ddp2_speedup": ddp2["tokens_per_s"] / single["tokens_per_s"],
+        "fsdp2_tokens_per_s": fsdp2["tokens_per_s"],
+        "fsdp2_vs_ddp2_tokens_ratio": fsdp2["tokens_per_s"] / ddp2["tokens_per_s"],
+        "fsdp2_vs_ddp2_rank_state_ratio": fsdp2["rank_state_bytes"] / ddp2["rank_state_bytes"],
+        "ddp2_rank_state_mb": ddp2["rank_state_bytes"] / 1e6,
+        "fsdp2_rank_state_mb": fsdp2["rank_state_bytes"] / 1e6,
+        **checkpoints,
+        "reference_drafters": reference_decisions(),
         "cpu_iterations": single["iterations"],
         "cpu_cores": os.cpu_count(),
         "gpu_mfu": gpu_result["mfu"] if gpu_result else None,
         "gpu": gpu_result,
     }
+
+
+REFERENCE_TARGETS = {"llama-3.1-8b": (4096, 14336, 32), "llama-3.1-70b": (8192, 28672, 64),
+                     "llama-3.1-405b": (16384, 53248, 128)}  # hidden, MLP, heads (8 KV heads, vocab 128256)
+
+
+def reference_decisions(gpu_memory_gb: float = 80.0, share: float = 0.5) -> dict:
+    """`train.parallelism: auto` for EAGLE-3 drafters of the Llama-3.1 targets, built on the meta device."""
+    import torch
+
+    from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter
+    from pipeline.training.distributed import choose_parallelism
+
+    out = {}
+    for name, (hidden, mlp, heads) in REFERENCE_TARGETS.items():
+        with torch.device("meta"):
+            drafter = Eagle3Drafter(Eagle3Config(
+                vocab_size=128256, draft_vocab_size=32000, hidden_size=hidden, target_hidden_size=hidden,
+                intermediate_size=mlp, num_attention_heads=heads, num_key_value_heads=8, aux_layer_ids=(2, 16, 29)))
+        plan = choose_parallelism(drafter, "auto", share, int(gpu_memory_gb * 1e9), world_size=8)
+        out[name] = {"parallelism": plan.mode, "trainable_params_b": plan.trainable_params / 1e9,
+                     "frozen_params_b": plan.frozen_params / 1e9, "training_state_gb": plan.state_bytes / 1e9,
+                     "share_of_gpu": plan.state_share}
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -103,8 +103,31 @@ class TrainConfig(_Strict):
     nproc_per_node: int = Field(
         default=1, ge=1, description="Data-parallel training processes (one per GPU): torchrun --nproc-per-node."
     )
+    nnodes: int = Field(
+        default=1, ge=1,
+        description="Nodes of the training (torchrun --nnodes, c10d rendezvous); world size = nnodes x nproc_per_node.",
+    )
+    rdzv_port: int = Field(
+        default=29400, ge=1, le=65535, description="Port of the c10d rendezvous on node 0 when nnodes > 1."
+    )
+    parallelism: Literal["ddp", "fsdp", "auto"] = Field(
+        default="auto",
+        description="Several ranks: replicate the drafter (ddp), shard it with FSDP2 (fsdp), or shard only when "
+                    "its training state exceeds train.fsdp_memory_share of one GPU (auto).",
+    )
+    fsdp_memory_share: float = Field(
+        default=0.5, gt=0, le=1,
+        description="`auto`: the share of one GPU's memory the unsharded fp32 training state may take.",
+    )
+    gpu_memory_gb: float = Field(
+        default=80.0, gt=0, description="`auto` off CUDA: the GPU memory to decide for (a CUDA rank reads its own)."
+    )
     checkpoint_every: int = Field(
         default=50, ge=0, description="Save a resumable checkpoint every N iterations into the store (0: never)."
+    )
+    checkpoint_background: bool = Field(
+        default=True,
+        description="Write checkpoints in a background thread while training goes on (one write in flight).",
     )
     log_every: int = Field(
         default=10, ge=1, description="Bring the iterations' metrics to the host and log them every N iterations."

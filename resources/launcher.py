@@ -1,20 +1,33 @@
-"""Starting the drafter training as its own process through Dagster Pipes."""
+"""Starting the drafter training as its own process(es) through Dagster Pipes."""
 
 from __future__ import annotations
 
+import os
+import time
 import warnings
 from pathlib import Path
 
 import dagster as dg
 
 from pipeline.config import PipelineConfig
-from pipeline.training.launch import pod_labels, train_command, training_pod_spec
+from pipeline.training.launch import (
+    NODE_INDEX_ANNOTATION,
+    pod_labels,
+    train_command,
+    training_job_name,
+    training_job_spec,
+    training_pod_spec,
+    training_service_spec,
+)
 from pipeline.training.plan import TrainJob
+
+POD_START_TIMEOUT_S = 1800  # node 0's pod: a GPU node scaling up from zero, then a multi-GB image pull
 
 
 class TrainingLauncher:
-    """torchrun (for one process, the worker itself) on this machine (`train.launcher: subprocess`)
-    or a GPU pod (`train.launcher: k8s`, needs dagster-k8s)."""
+    """torchrun (for one process, the worker itself) on this machine (`train.launcher: subprocess`;
+    several `train.nnodes` as loopback nodes), a GPU pod (`train.launcher: k8s`, one node), or an
+    indexed Job of `train.nnodes` GPU pods (`k8s`, several nodes); the last two need dagster-k8s."""
 
     def __init__(self, cfg: PipelineConfig, working_dir: Path, mlflow_ui_url: str) -> None:
         self.cfg, self.working_dir, self.mlflow_ui_url = cfg, working_dir, mlflow_ui_url
@@ -25,6 +38,8 @@ class TrainingLauncher:
         with warnings.catch_warnings():
             # Dagster's Pipes clients call a preview API of Dagster's own: nothing a user can act on.
             warnings.filterwarnings("ignore", message=".*expected_writer_count", category=dg.PreviewWarning)
+            if cfg.train.launcher == "k8s" and cfg.train.nnodes > 1:
+                return _run_indexed_job(context, cfg, job, extras)
             if cfg.train.launcher == "k8s":
                 from dagster_k8s import PipesK8sClient  # only deployments that launch pods install dagster-k8s
 
@@ -33,5 +48,54 @@ class TrainingLauncher:
                     base_pod_meta={"labels": pod_labels(cfg, job.step)}, base_pod_spec=training_pod_spec(cfg),
                 )
             return dg.PipesSubprocessClient(cwd=str(self.working_dir)).run(
-                context=context, extras=extras, command=train_command(cfg.train.nproc_per_node)
+                context=context, extras=extras,
+                command=train_command(cfg.train.nproc_per_node, nnodes=cfg.train.nnodes),
             )
+
+
+def _run_indexed_job(
+    context: dg.AssetExecutionContext, cfg: PipelineConfig, job: TrainJob, extras: dict
+) -> dg.PipesClientCompletedInvocation:
+    """A training on several nodes: the headless Service and the indexed Job of `pipeline.training.launch`,
+    Pipes' context in every pod's environment and its messages read from node 0's log (rank 0's),
+    as `PipesK8sClient` reads its one pod's. The Job and Service are deleted however it ends."""
+    import kubernetes
+    from dagster_k8s.client import DagsterKubernetesClient, WaitForPodState
+    from dagster_k8s.pipes import PipesK8sPodLogsMessageReader
+    from dagster_k8s.utils import detect_current_namespace
+
+    kubernetes.config.load_incluster_config() if _in_cluster() else kubernetes.config.load_kube_config()
+    client = DagsterKubernetesClient.production_client()
+    reader = PipesK8sPodLogsMessageReader()
+    namespace = cfg.train.k8s.namespace or detect_current_namespace(None) or "default"
+    name = training_job_name(context.run_id)
+    with dg.open_pipes_session(context=context, extras=extras, context_injector=dg.PipesEnvContextInjector(),
+                               message_reader=reader) as session:
+        client.core_api.create_namespaced_service(namespace, training_service_spec(cfg, name, job.step))
+        try:
+            client.batch_api.create_namespaced_job(
+                namespace, training_job_spec(cfg, name, job.step, session.get_bootstrap_env_vars()))
+            node0 = _node_zero_pod(client, name, namespace)
+            client.wait_for_pod(node0, namespace, wait_for_state=WaitForPodState.Ready,
+                                wait_timeout=POD_START_TIMEOUT_S)
+            reader.consume_pod_logs(context=context, core_api=client.core_api, pod_name=node0, namespace=namespace)
+            client.wait_for_job_success(name, namespace, num_pods_to_wait_for=cfg.train.nnodes)  # raises on failure
+        finally:
+            client.batch_api.delete_namespaced_job(name, namespace, propagation_policy="Foreground")
+            client.core_api.delete_namespaced_service(name, namespace)
+    return dg.PipesClientCompletedInvocation(session)
+
+
+def _in_cluster() -> bool:
+    return bool(os.getenv("KUBERNETES_SERVICE_HOST"))
+
+
+def _node_zero_pod(client, job_name: str, namespace: str, timeout_s: float = POD_START_TIMEOUT_S) -> str:
+    """The name of the Job's pod of completion index 0 (node 0, which runs rank 0), once it exists."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for pod in client.get_pods_in_job(job_name, namespace):
+            if (pod.metadata.annotations or {}).get(NODE_INDEX_ANNOTATION) == "0":
+                return pod.metadata.name
+        time.sleep(2)
+    raise TimeoutError(f"no pod of index 0 for Job {job_name} in namespace {namespace} after {timeout_s} s")

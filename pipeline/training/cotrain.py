@@ -163,7 +163,8 @@ def run_training(
         if not ctx.is_main:
             return None
         result = replace(result, samples=data.samples_read)  # what was read, not what the buffer lists
-        registry.log_params(run_id, {"samples_read": data.samples_read, "samples_unreadable": data.unreadable_samples})
+        registry.log_params(run_id, {"samples_read": data.samples_read, "samples_unreadable": data.unreadable_samples,
+                                     **(result.parallelism.metadata() if result.parallelism else {})})
         sink.flush()
         version = _register(registry, job, run_id, cfg, inputs.entries, drafter, warm_start,
                             target_forward.TargetMetadata.of(target.config), result.samples)

@@ -12,17 +12,32 @@ drafter's submodules step by step; and a rank whose share of a global batch is e
 last batch of an epoch) or unreadable (a corrupt shard, skipped) must still join the
 reduction with zero gradients, which DDP cannot express. A drafter is one decoder layer:
 its gradients are reduced once per step, and the lost overlap with backward is small.
-FSDP2 (`fully_shard`) pays off only when the drafter's fp32 weights, gradients and AdamW
-state (16 bytes per parameter) stop fitting one GPU next to the activations: an EAGLE-3
-drafter of a 70B target (hidden 8192, MLP 28672, draft vocab 32000) has about 1.4B trainable
-parameters (22 GB), which fits an 80 GB GPU; one of a 405B target (hidden 16384, MLP 53248)
-has about 4.8B (77 GB), which does not, and is where FSDP2 would be used.
+
+FSDP2 (`fully_shard`, `train.parallelism: fsdp`) shards the drafter's parameters, gradients
+and AdamW state over the ranks: each rank holds 1/N of them and all-gathers one submodule's
+weights at a time for its forward and backward. It pays off when the fp32 training state
+(16 bytes per trainable parameter: weight, gradient, two AdamW moments; 4 per frozen one)
+would crowd the activations out of a GPU: `train.parallelism: auto` (`choose_parallelism`)
+shards when that state exceeds `train.fsdp_memory_share` of one GPU's memory. For the
+reference drafters on an 80 GB GPU (share 0.5), from `reference_drafter` on the meta device:
+
+    target            trainable   frozen (target embeddings)   state     auto
+    Llama-3.1-8B      0.43 B      0.53 B                        8.9 GB    ddp
+    Llama-3.1-70B     1.40 B      1.05 B                       26.7 GB    ddp
+    Llama-3.1-405B    4.82 B      2.10 B                       85.5 GB    fsdp
+
+The sharded drafter is a copy that `fully_shard` rewrites (its parameters become DTensors);
+the caller's drafter waits on the host and receives the trained weights, gathered from the
+shards, when training ends, so the export and everything after it see plain tensors.
 """
 
 from __future__ import annotations
 
+import copy
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -113,3 +128,137 @@ def reduce_gradients(params: list[torch.nn.Parameter], weight: float, stats: lis
     for p, g in zip(params, _unflatten_dense_tensors(summed, grads), strict=True):
         p.grad = g.to(p.dtype)
     return totals.tolist()
+
+
+# -- FSDP2
+
+
+TRAINABLE_BYTES_PER_PARAM = 16  # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
+FROZEN_BYTES_PER_PARAM = 4  # fp32 weight only: no gradient, no optimizer state
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How the ranks hold the drafter (`train.parallelism`), and the figures behind `auto`'s choice."""
+
+    mode: Literal["single", "ddp", "fsdp"]  # single: one process, nothing to share or shard
+    setting: str  # train.parallelism as configured
+    trainable_params: int
+    frozen_params: int
+    state_bytes: int  # the drafter's fp32 training state on one unsharded rank
+    device_memory_bytes: int  # one GPU's memory (the smallest over the ranks), or train.gpu_memory_gb off CUDA
+    memory_share: float  # train.fsdp_memory_share
+    reason: str
+
+    @property
+    def state_share(self) -> float:
+        return self.state_bytes / self.device_memory_bytes
+
+    def metadata(self) -> dict[str, str | int | float]:
+        """The decision and its figures as the run's metadata and MLflow params read them."""
+        return {"parallelism": self.mode, "parallelism_setting": self.setting, "parallelism_reason": self.reason,
+                "trainable_params": self.trainable_params, "frozen_params": self.frozen_params,
+                "training_state_gb": round(self.state_bytes / 1e9, 3),
+                "device_memory_gb": round(self.device_memory_bytes / 1e9, 1),
+                "training_state_share": round(self.state_share, 4)}
+
+
+def training_state_bytes(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(trainable params, frozen params, bytes of their fp32 training state); works on the meta device."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return trainable, frozen, TRAINABLE_BYTES_PER_PARAM * trainable + FROZEN_BYTES_PER_PARAM * frozen
+
+
+def device_memory_bytes(device: str, fallback_gb: float, ctx: DistContext) -> int:
+    """One GPU's memory: this rank's CUDA device's, the smallest over the ranks (so every rank decides
+    alike); off CUDA, `fallback_gb` (the production GPU the decision stands for)."""
+    own = torch.cuda.get_device_properties(torch.device(device)).total_memory \
+        if torch.device(device).type == "cuda" else int(fallback_gb * 1e9)
+    if not ctx.distributed:
+        return own
+    carrier = torch.tensor([own], dtype=torch.float64, device=device)
+    dist.all_reduce(carrier, op=dist.ReduceOp.MIN)
+    return int(carrier.item())
+
+
+def choose_parallelism(
+    model: torch.nn.Module, setting: str, memory_share: float, memory_bytes: int, world_size: int
+) -> ParallelPlan:
+    """`train.parallelism` for this drafter: `auto` shards (FSDP2) when the unsharded training state
+    exceeds `memory_share` of one GPU, else replicates (data parallel)."""
+    trainable, frozen, state = training_state_bytes(model)
+    figures = f"{state / 1e9:.2f} GB of training state, {state / memory_bytes:.1%} of {memory_bytes / 1e9:.0f} GB"
+
+    def plan(mode: Literal["single", "ddp", "fsdp"], reason: str) -> ParallelPlan:
+        return ParallelPlan(mode, setting, trainable, frozen, state, memory_bytes, memory_share, reason)
+
+    if world_size == 1:
+        return plan("single", f"one rank: nothing to shard ({figures})")
+    if setting != "auto":
+        return plan(setting, f"train.parallelism is {setting} ({figures})")  # type: ignore[arg-type]
+    if state > memory_share * memory_bytes:
+        return plan("fsdp", f"{figures} exceeds train.fsdp_memory_share={memory_share}")
+    return plan("ddp", f"{figures} is within train.fsdp_memory_share={memory_share}")
+
+
+READ_OUTSIDE_FORWARD = ("lm_head",)  # drafter children whose weights the losses read directly
+
+
+class LossModule(torch.nn.Module):
+    """The root `fully_shard` unit: one forward computes a batch's loss through the drafter, so
+    FSDP2's root hooks (lazy init, the end-of-backward wait) see every forward, however the loss
+    drives the drafter's submodules (EAGLE-3's training-time test calls them step by step)."""
+
+    def __init__(self, drafter: torch.nn.Module, loss_of: Callable[[torch.nn.Module, object], tuple]) -> None:
+        super().__init__()
+        self.drafter, self.loss_of = drafter, loss_of
+
+    def forward(self, batch: object) -> tuple[torch.Tensor, ...]:
+        return tuple(self.loss_of(self.drafter, batch))
+
+
+def shard_drafter(drafter: torch.nn.Module, loss_of: Callable[[torch.nn.Module, object], tuple],
+                  device: str) -> LossModule:
+    """A copy of `drafter` sharded with FSDP2 over the default process group, inside its `LossModule`:
+    every direct child holding parameters is one unit (all-gathered for its forward and backward, then
+    freed), the loss module is the root, and its own unit holds the rest: the `lm_head`, whose weight
+    the losses read outside its forward (the chunked cross-entropy), so it is whole for the root's
+    whole forward. Frozen parameters are sharded too (no gradient, no optimizer state); buffers
+    (EAGLE-3's vocabulary maps) stay whole on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+    replica = copy.deepcopy(drafter).to(device)
+    for name, child in replica.named_children():
+        if name in READ_OUTSIDE_FORWARD:
+            continue
+        # A ModuleList has no forward of its own: its members are the units (EAGLE-1's decoder layers).
+        for unit in child if isinstance(child, torch.nn.ModuleList) else [child]:
+            if any(True for _ in unit.parameters()):
+                fully_shard(unit, mesh=mesh)
+    root = LossModule(replica, loss_of)
+    fully_shard(root, mesh=mesh)
+    for unit in root.modules():
+        if isinstance(unit, FSDPModule):
+            # Summed, not averaged: the loop weighs each rank's loss by its share of the batch's tokens.
+            # A plain SUM reduction (gloo has no pre-multiplied sum).
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+    return root
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (a collective: every rank calls it); a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes this rank holds of `tensors` (a DTensor's local shard only)."""
+    from torch.distributed.tensor import DTensor
+
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)

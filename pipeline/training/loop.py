@@ -6,10 +6,18 @@ the MLflow side implements; nothing here knows about Dagster or MLflow.
 The iteration's figures stay on the training device until `train.log_every` iterations have
 run (or a checkpoint is saved, or training ends): then one copy brings them to the host and
 each iteration is logged. On a GPU, nothing else in an iteration waits for the device.
+
+Several ranks hold the drafter whole (data parallel) or sharded (FSDP2), as
+`distributed.choose_parallelism` decides from `train.parallelism`; both take the same steps
+on the same global batches. Checkpoints are snapshots copied to the host, written in the
+background (`state.CheckpointWriter`); with checkpoints on, an iteration's metrics reach the
+sink only once a checkpoint at or after it has committed, so a resumed run never logs an
+iteration twice.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -17,14 +25,28 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from pipeline.config import TrainConfig
 from pipeline.models.drafter import Drafter
 from pipeline.models.teacher import Teacher
 from pipeline.training.dataset import Dataset, iter_batches, plan_epoch
-from pipeline.training.distributed import DistContext, global_plan_sizes, rank_share, reduce_gradients
+from pipeline.training.distributed import (
+    DistContext,
+    LossModule,
+    ParallelPlan,
+    choose_parallelism,
+    device_memory_bytes,
+    full_tensor,
+    global_plan_sizes,
+    local_bytes,
+    rank_share,
+    reduce_gradients,
+    shard_drafter,
+)
 from pipeline.training.losses import LossParts, drafter_loss
-from pipeline.training.state import ResumeState, TrainingCheckpoints
+from pipeline.training.state import CheckpointWriter, ResumeState, TrainingCheckpoints, sharded_snapshot, snapshot
 from pipeline.training.step import StepStats, apply_gradients, forward_backward, make_optimizer
 from pipeline.training.window import DeviceBatch
 
@@ -50,6 +72,9 @@ class TrainResult:
     wall_s: float
     loss_history: list[float] = field(default_factory=list)
     resumed_from_iteration: int = 0  # 0: trained from the start; else the checkpoint it continued from
+    parallelism: ParallelPlan | None = None  # how the ranks held the drafter, and why
+    rank_state_bytes: int = 0  # the training state one rank held: weights, gradients, AdamW (its shards)
+    checkpoint_s: float = 0.0  # the training thread's time on checkpoints: copies to the host, waits for writes
 
     @property
     def tokens_per_s(self) -> float:
@@ -66,6 +91,11 @@ def lr_at(iteration: int, total: int, peak: float, warmup: int) -> float:
 
 def compute_loss(model: Drafter, batch: DeviceBatch, cfg: TrainConfig, teacher: Teacher | None) -> LossParts:
     return drafter_loss(model, batch, cfg, teacher)
+
+
+def _parts(parts: LossParts) -> tuple[torch.Tensor, ...]:
+    """LossParts as the tensors a module's forward returns (FSDP2 hooks its outputs' tensors)."""
+    return parts.loss, parts.vloss, parts.ploss, parts.accuracy
 
 
 # -- the loop
@@ -99,12 +129,23 @@ class IterationMetrics:
 class _Progress:
     """What training has done so far: the logged history, and the iterations not yet logged."""
 
-    def __init__(self, state: ResumeState, sink: MetricsSink, is_main: bool) -> None:
+    def __init__(self, state: ResumeState, sink: MetricsSink, is_main: bool, held: bool) -> None:
         self.tokens, self.history = state.tokens, list(state.loss_history)
-        self.sink, self.is_main = sink, is_main
+        self.sink, self.is_main, self.held = sink, is_main, held
         self.pending: list[_Iteration] = []
+        self.unreleased: list[tuple[int, dict[str, float]]] = []  # logged, held until a checkpoint commits
         self.last: IterationMetrics | None = None
         self.window_start = time.perf_counter()
+
+    def release(self, before: int | None = None) -> None:
+        """Hand the held records of iterations before `before` (None: all) to the sink."""
+        keep = []
+        for iteration, payload in self.unreleased:
+            if before is None or iteration < before:
+                self.sink.log_dict(payload, iteration)
+            else:
+                keep.append((iteration, payload))
+        self.unreleased = keep
 
     def add(self, done: _Iteration) -> None:
         self.pending.append(done)
@@ -121,8 +162,11 @@ class _Progress:
             self.last = IterationMetrics(p.iteration, loss, vloss, ploss, accuracy, grad_norm, p.lr, p.tokens)
             self.history.append(loss)
             if self.is_main:  # rank 0 speaks for the job: the figures are already summed over the ranks
-                self.sink.log_dict({"loss": loss, "vloss": vloss, "ploss": ploss, "accuracy": accuracy,
-                                    "grad_norm": grad_norm, "lr": p.lr, "tokens_per_s": tokens_per_s}, p.iteration)
+                self.unreleased.append((p.iteration, {
+                    "loss": loss, "vloss": vloss, "ploss": ploss, "accuracy": accuracy, "grad_norm": grad_norm,
+                    "lr": p.lr, "tokens_per_s": tokens_per_s}))
+        if not self.held:
+            self.release()
         self.tokens += window_tokens
         self.pending, self.window_start = [], now
 
@@ -136,10 +180,10 @@ def _plan(data: Dataset, cfg: TrainConfig, ctx: DistContext) -> list[list[int]]:
 
 def _resume(
     checkpoints: TrainingCheckpoints | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer, total: int,
-    ctx: DistContext,
+    ctx: DistContext, sharded: bool,
 ) -> ResumeState:
     """The latest checkpoint's state (model and optimizer restored in place), or a fresh start."""
-    state = checkpoints.restore(model, optimizer) if checkpoints else None
+    state = checkpoints.restore(model, optimizer, sharded) if checkpoints else None
     if state and (state.total_iterations, state.world_size) != (total, ctx.world_size):
         raise ValueError(f"checkpoint at iteration {state.iteration} is of a training of {state.total_iterations} "
                          f"iterations on {state.world_size} ranks, this one has {total} on {ctx.world_size}")
@@ -163,6 +207,42 @@ def _summed_over_ranks(
         p.grad.div_(global_loss_tokens)
     means = torch.tensor([v / global_loss_tokens for v in stat_sums], device=device)
     return StepStats(*means.unbind()), int(global_tokens)
+
+
+def _idle_batch(feature_size: int, device: str) -> DeviceBatch:
+    """Two positions of zeros: what a rank with no data of its own runs, at weight 0, so that it
+    joins the sharded drafter's all-gathers and reduce-scatters (every rank must)."""
+    zeros = torch.zeros(1, 2, feature_size, device=device)  # (1, 2, D)
+    return DeviceBatch(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device),
+                       loss_mask=torch.ones(1, 2, device=device),
+                       position_ids=torch.arange(2, device=device)[None],
+                       document_ids=torch.zeros(1, 2, dtype=torch.long, device=device),
+                       hidden_states=zeros, target=zeros.clone())
+
+
+def _sharded_forward_backward(
+    root: LossModule, batch: DeviceBatch | None, dtype: str, device: str
+) -> tuple[StepStats, int] | None:
+    """The global batch's gradient (reduce-scattered: each rank keeps its shard) and figures, with the
+    drafter sharded. The ranks first agree on the global batch's loss tokens W, then each back-propagates
+    its mean loss weighted by its own share of W: the summed gradient is the whole batch's mean loss's,
+    as `_summed_over_ranks` gives it unsharded. None when no rank had a token to learn from."""
+    loss_tokens = float(batch.loss_mask.sum()) if batch is not None else 0.0
+    num_tokens = batch.num_tokens if batch is not None else 0
+    feature_size = batch.hidden_states.shape[-1] if batch is not None else 0
+    totals = torch.tensor([loss_tokens, num_tokens, feature_size, batch is not None], dtype=torch.float64,
+                          device=device)
+    dist.all_reduce(totals)
+    global_loss_tokens, global_tokens, feature_sum, ranks_with_data = totals.tolist()
+    if global_loss_tokens == 0:
+        return None
+    weight = loss_tokens / global_loss_tokens
+    idle = _idle_batch(int(feature_sum / ranks_with_data), device) if batch is None else None
+    stats = forward_backward(lambda b: LossParts(*root(b)), batch if batch is not None else idle, dtype, weight)
+    figures = torch.stack([v.float() for v in stats.values()]) * weight if batch is not None \
+        else torch.zeros(4, device=device)  # (4,) this rank's token-weighted share of the loss parts
+    dist.all_reduce(figures)
+    return StepStats(*figures.unbind()), int(global_tokens)
 
 
 def _iterations(
@@ -191,53 +271,106 @@ def train_drafter(
     A sample's features are (T, D): EAGLE-1/2 reads the last layer (D = H); EAGLE-3 reads
     [aux layers..., last layer] concatenated (D = (n_aux + 1) * H_t).
 
-    Data parallel (`ctx.world_size` > 1, process group already joined): each rank trains
-    on its share of every global batch and the gradients are summed over the ranks (see
-    `pipeline.training.distributed`); only rank 0 logs metrics and saves checkpoints. With
-    `checkpoints`, the latest one is restored first and training continues from its
-    iteration; a new one is saved every `cfg.checkpoint_every` iterations, after which
-    `on_checkpoint` runs (e.g. to flush metrics, so a resumed run never logs an iteration twice).
+    Several ranks (`ctx.world_size` > 1, process group already joined): each rank trains on
+    its share of every global batch and the gradients are summed over the ranks, the drafter
+    replicated or sharded (FSDP2) as `cfg.parallelism` decides (see
+    `pipeline.training.distributed`); only rank 0 logs metrics and writes checkpoints (the ranks
+    of a sharded drafter gather each one together). With `checkpoints`, the latest one is
+    restored first and training continues from its iteration; a new one is saved every
+    `cfg.checkpoint_every` iterations (written in the background with
+    `cfg.checkpoint_background`), and `on_checkpoint` runs on the training thread once it has
+    committed (e.g. to flush metrics, so a resumed run never logs an iteration twice).
     """
     sink, ctx = sink or NullSink(), ctx or DistContext()
     if not data.lengths:
         raise ValueError("train_drafter: no samples")
     torch.manual_seed(cfg.seed)
-    model.to(device).train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(model, cfg.optim.lr, cfg.optim.weight_decay, device)
+    parallel = choose_parallelism(model, cfg.parallelism, cfg.fsdp_memory_share,
+                                  device_memory_bytes(device, cfg.gpu_memory_gb, ctx), ctx.world_size)
+    root: LossModule | None = None
+    if parallel.mode == "fsdp":
+        model.to("cpu").train()  # the caller's drafter waits on the host for the trained weights
+        root = shard_drafter(model, lambda m, b: _parts(compute_loss(m, b, cfg, teacher)), device)
+    else:
+        model.to(device).train()
+    trained: torch.nn.Module = root.drafter if root is not None else model  # what the optimizer updates
+    params = [p for p in trained.parameters() if p.requires_grad]
+    optimizer = make_optimizer(trained, cfg.optim.lr, cfg.optim.weight_decay, device)
     plan = _plan(data, cfg, ctx)
     total = len(plan)
-    state = _resume(checkpoints, model, optimizer, total, ctx)
-    progress = _Progress(state, sink, ctx.is_main)
+    state = _resume(checkpoints, trained, optimizer, total, ctx, root is not None)
+    saving = checkpoints is not None and cfg.checkpoint_every > 0
+    progress = _Progress(state, sink, ctx.is_main, held=saving)
+    writer = CheckpointWriter(checkpoints, cfg.checkpoint_background) if saving and ctx.is_main else None
+
+    def committed(saved: ResumeState | None) -> None:
+        if saved is not None:
+            progress.release(saved.iteration)
+            if on_checkpoint:
+                on_checkpoint(saved)
+
     start = time.perf_counter() - state.wall_s
     iterations = state.iteration  # run so far, skipped ones included: the plan's position
-    for iteration, batch in _iterations(data, plan, state.iteration, cfg, ctx):
-        iterations = iteration + 1
-        stats = None if batch is None else forward_backward(
-            lambda b: compute_loss(model, b, cfg, teacher), batch.to(device), cfg.dtype)
-        tokens = batch.num_tokens if batch is not None else 0
-        if ctx.distributed:
-            summed = _summed_over_ranks(params, batch, stats, device)
-            if summed is None:  # no rank had a token to learn from: the iteration count stays aligned with the plan
-                optimizer.zero_grad(set_to_none=True)
-                continue
-            stats, tokens = summed
-        elif stats is None:
-            continue
-        lr = lr_at(iteration, total, cfg.optim.lr, cfg.optim.lr_warmup_steps)
-        grad_norm = apply_gradients(optimizer, params, lr, cfg.optim.grad_clip)
-        progress.add(_Iteration(iteration, lr, tokens, stats, grad_norm))
-        if (iterations - state.iteration) % cfg.log_every == 0:
-            progress.flush()
-        if checkpoints and cfg.checkpoint_every and iterations % cfg.checkpoint_every == 0 and iterations < total:
-            progress.flush()
-            if ctx.is_main:
+    # At its largest (gradients held, then AdamW's update): weights, and per trainable weight its
+    # gradient and two moments, as this rank holds them (its shards, when sharded).
+    rank_state_bytes = local_bytes(list(trained.parameters())) + 3 * local_bytes(params)
+    checkpoint_s = 0.0
+    try:
+        for iteration, batch in _iterations(data, plan, state.iteration, cfg, ctx):
+            iterations = iteration + 1
+            if writer:
+                committed(writer.poll())
+            on_device = batch.to(device) if batch is not None else None
+            if root is not None:
+                summed = _sharded_forward_backward(root, on_device, cfg.dtype, device)
+                if summed is None:  # no rank had a token to learn from: the iteration count stays aligned
+                    continue
+                stats, tokens = summed
+            else:
+                stats = None if on_device is None else forward_backward(
+                    lambda b: compute_loss(model, b, cfg, teacher), on_device, cfg.dtype)
+                tokens = on_device.num_tokens if on_device is not None else 0
+                if ctx.distributed:
+                    summed = _summed_over_ranks(params, on_device, stats, device)
+                    if summed is None:  # no rank had a token to learn from: the iteration count stays aligned
+                        optimizer.zero_grad(set_to_none=True)
+                        continue
+                    stats, tokens = summed
+                elif stats is None:
+                    continue
+            lr = lr_at(iteration, total, cfg.optim.lr, cfg.optim.lr_warmup_steps)
+            grad_norm = full_tensor(apply_gradients(optimizer, params, lr, cfg.optim.grad_clip))
+            progress.add(_Iteration(iteration, lr, tokens, stats, grad_norm))
+            if (iterations - state.iteration) % cfg.log_every == 0:
+                progress.flush()
+            if saving and iterations % cfg.checkpoint_every == 0 and iterations < total:
+                progress.flush()
+                checkpoint_start = time.perf_counter()
                 saved = ResumeState(iterations, total, ctx.world_size, progress.tokens, time.perf_counter() - start,
-                                    progress.history)
-                checkpoints.save(model, optimizer, saved)
-                if on_checkpoint:
-                    on_checkpoint(saved)
-    progress.flush()
+                                    list(progress.history))  # a copy: training appends while it is written
+                snap = sharded_snapshot(trained, optimizer, saved, ctx.is_main) if root is not None \
+                    else snapshot(model, optimizer, saved) if ctx.is_main else None
+                if writer and snap:
+                    committed(writer.submit(snap))
+                    committed(writer.poll())  # a synchronous writer has committed already
+                checkpoint_s += time.perf_counter() - checkpoint_start
+        progress.flush()
+        if writer:
+            checkpoint_start = time.perf_counter()
+            committed(writer.wait())
+            checkpoint_s += time.perf_counter() - checkpoint_start
+    except BaseException:
+        if writer:  # no write goes on behind a failed training; the previous checkpoint stays in force
+            with contextlib.suppress(BaseException):
+                writer.wait()
+        raise
+    progress.release()
+    if root is not None:
+        # The trained weights, gathered from the shards on every rank, into the caller's drafter.
+        full = get_model_state_dict(trained, options=StateDictOptions(full_state_dict=True))
+        model.load_state_dict(full)
+        model.to(device)
+        del root, trained, optimizer
     model.eval()
     last = progress.last
     if last is None:
@@ -246,4 +379,5 @@ def train_drafter(
         iterations=iterations, samples=len(data.lengths), tokens=progress.tokens, loss=last.loss,
         vloss=last.vloss, ploss=last.ploss, accuracy=last.accuracy,
         wall_s=time.perf_counter() - start, loss_history=progress.history, resumed_from_iteration=state.iteration,
+        parallelism=parallel, rank_state_bytes=rank_state_bytes, checkpoint_s=checkpoint_s,
     )

@@ -48,9 +48,10 @@ def training_decision(
     return replace(scheduled, reason=f"{why}buffer holds {buffer_samples} samples")
 
 
-# Where a training runs, how often it saves and how often it reports do not change what it learns:
-# kept out of its identity.
-_PLACEMENT_KEYS = {"launcher", "k8s", "checkpoint_every", "log_every"}
+# Where a training runs, whether its ranks shard the drafter (the same steps, up to float rounding),
+# how often and how it saves and how often it reports do not change what it learns: kept out of its identity.
+_PLACEMENT_KEYS = {"launcher", "k8s", "checkpoint_every", "log_every", "checkpoint_background", "parallelism",
+                   "fsdp_memory_share", "gpu_memory_gb", "rdzv_port"}
 
 
 def input_identity(

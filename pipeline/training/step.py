@@ -64,11 +64,14 @@ def autocast(device: str | torch.device, dtype: str) -> contextlib.AbstractConte
     return contextlib.nullcontext()
 
 
-def forward_backward(loss_of: Callable[[DeviceBatch], LossParts], batch: DeviceBatch, dtype: str) -> StepStats:
-    """The loss of one batch on its device and its gradient, accumulated into the parameters' .grad."""
+def forward_backward(
+    loss_of: Callable[[DeviceBatch], LossParts], batch: DeviceBatch, dtype: str, scale: float = 1.0
+) -> StepStats:
+    """The loss of one batch on its device and the gradient of `scale` x that loss, accumulated into
+    the parameters' .grad (the loss parts returned are unscaled)."""
     with autocast(batch.input_ids.device, dtype):
         parts = loss_of(batch)
-    parts.loss.backward()
+    (parts.loss if scale == 1.0 else parts.loss * scale).backward()
     return StepStats.of(parts)
 
 

@@ -1,13 +1,15 @@
 """The drafter training process, launched by the `drafter` asset through Dagster Pipes.
 
-    torchrun --standalone --nproc-per-node=N -m pipeline.training.worker   (N data-parallel ranks)
+    torchrun --standalone --nproc-per-node=N -m pipeline.training.worker   (N ranks: data parallel or FSDP2)
+    torchrun --nnodes=K --rdzv-backend=c10d ... -m pipeline.training.worker  (K nodes, one agent per node)
     python -m pipeline.training.worker --job job.json                      (by hand, without Dagster)
 
 The job (`plan.TrainJob`: config, RL step, MLflow run, input identity, warm start)
 arrives as the Pipes extra `job`. Every rank reads it from the Pipes context; only rank 0
 opens the message channel, so Dagster sees one process: rank 0 sends progress logs and the
-materialization (its metadata sums all ranks' work), and is the only rank that writes to
-MLflow (one run) and to the store.
+materialization (its metadata sums all ranks' work, and says how they held the drafter), and
+is the only rank that writes to MLflow (one run) and to the store. On several nodes rank 0 runs
+on node 0, whose log is the Pipes channel of an indexed Job.
 
 This module is the only place in `pipeline/` that knows Dagster Pipes (`dagster_pipes`,
 a dependency-free protocol library); the training itself is `cotrain.run_training`.
@@ -107,6 +109,9 @@ def _materialization(job: TrainJob, outcome: TrainOutcome, ctx: DistContext, ui_
     curve = report.loss_png(outcome.result.loss_history, f"drafter training, RL step {job.step}")
     metadata["loss_curve"] = {"raw_value": report.png_markdown(curve, "training loss per iteration"), "type": "md"}
     metadata["world_size"] = ctx.world_size
+    if outcome.result.parallelism:  # how the ranks held the drafter, and the figures `auto` decided on
+        metadata.update(outcome.result.parallelism.metadata())
+        metadata["rank_training_state_gb"] = round(outcome.result.rank_state_bytes / 1e9, 4)
     return metadata
 
 

@@ -15,11 +15,22 @@ import pytest
 import yaml
 from dagster._core.instance.config import dagster_instance_config
 from dagster_k8s import K8sRunLauncher
+from dagster_k8s.models import k8s_model_from_dict, k8s_snake_case_dict
 from dagster_k8s.pipes import build_pod_body
 
 from definitions import build_definitions
 from pipeline.config import ConfigError, load_config
-from pipeline.training.launch import TRAIN_MODULE, pod_labels, torchrun_command, train_command, training_pod_spec
+from pipeline.training.launch import (
+    LAUNCH_MODULE,
+    TRAIN_MODULE,
+    pod_labels,
+    torchrun_command,
+    train_command,
+    training_job_name,
+    training_job_spec,
+    training_pod_spec,
+    training_service_spec,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -80,6 +91,58 @@ def test_one_rank_starts_the_worker_itself_and_several_go_through_torchrun() -> 
         train_command(0)
     single = training_pod_spec(load_config(DEPLOY / "pipeline.yaml", {"train": {"nproc_per_node": 1}}))
     assert single["containers"][0]["command"] == ["python", "-m", TRAIN_MODULE]
+
+
+def _model(model_class: type, manifest: dict):
+    """A manifest (camelCase, as applied) as the kubernetes client's model; unknown fields are refused."""
+    return k8s_model_from_dict(model_class, k8s_snake_case_dict(model_class, manifest))
+
+
+@pytest.mark.parametrize("nnodes", [2, 4])
+def test_training_on_several_nodes_is_an_indexed_job_behind_a_headless_service(nnodes: int) -> None:
+    """The Job and Service of `train.nnodes` nodes x 8 GPUs, checked as the kubernetes client's models
+    (unknown fields refused) and as data: one pod per node, the rendezvous at node 0's DNS name."""
+    cfg = load_config(DEPLOY / "pipeline.yaml", {"train": {"nnodes": nnodes}})
+    name = training_job_name("0f3c2a9e-5b1d-4c55-9a8e-77d0c1e2f3a4")
+    env = {"DAGSTER_PIPES_CONTEXT": "ctx", "DAGSTER_PIPES_MESSAGES": "msg"}
+    job = _model(kubernetes.client.V1Job, training_job_spec(cfg, name, 42, env))
+    service = _model(kubernetes.client.V1Service, training_service_spec(cfg, name, 42))
+
+    assert len(f"{name}-{nnodes - 1}") <= 63  # a pod's hostname is a DNS label
+    spec = job.spec
+    assert (spec.completion_mode, spec.completions, spec.parallelism) == ("Indexed", nnodes, nnodes)
+    assert spec.backoff_limit == 0  # one failed pod fails the Job; Dagster retries, and resumes
+    pod = spec.template.spec
+    assert pod.restart_policy == "Never"
+    assert pod.subdomain == service.metadata.name == name
+    assert service.spec.cluster_ip == "None"  # headless: DNS names of the pods, no virtual IP
+    assert service.spec.publish_not_ready_addresses is True
+    assert service.spec.selector.items() <= spec.template.metadata.labels.items()
+    assert [p.port for p in service.spec.ports] == [cfg.train.rdzv_port]
+    (container,) = pod.containers
+    assert container.resources.limits["nvidia.com/gpu"] == "8" == container.resources.requests["nvidia.com/gpu"]
+    assert container.command == torchrun_command(8, "python", nnodes, f"{name}-0.{name}:29400", name,
+                                                 local_addr="$(NODE_ADDR)")
+    assert {f"--nnodes={nnodes}", "--nproc-per-node=8", "--rdzv-backend=c10d", "--max-restarts=0",
+            f"--rdzv-endpoint={name}-0.{name}:29400"} <= set(container.command)
+    env_names = [e.name for e in container.env]
+    # NODE_ADDR refers to NODE_INDEX: Kubernetes expands $(VAR) only from variables listed before it
+    assert env_names[:2] == ["NODE_INDEX", "NODE_ADDR"]
+    assert container.env[0].value_from.field_ref.field_path == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert container.env[1].value == f"{name}-$(NODE_INDEX).{name}"
+    assert set(env) <= set(env_names)  # Dagster Pipes' bootstrap reaches every node
+    assert pod.node_selector == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    assert container.env_from[0].secret_ref.name == "drafter-pipeline-env"
+    assert spec.template.metadata.labels["drafter-cotraining/rl-step"] == "42"
+
+
+def test_loopback_nodes_and_their_rendezvous() -> None:
+    assert train_command(1, "python", nnodes=2) == ["python", "-m", LAUNCH_MODULE, "--nnodes=2", "--nproc-per-node=1"]
+    with pytest.raises(ValueError, match="rendezvous endpoint and id"):
+        torchrun_command(1, "python", nnodes=2)
+    single_node = load_config(DEPLOY / "pipeline.yaml")
+    assert "--standalone" in training_pod_spec(single_node)["containers"][0]["command"]
 
 
 def test_k8s_launcher_needs_storage_and_mlflow_the_pod_can_reach(tmp_path: Path) -> None:

@@ -54,25 +54,35 @@ def _variant(config_path: Path, name: str, train: dict) -> Path:
 
 
 @pytest.mark.slow
-def test_two_ranks_through_the_launcher_equal_one_process(tmp_path: Path) -> None:
-    """torchrun --nproc-per-node=2 (gloo), 4 samples per rank, vs one process with the same 8-sample global batch."""
+def test_two_ranks_through_the_launcher_equal_one_process_and_two_loopback_nodes(tmp_path: Path) -> None:
+    """torchrun --nproc-per-node=2 (gloo), 4 samples per rank, vs one process with the same 8-sample global
+    batch, vs two torchrun nodes of one rank each, joined by a c10d rendezvous on loopback and sharding
+    the drafter (FSDP2): the same steps, the same losses."""
     base = write_config(tmp_path, {"train": {"epochs": 2, "batch_size_per_gpu": 4, "checkpoint_every": 0}})
     _prepare_step(base)
-    two = _variant(base, "two.yaml", {"nproc_per_node": 2})
-    one = _variant(base, "one.yaml", {"nproc_per_node": 1, "batch_size_per_gpu": 8, "max_seq_len": 8192})
+    variants = {
+        "two": _variant(base, "two.yaml", {"nproc_per_node": 2, "parallelism": "ddp"}),
+        "one": _variant(base, "one.yaml", {"nproc_per_node": 1, "batch_size_per_gpu": 8, "max_seq_len": 8192}),
+        "nodes": _variant(base, "nodes.yaml", {"nnodes": 2, "nproc_per_node": 1, "parallelism": "fsdp"}),
+    }
     store = open_store(load_config(base))
-    records = {}
+    records, metadata = {}, {}
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("rl_step", [KEY])
-        for name, path in (("two", two), ("one", one)):
+        for name, path in variants.items():
             result = _materialize_drafter(path, instance)
             assert result.success, name
-            metadata = result.asset_materializations_for_node("drafter")[0].metadata
-            assert metadata["world_size"].value == (2 if name == "two" else 1)
+            metadata[name] = result.asset_materializations_for_node("drafter")[0].metadata
             records[name] = read_training(store, load_config(path).run, STEP).figures
-    assert records["two"].iterations == records["one"].iterations >= 4
+    assert {name: m["world_size"].value for name, m in metadata.items()} == {"two": 2, "one": 1, "nodes": 2}
+    assert {name: m["parallelism"].value for name, m in metadata.items()} == {
+        "two": "ddp", "one": "single", "nodes": "fsdp"}
+    assert "training_state_gb" in metadata["nodes"]
+    assert records["two"].iterations == records["one"].iterations == records["nodes"].iterations >= 4
     torch.testing.assert_close(torch.tensor(records["two"].loss_history),
                                torch.tensor(records["one"].loss_history), rtol=2e-3, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(records["nodes"].loss_history),
+                               torch.tensor(records["two"].loss_history), rtol=1e-5, atol=1e-6)
 
 
 def _children(pid: int) -> list[int]:
@@ -158,6 +168,63 @@ def test_a_killed_training_resumes_from_its_checkpoint(tmp_path: Path, mlflow_se
     # Metrics reach MLflow only with a committed checkpoint: each iteration is logged exactly once.
     history = registry.client.get_metric_history(run.info.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(outcome.figures.iterations))
+
+
+def _torchrun_agents() -> list[int]:
+    """The torchrun agents below this process, in start order."""
+    agents = []
+    for pid in _children(os.getpid()):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"torch.distributed.run" in argv:
+            agents.append(pid)
+    return sorted(agents)
+
+
+@pytest.mark.slow
+@pytest.mark.reliability("fault", "a training node (torchrun agent) SIGKILLed mid-training: the run fails "
+                                  "cleanly, the rerun resumes from its checkpoint")
+def test_a_dead_node_fails_the_run_and_the_rerun_resumes(tmp_path: Path) -> None:
+    config_path = write_config(tmp_path, {
+        "train": {"epochs": 4, "batch_size_per_gpu": 2, "checkpoint_every": 3, "nnodes": 2, "nproc_per_node": 1}})
+    cfg = load_config(config_path)
+    _prepare_step(config_path)
+    prefix = Path(cfg.data_path / "store" / "training" / cfg.run)
+    killed: list[int] = []
+
+    def kill_a_node_after_the_first_checkpoint() -> None:
+        deadline = time.monotonic() + 600
+        while not list(prefix.glob("*/latest.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        agents = _torchrun_agents()
+        if agents:
+            os.kill(agents[-1], signal.SIGKILL)
+            killed.append(agents[-1])
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_step", [KEY])
+        killer = threading.Thread(target=kill_a_node_after_the_first_checkpoint, daemon=True)
+        killer.start()
+        started = time.monotonic()
+        first = _materialize_drafter(config_path, instance)
+        killer.join()
+        assert killed, "no node was seen"
+        assert not first.success
+        assert time.monotonic() - started < 120  # failed, not hung on the dead peer
+        assert not _training_ranks()  # nothing left running
+        assert not _torchrun_agents()
+        (pointer,) = prefix.glob("*/latest.json")
+        checkpointed = json.loads(pointer.read_text())["iteration"]
+        assert checkpointed > 0
+
+        second = _materialize_drafter(config_path, instance)
+        assert second.success
+        assert second.asset_materializations_for_node("drafter")[0].metadata["resumed_from_iteration"].value \
+            == checkpointed
+    figures = read_training(open_store(cfg), cfg.run, STEP).figures
+    assert figures.resumed_from_iteration == checkpointed < figures.iterations
 
 
 def test_a_training_job_round_trips_as_json_and_names_what_is_missing(tiny_config_path: Path) -> None:

@@ -2,31 +2,34 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.keys import training_prefix
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
+from pipeline.training import loop
 from pipeline.training.dataset import InMemoryDataset, Sample
 from pipeline.training.loop import train_drafter
-from pipeline.training.state import LATEST, ResumeState, TrainingCheckpoints
+from pipeline.training.state import LATEST, CheckpointWriter, ResumeState, TrainingCheckpoints, snapshot
 from tests.unit.training.test_loop import drafter_for as _drafter
 
 V, H, HEADS = 32, 32, 2
 
 
-@pytest.fixture(scope="module")
-def target():
+def _target():
     return target_lib.build_target(target_lib.tiny_llama_config(V, H, 1, HEADS), seed=0)
 
 
-@pytest.fixture(scope="module")
-def samples(target) -> list[Sample]:
+def _samples(target) -> list[Sample]:
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(10):
@@ -36,6 +39,16 @@ def samples(target) -> list[Sample]:
         mask[:3] = 0
         out.append((ids, target_forward.forward(target, ids[None]).features[0].float(), mask))
     return out
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _target()
+
+
+@pytest.fixture(scope="module")
+def samples(target) -> list[Sample]:
+    return _samples(target)
 
 
 
@@ -124,3 +137,103 @@ def test_a_half_written_checkpoint_is_ignored_and_cleaned(tmp_path: Path, target
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     checkpoints.save(model, optimizer, ResumeState(iteration=9, total_iterations=12, world_size=1))
     assert store.list_dirs("training/x/y") == ["iter-00000009"]
+
+
+def _train_and_die_writing_the_second_checkpoint(root: str) -> None:
+    """A training whose background write of its second checkpoint (iteration 8) is killed (SIGKILL)
+    once the training thread has gone two iterations past it: the kill lands between that
+    checkpoint's weights and its optimizer state, before its commit. The hooks are installed in
+    this process only, by wrapping the product's own functions; the product has no crash hook."""
+    torch.set_num_threads(1)
+    optimizer_steps = [0]
+    apply_gradients = loop.apply_gradients
+
+    def counted(*args, **kwargs):
+        optimizer_steps[0] += 1
+        return apply_gradients(*args, **kwargs)
+
+    write_bytes = ObjectStore.write_bytes
+
+    def write_then_die(self: ObjectStore, key: str, data: bytes) -> None:
+        write_bytes(self, key, data)
+        if key.endswith("iter-00000008/model.safetensors"):
+            while optimizer_steps[0] < 10:  # training goes on while the checkpoint is written
+                time.sleep(0.005)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    loop.apply_gradients = counted
+    ObjectStore.write_bytes = write_then_die
+    target = _target()
+    checkpoints = TrainingCheckpoints(ObjectStore(root), "training/x/y")
+    train_drafter(_drafter(target), InMemoryDataset(_samples(target)), CFG, checkpoints=checkpoints)
+
+
+@pytest.mark.reliability("fault", "SIGKILL during a background checkpoint write, training two iterations past it: "
+                                  "the previous checkpoint stays in force and the resume is exact")
+def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(
+    tmp_path: Path, target, samples: list[Sample]
+) -> None:
+    root = (tmp_path / "store").as_uri()
+    child = mp.get_context("spawn").Process(target=_train_and_die_writing_the_second_checkpoint, args=(root,))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == -signal.SIGKILL
+    store = ObjectStore(root)
+    checkpoints = TrainingCheckpoints(store, "training/x/y")
+    assert store.read_json(f"{checkpoints.prefix}/{LATEST}") == {"iteration": 4, "directory": "iter-00000004"}
+    assert store.exists("training/x/y/iter-00000008/model.safetensors")  # the half-written one
+    assert not store.exists("training/x/y/iter-00000008/state.json")
+
+    resumed_model = _drafter(target)
+    resumed = train_drafter(resumed_model, InMemoryDataset(samples), CFG, checkpoints=checkpoints)
+    reference = _drafter(target)
+    full = train_drafter(reference, InMemoryDataset(samples), CFG)
+
+    assert resumed.resumed_from_iteration == 4
+    assert resumed.loss_history == full.loss_history
+    for key, value in reference.trainable_state_dict().items():
+        assert torch.equal(resumed_model.trainable_state_dict()[key], value), key
+    assert store.list_dirs(checkpoints.prefix) == ["iter-00000008"]  # the resume's own, the torn one replaced
+
+
+def test_a_background_write_is_a_copy_and_at_most_one_is_in_flight(tmp_path: Path, target, samples) -> None:
+    """The snapshot is the state when it was taken, whatever the training does to the model meanwhile;
+    a second submit waits for the first write to commit."""
+    model = _drafter(target)
+    train_drafter(model, InMemoryDataset(samples), CFG.model_copy(update={"epochs": 1}))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    before = {k: v.clone() for k, v in model.trainable_state_dict().items()}
+    snap = snapshot(model, optimizer, ResumeState(iteration=1, total_iterations=5, world_size=1))
+    with torch.no_grad():
+        model.fc.weight.add_(1.0)  # training goes on after the snapshot
+    store = ObjectStore(tmp_path.as_uri())
+    checkpoints = TrainingCheckpoints(store, "training/x/y")
+    entered, release = [0], [False]
+    write = checkpoints.write
+
+    def slow_write(s):
+        entered[0] += 1
+        while not release[0]:
+            time.sleep(0.005)
+        return write(s)
+
+    checkpoints.write = slow_write
+    writer = CheckpointWriter(checkpoints)
+    assert writer.submit(snap) is None
+    time.sleep(0.05)
+    assert writer.poll() is None  # in flight, not committed
+    assert entered[0] == 1
+    assert checkpoints.latest() is None
+    release[0] = True
+    second = snapshot(model, optimizer, ResumeState(iteration=2, total_iterations=5, world_size=1))
+    assert writer.submit(second).iteration == 1  # waited for the first, which committed
+    assert writer.wait().iteration == 2
+    assert entered[0] == 2
+    restored = _drafter(target)
+    checkpoints.write = write
+    state, directory = checkpoints.latest()
+    assert (state.iteration, directory) == (2, "iter-00000002")
+    restored.load_state_dict(checkpoints.model_weights(directory), strict=False)
+    assert not torch.equal(restored.fc.weight, before["fc.weight"])  # the second snapshot, after the change
+    first = snap.weights["fc.weight"]
+    assert torch.equal(first, before["fc.weight"])  # the first snapshot kept the state it was taken at
