@@ -242,6 +242,7 @@ def _checkpoint_setup():
     from pipeline.config import DrafterConfig
     from pipeline.models import drafter as drafters
     from pipeline.models import target as target_lib
+    from pipeline.models import target_forward
     from pipeline.training.dataset import InMemoryDataset
 
     vocab, h, layers = 512, CHECKPOINT_HIDDEN, 4
@@ -251,7 +252,7 @@ def _checkpoint_setup():
     drafter = drafters.fresh_drafter(DrafterConfig(kind="eagle3", aux_layer_ids=[1, 2, 3]), target,
                                      torch.bincount(ids.flatten(), minlength=vocab), seed=0)
     with torch.no_grad():
-        hidden = target_lib.forward(target, ids, drafter.stored_layer_ids(layers)).layers  # (48, 128, 4, H)
+        hidden = target_forward.forward(target, ids, drafter.stored_layer_ids(layers)).layers  # (48, 128, 4, H)
     mask = torch.ones(128, dtype=torch.int64)
     samples = [(ids[i], hidden[i].flatten(1), mask) for i in range(ids.shape[0])]  # (T, [aux..., last] x H)
     return drafter, drafter.teacher(target), InMemoryDataset(samples)

@@ -15,6 +15,7 @@ from pipeline.config import DrafterConfig, OptimConfig, TrainConfig
 from pipeline.data.store import ObjectStore
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter
 from pipeline.training.dataset import InMemoryDataset, Sample
 from pipeline.training.distributed import (
@@ -59,7 +60,7 @@ def _samples(kind: str, target, n: int = 11) -> list[Sample]:
         mask = torch.ones(length, dtype=torch.int64)
         mask[: int(torch.randint(1, 5, (1,), generator=g))] = 0
         with torch.no_grad():
-            layers = target_lib.forward(target, ids[None], layer_ids).layers[0].float()  # (T, layers, H)
+            layers = target_forward.forward(target, ids[None], layer_ids).layers[0].float()  # (T, layers, H)
         hidden = layers.flatten(1) if kind == "eagle3" else layers[:, -1]
         out.append((ids, hidden, mask))
     return out
