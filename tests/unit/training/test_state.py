@@ -231,9 +231,9 @@ def test_a_background_write_is_a_copy_and_at_most_one_is_in_flight(tmp_path: Pat
     assert entered[0] == 2
     restored = _drafter(target)
     checkpoints.write = write
-    state, directory = checkpoints.latest()
-    assert (state.iteration, directory) == (2, "iter-00000002")
-    restored.load_state_dict(checkpoints.model_weights(directory), strict=False)
+    latest = checkpoints.latest()
+    assert (latest.state.iteration, latest.directory) == (2, "iter-00000002")
+    restored.load_state_dict(checkpoints.model_weights(latest.directory), strict=False)
     assert not torch.equal(restored.fc.weight, before["fc.weight"])  # the second snapshot, after the change
     first = snap.weights["fc.weight"]
     assert torch.equal(first, before["fc.weight"])  # the first snapshot kept the state it was taken at
