@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     demo_p = sub.add_parser("demo", help="run N simulated RL steps through the pipeline")
     demo_p.add_argument("--steps", type=int, default=6)
-    demo_p.add_argument("--drafter", choices=["eagle", "eagle3"], help="drafter.kind for this demo")
+    demo_p.add_argument("--drafter", choices=["eagle", "eagle3", "peagle"], help="drafter.kind for this demo")
     demo_p.add_argument("--source", choices=["simulated", "trl"], default="simulated",
                         help="what writes the RL steps: the built-in simulator, or real GRPO with TRL")
     ui_p = sub.add_parser("ui", help="Dagster and MLflow UIs on the demo's data")

@@ -20,6 +20,18 @@ EAGLE-3 (`drafter.kind: eagle3`):
                             [, fc_norm.N.weight (EAGLE-3.1)] [, embed_tokens.weight if not the target's]
     vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "<dir>", "num_speculative_tokens": 4}'
 
+P-EAGLE (`drafter.kind: peagle`): EAGLE-3's layout with every layer and two additions
+    <dir>/
+    ├── config.json         EAGLE-3's, with num_hidden_layers, parallel_drafting: true, the masked token
+    │                       as mask_token_id, pard_token and ptd_token_id (the names vLLM reads), num_depths,
+    │                       down_sample_ratio, down_sample_ratio_min
+    └── model.safetensors   layers.0.* (EAGLE-3's first layer), layers.1.* ... (Llama blocks), fc.weight,
+                            norm.weight, lm_head.weight, d2t, t2d, embed_tokens.weight (trained), mask_hidden
+    vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "<dir>", "num_speculative_tokens": 4,
+                                             "parallel_drafting": true}'
+    A checkpoint is P-EAGLE by its `mask_hidden` key: without it, the same files load as EAGLE-3.
+    `export_speculators` writes the same tensors as speculators' own `peagle` model saves them.
+
 Import also takes the published variants (`layers.0.` for `midlayer.`, a `model.` prefix)
 and refuses anything that is not safetensors.
 """
@@ -37,6 +49,7 @@ from pipeline.models.drafter import Drafter
 from pipeline.models.eagle import ARCHITECTURE, EagleConfig, EagleDrafter
 from pipeline.models.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
+from pipeline.models.peagle import PEagleConfig, PEagleDrafter
 from pipeline.models.rope import UnsupportedRopeError, check_scaling, rope_from
 from pipeline.models.target import TargetMetadata
 
@@ -108,6 +121,8 @@ def load_drafter(directory: Path, target_num_layers: int | None = None) -> Draft
     not name theirs (the EAGLE authors' releases)."""
     raw, tensors = _read(directory)
     architectures = raw.get("architectures")
+    if architectures == [EAGLE3_ARCHITECTURE] and any(k.endswith("mask_hidden") for k in tensors):
+        return _load_peagle(directory, raw, tensors, target_num_layers)
     if architectures == [EAGLE3_ARCHITECTURE]:
         return _load_eagle3(directory, raw, tensors, target_num_layers)
     if architectures != [ARCHITECTURE]:
@@ -154,10 +169,7 @@ def _canonical_eagle3_key(key: str) -> str:
     return "midlayer." + key.removeprefix("layers.0.") if key.startswith("layers.0.") else key
 
 
-def _load_eagle3(
-    directory: Path, raw: dict, tensors: dict[str, torch.Tensor], target_num_layers: int | None
-) -> Eagle3Drafter:
-    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+def _eagle3_config(raw: dict, config_path: Path, target_num_layers: int | None) -> Eagle3Config:
     aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
         or raw.get("eagle_aux_hidden_state_layer_ids")
     if aux is None:
@@ -167,7 +179,7 @@ def _load_eagle3(
     rope_theta, rope_scaling = _rope(raw, config_path)
     try:
         heads = raw["num_attention_heads"]
-        config = Eagle3Config(
+        return Eagle3Config(
             vocab_size=raw["vocab_size"],
             draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -190,12 +202,12 @@ def _load_eagle3(
     except ValueError as exc:
         raise CheckpointError(f"{config_path}: {exc}") from None
 
-    tensors = {_canonical_eagle3_key(k): v for k, v in tensors.items()}
-    model = Eagle3Drafter(config)
-    expected = model.trainable_state_dict()
-    optional = {"d2t", "t2d"} if config.draft_vocab_size == config.vocab_size else set()
+
+def _check_keys(weights_path: Path, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                optional: set[str], extra: set[str]) -> None:
+    """Every expected key present (but `optional`), nothing else (but `extra`), each of the config's shape."""
     missing = sorted(set(expected) - set(tensors) - optional)
-    unexpected = sorted(set(tensors) - set(expected) - {"embed_tokens.weight"})
+    unexpected = sorted(set(tensors) - set(expected) - extra)
     if missing or unexpected:
         raise CheckpointError(f"{weights_path}: missing keys {missing}, unexpected keys {unexpected}")
     for key, tensor in expected.items():
@@ -203,6 +215,51 @@ def _load_eagle3(
             raise CheckpointError(
                 f"{weights_path}: {key} has shape {tuple(tensors[key].shape)}, config implies {tuple(tensor.shape)}"
             )
+
+
+def _load_peagle(
+    directory: Path, raw: dict, tensors: dict[str, torch.Tensor], target_num_layers: int | None
+) -> PEagleDrafter:
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    base = _eagle3_config(raw, config_path, target_num_layers)
+    try:
+        config = PEagleConfig(
+            **{f: getattr(base, f) for f in Eagle3Config.__dataclass_fields__},
+            num_hidden_layers=raw.get("num_hidden_layers", 1),
+            mask_token_id=raw.get("mask_token_id", raw.get("pard_token", raw.get("ptd_token_id"))),
+            num_depths=raw.get("num_depths", 8),
+            down_sample_ratio=raw.get("down_sample_ratio", 0.7),
+            down_sample_ratio_min=raw.get("down_sample_ratio_min", 0.2),
+        )
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{config_path}: {exc}") from None
+    model = PEagleDrafter(config)
+    tensors = {_canonical_peagle_key(k): v for k, v in tensors.items()}
+    expected = model.trainable_state_dict()
+    optional = {"d2t", "t2d"} if config.draft_vocab_size == config.vocab_size else set()
+    _check_keys(weights_path, tensors, expected, optional | {"embed_tokens.weight"}, set())
+    model.load_state_dict({k: tensors[k].to(v.dtype) for k, v in expected.items() if k in tensors}, strict=False)
+    # Embeddings the checkpoint lacks are the target's, as an EAGLE-3 drafter's; given ones are kept.
+    model.own_embeddings = "embed_tokens.weight" in tensors
+    return model
+
+
+def _canonical_peagle_key(key: str) -> str:
+    """Published variants -> our names: a `model.` prefix, `midlayer.` for `layers.0.`."""
+    key = key.removeprefix("model.")
+    return "layers.0." + key.removeprefix("midlayer.") if key.startswith("midlayer.") else key
+
+
+def _load_eagle3(
+    directory: Path, raw: dict, tensors: dict[str, torch.Tensor], target_num_layers: int | None
+) -> Eagle3Drafter:
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    config = _eagle3_config(raw, config_path, target_num_layers)
+    tensors = {_canonical_eagle3_key(k): v for k, v in tensors.items()}
+    model = Eagle3Drafter(config)
+    expected = model.trainable_state_dict()
+    optional = {"d2t", "t2d"} if config.draft_vocab_size == config.vocab_size else set()
+    _check_keys(weights_path, tensors, expected, optional, {"embed_tokens.weight"})
     state = {k: tensors[k].to(v.dtype) for k, v in expected.items() if k in tensors}
     if "embed_tokens.weight" in tensors:
         embed = tensors["embed_tokens.weight"]

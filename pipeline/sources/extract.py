@@ -41,9 +41,11 @@ def aux_layer_ids(drafter: DrafterConfig, num_layers: int) -> list[int]:
 
 
 def stored_layer_ids(drafter: DrafterConfig, num_layers: int) -> list[int] | None:
-    """Layers the drafter kind trains on, each stored once: EAGLE-3 its aux layers plus the last
-    one (for the soft labels); EAGLE-1/2 only the post-norm last layer (None)."""
-    return eagle3.stored_layer_ids(aux_layer_ids(drafter, num_layers), num_layers) if drafter.kind == "eagle3" else None
+    """Layers the drafter kind trains on, each stored once: EAGLE-3 and P-EAGLE their aux layers plus
+    the last one (for the soft labels); EAGLE-1/2 only the post-norm last layer (None)."""
+    if drafter.kind == "eagle":
+        return None
+    return eagle3.stored_layer_ids(aux_layer_ids(drafter, num_layers), num_layers)
 
 
 def plan_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
