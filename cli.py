@@ -168,6 +168,23 @@ def _demo_step(step: int, source: SimulatedRL | GRPODemo, what: str, ticks: _Sen
     return produced
 
 
+def _kind_figures(cfg: PipelineConfig, rows: list[dict]) -> tuple[list[dict], float | None]:
+    """What compares drafter kinds: the last co-trained drafter's tau, forwards and estimated speedup at
+    k = 4 and 8 on the last step (P-EAGLE: up to its depths), and the mean training tokens/s."""
+    from pipeline.data.store import open_store
+    from pipeline.evaluation.acceptance import round_costs_at_step
+    from pipeline.registry import open_registry
+    from pipeline.training.outcome import read_outcome
+
+    store, last = open_store(cfg), rows[-1]
+    outcomes = [read_outcome(store, cfg.run, r["step"]) for r in rows]
+    rates = [o["tokens_per_s"] for o in outcomes if o.get("tokens_per_s")]
+    version = last["version_cotrained"]
+    ks = [k for k in (4, 8) if cfg.drafter.kind != "peagle" or k <= cfg.drafter.num_depths]
+    costs = round_costs_at_step(store, cfg, last["step"], open_registry(cfg), version, ks) if version else []
+    return [c.to_json() for c in costs], (sum(rates) / len(rates) if rates else None)
+
+
 def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls: list[float],
                  fleet_state: list[dict], source: str) -> Path:
     """The table, the plot and the JSON summary of a demo."""
@@ -177,9 +194,10 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
     plot = report.plot(rows, k, out_dir / "acceptance.png", cfg.drafter.kind)
     fleet = [{"replica": r["replica"], "version": r["version"], "live_tau": round(r["live_tau"], 4)}
              for r in fleet_state]
+    summary_costs, tokens_per_s = _kind_figures(cfg, rows)
     summary = report.write_summary(rows, wall, step_walls, out_dir / "summary.json", fleet=fleet,
                                    num_speculative_tokens=k, drafter_kind=cfg.drafter.kind, device=cfg.device,
-                                   source=source)
+                                   source=source, round_costs=summary_costs, train_tokens_per_s=tokens_per_s)
     out()
     out(report.format_table(rows))
     out()
@@ -190,6 +208,12 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
     for replica in fleet:
         out(f"fleet: {replica['replica']} (stand-in) runs drafter version {replica['version']}, "
             f"live tau {replica['live_tau']:.2f}")
+    for c in summary_costs:
+        out(f"k={c['k']}: tau {c['tau']:.2f}, {c['drafter_forwards_per_round']:.0f} drafter forwards per round "
+            f"({c['drafter_forwards_per_token']:.2f} per token), estimated speedup {c['estimated_speedup']:.2f}x "
+            f"(drafter forward = {c['drafter_cost_ratio']:.3f} target forwards)")
+    if tokens_per_s:
+        out(f"training: {tokens_per_s:.0f} tokens/s (mean over the trained steps)")
     out(f"wall time {wall:.1f}s ({wall / steps:.1f}s per step)")
     out(f"plot:    {plot}")
     out(f"summary: {summary}")

@@ -16,7 +16,7 @@ from pipeline.config import PipelineConfig, PromotionConfig
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.keys import acceptance_key
 from pipeline.data.store import ObjectStore
-from pipeline.evaluation import speculative, teacher_forced
+from pipeline.evaluation import cost, speculative, teacher_forced
 from pipeline.models import target as target_lib
 from pipeline.registry import DrafterRegistry
 from pipeline.sources.extract import held_out_rollouts
@@ -102,6 +102,20 @@ def measure_step(
         measured[version] = {**exact.as_dict(), "prompts": len(prompts),
                              "estimate": estimate.as_dict() if estimate else None}
     return StepMeasurement(step, pointer.policy_version, len(prompts), roles, measured)
+
+
+def round_costs_at_step(
+    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, version: str, ks: list[int]
+) -> list[cost.RoundCost]:
+    """A registered drafter's tau, drafter forwards per round and estimated speedup at each k, on the step's
+    held-out prompts and policy (the cost model of `pipeline.evaluation.cost`)."""
+    pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
+    target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
+    prompts = held_out_prompts(store, cfg, step, rollouts_lib.TargetLimits.of(target.config))
+    drafter = registry.load(version)
+    drafter.attach(target)
+    return cost.round_costs(target, drafter, speculative.follow_target(drafter, target), prompts,
+                            cfg.eval.max_new_tokens, ks)
 
 
 def apply_promotion(
