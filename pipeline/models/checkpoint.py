@@ -30,7 +30,16 @@ P-EAGLE (`drafter.kind: peagle`): EAGLE-3's layout with every layer and two addi
     vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "<dir>", "num_speculative_tokens": 4,
                                              "parallel_drafting": true}'
     A checkpoint is P-EAGLE by its `mask_hidden` key: without it, the same files load as EAGLE-3.
-    `export_speculators` writes the same tensors as speculators' own `peagle` model saves them.
+
+P-EAGLE in speculators' format (`save_speculators`), as speculators' `PEagleDraftModel.from_pretrained`
+and vLLM (which converts speculators configs) load it:
+    <dir>/
+    ├── config.json         speculators_model_type: "peagle", transformer_layer_config (the draft layers'
+    │                       LlamaConfig, head_dim written), draft_vocab_size, target_hidden_size,
+    │                       eagle_aux_hidden_state_layer_ids, mask_token_id, norm flags,
+    │                       speculators_config (algorithm peagle, greedy proposals of num_depths tokens,
+│                       the verifier)
+    └── model.safetensors   the same tensors as above (speculators names them alike)
 
 Import also takes the published variants (`layers.0.` for `midlayer.`, a `model.` prefix)
 and refuses anything that is not safetensors.
@@ -46,7 +55,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pipeline.models.drafter import Drafter
-from pipeline.models.eagle import ARCHITECTURE, EagleConfig, EagleDrafter
+from pipeline.models.eagle import ARCHITECTURE, EagleConfig, EagleDrafter, llama_fields
 from pipeline.models.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from pipeline.models.peagle import PEagleConfig, PEagleDrafter
@@ -99,6 +108,72 @@ def save_drafter(model: Drafter, directory: Path, target: TargetMetadata | None 
     return directory
 
 
+def save_speculators(
+    model: PEagleDrafter, directory: Path, target: TargetMetadata, verifier: str | None = None
+) -> Path:
+    """Write a P-EAGLE drafter in speculators' format, proposing up to its depths; `verifier`: the target's
+    name or path, if it has one."""
+    if not isinstance(model, PEagleDrafter):
+        raise TypeError(f"speculators' peagle format holds P-EAGLE drafters, not {model.kind}")
+    c = model.config
+    fields = target_fields(c, target)
+    theta, scaling = fields["rope_theta"], fields["rope_scaling"]
+    rope = {"rope_theta": theta, "rope_type": "default"} if scaling is None else \
+        {**scaling, "rope_theta": theta, "rope_type": scaling.get("rope_type", scaling.get("type"))}
+    layer = {
+        **llama_fields(c), "num_hidden_layers": c.num_hidden_layers, "vocab_size": fields["vocab_size"],
+        "max_position_embeddings": fields["max_position_embeddings"], "rope_parameters": rope,
+        "attention_bias": False, "mlp_bias": False,
+    }
+    for key in ("rope_theta", "rope_scaling", "torch_dtype"):
+        layer.pop(key)
+    config = {
+        "architectures": ["PEagleDraftModel"],
+        "speculators_model_type": "peagle",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "mask_token_id": c.mask_token_id,
+        "norm_before_residual": c.norm_before_residual,
+        "norm_before_fc": False,
+        "fc_norm": c.fc_norm,
+        "norm_output": False,
+        "embed_requires_grad": True,
+        "tie_word_embeddings": False,
+        "speculators_config": {
+            "algorithm": "peagle",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.num_depths}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": [_ARCHITECTURES.get(target.model_type, "")]},
+        },
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.checkpoint_tensors().items()}
+    save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def _from_speculators(raw: dict) -> dict:
+    """A speculators `peagle` config.json as the fields of our (vLLM's) P-EAGLE config.json."""
+    layer = raw.get("transformer_layer_config") or {}
+    proposals = (raw.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return {
+        **layer,
+        "architectures": [EAGLE3_ARCHITECTURE],
+        "draft_vocab_size": raw.get("draft_vocab_size"),
+        "target_hidden_size": raw.get("target_hidden_size"),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": raw.get("eagle_aux_hidden_state_layer_ids")},
+        **{key: raw[key] for key in ("norm_before_residual", "fc_norm", "mask_token_id") if key in raw},
+        "num_depths": max(p.get("speculative_tokens", 1) for p in proposals),
+    }
+
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
+
+
 def _read(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if not weights_path.exists():
@@ -120,6 +195,8 @@ def load_drafter(directory: Path, target_num_layers: int | None = None) -> Draft
     `target_num_layers` supplies vLLM's default aux layers for EAGLE-3 checkpoints that do
     not name theirs (the EAGLE authors' releases)."""
     raw, tensors = _read(directory)
+    if raw.get("speculators_model_type") == "peagle":
+        raw = _from_speculators(raw)
     architectures = raw.get("architectures")
     if architectures == [EAGLE3_ARCHITECTURE] and any(k.endswith("mask_hidden") for k in tensors):
         return _load_peagle(directory, raw, tensors, target_num_layers)

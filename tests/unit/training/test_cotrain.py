@@ -80,7 +80,7 @@ def test_warm_start_of_the_wrong_kind_is_refused(tmp_path: Path, target) -> None
     registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)
     cfg = load_config(overrides={"data_dir": str(tmp_path),
                                  "drafter": {"kind": "eagle3", "warm_start": str(directory)}})
-    with pytest.raises(ValueError, match="is not a eagle3 checkpoint"):
+    with pytest.raises(ValueError, match="is a eagle checkpoint, which cannot start a eagle3 drafter"):
         _initial_drafter(cfg, registry, None, target, _hidden())
 
 
