@@ -28,9 +28,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from pipeline.models.eagle import MLP, CommittedPairs, DraftCache, LayerCache, RMSNorm, gather_rows, llama_fields
+from pipeline.models.eagle import (
+    MLP,
+    CommittedPairs,
+    DraftCache,
+    LayerCache,
+    RMSNorm,
+    attend,
+    gather_rows,
+    llama_fields,
+)
 from pipeline.models.eagle3 import ARCHITECTURE, Eagle3Config, Eagle3DecoderLayer, Eagle3Drafter, read_positions
 from pipeline.models.eagle3 import stored_layer_ids as eagle3_stored_layer_ids
 from pipeline.models.rope import RotaryEmbedding, apply_rotary
@@ -130,6 +140,22 @@ def cross_depth_mask(sample: CodSample, document_ids: torch.Tensor) -> torch.Ten
     return same_doc & (context | chain)
 
 
+class MaskedAttention:
+    """A parallel training forward's attention under its cross-depth mask: on a GPU by SDPA (its
+    memory-efficient kernel never holds the (M, M) scores of every head), elsewhere eagerly with the
+    softmax in float32, the reference the GPU path is tested against."""
+
+    position_offset = 0  # rows carry their own positions (anchor + depth)
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """query/key/value (B, heads, M, D); attention_mask (B or 1, 1, M, M) bool -> (B, heads, M, D)."""
+        if query.is_cuda:
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask)
+        return attend(query, key, value, attention_mask)
+
+
 # -- the model
 
 
@@ -148,13 +174,13 @@ class PEagleAttention(nn.Module):
 
     def forward(
         self, hidden_states: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-        cache: LayerCache,
+        cache: LayerCache | MaskedAttention,
     ) -> torch.Tensor:
         """
         hidden_states:  (B, Nq, H)
         position_ids:   (B, Nq)
         attention_mask: (B, 1, Nq, S + Nq) bool against the cache's columns and these
-        cache:          this layer's key/value columns (training: a fresh one)
+        cache:          this layer's key/value columns (decoding), or training's masked attention
         returns:        (B, Nq, H)
         """
         B, Nq, _ = hidden_states.shape
@@ -183,7 +209,7 @@ class PEagleDecoderLayer(nn.Module):
 
     def forward(
         self, hidden_states: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-        cache: LayerCache,
+        cache: LayerCache | MaskedAttention,
     ) -> torch.Tensor:
         """hidden_states (B, Nq, H) -> (B, Nq, H); the other arguments as `PEagleAttention.forward`'s."""
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_ids,
@@ -320,18 +346,18 @@ class PEagleDrafter(nn.Module):
         aux = torch.where(real[..., None], features[:, anchor], self.mask_hidden.to(features.dtype))  # (B, M, A)
         positions = position_ids[:, anchor] + depth  # (B, M)
         mask = attention_mask if attention_mask.dim() == 4 else attention_mask[None, None]  # (B or 1, 1, M, M)
-        return self.layer_stack(ids, self.project_aux(aux), positions, mask, [LayerCache() for _ in self.layers])
+        return self.layer_stack(ids, self.project_aux(aux), positions, mask, [MaskedAttention() for _ in self.layers])
 
     def layer_stack(
         self, input_ids: torch.Tensor, hidden_states: torch.Tensor, position_ids: torch.Tensor,
-        attention_mask: torch.Tensor, caches: list[LayerCache],
+        attention_mask: torch.Tensor, caches: list[LayerCache] | list[MaskedAttention],
     ) -> torch.Tensor:
         """
         input_ids:      (B, Nq) tokens (real or the mask token)
         hidden_states:  (B, Nq, H) projected aux states (real or mask_hidden)
         position_ids:   (B, Nq)
         attention_mask: (B, 1, Nq, S + Nq) bool
-        caches:         one per layer
+        caches:         one per layer: decoding's key/value columns, or a training forward's attention
         returns:        (B, Nq, H) before the final norm
         """
         inputs_embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)  # (B, Nq, H)

@@ -141,6 +141,24 @@ def test_depth_rows_see_only_their_context_and_chain(target: LlamaForCausalLM) -
     assert not torch.allclose(other[n + 1], base[n + 1])  # a5 d1 sees anchors 3..5
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_parallel_forward_by_sdpa_equals_the_eager_one(target: LlamaForCausalLM) -> None:
+    """The training forward's attention on a GPU (SDPA under the cross-depth mask) against the CPU's eager one."""
+    model = drafter_for(target, num_key_value_heads=1)
+    g = torch.Generator().manual_seed(4)
+    n = 40
+    ids, aux = torch.randint(0, V, (1, n), generator=g), torch.randn(1, n, len(AUX) * H, generator=g)
+    docs = torch.tensor([0] * 25 + [1] * 15)
+    sample = cod_sample(torch.ones(n), docs, 4, 0.7, 0.2, torch.Generator().manual_seed(0))
+    mask = cross_depth_mask(sample, docs)
+    positions = torch.cat([torch.arange(25), torch.arange(15)])[None]
+    with torch.no_grad():
+        eager = model.forward_parallel(aux, ids, positions, sample, mask)
+        gpu = model.to("cuda").forward_parallel(aux.cuda(), ids.cuda(), positions.cuda(), sample.to("cuda"),
+                                                mask.cuda())
+    torch.testing.assert_close(gpu.cpu(), eager, rtol=1e-4, atol=1e-4)
+
+
 def test_proposer_equals_the_training_forward(target: LlamaForCausalLM) -> None:
     """One proposal = the parallel forward's depths 0..k-1 at the last committed position."""
     model = drafter_for(target, seed=2)
