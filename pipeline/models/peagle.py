@@ -233,7 +233,7 @@ class PEagleDrafter(nn.Module):
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, n_aux * h_t))  # stands for the aux states of depth >= 1
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
-        self.own_embeddings = False  # True once trained or loaded: then attach keeps them
+        self.own_embeddings = False  # True once it has its own (the target's at birth, then trained)
 
     # -- vocabulary, as EAGLE-3's
     set_vocab = Eagle3Drafter.set_vocab
