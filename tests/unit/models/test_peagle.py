@@ -178,6 +178,9 @@ def test_proposer_equals_the_training_forward(target: LlamaForCausalLM) -> None:
         rows = hidden[[n - 1, *range(n, n + k - 1)]]
         expected = model.draft_to_target[model.lm_head(model.norm(rows)).argmax(-1)]
     assert proposal.tolist() == expected.tolist()
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+    unrolled = model.draft_unrolled(features, [prompt[None, 1:]] * k, torch.arange(n)[None], causal)  # (k, 1, n)
+    assert unrolled[:, 0, n - 1].tolist() == proposal.tolist()  # the teacher-forced estimate drafts alike
     assert proposer.forwards == 1
     assert proposer.cache.length == n  # the masked slots withdrawn, the pairs kept
 
