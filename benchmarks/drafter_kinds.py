@@ -1,6 +1,7 @@
-"""EAGLE-3 and P-EAGLE side by side on the demo's data: `python -m benchmarks.drafter_kinds` after `make demo`.
+"""EAGLE-3 and P-EAGLE side by side on the demo's data: `python -m benchmarks.drafter_kinds [--step N]
+[--epochs E]` after `make demo` (default: its last step, the demo's epochs).
 
-Each kind is trained fresh on the last demo step's buffer (the demo's training settings), then
+Each kind is trained fresh on the step's buffer (the demo's training settings), then
 P-EAGLE once more warm-started from that EAGLE-3 drafter; each is measured on the step's held-out
 prompts against its policy at k = 4 and 8: exact tau, drafter forwards per round and per generated
 token, training tokens/s (one process, the machine's threads), and the estimated rollout speedup
@@ -12,6 +13,7 @@ The last line is the path of the JSON with every figure.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import replace
@@ -45,10 +47,16 @@ def _llama8b_weights(layers: int) -> float:
 
 
 def main() -> None:
-    cfg = load_config(sys.argv[1] if len(sys.argv) > 1 else None)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--step", type=int, default=None, help="the demo step whose buffer and policy to use")
+    parser.add_argument("--epochs", type=int, default=None, help="train.epochs (the demo's when unset)")
+    args = parser.parse_args()
+    cfg = load_config(args.config)
+    if args.epochs:
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"epochs": args.epochs})})
     store = open_store(cfg)
-    summary = json.loads((cfg.data_path / "demo" / "summary.json").read_text())
-    step = summary["steps"][-1]["step"]
+    step = args.step or json.loads((cfg.data_path / "demo" / "summary.json").read_text())["steps"][-1]["step"]
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
     target = target_lib.load_policy(store, pointer.checkpoint_uri, "cpu", target_lib.load_settings(cfg))
     num_layers = target.config.num_hidden_layers
@@ -56,7 +64,7 @@ def main() -> None:
     entries = read_buffer(store, cfg.run, step)
     hidden = list(iter_buffer_samples(store, cfg.run, entries))
     counts = _token_counts(hidden, target.config.vocab_size)
-    out: dict = {"step": step, "buffer_samples": len(hidden), "prompts": len(prompts)}
+    out: dict = {"step": step, "buffer_samples": len(hidden), "prompts": len(prompts), "epochs": cfg.train.epochs}
 
     def run(name: str, drafter) -> None:
         drafter.attach(target)
@@ -78,7 +86,8 @@ def main() -> None:
     peagle_cfg = cfg.drafter.model_copy(update={"kind": "peagle"})
     run("peagle", drafters.fresh_drafter(peagle_cfg, target, counts, cfg.train.seed))
     run("peagle_from_eagle3", drafters.warm_start_from(eagle3, peagle_cfg))
-    path = cfg.data_path / "demo" / "drafter_kinds.json"
+    path = cfg.data_path / "demo" / f"drafter_kinds-step{step}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     sys.stdout.write(f"{path}\n")
 

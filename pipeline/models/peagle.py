@@ -24,6 +24,7 @@ embeddings are trained, so they are always written.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,6 @@ from pipeline.models.eagle import (
     DraftCache,
     LayerCache,
     RMSNorm,
-    attend,
     gather_rows,
     llama_fields,
 )
@@ -140,20 +140,71 @@ def cross_depth_mask(sample: CodSample, document_ids: torch.Tensor) -> torch.Ten
     return same_doc & (context | chain)
 
 
+def context_mask(sample: CodSample, document_ids: torch.Tensor) -> torch.Tensor:
+    """(M, N) bool: the depth-0 rows (one per position) each row may attend, those of its document up to
+    its anchor: the first N columns of `cross_depth_mask`."""
+    n = document_ids.shape[0]
+    same_doc = document_ids[sample.anchor][:, None] == document_ids[None, :]  # (M, N)
+    return same_doc & (torch.arange(n, device=document_ids.device)[None, :] <= sample.anchor[:, None])
+
+
+@dataclass(frozen=True)
+class ParallelMask:
+    """What each row of a parallel forward attends, kept in its structure: the depth-0 rows of its
+    context (a dense (M, N) block) and the deeper rows of its own chain (at most num_depths - 1 each),
+    as EAGLE-3's TTT keeps a causal block and diagonals. Row i's chain is at rows chain[i]."""
+
+    context: torch.Tensor  # (B or 1, 1, M, N) bool
+    chain: torch.Tensor  # (M, D-1) int64: the row of depth j+1 of row i's chain (0 where none)
+    chain_valid: torch.Tensor  # (M, D-1) bool: that row exists and is no deeper than row i
+
+    @classmethod
+    def of(cls, sample: CodSample, context: torch.Tensor) -> ParallelMask:
+        """context (M, N) or (B, 1, M, N); depth-0 rows are the sample's first N, one per position in order."""
+        anchor, depth = sample.anchor, sample.depth  # (M,)
+        n, depths = context.shape[-1], int(depth.max()) + 1
+        table = torch.full((n, depths), -1, dtype=torch.int64, device=anchor.device)  # (N, D) row of (a, d)
+        table[anchor, depth] = torch.arange(anchor.shape[0], device=anchor.device)
+        chain = table[anchor, 1:]  # (M, D-1)
+        deep_enough = torch.arange(1, depths, device=anchor.device)[None, :] <= depth[:, None]  # (M, D-1)
+        context = context if context.dim() == 4 else context[None, None]
+        return cls(context, chain.clamp(min=0), (chain >= 0) & deep_enough)
+
+    def dense(self) -> torch.Tensor:
+        """(B or 1, 1, M, M) bool: the same mask over every row (`cross_depth_mask` in training)."""
+        m, n = self.chain.shape[0], self.context.shape[-1]
+        rows = torch.arange(m, device=self.chain.device)
+        chain = torch.zeros(m, m, dtype=torch.bool, device=self.chain.device)
+        chain[rows[:, None].expand_as(self.chain)[self.chain_valid], self.chain[self.chain_valid]] = True
+        chain[rows[n:], rows[n:]] = True  # a deeper row attends itself (depth-0 rows: in their context)
+        context = torch.nn.functional.pad(self.context, (0, m - n))  # (B or 1, 1, M, M)
+        return context | chain[None, None]
+
+
 class MaskedAttention:
-    """A parallel training forward's attention under its cross-depth mask: on a GPU by SDPA (its
-    memory-efficient kernel never holds the (M, M) scores of every head), elsewhere eagerly with the
-    softmax in float32, the reference the GPU path is tested against."""
+    """A parallel training forward's attention under a `ParallelMask`. On a CPU, kept in its structure:
+    scores against the N depth-0 rows and the chain's few rows, never the (M, M) ones. On a GPU by SDPA
+    under the dense mask (its memory-efficient kernel never holds the scores)."""
 
     position_offset = 0  # rows carry their own positions (anchor + depth)
 
     def attend(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: ParallelMask
     ) -> torch.Tensor:
-        """query/key/value (B, heads, M, D); attention_mask (B or 1, 1, M, M) bool -> (B, heads, M, D)."""
+        """query/key/value (B, heads, M, D) of every row -> (B, heads, M, D)."""
         if query.is_cuda:
-            return F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask)
-        return attend(query, key, value, attention_mask)
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask.dense())
+        mask = attention_mask
+        n = mask.context.shape[-1]
+        scale = 1.0 / math.sqrt(query.shape[-1])
+        block = (query @ key[:, :, :n].transpose(-1, -2)) * scale  # (B, heads, M, N)
+        block = block.masked_fill(~mask.context, torch.finfo(block.dtype).min)
+        chain_keys, chain_values = key[:, :, mask.chain], value[:, :, mask.chain]  # (B, heads, M, D-1, Dh)
+        chain = (query[..., None, :] * chain_keys).sum(-1) * scale  # (B, heads, M, D-1)
+        chain = chain.masked_fill(~mask.chain_valid, torch.finfo(chain.dtype).min)
+        probs = torch.cat([block, chain], dim=-1).softmax(dim=-1, dtype=torch.float32).to(value.dtype)
+        out = probs[..., :n] @ value[:, :, :n]  # (B, heads, M, Dh)
+        return out + (probs[..., n:, None] * chain_values).sum(-2)
 
 
 # -- the model
@@ -319,25 +370,24 @@ class PEagleDrafter(nn.Module):
         steps = len(step_ids)
         anchor = torch.arange(N, device=features.device).repeat(steps)  # (steps N,)
         depth = torch.arange(steps, device=features.device).repeat_interleave(N)
-        context = attention_mask[:, :, anchor][..., anchor] & (depth == 0)[None, None, None, :]  # (B, 1, M, M)
-        chain = (anchor[None, :] == anchor[:, None]) & (depth[None, :] <= depth[:, None])  # (M, M)
         hidden = self.forward_parallel(features, step_ids[0], position_ids, CodSample(anchor, depth),
-                                       context | chain)  # (B, steps N, H)
+                                       attention_mask[:, :, anchor])  # (B, steps N, H)
         tokens = self.draft_to_target[self.lm_head(self.norm(hidden)).argmax(-1)]  # (B, steps N)
         return tokens.view(B, steps, N).transpose(0, 1)  # (steps, B, N)
 
     # -- forward
     def forward_parallel(
         self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor, sample: CodSample,
-        attention_mask: torch.Tensor,
+        context: torch.Tensor,
     ) -> torch.Tensor:
         """One parallel forward over the rows of `sample` (training: a COD sample of one packed sequence).
 
         features:       (B, N, n_aux * H_t) aux states at t
         input_ids:      (B, N) x_{t+1}
         position_ids:   (B, N) t within its document
-        sample:         M rows (anchor, depth)
-        attention_mask: (M, M) or (B, 1, M, M) bool: `cross_depth_mask` in training
+        sample:         M rows (anchor, depth), depth 0's first: one per position, in order
+        context:        (M, N) or (B, 1, M, N) bool: the depth-0 rows each row attends (training:
+                        `context_mask`); its own chain's rows up to its depth it attends too
         returns:        (B, M, H) each row's state before the final norm
         """
         anchor, depth = sample.anchor, sample.depth  # (M,)
@@ -345,18 +395,18 @@ class PEagleDrafter(nn.Module):
         ids = torch.where(real, input_ids[:, anchor], self.config.mask_token_id)  # (B, M)
         aux = torch.where(real[..., None], features[:, anchor], self.mask_hidden.to(features.dtype))  # (B, M, A)
         positions = position_ids[:, anchor] + depth  # (B, M)
-        mask = attention_mask if attention_mask.dim() == 4 else attention_mask[None, None]  # (B or 1, 1, M, M)
+        mask = ParallelMask.of(sample, context)
         return self.layer_stack(ids, self.project_aux(aux), positions, mask, [MaskedAttention() for _ in self.layers])
 
     def layer_stack(
         self, input_ids: torch.Tensor, hidden_states: torch.Tensor, position_ids: torch.Tensor,
-        attention_mask: torch.Tensor, caches: list[LayerCache] | list[MaskedAttention],
+        attention_mask: torch.Tensor | ParallelMask, caches: list[LayerCache] | list[MaskedAttention],
     ) -> torch.Tensor:
         """
         input_ids:      (B, Nq) tokens (real or the mask token)
         hidden_states:  (B, Nq, H) projected aux states (real or mask_hidden)
         position_ids:   (B, Nq)
-        attention_mask: (B, 1, Nq, S + Nq) bool
+        attention_mask: (B, 1, Nq, S + Nq) bool (decoding), or a training forward's ParallelMask
         caches:         one per layer: decoding's key/value columns, or a training forward's attention
         returns:        (B, Nq, H) before the final norm
         """

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from pipeline.config import TrainConfig
 from pipeline.models.eagle import EagleDrafter
 from pipeline.models.eagle3 import Eagle3Drafter, shift_within_document
-from pipeline.models.peagle import PEagleDrafter, cod_sample, cross_depth_mask
+from pipeline.models.peagle import PEagleDrafter, cod_sample, context_mask
 from pipeline.models.teacher import Teacher
 from pipeline.models.ttt import ttt_cache
 from pipeline.training.window import DeviceBatch, block_causal_mask
@@ -257,8 +257,8 @@ def peagle_loss(
     docs, loss_mask = batch.document_ids[0], batch.loss_mask[0]  # (N,)
     sample = cod_sample(loss_mask, docs, c.num_depths, c.down_sample_ratio, c.down_sample_ratio_min,
                         generator).to(docs.device)
-    mask = cross_depth_mask(sample, docs)  # (M, M)
-    hidden = model.forward_parallel(aux, batch.input_ids, batch.position_ids, sample, mask)[0]  # (M, H)
+    context = context_mask(sample, docs)  # (M, N): with each row's chain, `cross_depth_mask`
+    hidden = model.forward_parallel(aux, batch.input_ids, batch.position_ids, sample, context)[0]  # (M, H)
     ahead = sample.anchor + sample.depth  # (M,) the position whose loss mask and teacher row count
     inside = ahead < docs.shape[0]
     ahead = torch.where(inside, ahead, sample.anchor)

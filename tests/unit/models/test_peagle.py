@@ -16,9 +16,18 @@ from pipeline.evaluation.cost import RoundCost, drafter_cost_ratio
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import CheckpointError, load_drafter, save_drafter
-from pipeline.models.eagle import CommittedPairs
+from pipeline.models.eagle import CommittedPairs, attend
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, TTTCache, default_aux_layer_ids, draft_vocab
-from pipeline.models.peagle import CodSample, PEagleConfig, PEagleDrafter, PEagleProposer, cod_sample, cross_depth_mask
+from pipeline.models.peagle import (
+    CodSample,
+    ParallelMask,
+    PEagleConfig,
+    PEagleDrafter,
+    PEagleProposer,
+    cod_sample,
+    context_mask,
+    cross_depth_mask,
+)
 from pipeline.training.dataset import InMemoryDataset, Sample
 from pipeline.training.loop import train_drafter
 from pipeline.training.losses import peagle_loss
@@ -120,6 +129,40 @@ def test_cross_depth_mask_pinned_on_the_docstring_case() -> None:
     ]
 
 
+class DenseAttention:
+    """The reference: eager attention under the dense (M, M) mask, every row scored against every row."""
+
+    position_offset = 0
+
+    def attend(self, query, key, value, mask: ParallelMask) -> torch.Tensor:
+        return attend(query, key, value, mask.dense())
+
+
+def test_the_structured_mask_is_the_cross_depth_mask_and_attends_alike(target: LlamaForCausalLM) -> None:
+    """The CPU's attention keeps the mask's structure (context block + chain rows); densified it is the
+    pictured cross-depth mask, and attending by it gives the dense attention's states."""
+    docs = torch.tensor([0] * 9 + [1] * 7)
+    loss_mask = torch.ones(16)
+    loss_mask[[0, 9]] = 0
+    sample = cod_sample(loss_mask, docs, 4, 0.8, 0.3, torch.Generator().manual_seed(2))
+    assert int(sample.depth.max()) == 3
+    mask = ParallelMask.of(sample, context_mask(sample, docs))
+    assert torch.equal(mask.dense()[0, 0], cross_depth_mask(sample, docs))
+
+    model = drafter_for(target)
+    g = torch.Generator().manual_seed(6)
+    ids, aux = torch.randint(0, V, (1, 16), generator=g), torch.randn(1, 16, len(AUX) * H, generator=g)
+    positions = torch.cat([torch.arange(9), torch.arange(7)])[None]
+    with torch.no_grad():
+        structured = model.forward_parallel(aux, ids, positions, sample, context_mask(sample, docs))
+        real = (sample.depth == 0)[None]
+        ids_m = torch.where(real, ids[:, sample.anchor], model.config.mask_token_id)
+        aux_m = torch.where(real[..., None], aux[:, sample.anchor], model.mask_hidden)
+        dense = model.layer_stack(ids_m, model.project_aux(aux_m), positions[:, sample.anchor] + sample.depth, mask,
+                                  [DenseAttention() for _ in model.layers])
+    torch.testing.assert_close(structured, dense, rtol=1e-5, atol=1e-5)
+
+
 # -- the parallel forward is what decoding runs -----------------------------------------------------------------
 
 
@@ -130,7 +173,7 @@ def test_depth_rows_see_only_their_context_and_chain(target: LlamaForCausalLM) -
     n = 8
     ids, aux = torch.randint(0, V, (1, n), generator=g), torch.randn(1, n, len(AUX) * H, generator=g)
     sample = CodSample(torch.tensor([*range(n), 2, 5, 2]), torch.tensor([0] * n + [1, 1, 2]))
-    mask = cross_depth_mask(sample, torch.zeros(n, dtype=torch.int64))
+    mask = context_mask(sample, torch.zeros(n, dtype=torch.int64))
     with torch.no_grad():
         base = model.forward_parallel(aux, ids, torch.arange(n)[None], sample, mask)[0]
         changed_aux = aux.clone()
@@ -150,7 +193,7 @@ def test_gpu_parallel_forward_by_sdpa_equals_the_eager_one(target: LlamaForCausa
     ids, aux = torch.randint(0, V, (1, n), generator=g), torch.randn(1, n, len(AUX) * H, generator=g)
     docs = torch.tensor([0] * 25 + [1] * 15)
     sample = cod_sample(torch.ones(n), docs, 4, 0.7, 0.2, torch.Generator().manual_seed(0))
-    mask = cross_depth_mask(sample, docs)
+    mask = context_mask(sample, docs)
     positions = torch.cat([torch.arange(25), torch.arange(15)])[None]
     with torch.no_grad():
         eager = model.forward_parallel(aux, ids, positions, sample, mask)
@@ -174,7 +217,7 @@ def test_proposer_equals_the_training_forward(target: LlamaForCausalLM) -> None:
     sample = CodSample(torch.tensor([*range(n), *([n - 1] * (k - 1))]), torch.tensor([0] * n + list(range(1, k))))
     with torch.no_grad():
         hidden = model.forward_parallel(features, prompt[None, 1:], torch.arange(n)[None], sample,
-                                        cross_depth_mask(sample, torch.zeros(n, dtype=torch.int64)))[0]
+                                        context_mask(sample, torch.zeros(n, dtype=torch.int64)))[0]
         rows = hidden[[n - 1, *range(n, n + k - 1)]]
         expected = model.draft_to_target[model.lm_head(model.norm(rows)).argmax(-1)]
     assert proposal.tolist() == expected.tolist()
@@ -387,7 +430,7 @@ def test_pinned_loss_value(target: LlamaForCausalLM) -> None:
     sample = cod_sample(loss_mask, docs, 4, 0.7, 0.2, torch.Generator().manual_seed(0))
     with torch.no_grad():
         hidden = model.forward_parallel(batch.hidden_states[..., :aux_dim], batch.input_ids, batch.position_ids,
-                                        sample, cross_depth_mask(sample, docs))[0]
+                                        sample, context_mask(sample, docs))[0]
         log_q = torch.log_softmax(model.lm_head(model.norm(hidden)), dim=-1)
     total = count = 0.0
     for row, (a, d) in enumerate(zip(sample.anchor.tolist(), sample.depth.tolist(), strict=True)):

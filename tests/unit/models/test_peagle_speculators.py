@@ -15,7 +15,7 @@ import torch
 from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import load_drafter, save_speculators
 from pipeline.models.eagle3 import default_aux_layer_ids, draft_vocab
-from pipeline.models.peagle import CodSample, PEagleConfig, PEagleDrafter, cross_depth_mask
+from pipeline.models.peagle import CodSample, PEagleConfig, PEagleDrafter, context_mask
 
 peagle = pytest.importorskip("speculators.models.peagle", reason="speculators (test dependency) is not installed")
 losses = pytest.importorskip("speculators.losses", reason="speculators (test dependency) is not installed")
@@ -92,7 +92,7 @@ def test_speculators_loads_the_export_with_equal_logits(tmp_path: Path, target, 
     sample = CodSample(anchor, depth)
     with torch.no_grad():
         hidden = model.forward_parallel(aux, ids, torch.arange(N)[None], sample,
-                                        cross_depth_mask(sample, torch.zeros(N, dtype=torch.int64)))
+                                        context_mask(sample, torch.zeros(N, dtype=torch.int64)))
         logits = model.lm_head(model.norm(hidden))
     torch.testing.assert_close(captured[0], logits, rtol=1e-5, atol=1e-5)
 
