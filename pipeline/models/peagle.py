@@ -175,9 +175,8 @@ class ParallelMask:
         m, n = self.chain.shape[0], self.context.shape[-1]
         rows = torch.arange(m, device=self.chain.device)
         chain = torch.zeros(m, m, dtype=torch.bool, device=self.chain.device)
-        chain[rows[:, None].expand_as(self.chain)[self.chain_valid], self.chain[self.chain_valid]] = True
-        chain[rows[n:], rows[n:]] = True  # a deeper row attends itself (depth-0 rows: in their context)
-        context = torch.nn.functional.pad(self.context, (0, m - n))  # (B or 1, 1, M, M)
+        chain[rows[:, None].expand_as(self.chain)[self.chain_valid], self.chain[self.chain_valid]] = True  # itself too
+        context = F.pad(self.context, (0, m - n))  # (B or 1, 1, M, M)
         return context | chain[None, None]
 
 
