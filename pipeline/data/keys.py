@@ -3,9 +3,11 @@
     rollouts/<run>/step-000123/rollouts.parquet   policy.json (commit point)
     policies/<run>/step-000123/                   the simulated trainer's policy checkpoints
     hidden_states/<run>/step-000123/              Arrow shards + _manifest.json (commit point)
+    hidden_states/<run>/_target_layout.json       the run's target layout, recorded by its first step
     buffer/<run>/step-000123/_manifest.json       the cross-step buffer of a step
     drafter/<run>/step-000123.json                a step's training outcome
     acceptance/<run>/step-000123.json             a step's acceptance record
+    cost/<run>/step-000123.json                   a step's entry in the cost ledger
     training/<run>/<input id>/                    resumable checkpoints of one training, origin.json
     fleet/<run>/state.json                        which drafter version the fleet serves
 """
@@ -33,12 +35,27 @@ def step_key(step: int) -> str:
 def parse_step_key(key: str) -> int:
     """`step-000123` -> 123; anything else is rejected with the offending key in the message."""
     match = _STEP_KEY.fullmatch(key)
-    if match and int(match.group(1)) > MAX_STEP:
+    if match and _too_large(match.group(1)):
         raise ValueError(f"partition key {key!r}: step too large for int64")
-    if not match or step_key(int(match.group(1))) != key:  # one key per step: no extra leading zeros
+    if not is_step_key(key):
         raise ValueError(f"partition key {key!r} is not 'step-' followed by the step zero-padded to six digits "
                          "(e.g. step-000001)")
     return int(match.group(1))
+
+
+def _too_large(digits: str) -> bool:
+    """Beyond int64, judged on the digits' length first: a name of thousands of digits is never converted."""
+    digits = digits.lstrip("0") or "0"
+    return len(digits) > len(str(MAX_STEP)) or int(digits) > MAX_STEP
+
+
+def is_step_key(name: str) -> bool:
+    """Whether `name` is the one key of a step (`step-` and the step zero-padded to six digits, within int64);
+    never raises, whatever the name: directory names come from the RL trainer."""
+    match = _STEP_KEY.fullmatch(name)
+    if not match or _too_large(match.group(1)):
+        return False
+    return step_key(int(match.group(1).lstrip("0") or "0")) == name  # one key per step: no extra leading zeros
 
 
 def rollouts_root(run: str) -> str:
@@ -47,9 +64,9 @@ def rollouts_root(run: str) -> str:
 
 def malformed_step_names(names: list[str]) -> list[str]:
     """The names among `names` meant as step directories (they start with 'step') that are not step keys
-    (step-12, step-0000001, Step-000001, step-00001a): ignored, so the operator must be told."""
-    return [n for n in names if n.lower().startswith("step") and not (_STEP_KEY.fullmatch(n) and
-                                                                      step_key(int(n[5:])) == n)]
+    (step-12, step-0000001, Step-000001, step-00001a, a step beyond int64): ignored, so the operator must be
+    told."""
+    return [n for n in names if n.lower().startswith("step") and not is_step_key(n)]
 
 
 def rollouts_prefix(run: str, step: int) -> str:
@@ -80,6 +97,15 @@ def hidden_states_manifest_key(run: str, step: int) -> str:
     return f"{hidden_states_prefix(run, step)}/{HIDDEN_STATES_MANIFEST}"
 
 
+def hidden_states_shard_key(run: str, step: int, shard: str) -> str:
+    return f"{hidden_states_prefix(run, step)}/{shard}"
+
+
+def layout_key(run: str) -> str:
+    """The target layout the run's first step recorded: every later step must match it."""
+    return f"{hidden_states_root(run)}/_target_layout.json"
+
+
 def buffer_root(run: str) -> str:
     return f"buffer/{run}"
 
@@ -90,6 +116,10 @@ def buffer_key(run: str, step: int) -> str:
 
 def acceptance_key(run: str, step: int) -> str:
     return f"acceptance/{run}/{step_key(step)}.json"
+
+
+def cost_key(run: str, step: int) -> str:
+    return f"cost/{run}/{step_key(step)}.json"
 
 
 def drafter_key(run: str, step: int) -> str:

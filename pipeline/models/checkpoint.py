@@ -48,6 +48,9 @@ and refuses anything that is not safetensors.
 from __future__ import annotations
 
 import json
+import os
+import re
+import threading
 from pathlib import Path
 
 import torch
@@ -60,7 +63,7 @@ from pipeline.models.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from pipeline.models.peagle import PEagleConfig, PEagleDrafter
 from pipeline.models.rope import UnsupportedRopeError, check_scaling, rope_from
-from pipeline.models.target import TargetMetadata
+from pipeline.models.target_forward import TargetMetadata
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -70,30 +73,28 @@ class CheckpointError(ValueError):
     """A drafter checkpoint that does not match its config or is not safetensors."""
 
 
-def target_fields(config: EagleConfig | Eagle3Config, target: TargetMetadata) -> dict:
-    """What the engines read of the target through the drafter's config: its vocabulary and width,
-    and its position encoding (rope_theta, rope_scaling as the target has them; the draft layer
-    attends over the target's positions) up to its max_position_embeddings (vLLM caps the served
-    context at the draft model's). A drafter shaped after another target is refused."""
-    target_hidden = getattr(config, "target_hidden_size", config.hidden_size)
+def target_fields(model: Drafter, target: TargetMetadata) -> dict:
+    """What the engines read of the target through the drafter's config: its vocabulary, and its
+    position encoding (rope_theta, rope_scaling as the target has them; the draft layer attends
+    over the target's positions) up to its max_position_embeddings (vLLM caps the served context
+    at the draft model's). A drafter shaped after another target (vocabulary, width, position
+    encoding) is refused."""
+    config = model.config
     mismatched = [(name, ours, theirs) for name, ours, theirs in (
         ("vocab_size", config.vocab_size, target.vocab_size),
-        ("target hidden_size", target_hidden, target.hidden_size),
+        ("target hidden_size", model.target_hidden_size, target.hidden_size),
         ("rope_theta", config.rope_theta, target.rope_theta),
         ("rope_scaling", config.rope_scaling, target.rope_scaling),
     ) if ours != theirs]
     if mismatched:
         raise CheckpointError("drafter does not fit the target it is exported for: " + ", ".join(
             f"{name} {ours} != target's {theirs}" for name, ours, theirs in mismatched))
-    fields = {
+    return {
         "vocab_size": target.vocab_size,
         "rope_theta": target.rope_theta,
         "rope_scaling": target.rope_scaling,
         "max_position_embeddings": max(config.max_position_embeddings, target.max_position_embeddings),
     }
-    if hasattr(config, "target_hidden_size"):
-        fields["target_hidden_size"] = target.hidden_size
-    return fields
 
 
 def save_drafter(model: Drafter, directory: Path, target: TargetMetadata | None = None) -> Path:
@@ -102,10 +103,35 @@ def save_drafter(model: Drafter, directory: Path, target: TargetMetadata | None 
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.checkpoint_tensors().items()}
     config = model.checkpoint_config()
     if target is not None:
-        config.update(target_fields(model.config, target))
+        config.update(target_fields(model, target))
     save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+    share_as_umask_allows(directory / WEIGHTS_FILE)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return directory
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def process_umask() -> int:
+    """The process's umask, read without changing it where the kernel says it (Linux 4.7+)."""
+    try:
+        found = re.search(r"^Umask:\s*([0-7]+)$", Path("/proc/self/status").read_text(), re.MULTILINE)
+    except OSError:
+        found = None
+    if found:
+        return int(found.group(1), 8)
+    with _UMASK_LOCK:  # set and restored at once: the only portable way to read it
+        mask = os.umask(0o077)
+        os.umask(mask)
+    return mask
+
+
+def share_as_umask_allows(path: Path) -> None:
+    """Give a file the mode a plain `open()` would have (0666 less the umask). safetensors' writer creates its
+    file 0600 whatever the umask, and a vLLM server running as another user must read the weights as it
+    reads config.json."""
+    path.chmod(0o666 & ~process_umask())
 
 
 def save_speculators(
@@ -116,7 +142,7 @@ def save_speculators(
     if not isinstance(model, PEagleDrafter):
         raise TypeError(f"speculators' peagle format holds P-EAGLE drafters, not {model.kind}")
     c = model.config
-    fields = target_fields(c, target)
+    fields = target_fields(model, target)
     theta, scaling = fields["rope_theta"], fields["rope_scaling"]
     rope = {"rope_theta": theta, "rope_type": "default"} if scaling is None else \
         {**scaling, "rope_theta": theta, "rope_type": scaling.get("rope_type", scaling.get("type"))}
@@ -151,6 +177,7 @@ def save_speculators(
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.checkpoint_tensors().items()}
     save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+    share_as_umask_allows(directory / WEIGHTS_FILE)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return directory
 
@@ -217,17 +244,26 @@ def load_drafter(directory: Path, target_num_layers: int | None = None) -> Draft
         raise CheckpointError(f"{config_path}: missing key {exc}") from None
     model = EagleDrafter(config)
     expected = model.trainable_state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected) - {"embed_tokens.weight", "lm_head.weight"})
+    _check_tensors(weights_path, expected, tensors, extra={"embed_tokens.weight", "lm_head.weight"})
+    model.load_state_dict({k: tensors[k].to(torch.float32) for k in expected}, strict=False)
+    return model
+
+
+def _check_tensors(
+    weights_path: Path, expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
+    optional: set[str] = frozenset(), extra: set[str] = frozenset(),
+) -> None:
+    """The checkpoint's tensors against what its config implies, for every kind: each expected key
+    present (but `optional` ones) at its shape, and no key beyond them but the `extra` ones."""
+    missing = sorted(set(expected) - set(tensors) - optional)
+    unexpected = sorted(set(tensors) - set(expected) - extra)
     if missing or unexpected:
         raise CheckpointError(f"{weights_path}: missing keys {missing}, unexpected keys {unexpected}")
     for key, tensor in expected.items():
-        if tensors[key].shape != tensor.shape:
+        if key in tensors and tensors[key].shape != tensor.shape:
             raise CheckpointError(
                 f"{weights_path}: {key} has shape {tuple(tensors[key].shape)}, config implies {tuple(tensor.shape)}"
             )
-    model.load_state_dict({k: tensors[k].to(torch.float32) for k in expected}, strict=False)
-    return model
 
 
 def _rope(raw: dict, config_path: Path) -> tuple[float, dict | None]:
@@ -280,20 +316,6 @@ def _eagle3_config(raw: dict, config_path: Path, target_num_layers: int | None) 
         raise CheckpointError(f"{config_path}: {exc}") from None
 
 
-def _check_keys(weights_path: Path, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                optional: set[str], extra: set[str]) -> None:
-    """Every expected key present (but `optional`), nothing else (but `extra`), each of the config's shape."""
-    missing = sorted(set(expected) - set(tensors) - optional)
-    unexpected = sorted(set(tensors) - set(expected) - extra)
-    if missing or unexpected:
-        raise CheckpointError(f"{weights_path}: missing keys {missing}, unexpected keys {unexpected}")
-    for key, tensor in expected.items():
-        if key in tensors and tensors[key].shape != tensor.shape:
-            raise CheckpointError(
-                f"{weights_path}: {key} has shape {tuple(tensors[key].shape)}, config implies {tuple(tensor.shape)}"
-            )
-
-
 def _load_peagle(
     directory: Path, raw: dict, tensors: dict[str, torch.Tensor], target_num_layers: int | None
 ) -> PEagleDrafter:
@@ -314,7 +336,7 @@ def _load_peagle(
     tensors = {_canonical_peagle_key(k): v for k, v in tensors.items()}
     expected = model.trainable_state_dict()
     optional = {"d2t", "t2d"} if config.draft_vocab_size == config.vocab_size else set()
-    _check_keys(weights_path, tensors, expected, optional | {"embed_tokens.weight"}, set())
+    _check_tensors(weights_path, expected, tensors, optional=optional | {"embed_tokens.weight"})
     model.load_state_dict({k: tensors[k].to(v.dtype) for k, v in expected.items() if k in tensors}, strict=False)
     # Embeddings the checkpoint lacks are the target's, as an EAGLE-3 drafter's; given ones are kept.
     model.own_embeddings = "embed_tokens.weight" in tensors
@@ -336,7 +358,7 @@ def _load_eagle3(
     model = Eagle3Drafter(config)
     expected = model.trainable_state_dict()
     optional = {"d2t", "t2d"} if config.draft_vocab_size == config.vocab_size else set()
-    _check_keys(weights_path, tensors, expected, optional, {"embed_tokens.weight"})
+    _check_tensors(weights_path, expected, tensors, optional=optional, extra={"embed_tokens.weight"})
     state = {k: tensors[k].to(v.dtype) for k, v in expected.items() if k in tensors}
     if "embed_tokens.weight" in tensors:
         embed = tensors["embed_tokens.weight"]

@@ -297,6 +297,10 @@ class PEagleDrafter(nn.Module):
     def decode_layer_ids(self) -> list[int]:
         return list(self.config.aux_layer_ids)
 
+    @property
+    def target_hidden_size(self) -> int:
+        return self.config.target_hidden_size
+
     def attach(self, target: nn.Module) -> None:
         """A new drafter's embeddings start from the target's; trained ones are the drafter's own."""
         embed = target.get_input_embeddings().weight

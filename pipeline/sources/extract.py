@@ -14,38 +14,19 @@ import torch
 
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import shards
+from pipeline.data.held_out import training_rollouts
 from pipeline.data.keys import step_key
 from pipeline.data.rollouts import Rollout, TargetLimits
 from pipeline.data.run_layout import TargetLayout
 from pipeline.data.shards import HiddenSample, Manifest
 from pipeline.data.store import ObjectStore
-from pipeline.models import eagle3
 from pipeline.models import target as target_lib
-from pipeline.models.eagle3 import default_aux_layer_ids
+from pipeline.models import target_forward
+from pipeline.models.drafter import stored_layer_ids
 from pipeline.sources import vllm_connector as vllm_hidden_states
 
 if TYPE_CHECKING:  # the forward path also runs without pydantic (benchmarks/extraction.py on a bare GPU image)
-    from pipeline.config import DrafterConfig, PipelineConfig
-
-
-def training_rollouts(rollouts: list[Rollout], held_out_fraction: float) -> list[Rollout]:
-    return [r for r in rollouts if not rollouts_lib.is_held_out(r.sample_id, held_out_fraction)]
-
-
-def held_out_rollouts(rollouts: list[Rollout], held_out_fraction: float) -> list[Rollout]:
-    return [r for r in rollouts if rollouts_lib.is_held_out(r.sample_id, held_out_fraction)]
-
-
-def aux_layer_ids(drafter: DrafterConfig, num_layers: int) -> list[int]:
-    return list(drafter.aux_layer_ids or default_aux_layer_ids(num_layers))
-
-
-def stored_layer_ids(drafter: DrafterConfig, num_layers: int) -> list[int] | None:
-    """Layers the drafter kind trains on, each stored once: EAGLE-3 and P-EAGLE their aux layers plus
-    the last one (for the soft labels); EAGLE-1/2 only the post-norm last layer (None)."""
-    if drafter.kind == "eagle":
-        return None
-    return eagle3.stored_layer_ids(aux_layer_ids(drafter, num_layers), num_layers)
+    from pipeline.config import PipelineConfig
 
 
 def plan_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
@@ -93,7 +74,7 @@ def _forward_batches(model, rollouts: list[Rollout], plan: list[list[int]], devi
         ids = torch.zeros(len(chunk), len(chunk[0].input_ids), dtype=torch.int64)  # (B, T), right-padded with 0
         for row, r in enumerate(chunk):
             ids[row, : len(r.input_ids)] = torch.tensor(r.input_ids, dtype=torch.int64)
-        layers = target_lib.layer_states(model, ids.to(device), layer_ids)  # n x (B, T, H)
+        layers = target_forward.layer_states(model, ids.to(device), layer_ids)  # n x (B, T, H)
         features = torch.stack([x.to(torch.bfloat16) for x in layers], dim=1)  # (B, n, T, H)
         del layers
         if copy_stream is None:

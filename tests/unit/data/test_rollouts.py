@@ -19,7 +19,6 @@ from pipeline.data.rollouts import (
     RolloutsError,
     committed_steps,
     is_committed,
-    is_held_out,
     read_policy_pointer,
     read_rollouts,
     write_rollouts,
@@ -304,27 +303,6 @@ def test_policy_pointer_errors_do_not_echo_the_uri(store: ObjectStore) -> None:
     assert "hunter2" not in str(excinfo.value)
 
 
-# -- held-out split ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("fraction", [0.05, 0.125, 0.5, 0.9])
-def test_is_held_out_is_deterministic_and_close_to_the_fraction(fraction: float) -> None:
-    sample_ids = [f"step-{i // 100}-rollout-{i}" for i in range(10_000)]
-
-    first = [is_held_out(s, fraction) for s in sample_ids]
-    second = [is_held_out(s, fraction) for s in sample_ids]
-
-    assert first == second
-    assert sum(first) / len(first) == pytest.approx(fraction, abs=0.02)
-
-
-def test_held_out_sets_grow_with_the_fraction() -> None:
-    sample_ids = [f"sample-{i}" for i in range(2000)]
-    small = {s for s in sample_ids if is_held_out(s, 0.1)}
-    large = {s for s in sample_ids if is_held_out(s, 0.3)}
-    assert small < large
-
-
 # -- step keys --------------------------------------------------------------------------------------------------
 
 
@@ -341,6 +319,9 @@ def test_step_key_format() -> None:
     assert steps.hidden_states_prefix("run", 5) == "hidden_states/run/step-000005"
     assert steps.buffer_key("run", 5) == "buffer/run/step-000005/_manifest.json"
     assert steps.acceptance_key("run", 5) == "acceptance/run/step-000005.json"
+    assert steps.hidden_states_shard_key("run", 5, "part-00000-ab.arrow") == \
+        "hidden_states/run/step-000005/part-00000-ab.arrow"
+    assert steps.layout_key("run") == "hidden_states/run/_target_layout.json"
 
 
 def test_step_key_rejects_negative_steps() -> None:
@@ -357,6 +338,17 @@ def test_steps_beyond_int64_are_refused(store: ObjectStore) -> None:
     store.write_bytes("rollouts/r/step-9223372036854775808/policy.json", b"{}")
     store.write_bytes("rollouts/r/step-9223372036854775808/rollouts.parquet", b"")
     assert committed_steps(store, RUN) == []  # never a partition: Dagster and the int64 columns could not hold it
+
+
+@pytest.mark.reliability("bad_input", "step directories named beyond int64, or by thousands of digits: reported as "
+                                      "malformed, never an error")
+def test_step_names_beyond_int64_are_malformed_not_errors() -> None:
+    huge = ["step-9223372036854775808", "step-99999999999999999999", "step-" + "9" * 5000, "step-" + "0" * 4990 + "1"]
+    assert steps.malformed_step_names(["step-000001", *huge, "notes"]) == huge
+    assert not any(steps.is_step_key(name) for name in huge)
+    assert steps.is_step_key("step-9223372036854775807")
+    with pytest.raises(ValueError, match="too large for int64"):
+        parse_step_key(huge[2])
 
 
 @pytest.mark.parametrize(
@@ -376,3 +368,19 @@ def test_parse_step_key_rejects(key: str) -> None:
 def test_parse_step_key_rejects_near_misses(key: str) -> None:
     with pytest.raises(ValueError, match=re.escape(repr(key))):
         parse_step_key(key)
+
+
+@pytest.mark.parametrize("digits", [4000, 5000])
+@pytest.mark.reliability("bad_input", "policy.json with a number thousands of digits long: refused naming the file "
+                                      "and field, the number not echoed")
+def test_a_number_thousands_of_digits_long_is_refused_by_name(store: ObjectStore, digits: int) -> None:
+    huge = "1" + "0" * (digits - 1)
+    store.write_bytes(f"rollouts/{RUN}/step-{STEP:06d}/policy.json", (
+        f'{{"schema_version": 1, "policy_version": {huge}, "model_id": "m", "checkpoint_uri": "policies/x"}}'
+    ).encode())
+    with pytest.raises(RolloutsError, match=f"step-{STEP:06d}/policy.json") as failure:
+        read_policy_pointer(store, RUN, STEP)
+    assert len(str(failure.value)) < 300
+    if digits < 4300:
+        assert "policy_version" in str(failure.value)
+        assert "a 13285-bit integer is outside" in str(failure.value)
