@@ -106,7 +106,7 @@ def measure_step(
             version, exact.tau, exact.acceptance_rate, tuple(exact.per_position), exact.rounds, exact.drafted,
             exact.accepted, len(prompts),
             TauEstimate(estimate.tau, tuple(estimate.per_position), estimate.sequences, estimate.positions)
-            if estimate else None)
+            if estimate else None, exact.drafter_forwards_per_round)
     return StepMeasurement(step, pointer.policy_version, len(prompts), roles, measured, served_decoding)
 
 

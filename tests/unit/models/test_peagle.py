@@ -15,6 +15,7 @@ from pipeline.evaluation import speculative
 from pipeline.evaluation.cost import RoundCost, drafter_cost_ratio
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.models.checkpoint import CheckpointError, load_drafter, save_drafter
 from pipeline.models.eagle import CommittedPairs, attend
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, TTTCache, default_aux_layer_ids, draft_vocab
@@ -206,7 +207,7 @@ def test_proposer_equals_the_training_forward(target: LlamaForCausalLM) -> None:
     """One proposal = the parallel forward's depths 0..k-1 at the last committed position."""
     model = drafter_for(target, seed=2)
     prompt = torch.randint(0, V, (7,), generator=torch.Generator().manual_seed(5))
-    out = target_lib.forward(target, prompt[None], list(AUX))
+    out = target_forward.forward(target, prompt[None], list(AUX))
     features = out.layers.flatten(2)[:, :-1]  # (1, n, n_aux * H)
     n, k = prompt.shape[0] - 1, 4
     pairs = CommittedPairs(features, prompt[None, 1:], torch.arange(n)[None], torch.ones(1, n, dtype=torch.bool))
@@ -296,7 +297,7 @@ def first_forward_logits(model: torch.nn.Module, seed: int = 12) -> torch.Tensor
 
 def test_export_import_is_bit_exact(tmp_path: Path, target: LlamaForCausalLM) -> None:
     model = drafter_for(target, seed=4, fc_norm=True)
-    directory = save_drafter(model, tmp_path / "ckpt", target_lib.TargetMetadata.of(target.config))
+    directory = save_drafter(model, tmp_path / "ckpt", target_forward.TargetMetadata.of(target.config))
 
     tensors = load_file(directory / "model.safetensors")
     config = json.loads((directory / "config.json").read_text())
@@ -408,7 +409,7 @@ def target_samples(target: LlamaForCausalLM, count: int, seed: int = 0) -> list[
         n = int(torch.randint(10, 18, (1,), generator=g))
         start = int(torch.randint(0, V, (1,), generator=g))
         ids = (start + 3 * torch.arange(n)) % V
-        layers = target_lib.forward(target, ids[None], layer_ids=layer_ids).layers[0]  # (T, n_aux + 1, H)
+        layers = target_forward.forward(target, ids[None], layer_ids=layer_ids).layers[0]  # (T, n_aux + 1, H)
         mask = torch.ones(n, dtype=torch.int64)
         mask[:3] = 0
         out.append((ids, layers.flatten(1).float(), mask))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.models.checkpoint import load_drafter, save_speculators
 from pipeline.models.eagle3 import default_aux_layer_ids, draft_vocab
 from pipeline.models.peagle import CodSample, PEagleConfig, PEagleDrafter, context_mask
@@ -66,7 +67,7 @@ def test_speculators_loads_the_export_with_equal_logits(tmp_path: Path, target, 
     """Their training forward (a COD sample of every depth, their cross-depth mask) and ours, on the same
     sample: the logits speculators' lm_head computes equal ours."""
     model = ours(target, **overrides)
-    directory = save_speculators(model, tmp_path / "spec", target_lib.TargetMetadata.of(target.config), verifier)
+    directory = save_speculators(model, tmp_path / "spec", target_forward.TargetMetadata.of(target.config), verifier)
     spec = theirs(directory)
     assert torch.equal(spec.mask_hidden, model.mask_hidden)
 
@@ -99,7 +100,7 @@ def test_speculators_loads_the_export_with_equal_logits(tmp_path: Path, target, 
 
 def test_speculators_export_round_trips(tmp_path: Path, target) -> None:
     model = ours(target)
-    directory = save_speculators(model, tmp_path / "spec", target_lib.TargetMetadata.of(target.config))
+    directory = save_speculators(model, tmp_path / "spec", target_forward.TargetMetadata.of(target.config))
     config = json.loads((directory / "config.json").read_text())
     assert config["speculators_model_type"] == "peagle"
     assert config["transformer_layer_config"]["head_dim"] == H // HEADS  # their rotary reads it (2H wide inputs)
