@@ -1,4 +1,5 @@
-"""What a speculative round costs, and the rollout speedup it buys: one cost model for every drafter kind.
+"""The speedup a drafter's round buys, estimated before any timing: `pipeline/cost.py`'s model (which the
+ledger feeds with measured timings) with c taken from the weights each forward reads.
 
 Decoding is bound by reading weights: a forward reads each weight once whether it scores one
 position or k + 1. So a round costs one target forward (the pending token and k drafts, verified
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 from transformers import LlamaForCausalLM
 
+from pipeline.cost import DecodingCost
 from pipeline.evaluation import speculative
 from pipeline.models.drafter import Proposer
 
@@ -35,7 +37,8 @@ class RoundCost:
 
     @property
     def speedup(self) -> float:
-        return self.tau / (1 + self.drafter_forwards_per_round * self.drafter_cost_ratio)
+        f = round(self.drafter_forwards_per_round)
+        return DecodingCost(1.0, self.drafter_cost_ratio, f).speedup(self.tau)  # t cancels out of a speedup
 
     @property
     def drafter_forwards_per_token(self) -> float:
