@@ -15,11 +15,12 @@ setup: $(STAMP)
 
 # torch first: `pip install torch==2.13.0` takes the local CPU wheel where there is one;
 # a torch already in the base interpreter is reused (the venv sees system site-packages).
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt requirements-speculators.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0 || $(PY) -m pip install --quiet torch
 	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-speculators.txt
 	touch $(STAMP)
 
 # Debian's chromium for the browser tests (Playwright drives it; it cannot download its own browser here).

@@ -173,6 +173,23 @@ def _step_line(r: dict, wall_s: float, source: str) -> str:
             + (f"  TRL mean reward {r['trl_mean_reward']:.3f}" if source == "trl" else ""))
 
 
+def _kind_figures(cfg: PipelineConfig, rows: list[dict]) -> tuple[list[dict], float | None]:
+    """What compares drafter kinds: the last co-trained drafter's tau, forwards and estimated speedup at
+    k = 4 and 8 on the last step (P-EAGLE: up to its depths), and the mean training tokens/s."""
+    from pipeline.data.records import read_training
+    from pipeline.data.store import open_store
+    from pipeline.evaluation.acceptance import round_costs_at_step
+    from pipeline.registry import open_registry
+
+    store, last = open_store(cfg), rows[-1]
+    trainings = [read_training(store, cfg.run, r["step"]) for r in rows]
+    rates = [t.figures.tokens_per_s for t in trainings if t.figures and t.figures.tokens_per_s]
+    version = last["version_cotrained"]
+    ks = [k for k in (4, 8) if cfg.drafter.kind != "peagle" or k <= cfg.drafter.num_depths]
+    costs = round_costs_at_step(store, cfg, last["step"], open_registry(cfg), version, ks) if version else []
+    return [c.to_json() for c in costs], (sum(rates) / len(rates) if rates else None)
+
+
 def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls: list[float],
                  fleet_state: tuple[ReplicaDeploy, ...], source: str) -> Path:
     """The table, the plot and the JSON summary of a demo."""
@@ -187,9 +204,11 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
     ledger_plot.write_bytes(report.ledger_png(ledger))
     fleet = [{"replica": r.replica, "version": r.version, "live_tau": round(r.live_tau, 4)} for r in fleet_state]
     total = ledger.totals
+    summary_costs, tokens_per_s = _kind_figures(cfg, rows)
     summary = report.write_summary(rows, wall, step_walls, out_dir / "summary.json", fleet=fleet,
                                    num_speculative_tokens=k, drafter_kind=cfg.drafter.kind, device=cfg.device,
                                    source=source, step_period_s=cfg.simulation.step_period_s,
+                                   round_costs=summary_costs, train_tokens_per_s=tokens_per_s,
                                    ledger={"steps": report.ledger_rows(ledger), "spent_s": total.spent_s,
                                            "saved_s": total.saved_s, "spent_by_stage_s": total.by_stage})
     out()
@@ -204,6 +223,12 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
     for replica in fleet:
         out(f"fleet: {replica['replica']} (stand-in) runs drafter version {replica['version']}, "
             f"live tau {replica['live_tau']:.2f}")
+    for c in summary_costs:
+        out(f"k={c['k']}: tau {c['tau']:.2f}, {c['drafter_forwards_per_round']:.0f} drafter forwards per round "
+            f"({c['drafter_forwards_per_token']:.2f} per token), estimated speedup {c['estimated_speedup']:.2f}x "
+            f"(drafter forward = {c['drafter_cost_ratio']:.3f} target forwards)")
+    if tokens_per_s:
+        out(f"training: {tokens_per_s:.0f} tokens/s (mean over the trained steps)")
     out(f"wall time {wall:.1f}s ({wall / steps:.1f}s per step)")
     out(f"plots:   {plot}, {ledger_plot}")
     out(f"summary: {summary}")
@@ -475,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     demo_p = sub.add_parser("demo", help="run N simulated RL steps through the pipeline")
     demo_p.add_argument("--steps", type=int, default=6)
-    demo_p.add_argument("--drafter", choices=["eagle", "eagle3"], help="drafter.kind for this demo")
+    demo_p.add_argument("--drafter", choices=["eagle", "eagle3", "peagle"], help="drafter.kind for this demo")
     demo_p.add_argument("--source", choices=["simulated", "trl"], default="simulated",
                         help="what writes the RL steps: the built-in simulator, or real GRPO with TRL")
     ui_p = sub.add_parser("ui", help="Dagster and MLflow UIs on the demo's data")

@@ -20,7 +20,17 @@ teacher-forced estimate against exact tau.
   what decoding would have fed it, yet still reads low: the earlier context is sampled text,
   decoding's the target's greedy text, on which the drafter does better.
 
-Goals: ratio <= 1.5, speedup >= 4, estimate within 0.3 of exact tau. One thread throughout.
+* drafter_kinds: the drafter's share of a round per kind at k = 4 and 8 (EAGLE-3 drafts a token per
+  forward, P-EAGLE all k in one): per kind, the median seconds of a round (verification + proposal)
+  and of its proposal alone, the drafter forwards per round, and c, the cost model's drafter
+  forward in target forwards (`pipeline/evaluation/cost.py`). Target: the cost ratio's, 8 layers
+  deep so that a drafter is a realistic fraction of it (c about 0.2 for EAGLE-3, 0.3 for a
+  two-layer P-EAGLE). peagle_eagle3_per_token_k{4,8}_ratio: P-EAGLE's evaluation time per
+  generated token over EAGLE-3's at equal tau, i.e. the ratio of their round times (tau divides
+  both); the untrained drafters' taus are beside it (about 1 for both).
+
+Goals: ratio <= 1.5, speedup >= 4, estimate within 0.3 of exact tau, P-EAGLE/EAGLE-3 per token below
+1 at k = 4 and lower at k = 8. One thread throughout.
 """
 
 from __future__ import annotations
@@ -95,6 +105,52 @@ def cost_ratio(torch) -> dict:
         drafter = _drafter(torch, target, kind)
         short, long = (_per_token_s(torch, target, drafter, n, 24) for n in (128, 2048))
         out[kind] = {"per_token_ms_128": short * 1e3, "per_token_ms_2048": long * 1e3, "ratio": long / short}
+    return out
+
+
+class _ProposalClock(TimedProposer):
+    """TimedProposer that also notes how long each proposal itself takes."""
+
+    def __init__(self, inner, stamps: list[float], proposing: list[float]) -> None:
+        super().__init__(inner, stamps)
+        self.proposing = proposing
+
+    def propose(self, pairs, k: int):
+        self.stamps.append(time.perf_counter())
+        out = self.inner.propose(pairs, k)
+        self.proposing.append(time.perf_counter() - self.stamps[-1])
+        return out
+
+
+def drafter_kinds(torch) -> dict:
+    import statistics
+
+    from pipeline.evaluation.cost import drafter_cost_ratio
+    from pipeline.evaluation.speculative import generate_batch
+
+    target = _target(torch, layers=8)
+    prompt = torch.randint(0, target.config.vocab_size, (128,), generator=torch.Generator().manual_seed(3))
+    out: dict = {}
+    for k in (4, 8):
+        for kind in ("eagle3", "peagle"):
+            drafter = _drafter(torch, target, kind)
+            stamps: list[float] = []
+            proposing: list[float] = []
+            proposers: list = []
+
+            def new(drafter=drafter, stamps=stamps, proposing=proposing, proposers=proposers):
+                proposers.append(drafter.proposer())
+                return _ProposalClock(proposers[-1], stamps, proposing)
+
+            trace = generate_batch(target, new, [prompt], 40, k)[0]
+            rounds = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+            out[f"{kind}_k{k}"] = {
+                "round_ms": statistics.median(rounds) * 1e3, "proposal_ms": statistics.median(proposing[1:]) * 1e3,
+                "drafter_forwards_per_round": sum(p.forwards for p in proposers) / len(proposing),
+                "drafter_cost_ratio": drafter_cost_ratio(drafter, target),
+                "tau": 1 + sum(trace.accepted_per_round) / len(trace.accepted_per_round),
+            }
+        out[f"peagle_eagle3_per_token_k{k}_ratio"] = out[f"peagle_k{k}"]["round_ms"] / out[f"eagle3_k{k}"]["round_ms"]
     return out
 
 
@@ -216,6 +272,7 @@ def run() -> dict:
         with torch.no_grad():
             cost = cost_ratio(torch)
             batch = batched_speedup(torch)
+            kinds = drafter_kinds(torch)
         tau = tau_estimate(torch)
     finally:
         torch.set_num_threads(threads)
@@ -223,6 +280,9 @@ def run() -> dict:
         "per_token_cost_ratio_2048_vs_128": max(c["ratio"] for c in cost.values()),
         "batched_speedup": batch["speedup"],
         "tau_estimate_abs_diff": tau["abs_diff"],
+        "peagle_eagle3_per_token_k4_ratio": kinds["peagle_eagle3_per_token_k4_ratio"],
+        "peagle_eagle3_per_token_k8_ratio": kinds["peagle_eagle3_per_token_k8_ratio"],
+        "drafter_kinds": kinds,
         "cost": cost,
         "batching": batch,
         "tau": tau,

@@ -153,7 +153,9 @@ class TrainConfig(_Strict):
 
 
 class DrafterConfig(_Strict):
-    kind: Literal["eagle", "eagle3"] = Field(default="eagle3", description="Drafter architecture.")
+    kind: Literal["eagle", "eagle3", "peagle"] = Field(
+        default="eagle3", description="Drafter architecture: EAGLE-1/2, EAGLE-3, or P-EAGLE (parallel drafting)."
+    )
     intermediate_size: int | None = Field(
         default=None, ge=1, description="MLP width of the draft layer; the target's when unset."
     )
@@ -169,6 +171,22 @@ class DrafterConfig(_Strict):
     warm_start: str = Field(
         default="", description="Checkpoint directory to start from while there is no champion (e.g. SpecForge)."
     )
+    num_layers: int = Field(
+        default=2, ge=1, description="P-EAGLE: draft decoder layers (the first is EAGLE-3's, the others plain Llama)."
+    )
+    num_depths: int = Field(
+        default=8, ge=1, description="P-EAGLE: tokens one forward predicts; eval.num_speculative_tokens at most."
+    )
+    down_sample_ratio: float = Field(
+        default=0.7, gt=0, le=1, description="P-EAGLE COD sampling: depth d keeps a ratio**d share of positions."
+    )
+    down_sample_ratio_min: float = Field(
+        default=0.2, gt=0, le=1, description="P-EAGLE COD sampling: the share a depth keeps at least."
+    )
+    mask_token_id: int | None = Field(
+        default=None, ge=0,
+        description="P-EAGLE: the token of the masked depths; unset: the highest target id outside the draft vocab.",
+    )
 
     @field_validator("warm_start")
     @classmethod
@@ -179,6 +197,9 @@ class DrafterConfig(_Strict):
     def _aux_layers(self) -> DrafterConfig:
         if self.aux_layer_ids is not None and (len(self.aux_layer_ids) < 1 or min(self.aux_layer_ids) < 0):
             raise ValueError("drafter.aux_layer_ids must list at least one layer id >= 0")
+        if self.down_sample_ratio_min > self.down_sample_ratio:
+            raise ValueError(f"drafter.down_sample_ratio_min ({self.down_sample_ratio_min}) exceeds "
+                             f"drafter.down_sample_ratio ({self.down_sample_ratio})")
         return self
 
 
@@ -417,6 +438,13 @@ class PipelineConfig(_Strict):
     promotion: PromotionConfig = Field(default_factory=PromotionConfig, description="Champion promotion.")
     fleet: FleetConfig = Field(default_factory=FleetConfig, description="The serving fleet the champion goes to.")
     simulation: SimulationConfig = Field(default_factory=SimulationConfig, description="Simulated RL source.")
+
+    @model_validator(mode="after")
+    def _parallel_depths(self) -> PipelineConfig:
+        if self.drafter.kind == "peagle" and self.eval.num_speculative_tokens > self.drafter.num_depths:
+            raise ValueError(f"eval.num_speculative_tokens ({self.eval.num_speculative_tokens}) exceeds "
+                             f"drafter.num_depths ({self.drafter.num_depths}): a P-EAGLE forward proposes at most that")
+        return self
 
     @model_validator(mode="after")
     def _k8s_reaches_storage(self) -> PipelineConfig:

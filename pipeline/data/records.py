@@ -198,6 +198,7 @@ class DrafterTau:
     accepted: int
     prompts: int
     estimate: TauEstimate | None = None  # None: no held-out response was long enough to estimate on
+    drafter_forwards_per_round: float | None = None  # k (EAGLE-1/2, EAGLE-3) or 1 (P-EAGLE); None: not counted
 
     def to_json(self) -> dict:
         return {**asdict(self), "per_position": list(self.per_position),
@@ -208,7 +209,7 @@ class DrafterTau:
         estimate = doc.get("estimate")
         return cls(doc["version"], doc["tau"], doc["acceptance_rate"], tuple(doc["per_position"]), doc["rounds"],
                    doc["drafted"], doc["accepted"], doc["prompts"],
-                   TauEstimate.from_json(estimate) if estimate else None)
+                   TauEstimate.from_json(estimate) if estimate else None, doc.get("drafter_forwards_per_round"))
 
 
 ROLES = ("cotrained", "served", "baseline", "champion")

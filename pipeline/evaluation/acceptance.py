@@ -31,7 +31,7 @@ from pipeline.data.records import (
     write_record,
 )
 from pipeline.data.store import ObjectStore
-from pipeline.evaluation import speculative, teacher_forced
+from pipeline.evaluation import cost, speculative, teacher_forced
 from pipeline.models import target as target_lib
 from pipeline.registry import DrafterRegistry
 
@@ -98,14 +98,15 @@ def measure_step(
         exact = speculative.evaluate(target, speculative.follow_target(drafter, target), prompts, max_new, k,
                                      times=times)
         if version == roles["served"]:
-            served_decoding = times.decoding_cost(k)
+            # a round's drafter cost counts its forwards (k, or 1 for P-EAGLE), not its tokens
+            served_decoding = times.decoding_cost(round(exact.drafter_forwards_per_round or k))
         estimate = teacher_forced.estimate_acceptance(target, drafter, sequences, prompt_lens, k)
         # each tau says what it rests on: exact, prompts decoded and rounds; the estimate, rollouts and positions
         measured[version] = DrafterTau(
             version, exact.tau, exact.acceptance_rate, tuple(exact.per_position), exact.rounds, exact.drafted,
             exact.accepted, len(prompts),
             TauEstimate(estimate.tau, tuple(estimate.per_position), estimate.sequences, estimate.positions)
-            if estimate else None)
+            if estimate else None, exact.drafter_forwards_per_round)
     return StepMeasurement(step, pointer.policy_version, len(prompts), roles, measured, served_decoding)
 
 
@@ -116,6 +117,20 @@ def served_version(store: ObjectStore, run: str, step: int, champion: str | None
     if not state.history:
         return champion
     return served_at(state, rollouts_lib.published_at(store, run, step))
+
+
+def round_costs_at_step(
+    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, version: str, ks: list[int]
+) -> list[cost.RoundCost]:
+    """A registered drafter's tau, drafter forwards per round and estimated speedup at each k, on the step's
+    held-out prompts and policy (the cost model of `pipeline.evaluation.cost`)."""
+    pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
+    target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
+    prompts = held_out_prompts(store, cfg, step, rollouts_lib.TargetLimits.of(target.config))
+    drafter = registry.load(version)
+    drafter.attach(target)
+    return cost.round_costs(target, drafter, speculative.follow_target(drafter, target), prompts,
+                            cfg.eval.max_new_tokens, ks)
 
 
 def apply_promotion(

@@ -7,15 +7,17 @@ So each row's output is exactly the target's greedy decoding; only the number of
 forwards changes.
 
 Both models keep key/value caches, so a round costs k + 1 target positions and k drafter
-steps whatever the sequence length. Rows accept different numbers of tokens: a row's
-rejected columns stay in the caches, masked (the attention mask and per-row positions say
-what each row holds), and columns no row kept are cropped off the end.
+forwards (EAGLE-1/2, EAGLE-3) or one (P-EAGLE) whatever the sequence length. Rows accept
+different numbers of tokens: a row's rejected columns stay in the caches, masked (the
+attention mask and per-row positions say what each row holds), and columns no row kept are
+cropped off the end.
 
 Metrics follow vLLM's names:
 
     mean acceptance length  tau = 1 + accepted / rounds       (tokens per target forward)
     acceptance rate             = accepted / (rounds * k)
     per-position acceptance [j] = share of rounds whose first j+1 proposals were all kept
+    drafter forwards per round  = the proposers' forward passes / their proposals
 """
 
 from __future__ import annotations
@@ -193,15 +195,19 @@ class AcceptanceMetrics:
     rounds: int
     drafted: int
     accepted: int
+    drafter_forwards_per_round: float | None = None  # None: not counted
 
     def as_dict(self) -> dict:
         return {
             "tau": self.tau, "acceptance_rate": self.acceptance_rate, "per_position": self.per_position,
             "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
+            "drafter_forwards_per_round": self.drafter_forwards_per_round,
         }
 
 
-def acceptance_metrics(accepted_per_round: list[int], k: int) -> AcceptanceMetrics:
+def acceptance_metrics(
+    accepted_per_round: list[int], k: int, drafter_forwards_per_round: float | None = None
+) -> AcceptanceMetrics:
     rounds = len(accepted_per_round)
     if rounds == 0:
         raise ValueError("no speculative rounds to measure")
@@ -209,7 +215,7 @@ def acceptance_metrics(accepted_per_round: list[int], k: int) -> AcceptanceMetri
     per_position = [sum(a > j for a in accepted_per_round) / rounds for j in range(k)]
     return AcceptanceMetrics(
         tau=1 + accepted / rounds, acceptance_rate=accepted / (rounds * k), per_position=per_position,
-        rounds=rounds, drafted=rounds * k, accepted=accepted,
+        rounds=rounds, drafted=rounds * k, accepted=accepted, drafter_forwards_per_round=drafter_forwards_per_round,
     )
 
 
@@ -221,8 +227,26 @@ def evaluate(
     shortest first: a batch's prefill pads every prompt to its longest. `times` adds up the rounds' seconds."""
     prompts = sorted(prompts, key=len)
     rounds: list[int] = []
+    forwards: int | None = 0
+    proposals = 0
     for start in range(0, len(prompts), batch_size):
+        proposer = new_proposer()
+        counted = _Counting(proposer)
         batch = prompts[start : start + batch_size]
-        for trace in generate_batch(model, new_proposer, batch, max_new_tokens, k, times):
+        for trace in generate_batch(model, lambda p=counted: p, batch, max_new_tokens, k, times):
             rounds += trace.accepted_per_round
-    return acceptance_metrics(rounds, k)
+        counts = getattr(proposer, "forwards", None)  # None: a proposer that is no drafter (tests' oracles)
+        forwards = None if counts is None or forwards is None else forwards + counts
+        proposals += counted.proposals
+    return acceptance_metrics(rounds, k, forwards / proposals if forwards is not None and proposals else None)
+
+
+class _Counting:
+    """A proposer that counts its proposals (a batch's rounds), for forwards per round."""
+
+    def __init__(self, proposer: Proposer) -> None:
+        self.proposer, self.layer_ids, self.proposals = proposer, proposer.layer_ids, 0
+
+    def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
+        self.proposals += 1
+        return self.proposer.propose(pairs, k)

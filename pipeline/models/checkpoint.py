@@ -20,6 +20,27 @@ EAGLE-3 (`drafter.kind: eagle3`):
                             [, fc_norm.N.weight (EAGLE-3.1)] [, embed_tokens.weight if not the target's]
     vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "<dir>", "num_speculative_tokens": 4}'
 
+P-EAGLE (`drafter.kind: peagle`): EAGLE-3's layout with every layer and two additions
+    <dir>/
+    ├── config.json         EAGLE-3's, with num_hidden_layers, parallel_drafting: true, the masked token
+    │                       as mask_token_id, pard_token and ptd_token_id (the names vLLM reads), num_depths,
+    │                       down_sample_ratio, down_sample_ratio_min
+    └── model.safetensors   layers.0.* (EAGLE-3's first layer), layers.1.* ... (Llama blocks), fc.weight,
+                            norm.weight, lm_head.weight, d2t, t2d, embed_tokens.weight (trained), mask_hidden
+    vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "<dir>", "num_speculative_tokens": 4,
+                                             "parallel_drafting": true}'
+    A checkpoint is P-EAGLE by its `mask_hidden` key: without it, the same files load as EAGLE-3.
+
+P-EAGLE in speculators' format (`save_speculators`), as speculators' `PEagleDraftModel.from_pretrained`
+and vLLM (which converts speculators configs) load it:
+    <dir>/
+    ├── config.json         speculators_model_type: "peagle", transformer_layer_config (the draft layers'
+    │                       LlamaConfig, head_dim written), draft_vocab_size, target_hidden_size,
+    │                       eagle_aux_hidden_state_layer_ids, mask_token_id, norm flags,
+    │                       speculators_config (algorithm peagle, greedy proposals of num_depths tokens,
+│                       the verifier)
+    └── model.safetensors   the same tensors as above (speculators names them alike)
+
 Import also takes the published variants (`layers.0.` for `midlayer.`, a `model.` prefix)
 and refuses anything that is not safetensors.
 """
@@ -37,9 +58,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pipeline.models.drafter import Drafter
-from pipeline.models.eagle import ARCHITECTURE, EagleConfig, EagleDrafter
+from pipeline.models.eagle import ARCHITECTURE, EagleConfig, EagleDrafter, llama_fields
 from pipeline.models.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
+from pipeline.models.peagle import PEagleConfig, PEagleDrafter
 from pipeline.models.rope import UnsupportedRopeError, check_scaling, rope_from
 from pipeline.models.target_forward import TargetMetadata
 
@@ -112,6 +134,73 @@ def share_as_umask_allows(path: Path) -> None:
     path.chmod(0o666 & ~process_umask())
 
 
+def save_speculators(
+    model: PEagleDrafter, directory: Path, target: TargetMetadata, verifier: str | None = None
+) -> Path:
+    """Write a P-EAGLE drafter in speculators' format, proposing up to its depths; `verifier`: the target's
+    name or path, if it has one."""
+    if not isinstance(model, PEagleDrafter):
+        raise TypeError(f"speculators' peagle format holds P-EAGLE drafters, not {model.kind}")
+    c = model.config
+    fields = target_fields(model, target)
+    theta, scaling = fields["rope_theta"], fields["rope_scaling"]
+    rope = {"rope_theta": theta, "rope_type": "default"} if scaling is None else \
+        {**scaling, "rope_theta": theta, "rope_type": scaling.get("rope_type", scaling.get("type"))}
+    layer = {
+        **llama_fields(c), "num_hidden_layers": c.num_hidden_layers, "vocab_size": fields["vocab_size"],
+        "max_position_embeddings": fields["max_position_embeddings"], "rope_parameters": rope,
+        "attention_bias": False, "mlp_bias": False,
+    }
+    for key in ("rope_theta", "rope_scaling", "torch_dtype"):
+        layer.pop(key)
+    config = {
+        "architectures": ["PEagleDraftModel"],
+        "speculators_model_type": "peagle",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "mask_token_id": c.mask_token_id,
+        "norm_before_residual": c.norm_before_residual,
+        "norm_before_fc": False,
+        "fc_norm": c.fc_norm,
+        "norm_output": False,
+        "embed_requires_grad": True,
+        "tie_word_embeddings": False,
+        "speculators_config": {
+            "algorithm": "peagle",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.num_depths}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": [_ARCHITECTURES.get(target.model_type, "")]},
+        },
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.checkpoint_tensors().items()}
+    save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+    share_as_umask_allows(directory / WEIGHTS_FILE)
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def _from_speculators(raw: dict) -> dict:
+    """A speculators `peagle` config.json as the fields of our (vLLM's) P-EAGLE config.json."""
+    layer = raw.get("transformer_layer_config") or {}
+    proposals = (raw.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return {
+        **layer,
+        "architectures": [EAGLE3_ARCHITECTURE],
+        "draft_vocab_size": raw.get("draft_vocab_size"),
+        "target_hidden_size": raw.get("target_hidden_size"),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": raw.get("eagle_aux_hidden_state_layer_ids")},
+        **{key: raw[key] for key in ("norm_before_residual", "fc_norm", "mask_token_id") if key in raw},
+        "num_depths": max(p.get("speculative_tokens", 1) for p in proposals),
+    }
+
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
+
+
 def _read(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if not weights_path.exists():
@@ -133,7 +222,11 @@ def load_drafter(directory: Path, target_num_layers: int | None = None) -> Draft
     `target_num_layers` supplies vLLM's default aux layers for EAGLE-3 checkpoints that do
     not name theirs (the EAGLE authors' releases)."""
     raw, tensors = _read(directory)
+    if raw.get("speculators_model_type") == "peagle":
+        raw = _from_speculators(raw)
     architectures = raw.get("architectures")
+    if architectures == [EAGLE3_ARCHITECTURE] and any(k.endswith("mask_hidden") for k in tensors):
+        return _load_peagle(directory, raw, tensors, target_num_layers)
     if architectures == [EAGLE3_ARCHITECTURE]:
         return _load_eagle3(directory, raw, tensors, target_num_layers)
     if architectures != [ARCHITECTURE]:
@@ -189,10 +282,7 @@ def _canonical_eagle3_key(key: str) -> str:
     return "midlayer." + key.removeprefix("layers.0.") if key.startswith("layers.0.") else key
 
 
-def _load_eagle3(
-    directory: Path, raw: dict, tensors: dict[str, torch.Tensor], target_num_layers: int | None
-) -> Eagle3Drafter:
-    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+def _eagle3_config(raw: dict, config_path: Path, target_num_layers: int | None) -> Eagle3Config:
     aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
         or raw.get("eagle_aux_hidden_state_layer_ids")
     if aux is None:
@@ -202,7 +292,7 @@ def _load_eagle3(
     rope_theta, rope_scaling = _rope(raw, config_path)
     try:
         heads = raw["num_attention_heads"]
-        config = Eagle3Config(
+        return Eagle3Config(
             vocab_size=raw["vocab_size"],
             draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -225,6 +315,45 @@ def _load_eagle3(
     except ValueError as exc:
         raise CheckpointError(f"{config_path}: {exc}") from None
 
+
+def _load_peagle(
+    directory: Path, raw: dict, tensors: dict[str, torch.Tensor], target_num_layers: int | None
+) -> PEagleDrafter:
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    base = _eagle3_config(raw, config_path, target_num_layers)
+    try:
+        config = PEagleConfig(
+            **{f: getattr(base, f) for f in Eagle3Config.__dataclass_fields__},
+            num_hidden_layers=raw.get("num_hidden_layers", 1),
+            mask_token_id=raw.get("mask_token_id", raw.get("pard_token", raw.get("ptd_token_id"))),
+            num_depths=raw.get("num_depths", 8),
+            down_sample_ratio=raw.get("down_sample_ratio", 0.7),
+            down_sample_ratio_min=raw.get("down_sample_ratio_min", 0.2),
+        )
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{config_path}: {exc}") from None
+    model = PEagleDrafter(config)
+    tensors = {_canonical_peagle_key(k): v for k, v in tensors.items()}
+    expected = model.trainable_state_dict()
+    optional = {"d2t", "t2d"} if config.draft_vocab_size == config.vocab_size else set()
+    _check_tensors(weights_path, expected, tensors, optional=optional | {"embed_tokens.weight"})
+    model.load_state_dict({k: tensors[k].to(v.dtype) for k, v in expected.items() if k in tensors}, strict=False)
+    # Embeddings the checkpoint lacks are the target's, as an EAGLE-3 drafter's; given ones are kept.
+    model.own_embeddings = "embed_tokens.weight" in tensors
+    return model
+
+
+def _canonical_peagle_key(key: str) -> str:
+    """Published variants -> our names: a `model.` prefix, `midlayer.` for `layers.0.`."""
+    key = key.removeprefix("model.")
+    return "layers.0." + key.removeprefix("midlayer.") if key.startswith("midlayer.") else key
+
+
+def _load_eagle3(
+    directory: Path, raw: dict, tensors: dict[str, torch.Tensor], target_num_layers: int | None
+) -> Eagle3Drafter:
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    config = _eagle3_config(raw, config_path, target_num_layers)
     tensors = {_canonical_eagle3_key(k): v for k, v in tensors.items()}
     model = Eagle3Drafter(config)
     expected = model.trainable_state_dict()

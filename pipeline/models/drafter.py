@@ -1,9 +1,10 @@
-"""The drafter interface both kinds implement, and what `drafter.kind` maps to.
+"""The drafter interface every kind implements, and what `drafter.kind` maps to.
 
-EAGLE-1/2 (`EagleDrafter`) and EAGLE-3 (`Eagle3Drafter`) differ in what they read from the
-target, what they learn from and how they are stored; each says so through the same methods,
-so code outside pipeline/models/ never asks which kind it holds. Before a drafter exists (a
-new one, or the layers extraction stores for it), its kind is read here and nowhere else.
+EAGLE-1/2 (`EagleDrafter`), EAGLE-3 (`Eagle3Drafter`) and P-EAGLE (`PEagleDrafter`) differ in
+what they read from the target, what they learn from and how they are stored; each says so
+through the same methods, so code outside pipeline/models/ never asks which kind it holds. Before
+a drafter exists (a new one, or the layers extraction stores for it), its kind is read here and
+nowhere else.
 """
 
 from __future__ import annotations
@@ -16,19 +17,22 @@ from torch import nn
 from pipeline.models import eagle3
 from pipeline.models.eagle import CommittedPairs, EagleConfig, EagleDrafter
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids, draft_vocab
+from pipeline.models.peagle import PEagleConfig, PEagleDrafter
 from pipeline.models.teacher import Teacher
 
 if TYPE_CHECKING:  # extraction reads the kind here and runs without pydantic on a bare GPU image
     from pipeline.config import DrafterConfig
     from pipeline.data.shards import HiddenSample
 
-__all__ = ["CommittedPairs", "Drafter", "Proposer", "Teacher", "check_layers", "fresh_drafter", "stored_layer_ids"]
+__all__ = ["CommittedPairs", "Drafter", "Proposer", "Teacher", "check_layers", "fresh_drafter", "stored_layer_ids",
+           "warm_start_from"]
 
 
 class Proposer(Protocol):
     """A drafter at decoding time: keeps its own key/value cache over the rows of a batch."""
 
     layer_ids: list[int] | None  # target layers (vLLM ids) it reads; None = the post-norm last layer
+    forwards: int  # drafter forward passes so far (EAGLE: k per proposal; P-EAGLE: 1)
 
     def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
         """The pairs committed since the last call (the prompts' on the first) -> (B, k) proposed tokens."""
@@ -38,7 +42,7 @@ class Proposer(Protocol):
 class Drafter(Protocol):
     """What every drafter kind does, by the same names. Implementations are `torch.nn.Module`s."""
 
-    kind: str  # the `drafter.kind` of the config that builds it: "eagle" (EAGLE-1/2) or "eagle3"
+    kind: str  # the `drafter.kind` of the config that builds it: "eagle" (EAGLE-1/2), "eagle3" or "peagle"
     decode_layer_ids: list[int] | None  # target layers read at decoding time; None = post-norm last layer
     target_hidden_size: int  # width of the target's hidden states it reads (its checkpoint must match the target's)
 
@@ -89,24 +93,16 @@ def aux_layer_ids(cfg: DrafterConfig, num_layers: int) -> list[int]:
 
 
 def stored_layer_ids(cfg: DrafterConfig, num_layers: int) -> list[int] | None:
-    """Layers a drafter of `cfg` trains on, each stored once: EAGLE-3 its aux layers plus the last
-    one (for the soft labels); EAGLE-1/2 only the post-norm last layer (None)."""
-    if cfg.kind == "eagle3":
-        return eagle3.stored_layer_ids(aux_layer_ids(cfg, num_layers), num_layers)
-    return None
-
-
-def fresh_drafter(cfg: DrafterConfig, target: nn.Module, token_counts: torch.Tensor, seed: int) -> Drafter:
-    """A new drafter shaped after the target; EAGLE-3's draft vocab from the buffer's token counts."""
-    torch.manual_seed(seed)
-    tc = target.config
+    """Layers a drafter of `cfg` trains on, each stored once: EAGLE-3 and P-EAGLE their aux layers plus
+    the last one (for the soft labels); EAGLE-1/2 only the post-norm last layer (None)."""
     if cfg.kind == "eagle":
-        return EagleDrafter(EagleConfig.from_target(tc, cfg.intermediate_size))
+        return None
+    return eagle3.stored_layer_ids(aux_layer_ids(cfg, num_layers), num_layers)
+
+
+def _eagle3_config(cfg: DrafterConfig, tc, size: int) -> Eagle3Config:
     base = EagleConfig.from_target(tc, cfg.intermediate_size)
-    size = cfg.draft_vocab_size or min(32000, tc.vocab_size)
-    if size > tc.vocab_size:
-        raise ValueError(f"drafter.draft_vocab_size {size} exceeds the target vocab {tc.vocab_size}")
-    model = Eagle3Drafter(Eagle3Config(
+    return Eagle3Config(
         vocab_size=tc.vocab_size, draft_vocab_size=size, hidden_size=tc.hidden_size,
         target_hidden_size=tc.hidden_size, intermediate_size=base.intermediate_size,
         num_attention_heads=base.num_attention_heads, num_key_value_heads=base.num_key_value_heads,
@@ -114,11 +110,47 @@ def fresh_drafter(cfg: DrafterConfig, target: nn.Module, token_counts: torch.Ten
         rms_norm_eps=base.rms_norm_eps, rope_theta=base.rope_theta, rope_scaling=base.rope_scaling,
         max_position_embeddings=max(base.max_position_embeddings, tc.max_position_embeddings),
         norm_before_residual=cfg.norm_before_residual, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
-    ))
-    model.set_vocab(*draft_vocab(token_counts, size))
+    )
+
+
+def peagle_config(cfg: DrafterConfig, eagle3: Eagle3Config, t2d: torch.Tensor) -> PEagleConfig:
+    """P-EAGLE's config over EAGLE-3's; the mask token, unless set, is the highest target id outside
+    the draft vocabulary (a token the drafter never proposes), or the last id when the vocabularies are one."""
+    outside = (~t2d).nonzero().flatten()
+    mask_token = cfg.mask_token_id if cfg.mask_token_id is not None else \
+        int(outside[-1]) if outside.numel() else eagle3.vocab_size - 1
+    fields = {f: getattr(eagle3, f) for f in Eagle3Config.__dataclass_fields__}
+    return PEagleConfig(**fields, num_hidden_layers=cfg.num_layers, mask_token_id=mask_token,
+                        num_depths=cfg.num_depths, down_sample_ratio=cfg.down_sample_ratio,
+                        down_sample_ratio_min=cfg.down_sample_ratio_min)
+
+
+def fresh_drafter(cfg: DrafterConfig, target: nn.Module, token_counts: torch.Tensor, seed: int) -> Drafter:
+    """A new drafter shaped after the target; EAGLE-3's and P-EAGLE's draft vocab from the buffer's token counts."""
+    torch.manual_seed(seed)
+    tc = target.config
+    if cfg.kind == "eagle":
+        return EagleDrafter(EagleConfig.from_target(tc, cfg.intermediate_size))
+    size = cfg.draft_vocab_size or min(32000, tc.vocab_size)
+    if size > tc.vocab_size:
+        raise ValueError(f"drafter.draft_vocab_size {size} exceeds the target vocab {tc.vocab_size}")
+    d2t, t2d = draft_vocab(token_counts, size)
+    config = _eagle3_config(cfg, tc, size)
+    model = Eagle3Drafter(config) if cfg.kind == "eagle3" else PEagleDrafter(peagle_config(cfg, config, t2d))
+    model.set_vocab(d2t, t2d)
     model.attach(target)
     model.init_lm_head(target)
     return model
+
+
+def warm_start_from(drafter: Drafter, cfg: DrafterConfig) -> Drafter | None:
+    """`drafter` as a start for the configured kind: itself when the kinds agree; a P-EAGLE drafter
+    built on an EAGLE-3 one (same target); None when nothing carries over."""
+    if drafter.kind == cfg.kind:
+        return drafter
+    if cfg.kind == "peagle" and isinstance(drafter, Eagle3Drafter):
+        return PEagleDrafter.from_eagle3(drafter, peagle_config(cfg, drafter.config, drafter.t2d))
+    return None
 
 
 def check_layers(drafter: Drafter, layer_ids: list[int], num_layers: int, where: str) -> None:

@@ -402,6 +402,7 @@ class EagleProposer:
 
     def __init__(self, drafter: EagleDrafter) -> None:
         self.drafter = drafter.eval()
+        self.forwards = 0  # drafter forward passes so far: k per proposal
         self.cache = DraftCache(len(drafter.layers))
 
     @torch.no_grad()
@@ -411,6 +412,7 @@ class EagleProposer:
         dtype = d.fc.weight.dtype
         mask = self.cache.extend(pairs.valid)  # (B, 1, N, S + N)
         predicted = d(pairs.features.to(dtype), pairs.next_tokens, pairs.positions, mask, self.cache.layers)
+        self.forwards += 1
         committed = self.cache.length
         last = pairs.last()  # (B,)
         feature = gather_rows(predicted, last)  # (B, 1, H)
@@ -422,5 +424,6 @@ class EagleProposer:
             if j + 1 < k:
                 mask = self.cache.extend(torch.ones_like(token, dtype=torch.bool))  # (B, 1, 1, S + 1)
                 feature = d(feature, token, position + 1 + j, mask, self.cache.layers)  # (B, 1, H)
+                self.forwards += 1
         self.cache.crop(committed)
         return torch.cat(proposal, dim=1)  # (B, k)

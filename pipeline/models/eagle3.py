@@ -353,6 +353,7 @@ class Eagle3Proposer:
 
     def __init__(self, drafter: Eagle3Drafter) -> None:
         self.drafter = drafter.eval()
+        self.forwards = 0  # drafter forward passes so far: k per proposal
         self.layer_ids = drafter.decode_layer_ids
         self.cache = DraftCache(1)
 
@@ -364,6 +365,7 @@ class Eagle3Proposer:
         mask = self.cache.extend(pairs.valid)  # (B, 1, N, S + N)
         fused = d.project_aux(pairs.features.to(d.fc.weight.dtype))  # (B, N, H)
         state = d.step(pairs.next_tokens, fused, pairs.positions, mask, layer)  # (B, N, H)
+        self.forwards += 1
         committed = self.cache.length
         last = pairs.last()  # (B,)
         state = gather_rows(state, last)  # (B, 1, H): only the last position drafts
@@ -375,6 +377,7 @@ class Eagle3Proposer:
             if j + 1 < k:
                 mask = self.cache.extend(torch.ones_like(token, dtype=torch.bool))  # (B, 1, 1, S + 1)
                 state = d.step(token, state, position + 1 + j, mask, layer)  # (B, 1, H)
+                self.forwards += 1
         self.cache.crop(committed)
         return torch.cat(proposal, dim=1)  # (B, k)
 

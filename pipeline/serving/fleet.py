@@ -50,6 +50,10 @@ class ReplicaSpec:
 
 
 def speculative_config(method: str, drafter_dir: str, k: int) -> str:
+    """vLLM's --speculative-config for a drafter kind: P-EAGLE is an EAGLE-3 drafter served with parallel drafting."""
+    if method == "peagle":
+        return json.dumps({"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": k,
+                           "parallel_drafting": True})
     return json.dumps({"method": method, "model": drafter_dir, "num_speculative_tokens": k})
 
 

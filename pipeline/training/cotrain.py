@@ -47,15 +47,18 @@ def _token_counts(hidden: Iterable[HiddenSample], vocab_size: int) -> torch.Tens
 def _initial_drafter(
     cfg: PipelineConfig, registry: DrafterRegistry, champion: str | None, target, hidden: Iterable[HiddenSample]
 ) -> tuple[drafters.Drafter, str | None]:
-    """The champion if it is of the configured kind, else `drafter.warm_start`, else a fresh drafter."""
+    """The champion if it can start the configured kind (its own, or EAGLE-3 for P-EAGLE), else
+    `drafter.warm_start`, else a fresh drafter."""
     if champion:
-        drafter = registry.load(champion)
-        if drafter.kind == cfg.drafter.kind:
+        drafter = drafters.warm_start_from(registry.load(champion), cfg.drafter)
+        if drafter is not None:
             return drafter, champion
     if cfg.drafter.warm_start:
-        drafter = load_drafter(Path(cfg.drafter.warm_start), target.config.num_hidden_layers)
-        if drafter.kind != cfg.drafter.kind:
-            raise ValueError(f"drafter.warm_start {cfg.drafter.warm_start} is not a {cfg.drafter.kind} checkpoint")
+        loaded = load_drafter(Path(cfg.drafter.warm_start), target.config.num_hidden_layers)
+        drafter = drafters.warm_start_from(loaded, cfg.drafter)
+        if drafter is None:
+            raise ValueError(f"drafter.warm_start {cfg.drafter.warm_start} is a {loaded.kind} checkpoint, "
+                             f"which cannot start a {cfg.drafter.kind} drafter")
         target_fields(drafter, target_forward.TargetMetadata.of(target.config))  # refused before training
         return drafter, f"file:{cfg.drafter.warm_start}"
     counts = _token_counts(hidden, target.config.vocab_size)

@@ -3,6 +3,8 @@
 EAGLE-2 (FastRL): `vloss_weight * SmoothL1(f^, f) + ploss_weight * softCE(p_target, q_draft)`.
 EAGLE-3: soft cross-entropy against the target's distribution over the draft vocabulary,
 summed over the training-time-test steps with weights decay**k.
+P-EAGLE: the same soft cross-entropy over every row of a COD sample (every depth at once, one
+forward), averaged over the rows that count, as speculators does.
 
 The soft cross-entropy is computed in chunks of tokens, forward and backward, so that
 no two full (tokens, vocab) float32 tensors ever exist at once (at vocab 128256 and
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from pipeline.config import TrainConfig
 from pipeline.models.eagle import EagleDrafter
 from pipeline.models.eagle3 import Eagle3Drafter, shift_within_document
+from pipeline.models.peagle import PEagleDrafter, cod_sample, context_mask
 from pipeline.models.teacher import Teacher
 from pipeline.models.ttt import ttt_cache
 from pipeline.training.window import DeviceBatch, block_causal_mask
@@ -234,6 +237,40 @@ def eagle3_loss(
     return LossParts(ploss, ploss.new_zeros(()), ploss, accuracy)
 
 
+def peagle_loss(
+    model: PEagleDrafter,
+    batch: DeviceBatch,
+    target_norm: Callable[[torch.Tensor], torch.Tensor],
+    target_head: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> LossParts:
+    """Every depth in one parallel forward over a COD sample of the batch; batch.hidden_states holds
+    [aux layers..., last layer] per position. Row (a, d) drafts token a+2+d: its teacher is the target's
+    last layer at a+d+1, and it counts where the loss mask at a+d does (within a's document).
+
+    target_norm: the target's final norm; target_head (draft_vocab, H_t): its lm_head rows of the draft vocab.
+    """
+    c = model.config
+    aux_dim = len(c.aux_layer_ids) * c.target_hidden_size
+    aux = batch.hidden_states[..., :aux_dim]  # (1, N, n_aux * H_t) features of position t
+    last = batch.target[0, :, aux_dim:]  # (N, H_t) last layer at t+1: the target's view of x_{t+2}
+    docs, loss_mask = batch.document_ids[0], batch.loss_mask[0]  # (N,)
+    sample = cod_sample(loss_mask, docs, c.num_depths, c.down_sample_ratio, c.down_sample_ratio_min,
+                        generator).to(docs.device)
+    context = context_mask(sample, docs)  # (M, N): with each row's chain, `cross_depth_mask`
+    hidden = model.forward_parallel(aux, batch.input_ids, batch.position_ids, sample, context)[0]  # (M, H)
+    ahead = sample.anchor + sample.depth  # (M,) the position whose loss mask and teacher row count
+    inside = ahead < docs.shape[0]
+    ahead = torch.where(inside, ahead, sample.anchor)
+    valid = loss_mask[ahead] * (inside & (docs[ahead] == docs[sample.anchor]))  # (M,)
+    weights = valid / valid.sum().clamp(min=1.0)
+    ploss, agree = soft_cross_entropy(model.logits_input(hidden), model.lm_head.weight, target_norm(last[ahead]),
+                                      target_head, weights)  # (M, H) -> scalar, (M,)
+    n = docs.shape[0]  # depth 0's rows come first
+    accuracy = (agree[:n] * valid[:n]).sum() / valid[:n].sum().clamp(min=1.0)
+    return LossParts(ploss, ploss.new_zeros(()), ploss, accuracy)
+
+
 @singledispatch
 def drafter_loss(model: torch.nn.Module, batch: DeviceBatch, cfg: TrainConfig, teacher: Teacher | None) -> LossParts:
     """The training objective of `model`'s kind on one batch; each kind registers its own below."""
@@ -252,3 +289,10 @@ def _(model: Eagle3Drafter, batch: DeviceBatch, cfg: TrainConfig, teacher: Teach
     if teacher is None:
         raise ValueError("EAGLE-3 training needs the target's norm and lm_head (teacher)")
     return eagle3_loss(model, batch, teacher.norm, teacher.head, cfg.ttt_steps, cfg.ttt_decay)
+
+
+@drafter_loss.register
+def _(model: PEagleDrafter, batch: DeviceBatch, cfg: TrainConfig, teacher: Teacher | None) -> LossParts:
+    if teacher is None:
+        raise ValueError("P-EAGLE training needs the target's norm and lm_head (teacher)")
+    return peagle_loss(model, batch, teacher.norm, teacher.head)

@@ -73,6 +73,10 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert {r["version"] for r in summary["fleet"]} == {registry.alias_version("champion")}
     assert all(r["live_tau"] >= 1.0 for r in summary["fleet"])
     assert "runs drafter version" in proc.stdout
+    # The last co-trained drafter at k = 4 and 8: an EAGLE-3 drafter spends a forward per drafted token.
+    assert [c["k"] for c in summary["round_costs"]] == [4, 8]
+    assert all(c["drafter_forwards_per_round"] == c["k"] for c in summary["round_costs"])
+    assert summary["train_tokens_per_s"] > 0
     # The buffer holds the training samples of the last two steps (buffer_steps=2); held-out ones never.
     trained_on = {s: shards.read_manifest(store, cfg.run, s).num_samples for s in (1, 2, 3)}
     assert all(n < cfg.simulation.rollouts_per_step for n in trained_on.values())

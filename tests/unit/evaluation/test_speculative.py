@@ -234,6 +234,7 @@ def test_evaluate_aggregates_rounds_over_prompts(
     assert wrong.tau == 1.0
     assert wrong.rounds == len(prompts) * (MAX_NEW - 1)
     assert wrong.drafted == wrong.rounds * k
+    assert oracle.drafter_forwards_per_round is None  # an oracle is no drafter: nothing counted
 
 
 def test_greedy_generate_matches_argmax_of_the_model(
@@ -260,7 +261,7 @@ def test_acceptance_metrics_hand_made() -> None:
     assert (m.rounds, m.drafted, m.accepted) == (3, 12, 6)
     assert m.as_dict() == {
         "tau": m.tau, "acceptance_rate": m.acceptance_rate, "per_position": m.per_position,
-        "rounds": 3, "drafted": 12, "accepted": 6,
+        "rounds": 3, "drafted": 12, "accepted": 6, "drafter_forwards_per_round": None,
     }
 
 

@@ -36,7 +36,7 @@ def greedy_texts(target: LlamaForCausalLM) -> list[torch.Tensor]:
     return [torch.cat([p, torch.tensor(greedy_generate(target, p, 16))]) for p in prompts]
 
 
-@pytest.fixture(scope="module", params=["eagle", "eagle3"])
+@pytest.fixture(scope="module", params=["eagle", "eagle3", "peagle"])
 def drafter(request: pytest.FixtureRequest, target: LlamaForCausalLM, greedy_texts: list[torch.Tensor]) -> Drafter:
     kind = request.param
     model = fresh_drafter(DrafterConfig(kind=kind), target, torch.ones(V, dtype=torch.int64), seed=0)
@@ -47,7 +47,9 @@ def drafter(request: pytest.FixtureRequest, target: LlamaForCausalLM, greedy_tex
         hidden = out.features[0][:, None] if kind == "eagle" else out.layers[0]  # (T, stored layers, H), as extracted
         stored = HiddenSample(f"s{i}", 1, text, torch.ones_like(text), hidden)
         samples.append(model.training_sample(stored, LAYERS))
-    cfg = TrainConfig(epochs=6, batch_size_per_gpu=4, max_seq_len=64, window_tokens=64, seed=0, ttt_steps=3,
+    # P-EAGLE's deeper depths read a mask, not the token before: they take longer to predict anything
+    cfg = TrainConfig(epochs=20 if kind == "peagle" else 6, batch_size_per_gpu=4, max_seq_len=64, window_tokens=64,
+                      seed=0, ttt_steps=3,
                       optim=OptimConfig(lr=3e-3, lr_warmup_steps=2))
     train_drafter(model, InMemoryDataset(samples), cfg, teacher=model.teacher(target))
     model.attach(target)

@@ -100,6 +100,12 @@ def test_vllm_argv(method: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> N
     assert "sk-secret-value" not in command
 
 
+def test_vllm_argv_serves_peagle_as_eagle3_with_parallel_drafting() -> None:
+    argv = vllm_argv(ReplicaSpec("r0", "10.0.0.5", 8000, "policy"), "/models/p", "peagle", "/drafters/v7", 6)
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
+        "method": "eagle3", "model": "/drafters/v7", "num_speculative_tokens": 6, "parallel_drafting": True}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,6 +14,7 @@ from pipeline.models.checkpoint import save_drafter
 from pipeline.models.drafter import fresh_drafter
 from pipeline.models.eagle import EagleDrafter
 from pipeline.models.eagle3 import Eagle3Drafter
+from pipeline.models.peagle import PEagleDrafter
 from pipeline.models.target import build_target, tiny_llama_config
 from pipeline.registry import DrafterRegistry
 from pipeline.training.cotrain import _initial_drafter
@@ -80,7 +81,7 @@ def test_warm_start_of_the_wrong_kind_is_refused(tmp_path: Path, target) -> None
     registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)
     cfg = load_config(overrides={"data_dir": str(tmp_path),
                                  "drafter": {"kind": "eagle3", "warm_start": str(directory)}})
-    with pytest.raises(ValueError, match="is not a eagle3 checkpoint"):
+    with pytest.raises(ValueError, match="is a eagle checkpoint, which cannot start a eagle3 drafter"):
         _initial_drafter(cfg, registry, None, target, _hidden())
 
 
@@ -107,3 +108,27 @@ def test_champion_of_another_kind_is_not_a_warm_start(tmp_path: Path, target) ->
     same_kind, origin = _initial_drafter(cfg, registry, version, target, _hidden())
     assert isinstance(same_kind, EagleDrafter)
     assert origin == version
+
+
+def test_an_eagle3_champion_warm_starts_a_peagle_training(tmp_path: Path, target) -> None:
+    """Switching a run to P-EAGLE starts from the EAGLE-3 champion, not cold; and a P-EAGLE champion
+    starts the next P-EAGLE training as it is."""
+    cfg = load_config(overrides={"data_dir": str(tmp_path), "drafter": {"kind": "eagle3", "draft_vocab_size": 24}})
+    registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)
+    champion = fresh_drafter(cfg.drafter, target, torch.arange(32), seed=3)
+    version = registry.register(registry.start_run("r", {}), save_drafter(champion, tmp_path / "c"), {})
+    peagle = load_config(overrides={"data_dir": str(tmp_path), "drafter": {"kind": "peagle", "num_depths": 4}})
+
+    drafter, origin = _initial_drafter(peagle, registry, version, target, _hidden())
+
+    assert isinstance(drafter, PEagleDrafter)
+    assert origin == version
+    assert torch.equal(drafter.layers[0].mlp.up_proj.weight, champion.midlayer.mlp.up_proj.weight)
+    assert torch.equal(drafter.lm_head.weight, champion.lm_head.weight)
+    assert torch.equal(drafter.d2t, champion.d2t)
+
+    version2 = registry.register(registry.start_run("r2", {}), save_drafter(drafter, tmp_path / "p"), {})
+    again, origin = _initial_drafter(peagle, registry, version2, target, _hidden())
+    assert isinstance(again, PEagleDrafter)
+    assert origin == version2
+    assert torch.equal(again.mask_hidden, drafter.mask_hidden)
