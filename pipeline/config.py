@@ -168,6 +168,19 @@ class HiddenStatesConfig(_Strict):
         return self
 
 
+class CaptureConfig(_Strict):
+    """Which rollouts of a step have their hidden states stored (pipeline/data/capture.py)."""
+
+    max_samples: int = Field(
+        default=0, ge=0,
+        description="Most training rollouts captured per step, chosen by sample id and stratified by length "
+                    "and reward; 0 = all.",
+    )
+    max_tokens: int = Field(
+        default=0, ge=0, description="Most tokens stored per step (each rollout's training window); 0 = no limit.",
+    )
+
+
 class TargetConfig(_Strict):
     """How the RL policy (the target) loads: its checkpoints are transformers directories of safetensors."""
 
@@ -345,6 +358,9 @@ class PipelineConfig(_Strict):
     target: TargetConfig = Field(default_factory=TargetConfig, description="Loading the RL policy (the target).")
     hidden_states: HiddenStatesConfig = Field(
         default_factory=HiddenStatesConfig, description="Where the target's hidden states come from."
+    )
+    capture: CaptureConfig = Field(
+        default_factory=CaptureConfig, description="Which rollouts and tokens of a step are stored."
     )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Acceptance evaluation.")
     promotion: PromotionConfig = Field(default_factory=PromotionConfig, description="Champion promotion.")

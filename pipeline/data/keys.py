@@ -3,6 +3,7 @@
     rollouts/<run>/step-000123/rollouts.parquet   policy.json (commit point)
     policies/<run>/step-000123/                   the simulated trainer's policy checkpoints
     hidden_states/<run>/step-000123/              Arrow shards + _manifest.json (commit point)
+    capture/<run>/step-000123.json                a step's capture plan (capture.py)
     buffer/<run>/step-000123/_manifest.json       the cross-step buffer of a step
     drafter/<run>/step-000123.json                a step's training outcome
     acceptance/<run>/step-000123.json             a step's acceptance record
@@ -78,6 +79,10 @@ def hidden_states_prefix(run: str, step: int) -> str:
 
 def hidden_states_manifest_key(run: str, step: int) -> str:
     return f"{hidden_states_prefix(run, step)}/{HIDDEN_STATES_MANIFEST}"
+
+
+def capture_plan_key(run: str, step: int) -> str:
+    return f"capture/{run}/{step_key(step)}.json"
 
 
 def buffer_root(run: str) -> str:

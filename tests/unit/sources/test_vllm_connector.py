@@ -76,7 +76,7 @@ def test_join_picks_layers_and_matches_by_tokens(tmp_path: Path) -> None:
     got = _ingest(tmp_path, rollouts, [5, 1, 3, 8], [1, 3, 8], max_unmatched_share=0.5)
     assert [s.sample_id for s in got.samples] == ["r1"]
     assert (got.unmatched_files, got.missing) == (["other-step.safetensors"], ["r0"])
-    assert got.metadata() == {"connector_files": 2, "connector_unmatched_files": 1,
+    assert got.metadata() == {"connector_files": 2, "connector_files_not_captured": 0, "connector_unmatched_files": 1,
                               "connector_rollouts_without_file": 1, "connector_refused_files": 0}
     assert torch.equal(samples_hidden(got, "r1").view(torch.int16), hidden[:, 1:].view(torch.int16))
     assert got.samples[0].loss_mask.tolist() == [0, 0, 1, 1, 1]
