@@ -83,7 +83,12 @@ class TrainConfig(_Strict):
     window_tokens: int = Field(default=512, ge=2, description="Most tokens per sample (response end first).")
     vloss_weight: float = Field(default=0.5, ge=0, description="Weight of the SmoothL1 hidden-state loss.")
     ploss_weight: float = Field(default=0.5, ge=0, description="Weight of the soft cross-entropy token loss.")
-    epochs: int = Field(default=20, ge=1, description="Passes over the buffer per training run.")
+    epochs: int = Field(default=20, ge=1, description="Most passes over the buffer per training run.")
+    max_tokens: int = Field(
+        default=0, ge=0,
+        description="Trained positions per training run (windowed tokens); epochs are an upper bound. "
+                    "0 = epochs decide.",
+    )
     ttt_steps: int = Field(default=3, ge=1, description="EAGLE-3 training-time-test steps unrolled.")
     ttt_decay: float = Field(default=0.8, gt=0, le=1, description="EAGLE-3 loss weight of TTT step k is decay**k.")
     seed: int = Field(default=0, description="Seed for data order and initialisation.")
