@@ -85,7 +85,7 @@ class TrainConfig(_Strict):
     ploss_weight: float = Field(default=0.5, ge=0, description="Weight of the soft cross-entropy token loss.")
     epochs: int = Field(default=20, ge=1, description="Most passes over the buffer per training run.")
     max_tokens: int = Field(
-        default=0, ge=0,
+        default=100_000, ge=0,
         description="Trained positions per training run (windowed tokens); epochs are an upper bound. "
                     "0 = epochs decide.",
     )
@@ -177,7 +177,7 @@ class CaptureConfig(_Strict):
     """Which rollouts of a step have their hidden states stored (pipeline/data/capture.py)."""
 
     max_samples: int = Field(
-        default=0, ge=0,
+        default=1024, ge=0,
         description="Most training rollouts captured per step, chosen by sample id and stratified by length "
                     "and reward; 0 = all.",
     )
