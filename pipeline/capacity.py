@@ -314,7 +314,7 @@ def plan_capacity(policy: PolicyShape, step: StepShape, throughput: Throughput, 
     tokens_forwarded = captured * mean_len
     tokens_stored = captured * stored_per_sample
     layers = stored_layers(cfg, policy.num_layers)
-    bytes_per_token = layers * policy.hidden_size * _bytes_per_value(cfg.storage.compression, policy.hidden_size) + 5
+    bytes_per_token = layers * policy.hidden_size * _bytes_per_value(cfg.shard_compression, policy.hidden_size) + 5
     bytes_stored = tokens_stored * bytes_per_token
 
     # Training: the buffer's windows, epochs over them at most, the token budget first.

@@ -275,10 +275,10 @@ class StorageConfig(_Strict):
     root: str = Field(default="", description="Object store root URI; `<data_dir>/store` when empty.")
     endpoint_url: str = Field(default="", description="S3-compatible endpoint (MinIO, Ceph, ...); AWS when empty.")
     region: str = Field(default="", description="S3 region; the AWS default chain when empty.")
-    compression: Literal["none", "split-zstd", "fp8-e4m3"] = Field(
-        default="none",
-        description="Hidden-state shards: raw bf16, lossless split-zstd (1.46x smaller, for S3), or lossy fp8-e4m3 "
-                    "(2x smaller).",
+    compression: Literal["auto", "none", "split-zstd", "fp8-e4m3"] = Field(
+        default="auto",
+        description="Hidden-state shards: `auto` (fp8-e4m3 on object storage, raw bf16 on a local root), raw bf16, "
+                    "lossless split-zstd (1.46x smaller), or lossy fp8-e4m3 (2x smaller).",
     )
 
     checkpoint_prefixes: list[str] = Field(
@@ -392,6 +392,14 @@ class PipelineConfig(_Strict):
     @property
     def storage_root(self) -> str:
         return self.storage.root or (self.data_path / "store").as_uri()
+
+    @property
+    def shard_compression(self) -> str:
+        """`storage.compression` with `auto` resolved: fp8-e4m3 where bytes cost (object storage; its tau
+        within 0.05 of lossless, docs/storage.md#compression), raw bf16 on a local root (the fastest read)."""
+        if self.storage.compression != "auto":
+            return self.storage.compression
+        return "none" if self.storage_root.startswith("file://") else "fp8-e4m3"
 
     @property
     def tracking_uri(self) -> str:

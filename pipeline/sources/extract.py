@@ -217,7 +217,7 @@ def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int) ->
         # vLLM ids. EAGLE-1/2 reads id L after the final norm (what vLLM's `eagle` method
         # hands its drafter); EAGLE-3 reads raw residual streams.
         layer_ids=layer_ids or [num_layers],
-        compression=cfg.storage.compression,
+        compression=cfg.shard_compression,
         target={"model_id": pointer.model_id, "policy_version": str(pointer.policy_version),
                 "checkpoint_uri": pointer.checkpoint_uri, "source": cfg.hidden_states.source,
                 "final_norm": "applied" if layer_ids is None else "not applied"},

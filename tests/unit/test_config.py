@@ -172,3 +172,10 @@ def test_derived_paths(tmp_path: Path) -> None:
     assert cfg.tracking_uri == f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}"
     explicit = load_config(overrides={"storage": {"root": "s3://bucket/prefix"}})
     assert explicit.storage_root == "s3://bucket/prefix"
+
+
+def test_auto_compression_is_fp8_on_object_storage_and_raw_locally() -> None:
+    assert load_config().shard_compression == "none"
+    assert load_config(overrides={"storage": {"root": "s3://bucket/prefix"}}).shard_compression == "fp8-e4m3"
+    chosen = load_config(overrides={"storage": {"root": "s3://bucket/prefix", "compression": "split-zstd"}})
+    assert chosen.shard_compression == "split-zstd"
