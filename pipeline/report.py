@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from pipeline.data import buffer as buffer_lib
+from pipeline.data import capture, shards
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.keys import acceptance_key
 from pipeline.data.store import ObjectStore
@@ -20,6 +21,7 @@ def step_row(store: ObjectStore, run: str, step: int) -> dict:
     """One line of the summary, read from what the step's assets stored."""
     record = store.read_json(acceptance_key(run, step))
     trained = read_outcome(store, run, step)
+    plan = capture.read_plan(store, run, step)
 
     def tau(role: str) -> float:
         d = record["drafters"][role]
@@ -29,6 +31,8 @@ def step_row(store: ObjectStore, run: str, step: int) -> dict:
         "step": step,
         "samples": len(rollouts_lib.read_rollouts(store, run, step)),
         "buffer_samples": len(buffer_lib.read_buffer(store, run, step)),
+        "captured": plan.captured if plan else None,  # rollouts whose hidden states the step stored
+        "bytes_stored": shards.read_manifest(store, run, step).total_bytes,
         "trained": trained["trained"],
         "tau_cotrained": tau("cotrained"),
         "tau_baseline": tau("baseline"),
