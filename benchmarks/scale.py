@@ -116,7 +116,9 @@ def measure_step(count: int, train: bool) -> dict:
             entries = select_buffer([manifest], 1, 1, cfg.train.data_buffer_max_size)
             counts = torch.ones(VOCAB)
             walls = {}
-            for budget in (TRAIN_BUDGET // 2, TRAIN_BUDGET):
+            # A first short training warms what the first training of a process pays for alone (allocator,
+            # kernels' first calls); then half the budget predicts the whole of it.
+            for budget in (TRAIN_BUDGET // 16, TRAIN_BUDGET // 2, TRAIN_BUDGET):
                 drafter = drafters.fresh_drafter(cfg.drafter, target, counts, cfg.train.seed)
                 data = BufferDataset(store, "scale", entries, lambda s, d=drafter: d.training_sample(s, LAYERS))
                 trained = train_drafter(drafter, data, cfg.train.model_copy(update={"max_tokens": budget}),
