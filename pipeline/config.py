@@ -85,7 +85,7 @@ class TrainConfig(_Strict):
     ploss_weight: float = Field(default=0.5, ge=0, description="Weight of the soft cross-entropy token loss.")
     epochs: int = Field(default=20, ge=1, description="Most passes over the buffer per training run.")
     max_tokens: int = Field(
-        default=100_000, ge=0,
+        default=4_000_000, ge=0,
         description="Trained positions per training run (windowed tokens); epochs are an upper bound. "
                     "0 = epochs decide.",
     )
