@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.config import CONFIG_ENV, PipelineConfig, load_config
+from pipeline.data.keys import step_key
 
 if TYPE_CHECKING:  # imported where used: `cli.py --help` starts without them
     import dagster as dg
 
-    from pipeline.sources.simulation import SimulatedRL
-    from pipeline.sources.trl import GRPODemo
+    from pipeline.data.records import ReplicaDeploy
 
 ROOT = Path(__file__).resolve().parent
 
@@ -153,36 +153,50 @@ def _fresh_demo(config_path: str | None, overrides: dict | None) -> PipelineConf
     return cfg
 
 
-def _demo_step(step: int, source: SimulatedRL | GRPODemo, what: str, ticks: _SensorTicks, with_fleet: bool,
-               progress: Callable[[str], None]) -> object:
-    """One RL step, as the daemon would drive it: the RL update and rollouts, the rl_step sensor's
-    run, and the champion sensor's deploy of a promotion. Returns what the source produced."""
+def _pipeline_tick(ticks: _SensorTicks, with_fleet: bool, progress: Callable[[str], None]) -> bool:
+    """One tick of what the daemon runs: the rl_step sensor's runs for newly committed steps, then the
+    champion sensor's deploy of a promotion. False when there was nothing new."""
     from jobs.sensors import champion_sensor, rl_step_sensor
 
-    progress(f"step {step}: {what}")
-    produced = source.run_step(step)
-    progress(f"step {step}: sensor tick")
-    if not ticks.tick(rl_step_sensor, "rl_step_job", lambda m: progress(f"step {step}: {m}")):
-        raise RuntimeError(f"sensor saw no new step after simulating step {step}")
+    ran = ticks.tick(rl_step_sensor, "rl_step_job", progress)
     if with_fleet:
-        ticks.tick(champion_sensor, "deploy_job", lambda m: progress(f"step {step}: deploy, {m}"))
-    return produced
+        ran = ticks.tick(champion_sensor, "deploy_job", lambda m: progress(f"deploy, {m}")) or ran
+    return ran
+
+
+def _step_line(r: dict, wall_s: float, source: str) -> str:
+    """A finished step as the demo prints it: its wall time from publication to its acceptance record."""
+    promoted = "  (promoted)" if r["promoted"] else ""
+    live = f"  fleet runs v{r['deployed_version']}" if r["deployed_version"] else ""
+    trained = "" if r["trained"] else "  (not trained)"
+    return (f"  step {r['step']}: {wall_s:5.1f}s  tau co-trained {r['tau_cotrained']:.2f}  served "
+            f"{r['tau_served']:.2f}  baseline {r['tau_baseline']:.2f}{trained}{promoted}{live}"
+            + (f"  TRL mean reward {r['trl_mean_reward']:.3f}" if source == "trl" else ""))
 
 
 def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls: list[float],
-                 fleet_state: list[dict], source: str) -> Path:
+                 fleet_state: tuple[ReplicaDeploy, ...], source: str) -> Path:
     """The table, the plot and the JSON summary of a demo."""
     from pipeline import report
+    from pipeline.data.store import open_store
+    from pipeline.ledger import read_ledger
 
     out_dir, k, steps = cfg.data_path / "demo", cfg.eval.num_speculative_tokens, len(rows)
     plot = report.plot(rows, k, out_dir / "acceptance.png", cfg.drafter.kind)
-    fleet = [{"replica": r["replica"], "version": r["version"], "live_tau": round(r["live_tau"], 4)}
-             for r in fleet_state]
+    ledger = read_ledger(open_store(cfg), cfg.run, [r["step"] for r in rows])
+    ledger_plot = out_dir / "ledger.png"
+    ledger_plot.write_bytes(report.ledger_png(ledger))
+    fleet = [{"replica": r.replica, "version": r.version, "live_tau": round(r.live_tau, 4)} for r in fleet_state]
+    total = ledger.totals
     summary = report.write_summary(rows, wall, step_walls, out_dir / "summary.json", fleet=fleet,
                                    num_speculative_tokens=k, drafter_kind=cfg.drafter.kind, device=cfg.device,
-                                   source=source)
+                                   source=source, step_period_s=cfg.simulation.step_period_s,
+                                   ledger={"steps": report.ledger_rows(ledger), "spent_s": total.spent_s,
+                                           "saved_s": total.saved_s, "spent_by_stage_s": total.by_stage})
     out()
     out(report.format_table(rows))
+    out()
+    out(report.format_ledger(ledger))
     out()
     first, last = rows[0], rows[-1]
     out(f"tau over {steps} steps: co-trained {first['tau_cotrained']:.2f} -> {last['tau_cotrained']:.2f}, "
@@ -192,7 +206,7 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
         out(f"fleet: {replica['replica']} (stand-in) runs drafter version {replica['version']}, "
             f"live tau {replica['live_tau']:.2f}")
     out(f"wall time {wall:.1f}s ({wall / steps:.1f}s per step)")
-    out(f"plot:    {plot}")
+    out(f"plots:   {plot}, {ledger_plot}")
     out(f"summary: {summary}")
     out("Browse the runs, partitions and checks with `make ui`.")
     return summary
@@ -207,9 +221,11 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
 
     from definitions import build_definitions
     from pipeline import report
+    from pipeline.data.keys import acceptance_key
     from pipeline.data.store import open_store
     from pipeline.registry import open_registry
     from pipeline.serving import deploy
+    from pipeline.sources.pacing import PacedSource
     from pipeline.sources.simulation import SimulatedRL
 
     instance = dg.DagsterInstance.get()
@@ -235,27 +251,35 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     if with_fleet:
         out(f"  fleet: {len(cfg.fleet.replicas)} {cfg.fleet.driver} replicas "
             f"({'local CPU stand-ins, not vLLM' if cfg.fleet.driver == 'standin' else cfg.fleet.driver})")
+    # The source publishes at its own pace in a background thread and never waits for the pipeline;
+    # the pipeline picks committed steps up through its sensor, as it would an external trainer's.
+    paced = PacedSource(rl.run_step, steps, cfg.simulation.step_period_s).start()
     rows, step_walls = [], []
-    bar = tqdm(range(1, steps + 1), desc="RL steps", unit="step", file=sys.stdout, dynamic_ncols=True)
+    bar = tqdm(total=steps, desc="RL steps", unit="step", file=sys.stdout, dynamic_ncols=True)
+    bar.set_postfix_str(what)
     try:
-        for step in bar:
-            tick = time.perf_counter()
-            produced = _demo_step(step, rl, what, ticks, with_fleet, bar.set_postfix_str)
-            step_walls.append(time.perf_counter() - tick)
-            r = {**report.step_row(store, cfg.run, step),
-                 "deployed_version": registry.alias_version("live") if with_fleet else None}
-            if source == "trl":
-                r["trl_mean_reward"] = round(produced.mean_reward, 4)
-            rows.append(r)
-            promoted = "  (promoted)" if r["promoted"] else ""
-            live = f"  fleet runs v{r['deployed_version']}" if r["deployed_version"] else ""
-            bar.write(f"  step {step}: {step_walls[-1]:5.1f}s  tau co-trained {r['tau_cotrained']:.2f}  "
-                      f"served {r['tau_served']:.2f}  baseline {r['tau_baseline']:.2f}{promoted}{live}"
-                      + (f"  TRL mean reward {r['trl_mean_reward']:.3f}" if source == "trl" else ""))
+        while len(rows) < steps:
+            paced.raise_if_failed()
+            ran = _pipeline_tick(ticks, with_fleet, bar.set_postfix_str)
+            for published in paced.published()[len(rows):]:
+                if not store.exists(acceptance_key(cfg.run, published.step)):
+                    break
+                step_walls.append(time.time() - published.at)
+                r = {**report.step_row(store, cfg.run, published.step),
+                     "deployed_version": registry.alias_version("live") if with_fleet else None}
+                if source == "trl":
+                    r["trl_mean_reward"] = round(published.result.mean_reward, 4)
+                rows.append(r)
+                bar.update(1)
+                bar.write(_step_line(r, step_walls[-1], source))
+            if not ran:
+                time.sleep(0.2)  # nothing new committed: wait for the source
+        paced.stop()
         if source == "trl":
             rl.finish()  # TRL's last optimizer step
-        fleet_state = deploy.read_state(store, cfg.run)["replicas"] if with_fleet else []
+        fleet_state = deploy.read_state(store, cfg.run).replicas if with_fleet else ()
     finally:
+        paced.stop(timeout=0)
         if with_fleet and cfg.fleet.driver == "standin":
             deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the demo's stand-ins end with it
     bar.close()
@@ -355,7 +379,7 @@ def status(config_path: str | None) -> None:
     store = open_store(cfg)
     steps = committed_steps(store, cfg.run)
     partitions = instance.get_dynamic_partitions("rl_step")
-    out(f"run {cfg.run}: {len(steps)} committed RL steps{f' (last step-{steps[-1]:06d})' if steps else ''}, "
+    out(f"run {cfg.run}: {len(steps)} committed RL steps{f' (last {step_key(steps[-1])})' if steps else ''}, "
         f"{len(partitions)} rl_step partitions in Dagster ({instance.root_directory})")
     out("last materializations:")
     for asset in ("rollouts", "hidden_states", "drafter_buffer", "drafter", "acceptance", "fleet"):
@@ -379,14 +403,13 @@ def status(config_path: str | None) -> None:
     state = deploy.read_state(store, cfg.run)
     if cfg.fleet.driver == "none":
         out("fleet: none configured (fleet.driver: none)")
-    elif not state["replicas"]:
+    elif not state.replicas:
         out(f"fleet: {len(cfg.fleet.replicas)} {cfg.fleet.driver} replicas, nothing deployed yet")
     else:
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state["since"])) if state.get("since") else "?"
-        out(f"fleet ({cfg.fleet.driver}): version {state['version']} since {since}")
-        for r in state["replicas"]:
-            tau = r.get("live_tau")
-            out(f"  {r['replica']:<12} version {r['version']}{f', live tau {tau:.2f}' if tau is not None else ''}")
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state.since)) if state.since else "?"
+        out(f"fleet ({cfg.fleet.driver}): version {state.version} since {since}")
+        for r in state.replicas:
+            out(f"  {r.replica:<12} version {r.version}, live tau {r.live_tau:.2f}")
 
 
 def retention(config_path: str | None, apply: bool) -> None:
@@ -401,10 +424,10 @@ def retention(config_path: str | None, apply: bool) -> None:
     registry = open_registry(cfg)
     registered = registered_training_steps(registry.client, cfg.mlflow.model_name, cfg.run)
     plan = plan_retention(store, cfg.run, registered, cfg.train.buffer_steps)
-    out(f"run {cfg.run}: live buffers {[f'step-{s:06d}' for s in plan.live_buffers] or 'none'}; "
+    out(f"run {cfg.run}: live buffers {[step_key(s) for s in plan.live_buffers] or 'none'}; "
         f"drafters registered from steps {sorted(registered) or 'none'}")
     for step, why in sorted(plan.kept_steps.items()):
-        out(f"  keep   hidden_states step-{step:06d}: {why}")
+        out(f"  keep   hidden_states {step_key(step)}: {why}")
     verb = "delete" if apply else "would delete"
     for doomed in plan.delete:
         out(f"  {verb} {doomed.key} ({doomed.bytes} bytes): {doomed.reason}")

@@ -8,17 +8,21 @@ object store by that code and the assets return metadata only (no pickling IO ma
 
 import dagster as dg
 
-from assets.partitions import RETRAIN_TAG, rl_step, step_of
+from assets.partitions import BACKFILL_TAG, RETRAIN_TAG, rl_step, step_of
+from pipeline import ledger as ledger_lib
 from pipeline import report
 from pipeline.config import PipelineConfig
 from pipeline.data import buffer as buffer_lib
 from pipeline.data import capture, run_layout
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import shard_checks as checks
+from pipeline.data.held_out import held_out_rollouts
 from pipeline.data.keys import acceptance_key, buffer_key, hidden_states_prefix, rollouts_key, rollouts_prefix
+from pipeline.data.records import AcceptanceRecord, read_training
 from pipeline.data.rollouts import committed_steps
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import acceptance as acceptance_lib
+from pipeline.models.drafter import stored_layer_ids
 from pipeline.sources import extract
 from pipeline.training import outcome as outcome_lib
 from pipeline.training import plan as plan_lib
@@ -50,9 +54,9 @@ def rollouts(
     rows = rollouts_lib.read_rollouts(store, cfg.run, step)
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
     layout = run_layout.checkpoint_layout(store, pointer.checkpoint_uri,
-                                          lambda n: extract.stored_layer_ids(cfg.drafter, n) or [n])
+                                          lambda n: stored_layer_ids(cfg.drafter, n) or [n])
     run_layout.check_step_layout(store, cfg.run, step, layout)  # a policy of another layout needs a new run
-    held_out = extract.held_out_rollouts(rows, cfg.eval.held_out_fraction)
+    held_out = held_out_rollouts(rows, cfg.eval.held_out_fraction)
     return dg.MaterializeResult(
         metadata={
             "samples": len(rows),
@@ -136,13 +140,13 @@ def drafter_buffer(
     context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     """A manifest, not a copy: buffers of consecutive steps share their shards."""
     cfg, store, step = pipeline.config, pipeline.store(), step_of(context)
-    doc = buffer_lib.build_buffer(store, cfg.run, step, cfg.train.buffer_steps, cfg.train.data_buffer_max_size)
-    by_step = {int(s): n for s, n in doc["composition"].items()}
+    built = buffer_lib.build_buffer(store, cfg.run, step, cfg.train.buffer_steps, cfg.train.data_buffer_max_size)
+    by_step = built.composition
     oldest_allowed = step - cfg.train.buffer_steps + 1
     return dg.MaterializeResult(
         metadata={
-            "samples": doc["num_samples"],
-            "tokens": doc["num_tokens"],
+            "samples": built.num_samples,
+            "tokens": built.num_tokens,
             "steps": str(sorted(by_step)),
             "composition": dg.MetadataValue.table(
                 records=[dg.TableRecord({"rl_step": s, "samples": n}) for s, n in sorted(by_step.items())],
@@ -153,7 +157,7 @@ def drafter_buffer(
         check_results=[
             dg.AssetCheckResult(
                 check_name="buffer_within_limits",
-                passed=doc["num_samples"] <= cfg.train.data_buffer_max_size
+                passed=built.num_samples <= cfg.train.data_buffer_max_size
                 and all(oldest_allowed <= s <= step for s in by_step),
                 metadata={"max_samples": cfg.train.data_buffer_max_size, "oldest_step_allowed": oldest_allowed},
             )
@@ -176,7 +180,8 @@ def drafter(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg
     from its last checkpoint when a rerun finds one."""
     cfg, store, registry, step = pipeline.config, pipeline.store(), pipeline.registry(), step_of(context)
     requested_by = context.run.tags.get(RETRAIN_TAG)
-    plan = plan_lib.plan_training(store, cfg, step, registry, requested_by)
+    # A run the sensor asked for trains on the newest buffer; a backfill trains every step, in order.
+    plan = plan_lib.plan_training(store, cfg, step, registry, requested_by, BACKFILL_TAG not in context.run.tags)
     tags = {"dagster_run_id": context.run.run_id, "dagster_asset": "drafter", "rl_step": context.partition_key,
             "pipeline_run": cfg.run}
     planned = plan_lib.settle_plan(plan, cfg, registry, tags)
@@ -207,38 +212,72 @@ def drafter(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg
 def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     """Real speculative decoding with greedy verification against the step's target."""
     cfg, store, registry, step = pipeline.config, pipeline.store(), pipeline.registry(), step_of(context)
-    new_version = outcome_lib.read_outcome(store, cfg.run, step)["version"]
-    record = acceptance_lib.evaluate_step(store, cfg, step, registry, new_version)
+    training = read_training(store, cfg.run, step)
+    spent = _stage_seconds(context, cfg.train.nproc_per_node if training.figures else 0)
+    record = acceptance_lib.evaluate_step(store, cfg, step, registry, training.version, spent)
     ceiling = cfg.eval.num_speculative_tokens + 1
-    measured = {role: d for role, d in record["drafters"].items() if d}
-    metadata = _acceptance_metadata(record, measured)
+    measured = record.measured()
+    metadata = _acceptance_metadata(record)
     metadata["uri"] = dg.MetadataValue.path(store.uri(acceptance_key(cfg.run, step)))
-    if record["champion_after"]:
+    if record.champion_after:
         metadata["mlflow_champion"] = dg.MetadataValue.url(
-            registry.version_url(record["champion_after"], pipeline.mlflow_ui_url))
+            registry.version_url(record.champion_after, pipeline.mlflow_ui_url))
     metadata["tau_by_step"] = _tau_plot(store, cfg, step)
+    shown = [s for s in committed_steps(store, cfg.run) if s <= step][-PLOT_STEPS:]
+    ledger = ledger_lib.read_ledger(store, cfg.run, shown)
+    metadata.update(_ledger_metadata(ledger))
+    ledger_lib.log_served(registry, ledger)
     return dg.MaterializeResult(
         metadata=metadata,
         check_results=[
             dg.AssetCheckResult(
                 check_name="tau_in_range",
-                passed=all(1.0 <= d["tau"] <= ceiling for d in measured.values()),
+                passed=all(1.0 <= d.tau <= ceiling for d in measured.values()),
                 metadata={"ceiling": ceiling},
             )
         ],
     )
 
 
-def _acceptance_metadata(record: dict, measured: dict[str, dict]) -> dict:
+STAGE_OF_STEP = {"hidden_states": "extraction", "drafter": "training"}
+
+
+def _stage_seconds(context: dg.AssetExecutionContext, training_devices: int) -> dict[str, float]:
+    """Device-seconds of this run's extraction and training steps, from Dagster's own step timings: the
+    training step's wall time counts once per process it launched (0 when it launched none)."""
+    seconds = {}
+    for stats in context.instance.get_run_step_stats(context.run_id):
+        stage = STAGE_OF_STEP.get(stats.step_key)
+        if stage and stats.start_time and stats.end_time:
+            devices = training_devices if stage == "training" else 1
+            seconds[stage] = (stats.end_time - stats.start_time) * devices
+    return seconds
+
+
+def _acceptance_metadata(record: AcceptanceRecord) -> dict:
     """Tau and version per drafter role, and the promotion decision."""
-    metadata: dict = {f"tau_{role}": round(d["tau"], 3) for role, d in measured.items()}
-    metadata.update({f"version_{role}": d["version"] for role, d in measured.items()})
-    metadata.update({"promoted": record["promoted"], "decision": record["decision"],
-                     "champion_after": record["champion_after"] or "none"})
-    if "cotrained" in measured:
-        metadata["acceptance_rate_cotrained"] = round(measured["cotrained"]["acceptance_rate"], 3)
-        metadata["per_position_cotrained"] = str([round(p, 3) for p in measured["cotrained"]["per_position"]])
+    measured = record.measured()
+    metadata: dict = {f"tau_{role}": round(d.tau, 3) for role, d in measured.items()}
+    metadata.update({f"version_{role}": d.version for role, d in measured.items()})
+    metadata.update({"promoted": record.promoted, "decision": record.decision,
+                     "champion_after": record.champion_after or "none"})
+    if cotrained := measured.get("cotrained"):
+        metadata["acceptance_rate_cotrained"] = round(cotrained.acceptance_rate, 3)
+        metadata["per_position_cotrained"] = str([round(p, 3) for p in cotrained.per_position])
     return metadata
+
+
+def _ledger_metadata(ledger: ledger_lib.Ledger) -> dict:
+    """This step's lag and cost (numbers Dagster plots over partitions), and the run's ledger up to it."""
+    cost, lag = ledger.costs[-1], ledger.lags[-1]
+    return {
+        "served_version": cost.served_version or "none",
+        "lag_steps": lag.lag_steps if lag.lag_steps is not None else -1,  # -1: no drafter served the rollouts
+        "spent_s": round(sum(cost.seconds.values()), 2),
+        "saved_s": round(cost.saved_s, 3),
+        "ledger": dg.MetadataValue.md(report.png_markdown(
+            report.ledger_png(ledger, dpi=90), "the served drafter's lag, and device-seconds spent against saved")),
+    }
 
 
 def _tau_plot(store: ObjectStore, cfg: PipelineConfig, step: int) -> dg.MetadataValue:

@@ -28,8 +28,8 @@ def fleet(context: dg.AssetExecutionContext, config: DeployConfig, pipeline: Pip
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     header = "| replica | version | since (UTC) | live tau | deploy s | restarted |\n|---|---|---|---|---|---|\n"
     table = header + "".join(
-        f"| {r['replica']} | {r['version']} | {since} | {r['live_tau']:.2f} | {r['deploy_s']:.1f} | "
-        f"{'yes' if r['restarted'] else 'no (already serving it)'} |\n"
+        f"| {r.replica} | {r.version} | {since} | {r.live_tau:.2f} | {r.deploy_s:.1f} | "
+        f"{'yes' if r.restarted else 'no (already serving it)'} |\n"
         for r in report.replicas
     )
     context.log.info(f"version {config.version} live on {len(report.replicas)} replicas")
@@ -37,7 +37,7 @@ def fleet(context: dg.AssetExecutionContext, config: DeployConfig, pipeline: Pip
         metadata={
             "version": config.version,
             "replicas": dg.MetadataValue.md(table),
-            "mean_live_tau": sum(r["live_tau"] for r in report.replicas) / len(report.replicas),
+            "mean_live_tau": sum(r.live_tau for r in report.replicas) / len(report.replicas),
             "driver": cfg.fleet.driver,
         }
     )

@@ -8,6 +8,7 @@ from pipeline.data.keys import parse_step_key
 rl_step = dg.DynamicPartitionsDefinition(name="rl_step")
 
 RETRAIN_TAG = "retrain_reason"  # set by live_tau_sensor: train even off the interval
+BACKFILL_TAG = "dagster/backfill"  # Dagster's tag on every run of a backfill: those train every step, in order
 
 
 def step_of(context: dg.AssetExecutionContext) -> int:

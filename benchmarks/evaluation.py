@@ -121,11 +121,11 @@ def batched_speedup(torch) -> dict:
 
 def tau_estimate(torch) -> dict:
     from pipeline.config import load_config
-    from pipeline.data.rollouts import is_held_out
+    from pipeline.data.held_out import is_held_out
     from pipeline.data.shards import HiddenSample
     from pipeline.evaluation import speculative
     from pipeline.evaluation.teacher_forced import estimate_acceptance
-    from pipeline.models import target as target_lib
+    from pipeline.models import target_forward
     from pipeline.models.drafter import fresh_drafter
     from pipeline.sources.simulation import SimulatedRL
     from pipeline.training.dataset import InMemoryDataset
@@ -141,7 +141,7 @@ def tau_estimate(torch) -> dict:
     drafter = fresh_drafter(cfg.drafter, target, torch.bincount(ids.flatten(), minlength=target.config.vocab_size),
                             cfg.train.seed)
     num_layers = target.config.num_hidden_layers
-    layers = target_lib.forward(target, ids, drafter.stored_layer_ids(num_layers)).layers  # (N, T, stored, H)
+    layers = target_forward.forward(target, ids, drafter.stored_layer_ids(num_layers)).layers  # (N, T, stored, H)
     samples = [drafter.training_sample(HiddenSample(r.sample_id, 1, ids[i], torch.tensor(r.loss_mask), layers[i]),
                                        num_layers) for i, r in enumerate(train)]
     start = time.perf_counter()

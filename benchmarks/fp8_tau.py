@@ -48,10 +48,10 @@ def run(steps: int = 3, kinds: tuple[str, ...] = ("eagle3", "eagle")) -> dict:
 
     from pipeline.data import capture, shards
     from pipeline.data.buffer import select_buffer
+    from pipeline.data.held_out import held_out_prompts
     from pipeline.data.rollouts import read_policy_pointer, read_rollouts
     from pipeline.data.store import open_store
     from pipeline.evaluation import speculative
-    from pipeline.evaluation.acceptance import held_out_prompts
     from pipeline.models import drafter as drafters
     from pipeline.models import target as target_lib
     from pipeline.sources import extract

@@ -43,6 +43,7 @@ def run() -> dict:
 
     from pipeline.data.store import ObjectStore
     from pipeline.models import target as target_lib
+    from pipeline.models import target_checks
 
     config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=6,
                          num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=False)
@@ -74,8 +75,8 @@ def run() -> dict:
             del model
             start = time.perf_counter()
             where = directory.as_uri()
-            layout = target_lib.read_layout(directory, where)
-            target_lib.check_layout(target_lib.check_config((directory / "config.json").read_bytes(), where),
+            layout = target_checks.read_layout(directory, where)
+            target_checks.check_layout(target_checks.check_config((directory / "config.json").read_bytes(), where),
                                     layout, where)
             check.append(time.perf_counter() - start)
         cached = target_lib.LoadSettings(dtype="float32", cached_policies=1)

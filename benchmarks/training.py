@@ -48,6 +48,7 @@ def _demo_setup():
     from pipeline.config import load_config
     from pipeline.models import drafter as drafters
     from pipeline.models import target as target_lib
+    from pipeline.models import target_forward
     from pipeline.training.dataset import InMemoryDataset
 
     cfg = load_config()
@@ -63,7 +64,7 @@ def _demo_setup():
     drafter.attach(target)
     layer_ids = [*drafter.config.aux_layer_ids, sim.num_layers]
     with torch.no_grad():
-        layers = target_lib.forward(target, ids, layer_ids).layers  # (n, T, layers, H)
+        layers = target_forward.forward(target, ids, layer_ids).layers  # (n, T, layers, H)
     mask = torch.cat([torch.zeros(sim.prompt_len), torch.ones(sim.response_len)]).long()
     samples = [(ids[i], layers[i].flatten(1), mask) for i in range(n)]
     return cfg, target, drafter, InMemoryDataset(samples)

@@ -2,6 +2,7 @@
 retraining when the fleet's live acceptance falls below its floor."""
 
 import json
+from dataclasses import dataclass
 
 import dagster as dg
 
@@ -94,8 +95,9 @@ def live_tau_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResou
     cfg = pipeline.config
     if cfg.fleet.driver == "none" or not cfg.fleet.replicas:
         return dg.SkipReason("no fleet configured")
-    now, metadata, taus = _scrape_live_tau(cfg, json.loads(context.cursor) if context.cursor else {})
-    events = [dg.AssetObservation(asset_key="fleet", metadata=metadata)] if metadata else []
+    scraped = _scrape_live_tau(cfg, json.loads(context.cursor) if context.cursor else {})
+    taus = scraped.taus
+    events = [dg.AssetObservation(asset_key="fleet", metadata=scraped.metadata)] if scraped.metadata else []
     requests = []
     floor = cfg.fleet.live_tau_floor
     steps = committed_steps(pipeline.store(), cfg.run) if taus and floor and sum(taus) / len(taus) < floor else []
@@ -108,12 +110,18 @@ def live_tau_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResou
             asset_selection=[dg.AssetKey("drafter"), dg.AssetKey("acceptance")],
             tags={RETRAIN_TAG: f"live tau {sum(taus) / len(taus):.2f} < fleet.live_tau_floor {floor}"},
         ))
-    return dg.SensorResult(asset_events=events, run_requests=requests, cursor=json.dumps(now))
+    return dg.SensorResult(asset_events=events, run_requests=requests, cursor=json.dumps(scraped.counters))
 
 
-def _scrape_live_tau(cfg: PipelineConfig, earlier: dict) -> tuple[dict, dict, list[float]]:
-    """Each replica's counters now, the observation's metadata, and the live tau of each replica
-    over the window since `earlier` (the last tick's counters)."""
+@dataclass(frozen=True)
+class LiveTauScrape:
+    counters: dict  # replica -> its counters now, as JSON: the next tick's cursor
+    metadata: dict  # the fleet observation's metadata: live tau, or why a replica was not read
+    taus: list[float]  # the live tau of each replica over the window since the last tick
+
+
+def _scrape_live_tau(cfg: PipelineConfig, earlier: dict) -> LiveTauScrape:
+    """Scrape every replica; live tau over the window since `earlier` (the last tick's counters)."""
     now, metadata, taus = {}, {}, []
     for replica in deploy.replicas(cfg):
         try:
@@ -127,4 +135,4 @@ def _scrape_live_tau(cfg: PipelineConfig, earlier: dict) -> tuple[dict, dict, li
             if window.mean_acceptance_length is not None:
                 metadata[f"{replica.name}_live_tau"] = window.mean_acceptance_length
                 taus.append(window.mean_acceptance_length)
-    return now, metadata, taus
+    return LiveTauScrape(now, metadata, taus)

@@ -68,9 +68,22 @@ class K8sConfig(_Strict):
         return self
 
 
+class ScheduleConfig(_Strict):
+    """When a step's drafter trains (pipeline/training/schedule.py); every kind decides on the interval's steps."""
+
+    kind: Literal["interval", "acceptance", "cost"] = Field(
+        default="interval",
+        description="`interval`: every `train.training_interval_steps` steps; `acceptance`: when the champion's tau "
+                    "fell by more than `tau_drop` since its promotion; `cost`: when the rollout time a fresh drafter "
+                    "is expected to save before the next chance exceeds the training's expected cost.",
+    )
+    tau_drop: float = Field(default=0.3, gt=0, description="`acceptance`: the fall in tau that asks for a retraining.")
+
+
 class TrainConfig(_Strict):
     enable_drafter_training: bool = Field(default=True, description="Master switch for drafter training.")
     training_interval_steps: int = Field(default=1, ge=1, description="Train every N RL steps.")
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="When a step's drafter trains.")
     min_samples: int = Field(default=32, ge=1, description="Train only once the buffer holds this many samples.")
     batch_size_per_gpu: int = Field(default=16, ge=1, description="Samples packed into one training sequence.")
     max_seq_len: int = Field(default=4096, ge=2, description="Cap on tokens of one packed training sequence.")
@@ -338,6 +351,11 @@ class SimulationConfig(_Strict):
     response_len: int = Field(default=56, ge=1, description="Response tokens per rollout.")
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature of rollouts.")
     seed: int = Field(default=1234, description="Seed of the task family and the target.")
+    step_period_s: float = Field(
+        default=20.0, ge=0,
+        description="The demo's source publishes one RL step per this many seconds at most (0: as fast as it runs), "
+                    "without waiting for the pipeline.",
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> SimulationConfig:

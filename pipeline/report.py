@@ -11,48 +11,46 @@ from pipeline.data import buffer as buffer_lib
 from pipeline.data import capture, shards
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.keys import acceptance_key
+from pipeline.data.records import NO_DRAFTER_TAU, DrafterTau, read_acceptance, read_training
 from pipeline.data.store import ObjectStore
-from pipeline.training.outcome import read_outcome
-
-NO_DRAFTER_TAU = 1.0  # without a drafter every target forward yields one token
+from pipeline.ledger import Ledger, cumulative
 
 
 def step_row(store: ObjectStore, run: str, step: int) -> dict:
     """One line of the summary, read from what the step's assets stored."""
-    record = store.read_json(acceptance_key(run, step))
-    trained = read_outcome(store, run, step)
+    record = read_acceptance(store, run, step)
+    cotrained, served = record.drafters["cotrained"], record.drafters["served"]
     plan = capture.read_plan(store, run, step)
-
-    def tau(role: str) -> float:
-        d = record["drafters"][role]
-        return round(d["tau"], 4) if d else NO_DRAFTER_TAU
-
     return {
         "step": step,
         "samples": len(rollouts_lib.read_rollouts(store, run, step)),
-        "buffer_samples": len(buffer_lib.read_buffer(store, run, step)),
+        "buffer_samples": buffer_lib.read_buffer(store, run, step).num_samples,
         "captured": plan.captured if plan else None,  # rollouts whose hidden states the step stored
         "bytes_stored": shards.read_manifest(store, run, step).total_bytes,
-        "trained": trained["trained"],
-        "tau_cotrained": tau("cotrained"),
-        "tau_baseline": tau("baseline"),
-        "tau_served": tau("served"),
-        "promoted": record["promoted"],
-        "version_cotrained": (record["drafters"]["cotrained"] or {}).get("version"),
-        "version_served": (record["drafters"]["served"] or {}).get("version"),
-        "acceptance_rate_cotrained": round((record["drafters"]["cotrained"] or {}).get("acceptance_rate", 0.0), 4),
+        "trained": read_training(store, run, step).trained,
+        "tau_cotrained": _tau(cotrained),
+        "tau_baseline": _tau(record.drafters["baseline"]),
+        "tau_served": _tau(served),
+        "promoted": record.promoted,
+        "version_cotrained": cotrained.version if cotrained else None,
+        "version_served": served.version if served else None,
+        "acceptance_rate_cotrained": round(cotrained.acceptance_rate if cotrained else 0.0, 4),
         # what the co-trained tau rests on, and its teacher-forced estimate from one pass over held-out rollouts
-        "eval_prompts_cotrained": (record["drafters"]["cotrained"] or {}).get("prompts"),
-        "eval_rounds_cotrained": (record["drafters"]["cotrained"] or {}).get("rounds"),
-        "tau_estimate_cotrained": _estimate(record["drafters"]["cotrained"]),
+        "eval_prompts_cotrained": cotrained.prompts if cotrained else None,
+        "eval_rounds_cotrained": cotrained.rounds if cotrained else None,
+        "tau_estimate_cotrained": _estimate(cotrained),
     }
 
 
-def _estimate(measured: dict | None) -> dict | None:
-    estimate = (measured or {}).get("estimate")
+def _tau(measured: DrafterTau | None) -> float:
+    return round(measured.tau, 4) if measured else NO_DRAFTER_TAU
+
+
+def _estimate(measured: DrafterTau | None) -> dict | None:
+    estimate = measured.estimate if measured else None
     if not estimate:
         return None
-    return {"tau": round(estimate["tau"], 4), "rollouts": estimate["sequences"], "positions": estimate["positions"]}
+    return {"tau": round(estimate.tau, 4), "rollouts": estimate.sequences, "positions": estimate.positions}
 
 
 def format_table(rows: list[dict]) -> str:
@@ -134,12 +132,9 @@ def acceptance_rows(store: ObjectStore, run: str, steps: list[int]) -> list[dict
     """tau of each drafter role for the `steps` that have an acceptance record (no other reads)."""
     rows = []
     for step in steps:
-        key = acceptance_key(run, step)
-        if not store.exists(key):
-            continue
-        drafters = store.read_json(key)["drafters"]
-        rows.append({"step": step, **{f"tau_{role}": round(d["tau"], 4) if d else NO_DRAFTER_TAU
-                                      for role, d in drafters.items()}})
+        if store.exists(acceptance_key(run, step)):
+            drafters = read_acceptance(store, run, step).drafters
+            rows.append({"step": step, **{f"tau_{role}": _tau(d) for role, d in drafters.items()}})
     return rows
 
 
@@ -153,3 +148,58 @@ def write_summary(rows: list[dict], wall_s: float, step_wall_s: list[float], pat
     doc = {"wall_s": round(wall_s, 2), "step_wall_s": [round(s, 2) for s in step_wall_s], "steps": rows, **extra}
     path.write_text(json.dumps(doc, indent=2))
     return path
+
+
+def ledger_png(ledger: Ledger, dpi: int = 100) -> bytes:
+    """Two panels: how many RL steps old the drafter serving each step was, and the run's cumulative
+    device-seconds spent on the drafter against the rollout seconds it saved."""
+    plt = _pyplot()
+    fig, (lag_ax, cost_ax) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=dpi)
+    lags = [lag for lag in ledger.lags if lag.lag_steps is not None]
+    lag_ax.bar([lag.step for lag in lags], [lag.lag_steps for lag in lags], color="tab:orange")
+    lag_ax.set_xlabel("RL step")
+    lag_ax.set_ylabel("served drafter's lag (RL steps)")
+    lag_ax.set_title("How old the served drafter was")
+    lag_ax.grid(alpha=0.3, axis="y")
+    running = cumulative(ledger.costs)
+    steps = [r.step for r in running]
+    cost_ax.plot(steps, [r.spent_s for r in running], "o-", color="tab:red",
+                 label="spent (extract, train, eval, deploy)")
+    cost_ax.plot(steps, [r.saved_s for r in running], "s-", color="tab:green", label="rollout time saved")
+    cost_ax.set_xlabel("RL step")
+    cost_ax.set_ylabel("cumulative device-seconds")
+    cost_ax.set_title("Co-training: spent against saved")
+    cost_ax.legend(fontsize=8)
+    cost_ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def ledger_rows(ledger: Ledger) -> list[dict]:
+    """Per step: lag, device-seconds by stage, saved, and the running totals (the summary JSON's `ledger`)."""
+    rows = []
+    for cost, lag, running in zip(ledger.costs, ledger.lags, cumulative(ledger.costs), strict=True):
+        rows.append({"step": cost.step, "served_version": cost.served_version, "lag_steps": lag.lag_steps,
+                     "lag_s": lag.lag_s, "seconds": cost.seconds, "rollout_tokens": cost.rollout_tokens,
+                     "served_tau": round(cost.served_tau, 4), "saved_s": round(cost.saved_s, 3),
+                     "cumulative_spent_s": running.spent_s, "cumulative_saved_s": running.saved_s})
+    return rows
+
+
+def format_ledger(ledger: Ledger) -> str:
+    """The terminal's ledger table: one line per step, then the totals."""
+    head = f"{'step':>4} {'served':>6} {'lag':>4} {'lag s':>7} {'extract s':>9} {'train s':>8} {'eval s':>7} " \
+           f"{'deploy s':>8} {'saved s':>8}"
+    lines = [head, "-" * len(head)]
+    for cost, lag in zip(ledger.costs, ledger.lags, strict=True):
+        s = cost.seconds
+        lag_s = "-" if lag.lag_s is None else f"{lag.lag_s:.1f}"
+        lines.append(
+            f"{cost.step:>4} {'v' + cost.served_version if cost.served_version else '-':>6} "
+            f"{'-' if lag.lag_steps is None else lag.lag_steps:>4} {lag_s:>7} "
+            f"{s['extraction']:>9.1f} {s['training']:>8.1f} {s['evaluation']:>7.1f} {s['deployment']:>8.1f} "
+            f"{cost.saved_s:>8.3f}")
+    total = ledger.totals
+    lines.append(f"spent {total.spent_s:.1f} device-s ({', '.join(f'{k} {v:.1f}' for k, v in total.by_stage.items())})"
+                 f", saved {total.saved_s:.3f} s of rollout time")
+    return "\n".join(lines)

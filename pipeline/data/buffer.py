@@ -5,32 +5,22 @@ and trains on those of the last `buffer_steps` RL steps. We keep the same semant
 store only a manifest that points into the steps' hidden-state shards, never a copy:
 
     <root>/buffer/<run>/step-000123/_manifest.json
-        {"step": 123, "entries": [{"step", "sample_id", "shard", "row", "tokens"}, ...],
-         "composition": {"121": 40, "122": 84, "123": 84}, ...}
+        {"schema_version": 1, "step": 123, "entries": [{"step", "sample_id", "shard", "row", "tokens"}, ...],
+         "composition": {"121": 40, "122": 84, "123": 84}, ...}   (a BufferRecord, records.py)
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
 
 from pipeline.data import run_layout, shards
 from pipeline.data.keys import buffer_key
+from pipeline.data.records import BufferEntry, BufferRecord, read_record, write_record
 from pipeline.data.shards import HiddenSample, Manifest
 from pipeline.data.store import ObjectStore
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class BufferEntry:
-    step: int
-    sample_id: str
-    shard: str
-    row: int
-    tokens: int
 
 
 def select_buffer(
@@ -50,24 +40,14 @@ def select_buffer(
     return entries[-max_samples:]
 
 
-def composition(entries: list[BufferEntry]) -> dict[int, int]:
-    return dict(sorted(Counter(e.step for e in entries).items()))
+def write_buffer(store: ObjectStore, run: str, step: int, entries: list[BufferEntry]) -> BufferRecord:
+    record = BufferRecord(step, tuple(entries))
+    write_record(store, buffer_key(run, step), record)
+    return record
 
 
-def write_buffer(store: ObjectStore, run: str, step: int, entries: list[BufferEntry]) -> dict:
-    doc = {
-        "step": step,
-        "num_samples": len(entries),
-        "num_tokens": sum(e.tokens for e in entries),
-        "composition": {str(k): v for k, v in composition(entries).items()},
-        "entries": [asdict(e) for e in entries],
-    }
-    store.write_json(buffer_key(run, step), doc)
-    return doc
-
-
-def read_buffer(store: ObjectStore, run: str, step: int) -> list[BufferEntry]:
-    return [BufferEntry(**e) for e in store.read_json(buffer_key(run, step))["entries"]]
+def read_buffer(store: ObjectStore, run: str, step: int) -> BufferRecord:
+    return read_record(store, buffer_key(run, step), BufferRecord)
 
 
 Unreadable = Callable[[str, list[BufferEntry]], None]  # (why, the entries it cost)
@@ -126,7 +106,7 @@ def _current(entries: list[BufferEntry], manifests: dict[int, Manifest],
     return out
 
 
-def build_buffer(store: ObjectStore, run: str, step: int, buffer_steps: int, max_samples: int) -> dict:
+def build_buffer(store: ObjectStore, run: str, step: int, buffer_steps: int, max_samples: int) -> BufferRecord:
     """Select from the committed hidden states of the last `buffer_steps` steps and write the manifest;
     LayoutError when one of them is not of the run's target layout."""
     if not shards.has_manifest(store, run, step):

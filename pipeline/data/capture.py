@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pipeline.data.held_out import is_held_out
 from pipeline.data.keys import capture_plan_key
-from pipeline.data.rollouts import is_held_out
 
 if TYPE_CHECKING:
     from pipeline.data.rollouts import Rollout

@@ -3,10 +3,12 @@
     rollouts/<run>/step-000123/rollouts.parquet   policy.json (commit point)
     policies/<run>/step-000123/                   the simulated trainer's policy checkpoints
     hidden_states/<run>/step-000123/              Arrow shards + _manifest.json (commit point)
+    hidden_states/<run>/_target_layout.json       the run's target layout, recorded by its first step
     capture/<run>/step-000123.json                a step's capture plan (capture.py)
     buffer/<run>/step-000123/_manifest.json       the cross-step buffer of a step
     drafter/<run>/step-000123.json                a step's training outcome
     acceptance/<run>/step-000123.json             a step's acceptance record
+    cost/<run>/step-000123.json                   a step's entry in the cost ledger
     training/<run>/<input id>/                    resumable checkpoints of one training, origin.json
     fleet/<run>/state.json                        which drafter version the fleet serves
 """
@@ -81,6 +83,15 @@ def hidden_states_manifest_key(run: str, step: int) -> str:
     return f"{hidden_states_prefix(run, step)}/{HIDDEN_STATES_MANIFEST}"
 
 
+def hidden_states_shard_key(run: str, step: int, shard: str) -> str:
+    return f"{hidden_states_prefix(run, step)}/{shard}"
+
+
+def layout_key(run: str) -> str:
+    """The target layout the run's first step recorded: every later step must match it."""
+    return f"{hidden_states_root(run)}/_target_layout.json"
+
+
 def capture_plan_key(run: str, step: int) -> str:
     return f"capture/{run}/{step_key(step)}.json"
 
@@ -95,6 +106,10 @@ def buffer_key(run: str, step: int) -> str:
 
 def acceptance_key(run: str, step: int) -> str:
     return f"acceptance/{run}/{step_key(step)}.json"
+
+
+def cost_key(run: str, step: int) -> str:
+    return f"cost/{run}/{step_key(step)}.json"
 
 
 def drafter_key(run: str, step: int) -> str:

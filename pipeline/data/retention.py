@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pipeline.data import shards
+from pipeline.data.buffer import read_buffer
 from pipeline.data.keys import (
     buffer_key,
     buffer_root,
@@ -78,7 +79,7 @@ def plan_retention(
     plan.live_buffers = [s for s in buffers if s == latest or s in registered_steps]
     referenced: set[tuple[int, str]] = set()
     for step in plan.live_buffers:
-        referenced |= {(e["step"], e["shard"]) for e in store.read_json(buffer_key(run, step))["entries"]}
+        referenced |= {(e.step, e.shard) for e in read_buffer(store, run, step).entries}
 
     for step in buffers:
         if step not in plan.live_buffers:

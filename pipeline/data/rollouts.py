@@ -28,7 +28,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -234,6 +233,11 @@ def is_committed(store: ObjectStore, run: str, step: int) -> bool:
     return store.exists(policy_pointer_key(run, step)) and store.exists(rollouts_key(run, step))
 
 
+def published_at(store: ObjectStore, run: str, step: int) -> float:
+    """When the trainer committed the step (its policy pointer's write), as epoch seconds."""
+    return store.modified(policy_pointer_key(run, step))
+
+
 def committed_steps(store: ObjectStore, run: str) -> list[int]:
     """Steps under rollouts/<run>/ whose policy pointer (the commit point) exists."""
     steps = []
@@ -331,8 +335,3 @@ def read_policy_pointer(store: ObjectStore, run: str, step: int) -> PolicyPointe
     # The trainer's pointer is checked before anything can show or fetch it (uris.py).
     store.resolve(pointer.checkpoint_uri, f"{where}: field checkpoint_uri")
     return pointer
-
-
-def is_held_out(sample_id: str, fraction: float) -> bool:
-    """Deterministic split by sample id, stable across reruns and processes."""
-    return (zlib.crc32(sample_id.encode()) % 10_000) < fraction * 10_000

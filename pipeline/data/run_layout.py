@@ -15,6 +15,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from pipeline.data.keys import layout_key
 from pipeline.data.store import ObjectStore
 
 
@@ -57,10 +58,6 @@ def _int(config: dict, name: str) -> int:
     return value
 
 
-def layout_key(run: str) -> str:
-    return f"hidden_states/{run}/_target_layout.json"
-
-
 def checkpoint_layout(store: ObjectStore, checkpoint_uri: str,
                       layer_ids_of: Callable[[int], list[int]]) -> TargetLayout:
     """The layout of a policy checkpoint from its config.json alone (no weights are read);
@@ -79,13 +76,19 @@ def checkpoint_layout(store: ObjectStore, checkpoint_uri: str,
         raise LayoutError(f"{checkpoint_uri}/{exc}") from None
 
 
-def run_layout(store: ObjectStore, run: str) -> tuple[TargetLayout, int] | None:
+@dataclass(frozen=True)
+class RecordedLayout:
+    layout: TargetLayout
+    recorded_by_step: int
+
+
+def run_layout(store: ObjectStore, run: str) -> RecordedLayout | None:
     """The run's recorded layout and the step that recorded it; None before the first step."""
     key = layout_key(run)
     if not store.exists(key):
         return None
     doc = store.read_json(key)
-    return TargetLayout.from_json(doc["layout"]), int(doc["recorded_by_step"])
+    return RecordedLayout(TargetLayout.from_json(doc["layout"]), int(doc["recorded_by_step"]))
 
 
 def check_step_layout(store: ObjectStore, run: str, step: int, layout: TargetLayout, record: bool = True) -> None:
@@ -95,11 +98,11 @@ def check_step_layout(store: ObjectStore, run: str, step: int, layout: TargetLay
         if record:
             store.write_json(layout_key(run), {"layout": asdict(layout), "recorded_by_step": step})
         return
-    expected, by_step = found
-    differences = expected.differences(layout)
+    differences = found.layout.differences(layout)
     if differences:
         raise LayoutError(
-            f"step {step} of run {run!r}: the target's layout differs from the run's (recorded by step {by_step} in "
+            f"step {step} of run {run!r}: the target's layout differs from the run's (recorded by step "
+            f"{found.recorded_by_step} in "
             f"{store.uri(layout_key(run))}): {'; '.join(differences)}. One drafter cannot train across layouts: "
             f"start a new run for this policy (set `run` in the pipeline config to a new name, and point the RL "
             f"trainer's output at rollouts/<new run>/)"
@@ -112,7 +115,7 @@ def check_stored(store: ObjectStore, run: str, step: int, hidden_size: int, laye
     found = run_layout(store, run)
     if found is None:
         return
-    expected = found[0]
+    expected = found.layout
     if layout is None:  # written without a layout: the fields a manifest always has
         layout = TargetLayout(expected.family, hidden_size, expected.vocab_size, expected.num_layers,
                               tuple(layer_ids))

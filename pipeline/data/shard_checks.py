@@ -7,12 +7,11 @@ import json
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import run_layout, shards
 from pipeline.data.store import ObjectStore
-from pipeline.models import target as target_lib
 
 
 def target_hidden_size(store: ObjectStore, run: str, step: int) -> int:
     pointer = rollouts_lib.read_policy_pointer(store, run, step)
-    fs, path = store.filesystem(target_lib.resolve_uri(store, pointer.checkpoint_uri))
+    fs, path = store.filesystem(pointer.checkpoint_uri)
     with fs.open(f"{path}/config.json") as f:
         return int(json.load(f)["hidden_size"])
 

@@ -44,7 +44,12 @@ import xxhash
 
 from pipeline.data import lease, run_layout
 from pipeline.data.compression import compress_bf16, decompress_bf16_into, dequantize_fp8_into, quantize_fp8
-from pipeline.data.keys import hidden_states_prefix
+from pipeline.data.keys import (
+    HIDDEN_STATES_MANIFEST,
+    hidden_states_manifest_key,
+    hidden_states_prefix,
+    hidden_states_shard_key,
+)
 from pipeline.data.run_layout import TargetLayout
 from pipeline.data.store import ObjectStore, RangeReader, fill_range
 
@@ -52,7 +57,7 @@ from pipeline.data.store import ObjectStore, RangeReader, fill_range
 # Raw and fp8 shards did not change, so their schema-3 manifests are still read.
 SCHEMA_VERSION = 4
 _STILL_READ = {3: ("none", "fp8-e4m3")}
-MANIFEST = "_manifest.json"
+MANIFEST = HIDDEN_STATES_MANIFEST
 COMPRESSIONS = ("none", "split-zstd", "fp8-e4m3")
 LOSSLESS = ("none", "split-zstd")
 # A shard is cut at this size: on object storage it is sent in one PUT from memory.
@@ -495,11 +500,11 @@ def _commit(store: ObjectStore, prefix: str, step: int, num_tokens: int, shards:
 
 
 def read_manifest(store: ObjectStore, run: str, step: int) -> Manifest:
-    return Manifest.from_json(store.read_json(f"{hidden_states_prefix(run, step)}/{MANIFEST}"))
+    return Manifest.from_json(store.read_json(hidden_states_manifest_key(run, step)))
 
 
 def has_manifest(store: ObjectStore, run: str, step: int) -> bool:
-    return store.exists(f"{hidden_states_prefix(run, step)}/{MANIFEST}")
+    return store.exists(hidden_states_manifest_key(run, step))
 
 
 # -- reading ----------------------------------------------------------------------------------------------------
@@ -615,7 +620,7 @@ def read_rows(store: ObjectStore, run: str, manifest: Manifest, shard: str, rows
     missing = [r for r in rows if r not in entries]
     if missing:
         raise ShardError(f"step {manifest.step}: shard {shard} has no rows {missing}")
-    key = f"{hidden_states_prefix(run, manifest.step)}/{shard}"
+    key = hidden_states_shard_key(run, manifest.step, shard)
     try:
         with store.open_ranges(key) as reader:
             if reader.mapped:
@@ -672,7 +677,7 @@ def iter_shard(store: ObjectStore, run: str, manifest: Manifest, shard: str,
     """A whole shard, read once and verified byte for byte (the asset check's read)."""
     info = next((s for s in manifest.shards if s.name == shard), None)
     entries = _shard_entries(manifest, shard)
-    data = store.read_bytes(f"{hidden_states_prefix(run, manifest.step)}/{shard}")
+    data = store.read_bytes(hidden_states_shard_key(run, manifest.step, shard))
     view = memoryview(data)
     if len(data) != info.bytes or shard_digest(view, entries) != info.xxh3_128:
         raise CorruptShardError(f"step {manifest.step}: shard {shard} does not match its manifest checksum")

@@ -100,6 +100,10 @@ class ObjectStore:
     def size(self, key: str) -> int:
         return int(self.fs.size(self._path(key)))
 
+    def modified(self, key: str) -> float:
+        """When the object at `key` was last written, as epoch seconds."""
+        return _epoch_seconds(self.fs.info(self._path(key)))
+
     def list_dirs(self, prefix: str) -> list[str]:
         """Names of the immediate sub-directories of `prefix` (empty if it does not exist)."""
         path = self._path(prefix)
@@ -118,8 +122,7 @@ class ObjectStore:
         for name, info in sorted(self.fs.find(path, detail=True).items()):
             if info.get("type") == "directory":
                 continue
-            modified = info.get("mtime", info.get("LastModified"))
-            modified = modified.timestamp() if hasattr(modified, "timestamp") else float(modified or 0)
+            modified = _epoch_seconds(info)
             files.append((name[len(root):] if name.startswith(root) else name, int(info.get("size") or 0), modified))
         return files
 
@@ -277,6 +280,12 @@ class RangeReader:
         data = bytearray(length)
         self._read_into(offset, memoryview(data))
         return data
+
+
+def _epoch_seconds(info: dict) -> float:
+    """An fsspec entry's modification time: `mtime` (local, epoch seconds) or `LastModified` (S3, a datetime)."""
+    modified = info.get("mtime", info.get("LastModified"))
+    return modified.timestamp() if hasattr(modified, "timestamp") else float(modified or 0)
 
 
 def _read_body(fs: fsspec.AbstractFileSystem, body: Any) -> bytes:

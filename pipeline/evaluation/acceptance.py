@@ -1,25 +1,39 @@
-"""Acceptance of the step's drafters against the step's policy, and the promotion decision.
+"""Acceptance of the step's drafters against the step's policy, the promotion decision, and the
+step's entry in the cost ledger.
 
-Three drafters are measured on the same held-out prompts of the step:
+The step's drafters are measured on the same held-out prompts of the step:
     cotrained  the newest drafter (the `challenger`), trained on data up to this step
-    served     the `champion` before this step's decision: what served this step's rollouts
+    served     what the fleet ran when the step was published: what served its rollouts (the
+               champion where the fleet keeps no history)
     baseline   the first drafter ever trained, never retrained
+    champion   the `champion` before this step's decision, which the new drafter must beat (the
+               served drafter unless a promotion has not reached the fleet yet)
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
-import torch
-
 from pipeline.config import PipelineConfig, PromotionConfig
+from pipeline.cost import DecodingCost
 from pipeline.data import rollouts as rollouts_lib
-from pipeline.data.keys import acceptance_key
+from pipeline.data.held_out import held_out_prompts, held_out_sequences
+from pipeline.data.keys import acceptance_key, cost_key
+from pipeline.data.records import (
+    NO_DRAFTER_TAU,
+    AcceptanceRecord,
+    DrafterTau,
+    StepCost,
+    TauEstimate,
+    read_fleet_state,
+    served_at,
+    write_record,
+)
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import speculative, teacher_forced
 from pipeline.models import target as target_lib
 from pipeline.registry import DrafterRegistry
-from pipeline.sources.extract import held_out_rollouts
 
 
 @dataclass(frozen=True)
@@ -42,26 +56,6 @@ def promotion_decision(
     return Decision(False, f"new tau {new_tau:.3f} <= champion tau {champion_tau:.3f} + margin {policy.margin}")
 
 
-def held_out_prompts(
-    store: ObjectStore, cfg: PipelineConfig, step: int, limits: rollouts_lib.TargetLimits | None = None
-) -> list[torch.Tensor]:
-    rollouts = held_out_rollouts(rollouts_lib.read_rollouts(store, cfg.run, step, limits),
-                                 cfg.eval.held_out_fraction)
-    if not rollouts:
-        raise ValueError(f"step {step}: no held-out rollouts (eval.held_out_fraction={cfg.eval.held_out_fraction})")
-    return [torch.tensor(r.input_ids[: max(1, r.prompt_len)]) for r in rollouts[: cfg.eval.num_prompts]]
-
-
-def held_out_sequences(
-    store: ObjectStore, cfg: PipelineConfig, step: int, limits: rollouts_lib.TargetLimits | None = None
-) -> tuple[list[torch.Tensor], list[int]]:
-    """Whole held-out rollouts (prompt + response) and their prompt lengths: what the acceptance estimate reads."""
-    rollouts = held_out_rollouts(rollouts_lib.read_rollouts(store, cfg.run, step, limits),
-                                 cfg.eval.held_out_fraction)
-    rollouts = rollouts[: cfg.eval.num_prompts]
-    return [torch.tensor(r.input_ids) for r in rollouts], [max(1, r.prompt_len) for r in rollouts]
-
-
 @dataclass(frozen=True)
 class StepMeasurement:
     """The step's drafters measured on the same held-out prompts of the step's policy."""
@@ -69,12 +63,13 @@ class StepMeasurement:
     step: int
     policy_version: int
     num_prompts: int
-    roles: dict[str, str | None]  # role (cotrained, served, baseline) -> registered version, None: no such drafter
-    measured: dict[str, dict]  # version -> exact tau and its parts, the teacher-forced estimate
+    roles: dict[str, str | None]  # role -> registered version, None: no such drafter
+    measured: dict[str, DrafterTau]  # version -> exact tau and its parts, the teacher-forced estimate
+    served_decoding: DecodingCost | None  # the served drafter's rounds, timed: the ledger's saving rests on them
 
     def tau(self, role: str) -> float | None:
         version = self.roles[role]
-        return self.measured[version]["tau"] if version else None
+        return self.measured[version].tau if version else None
 
 
 def measure_step(
@@ -87,21 +82,40 @@ def measure_step(
     prompts = held_out_prompts(store, cfg, step, limits)
     sequences, prompt_lens = held_out_sequences(store, cfg, step, limits)
     k, max_new = cfg.eval.num_speculative_tokens, cfg.eval.max_new_tokens
+    champion = registry.alias_version("champion")
     roles = {
         "cotrained": new_version or registry.alias_version("challenger"),
-        "served": registry.alias_version("champion"),
+        "served": served_version(store, cfg.run, step, champion),
         "baseline": registry.alias_version("baseline"),
+        "champion": champion,
     }
-    measured: dict[str, dict] = {}
-    for version in {v for v in roles.values() if v is not None}:
+    measured: dict[str, DrafterTau] = {}
+    served_decoding = None
+    for version in sorted({v for v in roles.values() if v is not None}, key=int):
         drafter = registry.load(version)
         drafter.attach(target)
-        exact = speculative.evaluate(target, speculative.follow_target(drafter, target), prompts, max_new, k)
+        times = speculative.RoundTimes()
+        exact = speculative.evaluate(target, speculative.follow_target(drafter, target), prompts, max_new, k,
+                                     times=times)
+        if version == roles["served"]:
+            served_decoding = times.decoding_cost(k)
         estimate = teacher_forced.estimate_acceptance(target, drafter, sequences, prompt_lens, k)
         # each tau says what it rests on: exact, prompts decoded and rounds; the estimate, rollouts and positions
-        measured[version] = {**exact.as_dict(), "prompts": len(prompts),
-                             "estimate": estimate.as_dict() if estimate else None}
-    return StepMeasurement(step, pointer.policy_version, len(prompts), roles, measured)
+        measured[version] = DrafterTau(
+            version, exact.tau, exact.acceptance_rate, tuple(exact.per_position), exact.rounds, exact.drafted,
+            exact.accepted, len(prompts),
+            TauEstimate(estimate.tau, tuple(estimate.per_position), estimate.sequences, estimate.positions)
+            if estimate else None)
+    return StepMeasurement(step, pointer.policy_version, len(prompts), roles, measured, served_decoding)
+
+
+def served_version(store: ObjectStore, run: str, step: int, champion: str | None) -> str | None:
+    """The drafter the fleet ran when the step was published; the champion where the fleet keeps no history
+    (no fleet, or one that has never deployed)."""
+    state = read_fleet_state(store, run)
+    if not state.history:
+        return champion
+    return served_at(state, rollouts_lib.published_at(store, run, step))
 
 
 def apply_promotion(
@@ -112,47 +126,55 @@ def apply_promotion(
         registry.set_alias("champion", new_version)
     if not new_version:
         return
-    served_tau = measurement.tau("served")
+    champion_tau = measurement.tau("champion")
     registry.set_version_tags(new_version, {
-        "tau": f"{measurement.measured[new_version]['tau']:.4f}", "promoted": str(decision.promote).lower(),
-        "champion_tau_at_decision": "none" if served_tau is None else f"{served_tau:.4f}",
+        "tau": f"{measurement.measured[new_version].tau:.4f}", "promoted": str(decision.promote).lower(),
+        "champion_tau_at_decision": "none" if champion_tau is None else f"{champion_tau:.4f}",
     })
     run_id = registry.client.get_model_version(registry.model_name, new_version).run_id
     new = measurement.measured[new_version]
     registry.log_metrics(run_id, {
-        "eval_tau": new["tau"], "eval_acceptance_rate": new["acceptance_rate"],
-        **{f"eval_accept_pos{j}": p for j, p in enumerate(new["per_position"])},
-        **({"eval_champion_tau": served_tau} if served_tau is not None else {}),
+        "eval_tau": new.tau, "eval_acceptance_rate": new.acceptance_rate,
+        **{f"eval_accept_pos{j}": p for j, p in enumerate(new.per_position)},
+        **({"eval_champion_tau": champion_tau} if champion_tau is not None else {}),
     })
     registry.set_run_tags(run_id, {"promotion": decision.reason})
 
 
 def acceptance_record(
     cfg: PipelineConfig, measurement: StepMeasurement, decision: Decision, champion_after: str | None
-) -> dict:
+) -> AcceptanceRecord:
     """The step's acceptance record, as stored and as the reports read it."""
-    return {
-        "step": measurement.step,
-        "policy_version": measurement.policy_version,
-        "num_prompts": measurement.num_prompts,
-        "num_speculative_tokens": cfg.eval.num_speculative_tokens,
-        "max_new_tokens": cfg.eval.max_new_tokens,
-        "drafters": {role: ({"version": v, **measurement.measured[v]} if v else None)
-                     for role, v in measurement.roles.items()},
-        "promoted": decision.promote,
-        "decision": decision.reason,
-        "champion_after": champion_after,
-    }
+    drafters = {role: measurement.measured[v] if v else None for role, v in measurement.roles.items()}
+    return AcceptanceRecord(
+        measurement.step, measurement.policy_version, measurement.num_prompts, cfg.eval.num_speculative_tokens,
+        cfg.eval.max_new_tokens, drafters, decision.promote, decision.reason, champion_after)
+
+
+def step_cost(
+    store: ObjectStore, cfg: PipelineConfig, measurement: StepMeasurement, seconds: dict[str, float]
+) -> StepCost:
+    """The step's ledger entry: `seconds` spent by stage, and what the served drafter saved on its rollouts."""
+    rollouts = rollouts_lib.read_rollouts(store, cfg.run, measurement.step)
+    served = measurement.tau("served")
+    return StepCost(measurement.step, {stage: round(s, 3) for stage, s in seconds.items()},
+                    sum(sum(r.loss_mask) for r in rollouts), measurement.roles["served"],
+                    NO_DRAFTER_TAU if served is None else served, measurement.served_decoding)
 
 
 def evaluate_step(
-    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, new_version: str | None
-) -> dict:
-    """Measure the drafters, decide on promotion, move aliases, write the step's acceptance record."""
+    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, new_version: str | None,
+    spent_s: dict[str, float] | None = None,
+) -> AcceptanceRecord:
+    """Measure the drafters, decide on promotion, move aliases, write the step's acceptance record and its
+    ledger entry (`spent_s`: device-seconds of the stages before this one, by stage)."""
+    started = time.perf_counter()
     measurement = measure_step(store, cfg, step, registry, new_version)
-    new_tau = measurement.measured[new_version]["tau"] if new_version else None
-    decision = promotion_decision(cfg.promotion, new_tau, measurement.tau("served"))
+    new_tau = measurement.measured[new_version].tau if new_version else None
+    decision = promotion_decision(cfg.promotion, new_tau, measurement.tau("champion"))
     apply_promotion(registry, measurement, new_version, decision)
     record = acceptance_record(cfg, measurement, decision, registry.alias_version("champion"))
-    store.write_json(acceptance_key(cfg.run, step), record)
+    write_record(store, acceptance_key(cfg.run, step), record)
+    seconds = {**(spent_s or {}), "evaluation": time.perf_counter() - started}
+    write_record(store, cost_key(cfg.run, step), step_cost(store, cfg, measurement, seconds))
     return record

@@ -20,17 +20,19 @@ Metrics follow vLLM's names:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, LlamaForCausalLM
 
-from pipeline.models import target as target_lib
+from pipeline.cost import DecodingCost
+from pipeline.models import target_forward
 from pipeline.models.drafter import CommittedPairs, Drafter, Proposer
 
 
-def features_for(out: target_lib.TargetOutput, layer_ids: list[int] | None) -> torch.Tensor:
+def features_for(out: target_forward.TargetOutput, layer_ids: list[int] | None) -> torch.Tensor:
     """(B, T, D) what a proposer reads from a target forward."""
     return out.features if layer_ids is None else out.layers.flatten(2)
 
@@ -52,7 +54,7 @@ def greedy_generate(model: LlamaForCausalLM, prompt: torch.Tensor, max_new_token
     """Plain greedy decoding, one full forward per token: the reference speculative decoding must reproduce."""
     tokens = prompt.clone()
     for _ in range(max_new_tokens):
-        logits = target_lib.forward(model, tokens[None]).logits[0, -1]
+        logits = target_forward.forward(model, tokens[None]).logits[0, -1]
         tokens = torch.cat([tokens, logits.argmax()[None]])
     return tokens[prompt.shape[0] :].tolist()
 
@@ -69,13 +71,13 @@ class TargetCache:
     def forward(
         self, model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor, new_valid: torch.Tensor,
         layer_ids: list[int] | None, logits_at: torch.Tensor | None = None,
-    ) -> target_lib.TargetOutput:
+    ) -> target_forward.TargetOutput:
         """input_ids, positions, new_valid (B, N): N new columns per row -> the target's output over them
         (logits at every new column, or at the column `logits_at` (B,) of each row)."""
         self.valid = new_valid if self.valid is None else torch.cat([self.valid, new_valid], dim=1)  # (B, S + N)
         self.positions = positions if self.positions is None else torch.cat([self.positions, positions], dim=1)
-        mask = target_lib.decoding_mask(model.config, self.positions, self.valid, positions, model.dtype)
-        return target_lib.forward(model, input_ids, layer_ids, attention_mask=mask, position_ids=positions,
+        mask = target_forward.decoding_mask(model.config, self.positions, self.valid, positions, model.dtype)
+        return target_forward.forward(model, input_ids, layer_ids, attention_mask=mask, position_ids=positions,
                                   past_key_values=self.past, logits_at=logits_at)
 
     def keep(self, new_valid: torch.Tensor) -> None:
@@ -88,12 +90,38 @@ class TargetCache:
             self.valid, self.positions = self.valid[:, :-drop], self.positions[:, :-drop]
 
 
+@dataclass
+class RoundTimes:
+    """Seconds spent in the rounds' target forwards and drafter proposals, and the rows they served: what the
+    cost model's t and c are measured from (pipeline/cost.py). The prefill is not a round and is not counted."""
+
+    target_s: float = 0.0
+    draft_s: float = 0.0
+    rounds: int = 0  # batched rounds: one target forward and one proposal each
+    row_rounds: int = 0  # rows those rounds served
+
+    def decoding_cost(self, drafter_forwards_per_round: int) -> DecodingCost | None:
+        """t: a round's target forward per row (a plain decoding forward yields one token per row);
+        c: one drafter forward against that target forward, at the same batch."""
+        if not self.rounds or self.target_s <= 0:
+            return None
+        return DecodingCost(self.target_s / self.row_rounds,
+                            self.draft_s / (self.target_s * drafter_forwards_per_round), drafter_forwards_per_round)
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":  # kernels run asynchronously: read the clock once they are done
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 @torch.no_grad()
 def generate_batch(
     model: LlamaForCausalLM, new_proposer: Callable[[], Proposer], prompts: list[torch.Tensor],
-    max_new_tokens: int, k: int,
+    max_new_tokens: int, k: int, times: RoundTimes | None = None,
 ) -> list[GenerationTrace]:
-    """Speculative decoding of `prompts` as one batch; each row's tokens equal greedy decoding's."""
+    """Speculative decoding of `prompts` as one batch; each row's tokens equal greedy decoding's. `times`,
+    when given, adds up the rounds' target and drafter seconds."""
     if not prompts or min(p.shape[0] for p in prompts) < 1:
         raise ValueError("speculative decoding needs at least one prompt, each of at least one token")
     device = model.device
@@ -120,10 +148,17 @@ def generate_batch(
     # -- rounds: every row each time; a row past max_new_tokens keeps step but counts no more rounds
     while min(len(g) for g in generated) < max_new_tokens:
         active = [len(g) < max_new_tokens for g in generated]
+        started = _clock(device) if times is not None else 0.0
         proposal = proposer.propose(pairs, k)  # (B, k)
+        drafted = _clock(device) if times is not None else 0.0
         ids = torch.cat([pending[:, None], proposal], dim=1)  # (B, k+1)
         positions = (committed - 1)[:, None] + offsets  # (B, k+1)
         out = cache.forward(model, ids, positions, torch.ones_like(ids, dtype=torch.bool), proposer.layer_ids)
+        if times is not None:
+            times.draft_s += drafted - started
+            times.target_s += _clock(device) - drafted
+            times.rounds += 1
+            times.row_rounds += B
         greedy = out.logits.argmax(-1)  # (B, k+1) the target's choice after each column
         accepted = (proposal == greedy[:, :k]).long().cumprod(dim=1).sum(dim=1)  # (B,)
         kept = offsets[None] <= accepted[:, None]  # (B, k+1): the pending token and the accepted drafts
@@ -180,13 +215,14 @@ def acceptance_metrics(accepted_per_round: list[int], k: int) -> AcceptanceMetri
 
 def evaluate(
     model: LlamaForCausalLM, new_proposer: Callable[[], Proposer], prompts: list[torch.Tensor],
-    max_new_tokens: int, k: int, batch_size: int = 16,
+    max_new_tokens: int, k: int, batch_size: int = 16, times: RoundTimes | None = None,
 ) -> AcceptanceMetrics:
     """Acceptance of the proposer against `model` over held-out prompts, `batch_size` prompts at a time,
-    shortest first: a batch's prefill pads every prompt to its longest."""
+    shortest first: a batch's prefill pads every prompt to its longest. `times` adds up the rounds' seconds."""
     prompts = sorted(prompts, key=len)
     rounds: list[int] = []
     for start in range(0, len(prompts), batch_size):
-        for trace in generate_batch(model, new_proposer, prompts[start : start + batch_size], max_new_tokens, k):
+        batch = prompts[start : start + batch_size]
+        for trace in generate_batch(model, new_proposer, batch, max_new_tokens, k, times):
             rounds += trace.accepted_per_round
     return acceptance_metrics(rounds, k)

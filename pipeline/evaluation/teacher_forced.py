@@ -30,7 +30,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from pipeline.evaluation.speculative import features_for
-from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.models.drafter import Drafter
 
 
@@ -65,7 +65,7 @@ def estimate_acceptance(
             ids[b, : s.shape[0]] = s.to(device)
         lengths = torch.tensor([s.shape[0] for s in batch], device=device)  # (B,)
         valid = torch.arange(T, device=device)[None] < lengths[:, None]  # (B, T)
-        out = target_lib.forward(model, ids, drafter.decode_layer_ids, attention_mask=valid.long())
+        out = target_forward.forward(model, ids, drafter.decode_layer_ids, attention_mask=valid.long())
         greedy = out.logits.argmax(-1)  # (B, T): greedy[:, p] is the target's choice for token p + 1
         n = T - 1  # pairs (f_t, x_{t+1}), t < T - 1
         features = features_for(out, drafter.decode_layer_ids)[:, :n]  # (B, n, D)

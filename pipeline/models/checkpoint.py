@@ -38,7 +38,7 @@ from pipeline.models.eagle import ARCHITECTURE, EagleConfig, EagleDrafter
 from pipeline.models.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from pipeline.models.rope import UnsupportedRopeError, check_scaling, rope_from
-from pipeline.models.target import TargetMetadata
+from pipeline.models.target_forward import TargetMetadata
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -48,30 +48,28 @@ class CheckpointError(ValueError):
     """A drafter checkpoint that does not match its config or is not safetensors."""
 
 
-def target_fields(config: EagleConfig | Eagle3Config, target: TargetMetadata) -> dict:
-    """What the engines read of the target through the drafter's config: its vocabulary and width,
-    and its position encoding (rope_theta, rope_scaling as the target has them; the draft layer
-    attends over the target's positions) up to its max_position_embeddings (vLLM caps the served
-    context at the draft model's). A drafter shaped after another target is refused."""
-    target_hidden = getattr(config, "target_hidden_size", config.hidden_size)
+def target_fields(model: Drafter, target: TargetMetadata) -> dict:
+    """What the engines read of the target through the drafter's config: its vocabulary, and its
+    position encoding (rope_theta, rope_scaling as the target has them; the draft layer attends
+    over the target's positions) up to its max_position_embeddings (vLLM caps the served context
+    at the draft model's). A drafter shaped after another target (vocabulary, width, position
+    encoding) is refused."""
+    config = model.config
     mismatched = [(name, ours, theirs) for name, ours, theirs in (
         ("vocab_size", config.vocab_size, target.vocab_size),
-        ("target hidden_size", target_hidden, target.hidden_size),
+        ("target hidden_size", model.target_hidden_size, target.hidden_size),
         ("rope_theta", config.rope_theta, target.rope_theta),
         ("rope_scaling", config.rope_scaling, target.rope_scaling),
     ) if ours != theirs]
     if mismatched:
         raise CheckpointError("drafter does not fit the target it is exported for: " + ", ".join(
             f"{name} {ours} != target's {theirs}" for name, ours, theirs in mismatched))
-    fields = {
+    return {
         "vocab_size": target.vocab_size,
         "rope_theta": target.rope_theta,
         "rope_scaling": target.rope_scaling,
         "max_position_embeddings": max(config.max_position_embeddings, target.max_position_embeddings),
     }
-    if hasattr(config, "target_hidden_size"):
-        fields["target_hidden_size"] = target.hidden_size
-    return fields
 
 
 def save_drafter(model: Drafter, directory: Path, target: TargetMetadata | None = None) -> Path:
@@ -80,7 +78,7 @@ def save_drafter(model: Drafter, directory: Path, target: TargetMetadata | None 
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.checkpoint_tensors().items()}
     config = model.checkpoint_config()
     if target is not None:
-        config.update(target_fields(model.config, target))
+        config.update(target_fields(model, target))
     save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return directory
@@ -125,17 +123,26 @@ def load_drafter(directory: Path, target_num_layers: int | None = None) -> Draft
         raise CheckpointError(f"{config_path}: missing key {exc}") from None
     model = EagleDrafter(config)
     expected = model.trainable_state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected) - {"embed_tokens.weight", "lm_head.weight"})
+    _check_tensors(weights_path, expected, tensors, extra={"embed_tokens.weight", "lm_head.weight"})
+    model.load_state_dict({k: tensors[k].to(torch.float32) for k in expected}, strict=False)
+    return model
+
+
+def _check_tensors(
+    weights_path: Path, expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
+    optional: set[str] = frozenset(), extra: set[str] = frozenset(),
+) -> None:
+    """The checkpoint's tensors against what its config implies, for every kind: each expected key
+    present (but `optional` ones) at its shape, and no key beyond them but the `extra` ones."""
+    missing = sorted(set(expected) - set(tensors) - optional)
+    unexpected = sorted(set(tensors) - set(expected) - extra)
     if missing or unexpected:
         raise CheckpointError(f"{weights_path}: missing keys {missing}, unexpected keys {unexpected}")
     for key, tensor in expected.items():
-        if tensors[key].shape != tensor.shape:
+        if key in tensors and tensors[key].shape != tensor.shape:
             raise CheckpointError(
                 f"{weights_path}: {key} has shape {tuple(tensors[key].shape)}, config implies {tuple(tensor.shape)}"
             )
-    model.load_state_dict({k: tensors[k].to(torch.float32) for k in expected}, strict=False)
-    return model
 
 
 def _rope(raw: dict, config_path: Path) -> tuple[float, dict | None]:
@@ -194,15 +201,7 @@ def _load_eagle3(
     model = Eagle3Drafter(config)
     expected = model.trainable_state_dict()
     optional = {"d2t", "t2d"} if config.draft_vocab_size == config.vocab_size else set()
-    missing = sorted(set(expected) - set(tensors) - optional)
-    unexpected = sorted(set(tensors) - set(expected) - {"embed_tokens.weight"})
-    if missing or unexpected:
-        raise CheckpointError(f"{weights_path}: missing keys {missing}, unexpected keys {unexpected}")
-    for key, tensor in expected.items():
-        if key in tensors and tensors[key].shape != tensor.shape:
-            raise CheckpointError(
-                f"{weights_path}: {key} has shape {tuple(tensors[key].shape)}, config implies {tuple(tensor.shape)}"
-            )
+    _check_tensors(weights_path, expected, tensors, optional=optional, extra={"embed_tokens.weight"})
     state = {k: tensors[k].to(v.dtype) for k, v in expected.items() if k in tensors}
     if "embed_tokens.weight" in tensors:
         embed = tensors["embed_tokens.weight"]

@@ -1,8 +1,9 @@
-"""The drafter interface both kinds implement, and a new drafter shaped after a target.
+"""The drafter interface both kinds implement, and what `drafter.kind` maps to.
 
 EAGLE-1/2 (`EagleDrafter`) and EAGLE-3 (`Eagle3Drafter`) differ in what they read from the
 target, what they learn from and how they are stored; each says so through the same methods,
-so code outside pipeline/models/ never asks which kind it holds.
+so code outside pipeline/models/ never asks which kind it holds. Before a drafter exists (a
+new one, or the layers extraction stores for it), its kind is read here and nowhere else.
 """
 
 from __future__ import annotations
@@ -12,15 +13,16 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from pipeline.config import DrafterConfig
+from pipeline.models import eagle3
 from pipeline.models.eagle import CommittedPairs, EagleConfig, EagleDrafter
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids, draft_vocab
 from pipeline.models.teacher import Teacher
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # extraction reads the kind here and runs without pydantic on a bare GPU image
+    from pipeline.config import DrafterConfig
     from pipeline.data.shards import HiddenSample
 
-__all__ = ["CommittedPairs", "Drafter", "Proposer", "Teacher", "check_layers", "fresh_drafter"]
+__all__ = ["CommittedPairs", "Drafter", "Proposer", "Teacher", "check_layers", "fresh_drafter", "stored_layer_ids"]
 
 
 class Proposer(Protocol):
@@ -38,6 +40,7 @@ class Drafter(Protocol):
 
     kind: str  # the `drafter.kind` of the config that builds it: "eagle" (EAGLE-1/2) or "eagle3"
     decode_layer_ids: list[int] | None  # target layers read at decoding time; None = post-norm last layer
+    target_hidden_size: int  # width of the target's hidden states it reads (its checkpoint must match the target's)
 
     def attach(self, target: nn.Module) -> None:
         """Share the current target's (frozen) embeddings, and lm_head where the kind uses the target's."""
@@ -80,6 +83,19 @@ class Drafter(Protocol):
         ...
 
 
+def aux_layer_ids(cfg: DrafterConfig, num_layers: int) -> list[int]:
+    """EAGLE-3's aux layers: the configured ones, or vLLM's default for a target of `num_layers`."""
+    return list(cfg.aux_layer_ids or default_aux_layer_ids(num_layers))
+
+
+def stored_layer_ids(cfg: DrafterConfig, num_layers: int) -> list[int] | None:
+    """Layers a drafter of `cfg` trains on, each stored once: EAGLE-3 its aux layers plus the last
+    one (for the soft labels); EAGLE-1/2 only the post-norm last layer (None)."""
+    if cfg.kind == "eagle3":
+        return eagle3.stored_layer_ids(aux_layer_ids(cfg, num_layers), num_layers)
+    return None
+
+
 def fresh_drafter(cfg: DrafterConfig, target: nn.Module, token_counts: torch.Tensor, seed: int) -> Drafter:
     """A new drafter shaped after the target; EAGLE-3's draft vocab from the buffer's token counts."""
     torch.manual_seed(seed)
@@ -94,7 +110,7 @@ def fresh_drafter(cfg: DrafterConfig, target: nn.Module, token_counts: torch.Ten
         vocab_size=tc.vocab_size, draft_vocab_size=size, hidden_size=tc.hidden_size,
         target_hidden_size=tc.hidden_size, intermediate_size=base.intermediate_size,
         num_attention_heads=base.num_attention_heads, num_key_value_heads=base.num_key_value_heads,
-        aux_layer_ids=tuple(cfg.aux_layer_ids or default_aux_layer_ids(tc.num_hidden_layers)),
+        aux_layer_ids=tuple(aux_layer_ids(cfg, tc.num_hidden_layers)),
         rms_norm_eps=base.rms_norm_eps, rope_theta=base.rope_theta, rope_scaling=base.rope_scaling,
         max_position_embeddings=max(base.max_position_embeddings, tc.max_position_embeddings),
         norm_before_residual=cfg.norm_before_residual, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,

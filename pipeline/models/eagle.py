@@ -246,6 +246,11 @@ class EagleDrafter(nn.Module):
     kind = "eagle"
     decode_layer_ids = None  # reads the target's post-norm last layer, as vLLM hands its `eagle` drafter
 
+    @property
+    def target_hidden_size(self) -> int:
+        """The target's width: the drafter's own, since it reads the target's last layer as it is."""
+        return self.config.hidden_size
+
     def attach(self, target: nn.Module) -> None:
         """Take (frozen) token embeddings and lm_head from the current target."""
         embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight

@@ -223,6 +223,10 @@ class Eagle3Drafter(nn.Module):
     kind = "eagle3"
 
     @property
+    def target_hidden_size(self) -> int:
+        return self.config.target_hidden_size
+
+    @property
     def decode_layer_ids(self) -> list[int]:
         """The target layers (vLLM ids) the drafter reads at decoding time: its aux layers."""
         return list(self.config.aux_layer_ids)

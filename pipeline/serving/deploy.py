@@ -12,18 +12,18 @@ from pathlib import Path
 
 from pipeline.config import PipelineConfig
 from pipeline.data import rollouts as rollouts_lib
+from pipeline.data.held_out import held_out_prompts
 from pipeline.data.keys import fleet_state_key, rollouts_root
+from pipeline.data.records import Deployment, DeployReport, FleetState, read_fleet_state, write_record
 from pipeline.data.store import ObjectStore
-from pipeline.evaluation.acceptance import held_out_prompts
-from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import load_drafter
 from pipeline.registry import DrafterRegistry
 from pipeline.serving.fleet import (
     CommandDriver,
-    DeployReport,
     GateConfig,
     ReplicaDriver,
     ReplicaSpec,
+    StagedDrafter,
     StandInDriver,
     rolling_deploy,
 )
@@ -45,9 +45,9 @@ def gate_config(cfg: PipelineConfig) -> GateConfig:
     return GateConfig(f.ready_timeout_s, f.canary_requests, f.canary_tokens, f.min_live_tau)
 
 
-def read_state(store: ObjectStore, run: str) -> dict:
-    key = fleet_state_key(run)
-    return store.read_json(key) if store.exists(key) else {"version": None, "replicas": []}
+def read_state(store: ObjectStore, run: str) -> FleetState:
+    """The fleet's recorded state; an empty one before the first deploy."""
+    return read_fleet_state(store, run)
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class StagedVersions:
 
     version: str
     directory: Path
-    previous: tuple[str, str] | None  # (version, checkpoint directory) of `live`, None before the first deploy
+    previous: StagedDrafter | None  # `live`, None before the first deploy
 
 
 def stage_versions(cfg: PipelineConfig, registry: DrafterRegistry, version: str) -> StagedVersions:
@@ -67,8 +67,8 @@ def stage_versions(cfg: PipelineConfig, registry: DrafterRegistry, version: str)
     drafter_dir = registry.download(version, stage / f"v{version}")
     load_drafter(drafter_dir)
     live = registry.alias_version("live")
-    previous = (live, str(stage / f"v{live}" / "drafter")) if live else None
-    if previous and not Path(previous[1]).exists():
+    previous = StagedDrafter(live, str(stage / f"v{live}" / "drafter")) if live else None
+    if previous and not Path(previous.directory).exists():
         registry.download(live, stage / f"v{live}")
     return StagedVersions(version, drafter_dir, previous)
 
@@ -87,20 +87,22 @@ def served_policy(store: ObjectStore, cfg: PipelineConfig) -> ServedPolicy:
     if not steps:
         raise ValueError(f"no committed RL step under {rollouts_root(cfg.run)}/: no policy for the fleet to serve")
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, steps[-1])
-    return ServedPolicy(steps[-1], target_lib.resolve_uri(store, pointer.checkpoint_uri),
+    return ServedPolicy(steps[-1], store.resolve(pointer.checkpoint_uri),
                         [p.tolist() for p in held_out_prompts(store, cfg, steps[-1])])
 
 
 def record_live(
     store: ObjectStore, run: str, registry: DrafterRegistry, version: str, policy_step: int, report: DeployReport
 ) -> None:
-    """The fleet runs `version` everywhere: the registry's `live` alias and the fleet's state say so."""
+    """The fleet runs `version` everywhere: the registry's `live` alias and the fleet's state say so; the
+    state's history gains the deployment (what the drafter's lag and the cost ledger read)."""
     registry.set_alias("live", version)
     registry.set_version_tags(version, {"deployed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                        "fleet": ",".join(r["replica"] for r in report.replicas)})
-    store.write_json(fleet_state_key(run), {
-        "version": version, "policy_step": policy_step, "since": time.time(), "replicas": report.replicas,
-    })
+                                        "fleet": ",".join(r.replica for r in report.replicas)})
+    now = time.time()
+    deployment = Deployment(version, now, round(sum(r.deploy_s for r in report.replicas), 3))
+    history = (*read_state(store, run).history, deployment)
+    write_record(store, fleet_state_key(run), FleetState(version, policy_step, now, report.replicas, history))
 
 
 def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, version: str,

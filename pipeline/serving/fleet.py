@@ -24,10 +24,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from pipeline.data.records import DeployReport, ReplicaDeploy
 from pipeline.serving import metrics as serving_metrics
 
 
@@ -265,10 +266,12 @@ def check_replica(
     return tau
 
 
-@dataclass
-class DeployReport:
+@dataclass(frozen=True)
+class StagedDrafter:
+    """A drafter version's checkpoint directory, as replicas read it."""
+
     version: str
-    replicas: list[dict] = field(default_factory=list)  # {"replica", "version", "live_tau", "deploy_s", "restarted"}
+    directory: str
 
 
 def rolling_deploy(
@@ -277,14 +280,14 @@ def rolling_deploy(
     target: str,
     version: str,
     drafter_dir: str,
-    previous: tuple[str, str] | None,
+    previous: StagedDrafter | None,
     gates: GateConfig,
     canary_prompts: list[list[int]],
 ) -> DeployReport:
-    """Update replicas one at a time; on a failed gate restore `previous` (version, dir) there and stop.
+    """Update replicas one at a time; on a failed gate restore `previous` there and stop.
     A replica already running `drafter_dir` on `target` keeps running: it only passes the gates
     (and is restarted like the others if it fails them)."""
-    report = DeployReport(version)
+    done: list[ReplicaDeploy] = []
     for replica in replicas:
         start = time.monotonic()
         alive = functools.partial(driver.alive, replica)
@@ -299,12 +302,11 @@ def rolling_deploy(
                 tau = check_replica(replica, gates, canary_prompts, alive)
         except GateError as exc:
             if previous is not None:
-                driver.restart(replica, target, previous[1])
+                driver.restart(replica, target, previous.directory)
                 wait_healthy(replica, gates.ready_timeout_s, alive)
             raise GateError(
-                f"{exc}; rolled back to version {previous[0] if previous else 'none'}; deploy of "
-                f"version {version} stopped after {len(report.replicas)} of {len(replicas)} replicas"
+                f"{exc}; rolled back to version {previous.version if previous else 'none'}; deploy of "
+                f"version {version} stopped after {len(done)} of {len(replicas)} replicas"
             ) from None
-        report.replicas.append({"replica": replica.name, "version": version, "live_tau": tau,
-                                "deploy_s": time.monotonic() - start, "restarted": restarted})
-    return report
+        done.append(ReplicaDeploy(replica.name, version, tau, time.monotonic() - start, restarted))
+    return DeployReport(version, tuple(done))

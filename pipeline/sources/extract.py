@@ -19,31 +19,13 @@ from pipeline.data.rollouts import Rollout, TargetLimits
 from pipeline.data.run_layout import TargetLayout
 from pipeline.data.shards import HiddenSample, Manifest
 from pipeline.data.store import ObjectStore
-from pipeline.models import eagle3
 from pipeline.models import target as target_lib
-from pipeline.models.eagle3 import default_aux_layer_ids
+from pipeline.models import target_forward
+from pipeline.models.drafter import stored_layer_ids
 from pipeline.sources import vllm_connector as vllm_hidden_states
 
 if TYPE_CHECKING:  # the forward path also runs without pydantic (benchmarks/extraction.py on a bare GPU image)
-    from pipeline.config import DrafterConfig, PipelineConfig
-
-
-def training_rollouts(rollouts: list[Rollout], held_out_fraction: float) -> list[Rollout]:
-    return [r for r in rollouts if not rollouts_lib.is_held_out(r.sample_id, held_out_fraction)]
-
-
-def held_out_rollouts(rollouts: list[Rollout], held_out_fraction: float) -> list[Rollout]:
-    return [r for r in rollouts if rollouts_lib.is_held_out(r.sample_id, held_out_fraction)]
-
-
-def aux_layer_ids(drafter: DrafterConfig, num_layers: int) -> list[int]:
-    return list(drafter.aux_layer_ids or default_aux_layer_ids(num_layers))
-
-
-def stored_layer_ids(drafter: DrafterConfig, num_layers: int) -> list[int] | None:
-    """Layers the drafter kind trains on, each stored once: EAGLE-3 its aux layers plus the last
-    one (for the soft labels); EAGLE-1/2 only the post-norm last layer (None)."""
-    return eagle3.stored_layer_ids(aux_layer_ids(drafter, num_layers), num_layers) if drafter.kind == "eagle3" else None
+    from pipeline.config import PipelineConfig
 
 
 def plan_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
@@ -91,7 +73,7 @@ def _forward_batches(model, rollouts: list[Rollout], lengths: list[int], plan: l
         ids = torch.zeros(len(chunk), lengths[batch[0]], dtype=torch.int64)  # (B, T), right-padded with 0
         for row, i in enumerate(batch):
             ids[row, : lengths[i]] = torch.tensor(rollouts[i].input_ids[: lengths[i]], dtype=torch.int64)
-        layers = target_lib.layer_states(model, ids.to(device), layer_ids)  # n x (B, T, H)
+        layers = target_forward.layer_states(model, ids.to(device), layer_ids)  # n x (B, T, H)
         features = torch.stack([x.to(torch.bfloat16) for x in layers], dim=1)  # (B, n, T, H)
         del layers
         if copy_stream is None:

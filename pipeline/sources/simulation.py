@@ -33,6 +33,7 @@ from pipeline.data.keys import policy_prefix
 from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 
 FAVOURITE_PROB = 0.6
 PHASES = 3
@@ -127,7 +128,8 @@ class SimulatedRL:
 
     def _cache_path(self) -> Path:
         # Only what shapes pre-training goes into the key: tuning RL knobs keeps the cache.
-        pretrain = self.cfg.model_dump(exclude={"drift", "rl_iters", "rollouts_per_step", "temperature"})
+        pretrain = self.cfg.model_dump(
+            exclude={"drift", "rl_iters", "rollouts_per_step", "temperature", "step_period_s"})
         digest = hashlib.sha256(json.dumps(pretrain, sort_keys=True).encode()).hexdigest()[:12]
         return self.cache_dir / f"pretrained-target-{digest}"
 
@@ -171,7 +173,7 @@ class SimulatedRL:
 
         rollouts = self.generate_rollouts(model, step, g)
         pointer = PolicyPointer(policy_version=step, checkpoint_uri=checkpoint_uri,
-                                model_id=target_lib.model_id(model))
+                                model_id=target_forward.model_id(model))
         write_rollouts(self.store, self.run, step, rollouts, pointer)
         return pointer
 

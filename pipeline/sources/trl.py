@@ -38,10 +38,20 @@ from pipeline.client import publish_checkpoint, publish_step
 from pipeline.data.rollouts import Rollout
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 
 LETTERS = "abcdefghijklmnop"
 VOWELS = frozenset("aeio")
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What GRPOTrainer generated for one batch of prompts, kept until the batch is scored."""
+
+    prompt_ids: list
+    completion_ids: list
+    tool_mask: list | None  # None: no tool calls, every completion token is the policy's
 
 
 @dataclass(frozen=True)
@@ -113,13 +123,13 @@ def _grpo_trainer_class():  # TRL is imported on first use: the pipeline runs wi
                      on_published: Callable[[PublishedGRPOStep], None] | None = None, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.publisher, self.on_published = publisher, on_published
-            self._generated: tuple[list, list, list | None] | None = None
+            self._generated: Generation | None = None
             self._rewards_per_func: torch.Tensor | None = None
 
         def _generate(self, prompts: list):  # noqa: ANN202 (TRL's own signature)
             result = super()._generate(prompts)
-            prompt_ids, completion_ids, tool_mask = result[0], result[1], result[2]
-            self._generated = (prompt_ids, completion_ids, tool_mask)
+            prompt_ids, completion_ids, tool_mask = result[:3]  # TRL's tuple opens with these three
+            self._generated = Generation(prompt_ids, completion_ids, tool_mask)
             return result
 
         def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # noqa: ANN001, ANN202
@@ -137,9 +147,9 @@ def _grpo_trainer_class():  # TRL is imported on first use: the pipeline runs wi
 
         def _publish(self, step: int) -> PublishedGRPOStep | None:
             """Gathered over processes (TRL's rewards already are), written by the main process."""
-            prompt_ids, completion_ids, tool_mask = self._generated
-            prompt_ids, completion_ids = gather_object(prompt_ids), gather_object(completion_ids)
-            tool_mask = gather_object(tool_mask) if tool_mask is not None else None
+            generated = self._generated
+            prompt_ids, completion_ids = gather_object(generated.prompt_ids), gather_object(generated.completion_ids)
+            tool_mask = gather_object(generated.tool_mask) if generated.tool_mask is not None else None
             weights = self.reward_weights.to(self._rewards_per_func.device)
             per_func = self._rewards_per_func
             rewards = (per_func * weights.unsqueeze(0)).nansum(dim=1)  # as TRL logs `reward`
@@ -195,7 +205,7 @@ class GRPODemo:
         self.steps = steps
         self.tokenizer = build_tokenizer()
         self.policy = build_policy(self.tokenizer, seed=s.seed)
-        self.publisher = StepPublisher(store, run, target_lib.model_id(self.policy))
+        self.publisher = StepPublisher(store, run, target_forward.model_id(self.policy))
         self.output_dir = output_dir
         self._resume = threading.Semaphore(0)
         self._published = threading.Semaphore(0)

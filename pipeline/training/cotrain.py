@@ -17,13 +17,15 @@ import torch
 from pipeline.config import PipelineConfig
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import shards
-from pipeline.data.buffer import BufferEntry, composition, iter_buffer_samples, read_buffer
-from pipeline.data.keys import training_origin_key, training_prefix
+from pipeline.data.buffer import iter_buffer_samples, read_buffer
+from pipeline.data.keys import step_key, training_origin_key, training_prefix
+from pipeline.data.records import BufferEntry, composition
 from pipeline.data.rollouts import PolicyPointer
 from pipeline.data.shards import HiddenSample
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.models.checkpoint import load_drafter, save_drafter, target_fields
 from pipeline.registry import DrafterRegistry, MetricsBatcher, open_registry
 from pipeline.training.dataset import BufferDataset
@@ -54,7 +56,7 @@ def _initial_drafter(
         drafter = load_drafter(Path(cfg.drafter.warm_start), target.config.num_hidden_layers)
         if drafter.kind != cfg.drafter.kind:
             raise ValueError(f"drafter.warm_start {cfg.drafter.warm_start} is not a {cfg.drafter.kind} checkpoint")
-        target_fields(drafter.config, target_lib.TargetMetadata.of(target.config))  # refused before training
+        target_fields(drafter, target_forward.TargetMetadata.of(target.config))  # refused before training
         return drafter, f"file:{cfg.drafter.warm_start}"
     counts = _token_counts(hidden, target.config.vocab_size)
     return drafters.fresh_drafter(cfg.drafter, target, counts, cfg.train.seed), None
@@ -74,7 +76,7 @@ class _Inputs:
 def _read_inputs(job: TrainJob, ctx: DistContext) -> _Inputs:
     cfg = job.pipeline_config
     store = open_store(cfg)
-    return _Inputs(cfg, store, read_buffer(store, cfg.run, job.step),
+    return _Inputs(cfg, store, list(read_buffer(store, cfg.run, job.step).entries),
                    rollouts_lib.read_policy_pointer(store, cfg.run, job.step), rank_device(ctx, cfg.device))
 
 
@@ -129,8 +131,9 @@ def run_training(
     found = checkpoints.latest() if cfg.train.checkpoint_every else None
     if found:
         # The checkpoint's vocabulary maps decide the teacher's rows, so they are in place before it is built.
-        drafter.load_state_dict(checkpoints.model_weights(found[1]), strict=False)
-        progress(f"resuming from the checkpoint at iteration {found[0].iteration} of {found[0].total_iterations}")
+        drafter.load_state_dict(checkpoints.model_weights(found.directory), strict=False)
+        progress(f"resuming from the checkpoint at iteration {found.state.iteration} of "
+                 f"{found.state.total_iterations}")
     drafter.attach(target)
     broadcast_state(drafter.to(inputs.device).trainable_state_dict(), ctx)  # before the teacher reads the vocabulary
     num_layers = target.config.num_hidden_layers
@@ -140,7 +143,7 @@ def run_training(
 
     run_id = job.run_id
     if ctx.is_main and run_id is None:
-        run_id = registry.start_run(f"drafter-step-{job.step:06d}", {**job.tags, "input_id": job.input_id})
+        run_id = registry.start_run(f"drafter-{step_key(job.step)}", {**job.tags, "input_id": job.input_id})
     try:
         sink: MetricsSink = NullSink()
         if ctx.is_main:
@@ -163,7 +166,7 @@ def run_training(
         registry.log_params(run_id, {"samples_read": data.samples_read, "samples_unreadable": data.unreadable_samples})
         sink.flush()
         version = _register(registry, job, run_id, cfg, inputs.entries, drafter, warm_start,
-                            target_lib.TargetMetadata.of(target.config), result.samples)
+                            target_forward.TargetMetadata.of(target.config), result.samples)
         registry.end_run(run_id, ok=True)
     except BaseException:
         if ctx.is_main:
@@ -185,7 +188,7 @@ def _finish(
 
 def _register(
     registry: DrafterRegistry, job: TrainJob, run_id: str, cfg: PipelineConfig, entries: list[BufferEntry],
-    drafter: drafters.Drafter, warm_start: str | None, target: target_lib.TargetMetadata, samples_read: int,
+    drafter: drafters.Drafter, warm_start: str | None, target: target_forward.TargetMetadata, samples_read: int,
 ) -> str:
     """One version per input identity, even when a process died between registering and finishing."""
     version = registry.find_version({"input_id": job.input_id})

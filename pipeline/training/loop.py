@@ -175,14 +175,15 @@ def _summed_over_ranks(
     the host here, once per iteration: the all-reduce carries them with the gradient."""
     loss_tokens = float(batch.loss_mask.sum()) if batch is not None else 0.0
     local = [float(v) for v in stats.values()] if stats is not None else [0.0] * 4
-    summed = reduce_gradients(params, loss_tokens, [loss_tokens, batch.num_tokens if batch is not None else 0,
-                                                    *(v * loss_tokens for v in local)])
-    if summed[0] == 0:
+    global_loss_tokens, global_tokens, *stat_sums = reduce_gradients(
+        params, loss_tokens, [loss_tokens, batch.num_tokens if batch is not None else 0,
+                              *(v * loss_tokens for v in local)])
+    if global_loss_tokens == 0:
         return None
     for p in params:
-        p.grad.div_(summed[0])
-    means = torch.tensor([v / summed[0] for v in summed[2:]], device=device)
-    return StepStats(*means.unbind()), int(summed[1])
+        p.grad.div_(global_loss_tokens)
+    means = torch.tensor([v / global_loss_tokens for v in stat_sums], device=device)
+    return StepStats(*means.unbind()), int(global_tokens)
 
 
 def _iterations(

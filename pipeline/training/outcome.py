@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.data.keys import drafter_key
+from pipeline.data.records import TrainingFigures, TrainingRecord, write_record
 from pipeline.data.store import ObjectStore
 from pipeline.training.loop import TrainResult
 
@@ -21,17 +22,15 @@ class TrainOutcome:
     trained_on_steps: tuple[int, ...] = ()
     requested_by: str | None = None  # why a retraining was requested off the schedule (e.g. live tau too low)
 
-    def record(self, step: int) -> dict:
+    def record(self, step: int) -> TrainingRecord:
         """What later stages (and people) need to know about this step's training."""
-        out = {"step": step, "trained": self.trained, "reason": self.reason, "buffer_samples": self.buffer_samples,
-               "run_id": self.run_id, "version": self.version, "warm_start_version": self.warm_start_version,
-               "trained_on_steps": list(self.trained_on_steps), "requested_by": self.requested_by}
+        figures = None
         if self.result:
-            out.update(iterations=self.result.iterations, resumed_from_iteration=self.result.resumed_from_iteration,
-                       loss=self.result.loss, vloss=self.result.vloss,
-                       ploss=self.result.ploss, accuracy=self.result.accuracy, wall_s=self.result.wall_s,
-                       tokens_per_s=self.result.tokens_per_s, loss_history=self.result.loss_history)
-        return out
+            r = self.result
+            figures = TrainingFigures(r.iterations, r.resumed_from_iteration, r.loss, r.vloss, r.ploss, r.accuracy,
+                                      r.wall_s, r.tokens_per_s, tuple(r.loss_history))
+        return TrainingRecord(step, self.trained, self.reason, self.buffer_samples, self.run_id, self.version,
+                              self.warm_start_version, tuple(self.trained_on_steps), self.requested_by, figures)
 
 
 def outcome_metadata(outcome: TrainOutcome) -> dict[str, str | int | float | bool]:
@@ -52,11 +51,7 @@ def outcome_metadata(outcome: TrainOutcome) -> dict[str, str | int | float | boo
     return metadata
 
 
-def write_outcome(store: ObjectStore, run: str, step: int, outcome: TrainOutcome) -> dict:
+def write_outcome(store: ObjectStore, run: str, step: int, outcome: TrainOutcome) -> TrainingRecord:
     record = outcome.record(step)
-    store.write_json(drafter_key(run, step), record)
+    write_record(store, drafter_key(run, step), record)
     return record
-
-
-def read_outcome(store: ObjectStore, run: str, step: int) -> dict:
-    return store.read_json(drafter_key(run, step))

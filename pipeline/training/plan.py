@@ -10,30 +10,42 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from pipeline.config import PipelineConfig, TrainConfig, parse_config
 from pipeline.data import rollouts as rollouts_lib
-from pipeline.data.buffer import BufferEntry, composition, read_buffer
+from pipeline.data.buffer import read_buffer
+from pipeline.data.keys import acceptance_key
+from pipeline.data.records import BufferEntry, composition, read_acceptance, read_cost
 from pipeline.data.store import ObjectStore
 from pipeline.registry import DrafterRegistry
 from pipeline.training.outcome import TrainOutcome
+from pipeline.training.schedule import ChampionTrack, ScheduleInputs, TrainingDecision, schedule_decision
 
 
 def training_decision(
-    step: int, buffer_samples: int, cfg: TrainConfig, requested_by: str | None = None
-) -> tuple[bool, str]:
-    """FastRL's trigger: every `training_interval_steps`, once the buffer holds `min_samples`;
-    a request (e.g. live tau below its floor) overrides the interval, not the other two."""
+    step: int, buffer_samples: int, cfg: TrainConfig, requested_by: str | None = None,
+    inputs: ScheduleInputs | None = None, superseded_by: int | None = None,
+) -> TrainingDecision:
+    """FastRL's trigger, or the configured schedule's, once the buffer holds `min_samples`. A newer step
+    committed while this one waited supersedes its training (its hidden states enter that step's buffer); a
+    request (e.g. live tau below its floor) overrides the schedule, not the buffer's size."""
     if not cfg.enable_drafter_training:
-        return False, "train.enable_drafter_training is false"
+        return TrainingDecision(False, "train.enable_drafter_training is false")
+    if superseded_by is not None:
+        return TrainingDecision(False, f"superseded: step {superseded_by} was committed while this step waited, "
+                                       "and trains on the newer buffer")
     if requested_by and buffer_samples >= cfg.min_samples:
-        return True, f"requested ({requested_by}); buffer holds {buffer_samples} samples"
-    if step % cfg.training_interval_steps:
-        return False, f"step {step} is not a multiple of train.training_interval_steps={cfg.training_interval_steps}"
+        return TrainingDecision(True, f"requested ({requested_by}); buffer holds {buffer_samples} samples")
+    scheduled = schedule_decision(cfg.schedule.kind, step, cfg.training_interval_steps, cfg.schedule.tau_drop,
+                                  inputs or ScheduleInputs(None, 0, None, None))
+    if not scheduled.train:
+        return scheduled
     if buffer_samples < cfg.min_samples:
-        return False, f"buffer holds {buffer_samples} samples, fewer than train.min_samples={cfg.min_samples}"
-    return True, f"buffer holds {buffer_samples} samples"
+        return TrainingDecision(
+            False, f"buffer holds {buffer_samples} samples, fewer than train.min_samples={cfg.min_samples}")
+    why = "" if cfg.schedule.kind == "interval" else f"{scheduled.reason}; "
+    return replace(scheduled, reason=f"{why}buffer holds {buffer_samples} samples")
 
 
 # Where a training runs, how often it saves and how often it reports do not change what it learns:
@@ -115,13 +127,17 @@ class TrainingPlan:
 
 
 def plan_training(
-    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, requested_by: str | None = None
+    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, requested_by: str | None = None,
+    coalesce: bool = False,
 ) -> TrainingPlan:
-    """Skip (with the reason), reuse a version trained on identical inputs, or train; reads only."""
-    entries = read_buffer(store, cfg.run, step)
-    trained, reason = training_decision(step, len(entries), cfg.train, requested_by)
-    if not trained:
-        return TrainingPlan(step, False, reason, len(entries), requested_by)
+    """Skip (with the reason), reuse a version trained on identical inputs, or train; reads only. With
+    `coalesce` (a run the sensor asked for, not a backfill) a newer committed step supersedes this one's training."""
+    entries = list(read_buffer(store, cfg.run, step).entries)
+    newer = [s for s in rollouts_lib.committed_steps(store, cfg.run) if s > step] if coalesce else []
+    inputs = None if cfg.train.schedule.kind == "interval" else schedule_inputs(store, cfg, step, registry)
+    decision = training_decision(step, len(entries), cfg.train, requested_by, inputs, newer[-1] if newer else None)
+    if not decision.train:
+        return TrainingPlan(step, False, decision.reason, len(entries), requested_by)
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
     identity = input_identity(cfg, entries, pointer.checkpoint_uri, requested_by)
     existing = registry.find_version({"input_id": identity})
@@ -130,10 +146,42 @@ def plan_training(
         run_id = registry.client.get_model_version(registry.model_name, existing).run_id
         registered = RegisteredVersion(existing, run_id, registry.run_finished(run_id))
     return TrainingPlan(
-        step, True, reason, len(entries), requested_by, identity, registry.alias_version("champion"),
+        step, True, decision.reason, len(entries), requested_by, identity, registry.alias_version("champion"),
         tuple(composition(entries)), registered,
         None if registered else registry.unfinished_run({"input_id": identity}),
     )
+
+
+RECENT_TRAININGS = 3  # the expected cost of a training: the mean of the last few
+
+
+def schedule_inputs(store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry) -> ScheduleInputs:
+    """What the `acceptance` and `cost` schedules read: the champion's acceptance since its promotion, the
+    step's rollout tokens, and the costs earlier steps measured (their StepCost records)."""
+    earlier = [s for s in rollouts_lib.committed_steps(store, cfg.run) if s < step]
+    costs = [c for c in (read_cost(store, cfg.run, s) for s in earlier) if c is not None]
+    trainings = [c.seconds["training"] for c in costs if c.seconds.get("training", 0) > 0][-RECENT_TRAININGS:]
+    decoding = next((c.decoding for c in reversed(costs) if c.decoding), None)
+    tokens = sum(sum(r.loss_mask) for r in rollouts_lib.read_rollouts(store, cfg.run, step))
+    return ScheduleInputs(champion_track(store, cfg.run, earlier, registry.alias_version("champion")),
+                          tokens * cfg.train.training_interval_steps,
+                          sum(trainings) / len(trainings) if trainings else None, decoding)
+
+
+def champion_track(store: ObjectStore, run: str, steps: list[int], champion: str | None) -> ChampionTrack | None:
+    """The champion's tau when it was promoted (as the step's co-trained drafter) and on the newest step that
+    measured it since (as the served drafter); None without a champion or the record of its promotion."""
+    track = None
+    for step in steps:
+        if champion is None or not store.exists(acceptance_key(run, step)):
+            continue
+        record = read_acceptance(store, run, step)
+        cotrained, served = record.drafters.get("cotrained"), record.drafters.get("served")
+        if record.promoted and cotrained and cotrained.version == champion:
+            track = ChampionTrack(champion, step, cotrained.tau, cotrained.tau, step)
+        elif track and served and served.version == champion:
+            track = replace(track, tau_now=served.tau, measured_at_step=step)
+    return track
 
 
 def settle_plan(

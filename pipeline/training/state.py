@@ -43,6 +43,14 @@ class ResumeState:
     loss_history: list[float] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """A committed checkpoint: its state and its directory under the training's prefix."""
+
+    state: ResumeState
+    directory: str
+
+
 class TrainingCheckpoints:
     """The checkpoints of one training under `prefix`; every rank may read, rank 0 writes."""
 
@@ -52,13 +60,13 @@ class TrainingCheckpoints:
     def _key(self, *parts: str) -> str:
         return "/".join((self.prefix, *parts))
 
-    def latest(self) -> tuple[ResumeState, str] | None:
-        """The committed state and its directory, or None when this training never saved one."""
+    def latest(self) -> SavedCheckpoint | None:
+        """The committed checkpoint, or None when this training never saved one."""
         if not self.store.exists(self._key(LATEST)):
             return None
         pointer = self.store.read_json(self._key(LATEST))
         doc = self.store.read_json(self._key(pointer["directory"], STATE_FILE))
-        return ResumeState(**doc["resume"]), pointer["directory"]
+        return SavedCheckpoint(ResumeState(**doc["resume"]), pointer["directory"])
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: ResumeState) -> str:
         directory = f"iter-{state.iteration:08d}"
@@ -85,7 +93,7 @@ class TrainingCheckpoints:
         found = self.latest()
         if found is None:
             return None
-        state, directory = found
+        state, directory = found.state, found.directory
         doc = self.store.read_json(self._key(directory, STATE_FILE))
         names = _optimizer_names(model, optimizer)
         if doc["parameters"] != names:

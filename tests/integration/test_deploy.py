@@ -109,8 +109,8 @@ def check_promotions_reach_the_fleet_once_each(tmp_path: Path, instance: dg.Dags
         assert md["retrain_requested_by"].value == retrain.tags["retrain_reason"]
         assert md["reason"].value.startswith(f"requested ({retrain.tags['retrain_reason']})")
         state = deploy.read_state(store, cfg.run)
-        assert state["version"] == "2"
-        assert [r["replica"] for r in state["replicas"]] == ["standin-0", "standin-1"]
+        assert state.version == "2"
+        assert [r.replica for r in state.replicas] == ["standin-0", "standin-1"]
         assert registry.alias_version("live") == "2"
         for replica in deploy.replicas(cfg):  # both serve after the second rollout
             with urllib.request.urlopen(f"{replica.url}/v1/models", timeout=10) as response:

@@ -25,11 +25,12 @@ from definitions import build_definitions
 from pipeline.client import Rollout, publish_checkpoint, publish_step
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data import shards
+from pipeline.data.held_out import held_out_prompts
 from pipeline.data.rollouts import read_policy_pointer
 from pipeline.data.store import open_store
-from pipeline.evaluation.acceptance import held_out_prompts
 from pipeline.evaluation.speculative import follow_target, generate_batch, greedy_generate
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.models.checkpoint import load_drafter, save_drafter
 from pipeline.registry import DrafterRegistry
 from tests.support.config import write_config
@@ -117,7 +118,7 @@ def test_two_published_steps_of_each_family_through_rl_step_job(tmp_path: Path, 
     exported = registry.download(version, tmp_path / "exported")
     drafter = load_drafter(exported, LAYERS)
     assert drafter.kind == kind
-    again = save_drafter(drafter, tmp_path / "again", target_lib.TargetMetadata.of(policy.config))
+    again = save_drafter(drafter, tmp_path / "again", target_forward.TargetMetadata.of(policy.config))
     assert json.loads((again / "config.json").read_text()) == json.loads((exported / "config.json").read_text())
     original, round_tripped = load_file(exported / "model.safetensors"), load_file(again / "model.safetensors")
     assert original.keys() == round_tripped.keys()

@@ -119,12 +119,12 @@ def test_sigkill_during_a_shard_write_leaves_no_partial_step(loop, reliability) 
     extract.extract_hidden_states(store, cfg, 1)
     assert not any(".tmp-" in name for name in _files(step1_dir))
     # Step 1's buffer was built before the rewrite: it still reads every sample (by id).
-    assert len(list(buffer.iter_buffer_samples(store, cfg.run, buffer.read_buffer(store, cfg.run, 1)))) == \
+    assert len(list(buffer.iter_buffer_samples(store, cfg.run, buffer.read_buffer(store, cfg.run, 1).entries))) == \
         committed.num_samples
-    doc = buffer.build_buffer(store, cfg.run, 2, cfg.train.buffer_steps, cfg.train.data_buffer_max_size)
-    ids = [(e["step"], e["sample_id"]) for e in doc["entries"]]
+    built = buffer.build_buffer(store, cfg.run, 2, cfg.train.buffer_steps, cfg.train.data_buffer_max_size)
+    ids = [(e.step, e.sample_id) for e in built.entries]
     assert len(ids) == len(set(ids)) == committed.num_samples + manifest.num_samples
-    assert len(list(buffer.iter_buffer_samples(store, cfg.run, buffer.read_buffer(store, cfg.run, 2)))) == len(ids)
+    assert len(list(buffer.iter_buffer_samples(store, cfg.run, built.entries))) == len(ids)
 
 
 def _runs(registry: DrafterRegistry) -> list:
@@ -199,7 +199,7 @@ def test_sigkill_during_a_deploy_then_rerun_serves_one_drafter(loop, reliability
     try:
         # v1 serves on both replicas (started directly: a deploy's gates are tested elsewhere).
         staged = registry.download(v1, cfg.data_path / "fleet" / "staged" / f"v{v1}")
-        target = target_lib.resolve_uri(store, rollouts_lib.read_policy_pointer(store, cfg.run, 2).checkpoint_uri)
+        target = store.resolve(rollouts_lib.read_policy_pointer(store, cfg.run, 2).checkpoint_uri)
         for replica in replicas:
             driver.restart(replica, target, str(staged))
         registry.set_alias("live", v1)
@@ -215,10 +215,10 @@ def test_sigkill_during_a_deploy_then_rerun_serves_one_drafter(loop, reliability
         assert all(f"/v{v2}/" in _served_drafter(driver, r) for r in replicas)
         assert registry.alias_version("live") == v2
         state = deploy.read_state(store, cfg.run)
-        assert state["version"] == v2
-        assert [r["version"] for r in state["replicas"]] == [v2, v2]
+        assert state.version == v2
+        assert [r.version for r in state.replicas] == [v2, v2]
         # The replica the killed deploy had already moved to v2 keeps its process; only the other restarts.
-        assert [r["restarted"] for r in state["replicas"]] == [False, True]
+        assert [r.restarted for r in state.replicas] == [False, True]
         assert int((cfg.data_path / "fleet" / "replicas" / f"{replicas[0].name}.pid").read_text()) == first_pid
         for replica in replicas:
             with urllib.request.urlopen(f"{replica.url}/health", timeout=10) as response:

@@ -21,9 +21,11 @@ from definitions import build_definitions
 from pipeline.config import load_config
 from pipeline.data import buffer, shards
 from pipeline.data.keys import hidden_states_prefix
+from pipeline.data.records import read_acceptance
 from pipeline.data.rollouts import PolicyPointer, Rollout, committed_steps, read_rollouts, write_rollouts
 from pipeline.data.store import ObjectStore, open_store, storage_options_for
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.sources.simulation import SimulatedRL
 from tests.support.config import write_config
 
@@ -129,9 +131,8 @@ def test_shards_buffer_and_bad_input(store: ObjectStore) -> None:
     assert all(torch.equal(a.hidden.view(torch.int16), b.hidden.view(torch.int16))
                for a, b in zip(samples, read, strict=True))
 
-    doc = buffer.build_buffer(store, "run", 1, buffer_steps=2, max_samples=3)
-    assert doc["composition"] == {"1": 3}
-    loaded = list(buffer.iter_buffer_samples(store, "run", buffer.read_buffer(store, "run", 1)))
+    assert buffer.build_buffer(store, "run", 1, buffer_steps=2, max_samples=3).composition == {1: 3}
+    loaded = list(buffer.iter_buffer_samples(store, "run", buffer.read_buffer(store, "run", 1).entries))
     assert [s.sample_id for s in loaded] == ["s2", "s3", "s4"]
     assert all(torch.equal(a.hidden.view(torch.int16), b.hidden.view(torch.int16))
                for a, b in zip(samples[2:], loaded, strict=True))
@@ -150,7 +151,7 @@ def test_policy_checkpoint_round_trip(store: ObjectStore) -> None:
     loaded = target_lib.load_policy(store, "policies/run/step-000001")
     assert uri.startswith(store.root)
     ids = torch.randint(0, 16, (1, 5))
-    torch.testing.assert_close(target_lib.forward(loaded, ids).logits, target_lib.forward(model, ids).logits)
+    torch.testing.assert_close(target_forward.forward(loaded, ids).logits, target_forward.forward(model, ids).logits)
 
 
 def test_one_rl_step_on_s3(s3_endpoint: str, tmp_path: Path) -> None:
@@ -169,7 +170,7 @@ def test_one_rl_step_on_s3(s3_endpoint: str, tmp_path: Path) -> None:
         uri = instance.get_latest_materialization_event(
             dg.AssetKey("hidden_states")).asset_materialization.metadata["uri"].value
     assert uri.startswith("s3://")
-    assert store.read_json(f"acceptance/{cfg.run}/step-000001.json")["drafters"]["cotrained"]["version"] == "1"
+    assert read_acceptance(store, cfg.run, 1).drafters["cotrained"].version == "1"
 
 
 def test_training_checkpoints_commit_and_restore(store: ObjectStore) -> None:

@@ -18,13 +18,13 @@ import yaml
 from assets.cotraining import drafter
 from pipeline.config import load_config
 from pipeline.data import buffer as buffer_lib
+from pipeline.data.records import read_training
 from pipeline.data.store import open_store
 from pipeline.registry import DrafterRegistry
 from pipeline.sources import extract
 from pipeline.sources.simulation import SimulatedRL
 from pipeline.training import plan as plan_lib
 from pipeline.training.launch import TRAIN_MODULE
-from pipeline.training.outcome import read_outcome
 from resources import pipeline_resource
 from tests.support.config import write_config
 
@@ -69,10 +69,10 @@ def test_two_ranks_through_the_launcher_equal_one_process(tmp_path: Path) -> Non
             assert result.success, name
             metadata = result.asset_materializations_for_node("drafter")[0].metadata
             assert metadata["world_size"].value == (2 if name == "two" else 1)
-            records[name] = read_outcome(store, load_config(path).run, STEP)
-    assert records["two"]["iterations"] == records["one"]["iterations"] >= 4
-    torch.testing.assert_close(torch.tensor(records["two"]["loss_history"]),
-                               torch.tensor(records["one"]["loss_history"]), rtol=2e-3, atol=1e-4)
+            records[name] = read_training(store, load_config(path).run, STEP).figures
+    assert records["two"].iterations == records["one"].iterations >= 4
+    torch.testing.assert_close(torch.tensor(records["two"].loss_history),
+                               torch.tensor(records["one"].loss_history), rtol=2e-3, atol=1e-4)
 
 
 def _children(pid: int) -> list[int]:
@@ -145,19 +145,19 @@ def test_a_killed_training_resumes_from_its_checkpoint(tmp_path: Path, mlflow_se
         assert metadata["resumed_from_iteration"].value == checkpointed
         assert metadata["model_version"].value == "1"
 
-    outcome = read_outcome(store, cfg.run, STEP)
-    assert checkpointed < outcome["iterations"]
-    assert outcome["resumed_from_iteration"] == checkpointed
-    assert len(outcome["loss_history"]) == outcome["iterations"]
+    outcome = read_training(store, cfg.run, STEP)
+    assert checkpointed < outcome.figures.iterations
+    assert outcome.figures.resumed_from_iteration == checkpointed
+    assert len(outcome.figures.loss_history) == outcome.figures.iterations
     assert not list(prefix.glob("*/latest.json"))  # checkpoints go once the version is registered
     registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name)
     (run,) = registry.client.search_runs([registry.experiment_id])  # one run, continued
     assert run.info.status == "FINISHED"
-    assert run.info.run_id == outcome["run_id"]
+    assert run.info.run_id == outcome.run_id
     assert [v.version for v in registry.client.search_model_versions(f"name = '{name}'")] == ["1"]
     # Metrics reach MLflow only with a committed checkpoint: each iteration is logged exactly once.
     history = registry.client.get_metric_history(run.info.run_id, "loss")
-    assert sorted(m.step for m in history) == list(range(outcome["iterations"]))
+    assert sorted(m.step for m in history) == list(range(outcome.figures.iterations))
 
 
 def test_a_training_job_round_trips_as_json_and_names_what_is_missing(tiny_config_path: Path) -> None:

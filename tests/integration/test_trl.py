@@ -13,11 +13,12 @@ from definitions import build_definitions
 from jobs.sensors import SENSOR_NAME, rl_step_sensor
 from pipeline.config import load_config
 from pipeline.data import shards
+from pipeline.data.held_out import training_rollouts
 from pipeline.data.rollouts import read_policy_pointer, read_rollouts
 from pipeline.data.store import open_store
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.sources import trl as trl_source
-from pipeline.sources.extract import training_rollouts
 from tests.support.config import write_config
 
 STEPS = 3
@@ -88,7 +89,7 @@ def test_grpo_steps_through_the_pipeline(tmp_path: Path, monkeypatch: pytest.Mon
         policy = target_lib.load_policy(store, read_policy_pointer(store, cfg.run, step).checkpoint_uri)
         real = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1).bool()  # (B, P + C)
         for i, r in enumerate(read_rollouts(store, cfg.run, step)):
-            logits = target_lib.forward(policy, torch.tensor([r.input_ids])).logits[0]  # (T, V)
+            logits = target_forward.forward(policy, torch.tensor([r.input_ids])).logits[0]  # (T, V)
             torch.testing.assert_close(logits, batch["logits"][i][real[i]], atol=1e-4, rtol=1e-4)
 
     # Through the pipeline: the sensor sees the three steps, each runs as a Dagster run.

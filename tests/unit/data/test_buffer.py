@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from pipeline.data import buffer, shards
-from pipeline.data.buffer import BufferEntry, composition, select_buffer
+from pipeline.data.buffer import select_buffer
 from pipeline.data.keys import buffer_key
+from pipeline.data.records import BufferEntry, composition
 from pipeline.data.shards import ByteRange, HiddenSample, Manifest, SampleIndex
 from pipeline.data.store import ObjectStore
 
@@ -153,17 +154,20 @@ def store_with_steps(tmp_path: Path) -> tuple[ObjectStore, dict[str, HiddenSampl
 def test_build_write_read_round_trip(store_with_steps: tuple[ObjectStore, dict[str, HiddenSample]]) -> None:
     store, written = store_with_steps
 
-    doc = buffer.build_buffer(store, RUN, 2, buffer_steps=2, max_samples=100)
+    built = buffer.build_buffer(store, RUN, 2, buffer_steps=2, max_samples=100)
 
     expected_ids = ["s1-0", "s1-1", "s1-2", "s1-3", "s1-4", "s2-0", "s2-2"]  # s2-1 has one token
-    assert [e["sample_id"] for e in doc["entries"]] == expected_ids
-    assert doc["step"] == 2
-    assert doc["num_samples"] == 7
-    assert doc["num_tokens"] == sum(written[i].input_ids.shape[0] for i in expected_ids)
-    assert doc["composition"] == {"1": 5, "2": 2}
-    assert store.read_json(buffer_key(RUN, 2)) == doc
+    assert ids(built.entries) == expected_ids
+    assert built.step == 2
+    assert built.num_samples == 7
+    assert built.num_tokens == sum(written[i].input_ids.shape[0] for i in expected_ids)
+    assert built.composition == {1: 5, 2: 2}
+    doc = store.read_json(buffer_key(RUN, 2))
+    assert doc == {"schema_version": 1, **built.to_json()}
+    assert (doc["num_samples"], doc["composition"]) == (7, {"1": 5, "2": 2})  # as readers of the JSON see it
 
-    entries = buffer.read_buffer(store, RUN, 2)
+    assert buffer.read_buffer(store, RUN, 2) == built
+    entries = list(built.entries)
     assert ids(entries) == expected_ids
     assert all(isinstance(e, BufferEntry) for e in entries)
 
@@ -180,10 +184,10 @@ def test_build_write_read_round_trip(store_with_steps: tuple[ObjectStore, dict[s
 def test_build_buffer_evicts_oldest_first(store_with_steps: tuple[ObjectStore, dict[str, HiddenSample]]) -> None:
     store, _ = store_with_steps
 
-    doc = buffer.build_buffer(store, RUN, 3, buffer_steps=3, max_samples=6)
+    built = buffer.build_buffer(store, RUN, 3, buffer_steps=3, max_samples=6)
 
-    assert [e["sample_id"] for e in doc["entries"]] == ["s2-0", "s2-2", "s3-0", "s3-1", "s3-2", "s3-3"]
-    assert doc["composition"] == {"2": 2, "3": 4}
+    assert ids(built.entries) == ["s2-0", "s2-2", "s3-0", "s3-1", "s3-2", "s3-3"]
+    assert built.composition == {2: 2, 3: 4}
 
 
 def test_build_buffer_at_step_zero_clamps_the_range(
@@ -191,9 +195,9 @@ def test_build_buffer_at_step_zero_clamps_the_range(
 ) -> None:
     store, _ = store_with_steps
 
-    doc = buffer.build_buffer(store, RUN, 0, buffer_steps=5, max_samples=100)
+    built = buffer.build_buffer(store, RUN, 0, buffer_steps=5, max_samples=100)
 
-    assert doc["composition"] == {"0": 3}
+    assert built.composition == {0: 3}
 
 
 def test_build_buffer_requires_the_current_step(store_with_steps: tuple[ObjectStore, dict[str, HiddenSample]]) -> None:
@@ -207,7 +211,7 @@ def test_build_buffer_requires_the_current_step(store_with_steps: tuple[ObjectSt
 def test_iter_buffer_samples_follows_entry_order(store_with_steps: tuple[ObjectStore, dict[str, HiddenSample]]) -> None:
     store, written = store_with_steps
     buffer.build_buffer(store, RUN, 3, buffer_steps=4, max_samples=100)
-    entries = buffer.read_buffer(store, RUN, 3)
+    entries = buffer.read_buffer(store, RUN, 3).entries
     shuffled = [entries[i] for i in torch.randperm(len(entries), generator=torch.Generator().manual_seed(0))]
     assert ids(shuffled) != ids(entries)
 
@@ -225,7 +229,7 @@ def test_write_buffer_overwrites(tmp_path: Path) -> None:
 
     buffer.write_buffer(store, RUN, 1, first[:1])
 
-    assert buffer.read_buffer(store, RUN, 1) == first[:1]
+    assert list(buffer.read_buffer(store, RUN, 1).entries) == first[:1]
 
 
 def test_corrupt_shard_is_skipped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -10,7 +10,8 @@ import torch
 
 from pipeline.data import capture
 from pipeline.data.capture import CapturedSample, CapturePlan, CapturePlanError, plan_capture, window_bounds
-from pipeline.data.rollouts import Rollout, is_held_out
+from pipeline.data.held_out import is_held_out
+from pipeline.data.rollouts import Rollout
 from pipeline.data.store import ObjectStore
 
 HELD_OUT = 0.125

@@ -68,7 +68,7 @@ def test_dry_run_lists_and_changes_nothing_then_apply_deletes_exactly_that(store
     assert not any(store.exists(d.key) for d in plan.delete)
     # What the live buffers and the registered drafter's data point at still reads, bit for bit.
     for step in (2, 5):
-        entries = buffer.read_buffer(store, RUN, step)
+        entries = buffer.read_buffer(store, RUN, step).entries
         assert [s.sample_id for s in buffer.iter_buffer_samples(store, RUN, entries)] == [e.sample_id for e in entries]
     for step in (1, 2, 4, 5, 6):
         assert len(list(shards.iter_samples(store, RUN, shards.read_manifest(store, RUN, step)))) == 3
@@ -82,7 +82,7 @@ def test_evicting_from_the_buffer_deletes_no_data(store: ObjectStore, tmp_path: 
 
     buffer.build_buffer(store, RUN, 3, buffer_steps=1, max_samples=1)  # evicts all but one sample
 
-    assert [e.sample_id for e in buffer.read_buffer(store, RUN, 3)] == ["s3-2"]
+    assert [e.sample_id for e in buffer.read_buffer(store, RUN, 3).entries] == ["s3-2"]
     assert set(snapshot(tmp_path / "store" / "hidden_states")) == files
 
 

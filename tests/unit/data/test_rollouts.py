@@ -19,7 +19,6 @@ from pipeline.data.rollouts import (
     RolloutsError,
     committed_steps,
     is_committed,
-    is_held_out,
     read_policy_pointer,
     read_rollouts,
     write_rollouts,
@@ -304,27 +303,6 @@ def test_policy_pointer_errors_do_not_echo_the_uri(store: ObjectStore) -> None:
     assert "hunter2" not in str(excinfo.value)
 
 
-# -- held-out split ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("fraction", [0.05, 0.125, 0.5, 0.9])
-def test_is_held_out_is_deterministic_and_close_to_the_fraction(fraction: float) -> None:
-    sample_ids = [f"step-{i // 100}-rollout-{i}" for i in range(10_000)]
-
-    first = [is_held_out(s, fraction) for s in sample_ids]
-    second = [is_held_out(s, fraction) for s in sample_ids]
-
-    assert first == second
-    assert sum(first) / len(first) == pytest.approx(fraction, abs=0.02)
-
-
-def test_held_out_sets_grow_with_the_fraction() -> None:
-    sample_ids = [f"sample-{i}" for i in range(2000)]
-    small = {s for s in sample_ids if is_held_out(s, 0.1)}
-    large = {s for s in sample_ids if is_held_out(s, 0.3)}
-    assert small < large
-
-
 # -- step keys --------------------------------------------------------------------------------------------------
 
 
@@ -341,6 +319,9 @@ def test_step_key_format() -> None:
     assert steps.hidden_states_prefix("run", 5) == "hidden_states/run/step-000005"
     assert steps.buffer_key("run", 5) == "buffer/run/step-000005/_manifest.json"
     assert steps.acceptance_key("run", 5) == "acceptance/run/step-000005.json"
+    assert steps.hidden_states_shard_key("run", 5, "part-00000-ab.arrow") == \
+        "hidden_states/run/step-000005/part-00000-ab.arrow"
+    assert steps.layout_key("run") == "hidden_states/run/_target_layout.json"
 
 
 def test_step_key_rejects_negative_steps() -> None:

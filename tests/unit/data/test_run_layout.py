@@ -62,8 +62,7 @@ def test_a_step_of_another_layout_is_refused_before_anything_is_stored(
     assert store.list_files(hidden_states_prefix(RUN, 2)) == []
     # The next valid step goes through, and the buffer over both steps is sound.
     _write(store, 3, LAYOUT)
-    doc = buffer.build_buffer(store, RUN, 3, buffer_steps=3, max_samples=100)
-    assert doc["composition"] == {"1": 3, "3": 3}
+    assert buffer.build_buffer(store, RUN, 3, buffer_steps=3, max_samples=100).composition == {1: 3, 3: 3}
 
 
 @pytest.mark.reliability("bad_input", "a step of another hidden size committed without a layout: the buffer "
@@ -103,12 +102,12 @@ def test_the_rollouts_side_check_reads_config_json_and_records_the_first_step(st
     first = run_layout.checkpoint_layout(store, _checkpoint(store, "policies/r/step-000001", config), lambda n: [n])
     assert first == LAYOUT
     run_layout.check_step_layout(store, RUN, 1, first)
-    assert run_layout.run_layout(store, RUN) == (LAYOUT, 1)
+    assert run_layout.run_layout(store, RUN) == run_layout.RecordedLayout(LAYOUT, 1)
     wider = run_layout.checkpoint_layout(
         store, _checkpoint(store, "policies/r/step-000002", {**config, "vocab_size": 96}), lambda n: [n])
     with pytest.raises(LayoutError, match="vocab_size: 64 -> 96"):
         run_layout.check_step_layout(store, RUN, 2, wider)
-    assert run_layout.run_layout(store, RUN) == (LAYOUT, 1)
+    assert run_layout.run_layout(store, RUN) == run_layout.RecordedLayout(LAYOUT, 1)
 
 
 def test_the_shards_check_reports_a_step_of_another_layout(store: ObjectStore) -> None:

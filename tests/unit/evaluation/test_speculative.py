@@ -11,6 +11,7 @@ from transformers import LlamaForCausalLM
 
 from pipeline.config import DrafterConfig
 from pipeline.evaluation.speculative import (
+    RoundTimes,
     acceptance_metrics,
     evaluate,
     follow_target,
@@ -19,6 +20,7 @@ from pipeline.evaluation.speculative import (
     speculative_generate,
 )
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.models.drafter import CommittedPairs, Drafter, Proposer, fresh_drafter
 from pipeline.models.eagle import EagleConfig, EagleDrafter
 from pipeline.models.eagle3 import TTTCache
@@ -216,7 +218,7 @@ def test_proposer_gets_tokens_and_features_of_all_but_the_newest(
         for (tokens, features), prompt in zip(call, prompts, strict=True):
             assert torch.equal(tokens[: prompt.shape[0]], prompt)
             assert features.shape == (tokens.shape[0] - 1, H)
-            expected = target_lib.forward(model, tokens[None]).features[0, :-1]
+            expected = target_forward.forward(model, tokens[None]).features[0, :-1]
             torch.testing.assert_close(features, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -402,3 +404,19 @@ def test_batched_rounds_are_the_one_at_a_time_rounds(
 def test_generate_batch_refuses_an_empty_prompt(model: LlamaForCausalLM) -> None:
     with pytest.raises(ValueError, match="at least one token"):
         generate_batch(model, lambda: OracleProposer(None, []), [torch.tensor([], dtype=torch.int64)], 4, 2)
+
+
+def test_round_times_measure_the_decoding_cost(model: LlamaForCausalLM, prompts: list[torch.Tensor]) -> None:
+    """Every round is timed once for the target and once for the drafter: t and c come out of them, and the
+    decoded tokens are those of an untimed run."""
+    new_proposer = follow_target(eagle_drafter(model), model)
+    plain = generate_batch(model, new_proposer, prompts, 12, 3)
+    times = RoundTimes()
+    timed = generate_batch(model, new_proposer, prompts, 12, 3, times)
+    assert [t.tokens for t in timed] == [t.tokens for t in plain]
+    assert times.rounds == max(len(t.accepted_per_round) for t in timed)
+    assert times.row_rounds == len(prompts) * times.rounds
+    cost = times.decoding_cost(drafter_forwards_per_round=3)
+    assert cost.target_s_per_token == pytest.approx(times.target_s / times.row_rounds)
+    assert cost.draft_cost_ratio == pytest.approx(times.draft_s / (3 * times.target_s))
+    assert RoundTimes().decoding_cost(3) is None

@@ -11,6 +11,7 @@ from pipeline.data.shards import HiddenSample
 from pipeline.evaluation.speculative import acceptance_metrics, generate_batch, greedy_generate
 from pipeline.evaluation.teacher_forced import estimate_acceptance
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.models.drafter import Drafter, fresh_drafter
 from pipeline.training.dataset import InMemoryDataset
 from pipeline.training.loop import train_drafter
@@ -42,7 +43,7 @@ def drafter(request: pytest.FixtureRequest, target: LlamaForCausalLM, greedy_tex
     layer_ids = model.stored_layer_ids(LAYERS)
     samples = []
     for i, text in enumerate(greedy_texts[:14]):  # trains on some texts, is measured on all
-        out = target_lib.forward(target, text[None], None if kind == "eagle" else layer_ids)
+        out = target_forward.forward(target, text[None], None if kind == "eagle" else layer_ids)
         hidden = out.features[0][:, None] if kind == "eagle" else out.layers[0]  # (T, stored layers, H), as extracted
         stored = HiddenSample(f"s{i}", 1, text, torch.ones_like(text), hidden)
         samples.append(model.training_sample(stored, LAYERS))

@@ -1,84 +1,40 @@
-"""The EAGLE-3 drafter: shapes, the TTT attention pattern, the draft vocabulary, checkpoints, decoding, training."""
+"""The EAGLE-3 drafter: shapes, the TTT attention pattern, block-causal packing, the draft vocabulary, its config."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from pipeline.config import OptimConfig, TrainConfig
-from pipeline.evaluation.speculative import greedy_generate, speculative_generate
-from pipeline.models import target as target_lib
-from pipeline.models.checkpoint import CheckpointError, load_drafter, save_drafter
-from pipeline.models.eagle import CommittedPairs
 from pipeline.models.eagle3 import (
-    Eagle3Config,
     Eagle3Drafter,
-    Eagle3Proposer,
     TTTCache,
     default_aux_layer_ids,
     draft_vocab,
     shift_within_document,
 )
-from pipeline.training.dataset import InMemoryDataset, Sample
-from pipeline.training.loop import train_drafter
 from pipeline.training.losses import eagle3_loss
 from pipeline.training.window import block_causal_mask, pack
-
-V, DV, H, HEADS = 32, 24, 32, 2
-AUX = (0, 1, 2)
-
-VARIANTS = {
-    "plain": {},
-    "norm-before-residual": {"norm_before_residual": True},
-    "fc-norm": {"fc_norm": True},
-    "norm-output": {"norm_output": True},
-    "gqa": {"num_key_value_heads": 1},
-}
-
-
-def make_config(**overrides) -> Eagle3Config:
-    base = {
-        "vocab_size": V, "draft_vocab_size": DV, "hidden_size": H, "target_hidden_size": H,
-        "intermediate_size": 2 * H, "num_attention_heads": HEADS, "num_key_value_heads": HEADS,
-        "aux_layer_ids": AUX,
-    }
-    return Eagle3Config(**{**base, **overrides})
-
-
-def make_drafter(seed: int = 0, **overrides) -> Eagle3Drafter:
-    torch.manual_seed(seed)
-    model = Eagle3Drafter(make_config(**overrides))
-    with torch.no_grad():  # non-trivial norm weights, so that a skipped or misplaced norm shows
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):  # input_layernorm, hidden_norm, post_attention_layernorm, norm, fc_norm
-                p.copy_(1 + 0.5 * torch.randn_like(p))
-    return model.eval()
-
-
-def causal(n: int) -> torch.Tensor:
-    return torch.ones(n, n, dtype=torch.bool).tril()[None, None]
-
-
-def random_inputs(model: Eagle3Drafter, n: int, batch: int = 1, seed: int = 1):
-    """(ids (B, n), aux (B, n, n_aux * Ht))."""
-    c = model.config
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, c.vocab_size, (batch, n), generator=g)
-    aux = torch.randn(batch, n, len(c.aux_layer_ids) * c.target_hidden_size, generator=g)
-    return ids, aux
-
-
-def random_counts(seed: int = 0, size: int = V) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 1000, (size,), generator=g)
-
+from tests.support.eagle3 import (
+    AUX,
+    DV,
+    HEADS,
+    VARIANTS,
+    H,
+    V,
+    causal,
+    drafter_for,
+    make_config,
+    make_drafter,
+    random_counts,
+    random_inputs,
+    target_samples,
+    tiny_target,
+    unroll,
+)
 
 # -- shapes -----------------------------------------------------------------------------------------------------
 
@@ -193,7 +149,7 @@ def test_ttt_step0_is_a_causal_forward(norm_before_residual: bool, kv_heads: int
     torch.testing.assert_close(out, reference_step0(model, ids, g, positions))
 
 
-def reference_unroll(
+def referenceunroll(
     model: Eagle3Drafter, step_ids: list[torch.Tensor], g: torch.Tensor, positions: torch.Tensor
 ) -> list[torch.Tensor]:
     """The TTT unroll written out with explicit keys and one boolean mask per step: step k's queries (phase
@@ -233,8 +189,8 @@ def test_ttt_unroll_matches_an_explicit_mask_reference(variant: str) -> None:
     g0 = model.project_aux(torch.randn(batch, n, len(AUX) * H, generator=g))
     positions = (torch.arange(n) + 1).expand(batch, n)
 
-    got = _unroll(model, step_ids, g0, positions, causal(n).expand(batch, 1, n, n))
-    expected = reference_unroll(model, step_ids, g0, positions)
+    got = unroll(model, step_ids, g0, positions, causal(n).expand(batch, 1, n, n))
+    expected = referenceunroll(model, step_ids, g0, positions)
 
     for k in range(steps):
         torch.testing.assert_close(got[k], expected[k], msg=f"step {k}")
@@ -254,13 +210,6 @@ def test_norm_before_residual_changes_the_output() -> None:
 # -- TTT attention pattern --------------------------------------------------------------------------------------
 
 
-def _unroll(model, step_ids, g, positions, mask) -> list[torch.Tensor]:
-    """Run steps 0..len(step_ids)-1 over all positions; step_ids[k] is (B, N) and g the step-0 hidden input."""
-    cache, states, state = TTTCache(), [], g
-    for ids in step_ids:
-        state = model.step(ids, state, positions, mask, cache)
-        states.append(state)
-    return states
 
 
 def _perturb_ids(ids: torch.Tensor, where) -> torch.Tensor:
@@ -280,29 +229,29 @@ def test_later_steps_see_only_their_own_position(variant: str, k: int) -> None:
     g0 = model.project_aux(torch.randn(1, n, len(AUX) * H, generator=g))
     positions, mask = torch.arange(n)[None], causal(n)
     others = [i for i in range(n) if i != t]
-    base = _unroll(model, step_ids, g0, positions, mask)[k]
+    base = unroll(model, step_ids, g0, positions, mask)[k]
 
     # step-k (and step 1..k-1) tokens at other positions: no effect on position t
     for j in range(1, k + 1):
         changed = [*step_ids[:j], _perturb_ids(step_ids[j], others), *step_ids[j + 1 :]]
-        torch.testing.assert_close(_unroll(model, changed, g0, positions, mask)[k][:, t], base[:, t])
+        torch.testing.assert_close(unroll(model, changed, g0, positions, mask)[k][:, t], base[:, t])
         # ... while they do change the other positions
-        assert not torch.allclose(_unroll(model, changed, g0, positions, mask)[k][:, others], base[:, others])
+        assert not torch.allclose(unroll(model, changed, g0, positions, mask)[k][:, others], base[:, others])
     # the same token at position t does matter
     changed = [*step_ids[:k], _perturb_ids(step_ids[k], [t])]
-    assert not torch.allclose(_unroll(model, changed, g0, positions, mask)[k][:, t], base[:, t])
+    assert not torch.allclose(unroll(model, changed, g0, positions, mask)[k][:, t], base[:, t])
 
     # step-0 inputs at positions <= t change position t; at positions > t they do not
     for earlier in (0, t):
         changed = [_perturb_ids(step_ids[0], [earlier]), *step_ids[1:]]
-        assert not torch.allclose(_unroll(model, changed, g0, positions, mask)[k][:, t], base[:, t]), earlier
+        assert not torch.allclose(unroll(model, changed, g0, positions, mask)[k][:, t], base[:, t]), earlier
         g_changed = g0.clone()
         g_changed[:, earlier] += 1.0
-        assert not torch.allclose(_unroll(model, step_ids, g_changed, positions, mask)[k][:, t], base[:, t])
+        assert not torch.allclose(unroll(model, step_ids, g_changed, positions, mask)[k][:, t], base[:, t])
     later = [_perturb_ids(step_ids[0], list(range(t + 1, n))), *step_ids[1:]]
     g_later = g0.clone()
     g_later[:, t + 1 :] += 1.0
-    torch.testing.assert_close(_unroll(model, later, g_later, positions, mask)[k][:, t], base[:, t])
+    torch.testing.assert_close(unroll(model, later, g_later, positions, mask)[k][:, t], base[:, t])
 
 
 @pytest.mark.parametrize("variant", ["plain", "norm-before-residual", "norm-output", "gqa"],
@@ -317,7 +266,7 @@ def test_training_unroll_matches_the_runtime_single_query(variant: str, k: int) 
     g0 = model.project_aux(torch.randn(1, n, len(AUX) * H, generator=g))
     positions = torch.arange(n)[None]
 
-    training = _unroll(model, step_ids, g0, positions, causal(n))
+    training = unroll(model, step_ids, g0, positions, causal(n))
 
     # Eagle3Proposer's path: step 0 over the prefix, then one query at the last position
     cache = TTTCache()
@@ -350,13 +299,13 @@ def test_packed_documents_are_independent(steps: int) -> None:
     step_ids = [torch.randint(0, V, (1, n), generator=g) for _ in range(steps)]
     aux = torch.randn(1, n, len(AUX) * H, generator=g)
 
-    out = _unroll(model, step_ids, model.project_aux(aux), positions, mask)
+    out = unroll(model, step_ids, model.project_aux(aux), positions, mask)
 
     aux2 = aux.clone()
     aux2[:, :n0] = torch.randn(1, n0, aux.shape[-1], generator=g) * 3
     ids2 = [_perturb_ids(ids, list(range(n0))) for ids in step_ids]
-    out2 = _unroll(model, ids2, model.project_aux(aux2), positions, mask)
-    alone = _unroll(model, [ids[:, n0:] for ids in step_ids], model.project_aux(aux[:, n0:]),
+    out2 = unroll(model, ids2, model.project_aux(aux2), positions, mask)
+    alone = unroll(model, [ids[:, n0:] for ids in step_ids], model.project_aux(aux[:, n0:]),
                     torch.arange(n1)[None], causal(n1))
     for k in range(steps):
         torch.testing.assert_close(out2[k][:, n0:], out[k][:, n0:])
@@ -386,38 +335,10 @@ def test_shift_within_document_never_crosses_documents(k: int) -> None:
     assert shifted_feats.shape == feats.shape
 
 
-# -- a tiny target ----------------------------------------------------------------------------------------------
-
 
 @pytest.fixture(scope="module")
 def target() -> LlamaForCausalLM:
-    return target_lib.build_target(target_lib.tiny_llama_config(V, H, 4, HEADS), seed=0)
-
-
-def drafter_for(target: LlamaForCausalLM, seed: int = 0, **overrides) -> Eagle3Drafter:
-    num_layers = target.config.num_hidden_layers
-    torch.manual_seed(seed)
-    model = Eagle3Drafter(make_config(aux_layer_ids=default_aux_layer_ids(num_layers), **overrides))
-    model.set_vocab(*draft_vocab(random_counts(seed), DV))
-    model.attach(target)
-    model.init_lm_head(target)
-    return model
-
-
-def target_samples(target: LlamaForCausalLM, aux: tuple[int, ...], count: int, seed: int = 0) -> list[Sample]:
-    """Samples the way pipeline.models.drafter.training_sample builds them: [aux..., L] layers flattened per token."""
-    layer_ids = [*aux, target.config.num_hidden_layers]
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(count):
-        n = int(torch.randint(10, 18, (1,), generator=g))
-        start = int(torch.randint(0, V, (1,), generator=g))
-        ids = (start + 3 * torch.arange(n)) % V  # a repetitive little language
-        layers = target_lib.forward(target, ids[None], layer_ids=layer_ids).layers[0]  # (T, n_aux + 1, H)
-        mask = torch.ones(n, dtype=torch.int64)
-        mask[:3] = 0
-        out.append((ids, layers.flatten(1).float(), mask))
-    return out
+    return tiny_target()
 
 
 @pytest.mark.parametrize("variant", ["plain", "fc-norm", "norm-output"], ids=["plain", "fc-norm", "norm-output"])
@@ -531,372 +452,6 @@ def test_default_aux_layer_ids_rejects_a_one_layer_target() -> None:
     with pytest.raises(ValueError, match="at least 2 layers"):
         default_aux_layer_ids(1)
 
-
-# -- checkpoints ------------------------------------------------------------------------------------------------
-
-PUBLISHED_KEYS = {
-    "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-    "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
-    "midlayer.self_attn.o_proj.weight",
-    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-}
-
-
-def vocab_drafter(seed: int = 3, **overrides) -> Eagle3Drafter:
-    model = make_drafter(seed=seed, **overrides)
-    model.set_vocab(*draft_vocab(random_counts(seed), model.config.draft_vocab_size))
-    return model
-
-
-def assert_same_drafter(loaded: Eagle3Drafter, model: Eagle3Drafter) -> None:
-    assert loaded.config == model.config
-    saved = model.trainable_state_dict()
-    got = loaded.trainable_state_dict()
-    assert set(got) == set(saved)
-    for key, value in saved.items():
-        assert got[key].dtype == value.dtype, key
-        assert torch.equal(got[key], value), key
-
-
-def step_outputs(model: Eagle3Drafter) -> list[torch.Tensor]:
-    ids, aux = random_inputs(model, 6, seed=12)
-    with torch.no_grad():
-        states = _unroll(model.eval(), [ids, ids.roll(1, 1)], model.project_aux(aux), torch.arange(6)[None], causal(6))
-        return [*states, model.lm_head(model.logits_input(states[-1]))]
-
-
-@pytest.mark.parametrize("variant", ["plain", "fc-norm", "norm-before-residual", "norm-output"],
-                         ids=["plain", "fc-norm", "norm-before-residual", "norm-output"])
-def test_export_import_is_bit_exact(tmp_path: Path, variant: str) -> None:
-    model = vocab_drafter(**VARIANTS[variant])
-
-    loaded = load_drafter(save_drafter(model, tmp_path / "ckpt"))
-
-    assert isinstance(loaded, Eagle3Drafter)
-    assert not loaded.own_embeddings
-    assert_same_drafter(loaded, model)
-    loaded.embed_tokens.weight.data.copy_(model.embed_tokens.weight)  # the target's, attached by the caller
-    for a, b in zip(step_outputs(loaded), step_outputs(model), strict=True):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("variant", ["plain", "fc-norm", "norm-before-residual"],
-                         ids=["plain", "fc-norm", "norm-before-residual"])
-def test_exported_keys_and_config_are_the_published_ones(tmp_path: Path, variant: str) -> None:
-    model = vocab_drafter(**VARIANTS[variant])
-    directory = save_drafter(model, tmp_path / "ckpt")
-
-    tensors = load_file(directory / "model.safetensors")
-    config = json.loads((directory / "config.json").read_text())
-
-    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors"]
-    fc_norm = {f"fc_norm.{i}.weight" for i in range(len(AUX))} if model.config.fc_norm else set()
-    assert set(tensors) == PUBLISHED_KEYS | fc_norm
-    assert tensors["d2t"].dtype == torch.int64
-    assert tensors["t2d"].dtype == torch.bool
-    assert torch.equal(tensors["d2t"], model.d2t)
-    assert torch.equal(tensors["t2d"], model.t2d)
-    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (HEADS * (H // HEADS), 2 * H)
-    assert tensors["fc.weight"].shape == (H, len(AUX) * H)
-    assert tensors["lm_head.weight"].shape == (DV, H)
-
-    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert config["draft_vocab_size"] == DV
-    assert config["vocab_size"] == V
-    assert config["target_hidden_size"] == H
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(AUX)
-    assert "norm_before_residual" in config
-    assert config["norm_before_residual"] is model.config.norm_before_residual
-    assert config["max_position_embeddings"] == model.config.max_position_embeddings
-    assert config["num_hidden_layers"] == 1
-    assert config["head_dim"] == H // HEADS
-
-
-@pytest.mark.parametrize("variant", ["plain", "fc-norm", "norm-output", "norm-before-residual"],
-                         ids=["plain", "fc-norm", "norm-output", "norm-before-residual"])
-def test_eagle31_flags_are_written_only_when_set(tmp_path: Path, variant: str) -> None:
-    """SpecForge 0.2 reads `norm_output: false` as "no final norm" where vLLM always applies it: an unset
-    EAGLE-3.1 flag is left out, so every engine reads its absence alike. norm_before_residual is always
-    written (the engines' defaults differ)."""
-    model = vocab_drafter(**VARIANTS[variant])
-    directory = save_drafter(model, tmp_path / "ckpt")
-    config = json.loads((directory / "config.json").read_text())
-
-    for flag in ("fc_norm", "norm_output"):
-        if getattr(model.config, flag):
-            assert config[flag] is True
-        else:
-            assert flag not in config
-    assert config["norm_before_residual"] is model.config.norm_before_residual
-    loaded = load_drafter(directory)
-    assert loaded.config == model.config
-
-
-def _rewrite(directory: Path, rename=None, drop=(), extra=None) -> None:
-    tensors = load_file(directory / "model.safetensors")
-    tensors = {(rename(k) if rename else k): v for k, v in tensors.items() if k not in drop}
-    tensors.update(extra or {})
-    (directory / "model.safetensors").unlink()
-    save_file(tensors, directory / "model.safetensors")
-
-
-def _edit_config(directory: Path, edit) -> None:
-    config = json.loads((directory / "config.json").read_text())
-    edit(config)
-    (directory / "config.json").write_text(json.dumps(config))
-
-
-def _layers0(k: str) -> str:
-    return k.replace("midlayer.", "layers.0.")
-
-
-RENAMES = {
-    "layers.0": _layers0,
-    "model-prefix": lambda k: k if k in ("d2t", "t2d") else "model." + _layers0(k),
-    "model-prefix-everywhere": lambda k: "model." + _layers0(k),
-    "model-midlayer": lambda k: "model." + k,
-}
-
-
-@pytest.mark.parametrize("fc_norm", [False, True], ids=["eagle3", "fc-norm"])
-@pytest.mark.parametrize("rename", list(RENAMES), ids=list(RENAMES))
-def test_import_accepts_published_key_variants(tmp_path: Path, rename: str, fc_norm: bool) -> None:
-    model = vocab_drafter(fc_norm=fc_norm)
-    directory = save_drafter(model, tmp_path / "ckpt")
-    _rewrite(directory, rename=RENAMES[rename])
-    assert not any(k.startswith("midlayer.") for k in load_file(directory / "model.safetensors"))
-
-    assert_same_drafter(load_drafter(directory), model)
-
-
-def test_import_without_vocab_maps_when_the_vocab_is_full(tmp_path: Path) -> None:
-    model = make_drafter(draft_vocab_size=V)
-    directory = save_drafter(model, tmp_path / "ckpt")
-    _rewrite(directory, drop=("d2t", "t2d"))
-    _edit_config(directory, lambda c: c.pop("draft_vocab_size"))
-
-    loaded = load_drafter(directory)
-
-    assert loaded.config.draft_vocab_size == V
-    assert torch.equal(loaded.draft_to_target, torch.arange(V))
-    assert loaded.t2d.all()
-    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
-
-
-@pytest.mark.parametrize("missing", ["d2t", "t2d"])
-def test_import_refuses_a_reduced_vocab_without_its_maps(tmp_path: Path, missing: str) -> None:
-    directory = save_drafter(vocab_drafter(), tmp_path / "ckpt")
-    _rewrite(directory, drop=(missing,))
-    with pytest.raises(CheckpointError, match=f"missing keys.*{missing}"):
-        load_drafter(directory)
-
-
-def test_import_keeps_bundled_embeddings(tmp_path: Path, target: LlamaForCausalLM) -> None:
-    model = vocab_drafter()
-    own = torch.randn(V, H, generator=torch.Generator().manual_seed(21))
-    directory = save_drafter(model, tmp_path / "ckpt")
-    _rewrite(directory, extra={"embed_tokens.weight": own})
-
-    loaded = load_drafter(directory)
-
-    assert loaded.own_embeddings
-    assert torch.equal(loaded.embed_tokens.weight, own)
-    loaded.attach(target)
-    assert torch.equal(loaded.embed_tokens.weight, own)  # not the target's
-    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
-    # and they travel on: a re-export writes them back
-    again = load_file(save_drafter(loaded, tmp_path / "again") / "model.safetensors")
-    assert torch.equal(again["embed_tokens.weight"], own)
-
-
-def test_attach_replaces_the_embeddings_of_a_drafter_without_its_own(target: LlamaForCausalLM) -> None:
-    model = vocab_drafter()
-    head = model.lm_head.weight.detach().clone()
-    model.attach(target)
-    assert torch.equal(model.embed_tokens.weight, target.get_input_embeddings().weight)
-    assert torch.equal(model.lm_head.weight, head)
-
-
-@pytest.mark.parametrize("where", ["eagle_config", "top-level"], ids=["eagle_config", "top-level"])
-def test_import_defaults_the_aux_layers_from_the_target(tmp_path: Path, where: str) -> None:
-    model = vocab_drafter(aux_layer_ids=default_aux_layer_ids(4))
-    directory = save_drafter(model, tmp_path / "ckpt")
-
-    def drop(config: dict) -> None:
-        config.pop("eagle_config")
-        if where == "top-level":  # a top-level id list still counts, without any target
-            config["eagle_aux_hidden_state_layer_ids"] = list(model.config.aux_layer_ids)
-
-    _edit_config(directory, drop)
-
-    if where == "top-level":
-        assert_same_drafter(load_drafter(directory), model)
-        return
-    with pytest.raises(CheckpointError, match="eagle_aux_hidden_state_layer_ids"):
-        load_drafter(directory)
-    loaded = load_drafter(directory, target_num_layers=4)
-    assert loaded.config.aux_layer_ids == default_aux_layer_ids(4)
-    assert_same_drafter(loaded, model)
-
-
-@pytest.mark.reliability("bad_input", "drafter checkpoint that is a pickle")
-def test_import_refuses_a_pickle_named_safetensors(tmp_path: Path) -> None:
-    model = vocab_drafter()
-    directory = save_drafter(model, tmp_path / "ckpt")
-    (directory / "model.safetensors").unlink()
-    torch.save(model.trainable_state_dict(), directory / "model.safetensors")
-    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
-        load_drafter(directory)
-
-
-@pytest.mark.reliability("bad_input", "drafter checkpoint that is a pickle (pytorch_model.bin)")
-def test_import_refuses_pytorch_model_bin(tmp_path: Path) -> None:
-    model = vocab_drafter()
-    directory = save_drafter(model, tmp_path / "ckpt")
-    (directory / "model.safetensors").unlink()
-    torch.save(model.trainable_state_dict(), directory / "pytorch_model.bin")
-    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin"):
-        load_drafter(directory)
-    # with no config.json either, it is still refused
-    (directory / "config.json").unlink()
-    with pytest.raises(CheckpointError):
-        load_drafter(directory)
-
-
-@pytest.mark.parametrize(
-    ("edit", "message"),
-    [
-        pytest.param(lambda c: c.update({"draft_vocab_size": V + 1}), "draft_vocab_size", id="vocab-too-large"),
-        pytest.param(lambda c: c.pop("hidden_size"), "missing key 'hidden_size'", id="missing-key"),
-        pytest.param(lambda c: c.update({"target_hidden_size": 2 * H}), "fc.weight has shape", id="wrong-shape"),
-    ],
-)
-@pytest.mark.reliability("bad_input", "drafter checkpoint whose safetensors keys or shapes do not match its config")
-def test_import_refuses_a_config_that_does_not_fit(tmp_path: Path, edit, message: str) -> None:
-    directory = save_drafter(vocab_drafter(), tmp_path / "ckpt")
-    _edit_config(directory, edit)
-    with pytest.raises(CheckpointError, match=message):
-        load_drafter(directory)
-
-
-# -- lossless speculative decoding ------------------------------------------------------------------------------
-
-MAX_NEW = 10
-
-
-class RecordingProposer:
-    def __init__(self, inner: Eagle3Proposer, proposals: list[torch.Tensor]) -> None:
-        self.inner = inner
-        self.layer_ids = inner.layer_ids
-        self.proposals = proposals
-
-    def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
-        proposal = self.inner.propose(pairs, k)
-        self.proposals.append(proposal)
-        return proposal
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(11)
-    return [torch.randint(0, V, (n,), generator=g) for n in (2, 5, 9)]
-
-
-@pytest.fixture(scope="module")
-def greedy(target: LlamaForCausalLM, prompts: list[torch.Tensor]) -> list[list[int]]:
-    return [greedy_generate(target, p, MAX_NEW) for p in prompts]
-
-
-@pytest.mark.parametrize("k", [1, 3, 4], ids=["k1", "k3", "k4"])
-def test_speculative_decoding_with_eagle3_is_lossless(
-    target: LlamaForCausalLM, prompts: list[torch.Tensor], greedy: list[list[int]], k: int
-) -> None:
-    model = drafter_for(target, seed=1)
-    proposer = model.proposer()
-    assert isinstance(proposer, Eagle3Proposer)
-    assert proposer.layer_ids == list(default_aux_layer_ids(4))
-    proposals: list[torch.Tensor] = []
-    allowed = set(model.draft_to_target.tolist())
-    assert len(allowed) == DV
-
-    for prompt, expected in zip(prompts, greedy, strict=True):
-        trace = speculative_generate(target, lambda: RecordingProposer(model.proposer(), proposals), prompt,
-                                     MAX_NEW, k)
-        assert trace.tokens == expected
-        assert all(0 <= a <= k for a in trace.accepted_per_round)
-
-    assert proposals
-    for proposal in proposals:
-        assert proposal.shape == (1, k)  # a batch of one prompt
-        assert proposal.dtype == torch.int64
-        assert set(proposal[0].tolist()) <= allowed
-
-
-def test_proposer_returns_target_ids_of_the_draft_argmax(target: LlamaForCausalLM) -> None:
-    model = drafter_for(target, seed=2)
-    prompt = torch.randint(0, V, (6,), generator=torch.Generator().manual_seed(5))
-    out = target_lib.forward(target, prompt[None], list(model.config.aux_layer_ids))
-    features = out.layers.flatten(2)[0, :-1]  # (T-1, n_aux * H)
-
-    n = prompt.shape[0] - 1
-    pairs = CommittedPairs(features[None], prompt[None, 1:], torch.arange(n)[None], torch.ones(1, n, dtype=torch.bool))
-    proposal = Eagle3Proposer(model).propose(pairs, 1)[0]
-
-    with torch.no_grad():
-        state = model.step(prompt[None, 1:], model.project_aux(features[None]), torch.arange(n)[None], causal(n),
-                           TTTCache())
-        draft_id = model.lm_head(model.logits_input(state))[0, -1].argmax()
-    assert proposal.tolist() == [int(model.draft_to_target[draft_id])]
-
-
-# -- training ---------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def peaked_target() -> LlamaForCausalLM:
-    """A random target's next-token distribution is almost uniform (the soft cross-entropy would sit at its
-    entropy floor from the start); a larger lm_head gives the drafter something to learn."""
-    model = target_lib.build_target(target_lib.tiny_llama_config(V, H, 4, HEADS), seed=0)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(10.0)
-    return model
-
-
-def test_train_drafter_lowers_the_eagle3_loss(peaked_target: LlamaForCausalLM) -> None:
-    target = peaked_target
-    model = drafter_for(target, seed=0)
-    samples = target_samples(target, model.config.aux_layer_ids, 8, seed=1)
-    teacher = model.teacher(target)
-    cfg = TrainConfig(
-        epochs=8, batch_size_per_gpu=4, max_seq_len=128, window_tokens=128, seed=1, ttt_steps=2, ttt_decay=0.8,
-        optim=OptimConfig(lr=3e-3, lr_warmup_steps=2),
-    )
-    fixed = pack(samples, window_tokens=128).to("cpu")
-    embed_before = model.embed_tokens.weight.detach().clone()
-    vocab_before = (model.d2t.clone(), model.t2d.clone())
-    with torch.no_grad():
-        before = eagle3_loss(model.eval(), fixed, teacher.norm, teacher.head, 2, 0.8)
-
-    result = train_drafter(model, InMemoryDataset(samples), cfg, teacher=teacher)
-
-    with torch.no_grad():
-        after = eagle3_loss(model, fixed, teacher.norm, teacher.head, 2, 0.8)
-    assert after.loss.item() < 0.85 * before.loss.item()
-    assert after.accuracy.item() > before.accuracy.item() + 0.2
-    assert sum(result.loss_history[-3:]) < sum(result.loss_history[:3])
-    assert result.vloss == 0.0
-    assert torch.equal(model.embed_tokens.weight, embed_before)
-    assert torch.equal(model.d2t, vocab_before[0])
-    assert torch.equal(model.t2d, vocab_before[1])
-    assert all(p.grad is None for p in target.parameters())
-
-
-def test_train_drafter_needs_a_teacher_for_eagle3(target: LlamaForCausalLM) -> None:
-    model = drafter_for(target)
-    samples = target_samples(target, model.config.aux_layer_ids, 2)
-    with pytest.raises(ValueError, match="teacher"):
-        train_drafter(model, InMemoryDataset(samples), TrainConfig(epochs=1, max_seq_len=128, window_tokens=128))
 
 
 def test_config_is_checked() -> None:

@@ -14,7 +14,9 @@ from pipeline.config import DrafterConfig
 from pipeline.models.checkpoint import load_drafter, save_drafter
 from pipeline.models.drafter import fresh_drafter
 from pipeline.models.rope import RotaryEmbedding, UnsupportedRopeError, rope_of
-from pipeline.models.target import TargetConfigError, TargetMetadata, build_target, check_config
+from pipeline.models.target import build_target
+from pipeline.models.target_checks import TargetConfigError, check_config
+from pipeline.models.target_forward import TargetMetadata
 
 HEAD_DIM, MAX_POSITIONS = 128, 131072
 SCALINGS = {

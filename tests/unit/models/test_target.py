@@ -21,21 +21,22 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from pipeline.config import DrafterConfig
 from pipeline.data.store import ObjectStore, storage_options_for
 from pipeline.models import target as target_lib
+from pipeline.models import target_checks, target_forward
 from pipeline.models.checkpoint import load_drafter, save_drafter
 from pipeline.models.checkpoint_cache import CacheLimitError
 from pipeline.models.drafter import fresh_drafter
-from pipeline.models.target import (
-    LoadSettings,
+from pipeline.models.target import LoadSettings
+from pipeline.models.target_checks import (
     MissingTensorError,
     RemoteCodeError,
     TargetConfigError,
-    TargetMetadata,
     TensorDtypeError,
     TensorShapeError,
     TiedWeightsError,
     UnexpectedTensorError,
     UnsupportedFamilyError,
 )
+from pipeline.models.target_forward import TargetMetadata
 from pipeline.models.weights import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -102,7 +103,7 @@ def test_bf16_load_and_layers_equal_transformers_exactly(saved: dict, family: st
     for name, tensor in reference.state_dict().items():
         assert torch.equal(ours.state_dict()[name], tensor), name
     ids = _ids()
-    out = target_lib.forward(ours, ids, list(range(LAYERS + 1)))
+    out = target_forward.forward(ours, ids, list(range(LAYERS + 1)))
     with torch.no_grad():
         ref = reference(ids, output_hidden_states=True)
     for k in range(LAYERS):
@@ -117,7 +118,7 @@ def test_layer_ids_follow_vllm_and_id_l_is_before_the_final_norm(saved: dict, fa
     for these families, so id L is checked against a reference whose norm is the identity."""
     model, _ = saved[family]
     ids = _ids()
-    out = target_lib.forward(model, ids, list(range(LAYERS + 1)))
+    out = target_forward.forward(model, ids, list(range(LAYERS + 1)))
     with torch.no_grad():
         ref = model(ids, output_hidden_states=True)
         assert torch.equal(ref.hidden_states[LAYERS], model.model.norm(out.layers[:, :, LAYERS]))
@@ -137,8 +138,8 @@ def test_logits_at_one_column_per_row_equal_the_full_logits_there(saved: dict) -
     model, _ = saved["llama"]
     ids = _ids()  # (B, T)
     at = torch.arange(ids.shape[0]) % ids.shape[1]  # a different column per row
-    full = target_lib.forward(model, ids, [1]).logits  # (B, T, V)
-    picked = target_lib.forward(model, ids, [1], logits_at=at).logits  # (B, 1, V)
+    full = target_forward.forward(model, ids, [1]).logits  # (B, T, V)
+    picked = target_forward.forward(model, ids, [1], logits_at=at).logits  # (B, 1, V)
     assert picked.shape == (ids.shape[0], 1, full.shape[-1])
     torch.testing.assert_close(picked[:, 0], full[torch.arange(ids.shape[0]), at])  # one row's matmul, not T
 
@@ -207,7 +208,7 @@ def test_published_configs_pass_and_their_headers_are_checked_without_weights(na
     """The real 7-8B configs pass the bounds, imply their published parameter counts, and a header
     layout of that size is checked on the meta device (nothing allocated); one wrong shape is refused."""
     raw, published = PUBLISHED[name]
-    config = target_lib.check_config(json.dumps(raw).encode(), name)
+    config = target_checks.check_config(json.dumps(raw).encode(), name)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in meta.parameters()) == published
@@ -217,12 +218,12 @@ def test_published_configs_pass_and_their_headers_are_checked_without_weights(na
         offset += entries[key].nbytes
     layout = WeightsLayout(("model-00001-of-00004.safetensors",), entries)
     assert layout.data_bytes == 2 * published
-    target_lib.check_layout(config, layout, name)
+    target_checks.check_layout(config, layout, name)
     entries["model.layers.7.self_attn.k_proj.weight"] = TensorEntry(
         "model.layers.7.self_attn.k_proj.weight", "model-00001-of-00004.safetensors", "BF16", (1024, 1024), 0)
     with pytest.raises(TensorShapeError, match=f"{name}/model-00001-of-00004.safetensors: tensor "
                                                r"model.layers.7.self_attn.k_proj.weight has shape \(1024, 1024\)"):
-        target_lib.check_layout(config, WeightsLayout(layout.files, entries), name)
+        target_checks.check_layout(config, WeightsLayout(layout.files, entries), name)
     meta_fields = TargetMetadata.of(config)
     assert meta_fields.rope_theta == raw["rope_theta"]
     assert meta_fields.rope_scaling == raw.get("rope_scaling")
@@ -301,8 +302,8 @@ def test_s3_checkpoint_refused_before_copying(s3_store: ObjectStore, saved: dict
 
 
 def test_redact_drops_credentials_and_signatures() -> None:
-    assert target_lib.redact("s3://AKIA:secret@bucket/p/step-1?X-Amz-Signature=abc") == "s3://bucket/p/step-1"
-    assert target_lib.redact("file:///data/p") == "file:///data/p"
+    assert target_checks.redact("s3://AKIA:secret@bucket/p/step-1?X-Amz-Signature=abc") == "s3://bucket/p/step-1"
+    assert target_checks.redact("file:///data/p") == "file:///data/p"
 
 
 @pytest.mark.reliability("bad_input", "policy URI with credentials: not echoed in the refusal")
@@ -565,7 +566,7 @@ def test_billion_parameter_target_loads_in_bf16_on_cuda(tmp_path: Path) -> None:
     for name, tensor in reference.state_dict().items():
         assert torch.equal(ours.state_dict()[name], tensor), name
     ids = torch.randint(0, config.vocab_size, (2, 64), device="cuda")
-    out = target_lib.forward(ours, ids, [2, 8, 13, 16])
+    out = target_forward.forward(ours, ids, [2, 8, 13, 16])
     with torch.no_grad():
         ref = reference(ids, output_hidden_states=True)
     # Same weights; the attention kernel CUDA picks may differ between the two calls (a mask or none), so

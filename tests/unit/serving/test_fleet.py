@@ -27,6 +27,7 @@ from pipeline.serving.fleet import (
     GateConfig,
     GateError,
     ReplicaSpec,
+    StagedDrafter,
     StandInDriver,
     check_replica,
     rolling_deploy,
@@ -170,19 +171,19 @@ def test_standin_replica_serves_vllm_endpoints(
 def test_rolling_deploy_and_rollback(models: dict[str, str], driver: StandInDriver) -> None:
     replicas = [ReplicaSpec(f"r{i}", "127.0.0.1", _free_port()) for i in range(2)]
     first = rolling_deploy(replicas, driver, models["target"], "1", models["v1"], None, GATES, PROMPTS)
-    assert [r["replica"] for r in first.replicas] == ["r0", "r1"]
-    assert all(r["version"] == "1" and r["live_tau"] >= 1.0 and r["restarted"] for r in first.replicas)
+    assert [r.replica for r in first.replicas] == ["r0", "r1"]
+    assert all(r.version == "1" and r.live_tau >= 1.0 and r.restarted for r in first.replicas)
     assert all(driver.serving(r) == (models["target"], models["v1"]) for r in replicas)
 
     # The same drafter on the same policy again: no replica restarts, each passes the gates again.
     pids = {name: process.pid for name, process in driver.processes.items()}
     again = rolling_deploy(replicas, driver, models["target"], "1", models["v1"], None, GATES, PROMPTS)
-    assert [(r["replica"], r["restarted"]) for r in again.replicas] == [("r0", False), ("r1", False)]
-    assert all(r["live_tau"] >= 1.0 for r in again.replicas)
+    assert [(r.replica, r.restarted) for r in again.replicas] == [("r0", False), ("r1", False)]
+    assert all(r.live_tau >= 1.0 for r in again.replicas)
     assert {name: process.pid for name, process in driver.processes.items()} == pids
 
     with pytest.raises(GateError, match=r"replica r0: .*rolled back to version 1; deploy of version 2 stopped"):
-        rolling_deploy(replicas, driver, models["target"], "2", models["broken"], ("1", models["v1"]),
+        rolling_deploy(replicas, driver, models["target"], "2", models["broken"], StagedDrafter("1", models["v1"]),
                        GATES, PROMPTS)
     # r0 serves the previous drafter again, r1 was never touched: both keep serving.
     for replica in replicas:
@@ -197,7 +198,7 @@ def test_rolling_deploy_and_rollback(models: dict[str, str], driver: StandInDriv
     assert successor.alive(replicas[1])
     assert successor.serving(replicas[1]) == (models["target"], models["v1"])
     moved = rolling_deploy([replicas[1]], successor, models["target2"], "1", models["v1"], None, GATES, PROMPTS)
-    assert moved.replicas[0]["restarted"]
+    assert moved.replicas[0].restarted
     assert successor.serving(replicas[1]) == (models["target2"], models["v1"])
     assert successor.processes["r1"].pid != old_pid
     successor.stop_all(replicas)

@@ -11,6 +11,7 @@ import torch
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data import capture, shards
 from pipeline.data.buffer import select_buffer
+from pipeline.data.held_out import training_rollouts
 from pipeline.data.rollouts import read_policy_pointer, read_rollouts
 from pipeline.data.shards import HiddenSample
 from pipeline.data.store import ObjectStore, open_store
@@ -37,7 +38,7 @@ def step(tmp_path_factory: pytest.TempPathFactory) -> tuple[PipelineConfig, Obje
 def _whole_rollouts(cfg: PipelineConfig, store: ObjectStore) -> tuple[torch.nn.Module, list[HiddenSample]]:
     """The training rollouts' states as they were stored before capture plans: whole rollouts."""
     policy = target_lib.load_policy(store, read_policy_pointer(store, cfg.run, 1).checkpoint_uri)
-    train = extract.training_rollouts(read_rollouts(store, cfg.run, 1), cfg.eval.held_out_fraction)
+    train = training_rollouts(read_rollouts(store, cfg.run, 1), cfg.eval.held_out_fraction)
     layer_ids = extract.stored_layer_ids(cfg.drafter, policy.config.num_hidden_layers)
     samples = [replace(s, hidden=s.hidden.clone()) for s in extract.iter_hidden_states(
         policy, train, 1, tokens_per_batch=64, layer_ids=layer_ids)]

@@ -19,6 +19,7 @@ from pipeline.data.rollouts import Rollout, read_policy_pointer, read_rollouts
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.models.eagle3 import Eagle3Drafter, read_positions, stored_layer_ids
 from pipeline.sources import extract
 from pipeline.sources.simulation import SimulatedRL
@@ -92,8 +93,8 @@ def test_padding_never_reaches_a_valid_token(target: torch.nn.Module, layer_ids)
     other = ids.clone()
     for row, n in enumerate(lengths):
         other[row, n:] = torch.randint(0, 64, (40 - n,), generator=rng)
-    for a, b in zip(target_lib.layer_states(target, ids, layer_ids), target_lib.layer_states(target, other, layer_ids),
-                    strict=True):
+    for a, b in zip(target_forward.layer_states(target, ids, layer_ids),
+                    target_forward.layer_states(target, other, layer_ids), strict=True):
         for row, n in enumerate(lengths):
             assert torch.equal(a[row, :n], b[row, :n])
 
@@ -111,11 +112,11 @@ def test_padded_batches_store_the_states_of_each_sample_alone(target: torch.nn.M
     identical = total = 0
     for sample in got:
         ids = sample.input_ids[None]
-        alone = torch.stack(target_lib.layer_states(target, ids, layer_ids), dim=2)[0]  # (T, n, H) fp32
+        alone = torch.stack(target_forward.layer_states(target, ids, layer_ids), dim=2)[0]  # (T, n, H) fp32
         padded_batch = next(b for b in extract.plan_batches(LENGTHS, 96) if int(sample.sample_id[1:]) in b)
         longest = max(LENGTHS[i] for i in padded_batch)
         padded = torch.cat([ids, torch.zeros(1, longest - ids.shape[1], dtype=torch.int64)], dim=1)
-        fp32 = torch.stack(target_lib.layer_states(target, padded, layer_ids), dim=2)[0, : ids.shape[1]]
+        fp32 = torch.stack(target_forward.layer_states(target, padded, layer_ids), dim=2)[0, : ids.shape[1]]
         torch.testing.assert_close(fp32, alone, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(sample.hidden.float(), alone.to(torch.bfloat16).float(), rtol=2**-7, atol=1e-5)
         assert sample.step == 7
@@ -126,12 +127,12 @@ def test_padded_batches_store_the_states_of_each_sample_alone(target: torch.nn.M
 
 def test_layer_states_are_forwards_layers(target: torch.nn.Module) -> None:
     ids = torch.tensor([r.input_ids for r in _rollouts([9, 9], vocab=64)])
-    out = target_lib.forward(target, ids, LAYERS)
-    caught = target_lib.layer_states(target, ids, LAYERS)
+    out = target_forward.forward(target, ids, LAYERS)
+    caught = target_forward.layer_states(target, ids, LAYERS)
     assert all(torch.equal(c, out.layers[:, :, i]) for i, c in enumerate(caught))
-    assert torch.equal(target_lib.layer_states(target, ids, None)[0], out.features)
+    assert torch.equal(target_forward.layer_states(target, ids, None)[0], out.features)
     with pytest.raises(ValueError, match="outside"):
-        target_lib.layer_states(target, ids, [4])
+        target_forward.layer_states(target, ids, [4])
 
 
 # -- streaming --------------------------------------------------------------------------------------------------
@@ -222,7 +223,7 @@ def test_extracted_step_stores_the_last_layer_once_and_trains_on_aux_and_last(tm
     sample = next(shards.iter_samples(store, cfg.run, manifest))
     ids, features, _ = drafter.training_sample(sample, 2)
     assert torch.equal(ids, torch.tensor(rollouts[sample.sample_id].input_ids))
-    expected = target_lib.forward(policy, ids[None], [0, 1, 2, 2]).layers[0]  # [aux..., L]: (T, 4, H)
+    expected = target_forward.forward(policy, ids[None], [0, 1, 2, 2]).layers[0]  # [aux..., L]: (T, 4, H)
     torch.testing.assert_close(features, expected.to(torch.bfloat16).flatten(1), rtol=0, atol=0.02)
     with pytest.raises(ValueError, match="needs"):
         drafters.check_layers(drafter, [0, 1, 2, 2], 2, "step 1")

@@ -24,6 +24,7 @@ from pipeline.data import shards
 from pipeline.data.rollouts import Rollout, read_policy_pointer, read_rollouts
 from pipeline.data.store import open_store
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.sources import extract
 from pipeline.sources.simulation import SimulatedRL
 from pipeline.sources.vllm_connector import (
@@ -248,7 +249,7 @@ def test_ingested_shards_equal_the_forward_pass(tmp_path: Path, kind: str) -> No
     SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(1)
     policy = target_lib.load_policy(store, read_policy_pointer(store, cfg.run, 1).checkpoint_uri)
     for i, r in enumerate(read_rollouts(store, cfg.run, 1)):  # stand-in for vLLM's connector
-        layers = target_lib.forward(policy, torch.tensor([r.input_ids]), requested).layers[0]
+        layers = target_forward.forward(policy, torch.tensor([r.input_ids]), requested).layers[0]
         _connector_file(vllm_dir / f"req-{i}.safetensors", r.input_ids, layers.to(torch.bfloat16))
 
     forward = extract.extract_hidden_states(store, cfg, 1)

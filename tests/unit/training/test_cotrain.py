@@ -17,7 +17,7 @@ from pipeline.models.eagle3 import Eagle3Drafter
 from pipeline.models.target import build_target, tiny_llama_config
 from pipeline.registry import DrafterRegistry
 from pipeline.training.cotrain import _initial_drafter
-from pipeline.training.plan import training_decision
+from pipeline.training.plan import TrainingDecision, training_decision
 
 
 @pytest.mark.parametrize(
@@ -32,17 +32,17 @@ from pipeline.training.plan import training_decision
     ids=["train", "disabled", "off-interval", "on-interval", "too-few"],
 )
 def test_training_decision(cfg: TrainConfig, step: int, samples: int, trained: bool, reason: str) -> None:
-    decision, why = training_decision(step, samples, cfg)
-    assert decision is trained
-    assert reason in why
+    decision = training_decision(step, samples, cfg)
+    assert decision.train is trained
+    assert reason in decision.reason
 
 
 def test_a_retraining_request_overrides_the_interval_only() -> None:
     cfg = TrainConfig(training_interval_steps=5, min_samples=50)
-    assert training_decision(3, 100, cfg, "live tau 1.4 < 2.0") == (
+    assert training_decision(3, 100, cfg, "live tau 1.4 < 2.0") == TrainingDecision(
         True, "requested (live tau 1.4 < 2.0); buffer holds 100 samples")
-    assert training_decision(3, 10, cfg, "live tau 1.4 < 2.0")[0] is False
-    assert training_decision(3, 100, TrainConfig(enable_drafter_training=False), "x")[0] is False
+    assert training_decision(3, 10, cfg, "live tau 1.4 < 2.0").train is False
+    assert training_decision(3, 100, TrainConfig(enable_drafter_training=False), "x").train is False
 
 
 @pytest.fixture

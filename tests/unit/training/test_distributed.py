@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.training.dataset import InMemoryDataset, Sample
 from pipeline.training.distributed import (
     DistContext,
@@ -39,7 +40,7 @@ def _samples(target, n: int = 11) -> list[Sample]:
         ids = (int(torch.randint(0, V, (1,), generator=g)) + 5 * torch.arange(length)) % V
         mask = torch.ones(length, dtype=torch.int64)
         mask[: int(torch.randint(1, 5, (1,), generator=g))] = 0
-        out.append((ids, target_lib.forward(target, ids[None]).features[0].float(), mask))
+        out.append((ids, target_forward.forward(target, ids[None]).features[0].float(), mask))
     return out
 
 

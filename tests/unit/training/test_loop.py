@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.models.eagle import EagleConfig, EagleDrafter
 from pipeline.training.dataset import InMemoryDataset, Sample, plan_epoch
 from pipeline.training.loop import fitted_warmup, lr_at, train_drafter
+from pipeline.training.losses import eagle3_loss
+from pipeline.training.window import pack
+from tests.support import eagle3
 
 V, H, HEADS = 32, 32, 2
 
@@ -68,7 +73,7 @@ def dataset(target) -> list[Sample]:
         n = int(torch.randint(12, 24, (1,), generator=g))
         start = int(torch.randint(0, V, (1,), generator=g))
         ids = (start + 3 * torch.arange(n)) % V
-        hidden = target_lib.forward(target, ids[None]).features[0].float()
+        hidden = target_forward.forward(target, ids[None]).features[0].float()
         mask = torch.ones(n, dtype=torch.int64)
         mask[:4] = 0
         out.append((ids, hidden, mask))
@@ -175,3 +180,72 @@ def test_metrics_logged_every_n_iterations_are_those_of_every_iteration(target, 
         assert {k: a[k] for k in ("loss", "vloss", "ploss", "accuracy", "grad_norm", "lr")} == {
             k: b[k] for k in ("loss", "vloss", "ploss", "accuracy", "grad_norm", "lr")}
     assert all(r["grad_norm"] > 0 for _, r in fifth_records)
+
+
+# -- EAGLE-3 ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def peaked_target() -> LlamaForCausalLM:
+    """A random target's next-token distribution is almost uniform (the soft cross-entropy would sit at its
+    entropy floor from the start); a larger lm_head gives the drafter something to learn."""
+    model = eagle3.tiny_target()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
+    return model
+
+
+def test_train_drafter_lowers_the_eagle3_loss(peaked_target: LlamaForCausalLM) -> None:
+    target = peaked_target
+    model = eagle3.drafter_for(target, seed=0)
+    samples = eagle3.target_samples(target, model.config.aux_layer_ids, 8, seed=1)
+    teacher = model.teacher(target)
+    cfg = TrainConfig(
+        epochs=8, batch_size_per_gpu=4, max_seq_len=128, window_tokens=128, seed=1, ttt_steps=2, ttt_decay=0.8,
+        optim=OptimConfig(lr=3e-3, lr_warmup_steps=2),
+    )
+    fixed = pack(samples, window_tokens=128).to("cpu")
+    embed_before = model.embed_tokens.weight.detach().clone()
+    vocab_before = (model.d2t.clone(), model.t2d.clone())
+    with torch.no_grad():
+        before = eagle3_loss(model.eval(), fixed, teacher.norm, teacher.head, 2, 0.8)
+
+    result = train_drafter(model, InMemoryDataset(samples), cfg, teacher=teacher)
+
+    with torch.no_grad():
+        after = eagle3_loss(model, fixed, teacher.norm, teacher.head, 2, 0.8)
+    assert after.loss.item() < 0.85 * before.loss.item()
+    assert after.accuracy.item() > before.accuracy.item() + 0.2
+    assert sum(result.loss_history[-3:]) < sum(result.loss_history[:3])
+    assert result.vloss == 0.0
+    assert torch.equal(model.embed_tokens.weight, embed_before)
+    assert torch.equal(model.d2t, vocab_before[0])
+    assert torch.equal(model.t2d, vocab_before[1])
+    assert all(p.grad is None for p in target.parameters())
+
+
+def test_train_drafter_needs_a_teacher_for_eagle3() -> None:
+    target = eagle3.tiny_target()
+    model = eagle3.drafter_for(target)
+    samples = eagle3.target_samples(target, model.config.aux_layer_ids, 2)
+    with pytest.raises(ValueError, match="teacher"):
+        train_drafter(model, InMemoryDataset(samples), TrainConfig(epochs=1, max_seq_len=128, window_tokens=128))
+
+
+# The first iterations of an EAGLE-3 training on the fixed-seed drafter, samples and peaked target
+# above, as this loop ran them once (one thread, CPU, float32): a change in the model, the loss, the
+# data order or the optimizer moves them.
+PINNED_EAGLE3_LOSSES = (3.9040470123291016, 3.715601682662964, 3.336498975753784, 3.116666316986084,
+                        3.047180652618408, 3.090092658996582)
+
+
+def test_eagle3_loss_trajectory_is_pinned(peaked_target: LlamaForCausalLM) -> None:
+    model = eagle3.drafter_for(peaked_target, seed=0)
+    samples = eagle3.target_samples(peaked_target, model.config.aux_layer_ids, 4, seed=1)
+    cfg = TrainConfig(epochs=3, batch_size_per_gpu=2, max_seq_len=64, window_tokens=64, seed=1, ttt_steps=2,
+                      ttt_decay=0.8, optim=OptimConfig(lr=3e-3, lr_warmup_steps=1))
+
+    result = train_drafter(model, InMemoryDataset(samples), cfg, teacher=model.teacher(peaked_target))
+
+    torch.testing.assert_close(torch.tensor(result.loss_history), torch.tensor(PINNED_EAGLE3_LOSSES),
+                               rtol=1e-4, atol=1e-5)

@@ -314,3 +314,23 @@ def test_eagle3_loss_weights_steps_by_decay(eagle3_setup, decay: float) -> None:
     torch.testing.assert_close(two.loss, (l0 + decay * l1) / (1 + decay))
     torch.testing.assert_close(three.loss, (l0 + decay * l1 + decay**2 * l2) / (1 + decay + decay**2))
     torch.testing.assert_close(two.accuracy, accuracy)  # accuracy is step 0's
+
+
+
+# eagle3_loss of eagle3_setup's fixed-seed drafter and batch over three TTT steps with decay 0.8, computed
+# once and checked then against the per-step losses _step_losses writes out (their decay-weighted mean).
+PINNED_EAGLE3_STEP_LOSSES = (3.3190598487854004, 3.357123374938965, 3.579554796218872)
+PINNED_EAGLE3_LOSS = 3.3998661041259766
+
+
+@torch.no_grad()
+def test_eagle3_loss_pinned_value(eagle3_setup) -> None:
+    model, batch, norm, head = eagle3_setup
+    steps, _ = _step_losses(model, batch, norm, head, 3)
+    torch.testing.assert_close(torch.stack(steps), torch.tensor(PINNED_EAGLE3_STEP_LOSSES), rtol=1e-5, atol=1e-6)
+
+    parts = eagle3_loss(model, batch, norm, head, ttt_steps=3, decay=0.8)
+
+    torch.testing.assert_close(parts.loss, torch.tensor(PINNED_EAGLE3_LOSS), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(parts.ploss, parts.loss)  # EAGLE-3 has no feature regression
+    assert parts.vloss.item() == 0.0

@@ -7,7 +7,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import PipelineConfig, load_config
-from pipeline.data.buffer import BufferEntry, write_buffer
+from pipeline.cost import DecodingCost
+from pipeline.data.buffer import write_buffer
+from pipeline.data.keys import acceptance_key, cost_key
+from pipeline.data.records import AcceptanceRecord, BufferEntry, DrafterTau, StepCost, write_record
 from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.registry import DrafterRegistry, open_registry
@@ -87,3 +90,71 @@ def test_a_refused_request_says_what_was_requested(step) -> None:
     assert metadata["trained"] is False
     assert metadata["retrain_requested_by"] == RETRAIN
     assert "fewer than train.min_samples=10" in metadata["reason"]
+
+
+def _committed(store: ObjectStore, cfg: PipelineConfig, step: int) -> None:
+    rows = [Rollout(f"s{step}-{i}", [1, 2, 3, 4], [0, 0, 1, 1], 0.5, step) for i in range(3)]
+    write_rollouts(store, cfg.run, step, rows, PolicyPointer(step, f"policies/{cfg.run}/x", "m"))
+    write_buffer(store, cfg.run, step, [BufferEntry(step, f"s{step}-{i}", "part-00000.arrow", i, 4) for i in range(3)])
+
+
+def _measured(store: ObjectStore, cfg: PipelineConfig, step: int, served: tuple[str, float] | None,
+              cotrained: tuple[str, float] | None = None, promoted: bool = False) -> None:
+    """The records a step's acceptance leaves: its drafters' taus and its cost entry (training took 30 s)."""
+    def tau(measured: tuple[str, float] | None) -> DrafterTau | None:
+        return DrafterTau(measured[0], measured[1], 0.5, (0.5,), 10, 40, 20, 3) if measured else None
+
+    write_record(store, acceptance_key(cfg.run, step), AcceptanceRecord(
+        step, step, 3, 4, 8, {"cotrained": tau(cotrained), "served": tau(served), "baseline": None,
+                              "champion": tau(served)}, promoted, "", cotrained[0] if promoted else None))
+    write_record(store, cost_key(cfg.run, step), StepCost(
+        step, {"extraction": 1.0, "training": 30.0 if cotrained else 0.0, "evaluation": 2.0}, 6,
+        served[0] if served else None, served[1] if served else 1.0, DecodingCost(0.01, 0.05, 4)))
+
+
+def test_the_acceptance_schedule_retrains_after_a_drift(step, tmp_path: Path) -> None:
+    """v1 is promoted at step 1 with tau 3.4; the policy drifts at step 3, where v1 measures 2.9: step 4 retrains."""
+    cfg, store, registry = step
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(
+        update={"schedule": cfg.train.schedule.model_copy(update={"kind": "acceptance", "tau_drop": 0.3})})})
+    version, _ = _register(registry, "first", tmp_path)
+    registry.set_alias("champion", version)
+    _measured(store, cfg, 1, None, (version, 3.4), promoted=True)
+    decisions = {}
+    for s, served_tau in ((2, 3.3), (3, 2.9), (4, None)):
+        _committed(store, cfg, s)
+        decisions[s] = plan_training(store, cfg, s, registry)
+        if served_tau is not None:
+            _measured(store, cfg, s, (version, served_tau))
+    assert not decisions[2].train  # nothing measured since the promotion
+    assert not decisions[3].train  # step 2: 3.3, a fall of 0.1
+    assert decisions[3].reason == (f"champion v{version} tau 3.300 at step 2 fell 0.100 since its promotion (3.400), "
+                                   "within train.schedule.tau_drop=0.3")
+    assert decisions[4].train  # step 3, after the drift: 2.9, a fall of 0.5
+    assert decisions[4].reason.startswith(f"champion v{version} tau 2.900 at step 3 fell 0.500")
+
+
+def test_the_cost_schedule_weighs_the_expected_gain_against_the_last_trainings(step, tmp_path: Path) -> None:
+    """Step 3's 6 response tokens can never pay for a 30 s training; with a fleet's tokens they do."""
+    cfg, store, registry = step
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(
+        update={"schedule": cfg.train.schedule.model_copy(update={"kind": "cost"})})})
+    version, _ = _register(registry, "first", tmp_path)
+    registry.set_alias("champion", version)
+    _measured(store, cfg, 1, None, (version, 3.4), promoted=True)
+    _committed(store, cfg, 2)
+    _measured(store, cfg, 2, (version, 2.9))
+    _committed(store, cfg, 3)
+    decision = plan_training(store, cfg, 3, registry)
+    assert not decision.train
+    assert "<= expected training cost 30.0 s" in decision.reason
+
+
+def test_a_newer_committed_step_supersedes_a_waiting_training(step) -> None:
+    cfg, store, registry = step
+    _committed(store, cfg, 2)
+    waiting = plan_training(store, cfg, STEP, registry, coalesce=True)
+    assert not waiting.train
+    assert waiting.reason == "superseded: step 2 was committed while this step waited, and trains on the newer buffer"
+    assert plan_training(store, cfg, STEP, registry).train  # a backfill's run does not coalesce
+    assert plan_training(store, cfg, 2, registry, coalesce=True).train  # the newest step trains

@@ -11,6 +11,7 @@ from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.keys import training_prefix
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
+from pipeline.models import target_forward
 from pipeline.training.dataset import InMemoryDataset, Sample
 from pipeline.training.loop import train_drafter
 from pipeline.training.state import LATEST, ResumeState, TrainingCheckpoints
@@ -33,7 +34,7 @@ def samples(target) -> list[Sample]:
         ids = (int(torch.randint(0, V, (1,), generator=g)) + 3 * torch.arange(n)) % V
         mask = torch.ones(n, dtype=torch.int64)
         mask[:3] = 0
-        out.append((ids, target_lib.forward(target, ids[None]).features[0].float(), mask))
+        out.append((ids, target_forward.forward(target, ids[None]).features[0].float(), mask))
     return out
 
 
@@ -117,8 +118,8 @@ def test_a_half_written_checkpoint_is_ignored_and_cleaned(tmp_path: Path, target
     checkpoints = TrainingCheckpoints(store, "training/x/y")
     train_drafter(_drafter(target), InMemoryDataset(samples), CFG, checkpoints=checkpoints)
     store.write_bytes("training/x/y/iter-00000012/model.safetensors", b"half")
-    state, directory = checkpoints.latest()
-    assert (state.iteration, directory) == (8, "iter-00000008")
+    latest = checkpoints.latest()
+    assert (latest.state.iteration, latest.directory) == (8, "iter-00000008")
     model = _drafter(target)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     checkpoints.save(model, optimizer, ResumeState(iteration=9, total_iterations=12, world_size=1))

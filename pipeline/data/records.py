@@ -1,0 +1,386 @@
+"""What one stage stores for the next: a frozen record per stored JSON document.
+
+    buffer/<run>/step-000123/_manifest.json   BufferRecord       the drafter_buffer asset -> training
+    drafter/<run>/step-000123.json            TrainingRecord     the drafter asset -> acceptance, reports
+    acceptance/<run>/step-000123.json         AcceptanceRecord   the acceptance asset -> reports, plots
+    cost/<run>/step-000123.json               StepCost           the acceptance asset -> schedules, the ledger
+    fleet/<run>/state.json                    FleetState         the fleet asset -> status, the demo, the ledger
+    (not stored)                              DeployReport       a rolling deploy -> the fleet asset
+
+Each record writes `schema_version` into its JSON; a document without one is version 1 (what
+was stored before records carried it). A document this code cannot read raises RecordError
+naming its key.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from pipeline.cost import DecodingCost
+from pipeline.data.keys import acceptance_key, cost_key, drafter_key, fleet_state_key
+from pipeline.data.store import ObjectStore
+
+SCHEMA_VERSION = 1
+
+
+class RecordError(ValueError):
+    """A stored record that this code cannot read (another schema version, a missing or mistyped field)."""
+
+
+class _Record(Protocol):
+    def to_json(self) -> dict: ...
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Any: ...
+
+
+R = TypeVar("R", bound=_Record)
+
+
+def write_record(store: ObjectStore, key: str, record: _Record) -> None:
+    store.write_json(key, {"schema_version": SCHEMA_VERSION, **record.to_json()})
+
+
+def read_record(store: ObjectStore, key: str, kind: type[R]) -> R:
+    """`kind` read from `key`; RecordError naming the key when the document is not one this code reads."""
+    return parse_record(store.read_json(key), kind, key)
+
+
+def parse_record(doc: object, kind: type[R], where: str) -> R:
+    if not isinstance(doc, dict):
+        raise RecordError(f"{where}: not a JSON object, cannot read it as a {kind.__name__}")
+    version = doc.get("schema_version", 1)
+    if version != SCHEMA_VERSION:
+        raise RecordError(f"{where}: {kind.__name__} schema_version {version!r}; this code reads version "
+                          f"{SCHEMA_VERSION}")
+    try:
+        return kind.from_json(doc)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RecordError(f"{where}: not a {kind.__name__} of schema_version {SCHEMA_VERSION} "
+                          f"({type(exc).__name__}: {exc})") from None
+
+
+# --- the cross-step buffer -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BufferEntry:
+    """One sample in the buffer, addressed by (step, sample_id) and found at (shard, row)."""
+
+    step: int
+    sample_id: str
+    shard: str
+    row: int
+    tokens: int
+
+
+def composition(entries: tuple[BufferEntry, ...] | list[BufferEntry]) -> dict[int, int]:
+    """Samples per RL step, oldest step first."""
+    return dict(sorted(Counter(e.step for e in entries).items()))
+
+
+@dataclass(frozen=True)
+class BufferRecord:
+    """The samples a step's drafter trains on: pointers into the steps' shards, never a copy."""
+
+    step: int
+    entries: tuple[BufferEntry, ...]
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.tokens for e in self.entries)
+
+    @property
+    def composition(self) -> dict[int, int]:
+        return composition(self.entries)
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "num_samples": self.num_samples, "num_tokens": self.num_tokens,
+                "composition": {str(k): v for k, v in self.composition.items()},
+                "entries": [asdict(e) for e in self.entries]}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> BufferRecord:
+        return cls(int(doc["step"]), tuple(BufferEntry(**e) for e in doc["entries"]))
+
+
+# --- a step's training outcome -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainingFigures:
+    """What a training that ran ended with."""
+
+    iterations: int
+    resumed_from_iteration: int
+    loss: float
+    vloss: float
+    ploss: float
+    accuracy: float
+    wall_s: float
+    tokens_per_s: float
+    loss_history: tuple[float, ...]
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "loss_history": list(self.loss_history)}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> TrainingFigures:
+        return cls(doc["iterations"], doc["resumed_from_iteration"], doc["loss"], doc["vloss"], doc["ploss"],
+                   doc["accuracy"], doc["wall_s"], doc["tokens_per_s"], tuple(doc["loss_history"]))
+
+
+@dataclass(frozen=True)
+class TrainingRecord:
+    """A step's training stage: trained (and what), reused, or skipped, and why."""
+
+    step: int
+    trained: bool
+    reason: str
+    buffer_samples: int
+    run_id: str | None = None
+    version: str | None = None  # the registered drafter version this step's training produced or reused
+    warm_start_version: str | None = None
+    trained_on_steps: tuple[int, ...] = ()
+    requested_by: str | None = None  # why a retraining was requested off the schedule (e.g. live tau too low)
+    figures: TrainingFigures | None = None  # None: nothing ran at this step
+
+    def to_json(self) -> dict:
+        # the figures stand flat beside the outcome, as every stored record has them
+        return {"step": self.step, "trained": self.trained, "reason": self.reason,
+                "buffer_samples": self.buffer_samples, "run_id": self.run_id, "version": self.version,
+                "warm_start_version": self.warm_start_version, "trained_on_steps": list(self.trained_on_steps),
+                "requested_by": self.requested_by, **(self.figures.to_json() if self.figures else {})}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> TrainingRecord:
+        return cls(doc["step"], doc["trained"], doc["reason"], doc["buffer_samples"], doc.get("run_id"),
+                   doc.get("version"), doc.get("warm_start_version"), tuple(doc.get("trained_on_steps", ())),
+                   doc.get("requested_by"), TrainingFigures.from_json(doc) if "iterations" in doc else None)
+
+
+# --- a step's acceptance ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TauEstimate:
+    """The teacher-forced acceptance estimate: one pass over held-out rollouts."""
+
+    tau: float
+    per_position: tuple[float, ...]
+    sequences: int  # rollouts read
+    positions: int  # start positions whose first step counts
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "per_position": list(self.per_position)}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> TauEstimate:
+        return cls(doc["tau"], tuple(doc["per_position"]), doc["sequences"], doc["positions"])
+
+
+@dataclass(frozen=True)
+class DrafterTau:
+    """One drafter version measured by speculative decoding on the step's held-out prompts."""
+
+    version: str
+    tau: float
+    acceptance_rate: float
+    per_position: tuple[float, ...]
+    rounds: int
+    drafted: int
+    accepted: int
+    prompts: int
+    estimate: TauEstimate | None = None  # None: no held-out response was long enough to estimate on
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "per_position": list(self.per_position),
+                "estimate": self.estimate.to_json() if self.estimate else None}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> DrafterTau:
+        estimate = doc.get("estimate")
+        return cls(doc["version"], doc["tau"], doc["acceptance_rate"], tuple(doc["per_position"]), doc["rounds"],
+                   doc["drafted"], doc["accepted"], doc["prompts"],
+                   TauEstimate.from_json(estimate) if estimate else None)
+
+
+ROLES = ("cotrained", "served", "baseline", "champion")
+NO_DRAFTER_TAU = 1.0  # without a drafter every target forward yields one token
+
+
+@dataclass(frozen=True)
+class AcceptanceRecord:
+    """The step's drafters measured against the step's policy, and the promotion decision.
+
+    drafters: role -> its measurement; None when there was no such drafter at this step
+        cotrained  the newest drafter (the `challenger`), trained on data up to this step
+        served     what the fleet ran when the step was published: what served this step's rollouts
+        baseline   the first drafter ever trained, never retrained
+        champion   the `champion` before this step's decision (absent from records that predate it)
+    """
+
+    step: int
+    policy_version: int
+    num_prompts: int
+    num_speculative_tokens: int
+    max_new_tokens: int
+    drafters: dict[str, DrafterTau | None]
+    promoted: bool
+    decision: str
+    champion_after: str | None
+
+    def measured(self) -> dict[str, DrafterTau]:
+        """The roles that had a drafter."""
+        return {role: d for role, d in self.drafters.items() if d is not None}
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "policy_version": self.policy_version, "num_prompts": self.num_prompts,
+                "num_speculative_tokens": self.num_speculative_tokens, "max_new_tokens": self.max_new_tokens,
+                "drafters": {role: d.to_json() if d else None for role, d in self.drafters.items()},
+                "promoted": self.promoted, "decision": self.decision, "champion_after": self.champion_after}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> AcceptanceRecord:
+        return cls(doc["step"], doc["policy_version"], doc["num_prompts"], doc["num_speculative_tokens"],
+                   doc["max_new_tokens"], {role: DrafterTau.from_json(d) if d else None
+                                           for role, d in doc["drafters"].items()},
+                   doc["promoted"], doc["decision"], doc["champion_after"])
+
+
+# --- the fleet -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaDeploy:
+    """One replica after a rollout: the version it runs and the live tau its gate measured."""
+
+    replica: str
+    version: str
+    live_tau: float
+    deploy_s: float
+    restarted: bool  # False: it already served the version on the policy, and only passed the gates
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> ReplicaDeploy:
+        return cls(doc["replica"], doc["version"], doc["live_tau"], doc["deploy_s"], doc["restarted"])
+
+
+@dataclass(frozen=True)
+class DeployReport:
+    """A rolling deploy that reached every replica."""
+
+    version: str
+    replicas: tuple[ReplicaDeploy, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "replicas": [r.to_json() for r in self.replicas]}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> DeployReport:
+        return cls(doc["version"], tuple(ReplicaDeploy.from_json(r) for r in doc["replicas"]))
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A version the whole fleet ran from `live_at` (epoch seconds) on, and what rolling it out took."""
+
+    version: str
+    live_at: float
+    deploy_s: float  # the replicas' deploy seconds added up
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Deployment:
+        return cls(doc["version"], doc["live_at"], doc["deploy_s"])
+
+
+@dataclass(frozen=True)
+class FleetState:
+    """Which drafter version the fleet runs, on which policy step, since when (epoch seconds), and every
+    version it ran before: the history the drafter's lag is read from."""
+
+    version: str | None = None  # None: nothing deployed yet
+    policy_step: int | None = None
+    since: float | None = None
+    replicas: tuple[ReplicaDeploy, ...] = field(default_factory=tuple)
+    history: tuple[Deployment, ...] = ()  # oldest first, the current version last
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "policy_step": self.policy_step, "since": self.since,
+                "replicas": [r.to_json() for r in self.replicas], "history": [d.to_json() for d in self.history]}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> FleetState:
+        return cls(doc["version"], doc.get("policy_step"), doc.get("since"),
+                   tuple(ReplicaDeploy.from_json(r) for r in doc["replicas"]),
+                   tuple(Deployment.from_json(d) for d in doc.get("history", ())))
+
+
+# --- the cost ledger -------------------------------------------------------------------------------------------
+
+STAGES = ("extraction", "training", "evaluation", "deployment")
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A step's entry in the cost ledger (pipeline/ledger.py): device-seconds its stages spent, and the rollout
+    seconds the drafter that served its rollouts saved by the cost model of pipeline/cost.py."""
+
+    step: int
+    seconds: dict[str, float]  # stage -> device-seconds; deployment is added from the fleet's history
+    rollout_tokens: int  # response tokens of the step's rollouts
+    served_version: str | None  # the drafter the fleet ran while the rollouts were generated
+    served_tau: float  # 1.0: no drafter served them
+    decoding: DecodingCost | None  # timed by the step's evaluation of the served drafter; None: nothing served
+
+    @property
+    def saved_s(self) -> float:
+        return self.decoding.saved_seconds(self.served_tau, self.rollout_tokens) if self.decoding else 0.0
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "seconds": self.seconds, "rollout_tokens": self.rollout_tokens,
+                "served_version": self.served_version, "served_tau": self.served_tau,
+                "decoding": self.decoding.to_json() if self.decoding else None}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> StepCost:
+        decoding = doc["decoding"]
+        return cls(doc["step"], {k: float(v) for k, v in doc["seconds"].items()}, doc["rollout_tokens"],
+                   doc["served_version"], doc["served_tau"], DecodingCost.from_json(decoding) if decoding else None)
+
+
+def read_training(store: ObjectStore, run: str, step: int) -> TrainingRecord:
+    return read_record(store, drafter_key(run, step), TrainingRecord)
+
+
+def read_acceptance(store: ObjectStore, run: str, step: int) -> AcceptanceRecord:
+    return read_record(store, acceptance_key(run, step), AcceptanceRecord)
+
+
+def read_fleet_state(store: ObjectStore, run: str) -> FleetState:
+    """The fleet's recorded state; an empty one before the first deploy."""
+    key = fleet_state_key(run)
+    return read_record(store, key, FleetState) if store.exists(key) else FleetState()
+
+
+def served_at(state: FleetState, at: float) -> str | None:
+    """The version the whole fleet ran at `at` (epoch seconds); None before its first deployment."""
+    live = [d.version for d in state.history if d.live_at <= at]
+    return live[-1] if live else None
+
+
+def read_cost(store: ObjectStore, run: str, step: int) -> StepCost | None:
+    key = cost_key(run, step)
+    return read_record(store, key, StepCost) if store.exists(key) else None

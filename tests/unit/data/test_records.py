@@ -1,0 +1,108 @@
+"""Stage records: JSON round trips, documents stored before records carried a schema version, and
+documents this code cannot read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.data.keys import acceptance_key, drafter_key
+from pipeline.data.records import (
+    AcceptanceRecord,
+    BufferEntry,
+    BufferRecord,
+    DeployReport,
+    DrafterTau,
+    FleetState,
+    RecordError,
+    ReplicaDeploy,
+    TauEstimate,
+    TrainingFigures,
+    TrainingRecord,
+    read_acceptance,
+    read_record,
+    read_training,
+    write_record,
+)
+from pipeline.data.store import ObjectStore
+
+RUN = "r"
+TAU = DrafterTau("3", 2.5, 0.375, (0.75, 0.5, 0.25, 0.0), 12, 48, 18, 4, TauEstimate(2.25, (0.75, 0.5), 4, 30))
+ACCEPTANCE = AcceptanceRecord(2, 2, 4, 4, 32, {"cotrained": TAU, "served": None, "baseline": TAU},
+                              True, "no champion yet; new tau 2.500", "3")
+FIGURES = TrainingFigures(8, 0, 1.5, 0.25, 1.25, 0.5, 3.0, 120.0, (3.0, 2.0, 1.5))
+TRAINED = TrainingRecord(2, True, "trained", 90, "run-1", "3", "2", (1, 2), None, FIGURES)
+REPLICA = ReplicaDeploy("standin-0", "3", 2.75, 1.5, True)
+BUFFER = BufferRecord(2, (BufferEntry(1, "s1-0", "part-00000.arrow", 0, 6),
+                          BufferEntry(2, "s2-0", "part-00000.arrow", 0, 4)))
+RECORDS = [
+    BUFFER,
+    TRAINED,
+    TrainingRecord(3, False, "every 2 steps; next at step 4", 90),
+    ACCEPTANCE,
+    DeployReport("3", (REPLICA,)),
+    FleetState("3", 2, 1700000000.0, (REPLICA,)),
+    FleetState(),
+]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> ObjectStore:
+    return ObjectStore(tmp_path.as_uri())
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda r: type(r).__name__)
+def test_each_record_round_trips_through_the_store(store: ObjectStore, record) -> None:
+    write_record(store, "some/record.json", record)
+    assert store.read_json("some/record.json")["schema_version"] == 1
+    assert read_record(store, "some/record.json", type(record)) == record
+
+
+def test_stored_json_keeps_the_shape_readers_of_earlier_records_know(store: ObjectStore) -> None:
+    write_record(store, acceptance_key(RUN, 2), ACCEPTANCE)
+    write_record(store, drafter_key(RUN, 2), TRAINED)
+    acceptance = store.read_json(acceptance_key(RUN, 2))
+    assert acceptance["drafters"]["cotrained"]["version"] == "3"
+    assert acceptance["drafters"]["cotrained"]["per_position"] == [0.75, 0.5, 0.25, 0.0]
+    assert acceptance["drafters"]["cotrained"]["estimate"]["sequences"] == 4
+    assert acceptance["drafters"]["served"] is None
+    training = store.read_json(drafter_key(RUN, 2))
+    assert (training["iterations"], training["loss_history"], training["trained_on_steps"]) == (8, [3.0, 2.0, 1.5],
+                                                                                                [1, 2])
+    assert BUFFER.to_json()["composition"] == {"1": 1, "2": 1}
+
+
+def test_a_document_without_schema_version_reads_as_version_1(store: ObjectStore) -> None:
+    # as the pipeline stored them before records carried a version
+    store.write_json(acceptance_key(RUN, 2), ACCEPTANCE.to_json())
+    store.write_json(drafter_key(RUN, 2), TRAINED.to_json())
+    assert read_acceptance(store, RUN, 2) == ACCEPTANCE
+    assert read_training(store, RUN, 2) == TRAINED
+    for record in (BUFFER, RECORDS[5]):  # the buffer manifest and the fleet's state
+        store.write_json("earlier.json", record.to_json())
+        assert read_record(store, "earlier.json", type(record)) == record
+
+
+@pytest.mark.reliability("bad_input", "stage record (acceptance) of another schema version: refused naming its key")
+def test_another_schema_version_is_refused_naming_the_file(store: ObjectStore) -> None:
+    store.write_json(acceptance_key(RUN, 2), {**ACCEPTANCE.to_json(), "schema_version": 2})
+    with pytest.raises(RecordError, match=r"acceptance/r/step-000002\.json: AcceptanceRecord schema_version 2"):
+        read_acceptance(store, RUN, 2)
+
+
+@pytest.mark.reliability("bad_input", "stage record (training outcome) missing a field, or not a JSON object: "
+                                      "refused naming its key")
+def test_a_document_missing_a_field_is_refused_naming_the_file_and_field(store: ObjectStore) -> None:
+    doc = TRAINED.to_json()
+    del doc["reason"]
+    store.write_json(drafter_key(RUN, 2), doc)
+    with pytest.raises(RecordError, match=r"drafter/r/step-000002\.json: not a TrainingRecord.*'reason'"):
+        read_training(store, RUN, 2)
+    store.write_json(drafter_key(RUN, 2), [1, 2])
+    with pytest.raises(RecordError, match=r"drafter/r/step-000002\.json: not a JSON object"):
+        read_training(store, RUN, 2)
+
+
+def test_acceptance_record_lists_the_roles_that_had_a_drafter() -> None:
+    assert list(ACCEPTANCE.measured()) == ["cotrained", "baseline"]

@@ -1,0 +1,99 @@
+"""Reports read what the step's assets stored: the summary rows, the table, the JSON summary, the plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline import report
+from pipeline.data.buffer import write_buffer
+from pipeline.data.keys import acceptance_key, drafter_key
+from pipeline.data.records import (
+    AcceptanceRecord,
+    BufferEntry,
+    DrafterTau,
+    TauEstimate,
+    TrainingRecord,
+    write_record,
+)
+from pipeline.data.rollouts import Rollout, write_rollouts_file
+from pipeline.data.store import ObjectStore
+
+RUN = "r"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _tau(version: str, tau: float, estimate: TauEstimate | None = None) -> DrafterTau:
+    return DrafterTau(version, tau, (tau - 1) / 4, (0.9, 0.7, 0.4, 0.1), 20, 80, int(20 * (tau - 1)), 6, estimate)
+
+
+def _store_step(store: ObjectStore, step: int, drafters: dict[str, DrafterTau | None], trained: bool,
+                promoted: bool) -> None:
+    write_rollouts_file(store, RUN, step, [Rollout(f"s{step}-{i}", [1, 2, 3], [0, 1, 1], 0.0, step) for i in range(5)])
+    write_buffer(store, RUN, step, [BufferEntry(step, f"s{step}-{i}", "part-00000.arrow", i, 3) for i in range(4)])
+    write_record(store, drafter_key(RUN, step), TrainingRecord(step, trained, "why", 4))
+    write_record(store, acceptance_key(RUN, step), AcceptanceRecord(
+        step, step, 6, 4, 32, drafters, promoted, "decided", "1"))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> ObjectStore:
+    store = ObjectStore(tmp_path.as_uri())
+    _store_step(store, 1, {"cotrained": _tau("1", 2.123456, TauEstimate(2.0, (0.5,), 3, 40)), "served": None,
+                           "baseline": _tau("1", 2.123456)}, trained=True, promoted=True)
+    _store_step(store, 2, {"cotrained": None, "served": _tau("1", 1.8), "baseline": _tau("1", 1.8)},
+                trained=False, promoted=False)
+    return store
+
+
+def test_step_row_reads_every_stage_of_the_step(store: ObjectStore) -> None:
+    assert report.step_row(store, RUN, 1) == {
+        "step": 1, "samples": 5, "buffer_samples": 4, "trained": True,
+        "tau_cotrained": 2.1235, "tau_baseline": 2.1235, "tau_served": report.NO_DRAFTER_TAU,
+        "promoted": True, "version_cotrained": "1", "version_served": None,
+        "acceptance_rate_cotrained": round((2.123456 - 1) / 4, 4),
+        "eval_prompts_cotrained": 6, "eval_rounds_cotrained": 20,
+        "tau_estimate_cotrained": {"tau": 2.0, "rollouts": 3, "positions": 40},
+    }
+
+
+def test_a_step_without_a_new_drafter_reports_no_cotrained_figures(store: ObjectStore) -> None:
+    row = report.step_row(store, RUN, 2)
+    assert (row["trained"], row["tau_cotrained"], row["tau_served"]) == (False, report.NO_DRAFTER_TAU, 1.8)
+    assert (row["version_cotrained"], row["version_served"]) == (None, "1")
+    assert (row["acceptance_rate_cotrained"], row["eval_prompts_cotrained"], row["tau_estimate_cotrained"]) == \
+        (0.0, None, None)
+
+
+def test_acceptance_rows_skip_steps_without_a_record(store: ObjectStore) -> None:
+    assert report.acceptance_rows(store, RUN, [1, 2, 3]) == [
+        {"step": 1, "tau_cotrained": 2.1235, "tau_served": 1.0, "tau_baseline": 2.1235},
+        {"step": 2, "tau_cotrained": 1.0, "tau_served": 1.8, "tau_baseline": 1.8},
+    ]
+
+
+def test_format_table(store: ObjectStore) -> None:
+    rows = [report.step_row(store, RUN, s) for s in (1, 2)]
+    assert report.format_table(rows).splitlines() == [
+        "step samples buffer trained tau co-trained tau served tau baseline promoted",
+        "-" * 75,
+        "   1       5      4     yes           2.12       1.00         2.12      yes",
+        "   2       5      4      no           1.00       1.80         1.80       no",
+    ]
+    with_reward = report.format_table([{**rows[0], "trl_mean_reward": 0.25}])
+    assert with_reward.splitlines()[0].endswith("TRL reward")
+    assert with_reward.splitlines()[2].endswith("0.250")
+
+
+def test_summary_json_and_plots(store: ObjectStore, tmp_path: Path) -> None:
+    rows = [report.step_row(store, RUN, s) for s in (1, 2)]
+    path = report.write_summary(rows, 12.345, [6.0, 6.3449], tmp_path / "out" / "summary.json", drafter_kind="eagle3")
+    doc = json.loads(path.read_text())
+    assert (doc["wall_s"], doc["step_wall_s"], doc["drafter_kind"]) == (12.35, [6.0, 6.34], "eagle3")
+    assert doc["steps"] == rows
+    assert report.plot(rows, 4, tmp_path / "out" / "acceptance.png", "eagle3").read_bytes().startswith(PNG)
+    assert report.loss_png([4.0, 2.0, 0.1], "loss").startswith(PNG)
+    markdown = report.png_markdown(PNG, "tau")
+    assert markdown.startswith("![tau](data:image/png;base64,")
