@@ -26,7 +26,8 @@ def step_row(store: ObjectStore, run: str, step: int) -> dict:
         "samples": len(rollouts_lib.read_rollouts(store, run, step)),
         "buffer_samples": buffer_lib.read_buffer(store, run, step).num_samples,
         "captured": plan.captured if plan else None,  # rollouts whose hidden states the step stored
-        "bytes_stored": shards.read_manifest(store, run, step).total_bytes,
+        "bytes_stored": shards.read_manifest(store, run, step).total_bytes if shards.has_manifest(store, run, step)
+        else None,
         "trained": read_training(store, run, step).trained,
         "tau_cotrained": _tau(cotrained),
         "tau_baseline": _tau(record.drafters["baseline"]),
