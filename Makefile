@@ -43,12 +43,14 @@ demo: $(STAMP)
 test: $(STAMP) browser postgresql
 	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
 
-test-fast: $(STAMP)
+# postgresql: the tests marked postgres but not slow (a database outage, the Dagster daemon on PostgreSQL) run here too.
+test-fast: $(STAMP) postgresql
 	$(PY) -m pytest -q -m "not slow" tests
 
-# The browser tests alone; the last line printed is the folder of their screenshots.
+# The browser tests alone; the last line printed is the folder of their screenshots. postgresql: one of
+# them is the MLflow UI on the production stack (PostgreSQL and S3).
 UI_SCREENSHOTS ?= $(CURDIR)/.data/test-ui/screenshots
-test-ui: $(STAMP) browser
+test-ui: $(STAMP) browser postgresql
 	UI_SCREENSHOTS=$(UI_SCREENSHOTS) $(PY) -m pytest -q -m ui tests
 	@echo $(UI_SCREENSHOTS)
 

@@ -39,7 +39,7 @@ def rl_step_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResour
     new = [s for s in committed_steps(store, cfg.run) if s > last_seen or step_key(s) not in known]
     malformed = malformed_step_names(store.list_dirs(rollouts_root(cfg.run)))
     ignored = (f"; ignored {len(malformed)} step director(ies) whose name is not 'step-' and the step in six "
-               f"digits (e.g. step-000001): {', '.join(malformed[:10])}") if malformed else ""
+               f"digits, up to int64 (e.g. step-000001): {', '.join(malformed[:10])}") if malformed else ""
     if ignored:
         context.log.warning(f"{rollouts_root(cfg.run)}/{ignored[1:]}")
     if not new:

@@ -152,6 +152,11 @@ class DrafterConfig(_Strict):
         default="", description="Checkpoint directory to start from while there is no champion (e.g. SpecForge)."
     )
 
+    @field_validator("warm_start")
+    @classmethod
+    def _no_credentials(cls, value: str) -> str:
+        return _no_credentials(value, "drafter.warm_start")
+
     @model_validator(mode="after")
     def _aux_layers(self) -> DrafterConfig:
         if self.aux_layer_ids is not None and (len(self.aux_layer_ids) < 1 or min(self.aux_layer_ids) < 0):
@@ -178,6 +183,11 @@ class HiddenStatesConfig(_Strict):
         description="vLLM files: the most connector files matching no rollout, and rollouts without a file, "
                     "each as a share of the rollouts, before the step is refused.",
     )
+
+    @field_validator("vllm_path")
+    @classmethod
+    def _no_credentials(cls, value: str) -> str:
+        return _no_credentials(value, "hidden_states.vllm_path")
 
     @model_validator(mode="after")
     def _vllm_needs_path(self) -> HiddenStatesConfig:
@@ -268,20 +278,36 @@ class FleetConfig(_Strict):
         return self
 
 
-def _no_credentials(uri: str, where: str) -> str:
-    """Secrets come from the environment only: a URI with user:password@ would put them in config,
-    logs and metadata. The message does not repeat the URI."""
-    if "@" in urlsplit(uri).netloc:
+def _no_credentials(uri: str, where: str, query_names: frozenset[str] = frozenset()) -> str:
+    """Secrets come from the environment only: a URI with user:password@, or a token in its query string
+    (`?token=`, a presigned `?X-Amz-Signature=`) or fragment, would put them in config, logs and metadata.
+    `query_names` are the query parameters that carry no secret and are accepted. The message names the
+    key and never repeats the URI or the value."""
+    parts = urlsplit(uri)
+    if "@" in parts.netloc:
         raise ValueError(f"{where} must not carry credentials (user:password@); {ENV_SECRETS[where]}")
+    names = [name.split("=", 1)[0] for name in parts.query.split("&") if name]
+    if any(name.lower() not in query_names for name in names) or ("?" in uri and not names):
+        accepted = f" (accepted: {', '.join(sorted(query_names))})" if query_names else ""
+        raise ValueError(f"{where} must not carry credentials in a query string{accepted}; {ENV_SECRETS[where]}")
+    if parts.fragment or "#" in uri:
+        raise ValueError(f"{where} must not carry a fragment ('#...'), where a token could hide; {ENV_SECRETS[where]}")
     return uri
 
 
+_S3_SECRETS = "S3 keys come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
 ENV_SECRETS = {
-    "storage.root": "S3 keys come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY",
-    "storage.endpoint_url": "S3 keys come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY",
-    "storage.checkpoint_prefixes": "S3 keys come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY",
-    "mlflow.tracking_uri": "use MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD",
+    "storage.root": _S3_SECRETS,
+    "storage.endpoint_url": _S3_SECRETS,
+    "storage.checkpoint_prefixes": _S3_SECRETS,
+    "mlflow.tracking_uri": "use MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD "
+                           "(a database's password: PGPASSWORD or ~/.pgpass)",
+    "drafter.warm_start": f"it names a local directory; {_S3_SECRETS}",
+    "hidden_states.vllm_path": "it names a local directory",
 }
+# Connection settings of a database tracking URI (postgresql://host/db?sslmode=require) that hold no secret.
+TRACKING_QUERY_NAMES = frozenset({"sslmode", "sslrootcert", "sslcert", "connect_timeout", "application_name",
+                                  "target_session_attrs"})
 
 
 class StorageConfig(_Strict):
@@ -331,7 +357,7 @@ class MlflowConfig(_Strict):
     @field_validator("tracking_uri")
     @classmethod
     def _no_credentials(cls, value: str) -> str:
-        return _no_credentials(value, "mlflow.tracking_uri")
+        return _no_credentials(value, "mlflow.tracking_uri", TRACKING_QUERY_NAMES)
 
 
 class SimulationConfig(_Strict):
@@ -446,11 +472,21 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
+    except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"cannot read config file {path}: {_yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     return data
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong and where (line, column), without PyYAML's quote of the line: it may hold a secret."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    problem = " ".join(p for p in (getattr(exc, "context", None), getattr(exc, "problem", None)) if p)
+    return f"not YAML: {where}{problem or type(exc).__name__}"
 
 
 def parse_config(data: dict[str, Any]) -> PipelineConfig:

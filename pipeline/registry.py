@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunStatus
@@ -18,7 +19,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import PipelineConfig
-from pipeline.models.checkpoint import load_drafter
+from pipeline.models.checkpoint import load_drafter, share_as_umask_allows
 from pipeline.models.drafter import Drafter
 
 ARTIFACT_PATH = "drafter"
@@ -105,18 +106,39 @@ class DrafterRegistry:
         return f"{ui_base.rstrip('/')}/#/models/{self.model_name}/versions/{version}"
 
     # -- model versions
-    def register(self, run_id: str, checkpoint_dir: Path, tags: dict[str, str], description: str = "") -> str:
-        """Log the checkpoint directory as the run's artifacts and register it as a new version."""
+    def register(self, run_id: str, checkpoint_dir: Path, tags: dict[str, str], description: str = "",
+                 identity: str | None = None) -> str:
+        """Log the checkpoint directory as the run's artifacts and register it as a version: one version per
+        `tags[identity]` (per run when `identity` is None), however many processes register it at once.
+
+        A version of that identity registered already is returned as it is, nothing logged. Otherwise this
+        registrant creates one and settles (`_settle`): registrants that raced past that check all agree on
+        one version and remove the others."""
+        where = f"tags.`{identity}` = '{tags[identity]}'" if identity else f"run_id = '{run_id}'"
+        found = self._versions(where)
+        if found:
+            return str(min(found))
         self.client.log_artifacts(run_id, str(checkpoint_dir), ARTIFACT_PATH)
         source = f"{self.client.get_run(run_id).info.artifact_uri}/{ARTIFACT_PATH}"
         self.client.create_model_version(self.model_name, source=source, run_id=run_id, tags=tags,
                                          description=description or None)
-        # The client retries a request whose answer was lost, so the server may have created the
-        # version twice: one run registers one version, the first; the others are removed.
-        mine = self.client.search_model_versions(f"name = '{self.model_name}' and run_id = '{run_id}'")
-        first, *extra = sorted(int(v.version) for v in mine)
+        return self._settle(where)
+
+    def _versions(self, where: str) -> list[int]:
+        return [int(v.version) for v in self.client.search_model_versions(f"name = '{self.model_name}' and {where}")]
+
+    def _settle(self, where: str) -> str:
+        """The lowest version matching `where` is the one; the others are deleted.
+
+        MLflow numbers a model's versions in creation order (the next is one more than the highest ever
+        created, in the transaction that creates it, tags included), so a registrant that created version
+        v sees every matching version below v: each concurrent registrant finds the same lowest one, and
+        the others' versions go, whoever deletes them first. This also removes the second version a client
+        retry creates when the server's answer to the first was lost."""
+        first, *extra = sorted(self._versions(where))
         for version in extra:
-            self.client.delete_model_version(self.model_name, str(version))
+            with suppress(MlflowException):  # another registrant deleted it first
+                self.client.delete_model_version(self.model_name, str(version))
         return str(first)
 
     def find_version(self, tags: dict[str, str]) -> str | None:
@@ -160,7 +182,8 @@ class DrafterRegistry:
                 raise ArtifactPathError(f"{where}: artifact {path!r} would be written outside {root}")
         directory.mkdir(parents=True, exist_ok=True)
         for path in files:
-            self.client.download_artifacts(mv.run_id, path, str(directory / Path(path).parent))
+            local = Path(self.client.download_artifacts(mv.run_id, path, str(directory / Path(path).parent)))
+            share_as_umask_allows(local)  # a version logged by a writer that made its weights owner-only
         return directory / ARTIFACT_PATH
 
     def _artifact_files(self, run_id: str, path: str, where: str) -> list[str]:

@@ -36,12 +36,27 @@ def step_key(step: int) -> str:
 def parse_step_key(key: str) -> int:
     """`step-000123` -> 123; anything else is rejected with the offending key in the message."""
     match = _STEP_KEY.fullmatch(key)
-    if match and int(match.group(1)) > MAX_STEP:
+    if match and _too_large(match.group(1)):
         raise ValueError(f"partition key {key!r}: step too large for int64")
-    if not match or step_key(int(match.group(1))) != key:  # one key per step: no extra leading zeros
+    if not is_step_key(key):
         raise ValueError(f"partition key {key!r} is not 'step-' followed by the step zero-padded to six digits "
                          "(e.g. step-000001)")
     return int(match.group(1))
+
+
+def _too_large(digits: str) -> bool:
+    """Beyond int64, judged on the digits' length first: a name of thousands of digits is never converted."""
+    digits = digits.lstrip("0") or "0"
+    return len(digits) > len(str(MAX_STEP)) or int(digits) > MAX_STEP
+
+
+def is_step_key(name: str) -> bool:
+    """Whether `name` is the one key of a step (`step-` and the step zero-padded to six digits, within int64);
+    never raises, whatever the name: directory names come from the RL trainer."""
+    match = _STEP_KEY.fullmatch(name)
+    if not match or _too_large(match.group(1)):
+        return False
+    return step_key(int(match.group(1).lstrip("0") or "0")) == name  # one key per step: no extra leading zeros
 
 
 def rollouts_root(run: str) -> str:
@@ -50,9 +65,9 @@ def rollouts_root(run: str) -> str:
 
 def malformed_step_names(names: list[str]) -> list[str]:
     """The names among `names` meant as step directories (they start with 'step') that are not step keys
-    (step-12, step-0000001, Step-000001, step-00001a): ignored, so the operator must be told."""
-    return [n for n in names if n.lower().startswith("step") and not (_STEP_KEY.fullmatch(n) and
-                                                                      step_key(int(n[5:])) == n)]
+    (step-12, step-0000001, Step-000001, step-00001a, a step beyond int64): ignored, so the operator must be
+    told."""
+    return [n for n in names if n.lower().startswith("step") and not is_step_key(n)]
 
 
 def rollouts_prefix(run: str, step: int) -> str:

@@ -118,20 +118,28 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _shown(value: Any) -> str:
+    """A value for a message: an integer far beyond int64 by its size, not its digits (a trainer's number of
+    thousands of digits makes no message, and past 4300 digits Python refuses to print it)."""
+    if _is_int(value) and not -(2**64) < value < 2**64:
+        return f"a {value.bit_length()}-bit integer"
+    return repr(value)
+
+
 def check_policy_version(value: Any, where: str, sample: str | None = None) -> int:
     """A non-negative integer that fits int64 (booleans and fractions are refused, not rounded)."""
     if not _is_int(value):
         shown = repr(value) if isinstance(value, (bool, float, type(None))) else f"a {type(value).__name__}"
         raise RolloutsError(where, f"must be a non-negative integer, got {shown}", sample, "policy_version")
     if not 0 <= value <= INT64_MAX:
-        raise RolloutsError(where, f"{value} is outside [0, 2**63 - 1]", sample, "policy_version")
+        raise RolloutsError(where, f"{_shown(value)} is outside [0, 2**63 - 1]", sample, "policy_version")
     return value
 
 
 def check_step(step: Any, where: str) -> int:
     """An RL step number: an integer in [0, 2**63 - 1] (it becomes a partition key and an int64)."""
     if not _is_int(step) or not 0 <= step <= MAX_STEP:
-        raise RolloutsError(where, f"RL step must be an integer in [0, 2**63 - 1], got {step!r}", None, "step")
+        raise RolloutsError(where, f"RL step must be an integer in [0, 2**63 - 1], got {_shown(step)}", None, "step")
     return step
 
 
@@ -200,7 +208,7 @@ def validate_pointer(data: Any, where: str) -> PolicyPointer:
         raise RolloutsError(where, f"missing key(s) {', '.join(missing)}")
     found = data.get("schema_version")
     if found != SCHEMA_VERSION or isinstance(found, bool):
-        raise RolloutsError(where, f"schema_version {found!r}, expected {SCHEMA_VERSION}", None, "schema_version")
+        raise RolloutsError(where, f"schema_version {_shown(found)}, expected {SCHEMA_VERSION}", None, "schema_version")
     version = check_policy_version(data["policy_version"], where)
     for key in ("checkpoint_uri", "model_id"):
         if not isinstance(data[key], str) or not data[key]:
@@ -327,10 +335,13 @@ def read_policy_pointer(store: ObjectStore, run: str, step: int) -> PolicyPointe
     where = store.uri(key)
     if not store.exists(key):
         raise RolloutsError(where, "not found")
+    raw = store.read_bytes(key)
     try:
-        data = json.loads(store.read_bytes(key))
+        data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RolloutsError(where, f"not JSON ({type(exc).__name__} at position {getattr(exc, 'pos', '?')})") from None
+    except ValueError:  # Python's limit on integer digits: a number thousands of digits long
+        raise RolloutsError(where, "not JSON this pipeline reads: a number of more than 4300 digits") from None
     pointer = validate_pointer(data, where)
     # The trainer's pointer is checked before anything can show or fetch it (uris.py).
     store.resolve(pointer.checkpoint_uri, f"{where}: field checkpoint_uri")

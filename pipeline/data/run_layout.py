@@ -14,9 +14,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import BinaryIO
+
+import fsspec
 
 from pipeline.data.keys import layout_key
+from pipeline.data.local_files import LocalPathError, open_regular
 from pipeline.data.store import ObjectStore
+from pipeline.data.uris import redact
 
 
 class LayoutError(ValueError):
@@ -63,17 +68,28 @@ def checkpoint_layout(store: ObjectStore, checkpoint_uri: str,
     """The layout of a policy checkpoint from its config.json alone (no weights are read);
     `layer_ids_of(num_layers)` gives the layer ids stored for a target of that depth."""
     fs, path = store.filesystem(store.resolve(checkpoint_uri))
-    with fs.open(f"{path}/config.json", "rb") as f:
+    with _open_config(fs, f"{path}/config.json", f"{redact(checkpoint_uri)}/config.json") as f:
         try:
             config = json.loads(f.read(1 << 20))
         except ValueError as exc:
-            raise LayoutError(f"{checkpoint_uri}/config.json is not JSON ({exc})") from None
+            raise LayoutError(f"{redact(checkpoint_uri)}/config.json is not JSON ({exc})") from None
     if not isinstance(config, dict):
         raise LayoutError(f"{checkpoint_uri}/config.json is not a JSON object")
     try:
         return TargetLayout.from_config(config, layer_ids_of(_int(config, "num_hidden_layers")))
     except LayoutError as exc:
         raise LayoutError(f"{checkpoint_uri}/{exc}") from None
+
+
+def _open_config(fs: fsspec.AbstractFileSystem, path: str, where: str) -> BinaryIO:
+    """config.json of a checkpoint; on a local filesystem a regular file, never a symlink out of it."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if "file" not in protocols:
+        return fs.open(path, "rb")
+    try:
+        return open_regular(path, where)
+    except LocalPathError as exc:
+        raise LayoutError(str(exc)) from None
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ import fsspec
 import fsspec.asyn
 import numpy as np
 
-from pipeline.data.uris import UriPolicy, check_uri
+from pipeline.data.local_files import check_inside
+from pipeline.data.uris import UriPolicy, check_uri, redact
 
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
@@ -79,12 +80,18 @@ class ObjectStore:
         (naming `where`, showing the URI redacted) for anything else."""
         return check_uri(uri_or_key, self.root, self.uri_policy, where)
 
-    def filesystem(self, uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    def filesystem(self, uri: str, where: str = "checkpoint_uri") -> tuple[fsspec.AbstractFileSystem, str]:
         """Filesystem and path of a URI the store's policy allows; URIs of this store's protocol get its
-        options (endpoint...)."""
-        uri = self.resolve(uri)
+        options (endpoint...). A local path must also resolve, symlinks followed, under the store root or
+        a local allowed prefix: the policy's check is lexical."""
+        uri = self.resolve(uri, where)
         protocol = uri.split("://", 1)[0]
-        return fsspec.core.url_to_fs(uri, **(self.options if protocol in self._protocols else {}))
+        fs, path = fsspec.core.url_to_fs(uri, **(self.options if protocol in self._protocols else {}))
+        if _is_local(fs):
+            roots = [self._root_path] if self._local else []
+            roots += [fsspec.core.url_to_fs(p)[1] for p in self.uri_policy.allowed_prefixes if p.startswith("file:")]
+            check_inside(path, roots or [path], f"{where} {redact(uri)!r}")
+        return fs, path
 
     def uri(self, key: str) -> str:
         return f"{self.root}/{key}"
@@ -93,6 +100,14 @@ class ObjectStore:
         if key.startswith("/") or ".." in key.split("/"):
             raise ValueError(f"store key {key!r} must be relative and stay under the root")
         return f"{self._root_path}/{key}"
+
+    def _inside(self, key: str) -> str:
+        """The path of `key` for a read or a write: on a local store it must resolve under the root, so a
+        symlinked directory (a trainer's, say) leads no read or write out of it."""
+        path = self._path(key)
+        if self._local:
+            check_inside(path, [self._root_path], f"store key {key}")
+        return path
 
     def exists(self, key: str) -> bool:
         return self.fs.exists(self._path(key))
@@ -127,7 +142,7 @@ class ObjectStore:
         return files
 
     def read_bytes(self, key: str) -> bytes:
-        with self.fs.open(self._path(key), "rb") as f:
+        with self.fs.open(self._inside(key), "rb") as f:
             return f.read()
 
     def read_json(self, key: str) -> Any:
@@ -136,7 +151,7 @@ class ObjectStore:
     @contextmanager
     def open_ranges(self, key: str) -> Iterator[RangeReader]:
         """Reads of byte ranges of one object: a memory map of a local file, ranged GETs on S3."""
-        path = self._path(key)
+        path = self._inside(key)
         if not self._local:
             # Keywords: s3fs's cat_file takes version_id as its second positional argument.
             yield RangeReader(lambda offset, out: fill_range(out, self.fs.cat_file(path, start=offset,
@@ -161,7 +176,7 @@ class ObjectStore:
 
     def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
         """Several (offset, length) ranges of one object; concurrent requests on object storage."""
-        path = self._path(key)
+        path = self._inside(key)
         return self.fs.cat_ranges([path] * len(ranges), [o for o, _ in ranges], [o + n for o, n in ranges])
 
     @contextmanager
@@ -175,6 +190,7 @@ class ObjectStore:
             yield buffer
             self.fs.pipe_file(final, buffer.getvalue())
             return
+        check_inside(final.rsplit("/", 1)[0], [self._root_path], f"store key {key}")  # before makedirs follows it
         self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
         tmp = Path(f"{final}.tmp-{uuid.uuid4().hex}")
         try:
@@ -199,7 +215,7 @@ class ObjectStore:
         self.write_bytes(key, json.dumps(obj, indent=2, sort_keys=True).encode())
 
     def delete_prefix(self, prefix: str) -> None:
-        path = self._path(prefix)
+        path = self._inside(prefix)  # retention never deletes through a symlink out of the root
         if self.fs.exists(path):
             self.fs.rm(path, recursive=True)
 
@@ -286,6 +302,10 @@ def _epoch_seconds(info: dict) -> float:
     """An fsspec entry's modification time: `mtime` (local, epoch seconds) or `LastModified` (S3, a datetime)."""
     modified = info.get("mtime", info.get("LastModified"))
     return modified.timestamp() if hasattr(modified, "timestamp") else float(modified or 0)
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return "file" in ((fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol))
 
 
 def _read_body(fs: fsspec.AbstractFileSystem, body: Any) -> bytes:

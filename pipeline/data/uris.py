@@ -7,6 +7,9 @@ boundary, and the pipeline fetches and loads what it names. It may be:
 * a full URI under the store root or under one of the configured allowed prefixes;
   http(s) only when explicitly allowed.
 
+The check here is lexical; on a `file://` store the path must also resolve, symlinks followed,
+under the store root or a local allowed prefix (ObjectStore.filesystem, local_files.py).
+
 Credentials are never accepted anywhere in a URI (user:password@, a query string that may
 carry a token, a fragment): they would be echoed into logs, asset metadata, the Dagster run
 database and the shard manifest. Messages about a refused URI show it redacted, never whole.

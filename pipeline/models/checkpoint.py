@@ -27,6 +27,9 @@ and refuses anything that is not safetensors.
 from __future__ import annotations
 
 import json
+import os
+import re
+import threading
 from pathlib import Path
 
 import torch
@@ -80,8 +83,33 @@ def save_drafter(model: Drafter, directory: Path, target: TargetMetadata | None 
     if target is not None:
         config.update(target_fields(model, target))
     save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+    share_as_umask_allows(directory / WEIGHTS_FILE)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return directory
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def process_umask() -> int:
+    """The process's umask, read without changing it where the kernel says it (Linux 4.7+)."""
+    try:
+        found = re.search(r"^Umask:\s*([0-7]+)$", Path("/proc/self/status").read_text(), re.MULTILINE)
+    except OSError:
+        found = None
+    if found:
+        return int(found.group(1), 8)
+    with _UMASK_LOCK:  # set and restored at once: the only portable way to read it
+        mask = os.umask(0o077)
+        os.umask(mask)
+    return mask
+
+
+def share_as_umask_allows(path: Path) -> None:
+    """Give a file the mode a plain `open()` would have (0666 less the umask). safetensors' writer creates its
+    file 0600 whatever the umask, and a vLLM server running as another user must read the weights as it
+    reads config.json."""
+    path.chmod(0o666 & ~process_umask())
 
 
 def _read(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -55,7 +55,7 @@ class CheckpointCache:
         """Complete entries, least recently used first."""
         if not self.root.exists():
             return []
-        found = [p for p in self.root.iterdir() if p.is_dir() and (p / COMPLETE).exists()]
+        found = [p for p in self.root.iterdir() if _own_entry(p)]
         return sorted(found, key=lambda p: (p / COMPLETE).stat().st_mtime_ns)
 
     def used_bytes(self) -> int:
@@ -69,9 +69,11 @@ class CheckpointCache:
             raise CacheLimitError(f"{where}: checkpoint of {need} bytes exceeds target.cache_max_gb "
                                   f"({self.max_bytes} bytes)")
         with self._locked():
-            if (entry / COMPLETE).exists():
+            if _own_entry(entry):
                 os.utime(entry / COMPLETE)  # most recently used
                 return entry
+            if entry.is_symlink():  # not a copy this cache made: never followed, replaced by one
+                entry.unlink()
             self._evict(need)
             tmp = self.root / f".tmp-{uuid.uuid4().hex}"
             tmp.mkdir()
@@ -99,8 +101,16 @@ class CheckpointCache:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def _own_entry(entry: Path) -> bool:
+    """A complete copy made by this cache: a directory of regular files, no symlink at any level (the
+    directory may be shared, and a link could make any directory of the machine pass for a policy)."""
+    if entry.is_symlink() or not entry.is_dir() or not (entry / COMPLETE).is_file():
+        return False
+    return not any(p.is_symlink() or not p.is_file() for p in entry.iterdir())
+
+
 def _entry_bytes(entry: Path) -> int:
-    return sum(p.stat().st_size for p in entry.iterdir() if p.is_file())
+    return sum(p.lstat().st_size for p in entry.iterdir() if p.is_file() and not p.is_symlink())
 
 
 def _copy(fs: fsspec.AbstractFileSystem, src: str, dst: Path, size: int, where: str) -> None:

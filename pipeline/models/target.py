@@ -14,6 +14,7 @@ features drafters read are `target_forward`'s.
 
 from __future__ import annotations
 
+import os
 import tempfile
 import threading
 from collections import OrderedDict
@@ -36,7 +37,9 @@ from pipeline.models.target_checks import (
     TiedWeightsError,
     check_config,
     check_layout,
+    check_memory,
     list_checkpoint,
+    open_file,
     read_layout,
     ties_lm_head,
 )
@@ -155,11 +158,13 @@ def _local_directory(listing: CheckpointListing, settings: LoadSettings) -> Path
 
 def _read_config(directory: Path, where: str) -> PretrainedConfig:
     path = directory / CONFIG_FILE
-    if not path.is_file():
+    if not path.is_file() and not path.is_symlink():
         raise TargetConfigError(f"{where}: no {CONFIG_FILE}")
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise TargetConfigError(f"{where}/{CONFIG_FILE}: {path.stat().st_size} bytes, more than a config needs")
-    return check_config(path.read_bytes(), where)
+    with open_file(directory, CONFIG_FILE, where) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_CONFIG_BYTES:
+            raise TargetConfigError(f"{where}/{CONFIG_FILE}: {size} bytes, more than a config needs")
+        return check_config(f.read(MAX_CONFIG_BYTES + 1), where)
 
 
 def _materialize(config: PretrainedConfig, directory: Path, layout: WeightsLayout, where: str,
@@ -175,7 +180,7 @@ def _materialize(config: PretrainedConfig, directory: Path, layout: WeightsLayou
     tied_head = "lm_head.weight" if ties_lm_head(model) else None
     own_head = None
     for file in layout.files:
-        with open(directory / file, "rb", buffering=0) as f:
+        with open_file(directory, file, where) as f:
             for entry in sorted((e for e in layout.tensors.values() if e.file == file), key=lambda e: e.offset):
                 param = None if entry.name == tied_head else state[entry.name]
                 source = STORED_DTYPES[entry.dtype]
@@ -219,6 +224,7 @@ def _load(listing: CheckpointListing, device: str, settings: LoadSettings) -> Pr
     config = _read_config(directory, listing.uri)
     layout = read_layout(directory, listing.uri)
     check_layout(config, layout, listing.uri)
+    check_memory(layout, listing.uri, device, settings.torch_dtype(device))
     return _materialize(config, directory, layout, listing.uri, device, settings.torch_dtype(device))
 
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
@@ -25,11 +27,14 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from pipeline.data.local_files import LocalPathError, open_regular
 from pipeline.data.store import ObjectStore
+from pipeline.models.memory import available_memory
 from pipeline.models.rope import UnsupportedRopeError, check_scaling, rope_of
 from pipeline.models.weights import (
     FLOAT_DTYPES,
     INDEX_FILE,
+    MAX_INDEX_BYTES,
     SINGLE_FILE,
     TargetCheckpointError,
     WeightsLayout,
@@ -114,6 +119,10 @@ class TiedWeightsError(TargetCheckpointError):
     """A config that ties lm_head to embed_tokens with a checkpoint whose lm_head differs."""
 
 
+class TargetMemoryError(TargetCheckpointError):
+    """A checkpoint whose weights need more memory than this process may allocate."""
+
+
 def redact(uri: str) -> str:
     """A URI fit for messages and logs: no user:password@, no query (presigned signatures)."""
     parts = urlsplit(uri)
@@ -149,6 +158,7 @@ def list_checkpoint(uri: str, store: ObjectStore | None = None) -> CheckpointLis
     files = [e for e in entries if e.get("type") == "file"]
     if not files:
         raise TargetConfigError(f"{where}: no checkpoint directory (nothing listed)")
+    _refuse_links(entries, where)
     sizes, stamps = {}, []
     for e in files:
         name = e["name"].rstrip("/").rsplit("/", 1)[-1]
@@ -157,6 +167,22 @@ def list_checkpoint(uri: str, store: ObjectStore | None = None) -> CheckpointLis
         stamps.append((name, sizes[name], str(stamp), str(e.get("ino", ""))))
     identity = hashlib.sha256(json.dumps([uri, sorted(stamps)]).encode()).hexdigest()[:32]
     return CheckpointListing(where, fs, path, sizes, identity)
+
+
+def _refuse_links(entries: list[dict], where: str) -> None:
+    """A local checkpoint's files are its own: a symlink could lead to any file of the machine."""
+    links = sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("islink"))
+    if links:
+        raise TargetConfigError(f"{where}/{links[0]}: a symlink (not followed); a checkpoint's files must be "
+                                "regular files in its directory")
+
+
+def open_file(directory: Path, name: str, where: str) -> BinaryIO:
+    """A file of a local checkpoint, opened as a regular file and never through a symlink."""
+    try:
+        return open_regular(directory / name, f"{where}/{name}")
+    except LocalPathError as exc:
+        raise TargetConfigError(str(exc)) from None
 
 
 def check_config(raw_bytes: bytes, where: str) -> PretrainedConfig:
@@ -270,15 +296,37 @@ def read_layout(directory: Path, where: str) -> WeightsLayout:
         weight_map = None
         files = [SINGLE_FILE]
     else:
-        weight_map = parse_index((directory / INDEX_FILE).read_bytes(), where)
+        with open_file(directory, INDEX_FILE, where) as f:
+            weight_map = parse_index(f.read(MAX_INDEX_BYTES + 1), where)
         files = list(dict.fromkeys(weight_map.values()))
     shards = {}
     for file in files:
         path = directory / file
         if not path.is_file():
             raise WeightsLayoutError(f"{where}: {INDEX_FILE} names {file}, which is not in the checkpoint")
-        with open(path, "rb") as f:
-            shards[file] = read_header(f, path.stat().st_size, f"{where}/{file}")
+        with open_file(directory, file, where) as f:
+            shards[file] = read_header(f, os.fstat(f.fileno()).st_size, f"{where}/{file}")
     if weight_map is None:
         return WeightsLayout((SINGLE_FILE,), shards[SINGLE_FILE])
     return join_shards(weight_map, shards, where)
+
+
+def memory_needed(layout: WeightsLayout, dtype: torch.dtype) -> int:
+    """Bytes loading allocates: every stored tensor in `dtype` (a tied lm_head that is stored is kept to
+    compare), plus the largest staging tensor when the file's dtype is not `dtype`."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    weights = sum(e.numel for e in layout.tensors.values()) * itemsize
+    staging = max((e.nbytes for e in layout.tensors.values() if STORED_DTYPES[e.dtype] != dtype), default=0)
+    return weights + staging
+
+
+def check_memory(layout: WeightsLayout, where: str, device: str, dtype: torch.dtype) -> None:
+    """TargetMemoryError, naming the checkpoint and both figures, when the weights need more memory than
+    the process may allocate: the headers' sizes, not the files' (a sparse file passes every header check)."""
+    needed, bound = memory_needed(layout, dtype), available_memory(device)
+    if bound is not None and needed > bound.bytes:
+        raise TargetMemoryError(
+            f"{where}: loading needs {needed} bytes ({needed / 2**30:.1f} GiB) for its weights in {dtype} on "
+            f"{device}, more than the {bound.bytes} bytes ({bound.bytes / 2**30:.1f} GiB) this process may use "
+            f"({bound.source}); load it where there is more memory, or in a smaller target.dtype"
+        )

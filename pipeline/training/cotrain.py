@@ -190,7 +190,8 @@ def _register(
     registry: DrafterRegistry, job: TrainJob, run_id: str, cfg: PipelineConfig, entries: list[BufferEntry],
     drafter: drafters.Drafter, warm_start: str | None, target: target_forward.TargetMetadata, samples_read: int,
 ) -> str:
-    """One version per input identity, even when a process died between registering and finishing."""
+    """One version per input identity, even when a process died between registering and finishing, or two
+    processes (two Dagster instances, a retried run beside a stuck one) train the same inputs at once."""
     version = registry.find_version({"input_id": job.input_id})
     if version is None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -203,7 +204,7 @@ def _register(
             }
             if job.requested_by:
                 tags["retrain_requested_by"] = job.requested_by
-            version = registry.register(run_id, checkpoint, tags, description=(
+            version = registry.register(run_id, checkpoint, tags, identity="input_id", description=(
                 f"{cfg.drafter.kind} drafter trained at RL step {job.step} of run {cfg.run} on "
                 f"{samples_read} samples of steps {steps}, warm-started from "
                 f"{f'version {warm_start}' if warm_start else 'a fresh initialisation'}."))

@@ -33,6 +33,7 @@ from tests.integration.test_s3 import BUCKET, s3_endpoint  # noqa: F401  (the mo
 from tests.integration.test_ui import _processes_of, browser_page, check_mlflow_ui
 from tests.support.config import write_config
 from tests.support.mlflow_server import mlflow_server
+from tests.support.registered import register_champion
 
 pytestmark = pytest.mark.postgres
 
@@ -244,7 +245,8 @@ def test_sensor_step_and_a_backfill_through_a_real_daemon(stack: Stack) -> None:
     s3 = s3fs.S3FileSystem(client_kwargs={"endpoint_url": stack.s3}, skip_instance_cache=True)
     artifact_root = runs[0].info.artifact_uri
     assert artifact_root.startswith("mlflow-artifacts:")
-    stored = [p for p in s3.find(f"{BUCKET}/") if "/mlflow-" in p and p.endswith("model.safetensors")]
+    stored = [p for p in s3.find(f"{BUCKET}/")
+              if "/mlflow-" in p and runs[0].info.run_id in p and p.endswith("model.safetensors")]
     assert len(stored) == 1
     assert _places_holding_the_password(stack) == []
 
@@ -268,10 +270,11 @@ def _places_holding_the_password(stack: Stack) -> list[str]:
 @pytest.mark.ui
 @pytest.mark.slow
 def test_mlflow_ui_on_postgres_and_s3(stack: Stack) -> None:
-    """The MLflow UI browser test on the PostgreSQL/S3 server, on the runs and versions of the daemon test above."""
+    """The MLflow UI browser test on the PostgreSQL/S3 server, on a drafter it registers there itself (in an
+    experiment and model of its own: the daemon test counts the stack's runs and versions)."""
+    register_champion(stack.mlflow, "pg-ui", "pg-ui-drafter", 3)
     with browser_page() as page:
-        check_mlflow_ui(page, stack.mlflow, stack.cfg.mlflow.experiment, stack.cfg.mlflow.model_name, [3],
-                        "postgres-")
+        check_mlflow_ui(page, stack.mlflow, "pg-ui", "pg-ui-drafter", [3], "postgres-")
 
 
 @pytest.mark.slow

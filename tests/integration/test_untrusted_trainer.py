@@ -28,7 +28,9 @@ SECRET = "TrainerSecret-9f3a"
 
 @pytest.mark.parametrize("name", [
     pytest.param(n, marks=pytest.mark.reliability("bad_input", f"step directory named {n!r} (sensor skip reason)"))
-    for n in ("step-12", "step-0000001", "Step-000002", "step-00003a")
+    for n in ("step-12", "step-0000001", "Step-000002", "step-00003a",
+              # beyond int64: no step key can be formed, and the tick must not raise on it
+              "step-9223372036854775808", "step-99999999999999999999")
 ])
 def test_the_sensor_names_malformed_step_directories(tiny_config_path: Path, name: str) -> None:
     cfg = load_config(tiny_config_path)

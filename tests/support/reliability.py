@@ -120,7 +120,8 @@ def _read_rows(path: Path) -> list[Row]:
 
 # The trust boundary with the RL trainer: each class of bad input it can hand over, and the tests that try it.
 TRUST_CLASSES = [
-    ("1. checkpoint_uri leaves the store / carries credentials", "tests/unit/data/test_uris.py, "
+    ("1. checkpoint_uri leaves the store (by name or through a symlink) / carries credentials",
+     "tests/unit/data/test_uris.py, tests/unit/data/test_local_files.py, tests/unit/models/test_target.py, "
      "tests/integration/test_untrusted_trainer.py (run database), tests/integration/test_reliability.py"),
     ("2. policy checkpoint contents", "tests/unit/models/, tests/integration/test_reliability.py"),
     ("3. a step whose target layout differs from the run's", "tests/unit/data/test_run_layout.py, "

@@ -179,3 +179,54 @@ def test_auto_compression_is_fp8_on_object_storage_and_raw_locally() -> None:
     assert load_config(overrides={"storage": {"root": "s3://bucket/prefix"}}).shard_compression == "fp8-e4m3"
     chosen = load_config(overrides={"storage": {"root": "s3://bucket/prefix", "compression": "split-zstd"}})
     assert chosen.shard_compression == "split-zstd"
+
+
+# -- secrets in the configuration --------------------------------------------------------------------------------
+
+SECRET = "Hunter2-7c1e"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        pytest.param("storage.root", f"s3://bucket/store?X-Amz-Signature={SECRET}", id="root-presigned"),
+        pytest.param("storage.endpoint_url", f"http://minio:9000/?token={SECRET}", id="endpoint-token"),
+        pytest.param("storage.endpoint_url", f"http://minio:9000/#{SECRET}", id="endpoint-fragment"),
+        pytest.param("mlflow.tracking_uri", f"http://mlflow:5000/?token={SECRET}", id="mlflow-token"),
+        pytest.param("mlflow.tracking_uri", f"postgresql://db/mlflow?sslmode=require&password={SECRET}",
+                     id="mlflow-db-password"),
+        pytest.param("drafter.warm_start", f"s3://models/specforge?X-Amz-Security-Token={SECRET}", id="warm-start"),
+        pytest.param("drafter.warm_start", f"https://ops:{SECRET}@hub/drafter", id="warm-start-userinfo"),
+        pytest.param("hidden_states.vllm_path", f"/mnt/vllm/{{step}}?token={SECRET}", id="vllm-path"),
+        pytest.param("hidden_states.vllm_path", f"file://ops:{SECRET}@host/vllm/{{step}}", id="vllm-path-userinfo"),
+    ],
+)
+def test_tokens_in_config_values_are_refused_naming_the_key(key: str, value: str, reliability) -> None:
+    """A token in a query string, a fragment or user info is refused at load, naming the key and where secrets
+    go instead, never the value."""
+    reliability.bad_input(f"a token in the config key {key} (query string, fragment or user info)")
+    section, name = key.split(".")
+    with pytest.raises(ConfigError, match=f"{re.escape(key)}: .*must not carry") as failure:
+        load_config(overrides={section: {name: value}})
+    assert SECRET not in str(failure.value)
+    assert "come from" in str(failure.value) or "local directory" in str(failure.value) or \
+        "MLFLOW_TRACKING_TOKEN" in str(failure.value)
+
+
+def test_settings_without_secrets_still_load() -> None:
+    cfg = load_config(overrides={
+        "mlflow": {"tracking_uri": "postgresql://db:5432/mlflow?sslmode=verify-full&connect_timeout=10"},
+        "drafter": {"warm_start": "/models/specforge-eagle3"},
+        "hidden_states": {"vllm_path": "/mnt/vllm/{step}"},
+    })
+    assert cfg.mlflow.tracking_uri.endswith("connect_timeout=10")
+
+
+@pytest.mark.reliability("security", "a config file that is not YAML: the error names the line, never quotes it")
+def test_a_yaml_error_names_the_line_without_quoting_it(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(f'mlflow:\n  tracking_uri: "http://mlflow:5000/?token={SECRET}\n  experiment: [\n')
+    with pytest.raises(ConfigError, match=r"cannot read config file .*cfg.yaml: not YAML: line \d+") as failure:
+        load_config(path)
+    assert SECRET not in str(failure.value)
+    assert failure.value.__suppress_context__  # a logged traceback does not quote PyYAML's error either

@@ -340,6 +340,17 @@ def test_steps_beyond_int64_are_refused(store: ObjectStore) -> None:
     assert committed_steps(store, RUN) == []  # never a partition: Dagster and the int64 columns could not hold it
 
 
+@pytest.mark.reliability("bad_input", "step directories named beyond int64, or by thousands of digits: reported as "
+                                      "malformed, never an error")
+def test_step_names_beyond_int64_are_malformed_not_errors() -> None:
+    huge = ["step-9223372036854775808", "step-99999999999999999999", "step-" + "9" * 5000, "step-" + "0" * 4990 + "1"]
+    assert steps.malformed_step_names(["step-000001", *huge, "notes"]) == huge
+    assert not any(steps.is_step_key(name) for name in huge)
+    assert steps.is_step_key("step-9223372036854775807")
+    with pytest.raises(ValueError, match="too large for int64"):
+        parse_step_key(huge[2])
+
+
 @pytest.mark.parametrize(
     "key",
     ["step-12", "step-0001a", "123", "step-000001,step-000002", "", "step-", "Step-000001", " step-000001",
@@ -357,3 +368,19 @@ def test_parse_step_key_rejects(key: str) -> None:
 def test_parse_step_key_rejects_near_misses(key: str) -> None:
     with pytest.raises(ValueError, match=re.escape(repr(key))):
         parse_step_key(key)
+
+
+@pytest.mark.parametrize("digits", [4000, 5000])
+@pytest.mark.reliability("bad_input", "policy.json with a number thousands of digits long: refused naming the file "
+                                      "and field, the number not echoed")
+def test_a_number_thousands_of_digits_long_is_refused_by_name(store: ObjectStore, digits: int) -> None:
+    huge = "1" + "0" * (digits - 1)
+    store.write_bytes(f"rollouts/{RUN}/step-{STEP:06d}/policy.json", (
+        f'{{"schema_version": 1, "policy_version": {huge}, "model_id": "m", "checkpoint_uri": "policies/x"}}'
+    ).encode())
+    with pytest.raises(RolloutsError, match=f"step-{STEP:06d}/policy.json") as failure:
+        read_policy_pointer(store, RUN, STEP)
+    assert len(str(failure.value)) < 300
+    if digits < 4300:
+        assert "policy_version" in str(failure.value)
+        assert "a 13285-bit integer is outside" in str(failure.value)

@@ -121,3 +121,22 @@ def test_the_shards_check_reports_a_step_of_another_layout(store: ObjectStore) -
     problems = shard_checks.check_shards(store, RUN, 2)
     assert len(problems) == 1
     assert "hidden_size: 8 -> 16" in problems[0]
+
+
+@pytest.mark.reliability("security", "run layout read from a config.json symlinked out of the store: refused, no "
+                                     "value of the file echoed")
+def test_the_layout_reader_refuses_a_symlinked_config(store: ObjectStore, tmp_path: Path) -> None:
+    secret = "Hunter2-layout"
+    (tmp_path / "secrets.json").write_text(json.dumps({"model_type": "llama", "hidden_size": secret}))
+    directory = tmp_path / "store" / "policies" / RUN / "step-000001"
+    directory.mkdir(parents=True)
+    (directory / "config.json").symlink_to(tmp_path / "secrets.json")
+    with pytest.raises(LayoutError, match="policies/r/step-000001/config.json: cannot be opened as a regular file: "
+                                          "a symlink") as failure:
+        run_layout.checkpoint_layout(store, f"policies/{RUN}/step-000001", lambda n: [n])
+    assert secret not in str(failure.value)
+    (directory / "config.json").unlink()
+    (tmp_path / "store" / "policies" / RUN / "step-000002").symlink_to(tmp_path)  # the directory itself
+    with pytest.raises(ValueError, match="leads out of") as failure:
+        run_layout.checkpoint_layout(store, f"policies/{RUN}/step-000002", lambda n: [n])
+    assert secret not in str(failure.value)

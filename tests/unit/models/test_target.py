@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import struct
@@ -25,6 +26,7 @@ from pipeline.models import target_checks, target_forward
 from pipeline.models.checkpoint import load_drafter, save_drafter
 from pipeline.models.checkpoint_cache import CacheLimitError
 from pipeline.models.drafter import fresh_drafter
+from pipeline.models.memory import available_memory
 from pipeline.models.target import LoadSettings
 from pipeline.models.target_checks import (
     MissingTensorError,
@@ -169,6 +171,87 @@ def test_store_round_trip_and_the_policy_is_loaded_once_per_checkpoint(tmp_path:
     b = target_lib.load_policy(store, "policies/r/step-1")
     assert b is not a
     assert not torch.equal(a.lm_head.weight, b.lm_head.weight)
+
+
+# -- symlinks on a file:// store: the policy's lexical check is not where a path leads
+
+SECRET = "Hunter2-symlinked"
+
+
+@pytest.fixture
+def linked_store(tmp_path: Path) -> ObjectStore:
+    """A file:// store, and outside it a checkpoint of the trainer's choosing and a JSON file with a secret."""
+    store = ObjectStore((tmp_path / "store").as_uri())
+    outside = ObjectStore((tmp_path / "outside").as_uri())
+    target_lib.save_checkpoint(target_lib.build_target(target_lib.tiny_llama_config(32, 16, 1, 2), 0), outside, "ckpt")
+    (tmp_path / "secrets.json").write_text(json.dumps({"model_type": SECRET, "hidden_size": SECRET}))
+    return store
+
+
+@pytest.mark.reliability("security", "a directory symlink in a file:// store to a checkpoint outside it: not loaded")
+def test_a_checkpoint_directory_symlinked_out_of_the_store_is_refused(linked_store: ObjectStore,
+                                                                      tmp_path: Path) -> None:
+    (tmp_path / "store" / "policies" / "r").mkdir(parents=True)
+    (tmp_path / "store" / "policies" / "r" / "step-000001").symlink_to(tmp_path / "outside" / "ckpt")
+    with pytest.raises(ValueError, match=r"checkpoint_uri .*policies/r/step-000001.* leads out of .*store through "
+                                         "a symlink"):
+        target_lib.load_policy(linked_store, "policies/r/step-000001")
+    (tmp_path / "store" / "policies" / "link").symlink_to(tmp_path / "outside")  # a link higher up the path
+    with pytest.raises(ValueError, match="leads out of"):
+        target_lib.load_policy(linked_store, "policies/link/ckpt")
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+@pytest.mark.reliability("security", "a checkpoint file symlinked to a file outside the store: not read, no value "
+                                     "of it echoed")
+def test_a_checkpoint_file_symlinked_out_of_the_store_is_refused(linked_store: ObjectStore, tmp_path: Path,
+                                                                 name: str) -> None:
+    shutil.copytree(tmp_path / "outside" / "ckpt", tmp_path / "store" / "policies" / "step-000001")
+    linked = tmp_path / "store" / "policies" / "step-000001" / name
+    linked.unlink()
+    linked.symlink_to(tmp_path / "secrets.json" if name == "config.json" else tmp_path / "outside" / "ckpt" / name)
+    with pytest.raises(TargetConfigError, match=f"step-000001/{name}: a symlink") as failure:
+        target_lib.load_policy(linked_store, "policies/step-000001")
+    assert SECRET not in str(failure.value)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_a_checkpoint_file_swapped_for_a_symlink_after_listing_is_not_followed(saved: dict, tmp_path: Path,
+                                                                               name: str) -> None:
+    """Listed as a regular file, replaced by a symlink before it is opened: O_NOFOLLOW refuses it."""
+    (tmp_path / "secrets.json").write_text(json.dumps({"model_type": SECRET}))
+    shutil.copytree(saved["llama"][1], tmp_path / "ckpt")
+    listing = target_checks.list_checkpoint((tmp_path / "ckpt").as_uri())
+    for path in (tmp_path / "ckpt").iterdir():
+        if path.name == name or (name == "model.safetensors" and path.name.endswith(".safetensors")):
+            path.unlink()
+            path.symlink_to(tmp_path / "secrets.json")
+    with pytest.raises(TargetConfigError, match="a symlink") as failure:
+        target_lib._load(listing, "cpu", LoadSettings(cached_policies=0))
+    assert SECRET not in str(failure.value)
+
+
+@pytest.mark.reliability("security", "a target-cache entry that is a symlink (a planted copy): never used, "
+                                     "replaced by a fetched copy")
+def test_a_symlinked_cache_entry_is_never_used(saved: dict, tmp_path: Path) -> None:
+    import fsspec
+
+    from pipeline.models.checkpoint_cache import COMPLETE, CheckpointCache, RemoteFile
+
+    source = saved["llama"][1]
+    files = [RemoteFile(p.name, p.stat().st_size) for p in sorted(source.iterdir())]
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "config.json").write_text(json.dumps({"model_type": SECRET}))
+    (planted / COMPLETE).write_text("{}")
+    cache = CheckpointCache(tmp_path / "cache", 2**30)
+    cache.root.mkdir()
+    (cache.root / "identity").symlink_to(planted)
+    entry = cache.fetch(fsspec.filesystem("file"), str(source), files, "identity", "s3://bucket/ckpt")
+    assert not entry.is_symlink()
+    assert (entry / "config.json").read_bytes() == (source / "config.json").read_bytes()
+    assert (planted / "config.json").exists()  # the link is removed, never what it pointed at
+    assert cache.entries() == [entry]
 
 
 # Configs as published on the hub (transformers-4 JSON: rope_theta / rope_scaling at the top level).
@@ -540,6 +623,61 @@ def test_drafter_export_refuses_a_drafter_of_another_target(saved: dict, tmp_pat
     drafter = fresh_drafter(DrafterConfig(kind="eagle3"), saved["llama"][0], torch.arange(V), seed=0)
     with pytest.raises(ValueError, match="rope_theta 500000.0 != target's 1000000.0"):
         save_drafter(drafter, tmp_path / "d", TargetMetadata.of(saved["qwen2"][0].config))
+
+
+# -- a checkpoint larger than the memory the process may use
+
+def _sparse_checkpoint(directory: Path, config: LlamaConfig) -> int:
+    """config.json and a model.safetensors whose header is complete and whose data is a hole: every header
+    check passes, and the file takes no disk space. Returns the weights' bytes as stored (BF16)."""
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    header, offset = {}, 0
+    for name, tensor in meta.state_dict().items():
+        size = tensor.numel() * 2
+        header[name] = {"dtype": "BF16", "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    directory.mkdir()
+    config.save_pretrained(directory)
+    with open(directory / SINGLE_FILE, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+    return offset
+
+
+@pytest.mark.reliability("bad_input", "policy checkpoint needing more memory than the process may use (a sparse "
+                                      "weights file): refused naming it and both figures, before allocating")
+def test_a_checkpoint_larger_than_the_memory_available_is_refused_before_allocating(tmp_path: Path) -> None:
+    config = LlamaConfig(vocab_size=4_194_304, hidden_size=32_768, intermediate_size=1, num_hidden_layers=1,
+                         num_attention_heads=256, num_key_value_heads=256, max_position_embeddings=2048,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    stored = _sparse_checkpoint(tmp_path / "huge", config)
+    needed = stored * 2 + 4_194_304 * 32_768 * 2  # float32 on the CPU, and the largest tensor staged from BF16
+    assert needed > 2**40  # beyond any machine this runs on
+    with pytest.raises(target_checks.TargetMemoryError) as failure:
+        target_lib.load_checkpoint((tmp_path / "huge").as_uri())
+    message = str(failure.value)
+    assert message.startswith(f"{(tmp_path / 'huge').as_uri()}: loading needs {needed} bytes")
+    assert re.search(r"more than the \d+ bytes \(.* GiB\) this process may use \((MemAvailable|cgroup|RLIMIT)",
+                     message), message
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_checkpoint_larger_than_the_gpu_is_refused_before_allocating(tmp_path: Path) -> None:
+    config = LlamaConfig(vocab_size=4_194_304, hidden_size=32_768, intermediate_size=1, num_hidden_layers=1,
+                         num_attention_heads=256, num_key_value_heads=256, max_position_embeddings=2048,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    _sparse_checkpoint(tmp_path / "huge", config)
+    with pytest.raises(target_checks.TargetMemoryError, match=r"this process may use \(free memory of cuda"):
+        target_lib.load_checkpoint((tmp_path / "huge").as_uri(), device="cuda")
+
+
+def test_memory_bound_of_this_process_is_read() -> None:
+    bound = available_memory("cpu")
+    assert bound is not None
+    assert 0 < bound.bytes < 2**50, bound
 
 
 # -- a real-size target on a GPU
