@@ -7,6 +7,7 @@ ui      Dagster webserver + daemon and the MLflow UI on the demo's data (--stack
 check-db  the production databases reachable, the credentials accepted, the schema current.
 init-instance  create what Dagster's processes would race to create (tables, the `gpu` pool's slots).
 status  steps known, last materializations, runs, registry aliases, fleet state.
+plan    the capacity plan of an RL step's drafter side: GPU-seconds, bytes, the served drafter's lag.
 """
 
 from __future__ import annotations
@@ -462,6 +463,30 @@ def retention(config_path: str | None, apply: bool) -> None:
         out(f"dry run: {len(plan.delete)} objects, {plan.bytes} bytes would be deleted; rerun with --apply")
 
 
+def capacity_plan(args: argparse.Namespace) -> None:
+    """The drafter side of one RL step of the shape given, under the pipeline config, as a table or JSON."""
+    import json
+
+    from pipeline.capacity import CapacityError, PolicyShape, StepShape, Throughput, plan_capacity
+
+    try:
+        policy_doc = json.loads(Path(args.policy).read_text())
+        if not isinstance(policy_doc, dict):
+            raise CapacityError(f"{args.policy}: not a JSON object")
+        policy = PolicyShape.from_config(policy_doc, args.policy)
+        throughput = Throughput.load(Path(args.throughput) if args.throughput else None)
+        if args.gpu_type.lower() not in throughput.gpu.lower():
+            raise CapacityError(f"the throughput figures are of a {throughput.gpu}, not a {args.gpu_type}: run "
+                                f"`make bench` on a {args.gpu_type} and pass its JSON with --throughput")
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"plan: {args.policy}: not a readable JSON file ({exc.__class__.__name__})") from None
+    except CapacityError as exc:
+        raise SystemExit(f"plan: {exc}") from None
+    step = StepShape(args.rollouts, args.mean_tokens, args.p99_tokens, args.gpus, args.gpu_type, args.rl_step_s)
+    plan = plan_capacity(policy, step, throughput, load_config(), args.retained_steps)
+    out(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
+
+
 def schema_scripts(kind: str):
     """The Alembic migrations of the installed Dagster (`dagster`) or MLflow (`mlflow`): their head is the schema
     revision this version needs."""
@@ -513,6 +538,17 @@ def main(argv: list[str] | None = None) -> None:
                    "slots from this one process, before the webserver, the daemon and runs start")
     retention_p = sub.add_parser("retention", help="hidden-state shards nothing refers to (dry run; --apply deletes)")
     retention_p.add_argument("--apply", action="store_true", help="delete them (default: only list them)")
+    plan_p = sub.add_parser("plan", help="capacity plan: GPU-seconds, bytes and the drafter's lag of one RL step")
+    plan_p.add_argument("--policy", required=True, help="the policy's transformers config.json")
+    plan_p.add_argument("--rollouts", type=int, required=True, help="rollouts per RL step")
+    plan_p.add_argument("--mean-tokens", type=float, required=True, help="mean tokens per rollout")
+    plan_p.add_argument("--p99-tokens", type=float, required=True, help="p99 tokens per rollout")
+    plan_p.add_argument("--gpus", type=int, required=True, help="GPUs of the RL step")
+    plan_p.add_argument("--gpu-type", default="H100", help="GPU type; the throughput file must be of it")
+    plan_p.add_argument("--rl-step-s", type=float, default=600.0, help="RL step period in seconds")
+    plan_p.add_argument("--throughput", help="`make bench` JSON of that GPU (default: the shipped H100 figures)")
+    plan_p.add_argument("--retained-steps", type=int, help="steps of hidden states kept (default: train.buffer_steps)")
+    plan_p.add_argument("--json", action="store_true", help="the plan as JSON instead of the table")
     args = parser.parse_args(argv)
     if args.config:
         os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
@@ -537,6 +573,11 @@ def main(argv: list[str] | None = None) -> None:
         init_instance()
     elif args.command == "retention":
         retention(args.config, args.apply)
+    elif args.command == "plan":
+        for name in ("rollouts", "mean_tokens", "p99_tokens", "gpus", "rl_step_s"):
+            if getattr(args, name) <= 0:
+                parser.error(f"--{name.replace('_', '-')} must be > 0")
+        capacity_plan(args)
     else:
         status(args.config)
 

@@ -13,8 +13,8 @@ from pipeline import ledger as ledger_lib
 from pipeline import report
 from pipeline.config import PipelineConfig
 from pipeline.data import buffer as buffer_lib
+from pipeline.data import capture, run_layout
 from pipeline.data import rollouts as rollouts_lib
-from pipeline.data import run_layout
 from pipeline.data import shard_checks as checks
 from pipeline.data.held_out import held_out_rollouts
 from pipeline.data.keys import acceptance_key, buffer_key, hidden_states_prefix, rollouts_key, rollouts_prefix
@@ -95,12 +95,14 @@ def hidden_states(
     """Source B (default): the step's policy runs forward over its rollouts; source A: vLLM's files."""
     cfg, store, step = pipeline.config, pipeline.store(), step_of(context)
     manifest = extract.extract_hidden_states(store, cfg, step)
+    plan = capture.read_plan(store, cfg.run, step)
     problems = checks.check_shards(store, cfg.run, step)
     return dg.MaterializeResult(
         metadata={
             "samples": manifest.num_samples,
             "tokens": manifest.num_tokens,
             "bytes": manifest.total_bytes,
+            **(plan.summary() if plan else {}),  # rollouts captured of published, tokens stored of forwarded
             "shards": len(manifest.shards),
             "hidden_size": manifest.hidden_size,
             "layer_ids": str(manifest.layer_ids),

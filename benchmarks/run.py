@@ -9,7 +9,17 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import batch_prep, evaluation, extraction, hidden_states_io, policy_loss, target_load, training
+from benchmarks import (
+    batch_prep,
+    evaluation,
+    extraction,
+    fp8_tau,
+    hidden_states_io,
+    policy_loss,
+    scale,
+    target_load,
+    training,
+)
 
 BENCHMARKS = {
     "policy_loss": policy_loss.run,
@@ -20,6 +30,8 @@ BENCHMARKS = {
     "target_load": target_load.run,
     "extraction": extraction.run,
     "evaluation": evaluation.run,
+    "scale": scale.run,
+    "fp8_tau": fp8_tau.run,
 }
 
 
@@ -34,7 +46,7 @@ def main() -> None:
         figures = {k: round(v, 3) for k, v in report[name].items()
                    if k.endswith(("ratio", "_vs_raw", "_vs_torch_save", "_vs_safetensors", "_per_core", "_ms", "_vs_1g",
                                   "reference", "_h64", "_vs_plain_forward", "_4x_step", "_vs_128", "_speedup",
-                                  "_abs_diff"))}
+                                  "_abs_diff", "_vs_windows", "_vs_quarter_step", "_prediction"))}
         sys.stdout.write(f"{name}: {figures}\n")
     path = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(report, indent=2))

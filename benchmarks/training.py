@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -228,7 +228,7 @@ def gpu() -> dict | None:
     peak = _bf16_matmul_flops(torch)
     default, short = _gpu_mfu(LLAMA_8B, peak), _gpu_mfu(LLAMA_8B_SHORT, peak)
     return {"gpu": torch.cuda.get_device_name(), "bf16_matmul_tflops": peak / 1e12, **default,
-            "short_step": short}
+            "shapes": asdict(LLAMA_8B), "short_step": short}  # shapes: what `cli.py plan` scales from
 
 
 CHECKPOINT_HIDDEN, CHECKPOINT_EPOCHS, CHECKPOINT_EVERY = 384, 1, 3

@@ -96,7 +96,12 @@ class TrainConfig(_Strict):
     window_tokens: int = Field(default=512, ge=2, description="Most tokens per sample (response end first).")
     vloss_weight: float = Field(default=0.5, ge=0, description="Weight of the SmoothL1 hidden-state loss.")
     ploss_weight: float = Field(default=0.5, ge=0, description="Weight of the soft cross-entropy token loss.")
-    epochs: int = Field(default=20, ge=1, description="Passes over the buffer per training run.")
+    epochs: int = Field(default=20, ge=1, description="Most passes over the buffer per training run.")
+    max_tokens: int = Field(
+        default=4_000_000, ge=0,
+        description="Trained positions per training run (windowed tokens); epochs are an upper bound. "
+                    "0 = epochs decide.",
+    )
     ttt_steps: int = Field(default=3, ge=1, description="EAGLE-3 training-time-test steps unrolled.")
     ttt_decay: float = Field(default=0.8, gt=0, le=1, description="EAGLE-3 loss weight of TTT step k is decay**k.")
     seed: int = Field(default=0, description="Seed for data order and initialisation.")
@@ -235,6 +240,19 @@ class HiddenStatesConfig(_Strict):
         return self
 
 
+class CaptureConfig(_Strict):
+    """Which rollouts of a step have their hidden states stored (pipeline/data/capture.py)."""
+
+    max_samples: int = Field(
+        default=1024, ge=0,
+        description="Most training rollouts captured per step, chosen by sample id and stratified by length "
+                    "and reward; 0 = all.",
+    )
+    max_tokens: int = Field(
+        default=0, ge=0, description="Most tokens stored per step (each rollout's training window); 0 = no limit.",
+    )
+
+
 class TargetConfig(_Strict):
     """How the RL policy (the target) loads: its checkpoints are transformers directories of safetensors."""
 
@@ -340,10 +358,10 @@ class StorageConfig(_Strict):
     root: str = Field(default="", description="Object store root URI; `<data_dir>/store` when empty.")
     endpoint_url: str = Field(default="", description="S3-compatible endpoint (MinIO, Ceph, ...); AWS when empty.")
     region: str = Field(default="", description="S3 region; the AWS default chain when empty.")
-    compression: Literal["none", "split-zstd", "fp8-e4m3"] = Field(
-        default="none",
-        description="Hidden-state shards: raw bf16, lossless split-zstd (1.46x smaller, for S3), or lossy fp8-e4m3 "
-                    "(2x smaller).",
+    compression: Literal["auto", "none", "split-zstd", "fp8-e4m3"] = Field(
+        default="auto",
+        description="Hidden-state shards: `auto` (fp8-e4m3 on object storage, raw bf16 on a local root), raw bf16, "
+                    "lossless split-zstd (1.46x smaller), or lossy fp8-e4m3 (2x smaller).",
     )
 
     checkpoint_prefixes: list[str] = Field(
@@ -434,6 +452,9 @@ class PipelineConfig(_Strict):
     hidden_states: HiddenStatesConfig = Field(
         default_factory=HiddenStatesConfig, description="Where the target's hidden states come from."
     )
+    capture: CaptureConfig = Field(
+        default_factory=CaptureConfig, description="Which rollouts and tokens of a step are stored."
+    )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Acceptance evaluation.")
     promotion: PromotionConfig = Field(default_factory=PromotionConfig, description="Champion promotion.")
     fleet: FleetConfig = Field(default_factory=FleetConfig, description="The serving fleet the champion goes to.")
@@ -466,6 +487,14 @@ class PipelineConfig(_Strict):
     @property
     def storage_root(self) -> str:
         return self.storage.root or (self.data_path / "store").as_uri()
+
+    @property
+    def shard_compression(self) -> str:
+        """`storage.compression` with `auto` resolved: fp8-e4m3 where bytes cost (object storage; its tau
+        within 0.05 of lossless, docs/storage.md#compression), raw bf16 on a local root (the fastest read)."""
+        if self.storage.compression != "auto":
+            return self.storage.compression
+        return "none" if self.storage_root.startswith("file://") else "fp8-e4m3"
 
     @property
     def tracking_uri(self) -> str:

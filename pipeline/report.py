@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from pipeline.data import buffer as buffer_lib
+from pipeline.data import capture, shards
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.keys import acceptance_key
 from pipeline.data.records import NO_DRAFTER_TAU, DrafterTau, read_acceptance, read_training
@@ -19,10 +20,14 @@ def step_row(store: ObjectStore, run: str, step: int) -> dict:
     """One line of the summary, read from what the step's assets stored."""
     record = read_acceptance(store, run, step)
     cotrained, served = record.drafters["cotrained"], record.drafters["served"]
+    plan = capture.read_plan(store, run, step)
     return {
         "step": step,
         "samples": len(rollouts_lib.read_rollouts(store, run, step)),
         "buffer_samples": buffer_lib.read_buffer(store, run, step).num_samples,
+        "captured": plan.captured if plan else None,  # rollouts whose hidden states the step stored
+        "bytes_stored": shards.read_manifest(store, run, step).total_bytes if shards.has_manifest(store, run, step)
+        else None,
         "trained": read_training(store, run, step).trained,
         "tau_cotrained": _tau(cotrained),
         "tau_baseline": _tau(record.drafters["baseline"]),

@@ -4,6 +4,7 @@
     policies/<run>/step-000123/                   the simulated trainer's policy checkpoints
     hidden_states/<run>/step-000123/              Arrow shards + _manifest.json (commit point)
     hidden_states/<run>/_target_layout.json       the run's target layout, recorded by its first step
+    capture/<run>/step-000123.json                a step's capture plan (capture.py)
     buffer/<run>/step-000123/_manifest.json       the cross-step buffer of a step
     drafter/<run>/step-000123.json                a step's training outcome
     acceptance/<run>/step-000123.json             a step's acceptance record
@@ -104,6 +105,10 @@ def hidden_states_shard_key(run: str, step: int, shard: str) -> str:
 def layout_key(run: str) -> str:
     """The target layout the run's first step recorded: every later step must match it."""
     return f"{hidden_states_root(run)}/_target_layout.json"
+
+
+def capture_plan_key(run: str, step: int) -> str:
+    return f"capture/{run}/{step_key(step)}.json"
 
 
 def buffer_root(run: str) -> str:

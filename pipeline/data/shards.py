@@ -10,6 +10,8 @@ A record batch (one sample, T tokens, one column per stored layer):
     step           int64
     input_ids      list<int32>    T tokens
     loss_mask      list<int8>     T values, 1 on response tokens
+                                  (T: the tokens stored, the sample's training window; the manifest
+                                  records the window's offset in the rollout)
     layer_<id>     large_binary   the T * H bf16 words of vLLM layer <id>: raw with compression "none";
                                   with "split-zstd" (lossless, for object storage) a frame that stores
                                   high and low bytes apart and zstd-codes the high ones; with
@@ -77,6 +79,7 @@ class HiddenSample:
     input_ids: torch.Tensor  # (T,) int64
     loss_mask: torch.Tensor  # (T,) int64
     hidden: torch.Tensor  # (T, num_layers, H) bfloat16
+    position_offset: int = 0  # position in its rollout of the first token stored (capture.py: a window)
 
 
 @dataclass(frozen=True)
@@ -120,18 +123,19 @@ class SampleIndex:
     ids: int  # offset of the int32 token ids, inside `meta`
     mask: int  # offset of the int8 loss mask, inside `meta`
     layers: list[ByteRange]  # one per stored layer, in the manifest's layer order
+    offset: int = 0  # position in its rollout of the first stored token (a window, capture.py)
 
     def to_json(self) -> dict:
         return {"sample_id": self.sample_id, "shard": self.shard, "row": self.row, "tokens": self.tokens,
                 "meta": self.meta.to_json(), "ids": self.ids, "mask": self.mask,
-                "layers": [r.to_json() for r in self.layers]}
+                "layers": [r.to_json() for r in self.layers], "offset": self.offset}
 
     @classmethod
     def from_json(cls, data: dict) -> SampleIndex:
         try:
             return cls(str(data["sample_id"]), str(data["shard"]), int(data["row"]), int(data["tokens"]),
                        ByteRange.from_json(data["meta"]), int(data["ids"]), int(data["mask"]),
-                       [ByteRange.from_json(r) for r in data["layers"]])
+                       [ByteRange.from_json(r) for r in data["layers"]], int(data.get("offset", 0)))
         except (KeyError, TypeError) as exc:
             raise ShardError(f"manifest sample entry lacks or mistypes a field ({exc})") from None
 
@@ -365,7 +369,7 @@ def _write_shard(out: BinaryIO, samples: Iterable[HiddenSample], schema: pa.Sche
                 meta=ByteRange(sink.meta_start, meta_end - sink.meta_start, sink.meta_hash.hexdigest()),
                 # Empty buffers are not written: point them at the region's start (0 bytes are read there).
                 ids=sink.found.get("ids", sink.meta_start), mask=sink.found.get("mask", sink.meta_start),
-                layers=[ByteRange(*r) for r in ranges],
+                layers=[ByteRange(*r) for r in ranges], offset=sample.position_offset,
             ))
     return sink.pos, sink.shard_hash.hexdigest(), index
 
@@ -566,6 +570,7 @@ def _read_entry(reader: RangeReader, manifest: Manifest, entry: SampleIndex, pos
         sample_id=entry.sample_id, step=manifest.step,
         input_ids=torch.from_numpy(ids.astype(np.int64)), loss_mask=torch.from_numpy(mask.astype(np.int64)),
         hidden=hidden.permute(1, 0, 2),  # (T, L, H) view; each layer stays contiguous in memory
+        position_offset=entry.offset,
     )
 
 

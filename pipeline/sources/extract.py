@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pipeline.data import capture, shards
 from pipeline.data import rollouts as rollouts_lib
-from pipeline.data import shards
-from pipeline.data.held_out import training_rollouts
 from pipeline.data.keys import step_key
 from pipeline.data.rollouts import Rollout, TargetLimits
 from pipeline.data.run_layout import TargetLayout
@@ -65,15 +64,15 @@ class _Batch:
 
 
 @torch.no_grad()
-def _forward_batches(model, rollouts: list[Rollout], plan: list[list[int]], device: str,
+def _forward_batches(model, rollouts: list[Rollout], lengths: list[int], plan: list[list[int]], device: str,
                      layer_ids: list[int] | None) -> Iterator[_Batch]:
     # From a GPU, each batch's copy to the host runs on its own stream, beside the next batch's forward.
     copy_stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
     for batch in plan:
         chunk = [rollouts[i] for i in batch]
-        ids = torch.zeros(len(chunk), len(chunk[0].input_ids), dtype=torch.int64)  # (B, T), right-padded with 0
-        for row, r in enumerate(chunk):
-            ids[row, : len(r.input_ids)] = torch.tensor(r.input_ids, dtype=torch.int64)
+        ids = torch.zeros(len(chunk), lengths[batch[0]], dtype=torch.int64)  # (B, T), right-padded with 0
+        for row, i in enumerate(batch):
+            ids[row, : lengths[i]] = torch.tensor(rollouts[i].input_ids[: lengths[i]], dtype=torch.int64)
         layers = target_forward.layer_states(model, ids.to(device), layer_ids)  # n x (B, T, H)
         features = torch.stack([x.to(torch.bfloat16) for x in layers], dim=1)  # (B, n, T, H)
         del layers
@@ -141,52 +140,66 @@ def _computed_ahead(batches: Iterator[_Batch]) -> Iterator[_Batch]:
 
 def iter_hidden_states(
     model, rollouts: list[Rollout], step: int, *, tokens_per_batch: int, device: str = "cpu",
-    layer_ids: list[int] | None = None,
+    layer_ids: list[int] | None = None, windows: dict[str, tuple[int, int]] | None = None,
 ) -> Iterator[HiddenSample]:
     """bf16 features of each rollout, (T, n_layers, H): the requested layers (vLLM ids, pre-norm),
     or the post-norm last layer when `layer_ids` is None; batch by batch (`plan_batches`), so that
     a caller that writes them as they come holds a few batches, never the step.
 
+    With `windows` (sample id -> [start, end), a capture plan's), a rollout runs forward up to its
+    window's end only and only the window is kept, with `start` as its position offset.
+
     Batches are right-padded and run without an attention mask: causal attention never lets a
     token see the padding after it, and positions count from 0 in every row, so each sample's
     states are those of a forward of it alone (tests/unit/sources/test_extract.py).
     """
-    plan = plan_batches([len(r.input_ids) for r in rollouts], tokens_per_batch)
+    bounds = [windows[r.sample_id] if windows else (0, len(r.input_ids)) for r in rollouts]
+    lengths = [end for _, end in bounds]
+    plan = plan_batches(lengths, tokens_per_batch)
     ahead = _queued_ahead if torch.device(device).type == "cuda" else _computed_ahead
-    for batch in ahead(_forward_batches(model, rollouts, plan, device, layer_ids)):
+    by_id = {r.sample_id: window for r, window in zip(rollouts, bounds, strict=True)}
+    for batch in ahead(_forward_batches(model, rollouts, lengths, plan, device, layer_ids)):
         for r, feat in zip(batch.rollouts, batch.ready(), strict=True):
+            start, end = by_id[r.sample_id]
             yield HiddenSample(
                 sample_id=r.sample_id, step=step,
-                input_ids=torch.tensor(r.input_ids, dtype=torch.int64),
-                loss_mask=torch.tensor(r.loss_mask, dtype=torch.int64),
-                hidden=feat[:, : len(r.input_ids)].permute(1, 0, 2),  # (T, n_layers, H) view of the batch
+                input_ids=torch.tensor(r.input_ids[start:end], dtype=torch.int64),
+                loss_mask=torch.tensor(r.loss_mask[start:end], dtype=torch.int64),
+                hidden=feat[:, start:end].permute(1, 0, 2),  # (T, n_layers, H) view of the batch
+                position_offset=start,
             )
 
 
 def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int) -> Manifest:
-    """The hidden states of the step's training rollouts, from a forward pass here (source B) or
-    from vLLM's connector files (source A), written as shards + manifest. Source B streams: each
-    batch's samples are written as they are computed, in the batches' (length-sorted) order."""
+    """The hidden states of the step's capture plan (capture.py: which training rollouts, each one's
+    training window), from a forward pass here (source B) or from vLLM's connector files (source A),
+    written as shards + manifest; the plan is stored first. Source B streams: each batch's samples
+    are written as they are computed, in the batches' (length-sorted) order."""
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
     model = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
     # Token ids and lengths are checked against the policy that reads them, before its forward pass.
     rollouts = rollouts_lib.read_rollouts(store, cfg.run, step, TargetLimits.of(model.config))
-    train = training_rollouts(rollouts, cfg.eval.held_out_fraction)
+    plan = capture.plan_capture(rollouts, step, held_out_fraction=cfg.eval.held_out_fraction,
+                                window_tokens=cfg.train.window_tokens, max_samples=cfg.capture.max_samples,
+                                max_tokens=cfg.capture.max_tokens)
+    capture.write_plan(store, cfg.run, plan)  # deterministic: a rerun writes the same plan
+    windows = plan.bounds()
+    train = [r for r in rollouts if r.sample_id in windows]
     num_layers = model.config.num_hidden_layers
     layer_ids = stored_layer_ids(cfg.drafter, num_layers)
     ingest: dict[str, int] = {}
     if cfg.hidden_states.source == "vllm":
-        samples, ingest = _from_vllm(cfg, step, rollouts, {r.sample_id for r in train}, model, layer_ids)
+        samples, ingest = _from_vllm(cfg, step, rollouts, windows, model, layer_ids)
     else:
         samples = iter_hidden_states(model, train, step, tokens_per_batch=cfg.hidden_states.tokens_per_batch,
-                                     device=cfg.device, layer_ids=layer_ids)
+                                     device=cfg.device, layer_ids=layer_ids, windows=windows)
     return shards.write_hidden_states(
         store, cfg.run, step, samples,
         hidden_size=model.config.hidden_size,
         # vLLM ids. EAGLE-1/2 reads id L after the final norm (what vLLM's `eagle` method
         # hands its drafter); EAGLE-3 reads raw residual streams.
         layer_ids=layer_ids or [num_layers],
-        compression=cfg.storage.compression,
+        compression=cfg.shard_compression,
         target={"model_id": pointer.model_id, "policy_version": str(pointer.policy_version),
                 "checkpoint_uri": pointer.checkpoint_uri, "source": cfg.hidden_states.source,
                 "final_norm": "applied" if layer_ids is None else "not applied"},
@@ -196,13 +209,13 @@ def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int) ->
 
 
 @torch.no_grad()
-def _from_vllm(cfg: PipelineConfig, step: int, rollouts: list[Rollout], train_ids: set[str], model,
+def _from_vllm(cfg: PipelineConfig, step: int, rollouts: list[Rollout], windows: dict[str, tuple[int, int]], model,
                layer_ids: list[int] | None) -> tuple[list[HiddenSample], dict[str, int]]:
     directory = Path(cfg.hidden_states.vllm_path.format(step=step_key(step)))
     num_layers = model.config.num_hidden_layers
     ingested = vllm_hidden_states.ingest_directory(
         directory, rollouts, step, cfg.hidden_states.vllm_layer_ids, layer_ids or [num_layers],
-        hidden_size=model.config.hidden_size, train_ids=train_ids,
+        hidden_size=model.config.hidden_size, train_ids=set(windows), windows=windows,
         max_unmatched_share=cfg.hidden_states.max_unmatched_share,
     )
     if not ingested.samples:

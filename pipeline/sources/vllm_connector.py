@@ -71,9 +71,11 @@ class Ingested:
     unmatched_files: list[str] = field(default_factory=list)  # names of files that match no rollout
     missing: list[str] = field(default_factory=list)  # sample ids of wanted rollouts without a file
     refused: list[str] = field(default_factory=list)  # "name: why" of entries not read (not a regular file...)
+    outside_plan: int = 0  # files of rollouts not captured (held out, or outside the capture plan): not stored
 
     def metadata(self) -> dict[str, int]:
-        return {"connector_files": self.files, "connector_unmatched_files": len(self.unmatched_files),
+        return {"connector_files": self.files, "connector_files_not_captured": self.outside_plan,
+                "connector_unmatched_files": len(self.unmatched_files),
                 "connector_rollouts_without_file": len(self.missing), "connector_refused_files": len(self.refused)}
 
 
@@ -179,10 +181,13 @@ def ingest_directory(
     train_ids: set[str] | None = None,
     max_unmatched_share: float = 0.0,
     lock_timeout_s: float = 30.0,
+    windows: dict[str, tuple[int, int]] | None = None,
 ) -> Ingested:
     """The samples of a step's connector directory: files joined one to one to the step's `rollouts`
     (all of them, so that files of held-out rollouts are not unmatched); samples are made for the
-    rollouts in `train_ids` (all when None). Refused past `max_unmatched_share` (see the module doc)."""
+    rollouts in `train_ids` (all when None), each cut to its window [start, end) in `windows` when
+    given (a capture plan's); the files of other rollouts are counted, not stored. Refused past
+    `max_unmatched_share` (see the module doc)."""
     missing_layers = [i for i in wanted_layer_ids if i not in requested_layer_ids]
     if missing_layers:
         raise ConnectorFileError(
@@ -219,14 +224,17 @@ def ingest_directory(
             unmatched.append(path.name)
             continue
         taken[rollout.sample_id] = (path, token_ids, hidden)
-    samples = [
-        HiddenSample(sample_id=r.sample_id, step=step, input_ids=taken[r.sample_id][1],
-                     loss_mask=torch.tensor(r.loss_mask, dtype=torch.int64),
-                     hidden=taken[r.sample_id][2][:, pick, :].contiguous())
-        for r in rollouts if r.sample_id in wanted and r.sample_id in taken
-    ]
+    samples = []
+    for r in rollouts:
+        if r.sample_id in wanted and r.sample_id in taken:
+            start, end = windows[r.sample_id] if windows else (0, len(r.input_ids))
+            samples.append(HiddenSample(
+                sample_id=r.sample_id, step=step, input_ids=taken[r.sample_id][1][start:end].clone(),
+                loss_mask=torch.tensor(r.loss_mask[start:end], dtype=torch.int64),
+                hidden=taken[r.sample_id][2][start:end, pick, :].contiguous(), position_offset=start))
     result = Ingested(samples, len(files), unmatched, [r.sample_id for r in rollouts
-                                                       if r.sample_id in wanted and r.sample_id not in taken], refused)
+                                                       if r.sample_id in wanted and r.sample_id not in taken], refused,
+                      outside_plan=len(taken) - len(samples))
     _check_accounting(directory, result, len(rollouts), len(wanted), max_unmatched_share)
     return result
 

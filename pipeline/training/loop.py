@@ -81,6 +81,12 @@ class TrainResult:
         return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
+def fitted_warmup(warmup: int, total: int) -> int:
+    """The warmup of a run of `total` iterations: `warmup`, but at most a tenth of the run (at least
+    one iteration), so that a short budgeted run still spends most of its iterations near the peak."""
+    return min(warmup, max(1, total // 10))
+
+
 def lr_at(iteration: int, total: int, peak: float, warmup: int) -> float:
     """Linear warmup to `peak`, then cosine decay to 10% of it at `total`."""
     if warmup and iteration < warmup:
@@ -171,11 +177,26 @@ class _Progress:
         self.pending, self.window_start = [], now
 
 
+def planned_tokens(lengths: list[int], batch: list[int], window_tokens: int) -> int:
+    """Positions a batch trains on: each sample's window less the one its shift drops."""
+    return sum(max(0, min(lengths[i], window_tokens) - 1) for i in batch)
+
+
 def _plan(data: Dataset, cfg: TrainConfig, ctx: DistContext) -> list[list[int]]:
-    """The global batches of every epoch, in order (seeded: the same in every attempt)."""
+    """The global batches, in order (seeded: the same in every attempt): epoch after epoch, at most
+    `cfg.epochs`, and with `cfg.max_tokens` only the batches that fit that many trained positions
+    (at least one batch)."""
     batch_size, max_seq_len = global_plan_sizes(cfg.batch_size_per_gpu, cfg.max_seq_len, ctx)
     plan_cfg = cfg.model_copy(update={"batch_size_per_gpu": batch_size, "max_seq_len": max_seq_len})
-    return [batch for e in range(cfg.epochs) for batch in plan_epoch(data.lengths, plan_cfg, e)]
+    plan: list[list[int]] = []
+    tokens = 0
+    for epoch in range(cfg.epochs):
+        for batch in plan_epoch(data.lengths, plan_cfg, epoch):
+            tokens += planned_tokens(data.lengths, batch, cfg.window_tokens)
+            if cfg.max_tokens and plan and tokens > cfg.max_tokens:
+                return plan
+            plan.append(batch)
+    return plan
 
 
 def _resume(
@@ -266,7 +287,9 @@ def train_drafter(
     checkpoints: TrainingCheckpoints | None = None,
     on_checkpoint: Callable[[ResumeState], None] | None = None,
 ) -> TrainResult:
-    """Train `model` in place for `cfg.epochs` passes over `data`, streamed batch by batch.
+    """Train `model` in place on `cfg.max_tokens` trained positions of `data` (0: `cfg.epochs` passes;
+    with a budget, epochs are an upper bound), streamed batch by batch. The learning-rate schedule
+    spans the planned iterations, whatever the budget made of them (`fitted_warmup`, `lr_at`).
 
     A sample's features are (T, D): EAGLE-1/2 reads the last layer (D = H); EAGLE-3 reads
     [aux layers..., last layer] concatenated (D = (n_aux + 1) * H_t).
@@ -298,6 +321,7 @@ def train_drafter(
     optimizer = make_optimizer(trained, cfg.optim.lr, cfg.optim.weight_decay, device)
     plan = _plan(data, cfg, ctx)
     total = len(plan)
+    warmup = fitted_warmup(cfg.optim.lr_warmup_steps, total)
     state = _resume(checkpoints, trained, optimizer, total, ctx, root is not None)
     saving = checkpoints is not None and cfg.checkpoint_every > 0
     progress = _Progress(state, sink, ctx.is_main, held=saving)
@@ -338,7 +362,7 @@ def train_drafter(
                     stats, tokens = summed
                 elif stats is None:
                     continue
-            lr = lr_at(iteration, total, cfg.optim.lr, cfg.optim.lr_warmup_steps)
+            lr = lr_at(iteration, total, cfg.optim.lr, warmup)
             grad_norm = full_tensor(apply_gradients(optimizer, params, lr, cfg.optim.grad_clip))
             progress.add(_Iteration(iteration, lr, tokens, stats, grad_norm))
             if (iterations - state.iteration) % cfg.log_every == 0:

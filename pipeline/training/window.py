@@ -1,7 +1,8 @@
 """Windowing and packing of buffer samples into drafter training sequences (FastRL semantics).
 
-Window: at most `window_tokens` tokens per sample, starting at the response start; if
-the response end does not fit, the window moves so that the response END is inside.
+Window (`window_bounds`, pipeline/data/capture.py, where capture stores only that window): at
+most `window_tokens` tokens per sample, starting at the response start; if the response end does
+not fit, the window moves so that the response END is inside.
 
 Packing: windows are concatenated without padding into one sequence. Unlike FastRL we
 shift inside each sample (never pairing the last token of one sample with the first of
@@ -22,19 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def window_bounds(loss_mask: torch.Tensor, window_tokens: int) -> tuple[int, int]:
-    """[start, end) of the training window of one sample."""
-    full_len = int(loss_mask.shape[0])
-    span = min(full_len, window_tokens)
-    response = torch.nonzero(loss_mask).flatten()
-    if response.numel() == 0:
-        return full_len - span, full_len
-    resp_start, resp_end = int(response[0]), int(response[-1]) + 1
-    start = max(0, min(resp_start, full_len - span))
-    if resp_end - start > span:
-        start = resp_end - span
-    return start, start + span
+from pipeline.data.capture import window_bounds
 
 
 @dataclass(frozen=True)

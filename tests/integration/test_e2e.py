@@ -80,6 +80,8 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     # The buffer holds the training samples of the last two steps (buffer_steps=2); held-out ones never.
     trained_on = {s: shards.read_manifest(store, cfg.run, s).num_samples for s in (1, 2, 3)}
     assert all(n < cfg.simulation.rollouts_per_step for n in trained_on.values())
+    assert [r["captured"] for r in summary["steps"]] == [trained_on[s] for s in (1, 2, 3)]
+    assert all(r["bytes_stored"] > 0 for r in summary["steps"])
     assert [r["buffer_samples"] for r in summary["steps"]] == [
         trained_on[1], trained_on[1] + trained_on[2], trained_on[2] + trained_on[3]]
 

@@ -174,6 +174,13 @@ def test_derived_paths(tmp_path: Path) -> None:
     assert explicit.storage_root == "s3://bucket/prefix"
 
 
+def test_auto_compression_is_fp8_on_object_storage_and_raw_locally() -> None:
+    assert load_config().shard_compression == "none"
+    assert load_config(overrides={"storage": {"root": "s3://bucket/prefix"}}).shard_compression == "fp8-e4m3"
+    chosen = load_config(overrides={"storage": {"root": "s3://bucket/prefix", "compression": "split-zstd"}})
+    assert chosen.shard_compression == "split-zstd"
+
+
 # -- secrets in the configuration --------------------------------------------------------------------------------
 
 SECRET = "Hunter2-7c1e"

@@ -69,6 +69,22 @@ def _ingest(directory: Path, rollouts: list[Rollout], requested: list[int] | Non
     return ingest_directory(directory, rollouts, 1, requested, wanted or requested, hidden_size=8, **kwargs)
 
 
+def test_connector_files_follow_the_capture_plan(tmp_path: Path) -> None:
+    """Only the rollouts of the plan are stored, each cut to its window with its offset; the files of the
+    others are counted, not stored."""
+    hidden = {f"r{i}": torch.randn(10, 2, 8).to(torch.bfloat16) for i in range(3)}
+    rollouts = [_rollout(f"r{i}", list(range(10 * i, 10 * i + 10))) for i in range(3)]
+    for r in rollouts:
+        _connector_file(tmp_path / f"{r.sample_id}.safetensors", r.input_ids, hidden[r.sample_id])
+    got = _ingest(tmp_path, rollouts, train_ids={"r0", "r2"}, windows={"r0": (2, 6), "r2": (5, 10)})
+    assert [(s.sample_id, s.position_offset) for s in got.samples] == [("r0", 2), ("r2", 5)]
+    assert got.metadata()["connector_files_not_captured"] == 1
+    r2 = got.samples[1]
+    assert r2.input_ids.tolist() == rollouts[2].input_ids[5:10]
+    assert r2.loss_mask.tolist() == rollouts[2].loss_mask[5:10]
+    assert torch.equal(r2.hidden.view(torch.int16), hidden["r2"][5:10].view(torch.int16))
+
+
 def test_join_picks_layers_and_matches_by_tokens(tmp_path: Path) -> None:
     hidden = torch.randn(5, 4, 8).to(torch.bfloat16)  # requested layers [5, 1, 3, 8]
     _connector_file(tmp_path / "a.safetensors", [4, 5, 6, 7, 8], hidden)
@@ -77,7 +93,7 @@ def test_join_picks_layers_and_matches_by_tokens(tmp_path: Path) -> None:
     got = _ingest(tmp_path, rollouts, [5, 1, 3, 8], [1, 3, 8], max_unmatched_share=0.5)
     assert [s.sample_id for s in got.samples] == ["r1"]
     assert (got.unmatched_files, got.missing) == (["other-step.safetensors"], ["r0"])
-    assert got.metadata() == {"connector_files": 2, "connector_unmatched_files": 1,
+    assert got.metadata() == {"connector_files": 2, "connector_files_not_captured": 0, "connector_unmatched_files": 1,
                               "connector_rollouts_without_file": 1, "connector_refused_files": 0}
     assert torch.equal(samples_hidden(got, "r1").view(torch.int16), hidden[:, 1:].view(torch.int16))
     assert got.samples[0].loss_mask.tolist() == [0, 0, 1, 1, 1]

@@ -11,7 +11,7 @@ from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.models.eagle import EagleConfig, EagleDrafter
 from pipeline.training.dataset import InMemoryDataset, Sample, plan_epoch
-from pipeline.training.loop import lr_at, train_drafter
+from pipeline.training.loop import fitted_warmup, lr_at, train_drafter
 from pipeline.training.losses import eagle3_loss
 from pipeline.training.window import pack
 from tests.support import eagle3
@@ -114,7 +114,8 @@ def test_train_drafter_reduces_the_loss(target, dataset: list[Sample]) -> None:
     assert [step for step, _ in sink.records] == list(range(result.iterations))
     assert [r["loss"] for _, r in sink.records] == result.loss_history
     assert [r["lr"] for _, r in sink.records] == pytest.approx(
-        [lr_at(i, result.iterations, cfg.optim.lr, cfg.optim.lr_warmup_steps) for i in range(result.iterations)]
+        [lr_at(i, result.iterations, cfg.optim.lr, fitted_warmup(2, result.iterations))
+         for i in range(result.iterations)]
     )
     assert set(sink.records[0][1]) >= {"loss", "vloss", "ploss", "accuracy", "lr", "tokens_per_s"}
     # the target's embeddings and lm_head stay frozen; the drafter's own weights move
@@ -122,6 +123,32 @@ def test_train_drafter_reduces_the_loss(target, dataset: list[Sample]) -> None:
         assert torch.equal(model.state_dict()[key], value), key
     assert not torch.equal(model.fc.weight, fc_before)
     assert not model.training
+
+
+def test_warmup_is_at_most_a_tenth_of_the_run() -> None:
+    assert fitted_warmup(10, 220) == 10
+    assert fitted_warmup(10, 40) == 4
+    assert fitted_warmup(10, 5) == 1
+    assert fitted_warmup(0, 40) == 0
+
+
+def test_token_budget_bounds_the_run_and_the_schedule_spans_it(target, dataset: list[Sample]) -> None:
+    """train.max_tokens: batches epoch after epoch until the next would pass the budget; epochs stay an
+    upper bound; the learning rate decays to 10% at the budget's last iteration."""
+    per_epoch = sum(ids.shape[0] - 1 for ids, _, _ in dataset)
+    cfg = TrainConfig(epochs=6, batch_size_per_gpu=4, max_seq_len=128, window_tokens=128, seed=1,
+                      max_tokens=int(2.5 * per_epoch), optim=OptimConfig(lr=3e-3, lr_warmup_steps=2))
+    sink = RecordingSink()
+    result = train_drafter(drafter_for(target), InMemoryDataset(dataset), cfg, sink=sink)
+    assert 2 * per_epoch < result.tokens <= cfg.max_tokens
+    assert result.iterations < 3 * 3  # 3 batches an epoch: the third epoch is cut
+    assert sink.records[-1][1]["lr"] == pytest.approx(lr_at(result.iterations - 1, result.iterations, 3e-3, 1))
+    assert lr_at(result.iterations, result.iterations, 3e-3, 1) == pytest.approx(3e-4)
+    bounded = train_drafter(drafter_for(target), InMemoryDataset(dataset),
+                            cfg.model_copy(update={"max_tokens": 100 * per_epoch, "epochs": 2}))
+    assert bounded.tokens == 2 * per_epoch  # epochs bound a budget larger than they allow
+    one = train_drafter(drafter_for(target), InMemoryDataset(dataset), cfg.model_copy(update={"max_tokens": 1}))
+    assert one.iterations == 1  # at least one batch
 
 
 def test_train_drafter_is_reproducible(target, dataset: list[Sample]) -> None:

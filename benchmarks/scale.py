@@ -1,0 +1,188 @@
+"""A step of realistic shape at a tiny hidden size, and the projection for the reference step.
+
+The step: 4,096 rollouts, lognormal lengths of mean 3,000 tokens and p99 12,000 (capped at
+16,384), a 4-layer Llama target of hidden size 64. A capture plan of 128 rollouts (the cap
+that keeps the run near 3 minutes on 2 cores) picks its rollouts and windows; they are
+extracted into shards and an EAGLE-3 drafter trains on them under `train.max_tokens`. Figures:
+
+* `bytes_vs_windows`: the stored layer bytes over captured windows x stored layers x H x 2
+  (goal 1.0: nothing but the windows is stored); `total_bytes_vs_windows` with the shards'
+  token ids, masks and Arrow framing.
+* `extraction_peak_rss_ratio_vs_quarter_step`: extraction's peak RSS above the process's
+  before it (rollouts loaded) against the same for a step a quarter the size (goal within 10%:
+  memory bounded by a batch, whatever the step).
+* `training_wall_vs_budget_prediction`: wall time of a training of `train.max_tokens` over
+  the wall time predicted from a training of half the budget (goal within 10%).
+* `projection`: `cli.py plan` for the reference step (Qwen3-8B, 4,096 x 3,000 tokens, p99
+  12,000, 8 x H100, a 600 s RL step, the shipped H100 figures) before capture plans and token
+  budgets and after; goals: bytes stored <= 2x what training reads, drafter GPU-seconds <= 10%
+  of the RL step's, the served drafter at most 1 RL step old.
+
+    python -m benchmarks.scale
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLLOUTS, MEAN_TOKENS, P99_TOKENS, MAX_TOKENS = 4096, 3000, 12000, 16384
+HIDDEN, LAYERS, VOCAB = 64, 4, 256
+TOKENS_PER_BATCH = 32768
+TRAIN_BUDGET = 64_000  # trained positions of the measured training (the calibration trains half)
+# The cap that keeps the run near 3 minutes on 2 cores: a forward over 3,000-token contexts runs at about
+# 15k tokens per CPU-second even at hidden size 64 (attention), so 128 rollouts are captured, not 1,024.
+CAPTURED = 128
+# The reference step's budgets "after": capture and training budgets sized for an 8B policy on 8 GPUs.
+REFERENCE_AFTER = {"capture": {"max_samples": 1024}, "train": {"max_tokens": 4_000_000}}
+QWEN3_8B = {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False}
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _rollouts(count: int, seed: int) -> list:
+    import numpy as np
+
+    from pipeline.capacity import StepShape
+    from pipeline.data.rollouts import Rollout
+
+    lengths = StepShape(count, MEAN_TOKENS, P99_TOKENS, 1, "", 1).lengths()
+    rng = random.Random(seed)
+    ids = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        n = min(MAX_TOKENS, max(64, int(rng.choice(lengths))))
+        prompt = min(256, n // 4)
+        out.append(Rollout(f"r{seed}-{i:05d}", ids.integers(0, VOCAB, n).tolist(), [0] * prompt + [1] * (n - prompt),
+                           rng.random(), 1))
+    return out
+
+
+def measure_step(count: int, train: bool) -> dict:
+    """In this process: a step of `count` rollouts captured with the shipped defaults, extracted into shards;
+    with `train`, an EAGLE-3 drafter trained on them under a token budget (and half of it)."""
+    import torch
+
+    from pipeline.config import load_config
+    from pipeline.data import capture, shards
+    from pipeline.data.buffer import select_buffer
+    from pipeline.data.store import ObjectStore
+    from pipeline.models import drafter as drafters
+    from pipeline.models import target as target_lib
+    from pipeline.sources.extract import iter_hidden_states, stored_layer_ids
+    from pipeline.training.dataset import BufferDataset
+    from pipeline.training.loop import train_drafter
+
+    torch.set_num_threads(1)
+    cfg = load_config()
+    config = target_lib.tiny_llama_config(VOCAB, HIDDEN, LAYERS, 4)
+    config.max_position_embeddings = MAX_TOKENS
+    target = target_lib.build_target(config, seed=0)
+    rollouts = _rollouts(count, seed=count)
+    plan = capture.plan_capture(rollouts, 1, held_out_fraction=cfg.eval.held_out_fraction,
+                                window_tokens=cfg.train.window_tokens, max_samples=CAPTURED)
+    windows = plan.bounds()
+    layer_ids = stored_layer_ids(cfg.drafter, LAYERS)
+    baseline_rss = _rss_bytes("VmRSS:")
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = ObjectStore(Path(tmp).as_uri())
+        samples = iter_hidden_states(target, [r for r in rollouts if r.sample_id in windows], 1,
+                                     tokens_per_batch=TOKENS_PER_BATCH, layer_ids=layer_ids, windows=windows)
+        manifest = shards.write_hidden_states(store, "scale", 1, samples, hidden_size=HIDDEN, layer_ids=layer_ids,
+                                              target={"model_id": "tiny"})
+        extraction_s = time.perf_counter() - start
+        result = {
+            "rollouts": count, "captured": plan.captured, "tokens_forwarded": plan.forwarded_tokens,
+            "tokens_stored": manifest.num_tokens, "stored_layers": len(layer_ids), "hidden_size": HIDDEN,
+            "layer_bytes": sum(r.length for e in manifest.samples for r in e.layers),
+            "total_bytes": manifest.total_bytes, "extraction_s": extraction_s,
+            "extraction_peak_rss_bytes": _rss_bytes("VmHWM:") - baseline_rss,
+        }
+        if train:
+            entries = select_buffer([manifest], 1, 1, cfg.train.data_buffer_max_size)
+            counts = torch.ones(VOCAB)
+            walls = {}
+            # A first short training warms what the first training of a process pays for alone (allocator,
+            # kernels' first calls); then half the budget predicts the whole of it.
+            for budget in (TRAIN_BUDGET // 16, TRAIN_BUDGET // 2, TRAIN_BUDGET):
+                drafter = drafters.fresh_drafter(cfg.drafter, target, counts, cfg.train.seed)
+                data = BufferDataset(store, "scale", entries, lambda s, d=drafter: d.training_sample(s, LAYERS))
+                trained = train_drafter(drafter, data, cfg.train.model_copy(update={"max_tokens": budget}),
+                                        teacher=drafter.teacher(target))
+                walls[budget] = (trained.wall_s, trained.tokens)
+            (half_s, half_tokens), (full_s, full_tokens) = walls[TRAIN_BUDGET // 2], walls[TRAIN_BUDGET]
+            result.update({"train_tokens": full_tokens, "train_wall_s": full_s,
+                           "train_predicted_s": full_tokens * half_s / half_tokens})
+    return result
+
+
+def _in_subprocess(count: int, train: bool) -> dict:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--measure-step", str(count),
+                          *(["--train"] if train else [])],
+                         check=True, capture_output=True, text=True, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def projection() -> dict:
+    """`cli.py plan` for the reference step, before (every token of every training rollout, epochs over the
+    buffer) and after (windows of a capture plan, a token budget per training)."""
+    from pipeline.capacity import PolicyShape, StepShape, Throughput, plan_capacity
+    from pipeline.config import load_config
+
+    cfg = load_config()
+    before_cfg = cfg.model_copy(update={"capture": cfg.capture.model_copy(update={"max_samples": 0, "max_tokens": 0}),
+                                        "train": cfg.train.model_copy(update={"max_tokens": 0})})
+    after_cfg = cfg.model_copy(update={key: getattr(cfg, key).model_copy(update=value)
+                                       for key, value in REFERENCE_AFTER.items()})
+    step = StepShape(ROLLOUTS, MEAN_TOKENS, P99_TOKENS, 8, "H100", 600.0)
+    policy, throughput = PolicyShape.from_config(QWEN3_8B), Throughput.load()
+    before = plan_capacity(policy, step, throughput, before_cfg, whole_rollouts=True)
+    after = plan_capacity(policy, step, throughput, after_cfg)
+    return {
+        "before": before.to_json(), "after": after.to_json(), "after_settings": REFERENCE_AFTER,
+        "goals_met": {"bytes_stored_le_2x_read": after.stored_vs_read <= 2.0,
+                      "drafter_gpu_s_le_10pct": after.drafter_share <= 0.10,
+                      "served_drafter_le_1_step_old": after.lag_steps <= 1},
+    }
+
+
+def run() -> dict:
+    full = _in_subprocess(ROLLOUTS, train=True)
+    quarter = _in_subprocess(ROLLOUTS // 4, train=False)
+    windows = full["tokens_stored"] * full["stored_layers"] * full["hidden_size"] * 2
+    return {
+        "bytes_vs_windows": full["layer_bytes"] / windows,
+        "total_bytes_vs_windows": full["total_bytes"] / windows,
+        "extraction_peak_rss_ratio_vs_quarter_step": full["extraction_peak_rss_bytes"]
+        / quarter["extraction_peak_rss_bytes"],
+        "training_wall_vs_budget_prediction": full["train_wall_s"] / full["train_predicted_s"],
+        "step": full,
+        "quarter_step": quarter,
+        "projection": projection(),
+    }
+
+
+def main() -> None:
+    if "--measure-step" in sys.argv:
+        count = int(sys.argv[sys.argv.index("--measure-step") + 1])
+        sys.stdout.write(json.dumps(measure_step(count, "--train" in sys.argv)) + "\n")
+        return
+    sys.stdout.write(json.dumps(run(), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
