@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,6 +48,9 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
     for name in ("mlflow", "alembic", "dagster"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # Deprecation notices of the libraries (transformers 5 renames `past_key_values`) would print into the
+    # progress bar; they are for this project's developers, who see them in the tests' output.
+    warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 def prepare_dagster_home(cfg: PipelineConfig) -> Path:
