@@ -160,6 +160,7 @@ def ledger_png(ledger: Ledger, dpi: int = 100) -> bytes:
     lag_ax.bar([lag.step for lag in lags], [lag.lag_steps for lag in lags], color="tab:orange")
     lag_ax.set_xlabel("RL step")
     lag_ax.set_ylabel("served drafter's lag (RL steps)")
+    lag_ax.yaxis.set_major_locator(plt.MaxNLocator(integer=True))
     lag_ax.set_title("How old the served drafter was")
     lag_ax.grid(alpha=0.3, axis="y")
     running = cumulative(ledger.costs)
