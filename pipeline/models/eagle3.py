@@ -189,6 +189,21 @@ class Eagle3DecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+def checkpoint_fields(c: Eagle3Config) -> dict:
+    """The config.json fields every EAGLE-3 layout shares (P-EAGLE's adds its own to them)."""
+    return {
+        "architectures": [ARCHITECTURE],
+        **llama_fields(c),
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "norm_before_residual": c.norm_before_residual,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
+    }
+
+
 class Eagle3Drafter(nn.Module):
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__()
@@ -268,18 +283,7 @@ class Eagle3Drafter(nn.Module):
         (the engines' defaults differ); the EAGLE-3.1 flags only when set, since an engine may read a
         written `false` differently from an absent key (SpecForge 0.2: `norm_output: false` = no final norm)."""
         c = self.config
-        return {
-            "architectures": [ARCHITECTURE],
-            **llama_fields(c),
-            "draft_vocab_size": c.draft_vocab_size,
-            "target_hidden_size": c.target_hidden_size,
-            "norm_before_residual": c.norm_before_residual,
-            **{flag: True for flag in ("fc_norm", "norm_output") if getattr(c, flag)},
-            "eagle_config": {
-                "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
-                "use_aux_hidden_state": True,
-            },
-        }
+        return {**checkpoint_fields(c), **{flag: True for flag in ("fc_norm", "norm_output") if getattr(c, flag)}}
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The trainable tensors, plus the embeddings when they are not the target's."""

@@ -39,9 +39,8 @@ from pipeline.models.eagle import (
     LayerCache,
     RMSNorm,
     gather_rows,
-    llama_fields,
 )
-from pipeline.models.eagle3 import ARCHITECTURE, Eagle3Config, Eagle3DecoderLayer, Eagle3Drafter, read_positions
+from pipeline.models.eagle3 import Eagle3Config, Eagle3DecoderLayer, Eagle3Drafter, checkpoint_fields, read_positions
 from pipeline.models.eagle3 import stored_layer_ids as eagle3_stored_layer_ids
 from pipeline.models.rope import RotaryEmbedding, apply_rotary
 from pipeline.models.teacher import Teacher
@@ -334,17 +333,9 @@ class PEagleDrafter(nn.Module):
         token as `pard_token` (and `ptd_token_id`), the depths as `num_speculative_tokens` at most."""
         c = self.config
         return {
-            "architectures": [ARCHITECTURE],
-            **llama_fields(c),
+            **checkpoint_fields(c),
             "num_hidden_layers": c.num_hidden_layers,
-            "draft_vocab_size": c.draft_vocab_size,
-            "target_hidden_size": c.target_hidden_size,
-            "norm_before_residual": c.norm_before_residual,
             **({"fc_norm": True} if c.fc_norm else {}),
-            "eagle_config": {
-                "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
-                "use_aux_hidden_state": True,
-            },
             "parallel_drafting": True,
             "mask_token_id": c.mask_token_id,
             "pard_token": c.mask_token_id,
