@@ -251,6 +251,7 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     from definitions import build_definitions
     from pipeline import report
     from pipeline.data.keys import acceptance_key
+    from pipeline.data.records import read_fleet_state
     from pipeline.data.store import open_store
     from pipeline.registry import open_registry
     from pipeline.serving import deploy
@@ -306,7 +307,7 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
         paced.stop()
         if source == "trl":
             rl.finish()  # TRL's last optimizer step
-        fleet_state = deploy.read_state(store, cfg.run).replicas if with_fleet else ()
+        fleet_state = read_fleet_state(store, cfg.run).replicas if with_fleet else ()
     finally:
         paced.stop(timeout=0)
         if with_fleet and cfg.fleet.driver == "standin":
@@ -399,10 +400,10 @@ def status(config_path: str | None) -> None:
     _quiet_libraries()
     import dagster as dg
 
+    from pipeline.data.records import read_fleet_state
     from pipeline.data.rollouts import committed_steps
     from pipeline.data.store import open_store
     from pipeline.registry import open_registry
-    from pipeline.serving import deploy
 
     instance = dg.DagsterInstance.get()
     store = open_store(cfg)
@@ -429,7 +430,7 @@ def status(config_path: str | None) -> None:
         tags = registry.version_tags(version) if version else {}
         detail = f"version {version} (RL step {tags.get('rl_step', '?')}, tau {tags.get('tau', '?')})"
         out(f"  {alias:<10} {detail if version else 'none'}")
-    state = deploy.read_state(store, cfg.run)
+    state = read_fleet_state(store, cfg.run)
     if cfg.fleet.driver == "none":
         out("fleet: none configured (fleet.driver: none)")
     elif not state.replicas:

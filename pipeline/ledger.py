@@ -16,12 +16,19 @@ Cost of step s, in device-seconds (GPU-seconds in production; one process's seco
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, replace
 
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.keys import drafter_key
-from pipeline.data.records import STAGES, Deployment, StepCost, read_cost, read_fleet_state, read_training
+from pipeline.data.records import (
+    STAGES,
+    Deployment,
+    StepCost,
+    read_cost,
+    read_fleet_state,
+    read_training,
+    served_at,
+)
 from pipeline.data.store import ObjectStore
 from pipeline.registry import DrafterRegistry
 
@@ -41,12 +48,10 @@ def step_lags(
 ) -> list[StepLag]:
     """`published_at`: step -> commit time; `deployments`: the fleet's history; `seen_step`: version ->
     newest step it trained on."""
-    history = sorted(deployments, key=lambda d: d.live_at)
-    times = [d.live_at for d in history]
+    history = tuple(sorted(deployments, key=lambda d: d.live_at))
     lags = []
     for step, at in sorted(published_at.items()):
-        live = bisect.bisect_right(times, at) - 1
-        served = history[live].version if live >= 0 else None
+        served = served_at(history, at)
         seen = seen_step.get(served) if served else None
         caught_up = next((d.live_at for d in history if seen_step.get(d.version, -1) >= step), None)
         lags.append(StepLag(step, at, served, seen, step - seen if seen is not None else None,

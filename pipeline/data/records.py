@@ -376,9 +376,10 @@ def read_fleet_state(store: ObjectStore, run: str) -> FleetState:
     return read_record(store, key, FleetState) if store.exists(key) else FleetState()
 
 
-def served_at(state: FleetState, at: float) -> str | None:
-    """The version the whole fleet ran at `at` (epoch seconds); None before its first deployment."""
-    live = [d.version for d in state.history if d.live_at <= at]
+def served_at(history: tuple[Deployment, ...], at: float) -> str | None:
+    """The version the whole fleet ran at `at` (epoch seconds), by its deployment history (oldest first);
+    None before its first deployment."""
+    live = [d.version for d in history if d.live_at <= at]
     return live[-1] if live else None
 
 

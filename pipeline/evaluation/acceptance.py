@@ -116,7 +116,7 @@ def served_version(store: ObjectStore, run: str, step: int, champion: str | None
     state = read_fleet_state(store, run)
     if not state.history:
         return champion
-    return served_at(state, rollouts_lib.published_at(store, run, step))
+    return served_at(state.history, rollouts_lib.published_at(store, run, step))
 
 
 def round_costs_at_step(

@@ -45,11 +45,6 @@ def gate_config(cfg: PipelineConfig) -> GateConfig:
     return GateConfig(f.ready_timeout_s, f.canary_requests, f.canary_tokens, f.min_live_tau)
 
 
-def read_state(store: ObjectStore, run: str) -> FleetState:
-    """The fleet's recorded state; an empty one before the first deploy."""
-    return read_fleet_state(store, run)
-
-
 @dataclass(frozen=True)
 class StagedVersions:
     """Checkpoint directories on local disk: the version to roll out and the one to roll back to."""
@@ -101,7 +96,7 @@ def record_live(
                                         "fleet": ",".join(r.replica for r in report.replicas)})
     now = time.time()
     deployment = Deployment(version, now, round(sum(r.deploy_s for r in report.replicas), 3))
-    history = (*read_state(store, run).history, deployment)
+    history = (*read_fleet_state(store, run).history, deployment)
     write_record(store, fleet_state_key(run), FleetState(version, policy_step, now, report.replicas, history))
 
 

@@ -14,6 +14,7 @@ import dagster as dg
 from definitions import build_definitions
 from jobs.sensors import DEPLOY_SENSOR_NAME, champion_sensor, live_tau_sensor
 from pipeline.config import load_config
+from pipeline.data.records import read_fleet_state
 from pipeline.data.store import open_store
 from pipeline.registry import DrafterRegistry
 from pipeline.serving import deploy
@@ -108,7 +109,7 @@ def check_promotions_reach_the_fleet_once_each(tmp_path: Path, instance: dg.Dags
         assert (md["trained"].value, md["model_version"].value) == (True, "3")
         assert md["retrain_requested_by"].value == retrain.tags["retrain_reason"]
         assert md["reason"].value.startswith(f"requested ({retrain.tags['retrain_reason']})")
-        state = deploy.read_state(store, cfg.run)
+        state = read_fleet_state(store, cfg.run)
         assert state.version == "2"
         assert [r.replica for r in state.replicas] == ["standin-0", "standin-1"]
         assert registry.alias_version("live") == "2"

@@ -31,6 +31,7 @@ from pipeline.config import PipelineConfig, load_config
 from pipeline.data import buffer, shards
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.keys import fleet_state_key, hidden_states_prefix
+from pipeline.data.records import read_fleet_state
 from pipeline.data.store import ObjectStore, StorageFullError, open_store, storage_options_for
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
@@ -214,7 +215,7 @@ def test_sigkill_during_a_deploy_then_rerun_serves_one_drafter(loop, reliability
         deploy.deploy(cfg, store, registry, v2, driver)
         assert all(f"/v{v2}/" in _served_drafter(driver, r) for r in replicas)
         assert registry.alias_version("live") == v2
-        state = deploy.read_state(store, cfg.run)
+        state = read_fleet_state(store, cfg.run)
         assert state.version == v2
         assert [r.version for r in state.replicas] == [v2, v2]
         # The replica the killed deploy had already moved to v2 keeps its process; only the other restarts.
@@ -450,14 +451,14 @@ def test_deploy_refuses_a_bad_checkpoint_before_touching_a_replica(
     run_id = registry.start_run("bad", {})
     version = registry.register(run_id, directory, {})
     driver = StandInDriver(cfg.eval.num_speculative_tokens, cfg.data_path / "fleet" / "replicas")
-    state = deploy.read_state(store, cfg.run)
+    state = read_fleet_state(store, cfg.run)
 
     message = "not a readable safetensors file" if bad == "pickle" else "fc.weight"
     with pytest.raises(ValueError, match=message):
         deploy.deploy(cfg, store, registry, version, driver)
     assert not driver.state_dir.exists()  # no replica was started or stopped
     assert registry.alias_version("live") is None
-    assert deploy.read_state(store, cfg.run) == state
+    assert read_fleet_state(store, cfg.run) == state
 
 
 def test_warm_start_checkpoint_that_does_not_match_its_config(loop, reliability, tmp_path: Path) -> None:
