@@ -154,12 +154,13 @@ def plan_training(
 
 
 RECENT_TRAININGS = 3  # the expected cost of a training: the mean of the last few
+SCHEDULE_HISTORY_STEPS = 100  # records a decision reads: a champion promoted earlier counts as unknown (train)
 
 
 def schedule_inputs(store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry) -> ScheduleInputs:
     """What the `acceptance` and `cost` schedules read: the champion's acceptance since its promotion, the
     step's rollout tokens, and the costs earlier steps measured (their StepCost records)."""
-    earlier = [s for s in rollouts_lib.committed_steps(store, cfg.run) if s < step]
+    earlier = [s for s in rollouts_lib.committed_steps(store, cfg.run) if s < step][-SCHEDULE_HISTORY_STEPS:]
     costs = [c for c in (read_cost(store, cfg.run, s) for s in earlier) if c is not None]
     trainings = [c.seconds["training"] for c in costs if c.seconds.get("training", 0) > 0][-RECENT_TRAININGS:]
     decoding = next((c.decoding for c in reversed(costs) if c.decoding), None)
