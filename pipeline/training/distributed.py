@@ -14,8 +14,8 @@ reduction with zero gradients, which DDP cannot express. A drafter is one decode
 its gradients are reduced once per step, and the lost overlap with backward is small.
 
 FSDP2 (`fully_shard`, `train.parallelism: fsdp`) shards the drafter's parameters, gradients
-and AdamW state over the ranks: each rank holds 1/N of them and all-gathers one submodule's
-weights at a time for its forward and backward. It pays off when the fp32 training state
+and AdamW state over the ranks: each rank holds 1/N of them and all-gathers each unit's weights
+once per step, when the step first needs them (`shard_drafter`). It pays off when the fp32 training state
 (16 bytes per trainable parameter: weight, gradient, two AdamW moments; 4 per frozen one)
 would crowd the activations out of a GPU: `train.parallelism: auto` (`choose_parallelism`)
 shards when that state exceeds `train.fsdp_memory_share` of one GPU's memory. For the
