@@ -95,6 +95,19 @@ def test_vllm_argv(method: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> N
     assert "sk-secret-value" not in command
 
 
+def test_vllm_argv_with_a_weight_transfer_backend_starts_in_dev_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fleet.weight_transfer_backend: disk`: vLLM started ready for hot drafter updates."""
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    replica = ReplicaSpec("r0", "10.0.0.5", 8000, "policy")
+    argv = vllm_argv(replica, "/models/p", "eagle3", "/drafters/v7", 4, "disk")
+    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "disk"}
+    assert "--weight-transfer-config" not in vllm_argv(replica, "/models/p", "eagle3", "/drafters/v7", 4)
+    assert vllm_env(replica, dev_mode=True)["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "VLLM_SERVER_DEV_MODE" not in vllm_env(replica)
+    command = CommandDriver("restart {name} -- {argv}", "eagle3", 4, "disk").command(replica, "/models/p", "/d/v7")
+    assert """--weight-transfer-config '{"backend": "disk"}'""" in command
+
+
 def test_vllm_argv_serves_peagle_as_eagle3_with_parallel_drafting() -> None:
     argv = vllm_argv(ReplicaSpec("r0", "10.0.0.5", 8000, "policy"), "/models/p", "peagle", "/drafters/v7", 6)
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
