@@ -346,7 +346,8 @@ class StagedDrafter:
 
 
 class HotUpdateUnsupported(RuntimeError):
-    """The replica has no weight-update routes (404/405): nothing was changed on it."""
+    """The replica took no update and is unchanged: it has no weight-update routes (404/405), or refused to
+    begin one (/init_weight_transfer_engine or /pause failed, e.g. vLLM without a weight-transfer backend)."""
 
 
 class HotUpdateFailed(RuntimeError):
@@ -385,18 +386,28 @@ def _send_drafter(replica: ReplicaSpec, drafter_dir: str, label: str) -> None:
 
 def hot_update(replica: ReplicaSpec, drafter_dir: str, version: str) -> float:
     """Pause the replica (requests held, not dropped), send it the drafter in `drafter_dir`, resume, and check
-    it reports `version`; returns the seconds its requests were held. HotUpdateUnsupported when the routes
-    are absent before anything changed; HotUpdateFailed (resumed, but its weights unknown) otherwise."""
-    _dev_call(replica, "/init_weight_transfer_engine", {"init_info": {}})
-    _dev_call(replica, "/pause?mode=keep", {})
+    it reports `version`; returns the seconds its requests were held. HotUpdateUnsupported when it refused
+    before anything changed; HotUpdateFailed (resumed, but its weights unknown) otherwise."""
+    try:
+        _dev_call(replica, "/init_weight_transfer_engine", {"init_info": {}})
+        _dev_call(replica, "/pause?mode=keep", {})
+    except HotUpdateFailed as exc:
+        raise HotUpdateUnsupported(str(exc)) from None
     paused = time.monotonic()
+    failure: HotUpdateFailed | None = None
     try:
         _send_drafter(replica, drafter_dir, weight_version(version))
     except HotUpdateUnsupported as exc:
-        raise HotUpdateFailed(f"{exc} after /pause succeeded") from None
-    finally:
-        with suppress(HotUpdateFailed, HotUpdateUnsupported):
-            _dev_call(replica, "/resume", {})
+        failure = HotUpdateFailed(f"{exc} after /pause succeeded")
+    except HotUpdateFailed as exc:
+        failure = exc
+    try:  # resumed whatever happened: held requests go on, on whichever weights it has
+        _dev_call(replica, "/resume", {})
+    except (HotUpdateFailed, HotUpdateUnsupported) as exc:
+        raise HotUpdateFailed(f"{f'{failure}; ' if failure else ''}/resume failed, the replica may hold its "
+                              f"requests: {exc}") from None
+    if failure is not None:
+        raise failure
     held = time.monotonic() - paused
     reported = _dev_call(replica, "/weight_info").get("weight_version")
     if reported != weight_version(version):
