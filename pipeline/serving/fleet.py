@@ -497,11 +497,11 @@ def rolling_deploy(
         policy = serving[0] if serving else (recorded[replica.name].target if replica.name in recorded else "")
         try:
             if tau is None and update == "hot":
-                if previous is None:
-                    attempt.note = "no previous version to roll back to: restarted"
-                elif policy != target:
+                if policy != target:
                     attempt.note = "it serves another policy: restarted" if policy else \
                         "the policy it serves is not known: restarted"
+                elif previous is None:
+                    attempt.note = "no previous version to roll back to: restarted"
                 else:
                     tau = _try_hot(replica, driver, target, version, drafter_dir, previous, gates, canary_prompts,
                                    alive, attempt)
