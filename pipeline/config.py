@@ -276,7 +276,8 @@ class TargetConfig(_Strict):
     )
     split_devices: int = Field(
         default=0, ge=0,
-        description="Devices a split policy spans, from the process's own; 0: every visible CUDA device from it.",
+        description="GPUs a split policy spans, from the process's own; 0: every visible one from it, or with "
+                    "several ranks on the node (torchrun's LOCAL_WORLD_SIZE) an even share each.",
     )
 
     @model_validator(mode="after")

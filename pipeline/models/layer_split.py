@@ -25,6 +25,7 @@ to one another but the residual stream; any other family is refused by name.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -103,32 +104,40 @@ def check_splittable(config: PretrainedConfig, where: str) -> None:
 
 
 def pod_devices(device: str, count: int) -> list[str]:
-    """The devices a split policy may span: `count` devices from the process's own (0: every visible CUDA
-    device from it). On the CPU there is one memory, so `count` blocks all on it (the split's code path,
-    no memory gained), and one when count is 0; any other kind of device is one."""
+    """The devices a split policy may span: `count` devices from the process's own (0: its share of the
+    visible CUDA devices, `gpu_block`). On the CPU there is one memory, so `count` blocks all on it (the
+    split's code path, no memory gained), and one when count is 0; any other kind of device is one."""
     first = torch.device(device)
     if first.type == "cpu":
         return ["cpu"] * max(count, 1)
     if first.type != "cuda":
         return [device]
     index = first.index if first.index is not None else torch.cuda.current_device()
-    visible = torch.cuda.device_count()
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's ranks on this node
+    return [f"cuda:{i}" for i in gpu_block(index, count, torch.cuda.device_count(), ranks)]
+
+
+def gpu_block(index: int, count: int, visible: int, ranks: int) -> list[int]:
+    """The GPUs a split spans from cuda:`index`: `count` of them, or with count 0 every visible one from it
+    (one rank on the node) or the node's GPUs shared evenly by its `ranks`. Ranks must not share a GPU, so
+    with several ranks a rank's device must be the first of its own block."""
+    if ranks > 1:
+        count = count or max(visible // ranks, 1)
+        if index % count:
+            raise ValueError(f"{ranks} ranks on this node split the policy across {count} GPUs each: a rank's "
+                             f"device must be the first of its own block (cuda:{count} x k), not cuda:{index}")
     count = count or visible - index
     if index + count > visible:
         raise ValueError(f"target.split_devices is {count} from cuda:{index}, but {visible} CUDA devices are visible")
-    return [f"cuda:{index + k}" for k in range(count)]
+    return list(range(index, index + count))
 
 
-def split_count(mode: SplitMode, needed: int, bound: MemoryBound | None, devices: int) -> int:
-    """How many devices the policy spans: 1 (whole on the process's device) or all `devices`.
-
-    `auto` splits only when the weights need more than the process's device may allocate (the memory
-    check's figures) and there is a device to split onto; `layers` always splits; `none` never."""
-    if mode == "none" or devices < 2:
-        return 1
-    if mode == "layers":
-        return devices
-    return devices if bound is not None and needed > bound.bytes else 1
+def wants_split(mode: SplitMode, needed: int, bound: MemoryBound | None) -> bool:
+    """Whether the policy is split: `layers` always, `none` never, `auto` only when its weights need more
+    than the process's device may allocate (the memory check's figures; no figure, no split)."""
+    if mode == "auto":
+        return bound is not None and needed > bound.bytes
+    return mode == "layers"
 
 
 def balance(layer_bytes: list[int], home_bytes: int, blocks: int) -> tuple[int, ...]:
@@ -165,9 +174,10 @@ def plan(config: PretrainedConfig, layout: WeightsLayout, where: str, device: st
     needed = memory_needed(layout, dtype)
     # `auto` splits across GPUs only: blocks on the one CPU would gain no memory.
     splits = mode == "layers" or (mode == "auto" and torch.device(device).type == "cuda")
-    devices = pod_devices(device, count) if splits else [device]
-    blocks = split_count(mode, needed, available_memory(device), len(devices))
-    if blocks == 1:
+    devices = pod_devices(device, count) if splits and wants_split(mode, needed, available_memory(device)) \
+        else [device]
+    blocks = len(devices)
+    if blocks == 1:  # whole, or nowhere to split onto: the memory check refuses what does not fit
         check_memory(layout, where, device, dtype)
         return whole(device, num_layers, needed)
     check_splittable(config, where)

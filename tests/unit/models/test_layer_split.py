@@ -20,7 +20,7 @@ from pipeline.config import PipelineConfig
 from pipeline.data.store import ObjectStore
 from pipeline.models import layer_split, target_checks, target_forward
 from pipeline.models import target as target_lib
-from pipeline.models.layer_split import Placement, UnsplittableFamilyError, balance, split_count
+from pipeline.models.layer_split import Placement, UnsplittableFamilyError, balance
 from pipeline.models.memory import MemoryBound
 from pipeline.models.target import LoadSettings
 from tests.support.families import COMMON, LAYERS, SHARD, VARIANTS, V, random_model
@@ -133,16 +133,19 @@ def test_the_load_refuses_a_split_of_an_uncovered_family(saved: dict, monkeypatc
     assert target_lib.load_checkpoint(saved["qwen2"].as_uri(), settings=LoadSettings(split="auto")) is not None
 
 
-@pytest.mark.parametrize(("mode", "needed", "bound", "devices", "blocks"), [
-    ("auto", 70 * GiB, MemoryBound(79 * GiB, "free memory of cuda:0"), 8, 1),  # fits: whole
-    ("auto", 140 * GiB, MemoryBound(79 * GiB, "free memory of cuda:0"), 8, 8),  # does not: across the pod
-    ("auto", 140 * GiB, MemoryBound(79 * GiB, "free memory of cuda:0"), 1, 1),  # nowhere to split: the check refuses
-    ("auto", 140 * GiB, None, 8, 1),  # no figure to decide on: whole
-    ("layers", 1 * GiB, MemoryBound(79 * GiB, "free memory of cuda:0"), 2, 2),  # always
-    ("none", 140 * GiB, MemoryBound(79 * GiB, "free memory of cuda:0"), 8, 1),  # never
+FREE_H100 = MemoryBound(79 * GiB, "free memory of cuda:0")
+
+
+@pytest.mark.parametrize(("mode", "needed", "bound", "split"), [
+    ("auto", 16 * GiB, FREE_H100, False),  # an 8B policy in bf16 fits: whole
+    ("auto", 79 * GiB, FREE_H100, False),  # exactly the free memory still fits
+    ("auto", 141 * GiB, FREE_H100, True),  # a 70B policy in bf16 does not: split
+    ("auto", 141 * GiB, None, False),  # no figure to decide on: whole
+    ("layers", 1 * GiB, FREE_H100, True),  # always
+    ("none", 141 * GiB, FREE_H100, False),  # never: the memory check refuses it
 ])
-def test_auto_splits_only_when_the_weights_exceed_the_device(mode, needed, bound, devices, blocks) -> None:
-    assert split_count(mode, needed, bound, devices) == blocks
+def test_auto_splits_only_when_the_weights_exceed_the_device(mode, needed, bound, split) -> None:
+    assert layer_split.wants_split(mode, needed, bound) is split
 
 
 @pytest.mark.parametrize(("layers", "home", "blocks", "expected"), [
@@ -160,6 +163,26 @@ def test_a_split_whose_block_exceeds_its_device_is_refused_naming_it() -> None:
     with pytest.raises(target_checks.TargetMemoryError, match=r"s3://b/p: split across 2 devices, cpu needs "
                                                               r"2251799813685248 bytes"):
         layer_split._check_blocks(placement, "s3://b/p", torch.bfloat16)
+
+
+@pytest.mark.parametrize(("index", "count", "visible", "ranks", "block"), [
+    (0, 0, 8, 1, list(range(8))),  # one rank: every GPU
+    (2, 0, 8, 1, list(range(2, 8))),  # from the process's own
+    (0, 4, 8, 1, [0, 1, 2, 3]),
+    (4, 0, 8, 2, [4, 5, 6, 7]),  # two ranks share the node: four each
+    (6, 2, 8, 4, [6, 7]),
+])
+def test_a_split_spans_its_share_of_the_node_s_gpus(index, count, visible, ranks, block) -> None:
+    assert layer_split.gpu_block(index, count, visible, ranks) == block
+
+
+@pytest.mark.parametrize(("index", "count", "visible", "ranks", "message"), [
+    (1, 0, 8, 2, "device must be the first of its own block"),  # rank 1 on cuda:1 would overlap rank 0's GPUs
+    (4, 6, 8, 1, "target.split_devices is 6 from cuda:4, but 8 CUDA devices are visible"),
+])
+def test_a_split_that_would_share_or_lack_gpus_is_refused(index, count, visible, ranks, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        layer_split.gpu_block(index, count, visible, ranks)
 
 
 # -- the configuration, and the load function the stages call
