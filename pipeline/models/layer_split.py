@@ -219,9 +219,10 @@ def _check_blocks(placement: Placement, where: str, dtype: torch.dtype, staging:
 
 @contextmanager
 def parameters_on_meta() -> Iterator[None]:
-    """Modules built inside register their parameters on the meta device (nothing allocated) and their
-    buffers where they are created, so buffers computed at construction (rotary inv_freq) hold the very
-    values a single-device build computes."""
+    """Modules built inside register their parameters on the meta device (nothing kept) and their buffers
+    where they are created, so buffers computed at construction (rotary inv_freq) hold the very values
+    a single-device build computes. Process-wide while the model is built, as `no_init_weights`'
+    patches of torch's init functions are (accelerate's `init_empty_weights` patches the same way)."""
     register = nn.Module.register_parameter
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:

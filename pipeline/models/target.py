@@ -15,6 +15,7 @@ The forward pass and the features drafters read are `target_forward`'s.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import threading
@@ -62,6 +63,8 @@ try:  # transformers 5
     from transformers.initialization import no_init_weights
 except ImportError:  # transformers 4
     from transformers.modeling_utils import no_init_weights
+
+log = logging.getLogger(__name__)
 
 # A checkpoint per RL step: per-load progress bars are noise in run logs.
 transformers.utils.logging.disable_progress_bar()
@@ -237,6 +240,8 @@ def _load(listing: CheckpointListing, device: str, settings: LoadSettings) -> Pr
     check_layout(config, layout, listing.uri)
     dtype = settings.torch_dtype(device)
     placement = layer_split.plan(config, layout, listing.uri, device, dtype, settings.split, settings.split_devices)
+    if placement.split:
+        log.info("%s: split across %d devices (%s)", listing.uri, len(placement.devices), placement.describe())
     return _materialize(config, directory, layout, listing.uri, placement, dtype)
 
 

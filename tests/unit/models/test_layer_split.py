@@ -16,13 +16,17 @@ import pytest
 import torch
 from transformers import DynamicCache, GemmaConfig, LlamaConfig, MixtralConfig
 
-from pipeline.config import PipelineConfig
+from pipeline.config import DrafterConfig, PipelineConfig
+from pipeline.data.rollouts import Rollout
 from pipeline.data.store import ObjectStore
+from pipeline.evaluation.speculative import follow_target, generate_batch
 from pipeline.models import layer_split, target_checks, target_forward
 from pipeline.models import target as target_lib
+from pipeline.models.drafter import fresh_drafter
 from pipeline.models.layer_split import Placement, UnsplittableFamilyError, balance
 from pipeline.models.memory import MemoryBound
 from pipeline.models.target import LoadSettings
+from pipeline.sources import extract
 from tests.support.families import COMMON, LAYERS, SHARD, VARIANTS, V, random_model
 
 GiB = 2**30
@@ -108,6 +112,32 @@ def test_five_layers_in_three_blocks_equal_the_whole_policy(tmp_path: Path) -> N
     for ours, theirs in zip(target_forward.layer_states(split, ids, every),
                             target_forward.layer_states(whole, ids, every), strict=True):
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("family", VARIANTS)
+def test_extraction_and_speculative_decoding_of_a_split_policy_equal_the_whole(saved: dict, family: str) -> None:
+    """The stages' own code on the split policy: extraction's stored bf16 samples (padded batches, capture
+    windows) and evaluation's batched speculative decoding with an EAGLE-3 drafter (its traces: tokens and
+    accepted lengths per round), identical to the whole policy's."""
+    whole, split = _whole_and_split(saved[family], "float32")
+    g = torch.Generator().manual_seed(5)
+    rollouts = [Rollout(sample_id=f"s{i}", input_ids=torch.randint(0, V, (n,), generator=g).tolist(),
+                        loss_mask=[1] * n, reward=1.0, policy_version=1) for i, n in enumerate((9, 14, 5, 11))]
+    windows = {"s0": (0, 9), "s1": (3, 14), "s2": (0, 5), "s3": (2, 8)}
+
+    def samples(model):
+        return list(extract.iter_hidden_states(model, rollouts, 1, tokens_per_batch=32, layer_ids=[0, 1, LAYERS],
+                                               windows=windows))
+
+    for ours, theirs in zip(samples(split), samples(whole), strict=True):
+        assert ours.sample_id == theirs.sample_id
+        assert torch.equal(ours.hidden, theirs.hidden)
+
+    prompts = [torch.randint(0, V, (n,), generator=g) for n in (3, 7, 12)]
+    drafter = fresh_drafter(DrafterConfig(kind="eagle3"), whole, torch.ones(V, dtype=torch.int64), seed=0)
+    traces = [generate_batch(model, follow_target(drafter, model), prompts, 8, 3) for model in (split, whole)]
+    assert [(t.tokens, t.accepted_per_round) for t in traces[0]] == \
+        [(t.tokens, t.accepted_per_round) for t in traces[1]]
 
 
 # -- which families, and when
