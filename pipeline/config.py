@@ -270,8 +270,8 @@ class TargetConfig(_Strict):
     )
     split: Literal["none", "layers", "auto"] = Field(
         default="auto",
-        description="A policy's decoder layers across the devices from the process's own: `auto` when it does "
-                    "not fit that device (the load's memory check), `layers` always, `none` never "
+        description="A policy's decoder layers across the GPUs from the process's own: `auto` when it does "
+                    "not fit that GPU (the load's memory check), `layers` always, `none` never "
                     "(pipeline/models/layer_split.py).",
     )
     split_devices: int = Field(
@@ -283,8 +283,8 @@ class TargetConfig(_Strict):
     @model_validator(mode="after")
     def _split_has_devices(self) -> TargetConfig:
         if self.split != "none" and self.split_devices == 1:
-            raise ValueError(f"target.split_devices is 1: target.split {self.split} needs 0 (every visible CUDA "
-                             "device) or at least 2; set target.split: none to load on one device")
+            raise ValueError(f"target.split_devices is 1: target.split {self.split} needs 0 (the process's share of "
+                             "the GPUs) or at least 2; set target.split: none to load on one device")
         return self
 
 

@@ -84,7 +84,7 @@ class LoadSettings:
     cache_max_bytes: int = 64 * 2**30
     cached_policies: int = 1
     split: layer_split.SplitMode = "auto"
-    split_devices: int = 0  # devices a split spans from the process's own; 0: every visible CUDA device
+    split_devices: int = 0  # GPUs a split spans from the process's own; 0: its share of the node's (gpu_block)
 
     def torch_dtype(self, device: str | torch.device) -> torch.dtype:
         if self.dtype == "auto":
