@@ -178,6 +178,14 @@ def test_auto_splits_only_when_the_weights_exceed_the_device(mode, needed, bound
     assert layer_split.wants_split(mode, needed, bound) is split
 
 
+def test_auto_never_splits_on_the_cpu(saved: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks on the one CPU would gain no memory: with the CPU's figure below the weights, `auto` still
+    loads whole (and the load's own memory check, on the real figure, decides)."""
+    monkeypatch.setattr(layer_split, "available_memory", lambda _device: MemoryBound(1, "hand-made"))
+    model = target_lib.load_checkpoint(saved["llama"].as_uri(), settings=LoadSettings(split="auto", split_devices=2))
+    assert not layer_split.placement_of(model).split
+
+
 @pytest.mark.parametrize(("layers", "home", "blocks", "expected"), [
     ([4, 4, 4, 4], 0, 2, (0, 0, 1, 1)),
     ([1] * 6, 6, 2, (1,) * 6),  # the home block's embeddings and head weigh as much as every layer
@@ -283,3 +291,18 @@ def test_a_layer_s_inputs_are_carried_whole_to_its_device() -> None:
     assert kwargs["position_ids"].device.type == "meta"
     assert kwargs["past_key_values"] is cache
     assert kwargs["use_cache"] is True
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_auto_splits_a_policy_that_does_not_fit_its_gpu(saved: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each GPU reported with one byte less free than the whole policy needs: `auto` splits it across two,
+    each block within the figure, and the forward equals the whole policy's."""
+    uri = saved["llama"].as_uri()
+    whole = target_lib.load_checkpoint(uri, "cuda:0", settings=LoadSettings(dtype="bfloat16", split="none"))
+    needed = sum(p.numel() * p.element_size() for p in whole.parameters())
+    monkeypatch.setattr(layer_split, "available_memory", lambda _device: MemoryBound(needed - 1, "hand-made"))
+    split = target_lib.load_checkpoint(uri, "cuda:0",
+                                       settings=LoadSettings(dtype="bfloat16", split="auto", split_devices=2))
+    assert layer_split.placement_of(split).devices == ("cuda:0", "cuda:1")
+    ids = _ids().cuda()
+    assert torch.equal(target_forward.forward(split, ids, [1]).logits, target_forward.forward(whole, ids, [1]).logits)
