@@ -142,6 +142,14 @@ def test_extraction_and_speculative_decoding_of_a_split_policy_equal_the_whole(s
 
 # -- which families, and when
 
+def test_every_family_the_split_takes_is_tested_above() -> None:
+    """A family enters SPLIT_FAMILIES only with its equality test: the families parametrizing the tests above
+    cover the table, and the table holds only families the loader takes."""
+    tested = {VARIANTS[name]().model_type for name in VARIANTS}
+    assert set(layer_split.SPLIT_FAMILIES) <= tested
+    assert set(layer_split.SPLIT_FAMILIES) <= set(target_checks.FAMILIES)
+
+
 @pytest.mark.parametrize("config", [
     MixtralConfig(**COMMON, num_local_experts=2, num_experts_per_tok=1),
     GemmaConfig(**COMMON, head_dim=8),
