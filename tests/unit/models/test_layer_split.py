@@ -3,9 +3,9 @@ whole policy's, for every supported family.
 
 On the CPU every block is on the one CPU device, so these tests prove the placement (every layer in a
 contiguous block, a tied lm_head beside its embeddings), the meta build and per-block allocation, the
-hooks that carry each layer's inputs to its block, the layer catching and a KV-cached decode through
-them, all bit-equal to the whole policy; the copies between devices are no-ops here and are exercised
-only by the test on two CUDA devices at the end.
+hooks running before each block and the final norm, the layer catching and a KV-cached decode through
+them, all bit-equal to the whole policy. The copies between devices are no-ops here: what the hooks
+carry is checked on the meta device, and real copies only by the tests on two CUDA devices at the end.
 """
 
 from __future__ import annotations
