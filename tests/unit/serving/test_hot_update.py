@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -165,7 +165,10 @@ def test_paused_replica_holds_a_request_until_resume(models: dict[str, str], dri
     done: list[list[int]] = []
     client = threading.Thread(target=lambda: done.append(_complete(replica, PROMPTS[0], 8)))
     client.start()
-    time.sleep(1.5)
+    deadline = time.monotonic() + 30
+    while _call(replica, "/standin/requests")["in_flight"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)  # the request reaching the server
+    time.sleep(0.5)
     held = _call(replica, "/standin/requests")
     assert (done, held["in_flight"], held["held"]) == ([], 1, 1)  # waiting, not refused
     assert urllib.request.urlopen(replica.url + "/health", timeout=10).status == 200  # still answering
@@ -210,20 +213,22 @@ def test_failing_update_weights_rolls_back_then_restarts(
     assert _probe_window(replica) == expected["v2"]
 
     # A version no replica can load: rolled back (hot, then by the restart path's own rollback), the deploy
-    # stops, and the fleet's recorded state says what each replica runs.
-    other = ReplicaSpec("r1", "127.0.0.1", free_port())
-    rolling_deploy([other], driver, models["target"], "2", models["v2"], None, GATES, PROMPTS)
+    # stops before r1 (recorded on version 2, never contacted), and the fleet's recorded state says what each
+    # replica runs.
     store = ObjectStore(tmp_path.as_uri())
-    fleet = [replica, other]
+    other = replace(entry, replica="r1")
     with pytest.raises(GateError, match="replica r0: .*rolled back to version 2; deploy of version 3 stopped") as exc:
-        rolling_deploy(fleet, driver, models["target"], "3", models["broken"], StagedDrafter("2", models["v2"]),
-                       GATES, PROMPTS, recorded={e.replica: e for e in (entry,)})
+        rolling_deploy([replica, ReplicaSpec("r1", "127.0.0.1", free_port())], driver, models["target"], "3",
+                       models["broken"], StagedDrafter("2", models["v2"]), GATES, PROMPTS,
+                       recorded={"r0": entry, "r1": other})
     record_stopped(store, "run", exc.value.replicas)
     state = read_fleet_state(store, "run")
-    assert [(r.replica, r.version, r.update) for r in state.replicas] == [("r0", "2", "rolled back")]
+    assert [(r.replica, r.version, r.update) for r in state.replicas] == [("r0", "2", "rolled back"),
+                                                                         ("r1", "2", "restart")]
     assert "hot update failed" in state.replicas[0].note
+    assert state.replicas[0].live_tau == entry.live_tau  # the one measured when it got version 2
     assert (state.version, state.history) == (None, ())  # the deploy did not complete: nothing went live
-    assert all(driver.serving(r) == (models["target"], models["v2"]) for r in fleet)
+    assert driver.serving(replica) == (models["target"], models["v2"])
 
 
 def test_replica_without_the_routes_is_restarted(
