@@ -479,9 +479,9 @@ def rolling_deploy(
     """Update replicas one at a time; on a failed gate restore `previous` there and stop.
 
     A replica already running `drafter_dir` on `target` keeps running: it only passes the gates (and is
-    updated like the others if it fails them). With `update="hot"`, a replica known to serve `target` with
-    `previous` (from the driver, else from `recorded`, the fleet's recorded state) is hot-updated; any other,
-    and one whose hot update fails (rolled back first), is restarted."""
+    updated like the others if it fails them). With `update="hot"` and a `previous` to roll back to, a replica
+    known to serve `target` (from the driver, else from `recorded`, the fleet's recorded state) is hot-updated;
+    any other, and one whose hot update fails (rolled back to `previous` first), is restarted."""
     recorded = recorded or {}
     done: list[ReplicaDeploy] = []
     for i, replica in enumerate(replicas):
