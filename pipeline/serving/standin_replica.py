@@ -94,6 +94,7 @@ class Replica:
         self.faults = {"update_weights": 0}
         self._decode = threading.Lock()  # the decoding turn; a pause holds it
         self._state = threading.Lock()  # counts, the pause flag and the update session
+        self._pausing = threading.Lock()  # one /pause or /resume at a time
         self._paused = False
         self._session: str | None = None  # None, "started" or "loaded"
 
@@ -150,21 +151,22 @@ class Replica:
             raise UpdateError(400, f"mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
         if mode == "abort":
             raise UpdateError(400, "the stand-in pauses with mode=keep or mode=wait only")
-        with self._state:
-            if self._paused:
+        with self._pausing:
+            if self.paused:
                 return
-        self._decode.acquire()
-        with self._state:
-            self._paused = True
-            # The queued requests are held from now on; arrivals while paused count themselves.
-            self.requests.held += self.requests.in_flight
+            self._decode.acquire()
+            with self._state:
+                self._paused = True
+                # The queued requests are held from now on; arrivals while paused count themselves.
+                self.requests.held += self.requests.in_flight
 
     def resume(self) -> None:
-        with self._state:
-            if not self._paused:
+        with self._pausing:
+            if not self.paused:
                 return
-            self._paused = False
-        self._decode.release()
+            with self._state:
+                self._paused = False
+            self._decode.release()
 
     @property
     def paused(self) -> bool:
