@@ -270,7 +270,31 @@ class TargetConfig(_Strict):
     )
 
 
-class EvalConfig(_Strict):
+class StageConfig(_Strict):
+    """A model stage launched like training (`train.launcher`): its ranks and the resources of its pod. The
+    image, namespace, service account, node selector, tolerations, /dev/shm and Secret are `train.k8s`'s."""
+
+    nproc: int = Field(default=1, ge=1, description="Ranks of the stage (torchrun --nproc-per-node); in a pod, "
+                                                    "one GPU each.")
+    cpu: str = Field(default="8", description="CPU request (and limit) of the stage's pod.")
+    memory: str = Field(default="64Gi", description="Memory request (and limit) of the stage's pod: the policy "
+                                                    "is loaded there (its weights, in `target.dtype`, plus batches).")
+
+    @field_validator("cpu", "memory")
+    @classmethod
+    def _quantity(cls, value: str, info: ValidationInfo) -> str:
+        if not _QUANTITY.fullmatch(value):
+            raise ValueError(f"{info.field_name} {value!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)")
+        return value
+
+
+class ExtractConfig(StageConfig):
+    """The `hidden_states` stage's process (or pod): the step's policy runs forward there."""
+
+
+class EvalConfig(StageConfig):
+    """The `acceptance` stage's process (or pod): every drafter of the step is measured there, one process."""
+
     num_speculative_tokens: int = Field(default=4, ge=1, description="k: tokens the drafter proposes per round.")
     max_new_tokens: int = Field(default=40, ge=1, description="Tokens generated per held-out prompt.")
     num_prompts: int = Field(default=24, ge=1, description="Held-out prompts evaluated per step.")
@@ -455,6 +479,7 @@ class PipelineConfig(_Strict):
     capture: CaptureConfig = Field(
         default_factory=CaptureConfig, description="Which rollouts and tokens of a step are stored."
     )
+    extract: ExtractConfig = Field(default_factory=ExtractConfig, description="The extraction stage's ranks and pod.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Acceptance evaluation.")
     promotion: PromotionConfig = Field(default_factory=PromotionConfig, description="Champion promotion.")
     fleet: FleetConfig = Field(default_factory=FleetConfig, description="The serving fleet the champion goes to.")
@@ -465,6 +490,17 @@ class PipelineConfig(_Strict):
         if self.drafter.kind == "peagle" and self.eval.num_speculative_tokens > self.drafter.num_depths:
             raise ValueError(f"eval.num_speculative_tokens ({self.eval.num_speculative_tokens}) exceeds "
                              f"drafter.num_depths ({self.drafter.num_depths}): a P-EAGLE forward proposes at most that")
+        return self
+
+    @model_validator(mode="after")
+    def _extract_ranks(self) -> PipelineConfig:
+        if self.extract.nproc > 1 and self.hidden_states.source != "forward":
+            raise ValueError(f"extract.nproc is {self.extract.nproc}, but hidden_states.source "
+                             f"{self.hidden_states.source!r} reads vLLM's files in one process: set extract.nproc "
+                             "to 1, or hidden_states.source to forward")
+        if max(self.extract.nproc, self.eval.nproc) > 1 and self.device not in ("cpu", "cuda"):
+            raise ValueError(f"extract.nproc / eval.nproc above 1 need device cpu or cuda (one GPU per rank), "
+                             f"not {self.device!r}")
         return self
 
     @model_validator(mode="after")
