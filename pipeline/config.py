@@ -222,6 +222,11 @@ class HiddenStatesConfig(_Strict):
         default=8192, ge=1,
         description="`forward`: padded tokens per forward batch (rollouts sorted by length); bounds extraction memory.",
     )
+    samples_per_shard: int = Field(
+        default=256, ge=1,
+        description="`forward`: samples per shard at most (a shard is also cut at 512 MiB); `extract.nproc` ranks "
+                    "share a step's shards, so a step of fewer shards than ranks leaves ranks idle.",
+    )
     max_unmatched_share: float = Field(
         default=0.0, ge=0, le=1,
         description="vLLM files: the most connector files matching no rollout, and rollouts without a file, "

@@ -212,7 +212,7 @@ def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int, ra
         raise shards.ShardError(f"step {step}: no samples to write (empty step)")
     ordered = sorted(train, key=lambda r: -windows[r.sample_id][1])  # the order plan_batches forwards them in
     cuts = shards.shard_cuts([end - start for start, end in (windows[r.sample_id] for r in ordered)],
-                             len(stored) * model.config.hidden_size * 2)
+                             len(stored) * model.config.hidden_size * 2, cfg.hidden_states.samples_per_shard)
 
     def forward(part: list[Rollout]) -> Callable[[], Iterator[HiddenSample]]:
         return lambda: iter_hidden_states(model, part, step, tokens_per_batch=cfg.hidden_states.tokens_per_batch,
