@@ -296,6 +296,12 @@ class StageConfig(_Strict):
 class ExtractConfig(StageConfig):
     """The `hidden_states` stage's process (or pod): the step's policy runs forward there."""
 
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list, description="Volumes of the extraction pod (Kubernetes objects), e.g. the "
+                                          "shared volume vLLM's connector writes `hidden_states.vllm_path` to.")
+    volume_mounts: list[dict[str, Any]] = Field(
+        default_factory=list, description="Where the extraction pod's container mounts `extract.volumes`.")
+
 
 class EvalConfig(StageConfig):
     """The `acceptance` stage's process (or pod): every drafter of the step is measured there, one process."""

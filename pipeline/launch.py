@@ -97,10 +97,14 @@ def pod_spec(cfg: PipelineConfig, stage: str, command: list[str]) -> dict:
     }
     if k8s.env_secret:
         container["envFrom"] = [{"secretRef": {"name": k8s.env_secret}}]
+    volumes = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size}}]
+    if stage == "extraction":  # e.g. the shared volume vLLM's connector writes its files to
+        container["volumeMounts"] += [dict(m) for m in cfg.extract.volume_mounts]
+        volumes += [dict(v) for v in cfg.extract.volumes]
     spec: dict = {
         "restartPolicy": "Never",  # a failed stage is retried by Dagster
         "containers": [container],
-        "volumes": [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size}}],
+        "volumes": volumes,
     }
     if k8s.node_selector:
         spec["nodeSelector"] = dict(k8s.node_selector)

@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 import dagster as dg
+import kubernetes
 import pytest
 import torch
 import yaml
+from dagster_k8s.pipes import build_pod_body
 
 from assets.cotraining import acceptance, hidden_states
 from pipeline import launch
@@ -185,6 +187,15 @@ def test_each_stage_pod_is_the_stage_worker_with_its_own_resources(stage: str) -
     assert spec["restartPolicy"] == "Never"
     assert spec["nodeSelector"] == cfg.train.k8s.node_selector
     assert launch.pod_labels(cfg, stage, 7)["drafter-cotraining/stage"] == stage
+    # What PipesK8sClient.run submits: dagster-k8s merges the spec with the Pipes bootstrap environment into the
+    # kubernetes client's V1Pod (unknown fields are refused).
+    pod = build_pod_body(pod_name=f"dagster-{stage}-abc123", image=None, command=None,
+                         env_vars={"DAGSTER_PIPES_CONTEXT": "ctx", "DAGSTER_PIPES_MESSAGES": "msg"},
+                         base_pod_meta={"labels": launch.pod_labels(cfg, stage, 7)}, base_pod_spec=spec)
+    assert isinstance(pod, kubernetes.client.V1Pod)
+    assert {e.name for e in pod.spec.containers[0].env} == {"DAGSTER_PIPES_CONTEXT", "DAGSTER_PIPES_MESSAGES"}
+    mounts = [m["mountPath"] for m in container["volumeMounts"]]
+    assert mounts == ["/dev/shm", *(["/shared/hidden_states"] if stage == "extraction" else [])]
     one = load_config(DEPLOY / "pipeline.yaml")
     assert launch.stage_pod_spec(one, stage)["containers"][0]["command"] == ["python", "-m", launch.WORKERS[stage]]
 
