@@ -51,7 +51,7 @@ class StageLauncher:
 
     def train(self, context: dg.AssetExecutionContext, job: TrainJob) -> dg.PipesClientCompletedInvocation:
         cfg = self.cfg
-        extras = {"job": job.to_dict(), "mlflow_ui_url": self.mlflow_ui_url}
+        extras = {"job": job.to_dict(), "mlflow_ui_url": self.mlflow_ui_url, "where": self.where}
         if cfg.train.launcher == "k8s" and cfg.train.nnodes > 1:
             with _quiet_preview():
                 return _run_indexed_job(context, cfg, job, extras)

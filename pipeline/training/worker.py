@@ -21,12 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from dagster_pipes import open_dagster_pipes
 
 from pipeline import report
+from pipeline.data.keys import placement_key
+from pipeline.data.records import StagePlacement, write_record
+from pipeline.data.store import open_store
+from pipeline.ranks import Ranks, measure_placement
 from pipeline.registry import open_registry
 from pipeline.training.cotrain import run_training
 from pipeline.training.distributed import (
@@ -42,11 +47,17 @@ from pipeline.workers import exit_with_launcher, is_pipes_process, pipes_extras
 
 
 def _train(
-    job: TrainJob, ctx: DistContext, progress: Callable[[str], None] | None = None
-) -> TrainOutcome | None:
-    init_process_group(ctx, rank_device(ctx, job.pipeline_config.device))
+    job: TrainJob, ctx: DistContext, progress: Callable[[str], None] | None = None, where: str = "process"
+) -> tuple[TrainOutcome | None, StagePlacement]:
+    """The training on this rank; its outcome (rank 0) and where the training ran (every rank measures,
+    the peak memory is the largest rank's)."""
+    started = time.perf_counter()
+    device = rank_device(ctx, job.pipeline_config.device)
+    init_process_group(ctx, device)
     try:
-        return run_training(job, ctx, progress)
+        outcome = run_training(job, ctx, progress)
+        return outcome, measure_placement("training", where, Ranks(ctx.rank, ctx.world_size, ctx.local_rank),
+                                          device, started)
     finally:
         destroy_process_group()
 
@@ -58,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     ctx = context_from_env()
     exit_with_launcher()
     if args.job:
-        outcome = _train(TrainJob.from_dict(json.loads(args.job.read_text())), ctx)
+        outcome, _ = _train(TrainJob.from_dict(json.loads(args.job.read_text())), ctx)
         if outcome:
             sys.stdout.write(json.dumps(outcome_metadata(outcome), default=str) + "\n")
         return
@@ -72,9 +83,11 @@ def main(argv: list[str] | None = None) -> None:
         job = TrainJob.from_dict(pipes.get_extra("job"))
         continued = f", continuing MLflow run {job.run_id}" if job.run_id else ""
         pipes.log.info(f"training RL step {job.step} on {ctx.world_size} rank(s){continued}")
-        outcome = _train(job, ctx, pipes.log.info)
+        outcome, where = _train(job, ctx, pipes.log.info, pipes.extras.get("where", "process"))
+        cfg = job.pipeline_config
+        write_record(open_store(cfg), placement_key(cfg.run, job.step, "training"), where)
         metadata = _materialization(job, outcome, ctx, pipes.extras.get("mlflow_ui_url"))
-        pipes.report_asset_materialization(metadata=metadata)
+        pipes.report_asset_materialization(metadata={**metadata, **where.metadata()})
 
 
 def _materialization(job: TrainJob, outcome: TrainOutcome, ctx: DistContext, ui_url: str | None) -> dict:
