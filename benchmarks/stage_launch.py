@@ -9,8 +9,8 @@
   stage costs per step, whatever the step's size; `break_even_step_s` is the in-process extraction
   time from which the ratio reaches 0.9 (9 x the overhead).
 
-The step: the simulated source with a 4-layer, hidden-256 policy, 192 rollouts of 512 tokens (CPU,
-about a minute on two cores). On a real step (a policy of billions of parameters, thousands of
+The step: the simulated source with a 4-layer, hidden-128 policy, 128 rollouts of 64 tokens (CPU, a
+few minutes on two shared cores, most of it simulating the step). On a real step (a policy of billions of parameters, thousands of
 rollouts) extraction takes minutes and the fixed overhead is a small share of it.
 """
 
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 STEP, KEY = 1, "step-000001"
-SIMULATION = {"vocab_size": 512, "hidden_size": 256, "num_layers": 4, "num_heads": 4, "pretrain_iters": 5,
-              "rl_iters": 1, "rollouts_per_step": 256, "prompt_len": 8, "response_len": 120, "step_period_s": 0.0}
+SIMULATION = {"vocab_size": 64, "hidden_size": 128, "num_layers": 4, "num_heads": 4, "pretrain_iters": 5,
+              "rl_iters": 1, "rollouts_per_step": 128, "prompt_len": 8, "response_len": 56, "step_period_s": 0.0}
 
 
 def run() -> dict:
