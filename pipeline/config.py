@@ -273,6 +273,24 @@ class TargetConfig(_Strict):
     cached_policies: int = Field(
         default=1, ge=0, description="Loaded policies a process keeps, so a step's assets load its policy once."
     )
+    split: Literal["none", "layers", "auto"] = Field(
+        default="auto",
+        description="A policy's decoder layers across the GPUs from the process's own: `auto` when it does "
+                    "not fit that GPU (the load's memory check), `layers` always, `none` never "
+                    "(pipeline/models/layer_split.py).",
+    )
+    split_devices: int = Field(
+        default=0, ge=0,
+        description="GPUs a split policy spans, from the process's own; 0: every visible one from it, or with "
+                    "several ranks on the node (torchrun's LOCAL_WORLD_SIZE) an even share each.",
+    )
+
+    @model_validator(mode="after")
+    def _split_has_devices(self) -> TargetConfig:
+        if self.split != "none" and self.split_devices == 1:
+            raise ValueError(f"target.split_devices is 1: target.split {self.split} needs 0 (the process's share of "
+                             "the GPUs) or at least 2; set target.split: none to load on one device")
+        return self
 
 
 class StageConfig(_Strict):
@@ -512,6 +530,18 @@ class PipelineConfig(_Strict):
         if max(self.extract.nproc, self.eval.nproc) > 1 and self.device not in ("cpu", "cuda"):
             raise ValueError(f"extract.nproc / eval.nproc above 1 need device cpu or cuda (one GPU per rank), "
                              f"not {self.device!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _split_device(self) -> PipelineConfig:
+        if self.target.split != "layers":
+            return self
+        kind = self.device.split(":")[0]
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"target.split layers needs device cpu or cuda, not {self.device!r}")
+        if kind == "cpu" and self.target.split_devices < 2:
+            raise ValueError("target.split layers on device cpu needs target.split_devices >= 2 (blocks on the one "
+                             "CPU: the split's code path, no memory gained)")
         return self
 
     @model_validator(mode="after")
