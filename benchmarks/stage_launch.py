@@ -10,8 +10,9 @@
   time from which the ratio reaches 0.9 (9 x the overhead).
 
 The step: the simulated source with a 4-layer, hidden-128 policy, 128 rollouts of 64 tokens (CPU, a
-few minutes on two shared cores, most of it simulating the step). On a real step (a policy of billions of parameters, thousands of
-rollouts) extraction takes minutes and the fixed overhead is a small share of it.
+few minutes on two shared cores, most of it simulating the step). On a real step (a policy of
+billions of parameters, thousands of rollouts) extraction takes minutes and the fixed overhead is
+a small share of it.
 """
 
 from __future__ import annotations

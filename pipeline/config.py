@@ -285,6 +285,12 @@ class TargetConfig(_Strict):
                     "several ranks on the node (torchrun's LOCAL_WORLD_SIZE) an even share each.",
     )
 
+    @property
+    def gpus_per_process(self) -> int:
+        """GPUs one rank of extraction or evaluation holds: a split's `split_devices` when set, else one (its pod
+        requests that many per rank, and rank r starts at cuda:r x that, the first GPU of its block)."""
+        return self.split_devices if self.split != "none" and self.split_devices > 1 else 1
+
     @model_validator(mode="after")
     def _split_has_devices(self) -> TargetConfig:
         if self.split != "none" and self.split_devices == 1:

@@ -78,7 +78,8 @@ def pod_labels(cfg: PipelineConfig, stage: str, step: int) -> dict[str, str]:
 
 
 def pod_spec(cfg: PipelineConfig, stage: str, command: list[str]) -> dict:
-    """The PodSpec (camelCase, as in a manifest) of one stage's pod: one GPU per rank, the stage's CPU and
+    """The PodSpec (camelCase, as in a manifest) of one stage's pod: one GPU per rank (extraction and
+    evaluation: `target.split_devices` per rank for a split policy), the stage's CPU and
     memory, `command`, /dev/shm in memory (NCCL's shared-memory transport needs more than the container
     runtime's 64 MB), secrets from the Secret `train.k8s.env_secret` by reference, never inline."""
     k8s = cfg.train.k8s
@@ -86,7 +87,8 @@ def pod_spec(cfg: PipelineConfig, stage: str, command: list[str]) -> dict:
         raise ValueError(f"train.k8s.image is empty: the {stage} pod needs an image with this project installed")
     cpu, memory = (k8s.cpu, k8s.memory) if stage == "training" else \
         {"extraction": (cfg.extract.cpu, cfg.extract.memory), "evaluation": (cfg.eval.cpu, cfg.eval.memory)}[stage]
-    amounts = {"cpu": cpu, "memory": memory, k8s.gpu_resource: str(stage_ranks(cfg, stage))}
+    per_rank = 1 if stage == "training" else cfg.target.gpus_per_process  # a split policy: a block per rank
+    amounts = {"cpu": cpu, "memory": memory, k8s.gpu_resource: str(stage_ranks(cfg, stage) * per_rank)}
     container: dict = {
         "name": CONTAINERS[stage],
         "image": k8s.image,

@@ -49,9 +49,10 @@ class Ranks:
     def owner(self, unit: int) -> int:
         return unit % self.world_size
 
-    def device(self, device: str) -> str:
-        """`cuda` is this rank's own GPU (cuda:LOCAL_RANK); anything else as given."""
-        return f"cuda:{self.local_rank}" if device == "cuda" else device
+    def device(self, device: str, gpus_per_rank: int = 1) -> str:
+        """`cuda` is the first GPU of this rank's own (cuda:LOCAL_RANK x gpus_per_rank: a policy split over
+        several GPUs takes a block of them per rank); anything else as given."""
+        return f"cuda:{self.local_rank * gpus_per_rank}" if device == "cuda" else device
 
     def sum_counts(self, counts: list[int]) -> list[int]:
         """Integer counts summed over the ranks (exact: int64), on every rank."""

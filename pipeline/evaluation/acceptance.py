@@ -82,8 +82,8 @@ def measure_step(
     `ranks` each decodes its share of the prompt batches and the counts are summed: the same measurement
     on every rank, equal to one process's."""
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
-    target = target_lib.load_policy(store, pointer.checkpoint_uri, ranks.device(cfg.device),
-                                    target_lib.load_settings(cfg))
+    device = ranks.device(cfg.device, cfg.target.gpus_per_process)
+    target = target_lib.load_policy(store, pointer.checkpoint_uri, device, target_lib.load_settings(cfg))
     limits = rollouts_lib.TargetLimits.of(target.config)
     prompts = held_out_prompts(store, cfg, step, limits)
     sequences, prompt_lens = held_out_sequences(store, cfg, step, limits)
@@ -194,7 +194,8 @@ def evaluate_step(
     (`spent_s`: device-seconds of the stages before this one, by stage). None on the other ranks."""
     started = time.perf_counter()
     measurement = measure_step(store, cfg, step, registry, new_version, ranks)
-    placement = measure_placement("evaluation", where, ranks, ranks.device(cfg.device), started)
+    device = ranks.device(cfg.device, cfg.target.gpus_per_process)
+    placement = measure_placement("evaluation", where, ranks, device, started)
     if not ranks.is_main:
         return None
     new_tau = measurement.measured[new_version].tau if new_version else None

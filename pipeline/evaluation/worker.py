@@ -30,7 +30,7 @@ from pipeline.workers import exit_with_launcher, is_pipes_process, pipes_extras
 def run_evaluation(job: StageJob, ranks: Ranks) -> AcceptanceRecord | None:
     """The step's acceptance on `ranks`; its record on rank 0, None on the others."""
     cfg = job.pipeline_config
-    join(ranks, ranks.device(cfg.device))
+    join(ranks, ranks.device(cfg.device, cfg.target.gpus_per_process))
     try:
         return acceptance.evaluate_step(open_store(cfg), cfg, job.step, open_registry(cfg), job.new_version,
                                         job.spent_s, ranks, job.where)

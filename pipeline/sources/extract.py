@@ -182,7 +182,7 @@ def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int, ra
     manifest. A shard's batches are cut from its own samples, so its bytes are the same whichever rank
     and however many ranks compute it."""
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
-    device = ranks.device(cfg.device)
+    device = ranks.device(cfg.device, cfg.target.gpus_per_process)
     model = target_lib.load_policy(store, pointer.checkpoint_uri, device, target_lib.load_settings(cfg))
     # Token ids and lengths are checked against the policy that reads them, before its forward pass.
     rollouts = rollouts_lib.read_rollouts(store, cfg.run, step, TargetLimits.of(model.config))

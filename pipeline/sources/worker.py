@@ -31,7 +31,7 @@ def run_extraction(job: StageJob, ranks: Ranks) -> tuple[Manifest | None, StageP
     """The step's hidden states on `ranks`; the manifest (rank 0) and where the stage ran (every rank)."""
     started = time.perf_counter()
     cfg = job.pipeline_config
-    device = ranks.device(cfg.device)
+    device = ranks.device(cfg.device, cfg.target.gpus_per_process)
     join(ranks, device)
     try:
         manifest = extract.extract_hidden_states(open_store(cfg), cfg, job.step, ranks)

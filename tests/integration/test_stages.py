@@ -198,6 +198,9 @@ def test_each_stage_pod_is_the_stage_worker_with_its_own_resources(stage: str) -
     assert mounts == ["/dev/shm", *(["/shared/hidden_states"] if stage == "extraction" else [])]
     one = load_config(DEPLOY / "pipeline.yaml")
     assert launch.stage_pod_spec(one, stage)["containers"][0]["command"] == ["python", "-m", launch.WORKERS[stage]]
+    split = load_config(DEPLOY / "pipeline.yaml", {"target": {"split": "layers", "split_devices": 4}})
+    limits = launch.stage_pod_spec(split, stage)["containers"][0]["resources"]["limits"]
+    assert limits[cfg.train.k8s.gpu_resource] == "4"  # one rank, its policy split over a block of 4 GPUs
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
