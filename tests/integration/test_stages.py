@@ -35,7 +35,7 @@ from resources import pipeline_resource
 from tests.support.config import write_config
 
 STEP, KEY = 1, "step-000001"
-KILL_RANK = Path(__file__).resolve().parent.parent / "support" / "kill_rank"
+WORKER_FAULTS = Path(__file__).resolve().parent.parent / "support" / "worker_faults"
 DEPLOY = PROJECT_ROOT / "deploy"
 
 
@@ -75,7 +75,7 @@ def test_extraction_on_two_ranks_writes_one_process_shards_and_a_killed_rank_com
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("rl_step", [KEY])
         with monkeypatch.context() as faults:
-            faults.setenv("PYTHONPATH", f"{KILL_RANK}:{PROJECT_ROOT}")
+            faults.setenv("PYTHONPATH", f"{WORKER_FAULTS}:{PROJECT_ROOT}")
             faults.setenv("DRAFTER_TEST_KILL_RANK", "1")
             killed = _materialize(hidden_states, two, instance)
         assert not killed.success
