@@ -357,6 +357,15 @@ class FleetConfig(_Strict):
         "vLLM replicas with `fleet.command`; `none`: no fleet."
     )
     command: str = Field(default="", description="Restart command template for `command`: {name}, {argv}, {drafter}.")
+    update: Literal["hot", "restart"] = Field(
+        default="hot", description="`hot`: a replica already on the policy gets the new drafter weights in place "
+        "through vLLM's dev-mode weight-update routes, restarted when it has none or the update fails (rolled back "
+        "first); `restart`: every replica is restarted with the new --speculative-config."
+    )
+    weight_transfer_backend: Literal["", "disk"] = Field(
+        default="", description="`command` driver: start vLLM in dev mode (VLLM_SERVER_DEV_MODE=1) with "
+        "`--weight-transfer-config {\"backend\": ...}`, so its replicas take hot updates; empty: started as before."
+    )
     replicas: list[ReplicaConfig] = Field(
         default_factory=lambda: [
             ReplicaConfig(name="standin-0", port=8101), ReplicaConfig(name="standin-1", port=8102),
@@ -375,6 +384,8 @@ class FleetConfig(_Strict):
     def _command_needs_template(self) -> FleetConfig:
         if self.driver == "command" and "{argv}" not in self.command:
             raise ValueError("fleet.driver command needs fleet.command with an {argv} placeholder")
+        if self.weight_transfer_backend and (self.driver != "command" or self.update != "hot"):
+            raise ValueError("fleet.weight_transfer_backend is for fleet.driver command with fleet.update hot")
         names = [r.name for r in self.replicas]
         if len(set(names)) != len(names):
             raise ValueError("fleet.replicas names must be unique")
