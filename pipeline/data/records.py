@@ -4,6 +4,7 @@
     drafter/<run>/step-000123.json            TrainingRecord     the drafter asset -> acceptance, reports
     acceptance/<run>/step-000123.json         AcceptanceRecord   the acceptance asset -> reports, plots
     cost/<run>/step-000123.json               StepCost           the acceptance asset -> schedules, the ledger
+    placement/<run>/step-000123/<stage>.json  StagePlacement     a launched stage's worker -> its asset, the ledger
     fleet/<run>/state.json                    FleetState         the fleet asset -> status, the demo, the ledger
     (not stored)                              DeployReport       a rolling deploy -> the fleet asset
 
@@ -19,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, TypeVar, get_args
 
 from pipeline.cost import DecodingCost
-from pipeline.data.keys import acceptance_key, cost_key, drafter_key, fleet_state_key
+from pipeline.data.keys import acceptance_key, cost_key, drafter_key, fleet_state_key, placement_key
 from pipeline.data.store import ObjectStore
 
 SCHEMA_VERSION = 1
@@ -351,6 +352,38 @@ class FleetState:
 # --- the cost ledger -------------------------------------------------------------------------------------------
 
 STAGES = ("extraction", "training", "evaluation", "deployment")
+LAUNCHED_STAGES = ("extraction", "training", "evaluation")  # the stages that run in a launched process
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Where a launched stage of a step ran, as its worker measured it."""
+
+    stage: str  # extraction | training | evaluation
+    where: str  # process (a subprocess of the Dagster run) | pod (a Kubernetes pod through PipesK8sClient)
+    ranks: int
+    device: str  # the torch device of rank 0, with the GPU's name on CUDA
+    peak_memory_bytes: int  # the largest rank's peak: resident host memory, or allocated GPU memory on CUDA
+    seconds: float  # wall time of the stage's work in its worker, from start-up to its result
+
+    def metadata(self) -> dict[str, str | int | float]:
+        """The figures as a materialization shows them."""
+        return {"ran_in": self.where, "ranks": self.ranks, "device": self.device,
+                "peak_memory_gb": round(self.peak_memory_bytes / 1e9, 3), "stage_seconds": round(self.seconds, 2)}
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> StagePlacement:
+        return cls(str(doc["stage"]), str(doc["where"]), int(doc["ranks"]), str(doc["device"]),
+                   int(doc["peak_memory_bytes"]), float(doc["seconds"]))
+
+
+def read_placements(store: ObjectStore, run: str, step: int) -> tuple[StagePlacement, ...]:
+    """The placements the step's launched stages recorded, in stage order."""
+    keys = [placement_key(run, step, stage) for stage in LAUNCHED_STAGES]
+    return tuple(read_record(store, key, StagePlacement) for key in keys if store.exists(key))
 
 
 @dataclass(frozen=True)
@@ -364,6 +397,7 @@ class StepCost:
     served_version: str | None  # the drafter the fleet ran while the rollouts were generated
     served_tau: float  # 1.0: no drafter served them
     decoding: DecodingCost | None  # timed by the step's evaluation of the served drafter; None: nothing served
+    placements: tuple[StagePlacement, ...] = ()  # where its launched stages ran
 
     @property
     def saved_s(self) -> float:
@@ -372,13 +406,15 @@ class StepCost:
     def to_json(self) -> dict:
         return {"step": self.step, "seconds": self.seconds, "rollout_tokens": self.rollout_tokens,
                 "served_version": self.served_version, "served_tau": self.served_tau,
-                "decoding": self.decoding.to_json() if self.decoding else None}
+                "decoding": self.decoding.to_json() if self.decoding else None,
+                "placements": [p.to_json() for p in self.placements]}
 
     @classmethod
     def from_json(cls, doc: dict) -> StepCost:
         decoding = doc["decoding"]
         return cls(doc["step"], {k: float(v) for k, v in doc["seconds"].items()}, doc["rollout_tokens"],
-                   doc["served_version"], doc["served_tau"], DecodingCost.from_json(decoding) if decoding else None)
+                   doc["served_version"], doc["served_tau"], DecodingCost.from_json(decoding) if decoding else None,
+                   tuple(StagePlacement.from_json(p) for p in doc.get("placements", ())))
 
 
 def read_training(store: ObjectStore, run: str, step: int) -> TrainingRecord:

@@ -23,7 +23,6 @@ from pipeline.data.records import (
     write_record,
 )
 from pipeline.data.store import ObjectStore
-from pipeline.models.checkpoint import load_drafter
 from pipeline.registry import DrafterRegistry
 from pipeline.serving.fleet import (
     CommandDriver,
@@ -65,11 +64,14 @@ class StagedVersions:
 
 def stage_versions(cfg: PipelineConfig, registry: DrafterRegistry, version: str) -> StagedVersions:
     """Download `version` (and `live`, when it is not on disk already) for the replicas to read. A
-    checkpoint that does not load (pickle, keys or shapes not matching its config) is refused here,
-    before any replica is touched, rather than by a crashed replica and a rollback."""
+    checkpoint that would not load (pickle, keys or shapes not matching its config) is refused here,
+    before any replica is touched, rather than by a crashed replica and a rollback: checked from its
+    config.json and safetensors header alone, no tensor read."""
+    from pipeline.models.checkpoint import check_drafter  # the deploy run's only model code: meta-device shapes
+
     stage = cfg.data_path / "fleet" / "staged"
     drafter_dir = registry.download(version, stage / f"v{version}")
-    load_drafter(drafter_dir)
+    check_drafter(drafter_dir)
     live = registry.alias_version("live")
     previous = StagedDrafter(live, str(stage / f"v{live}" / "drafter")) if live else None
     if previous and not Path(previous.directory).exists():
