@@ -26,6 +26,7 @@ from pipeline.serving.fleet import (
     StagedDrafter,
     StandInDriver,
     rolling_deploy,
+    scrape,
 )
 
 
@@ -109,3 +110,19 @@ def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, v
                             staged.previous, gate_config(cfg), policy.canary_prompts)
     record_live(store, cfg.run, registry, version, policy.step, report)
     return report
+
+
+def live_tau(cfg: PipelineConfig, store: ObjectStore, version: str | None) -> float | None:
+    """The fleet's live tau of `version`: the mean acceptance length its replicas counted (vLLM's
+    spec-decode counters on /metrics) since each started, which a deploy does, so the counters are the
+    version's own. None when the fleet does not run `version`, or no replica answered with a draft counted."""
+    if version is None or cfg.fleet.driver == "none" or read_fleet_state(store, cfg.run).version != version:
+        return None
+    drafts = accepted = 0.0
+    for replica in replicas(cfg):
+        try:
+            counters = scrape(replica)
+        except OSError:  # an unreachable replica has no say; the deploy gates and the sensor report it
+            continue
+        drafts, accepted = drafts + counters.drafts, accepted + counters.accepted
+    return 1 + accepted / drafts if drafts > 0 else None

@@ -16,11 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import DrafterConfig
+from pipeline.config import DrafterConfig, load_config
+from pipeline.data.keys import fleet_state_key
+from pipeline.data.records import FleetState, write_record
+from pipeline.data.store import open_store
 from pipeline.evaluation import speculative
 from pipeline.models.checkpoint import save_drafter
 from pipeline.models.drafter import fresh_drafter
 from pipeline.models.target import build_target, tiny_llama_config
+from pipeline.serving import deploy
 from pipeline.serving import metrics as serving_metrics
 from pipeline.serving.fleet import (
     CommandDriver,
@@ -210,3 +214,22 @@ def test_rolling_deploy_and_rollback(models: dict[str, str], driver: StandInDriv
     successor.stop_all(replicas)
     assert not any(successor.alive(r) for r in replicas)
     assert successor.serving(replicas[1]) is None
+
+
+def test_live_tau_is_read_from_the_replicas_metrics_where_the_fleet_runs_the_version(
+    models: dict[str, str], driver: StandInDriver, tmp_path: Path
+) -> None:
+    """What the `acceptance` schedule takes for the champion's tau now: the fleet's spec-decode counters."""
+    cfg = load_config(overrides={"data_dir": str(tmp_path), "fleet": {"replicas": [
+        {"name": f"r{i}", "port": _free_port()} for i in range(2)]}})
+    store, replicas = open_store(cfg), deploy.replicas(cfg)
+    report = rolling_deploy(replicas, driver, models["target"], "1", models["v1"], None, GATES, PROMPTS)
+    assert deploy.live_tau(cfg, store, "1") is None  # the fleet's state does not say it runs version 1 yet
+    write_record(store, fleet_state_key(cfg.run), FleetState("1", 1, 0.0, report.replicas))
+    counters = [serving_metrics.parse(_get(r, "/metrics").decode()) for r in replicas]
+    assert sum(c.drafts for c in counters) > 0  # the canaries were decoded speculatively
+    live = deploy.live_tau(cfg, store, "1")
+    assert live == pytest.approx(1 + sum(c.accepted for c in counters) / sum(c.drafts for c in counters))
+    assert deploy.live_tau(cfg, store, "2") is None  # not the version the fleet runs
+    driver.stop(replicas[0])  # an unreachable replica has no say
+    assert deploy.live_tau(cfg, store, "1") == pytest.approx(counters[1].mean_acceptance_length)
