@@ -7,20 +7,28 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.config import PipelineConfig
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.held_out import held_out_prompts
 from pipeline.data.keys import fleet_state_key, rollouts_root
-from pipeline.data.records import Deployment, DeployReport, FleetState, read_fleet_state, write_record
+from pipeline.data.records import (
+    Deployment,
+    DeployReport,
+    FleetState,
+    ReplicaDeploy,
+    read_fleet_state,
+    write_record,
+)
 from pipeline.data.store import ObjectStore
 from pipeline.models.checkpoint import load_drafter
 from pipeline.registry import DrafterRegistry
 from pipeline.serving.fleet import (
     CommandDriver,
     GateConfig,
+    GateError,
     ReplicaDriver,
     ReplicaSpec,
     StagedDrafter,
@@ -28,6 +36,7 @@ from pipeline.serving.fleet import (
     rolling_deploy,
     scrape,
 )
+from pipeline.serving.metrics import SpecCounters
 
 
 def replicas(cfg: PipelineConfig) -> list[ReplicaSpec]:
@@ -37,8 +46,9 @@ def replicas(cfg: PipelineConfig) -> list[ReplicaSpec]:
 def make_driver(cfg: PipelineConfig) -> ReplicaDriver:
     k = cfg.eval.num_speculative_tokens
     if cfg.fleet.driver == "command":
-        return CommandDriver(cfg.fleet.command, cfg.drafter.kind, k)
-    return StandInDriver(k, cfg.data_path / "fleet" / "replicas")
+        return CommandDriver(cfg.fleet.command, cfg.drafter.kind, k, cfg.fleet.weight_transfer_backend)
+    # Stand-ins serve the weight-update routes (as vLLM in dev mode) when the fleet updates hot.
+    return StandInDriver(k, cfg.data_path / "fleet" / "replicas", dev_mode=cfg.fleet.update == "hot")
 
 
 def gate_config(cfg: PipelineConfig) -> GateConfig:
@@ -88,41 +98,81 @@ def served_policy(store: ObjectStore, cfg: PipelineConfig) -> ServedPolicy:
 
 
 def record_live(
-    store: ObjectStore, run: str, registry: DrafterRegistry, version: str, policy_step: int, report: DeployReport
+    store: ObjectStore, run: str, registry: DrafterRegistry, version: str, policy_step: int, report: DeployReport,
+    live_counters: dict[str, dict] | None = None,
 ) -> None:
     """The fleet runs `version` everywhere: the registry's `live` alias and the fleet's state say so; the
-    state's history gains the deployment (what the drafter's lag and the cost ledger read)."""
+    state's history gains the deployment (what the drafter's lag and the cost ledger read), and the replicas'
+    spec-decode counters at this moment (`live_counters`), where the fleet's live tau of `version` starts."""
     registry.set_alias("live", version)
     registry.set_version_tags(version, {"deployed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                         "fleet": ",".join(r.replica for r in report.replicas)})
     now = time.time()
     deployment = Deployment(version, now, round(sum(r.deploy_s for r in report.replicas), 3))
     history = (*read_fleet_state(store, run).history, deployment)
-    write_record(store, fleet_state_key(run), FleetState(version, policy_step, now, report.replicas, history))
+    write_record(store, fleet_state_key(run), FleetState(version, policy_step, now, report.replicas, history,
+                                                         live_counters or {}))
+
+
+def record_stopped(store: ObjectStore, run: str, replicas_now: tuple[ReplicaDeploy, ...]) -> None:
+    """A deploy stopped midway: the fleet's version, `live` and history stay; its replicas say what each runs now
+    (the ones updated before the failure the new version, the failed one rolled back)."""
+    state = read_fleet_state(store, run)
+    now = {r.replica: r for r in replicas_now}
+    kept = tuple(r for r in state.replicas if r.replica not in now)
+    write_record(store, fleet_state_key(run), replace(state, replicas=(*replicas_now, *kept)))
 
 
 def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, version: str,
            driver: ReplicaDriver | None = None) -> DeployReport:
-    """Stage `version`, roll it over the fleet, then record it as `live` (registry alias + fleet state)."""
+    """Stage `version`, roll it over the fleet (hot where `fleet.update` allows, else restarts), then record it
+    as `live` (registry alias + fleet state). A deploy stopped by a gate records what each replica runs."""
     staged = stage_versions(cfg, registry, version)
     policy = served_policy(store, cfg)
-    report = rolling_deploy(replicas(cfg), driver or make_driver(cfg), policy.target, version, str(staged.directory),
-                            staged.previous, gate_config(cfg), policy.canary_prompts)
-    record_live(store, cfg.run, registry, version, policy.step, report)
+    recorded = {r.replica: r for r in read_fleet_state(store, cfg.run).replicas}
+    try:
+        report = rolling_deploy(replicas(cfg), driver or make_driver(cfg), policy.target, version,
+                                str(staged.directory), staged.previous, gate_config(cfg), policy.canary_prompts,
+                                cfg.fleet.update, recorded)
+    except GateError as exc:
+        if exc.replicas:
+            record_stopped(store, cfg.run, exc.replicas)
+        raise
+    record_live(store, cfg.run, registry, version, policy.step, report, _counters_now(replicas(cfg)))
     return report
 
 
+def _counters_now(fleet: list[ReplicaSpec]) -> dict[str, dict]:
+    """Each reachable replica's spec-decode counters, as JSON."""
+    counters = {}
+    for replica in fleet:
+        try:
+            counters[replica.name] = scrape(replica).to_json()
+        except OSError:  # the gates passed moments ago: a replica gone since has no baseline, and no say later
+            continue
+    return counters
+
+
 def live_tau(cfg: PipelineConfig, store: ObjectStore, version: str | None) -> float | None:
-    """The fleet's live tau of `version`: the mean acceptance length its replicas counted (vLLM's
-    spec-decode counters on /metrics) since each started, which a deploy does, so the counters are the
-    version's own. None when the fleet does not run `version`, or no replica answered with a draft counted."""
-    if version is None or cfg.fleet.driver == "none" or read_fleet_state(store, cfg.run).version != version:
+    """The fleet's live tau of `version`: the mean acceptance length its replicas counted (vLLM's spec-decode
+    counters on /metrics) since `version` went live on them, summed over the replicas that run it. A replica
+    restarted since counts from its start. None when the fleet does not run `version`, or no replica has counted
+    a draft of it."""
+    state = read_fleet_state(store, cfg.run)
+    if version is None or cfg.fleet.driver == "none" or state.version != version:
         return None
-    drafts = accepted = 0.0
+    running = {r.replica for r in state.replicas if r.version == version}
+    window = SpecCounters()
     for replica in replicas(cfg):
+        if replica.name not in running:
+            continue
         try:
             counters = scrape(replica)
         except OSError:  # an unreachable replica has no say; the deploy gates and the sensor report it
             continue
-        drafts, accepted = drafts + counters.drafts, accepted + counters.accepted
-    return 1 + accepted / drafts if drafts > 0 else None
+        start = state.live_counters.get(replica.name)
+        if start is not None and counters.drafts >= start["drafts"]:
+            counters = counters - SpecCounters.from_json(start)
+        window = SpecCounters(window.drafts + counters.drafts, window.draft_tokens + counters.draft_tokens,
+                              window.accepted + counters.accepted)
+    return window.mean_acceptance_length

@@ -89,6 +89,12 @@ def test_config_is_frozen() -> None:
         pytest.param({"train": {"vloss_weight": 0, "ploss_weight": 0}}, "train.vloss_weight", id="no-loss"),
         pytest.param({"simulation": {"hidden_size": 30, "num_heads": 4}}, "simulation.hidden_size", id="heads"),
         pytest.param({"simulation": {"vocab_size": 8, "candidates": 9}}, "simulation.candidates", id="candidates"),
+        pytest.param({"fleet": {"update": "warm"}}, "fleet.update", id="fleet-update"),
+        pytest.param({"fleet": {"weight_transfer_backend": "disk"}}, "fleet.weight_transfer_backend",
+                     id="weight-transfer-without-command"),
+        pytest.param({"fleet": {"driver": "command", "command": "{argv}", "update": "restart",
+                                "weight_transfer_backend": "disk"}}, "fleet.weight_transfer_backend",
+                     id="weight-transfer-with-restart"),
     ],
 )
 def test_invalid_values_name_the_key(overrides: dict, key: str) -> None:
