@@ -17,6 +17,7 @@ from benchmarks import (
     hidden_states_io,
     policy_loss,
     scale,
+    schedule,
     stage_launch,
     target_load,
     training,
@@ -34,6 +35,7 @@ BENCHMARKS = {
     "evaluation": evaluation.run,
     "scale": scale.run,
     "fp8_tau": fp8_tau.run,
+    "schedule": schedule.run,
 }
 
 

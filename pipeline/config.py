@@ -30,6 +30,11 @@ class _Strict(BaseModel):
 
 class OptimConfig(_Strict):
     lr: float = Field(default=3e-3, gt=0, description="AdamW peak learning rate.")
+    warm_start_lr: float = Field(
+        default=6e-3, ge=0,
+        description="Peak learning rate of a training that starts from a drafter (train.warm_start_epochs): a short "
+                    "run catches up faster at a higher rate; 0 = lr.",
+    )
     lr_warmup_steps: int = Field(default=10, ge=0, description="Linear warmup iterations.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(default=1.0, gt=0, description="Max global gradient norm.")
@@ -97,6 +102,12 @@ class TrainConfig(_Strict):
     vloss_weight: float = Field(default=0.5, ge=0, description="Weight of the SmoothL1 hidden-state loss.")
     ploss_weight: float = Field(default=0.5, ge=0, description="Weight of the soft cross-entropy token loss.")
     epochs: int = Field(default=20, ge=1, description="Most passes over the buffer per training run.")
+    warm_start_epochs: int = Field(
+        default=6, ge=0,
+        description="Most passes over the buffer of a training that starts from a drafter (the champion, or "
+                    "drafter.warm_start): it knows the policy of the steps before and catches up on the newest; "
+                    "0 = train.epochs. A fresh drafter trains train.epochs.",
+    )
     max_tokens: int = Field(
         default=4_000_000, ge=0,
         description="Trained positions per training run (windowed tokens); epochs are an upper bound. "
@@ -492,7 +503,7 @@ class SimulationConfig(_Strict):
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature of rollouts.")
     seed: int = Field(default=1234, description="Seed of the task family and the target.")
     step_period_s: float = Field(
-        default=60.0, ge=0,
+        default=28.0, ge=0,
         description="The demo's source publishes one RL step per this many seconds at most (0: as fast as it runs), "
                     "without waiting for the pipeline.",
     )

@@ -337,16 +337,20 @@ class FleetState:
     since: float | None = None
     replicas: tuple[ReplicaDeploy, ...] = field(default_factory=tuple)
     history: tuple[Deployment, ...] = ()  # oldest first, the current version last
+    # replica -> its vLLM spec-decode counters when `version` went live (serving.metrics.SpecCounters as JSON):
+    # the fleet's live tau of `version` counts from there (a hot update does not reset them)
+    live_counters: dict[str, dict] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"version": self.version, "policy_step": self.policy_step, "since": self.since,
-                "replicas": [r.to_json() for r in self.replicas], "history": [d.to_json() for d in self.history]}
+                "replicas": [r.to_json() for r in self.replicas], "history": [d.to_json() for d in self.history],
+                "live_counters": self.live_counters}
 
     @classmethod
     def from_json(cls, doc: dict) -> FleetState:
         return cls(doc["version"], doc.get("policy_step"), doc.get("since"),
                    tuple(ReplicaDeploy.from_json(r) for r in doc["replicas"]),
-                   tuple(Deployment.from_json(d) for d in doc.get("history", ())))
+                   tuple(Deployment.from_json(d) for d in doc.get("history", ())), dict(doc.get("live_counters", {})))
 
 
 # --- the cost ledger -------------------------------------------------------------------------------------------
