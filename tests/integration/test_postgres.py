@@ -288,7 +288,7 @@ def test_promotions_reach_the_fleet_on_postgres_and_s3(stack: Stack, tmp_path: P
     with _environ(stack.pg.dagster_env(db)), dg.DagsterInstance.from_config(str(home)) as instance:
         check_promotions_reach_the_fleet_once_each(tmp_path, instance, overrides)
     deploys = stack.pg.query(db, "SELECT count(*) FROM runs WHERE pipeline_name = 'deploy_job'")
-    assert deploys == [(2,)]  # one per alias change, in PostgreSQL
+    assert deploys == [(3,)]  # one per alias change, and version 3's hot update, in PostgreSQL
 
 
 @pytest.mark.reliability("fault", "PostgreSQL under the MLflow server stopped mid-run and back 3 s later")
