@@ -7,13 +7,16 @@
 from __future__ import annotations
 
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import PipelineConfig
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.held_out import held_out_prompts
-from pipeline.data.keys import fleet_state_key, rollouts_root
+from pipeline.data.keys import fleet_prefix, fleet_state_key, rollouts_root
+from pipeline.data.lease import hold
 from pipeline.data.records import Deployment, DeployReport, FleetState, read_fleet_state, write_record
 from pipeline.data.store import ObjectStore
 from pipeline.models.checkpoint import load_drafter
@@ -100,12 +103,22 @@ def record_live(
     write_record(store, fleet_state_key(run), FleetState(version, policy_step, now, report.replicas, history))
 
 
+class DeploySuperseded(RuntimeError):
+    """A deploy's fence said the fleet runs something newer than the version: nothing was touched."""
+
+
 def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, version: str,
-           driver: ReplicaDriver | None = None) -> DeployReport:
-    """Stage `version`, roll it over the fleet, then record it as `live` (registry alias + fleet state)."""
-    staged = stage_versions(cfg, registry, version)
-    policy = served_policy(store, cfg)
-    report = rolling_deploy(replicas(cfg), driver or make_driver(cfg), policy.target, version, str(staged.directory),
-                            staged.previous, gate_config(cfg), policy.canary_prompts)
-    record_live(store, cfg.run, registry, version, policy.step, report)
+           driver: ReplicaDriver | None = None, fence: Callable[[], str | None] | None = None) -> DeployReport:
+    """Stage `version`, roll it over the fleet, then record it as `live` (registry alias + fleet state). One
+    deploy at a time per fleet (the champion's and a refresh's alike hold the fleet's lease); `fence`, asked
+    under the lease, names why the version must not go (DeploySuperseded), or None."""
+    with hold(store, fleet_prefix(cfg.run), f"deploy-v{version}-{uuid.uuid4().hex[:8]}", cfg.storage.step_lease_s,
+              cfg.storage.step_lease_wait_s):
+        if fence is not None and (why := fence()):
+            raise DeploySuperseded(why)
+        staged = stage_versions(cfg, registry, version)
+        policy = served_policy(store, cfg)
+        report = rolling_deploy(replicas(cfg), driver or make_driver(cfg), policy.target, version,
+                                str(staged.directory), staged.previous, gate_config(cfg), policy.canary_prompts)
+        record_live(store, cfg.run, registry, version, policy.step, report)
     return report

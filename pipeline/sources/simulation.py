@@ -15,12 +15,21 @@ reward-weighted regression (RWR: NLL weighted by exp(reward / beta)) on sequence
 from the step's task, then samples rollouts from the updated policy and writes them,
 with the policy checkpoint, in exactly the layout an external trainer uses
 (see `pipeline/data/rollouts.py`).
+
+Response lengths are lognormal (`response_len_sigma`; median `response_len_median` of the
+longest, capped at `response_len`), as a reasoning step's are: most rollouts finish early
+and a long tail holds the step. With `parts_per_step` > 1 the step is published in parts as
+its rollouts finish (`pipeline/data/parts.py`): a rollout finishes at a time proportional to
+its length within the step's rollout window (a rollout engine decodes the batch together), and
+part i holds the rollouts finished in the window's i-th slice, then the step is committed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,8 +38,9 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from pipeline.config import SimulationConfig
+from pipeline.data import parts as parts_lib
 from pipeline.data.keys import policy_prefix
-from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
+from pipeline.data.rollouts import PolicyPointer, Rollout, TargetLimits, write_rollouts
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
@@ -129,7 +139,8 @@ class SimulatedRL:
     def _cache_path(self) -> Path:
         # Only what shapes pre-training goes into the key: tuning RL knobs keeps the cache.
         pretrain = self.cfg.model_dump(
-            exclude={"drift", "rl_iters", "rollouts_per_step", "temperature", "step_period_s"})
+            exclude={"drift", "rl_iters", "rollouts_per_step", "temperature", "step_period_s", "response_len_median",
+                     "response_len_sigma", "parts_per_step"})
         digest = hashlib.sha256(json.dumps(pretrain, sort_keys=True).encode()).hexdigest()[:12]
         return self.cache_dir / f"pretrained-target-{digest}"
 
@@ -155,10 +166,12 @@ class SimulatedRL:
         # A model of its own (not the process's shared policy): run_step fine-tunes it in place.
         return target_lib.load_checkpoint(self.store.uri(policy_prefix(self.run, step)), store=self.store)
 
-    def run_step(self, step: int) -> PolicyPointer:
-        """Update the policy of step-1 with RWR toward step's task, then write step's rollouts."""
+    def run_step(self, step: int, period_s: float = 0.0) -> PolicyPointer:
+        """Update the policy of step-1 with RWR toward step's task, then write step's rollouts: whole, or in
+        `parts_per_step` parts spread over what is left of `period_s` after the update (0: back to back)."""
         if step < 1:
             raise ValueError(f"simulated RL steps start at 1, got {step}")
+        started = time.monotonic()
         cfg = self.cfg
         model = self.policy(step - 1)
         g = torch.Generator().manual_seed(cfg.seed * 1000 + step)
@@ -174,20 +187,58 @@ class SimulatedRL:
         rollouts = self.generate_rollouts(model, step, g)
         pointer = PolicyPointer(policy_version=step, checkpoint_uri=checkpoint_uri,
                                 model_id=target_forward.model_id(model))
-        write_rollouts(self.store, self.run, step, rollouts, pointer)
+        if cfg.parts_per_step == 1:
+            write_rollouts(self.store, self.run, step, rollouts, pointer)
+            return pointer
+        limits = TargetLimits.of(model.config)
+        window_end = started + period_s * ROLLOUT_SHARE_OF_PERIOD
+        first = time.monotonic()
+        for part, finished in enumerate(finish_parts(rollouts, cfg.parts_per_step)):
+            wait = first + (part + 1) / cfg.parts_per_step * max(0.0, window_end - first) - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)  # the rollout engine is still decoding this part's rollouts
+            if finished:
+                parts_lib.write_part(self.store, self.run, step, part, finished, pointer, len(rollouts), limits,
+                                     time.time())
+        parts_lib.commit_parts(self.store, self.run, step)
         return pointer
+
+    def response_lengths(self, n: int, g: torch.Generator) -> list[int]:
+        """n response lengths: lognormal around the median share of `response_len`, capped at it."""
+        cfg = self.cfg
+        if cfg.response_len_sigma == 0:
+            return [cfg.response_len] * n
+        median = math.log(cfg.response_len_median * cfg.response_len)
+        normal = torch.randn(n, generator=g, dtype=torch.float64)
+        return [max(1, min(cfg.response_len, round(math.exp(median + cfg.response_len_sigma * float(z)))))
+                for z in normal]
 
     @torch.no_grad()
     def generate_rollouts(self, model: LlamaForCausalLM, step: int, g: torch.Generator) -> list[Rollout]:
         cfg = self.cfg
         prompts = self.task.sample(step, cfg.rollouts_per_step, cfg.prompt_len, g)  # (N, P)
+        lengths = self.response_lengths(cfg.rollouts_per_step, g)
         seqs = prompts
-        for _ in range(cfg.response_len):  # sampling with our generator keeps steps reproducible
+        for _ in range(max(lengths)):  # sampling with our generator keeps steps reproducible
             logits = model(input_ids=seqs).logits[:, -1] / cfg.temperature  # (N, V)
             seqs = torch.cat([seqs, torch.multinomial(logits.softmax(-1), 1, generator=g)], dim=1)
-        rewards = self.task.rewards(step, seqs, cfg.prompt_len)
-        mask = [0] * cfg.prompt_len + [1] * cfg.response_len
-        return [
-            Rollout(f"s{step:06d}-{i:05d}", seqs[i].tolist(), list(mask), float(rewards[i]), step)
-            for i in range(seqs.shape[0])
-        ]
+        rollouts = []
+        for i, length in enumerate(lengths):  # each response ends at its own length
+            seq = seqs[i : i + 1, : cfg.prompt_len + length]  # (1, P + length)
+            reward = float(self.task.rewards(step, seq, cfg.prompt_len)[0])
+            rollouts.append(Rollout(f"s{step:06d}-{i:05d}", seq[0].tolist(), [0] * cfg.prompt_len + [1] * length,
+                                    reward, step))
+        return rollouts
+
+
+ROLLOUT_SHARE_OF_PERIOD = 0.95  # the rest of a step's period: the commit, and the next step's update beginning
+
+
+def finish_parts(rollouts: list[Rollout], parts: int) -> list[list[Rollout]]:
+    """The rollouts finished in each of `parts` equal slices of the rollout window: a rollout finishes at a
+    time proportional to its response length (the longest at the window's end). Empty slices stay empty."""
+    longest = max(sum(r.loss_mask) for r in rollouts)
+    slices: list[list[Rollout]] = [[] for _ in range(parts)]
+    for r in rollouts:
+        slices[max(0, math.ceil(sum(r.loss_mask) / longest * parts) - 1)].append(r)
+    return slices
