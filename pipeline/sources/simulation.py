@@ -31,6 +31,7 @@ import json
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -127,6 +128,16 @@ def _finetune(
     model.eval()
 
 
+@dataclass(frozen=True)
+class GeneratedStep:
+    """A simulated step's policy (written) and rollouts (not yet)."""
+
+    step: int
+    pointer: PolicyPointer
+    rollouts: list[Rollout]
+    limits: TargetLimits
+
+
 class SimulatedRL:
     """Writes RL steps 1, 2, ... of a simulated run into the store (the external-trainer layout)."""
 
@@ -169,9 +180,19 @@ class SimulatedRL:
     def run_step(self, step: int, period_s: float = 0.0) -> PolicyPointer:
         """Update the policy of step-1 with RWR toward step's task, then write step's rollouts: whole, or in
         `parts_per_step` parts spread over what is left of `period_s` after the update (0: back to back)."""
+        started = time.monotonic()
+        generated = self.generate_step(step)
+        if self.cfg.parts_per_step == 1:
+            write_rollouts(self.store, self.run, step, generated.rollouts, generated.pointer)
+            return generated.pointer
+        self.publish_parts(generated, window_end=started + period_s * ROLLOUT_SHARE_OF_PERIOD)
+        parts_lib.commit_parts(self.store, self.run, step)
+        return generated.pointer
+
+    def generate_step(self, step: int) -> GeneratedStep:
+        """The RL update of step (its checkpoint written: the step's pointer) and its rollouts, not yet written."""
         if step < 1:
             raise ValueError(f"simulated RL steps start at 1, got {step}")
-        started = time.monotonic()
         cfg = self.cfg
         model = self.policy(step - 1)
         g = torch.Generator().manual_seed(cfg.seed * 1000 + step)
@@ -183,25 +204,27 @@ class SimulatedRL:
 
         _finetune(model, rwr_batch, cfg.rl_iters, lr=2e-3)
         checkpoint_uri = target_lib.save_checkpoint(model, self.store, policy_prefix(self.run, step))
-
         rollouts = self.generate_rollouts(model, step, g)
         pointer = PolicyPointer(policy_version=step, checkpoint_uri=checkpoint_uri,
                                 model_id=target_forward.model_id(model))
-        if cfg.parts_per_step == 1:
-            write_rollouts(self.store, self.run, step, rollouts, pointer)
-            return pointer
-        limits = TargetLimits.of(model.config)
-        window_end = started + period_s * ROLLOUT_SHARE_OF_PERIOD
-        first = time.monotonic()
-        for part, finished in enumerate(finish_parts(rollouts, cfg.parts_per_step)):
-            wait = first + (part + 1) / cfg.parts_per_step * max(0.0, window_end - first) - time.monotonic()
+        return GeneratedStep(step, pointer, rollouts, TargetLimits.of(model.config))
+
+    def publish_parts(self, generated: GeneratedStep, window_end: float = 0.0,
+                      only: set[int] | None = None) -> list[int]:
+        """Write the step's parts as their rollouts finish, part i at the end of the i-th slice of the time
+        left until `window_end` (time.monotonic(); past: back to back); `only`: these parts alone. Returns the
+        parts written (an empty slice is no part)."""
+        first, parts, written = time.monotonic(), self.cfg.parts_per_step, []
+        for part, finished in enumerate(finish_parts(generated.rollouts, parts)):
+            if not finished or (only is not None and part not in only):
+                continue
+            wait = first + (part + 1) / parts * max(0.0, window_end - first) - time.monotonic()
             if wait > 0:
                 time.sleep(wait)  # the rollout engine is still decoding this part's rollouts
-            if finished:
-                parts_lib.write_part(self.store, self.run, step, part, finished, pointer, len(rollouts), limits,
-                                     time.time())
-        parts_lib.commit_parts(self.store, self.run, step)
-        return pointer
+            parts_lib.write_part(self.store, self.run, generated.step, part, finished, generated.pointer,
+                                 len(generated.rollouts), generated.limits, time.time())
+            written.append(part)
+        return written
 
     def response_lengths(self, n: int, g: torch.Generator) -> list[int]:
         """n response lengths: lognormal around the median share of `response_len`, capped at it."""
