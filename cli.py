@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -145,6 +146,39 @@ class _SensorTicks:
 QUIET_RUN = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
 
+class _RefreshTicks:
+    """The refresh sensor and its runs beside the step runs, as the daemon runs sensors and runs side by side:
+    a step's refresh happens while the previous step's run trains."""
+
+    def __init__(self, ticks: _SensorTicks, every_s: float = 1.0) -> None:
+        self.ticks, self.every_s = ticks, every_s
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="refresh-sensor", daemon=True)
+
+    def start(self) -> _RefreshTicks:
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        from jobs.sensors import refresh_sensor
+
+        try:
+            while not self._stop.is_set():
+                self.ticks.tick(refresh_sensor, "refresh_job", lambda _: None)
+                self._stop.wait(self.every_s)
+        except BaseException as exc:  # noqa: BLE001 - handed to the demo's loop by `raise_if_failed`
+            self._error = exc
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("a refresh run failed") from self._error
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _fresh_demo(config_path: str | None, overrides: dict | None) -> PipelineConfig:
     """The demo's config, its data directories emptied (the pre-trained target cache stays)."""
     cfg = load_config(config_path, overrides)
@@ -215,12 +249,22 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
                                    source=source, step_period_s=cfg.simulation.step_period_s,
                                    round_costs=summary_costs, train_tokens_per_s=tokens_per_s,
                                    ledger={"steps": report.ledger_rows(ledger), "spent_s": total.spent_s,
-                                           "saved_s": total.saved_s, "spent_by_stage_s": total.by_stage})
+                                           "saved_s": total.saved_s, "spent_by_stage_s": total.by_stage},
+                                   tail=report.tail_goals(rows))
     out()
     out(report.format_table(rows))
     out()
     out(report.format_ledger(ledger))
     out()
+    if any(r.get("tail_tau_start") is not None for r in rows):
+        goals = report.tail_goals(rows)
+        out(report.format_tail(rows))
+        out("(tail: the step's parts after the refresh's qualifying part; * refreshed but not deployed)")
+        if goals:
+            out(f"tail tau over steps {goals['steps']}: refreshed / whole-step {goals['refreshed_over_whole_step']}, "
+                f"refreshed / start-of-step {goals['refreshed_over_start']}; refresh latency {goals['latency_s']} s, "
+                f"{goals['latency_share']} of the step's rollout period")
+        out()
     first, last = rows[0], rows[-1]
     out(f"tau over {steps} steps: co-trained {first['tau_cotrained']:.2f} -> {last['tau_cotrained']:.2f}, "
         f"never retrained {first['tau_baseline']:.2f} -> {last['tau_baseline']:.2f} "
@@ -283,13 +327,19 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
             f"({'local CPU stand-ins, not vLLM' if cfg.fleet.driver == 'standin' else cfg.fleet.driver})")
     # The source publishes at its own pace in a background thread and never waits for the pipeline;
     # the pipeline picks committed steps up through its sensor, as it would an external trainer's.
-    paced = PacedSource(rl.run_step, steps, cfg.simulation.step_period_s).start()
+    period = cfg.simulation.step_period_s
+    run_step = rl.run_step if source == "trl" else (lambda step: rl.run_step(step, period))  # parts over the period
+    paced = PacedSource(run_step, steps, period).start()
+    refreshes = _RefreshTicks(_SensorTicks(instance, ticks.defs)).start() if cfg.refresh.enabled and with_fleet \
+        else None
     rows, step_walls = [], []
     bar = tqdm(total=steps, desc="RL steps", unit="step", file=sys.stdout, dynamic_ncols=True)
     bar.set_postfix_str(what)
     try:
         while len(rows) < steps:
             paced.raise_if_failed()
+            if refreshes:
+                refreshes.raise_if_failed()
             ran = _pipeline_tick(ticks, with_fleet, bar.set_postfix_str)
             for published in paced.published()[len(rows):]:
                 if not store.exists(acceptance_key(cfg.run, published.step)):
@@ -310,6 +360,8 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
         fleet_state = read_fleet_state(store, cfg.run).replicas if with_fleet else ()
     finally:
         paced.stop(timeout=0)
+        if refreshes:
+            refreshes.stop()
         if with_fleet and cfg.fleet.driver == "standin":
             deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the demo's stand-ins end with it
     bar.close()

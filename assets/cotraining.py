@@ -18,10 +18,11 @@ from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import shard_checks as checks
 from pipeline.data.held_out import held_out_rollouts
 from pipeline.data.keys import acceptance_key, buffer_key, hidden_states_prefix, rollouts_key, rollouts_prefix
-from pipeline.data.records import AcceptanceRecord, read_training
+from pipeline.data.records import AcceptanceRecord, TailTau, read_training
 from pipeline.data.rollouts import committed_steps
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import acceptance as acceptance_lib
+from pipeline.evaluation import tail as tail_lib
 from pipeline.models.drafter import stored_layer_ids
 from pipeline.sources import extract
 from pipeline.training import outcome as outcome_lib
@@ -227,6 +228,10 @@ def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) ->
     ledger = ledger_lib.read_ledger(store, cfg.run, shown)
     metadata.update(_ledger_metadata(ledger))
     ledger_lib.log_served(registry, ledger)
+    tail = tail_lib.measure_tail(store, cfg, step, registry)  # a step published in parts: tau on its tail
+    if tail:
+        metadata.update(_tail_metadata(tail))
+        tail_lib.log_tail(registry, tail)
     return dg.MaterializeResult(
         metadata=metadata,
         check_results=[
@@ -264,6 +269,15 @@ def _acceptance_metadata(record: AcceptanceRecord) -> dict:
     if cotrained := measured.get("cotrained"):
         metadata["acceptance_rate_cotrained"] = round(cotrained.acceptance_rate, 3)
         metadata["per_position_cotrained"] = str([round(p, 3) for p in cotrained.per_position])
+    return metadata
+
+
+def _tail_metadata(tail: TailTau) -> dict:
+    """Tau on the step's tail per drafter and the refresh's latency (numbers Dagster plots; -1: none)."""
+    metadata: dict = {f"tail_tau_{role}": round(tau, 3) if tau is not None else -1.0 for role, tau in tail.taus.items()}
+    metadata.update({"tail_parts": str(list(tail.tail_parts)), "tail_prompts": tail.prompts,
+                     "refresh_latency_s": tail.refresh_latency_s if tail.refresh_latency_s is not None else -1.0,
+                     "refresh_latency_share": tail.latency_share if tail.latency_share is not None else -1.0})
     return metadata
 
 

@@ -35,12 +35,12 @@ from pipeline.data import parts as parts_lib
 from pipeline.data.buffer import select_buffer, write_buffer
 from pipeline.data.held_out import held_out_rollouts
 from pipeline.data.keys import refresh_data_run, refresh_key
-from pipeline.data.parts import PartManifest, StepParts
+from pipeline.data.parts import Qualified, StepParts, qualify
 from pipeline.data.records import RefreshRecord, read_fleet_state, write_record
-from pipeline.data.rollouts import PolicyPointer, Rollout
+from pipeline.data.rollouts import Rollout
 from pipeline.data.run_layout import TargetLayout
 from pipeline.data.store import ObjectStore
-from pipeline.evaluation import speculative
+from pipeline.evaluation import tail as tail_lib
 from pipeline.models import target as target_lib
 from pipeline.models.drafter import stored_layer_ids
 from pipeline.registry import DrafterRegistry
@@ -49,37 +49,6 @@ from pipeline.sources.extract import iter_hidden_states
 from pipeline.training.plan import RefreshSpec, TrainJob, input_identity
 
 REFRESH_WARMUP_STEPS = 2  # a refresh is a few dozen iterations: most of them at the full rate
-
-
-@dataclass(frozen=True)
-class Qualified:
-    """The parts a refresh of `step` trains on: in publication order, up to the first reaching the share."""
-
-    step: int
-    part: int  # the qualifying part
-    parts: tuple[int, ...]
-    rows: int
-    response_tokens: int
-    qualified_at: float  # the qualifying part's publication (epoch seconds)
-    step_parts: StepParts
-
-    @property
-    def pointer(self) -> PolicyPointer:
-        return self.step_parts.pointer
-
-
-def qualify(manifests: list[PartManifest], step_parts: StepParts, min_share: float,
-            min_tokens: int = 0) -> Qualified | None:
-    """The parts, in publication order, up to the first with which they hold `min_share` of the expected
-    rollouts or `min_tokens` response tokens; None while they do not."""
-    rows = tokens = 0
-    taken = []
-    for m in sorted(manifests, key=lambda m: (m.published_at, m.part)):
-        rows, tokens = rows + m.rows, tokens + m.response_tokens
-        taken.append(m.part)
-        if rows >= min_share * step_parts.expected_rollouts or (min_tokens and tokens >= min_tokens):
-            return Qualified(step_parts.step, m.part, tuple(taken), rows, tokens, m.published_at, step_parts)
-    return None
 
 
 def qualified_parts(store: ObjectStore, cfg: PipelineConfig, step: int) -> Qualified | None:
@@ -167,7 +136,7 @@ def check(store: ObjectStore, cfg: PipelineConfig, q: Qualified, registry: Draft
     if not rollouts:
         return RefreshCheck(0.0, None, 0, False, "no held-out rollout in the qualifying parts")
     prompts = [torch.tensor(r.input_ids[: max(1, r.prompt_len)]) for r in rollouts]
-    taus = measure_taus(store, cfg, q.pointer.checkpoint_uri, registry, [version, champion], prompts)
+    taus = tail_lib.measure_taus(store, cfg, q.pointer.checkpoint_uri, registry, [version, champion], prompts)
     new, old = taus[version], taus.get(champion) if champion else None
     margin = cfg.refresh.margin
     if old is None:
@@ -177,19 +146,6 @@ def check(store: ObjectStore, cfg: PipelineConfig, q: Qualified, registry: Draft
                             f"refreshed tau {new:.3f} > champion tau {old:.3f} + refresh.margin {margin}")
     return RefreshCheck(new, old, len(prompts), False,
                         f"refreshed tau {new:.3f} <= champion tau {old:.3f} + refresh.margin {margin}")
-
-
-def measure_taus(store: ObjectStore, cfg: PipelineConfig, policy_uri: str, registry: DrafterRegistry,
-                 versions: list[str | None], prompts: list[torch.Tensor]) -> dict[str, float]:
-    """Tau of each registered version by speculative decoding of `prompts` against the policy."""
-    target = target_lib.load_policy(store, policy_uri, cfg.device, target_lib.load_settings(cfg))
-    taus = {}
-    for version in sorted({v for v in versions if v}, key=int):
-        drafter = registry.load(version)
-        drafter.attach(target)
-        taus[version] = speculative.evaluate(target, speculative.follow_target(drafter, target), prompts,
-                                             cfg.eval.max_new_tokens, cfg.eval.num_speculative_tokens).tau
-    return taus
 
 
 def seen_step(registry: DrafterRegistry, version: str) -> tuple[int, int]:

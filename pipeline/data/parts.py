@@ -256,3 +256,34 @@ def committed_part_numbers(store: ObjectStore, run: str, step: int) -> list[int]
 def step_progress(manifests: Sequence[PartManifest], expected_rollouts: int) -> float:
     """The share of the step's expected rollouts its parts hold."""
     return sum(m.rows for m in manifests) / expected_rollouts
+
+
+@dataclass(frozen=True)
+class Qualified:
+    """The parts a refresh of `step` trains on: in publication order, up to the first reaching the share."""
+
+    step: int
+    part: int  # the qualifying part
+    parts: tuple[int, ...]
+    rows: int
+    response_tokens: int
+    qualified_at: float  # the qualifying part's publication (epoch seconds)
+    step_parts: StepParts
+
+    @property
+    def pointer(self) -> PolicyPointer:
+        return self.step_parts.pointer
+
+
+def qualify(manifests: list[PartManifest], step_parts: StepParts, min_share: float,
+            min_tokens: int = 0) -> Qualified | None:
+    """The parts, in publication order, up to the first with which they hold `min_share` of the expected
+    rollouts or `min_tokens` response tokens; None while they do not."""
+    rows = tokens = 0
+    taken = []
+    for m in sorted(manifests, key=lambda m: (m.published_at, m.part)):
+        rows, tokens = rows + m.rows, tokens + m.response_tokens
+        taken.append(m.part)
+        if rows >= min_share * step_parts.expected_rollouts or (min_tokens and tokens >= min_tokens):
+            return Qualified(step_parts.step, m.part, tuple(taken), rows, tokens, m.published_at, step_parts)
+    return None
