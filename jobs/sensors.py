@@ -100,6 +100,9 @@ def refresh_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResour
     cfg = pipeline.config
     if not cfg.refresh.enabled:
         return dg.SkipReason("refresh.enabled is false")
+    if cfg.fleet.driver == "none" or not cfg.train.enable_drafter_training:
+        return dg.SkipReason("refresh.enabled, but there is no fleet to refresh (fleet.driver none) or drafter "
+                             "training is off (train.enable_drafter_training false)")
     last = int(context.cursor) if context.cursor else 0
     store = pipeline.store()
     # Only steps still generating: once committed, the step's own run trains on all of it.

@@ -89,6 +89,11 @@ def test_config_is_frozen() -> None:
         pytest.param({"train": {"vloss_weight": 0, "ploss_weight": 0}}, "train.vloss_weight", id="no-loss"),
         pytest.param({"simulation": {"hidden_size": 30, "num_heads": 4}}, "simulation.hidden_size", id="heads"),
         pytest.param({"simulation": {"vocab_size": 8, "candidates": 9}}, "simulation.candidates", id="candidates"),
+        pytest.param({"refresh": {"min_share": 0}}, "refresh.min_share", id="refresh-share-zero"),
+        pytest.param({"refresh": {"min_share": 1.5}}, "refresh.min_share", id="refresh-share-above-one"),
+        pytest.param({"refresh": {"max_tokens": 10}}, "refresh.max_tokens", id="refresh-budget-tiny"),
+        pytest.param({"refresh": {"margin": -0.1}}, "refresh.margin", id="refresh-margin-negative"),
+        pytest.param({"simulation": {"parts_per_step": 0}}, "simulation.parts_per_step", id="parts-zero"),
     ],
 )
 def test_invalid_values_name_the_key(overrides: dict, key: str) -> None:
