@@ -104,6 +104,8 @@ def refresh_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResour
         return dg.SkipReason("refresh.enabled, but there is no fleet to refresh (fleet.driver none) or drafter "
                              "training is off (train.enable_drafter_training false)")
     last = int(context.cursor) if context.cursor else 0
+    if pipeline.registry().alias_version("champion") is None:  # a refresh fine-tunes the champion
+        return dg.SkipReason("no `champion` drafter to refresh yet: the first step's own training makes one")
     store = pipeline.store()
     # Only steps still generating: once committed, the step's own run trains on all of it.
     open_steps = [parse_step_key(n) for n in store.list_dirs(rollouts_root(cfg.run)) if is_step_key(n)]

@@ -8,8 +8,8 @@ import pytest
 from pipeline.data.parts import PartManifest, StepParts, qualify
 from pipeline.data.records import Deployment, FleetState, RefreshRecord, TailTau, TrainingFigures, TrainingRecord
 from pipeline.data.rollouts import PolicyPointer, TargetLimits
-from pipeline.evaluation.tail import tail_versions
 from pipeline.evaluation.tail import tail_parts as tail_of
+from pipeline.evaluation.tail import tail_versions
 
 STEP = 4
 STARTED = 1000.0
