@@ -13,6 +13,7 @@ plan    the capacity plan of an RL step's drafter side: GPU-seconds, bytes, the 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -146,37 +147,49 @@ class _SensorTicks:
 QUIET_RUN = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
 
-class _RefreshTicks:
-    """The refresh sensor and its runs beside the step runs, as the daemon runs sensors and runs side by side:
-    a step's refresh happens while the previous step's run trains."""
+def refresh_ticks(config_path: str | None, overrides: dict | None, every_s: float = 1.0) -> None:
+    """The refresh sensor and the runs it requests, in this process, until its standard input closes: what the
+    Dagster daemon runs beside the step runs. A process of its own (the demo starts one): Dagster configures the
+    logging of a run as it starts it, which two runs in one process's threads would do at once."""
+    import dagster as dg
 
-    def __init__(self, ticks: _SensorTicks, every_s: float = 1.0) -> None:
-        self.ticks, self.every_s = ticks, every_s
-        self._stop = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="refresh-sensor", daemon=True)
+    from definitions import build_definitions
+    from jobs.sensors import refresh_sensor
 
-    def start(self) -> _RefreshTicks:
-        self._thread.start()
-        return self
+    _quiet_libraries()
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), name="stdin-watch", daemon=True).start()
+    instance = dg.DagsterInstance.get()
+    ticks = _SensorTicks(instance, build_definitions(config_path, overrides))
+    while not stop.is_set():
+        ticks.tick(refresh_sensor, "refresh_job", lambda line: out(line))
+        stop.wait(every_s)
 
-    def _loop(self) -> None:
-        from jobs.sensors import refresh_sensor
 
-        try:
-            while not self._stop.is_set():
-                self.ticks.tick(refresh_sensor, "refresh_job", lambda _: None)
-                self._stop.wait(self.every_s)
-        except BaseException as exc:  # noqa: BLE001 - handed to the demo's loop by `raise_if_failed`
-            self._error = exc
+class _RefreshProcess:
+    """`cli.py refresh-ticks` beside the demo's loop; it ends when the demo closes its standard input."""
+
+    def __init__(self, config_path: str | None, overrides: dict | None, log: Path) -> None:
+        argv = [sys.executable, str(ROOT / "cli.py"), *(["--config", config_path] if config_path else []),
+                "refresh-ticks", *(["--overrides", json.dumps(overrides)] if overrides else [])]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        with log.open("w") as sink:
+            self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=sink, stderr=subprocess.STDOUT,
+                                            cwd=ROOT)
 
     def raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError("a refresh run failed") from self._error
+        if self.process.poll() is not None:
+            raise RuntimeError(f"the refresh process exited with {self.process.returncode}; see {self.log}")
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+        if self.process.poll() is None:
+            self.process.stdin.close()  # its loop ends after the run in progress
+            try:
+                self.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.process.terminate()
+                self.process.wait()
 
 
 def _fresh_demo(config_path: str | None, overrides: dict | None) -> PipelineConfig:
@@ -330,8 +343,10 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     period = cfg.simulation.step_period_s
     run_step = rl.run_step if source == "trl" else (lambda step: rl.run_step(step, period))  # parts over the period
     paced = PacedSource(run_step, steps, period).start()
-    refreshes = _RefreshTicks(_SensorTicks(instance, ticks.defs)).start() if cfg.refresh.enabled and with_fleet \
-        else None
+    refreshes = None
+    if cfg.refresh.enabled and with_fleet:  # the refresh sensor and its runs, as the daemon runs them beside steps
+        prepare_instance(instance)  # the storage's tables and pools, from this process first
+        refreshes = _RefreshProcess(config_path, overrides, cfg.data_path / "demo" / "refresh.log")
     rows, step_walls = [], []
     bar = tqdm(total=steps, desc="RL steps", unit="step", file=sys.stdout, dynamic_ncols=True)
     bar.set_postfix_str(what)
@@ -585,6 +600,9 @@ def main(argv: list[str] | None = None) -> None:
     demo_p.add_argument("--drafter", choices=["eagle", "eagle3", "peagle"], help="drafter.kind for this demo")
     demo_p.add_argument("--source", choices=["simulated", "trl"], default="simulated",
                         help="what writes the RL steps: the built-in simulator, or real GRPO with TRL")
+    ticks_p = sub.add_parser("refresh-ticks", help="the refresh sensor and its runs, as the Dagster daemon runs them, "
+                             "until standard input closes (the demo starts it)")
+    ticks_p.add_argument("--overrides", help="JSON mapping merged over the config (the demo's --drafter)")
     ui_p = sub.add_parser("ui", help="Dagster and MLflow UIs on the demo's data")
     ui_p.add_argument("--stack", choices=["embedded", "postgres"], default="embedded",
                       help="postgres: a local PostgreSQL and S3-compatible server, production's instance settings")
@@ -615,6 +633,8 @@ def main(argv: list[str] | None = None) -> None:
         demo(args.steps, args.config, args.drafter, args.source)
     elif args.command == "ui":
         ui(args.config, args.stack)
+    elif args.command == "refresh-ticks":
+        refresh_ticks(args.config, json.loads(args.overrides) if args.overrides else None)
     elif args.command == "check-db":
         from pipeline.database import DatabaseError
 
