@@ -19,9 +19,10 @@ with the policy checkpoint, in exactly the layout an external trainer uses
 Response lengths are lognormal (`response_len_sigma`; median `response_len_median` of the
 longest, capped at `response_len`), as a reasoning step's are: most rollouts finish early
 and a long tail holds the step. With `parts_per_step` > 1 the step is published in parts as
-its rollouts finish (`pipeline/data/parts.py`): a rollout finishes at a time proportional to
-its length within the step's rollout window (a rollout engine decodes the batch together), and
-part i holds the rollouts finished in the window's i-th slice, then the step is committed.
+its rollouts finish (`pipeline/data/parts.py`): the batch decodes together, one token per
+forward, paced so that the longest rollout ends with the step's rollout window; part i holds
+the rollouts whose last token falls in the i-th slice of the decoding, and is published as the
+decoding passes the slice's end. Then the step is committed.
 """
 
 from __future__ import annotations
@@ -138,6 +139,9 @@ class GeneratedStep:
     limits: TargetLimits
 
 
+OnPart = Callable[[GeneratedStep, int, list[Rollout]], None]
+
+
 class SimulatedRL:
     """Writes RL steps 1, 2, ... of a simulated run into the store (the external-trainer layout)."""
 
@@ -178,19 +182,21 @@ class SimulatedRL:
         return target_lib.load_checkpoint(self.store.uri(policy_prefix(self.run, step)), store=self.store)
 
     def run_step(self, step: int, period_s: float = 0.0) -> PolicyPointer:
-        """Update the policy of step-1 with RWR toward step's task, then write step's rollouts: whole, or in
-        `parts_per_step` parts spread over what is left of `period_s` after the update (0: back to back)."""
-        started = time.monotonic()
-        generated = self.generate_step(step)
+        """Update the policy of step-1 with RWR toward step's task, then generate and write step's rollouts:
+        whole, or in `parts_per_step` parts as they finish, the decoding paced to end `period_s` (less the
+        commit's share) after the step began (0: as fast as it runs)."""
+        window_end = time.monotonic() + period_s * ROLLOUT_SHARE_OF_PERIOD
         if self.cfg.parts_per_step == 1:
+            generated = self.generate_step(step)
             write_rollouts(self.store, self.run, step, generated.rollouts, generated.pointer)
             return generated.pointer
-        self.publish_parts(generated, window_end=started + period_s * ROLLOUT_SHARE_OF_PERIOD)
+        generated = self.generate_step(step, self._write_part, window_end)
         parts_lib.commit_parts(self.store, self.run, step)
         return generated.pointer
 
-    def generate_step(self, step: int) -> GeneratedStep:
-        """The RL update of step (its checkpoint written: the step's pointer) and its rollouts, not yet written."""
+    def generate_step(self, step: int, on_part: OnPart | None = None, window_end: float = 0.0) -> GeneratedStep:
+        """The RL update of step (its checkpoint written: the step's pointer) and its rollouts; `on_part` is
+        handed each part as the decoding finishes it, paced to end at `window_end` (time.monotonic())."""
         if step < 1:
             raise ValueError(f"simulated RL steps start at 1, got {step}")
         cfg = self.cfg
@@ -204,26 +210,25 @@ class SimulatedRL:
 
         _finetune(model, rwr_batch, cfg.rl_iters, lr=2e-3)
         checkpoint_uri = target_lib.save_checkpoint(model, self.store, policy_prefix(self.run, step))
-        rollouts = self.generate_rollouts(model, step, g)
         pointer = PolicyPointer(policy_version=step, checkpoint_uri=checkpoint_uri,
                                 model_id=target_forward.model_id(model))
-        return GeneratedStep(step, pointer, rollouts, TargetLimits.of(model.config))
+        generated = GeneratedStep(step, pointer, [], TargetLimits.of(model.config))
+        finished = None if on_part is None else (lambda part, rows: on_part(generated, part, rows))
+        generated.rollouts.extend(self.generate_rollouts(model, step, g, finished, window_end))
+        return generated
 
-    def publish_parts(self, generated: GeneratedStep, window_end: float = 0.0,
-                      only: set[int] | None = None) -> list[int]:
-        """Write the step's parts as their rollouts finish, part i at the end of the i-th slice of the time
-        left until `window_end` (time.monotonic(); past: back to back); `only`: these parts alone. Returns the
-        parts written (an empty slice is no part)."""
-        first, parts, written = time.monotonic(), self.cfg.parts_per_step, []
-        for part, finished in enumerate(finish_parts(generated.rollouts, parts)):
-            if not finished or (only is not None and part not in only):
-                continue
-            wait = first + (part + 1) / parts * max(0.0, window_end - first) - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)  # the rollout engine is still decoding this part's rollouts
-            parts_lib.write_part(self.store, self.run, generated.step, part, finished, generated.pointer,
-                                 len(generated.rollouts), generated.limits, time.time())
-            written.append(part)
+    def _write_part(self, generated: GeneratedStep, part: int, rows: list[Rollout]) -> None:
+        parts_lib.write_part(self.store, self.run, generated.step, part, rows, generated.pointer,
+                             self.cfg.rollouts_per_step, generated.limits, time.time())
+
+    def publish_parts(self, generated: GeneratedStep, only: set[int] | None = None) -> list[int]:
+        """Write the step's parts at once (`only`: these parts alone); returns the parts written (an empty slice
+        of the decoding is no part)."""
+        written = []
+        for part, finished in enumerate(finish_parts(generated.rollouts, self.cfg.parts_per_step)):
+            if finished and (only is None or part in only):
+                self._write_part(generated, part, finished)
+                written.append(part)
         return written
 
     def response_lengths(self, n: int, g: torch.Generator) -> list[int]:
@@ -237,31 +242,53 @@ class SimulatedRL:
                 for z in normal]
 
     @torch.no_grad()
-    def generate_rollouts(self, model: LlamaForCausalLM, step: int, g: torch.Generator) -> list[Rollout]:
+    def generate_rollouts(self, model: LlamaForCausalLM, step: int, g: torch.Generator,
+                          on_part: Callable[[int, list[Rollout]], None] | None = None,
+                          window_end: float = 0.0) -> list[Rollout]:
+        """The step's rollouts, decoded together; with `on_part`, each part (`finish_parts`) is handed over as
+        soon as the decoding has finished it, the decoding paced to end at `window_end` (time.monotonic())."""
         cfg = self.cfg
         prompts = self.task.sample(step, cfg.rollouts_per_step, cfg.prompt_len, g)  # (N, P)
         lengths = self.response_lengths(cfg.rollouts_per_step, g)
-        seqs = prompts
-        for _ in range(max(lengths)):  # sampling with our generator keeps steps reproducible
+        longest, parts = max(lengths), cfg.parts_per_step
+        closing: dict[int, list[int]] = {}  # decode step -> the parts it closes
+        for p in range(parts):
+            closing.setdefault(math.ceil((p + 1) / parts * longest), []).append(p)
+        seqs, started = prompts, time.monotonic()
+        rollouts: list[Rollout | None] = [None] * len(lengths)
+        for t in range(1, longest + 1):  # sampling with our generator keeps steps reproducible
             logits = model(input_ids=seqs).logits[:, -1] / cfg.temperature  # (N, V)
             seqs = torch.cat([seqs, torch.multinomial(logits.softmax(-1), 1, generator=g)], dim=1)
-        rollouts = []
-        for i, length in enumerate(lengths):  # each response ends at its own length
-            seq = seqs[i : i + 1, : cfg.prompt_len + length]  # (1, P + length)
-            reward = float(self.task.rewards(step, seq, cfg.prompt_len)[0])
-            rollouts.append(Rollout(f"s{step:06d}-{i:05d}", seq[0].tolist(), [0] * cfg.prompt_len + [1] * length,
-                                    reward, step))
+            for i in [i for i, length in enumerate(lengths) if length == t]:  # each response ends at its length
+                seq = seqs[i : i + 1]  # (1, P + t)
+                reward = float(self.task.rewards(step, seq, cfg.prompt_len)[0])
+                rollouts[i] = Rollout(f"s{step:06d}-{i:05d}", seq[0].tolist(), [0] * cfg.prompt_len + [1] * t,
+                                      reward, step)
+            if on_part is None or t not in closing:
+                continue
+            wait = started + t / longest * max(0.0, window_end - started) - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)  # the rollout engine's pace: the longest rollout ends with the window
+            for part in closing[t]:
+                done = [r for r in rollouts if r is not None and part_of(sum(r.loss_mask), longest, parts) == part]
+                if done:
+                    on_part(part, done)
         return rollouts
 
 
 ROLLOUT_SHARE_OF_PERIOD = 0.95  # the rest of a step's period: the commit, and the next step's update beginning
 
 
+def part_of(length: int, longest: int, parts: int) -> int:
+    """The slice of the decoding (of `parts` equal ones) in which a response of `length` tokens ends."""
+    return max(0, math.ceil(length / longest * parts) - 1)
+
+
 def finish_parts(rollouts: list[Rollout], parts: int) -> list[list[Rollout]]:
-    """The rollouts finished in each of `parts` equal slices of the rollout window: a rollout finishes at a
-    time proportional to its response length (the longest at the window's end). Empty slices stay empty."""
+    """The rollouts finished in each of `parts` equal slices of the decoding: a response ends at the decode step
+    of its length (the longest at the last). Empty slices stay empty."""
     longest = max(sum(r.loss_mask) for r in rollouts)
     slices: list[list[Rollout]] = [[] for _ in range(parts)]
     for r in rollouts:
-        slices[max(0, math.ceil(sum(r.loss_mask) / longest * parts) - 1)].append(r)
+        slices[part_of(sum(r.loss_mask), longest, parts)].append(r)
     return slices

@@ -41,9 +41,23 @@ def test_a_step_is_published_in_parts_then_committed(tmp_path: Path) -> None:
     for part, rows in enumerate(slices):  # a part holds the rollouts no longer than its slice's end
         assert all(sum(r.loss_mask) <= (part + 1) / 4 * 40 for r in rows)
 
-    written = source.publish_parts(generated)
+    written = source.publish_parts(generated)  # what run_step hands over part by part while decoding
     assert written == [p for p, rows in enumerate(slices) if rows]
     assert parts_lib.commit_parts(store, cfg.run, 1) == written
     stored = read_rollouts(store, cfg.run, 1)
     assert [r.sample_id for r in stored] == [r.sample_id for rows in slices for r in rows]
     assert {r.sample_id: r for r in stored} == {r.sample_id: r for r in generated.rollouts}
+
+
+def test_run_step_publishes_each_part_as_the_decoding_finishes_it(tmp_path: Path) -> None:
+    cfg = load_config(write_config(tmp_path, LONG_TAIL))
+    store = open_store(cfg)
+    source = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
+    source.run_step(1, period_s=2.0)  # decoding paced over the step's period
+    manifests = parts_lib.published_parts(store, cfg.run, 1)
+    started = parts_lib.read_step_parts(store, cfg.run, 1).started_at
+    times = [m.published_at for m in sorted(manifests, key=lambda m: m.part)]
+    assert times == sorted(times)  # parts go out in decoding order
+    assert times[-1] - started > 0.5  # spread over the period, not written at once
+    assert parts_lib.committed_part_numbers(store, cfg.run, 1) == [m.part for m in manifests]
+    assert sum(m.rows for m in manifests) == 24
