@@ -23,7 +23,8 @@ from pipeline.serving.fleet import StandInDriver
 from pipeline.sources.simulation import SimulatedRL
 from tests.support.config import write_config
 
-REFRESH = {"simulation": {"parts_per_step": 4, "response_len_sigma": 0.5, "drift": 0.6},
+REFRESH = {"simulation": {"parts_per_step": 4, "response_len_sigma": 0.5, "drift": 0.6, "rollouts_per_step": 32},
+           "eval": {"held_out_fraction": 0.4, "num_prompts": 4, "max_new_tokens": 8},
            "refresh": {"enabled": True, "min_share": 0.5, "max_tokens": 3000, "margin": 0.0}}
 
 
