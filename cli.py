@@ -274,9 +274,14 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
         out(report.format_tail(rows))
         out("(tail: the step's parts after the refresh's qualifying part; * refreshed but not deployed)")
         if goals:
-            out(f"tail tau over steps {goals['steps']}: refreshed / whole-step {goals['refreshed_over_whole_step']}, "
-                f"refreshed / start-of-step {goals['refreshed_over_start']}; refresh latency {goals['latency_s']} s, "
-                f"{goals['latency_share']} of the step's rollout period")
+            def ratio(value: float | None, spec: str) -> str:
+                return "-" if value is None else format(value, spec)
+
+            out(f"tail tau over steps {goals['steps']}: refreshed / whole-step "
+                f"{ratio(goals['refreshed_over_whole_step'], '.2f')}x, refreshed / start-of-step "
+                f"{ratio(goals['refreshed_over_start'], '.2f')}x; "
+                f"refresh latency {ratio(goals['latency_s'], '.1f')} s, "
+                f"{ratio(goals['latency_share'], '.0%')} of the step's rollout period")
         out()
     first, last = rows[0], rows[-1]
     out(f"tau over {steps} steps: co-trained {first['tau_cotrained']:.2f} -> {last['tau_cotrained']:.2f}, "

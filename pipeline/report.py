@@ -87,7 +87,8 @@ def format_tail(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
 
     def shown(value: object, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
+        width = int(spec.split(".")[0])
+        return f"{'-':>{width}}" if value is None else format(value, spec)
 
     for r in rows:
         version = r.get("refresh_version")
