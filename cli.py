@@ -511,7 +511,9 @@ def status(config_path: str | None) -> None:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state.since)) if state.since else "?"
         out(f"fleet ({cfg.fleet.driver}): version {state.version} since {since}")
         for r in state.replicas:
-            out(f"  {r.replica:<12} version {r.version}, live tau {r.live_tau:.2f}")
+            how = {"hot": "hot-updated", "restart": "restarted", "none": "already serving it",
+                   "rolled back": "rolled back"}[r.update]
+            out(f"  {r.replica:<12} version {r.version} ({how}), live tau {r.live_tau:.2f}")
 
 
 def retention(config_path: str | None, apply: bool) -> None:

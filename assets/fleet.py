@@ -9,6 +9,14 @@ from pipeline import refresh as refresh_lib
 from pipeline.serving import deploy
 from resources import PipelineResource
 
+UPDATE_WORDS = {"hot": "hot (weights sent, no restart)", "restart": "restarted", "none": "none (already serving it)",
+                "rolled back": "rolled back"}
+
+
+def _cell(text: str) -> str:
+    """Text in a Markdown table cell: a server's message may hold a pipe."""
+    return text.replace("|", "\\|")
+
 
 class DeployConfig(dg.Config):
     version: str = Field(description="Registered drafter version to roll out (the `champion`).")
@@ -17,10 +25,12 @@ class DeployConfig(dg.Config):
 @dg.asset(
     group_name="serving",
     kinds={"vllm"},
-    description="The serving fleet: which drafter version runs on which replica, since when, and its live "
-    "acceptance over the canary window. Each replica is restarted with the new --speculative-config one at a "
-    "time, gated on /health, /v1/models, a smoke completion and live tau from /metrics; a failed replica is "
-    "rolled back and the deploy stops. A replica already serving the version on the newest policy is only gated.",
+    description="The serving fleet: which drafter version runs on which replica, since when, how it got it, and "
+    "its live acceptance over the canary window. One replica at a time gets the new drafter weights in place "
+    "(vLLM's dev-mode weight-update routes, fleet.update hot) or is restarted with the new --speculative-config "
+    "(no such routes, another policy, a failed hot update rolled back first), gated on /health, /v1/models, a "
+    "smoke completion and live tau from /metrics; a failed replica is rolled back and the deploy stops. A replica "
+    "already serving the version on the newest policy is only gated.",
 )
 def fleet(context: dg.AssetExecutionContext, config: DeployConfig, pipeline: PipelineResource) -> dg.MaterializeResult:
     """Rolling update to `config.version`; the registry's `live` alias follows only a full success."""
@@ -35,10 +45,11 @@ def fleet(context: dg.AssetExecutionContext, config: DeployConfig, pipeline: Pip
                                               "skipped": f"version {config.version}: {exc}",
                                               "driver": cfg.fleet.driver})
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
-    header = "| replica | version | since (UTC) | live tau | deploy s | restarted |\n|---|---|---|---|---|---|\n"
+    header = "| replica | version | since (UTC) | live tau | deploy s | update | held s | note |\n" \
+             "|---|---|---|---|---|---|---|---|\n"
     table = header + "".join(
         f"| {r.replica} | {r.version} | {since} | {r.live_tau:.2f} | {r.deploy_s:.1f} | "
-        f"{'yes' if r.restarted else 'no (already serving it)'} |\n"
+        f"{UPDATE_WORDS[r.update]} | {r.paused_s:.2f} | {_cell(r.note)} |\n"
         for r in report.replicas
     )
     context.log.info(f"version {config.version} live on {len(report.replicas)} replicas")
@@ -48,5 +59,7 @@ def fleet(context: dg.AssetExecutionContext, config: DeployConfig, pipeline: Pip
             "replicas": dg.MetadataValue.md(table),
             "mean_live_tau": sum(r.live_tau for r in report.replicas) / len(report.replicas),
             "driver": cfg.fleet.driver,
+            "hot_updated": sum(r.update == "hot" for r in report.replicas),
+            "restarted": sum(r.restarted for r in report.replicas),
         }
     )

@@ -268,6 +268,24 @@ class TargetConfig(_Strict):
     cached_policies: int = Field(
         default=1, ge=0, description="Loaded policies a process keeps, so a step's assets load its policy once."
     )
+    split: Literal["none", "layers", "auto"] = Field(
+        default="auto",
+        description="A policy's decoder layers across the GPUs from the process's own: `auto` when it does "
+                    "not fit that GPU (the load's memory check), `layers` always, `none` never "
+                    "(pipeline/models/layer_split.py).",
+    )
+    split_devices: int = Field(
+        default=0, ge=0,
+        description="GPUs a split policy spans, from the process's own; 0: every visible one from it, or with "
+                    "several ranks on the node (torchrun's LOCAL_WORLD_SIZE) an even share each.",
+    )
+
+    @model_validator(mode="after")
+    def _split_has_devices(self) -> TargetConfig:
+        if self.split != "none" and self.split_devices == 1:
+            raise ValueError(f"target.split_devices is 1: target.split {self.split} needs 0 (the process's share of "
+                             "the GPUs) or at least 2; set target.split: none to load on one device")
+        return self
 
 
 class EvalConfig(_Strict):
@@ -298,6 +316,15 @@ class FleetConfig(_Strict):
         "vLLM replicas with `fleet.command`; `none`: no fleet."
     )
     command: str = Field(default="", description="Restart command template for `command`: {name}, {argv}, {drafter}.")
+    update: Literal["hot", "restart"] = Field(
+        default="hot", description="`hot`: a replica already on the policy gets the new drafter weights in place "
+        "through vLLM's dev-mode weight-update routes, restarted when it has none or the update fails (rolled back "
+        "first); `restart`: every replica is restarted with the new --speculative-config."
+    )
+    weight_transfer_backend: Literal["", "disk"] = Field(
+        default="", description="`command` driver: start vLLM in dev mode (VLLM_SERVER_DEV_MODE=1) with "
+        "`--weight-transfer-config {\"backend\": ...}`, so its replicas take hot updates; empty: started as before."
+    )
     replicas: list[ReplicaConfig] = Field(
         default_factory=lambda: [
             ReplicaConfig(name="standin-0", port=8101), ReplicaConfig(name="standin-1", port=8102),
@@ -316,6 +343,8 @@ class FleetConfig(_Strict):
     def _command_needs_template(self) -> FleetConfig:
         if self.driver == "command" and "{argv}" not in self.command:
             raise ValueError("fleet.driver command needs fleet.command with an {argv} placeholder")
+        if self.weight_transfer_backend and (self.driver != "command" or self.update != "hot"):
+            raise ValueError("fleet.weight_transfer_backend is for fleet.driver command with fleet.update hot")
         names = [r.name for r in self.replicas]
         if len(set(names)) != len(names):
             raise ValueError("fleet.replicas names must be unique")
@@ -499,6 +528,18 @@ class PipelineConfig(_Strict):
         if self.drafter.kind == "peagle" and self.eval.num_speculative_tokens > self.drafter.num_depths:
             raise ValueError(f"eval.num_speculative_tokens ({self.eval.num_speculative_tokens}) exceeds "
                              f"drafter.num_depths ({self.drafter.num_depths}): a P-EAGLE forward proposes at most that")
+        return self
+
+    @model_validator(mode="after")
+    def _split_device(self) -> PipelineConfig:
+        if self.target.split != "layers":
+            return self
+        kind = self.device.split(":")[0]
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"target.split layers needs device cpu or cuda, not {self.device!r}")
+        if kind == "cpu" and self.target.split_devices < 2:
+            raise ValueError("target.split layers on device cpu needs target.split_devices >= 2 (blocks on the one "
+                             "CPU: the split's code path, no memory gained)")
         return self
 
     @model_validator(mode="after")

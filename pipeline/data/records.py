@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar, get_args
 
 from pipeline.cost import DecodingCost
 from pipeline.data.keys import acceptance_key, cost_key, drafter_key, fleet_state_key, refresh_key, tail_key
@@ -260,22 +260,40 @@ class AcceptanceRecord:
 # --- the fleet -------------------------------------------------------------------------------------------------
 
 
+# How a replica came to run its version: "hot" (new drafter weights sent to the running server), "restart"
+# (restarted with the new --speculative-config), "none" (it served the version on the policy already, and only
+# passed the gates), "rolled back" (a failed update, the previous version back on it; the deploy stopped there).
+UpdateKind = Literal["hot", "restart", "none", "rolled back"]
+UPDATE_KINDS: tuple[str, ...] = get_args(UpdateKind)
+
+
 @dataclass(frozen=True)
 class ReplicaDeploy:
-    """One replica after a rollout: the version it runs and the live tau its gate measured."""
+    """One replica after a rollout: the version it runs, how it got it, and the live tau its gate measured."""
 
     replica: str
     version: str
-    live_tau: float
+    live_tau: float  # a rolled-back replica: the one recorded before, 0.0 when none was
     deploy_s: float
-    restarted: bool  # False: it already served the version on the policy, and only passed the gates
+    restarted: bool  # its process was started anew by this deploy
+    update: UpdateKind = "restart"
+    note: str = ""  # why a hot update was not used or fell back, what rolled back
+    paused_s: float = 0.0  # a hot update: how long its requests were held
+    target: str = ""  # the policy checkpoint it serves
+
+    def __post_init__(self) -> None:
+        if self.update not in UPDATE_KINDS:
+            raise ValueError(f"update {self.update!r} is not one of {UPDATE_KINDS}")
 
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_json(cls, doc: dict) -> ReplicaDeploy:
-        return cls(doc["replica"], doc["version"], doc["live_tau"], doc["deploy_s"], doc["restarted"])
+        # Fields after `restarted` are absent from states written before hot updates: those restarted or gated.
+        return cls(doc["replica"], doc["version"], doc["live_tau"], doc["deploy_s"], doc["restarted"],
+                   doc.get("update", "restart" if doc["restarted"] else "none"), doc.get("note", ""),
+                   doc.get("paused_s", 0.0), doc.get("target", ""))
 
 
 @dataclass(frozen=True)
@@ -312,7 +330,8 @@ class Deployment:
 @dataclass(frozen=True)
 class FleetState:
     """Which drafter version the fleet runs, on which policy step, since when (epoch seconds), and every
-    version it ran before: the history the drafter's lag is read from."""
+    version it ran before: the history the drafter's lag is read from. `replicas` says what each replica
+    runs and how it got it; after a stopped deploy some may run a newer version than `version`."""
 
     version: str | None = None  # None: nothing deployed yet
     policy_step: int | None = None

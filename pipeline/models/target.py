@@ -8,12 +8,14 @@ from a hub and no code named by a config runs.
 
 Local checkpoints are memory-mapped in place; object-storage ones go through a bounded
 local cache (checkpoint_cache). `load_policy` keeps the last policy per process, so the
-assets of one step (extraction, evaluation, deploy) load it once. The forward pass and the
-features drafters read are `target_forward`'s.
+assets of one step (extraction, evaluation, deploy) load it once. A policy larger than the
+process's device has its layers split across the devices beside it (`target.split`, layer_split).
+The forward pass and the features drafters read are `target_forward`'s.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import threading
@@ -27,6 +29,7 @@ import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from pipeline.data.store import ObjectStore
+from pipeline.models import layer_split
 from pipeline.models.checkpoint_cache import CheckpointCache, RemoteFile
 from pipeline.models.target_checks import (
     CONFIG_FILE,
@@ -37,7 +40,6 @@ from pipeline.models.target_checks import (
     TiedWeightsError,
     check_config,
     check_layout,
-    check_memory,
     list_checkpoint,
     open_file,
     read_layout,
@@ -62,6 +64,8 @@ try:  # transformers 5
 except ImportError:  # transformers 4
     from transformers.modeling_utils import no_init_weights
 
+log = logging.getLogger(__name__)
+
 # A checkpoint per RL step: per-load progress bars are noise in run logs.
 transformers.utils.logging.disable_progress_bar()
 
@@ -72,12 +76,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass(frozen=True)
 class LoadSettings:
     """How policies load: weights dtype ("auto": bfloat16 on CUDA, float32 elsewhere), the local cache
-    of object-storage checkpoints, and how many loaded policies a process keeps."""
+    of object-storage checkpoints, how many loaded policies a process keeps, and whether a policy's
+    layers are split across the devices from the process's own (layer_split)."""
 
     dtype: str = "auto"
     cache_dir: Path | None = None  # a directory under the system temp dir when None
     cache_max_bytes: int = 64 * 2**30
     cached_policies: int = 1
+    split: layer_split.SplitMode = "auto"
+    split_devices: int = 0  # GPUs a split spans from the process's own; 0: its share of the node's (gpu_block)
 
     def torch_dtype(self, device: str | torch.device) -> torch.dtype:
         if self.dtype == "auto":
@@ -93,7 +100,7 @@ def load_settings(cfg: PipelineConfig) -> LoadSettings:
     """The settings of a PipelineConfig's `target` section."""
     t = cfg.target
     cache_dir = Path(t.cache_dir) if t.cache_dir else cfg.data_path / "target-cache"
-    return LoadSettings(t.dtype, cache_dir, int(t.cache_max_gb * 2**30), t.cached_policies)
+    return LoadSettings(t.dtype, cache_dir, int(t.cache_max_gb * 2**30), t.cached_policies, t.split, t.split_devices)
 
 
 def tiny_llama_config(vocab_size: int, hidden_size: int, num_layers: int, num_heads: int) -> LlamaConfig:
@@ -168,13 +175,19 @@ def _read_config(directory: Path, where: str) -> PretrainedConfig:
 
 
 def _materialize(config: PretrainedConfig, directory: Path, layout: WeightsLayout, where: str,
-                 device: str, dtype: torch.dtype) -> PreTrainedModel:
-    """Allocate the model uninitialised on `device` and read each tensor's bytes from the offsets its
-    checked header gave: straight into the parameter when it is on the CPU in the file's dtype, else
-    through a staging tensor (peak memory: the model plus its largest tensor). A file changed since
-    its header was checked can then change values, never shapes or sizes."""
-    with no_init_weights(), torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+                 placement: layer_split.Placement, dtype: torch.dtype) -> PreTrainedModel:
+    """Allocate the model uninitialised where `placement` puts each part and read each tensor's bytes
+    from the offsets its checked header gave: straight into the parameter when it is on the CPU in the
+    file's dtype, else through a staging tensor (peak memory: the model plus its largest tensor). A
+    file changed since its header was checked can then change values, never shapes or sizes."""
+    device = placement.home
+    if not placement.split:
+        with no_init_weights(), torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:  # built as on one device, its parameters then allocated on their own devices
+        with no_init_weights(), torch.device(device), layer_split.parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        layer_split.allocate(model, placement)
     model.tie_weights()  # skipped with initialisation
     state = model.state_dict(keep_vars=True)
     tied_head = "lm_head.weight" if ties_lm_head(model) else None
@@ -195,6 +208,7 @@ def _materialize(config: PretrainedConfig, directory: Path, layout: WeightsLayou
     if own_head is not None and not torch.equal(own_head.to(device, dtype), model.get_output_embeddings().weight):
         raise TiedWeightsError(f"{where}: config.json ties lm_head to embed_tokens, but the checkpoint's "
                                "lm_head.weight differs from embed_tokens.weight")
+    layer_split.connect(model, placement)
     return model.eval()
 
 
@@ -224,19 +238,23 @@ def _load(listing: CheckpointListing, device: str, settings: LoadSettings) -> Pr
     config = _read_config(directory, listing.uri)
     layout = read_layout(directory, listing.uri)
     check_layout(config, layout, listing.uri)
-    check_memory(layout, listing.uri, device, settings.torch_dtype(device))
-    return _materialize(config, directory, layout, listing.uri, device, settings.torch_dtype(device))
+    dtype = settings.torch_dtype(device)
+    placement = layer_split.plan(config, layout, listing.uri, device, dtype, settings.split, settings.split_devices)
+    if placement.split:
+        log.info("%s: split across %d devices (%s)", listing.uri, len(placement.devices), placement.describe())
+    return _materialize(config, directory, layout, listing.uri, placement, dtype)
 
 
 class _PolicyCache:
-    """The last loaded policies of this process, by (checkpoint identity, device, dtype)."""
+    """The last loaded policies of this process, by (checkpoint identity, device, dtype, split)."""
 
     def __init__(self) -> None:
         self._models: OrderedDict[tuple, PreTrainedModel] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, listing: CheckpointListing, device: str, settings: LoadSettings) -> PreTrainedModel:
-        key = (listing.identity, str(torch.device(device)), settings.torch_dtype(device))
+        key = (listing.identity, str(torch.device(device)), settings.torch_dtype(device), settings.split,
+               settings.split_devices)
         with self._lock:
             if key in self._models:
                 self._models.move_to_end(key)

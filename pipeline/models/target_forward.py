@@ -67,8 +67,10 @@ def forward(
     finally:
         hook.remove()
     states = [*out.hidden_states[:num_layers], caught[0]]  # L + 1 entries, all before the final norm
-    features = out.last_hidden_state  # (B, T, H)
-    return TargetOutput(features, logits(features), torch.stack([states[i] for i in layer_ids], dim=2))
+    features = out.last_hidden_state  # (B, T, H) on the home device, where the final norm is
+    # A policy split across devices (layer_split) leaves each layer's state on its layer's device.
+    layers = torch.stack([states[i].to(features.device) for i in layer_ids], dim=2)  # (B, T, n, H)
+    return TargetOutput(features, logits(features), layers)
 
 
 def decoding_mask(
@@ -145,7 +147,8 @@ def layer_states(model: PreTrainedModel, input_ids: torch.Tensor, layer_ids: lis
 
     What extraction runs: no logits (at a 128k vocabulary the lm_head is a quarter of a 1B
     target's forward) and no KV cache; only the requested layers are kept, each caught on
-    its way into the module that reads it (decoder layer k, or the final norm for id L).
+    its way into the module that reads it (decoder layer k, or the final norm for id L), and
+    returned on the home device (a policy split across devices holds layer k on its own).
     """
     inner = model.model
     if not layer_ids:
@@ -168,4 +171,5 @@ def layer_states(model: PreTrainedModel, input_ids: torch.Tensor, layer_ids: lis
     finally:
         for hook in hooks:
             hook.remove()
-    return [caught[i] for i in layer_ids]
+    home = inner.embed_tokens.weight.device
+    return [caught[i].to(home) for i in layer_ids]

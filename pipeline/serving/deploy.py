@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.config import PipelineConfig
@@ -17,13 +17,21 @@ from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.held_out import held_out_prompts
 from pipeline.data.keys import fleet_prefix, fleet_state_key, rollouts_root
 from pipeline.data.lease import hold
-from pipeline.data.records import Deployment, DeployReport, FleetState, read_fleet_state, write_record
+from pipeline.data.records import (
+    Deployment,
+    DeployReport,
+    FleetState,
+    ReplicaDeploy,
+    read_fleet_state,
+    write_record,
+)
 from pipeline.data.store import ObjectStore
 from pipeline.models.checkpoint import load_drafter
 from pipeline.registry import DrafterRegistry
 from pipeline.serving.fleet import (
     CommandDriver,
     GateConfig,
+    GateError,
     ReplicaDriver,
     ReplicaSpec,
     StagedDrafter,
@@ -39,8 +47,9 @@ def replicas(cfg: PipelineConfig) -> list[ReplicaSpec]:
 def make_driver(cfg: PipelineConfig) -> ReplicaDriver:
     k = cfg.eval.num_speculative_tokens
     if cfg.fleet.driver == "command":
-        return CommandDriver(cfg.fleet.command, cfg.drafter.kind, k)
-    return StandInDriver(k, cfg.data_path / "fleet" / "replicas")
+        return CommandDriver(cfg.fleet.command, cfg.drafter.kind, k, cfg.fleet.weight_transfer_backend)
+    # Stand-ins serve the weight-update routes (as vLLM in dev mode) when the fleet updates hot.
+    return StandInDriver(k, cfg.data_path / "fleet" / "replicas", dev_mode=cfg.fleet.update == "hot")
 
 
 def gate_config(cfg: PipelineConfig) -> GateConfig:
@@ -107,9 +116,19 @@ class DeploySuperseded(RuntimeError):
     """A deploy's fence said the fleet runs something newer than the version: nothing was touched."""
 
 
+def record_stopped(store: ObjectStore, run: str, replicas_now: tuple[ReplicaDeploy, ...]) -> None:
+    """A deploy stopped midway: the fleet's version, `live` and history stay; its replicas say what each runs now
+    (the ones updated before the failure the new version, the failed one rolled back)."""
+    state = read_fleet_state(store, run)
+    now = {r.replica: r for r in replicas_now}
+    kept = tuple(r for r in state.replicas if r.replica not in now)
+    write_record(store, fleet_state_key(run), replace(state, replicas=(*replicas_now, *kept)))
+
+
 def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, version: str,
            driver: ReplicaDriver | None = None, fence: Callable[[], str | None] | None = None) -> DeployReport:
-    """Stage `version`, roll it over the fleet, then record it as `live` (registry alias + fleet state). One
+    """Stage `version`, roll it over the fleet (hot where `fleet.update` allows, else restarts), then record it
+    as `live` (registry alias + fleet state). A deploy stopped by a gate records what each replica runs. One
     deploy at a time per fleet (the champion's and a refresh's alike hold the fleet's lease); `fence`, asked
     under the lease, names why the version must not go (DeploySuperseded), or None."""
     with hold(store, fleet_prefix(cfg.run), f"deploy-v{version}-{uuid.uuid4().hex[:8]}", cfg.storage.step_lease_s,
@@ -118,7 +137,14 @@ def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, v
             raise DeploySuperseded(why)
         staged = stage_versions(cfg, registry, version)
         policy = served_policy(store, cfg)
-        report = rolling_deploy(replicas(cfg), driver or make_driver(cfg), policy.target, version,
-                                str(staged.directory), staged.previous, gate_config(cfg), policy.canary_prompts)
+        recorded = {r.replica: r for r in read_fleet_state(store, cfg.run).replicas}
+        try:
+            report = rolling_deploy(replicas(cfg), driver or make_driver(cfg), policy.target, version,
+                                    str(staged.directory), staged.previous, gate_config(cfg), policy.canary_prompts,
+                                    cfg.fleet.update, recorded)
+        except GateError as exc:
+            if exc.replicas:
+                record_stopped(store, cfg.run, exc.replicas)
+            raise
         record_live(store, cfg.run, registry, version, policy.step, report)
     return report

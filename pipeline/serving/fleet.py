@@ -1,9 +1,24 @@
 """The serving fleet: replica drivers, deploy gates and the rolling update.
 
-A redeploy restarts each replica with the new `--speculative-config` (the one way that
-works on every vLLM version), one replica at a time, so never more than one is down; a
-replica the driver knows runs that very drafter and policy already (a rerun of a deploy
-stopped midway, the same version again) is not restarted, only gated. A
+A redeploy updates one replica at a time, so the fleet keeps serving. With `fleet.update: hot`
+(the default) a replica that runs the deploy's policy already gets the new drafter weights in
+place, through vLLM's dev-mode weight-update routes (docs/operating.md names the version and
+sources):
+
+    POST /init_weight_transfer_engine {"init_info": {}}
+    POST /pause?mode=keep                  in-flight requests are held, not dropped
+    POST /start_draft_weight_update        the update targets the speculative draft model
+    POST /update_weights {"update_info": {"path": DIR}}     the `disk` backend loads DIR
+    POST /finish_weight_update {"weight_version": "drafter-v<version>"}
+    POST /resume
+    GET  /weight_info                      must now report "drafter-v<version>"
+
+A replica without those routes (404/405: not in dev mode, an older vLLM), or on another policy,
+is restarted with the new `--speculative-config` instead (the one way that works on every vLLM
+version), never more than one down. A hot update that fails once weights may have changed is
+rolled back first (the previous drafter sent again, or, failing that, a restart with it), then the
+replica takes the restart path. A replica the driver knows runs that very drafter and policy
+already (a rerun of a deploy stopped midway, the same version again) is not touched, only gated. A
 replica passes when, in order: GET /health answers 200, GET /v1/models lists the served
 model, a smoke completion returns tokens, and over a canary window of completions its
 live mean acceptance length (from GET /metrics) reaches the configured minimum. A
@@ -26,10 +41,12 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
-from pipeline.data.records import DeployReport, ReplicaDeploy
+from pipeline.data.records import DeployReport, ReplicaDeploy, UpdateKind
 from pipeline.serving import metrics as serving_metrics
+
+UpdateMode = Literal["hot", "restart"]
 
 
 @dataclass(frozen=True)
@@ -57,19 +74,30 @@ def speculative_config(method: str, drafter_dir: str, k: int) -> str:
     return json.dumps({"method": method, "model": drafter_dir, "num_speculative_tokens": k})
 
 
-def vllm_argv(replica: ReplicaSpec, target: str, method: str, drafter_dir: str, k: int) -> list[str]:
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM serves its weight-update routes only with this set
+
+
+def vllm_argv(replica: ReplicaSpec, target: str, method: str, drafter_dir: str, k: int,
+              weight_transfer_backend: str = "") -> list[str]:
     """`vllm serve` for one replica. No API key here: argv ends up in process lists and logs, so
-    the key goes to vLLM through its VLLM_API_KEY environment variable (`vllm_env`)."""
-    return ["vllm", "serve", target, "--host", replica.host, "--port", str(replica.port),
+    the key goes to vLLM through its VLLM_API_KEY environment variable (`vllm_env`). A weight-transfer
+    backend (`disk` for hot drafter updates) adds `--weight-transfer-config`."""
+    argv = ["vllm", "serve", target, "--host", replica.host, "--port", str(replica.port),
             "--served-model-name", replica.served_model_name,
             "--speculative-config", speculative_config(method, drafter_dir, k)]
+    if weight_transfer_backend:
+        argv += ["--weight-transfer-config", json.dumps({"backend": weight_transfer_backend})]
+    return argv
 
 
-def vllm_env(replica: ReplicaSpec) -> dict[str, str]:
-    """The launching environment: the replica's key, if any, as VLLM_API_KEY."""
+def vllm_env(replica: ReplicaSpec, dev_mode: bool = False) -> dict[str, str]:
+    """The launching environment: the replica's key, if any, as VLLM_API_KEY; VLLM_SERVER_DEV_MODE=1 when
+    the replica is to take hot weight updates."""
     env = dict(os.environ)
     if replica.api_key:
         env["VLLM_API_KEY"] = replica.api_key
+    if dev_mode:
+        env[DEV_MODE_ENV] = "1"
     return env
 
 
@@ -83,7 +111,11 @@ class ReplicaDriver(Protocol):
         ...
 
     def serving(self, replica: ReplicaSpec) -> tuple[str, str] | None:
-        """(target, drafter_dir) the replica's running process was started with; None when not known."""
+        """(target, drafter_dir) the replica's running process serves; None when not known."""
+        ...
+
+    def updated(self, replica: ReplicaSpec, drafter_dir: str) -> None:
+        """The replica's drafter weights were replaced in place by those of `drafter_dir` (a hot update)."""
         ...
 
 
@@ -91,10 +123,12 @@ class StandInDriver:
     """Supervises local stand-in replica processes (`pipeline.serving.standin_replica`), not vLLM.
 
     Each replica's pid is kept in `<state_dir>/<name>.pid`, so a later driver (the next Dagster
-    run, another process) can replace a replica an earlier one started."""
+    run, another process) can replace a replica an earlier one started; after a hot update,
+    `<name>.drafter` names the drafter it serves since. With `dev_mode` (as vLLM with
+    VLLM_SERVER_DEV_MODE=1) the replicas serve the weight-update routes."""
 
-    def __init__(self, k: int, state_dir: Path) -> None:
-        self.k, self.state_dir = k, state_dir
+    def __init__(self, k: int, state_dir: Path, dev_mode: bool = True) -> None:
+        self.k, self.state_dir, self.dev_mode = k, state_dir, dev_mode
         self.processes: dict[str, subprocess.Popen] = {}
 
     def argv(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> list[str]:
@@ -106,13 +140,19 @@ class StandInDriver:
     def _pid_file(self, replica: ReplicaSpec) -> Path:
         return self.state_dir / f"{replica.name}.pid"
 
+    def _drafter_file(self, replica: ReplicaSpec) -> Path:
+        return self.state_dir / f"{replica.name}.drafter"
+
     def restart(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> None:
         self.stop(replica)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         log = (self.state_dir / f"{replica.name}.log").open("ab")
+        env = {k: v for k, v in os.environ.items() if k != DEV_MODE_ENV}
+        if self.dev_mode:
+            env[DEV_MODE_ENV] = "1"
         process = subprocess.Popen(
             self.argv(replica, target, drafter_dir), stdout=log, stderr=subprocess.STDOUT,
-            cwd=Path(__file__).resolve().parent.parent, start_new_session=True,
+            cwd=Path(__file__).resolve().parent.parent, start_new_session=True, env=env,
         )
         self.processes[replica.name] = process
         self._pid_file(replica).write_text(str(process.pid))
@@ -128,6 +168,7 @@ class StandInDriver:
             process = None
         self._terminate(process.pid if process else recorded, process)
         pid_file.unlink(missing_ok=True)
+        self._drafter_file(replica).unlink(missing_ok=True)
 
     @staticmethod
     def _terminate(pid: int | None, process: subprocess.Popen | None) -> None:
@@ -151,16 +192,28 @@ class StandInDriver:
         return pid_file.exists() and _running(int(pid_file.read_text()))
 
     def serving(self, replica: ReplicaSpec) -> tuple[str, str] | None:
-        """Read from the command line of the process the pid file names (whichever driver started it)."""
+        """Read from the command line of the process the pid file names (whichever driver started it), the
+        drafter from `<name>.drafter` once a hot update replaced it."""
         pid_file = self._pid_file(replica)
         pid = int(pid_file.read_text()) if pid_file.exists() else None
         if pid is None or not _running(pid):
             return None
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            return argv[argv.index("--target") + 1], argv[argv.index("--drafter") + 1]
+            target, drafter_dir = argv[argv.index("--target") + 1], argv[argv.index("--drafter") + 1]
         except (OSError, ValueError, IndexError):
             return None
+        updated = self._drafter_file(replica)
+        with suppress(OSError, ValueError):
+            recorded_pid, drafter_dir = updated.read_text().split("\n", 1)
+            if int(recorded_pid) != pid:  # written for a process since replaced
+                return target, argv[argv.index("--drafter") + 1]
+        return target, drafter_dir
+
+    def updated(self, replica: ReplicaSpec, drafter_dir: str) -> None:
+        pid_file = self._pid_file(replica)
+        if pid_file.exists():
+            self._drafter_file(replica).write_text(f"{pid_file.read_text().strip()}\n{drafter_dir}")
 
     def stop_all(self, replicas: list[ReplicaSpec]) -> None:
         for replica in replicas:
@@ -178,17 +231,20 @@ def _running(pid: int) -> bool:
 
 class CommandDriver:
     """Restarts a real vLLM replica with a configured command template, e.g. a supervisor or
-    `kubectl rollout restart`; `{argv}` is the shell-quoted `vllm serve ...` line."""
+    `kubectl rollout restart`; `{argv}` is the shell-quoted `vllm serve ...` line. With a weight-transfer
+    backend the replica starts in dev mode with it, ready for hot drafter updates."""
 
-    def __init__(self, template: str, method: str, k: int) -> None:
+    def __init__(self, template: str, method: str, k: int, weight_transfer_backend: str = "") -> None:
         self.template, self.method, self.k = template, method, k
+        self.weight_transfer_backend = weight_transfer_backend
 
     def command(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> str:
-        argv = vllm_argv(replica, target, self.method, drafter_dir, self.k)
+        argv = vllm_argv(replica, target, self.method, drafter_dir, self.k, self.weight_transfer_backend)
         return self.template.format(argv=shlex.join(argv), name=replica.name, drafter=drafter_dir)
 
     def restart(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> None:
-        subprocess.run(self.command(replica, target, drafter_dir), shell=True, check=True, env=vllm_env(replica))
+        subprocess.run(self.command(replica, target, drafter_dir), shell=True, check=True,
+                       env=vllm_env(replica, dev_mode=bool(self.weight_transfer_backend)))
 
     def stop(self, replica: ReplicaSpec) -> None:
         pass
@@ -197,11 +253,19 @@ class CommandDriver:
         return True  # not ours to watch: the health gate's timeout decides
 
     def serving(self, replica: ReplicaSpec) -> tuple[str, str] | None:
-        return None  # what the command started is not observable here: every replica is restarted
+        return None  # not observable here: the deploy goes by the fleet's recorded state
+
+    def updated(self, replica: ReplicaSpec, drafter_dir: str) -> None:
+        pass  # the fleet's recorded state says what each replica serves
 
 
 class GateError(RuntimeError):
-    """A replica failed a deploy gate; the message names the replica and the gate."""
+    """A replica failed a deploy gate; the message names the replica and the gate. A stopped deploy says
+    what each replica it reached runs now (`replicas`), the one that failed as rolled back."""
+
+    def __init__(self, message: str, replicas: tuple[ReplicaDeploy, ...] = ()) -> None:
+        super().__init__(message)
+        self.replicas = replicas
 
 
 @dataclass(frozen=True)
@@ -278,6 +342,128 @@ class StagedDrafter:
     directory: str
 
 
+# --- the hot update ----------------------------------------------------------------------------------------
+
+
+class HotUpdateUnsupported(RuntimeError):
+    """The replica took no update and is unchanged: it has no weight-update routes (404/405), or refused to
+    begin one (/init_weight_transfer_engine or /pause failed, e.g. vLLM without a weight-transfer backend)."""
+
+
+class HotUpdateFailed(RuntimeError):
+    """A weight-update call failed after the replica was paused: its weights may have changed."""
+
+
+def weight_version(version: str) -> str:
+    """What the fleet commits as vLLM's `weight_version` for a drafter version, and reads back from /weight_info."""
+    return f"drafter-v{version}"
+
+
+def _dev_call(replica: ReplicaSpec, path: str, body: dict | None = None, timeout: float = 300.0) -> dict:
+    """A dev-mode route; HotUpdateUnsupported when the server does not have it, HotUpdateFailed on any other
+    error (the server's own message kept)."""
+    try:
+        raw = _request(replica, path, body, timeout)
+    except urllib.error.HTTPError as exc:
+        if exc.code in (404, 405):
+            raise HotUpdateUnsupported(f"{path} answered HTTP {exc.code}") from None
+        detail = exc.read().decode(errors="replace")[:300]
+        raise HotUpdateFailed(f"{path} answered HTTP {exc.code}: {detail}") from None
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+        raise HotUpdateFailed(f"{path}: {exc}") from None
+    try:
+        return json.loads(raw) if raw else {}
+    except json.JSONDecodeError:
+        raise HotUpdateFailed(f"{path} answered with no JSON object") from None
+
+
+def _send_drafter(replica: ReplicaSpec, drafter_dir: str, label: str) -> None:
+    """One draft weight-update session on a paused replica: start, the checkpoint, finish under `label`."""
+    _dev_call(replica, "/start_draft_weight_update", {})
+    _dev_call(replica, "/update_weights", {"update_info": {"path": str(Path(drafter_dir).resolve())}})
+    _dev_call(replica, "/finish_weight_update", {"weight_version": label})
+
+
+def hot_update(replica: ReplicaSpec, drafter_dir: str, version: str) -> float:
+    """Pause the replica (requests held, not dropped), send it the drafter in `drafter_dir`, resume, and check
+    it reports `version`; returns the seconds its requests were held. HotUpdateUnsupported when it refused
+    before anything changed; HotUpdateFailed (resumed, but its weights unknown) otherwise."""
+    try:
+        _dev_call(replica, "/init_weight_transfer_engine", {"init_info": {}})
+        _dev_call(replica, "/pause?mode=keep", {})
+    except HotUpdateFailed as exc:
+        raise HotUpdateUnsupported(str(exc)) from None
+    paused = time.monotonic()
+    failure: HotUpdateFailed | None = None
+    try:
+        _send_drafter(replica, drafter_dir, weight_version(version))
+    except HotUpdateUnsupported as exc:
+        failure = HotUpdateFailed(f"{exc} after /pause succeeded")
+    except HotUpdateFailed as exc:
+        failure = exc
+    try:  # resumed whatever happened: held requests go on, on whichever weights it has
+        _dev_call(replica, "/resume", {})
+    except (HotUpdateFailed, HotUpdateUnsupported) as exc:
+        raise HotUpdateFailed(f"{f'{failure}; ' if failure else ''}/resume failed, the replica may hold its "
+                              f"requests: {exc}") from None
+    if failure is not None:
+        raise failure
+    held = time.monotonic() - paused
+    reported = _dev_call(replica, "/weight_info").get("weight_version")
+    if reported != weight_version(version):
+        raise HotUpdateFailed(f"/weight_info reports {reported!r} after the update, not {weight_version(version)!r}")
+    return held
+
+
+def roll_back(replica: ReplicaSpec, driver: ReplicaDriver, target: str, previous: StagedDrafter,
+              gates: GateConfig, alive: Callable[[], bool]) -> str:
+    """After a failed hot update: the previous drafter again, hot if the replica takes it, else by a restart.
+    Returns how ("hot" or "restart")."""
+    try:
+        hot_update(replica, previous.directory, previous.version)
+        driver.updated(replica, previous.directory)
+        return "hot"
+    except (HotUpdateFailed, HotUpdateUnsupported):
+        driver.restart(replica, target, previous.directory)
+        wait_healthy(replica, gates.ready_timeout_s, alive)
+        return "restart"
+
+
+@dataclass
+class _Attempt:
+    """How one replica's update went so far (becomes its ReplicaDeploy)."""
+
+    update: UpdateKind = "restart"
+    note: str = ""
+    paused_s: float = 0.0
+
+
+def _try_hot(replica: ReplicaSpec, driver: ReplicaDriver, target: str, version: str, drafter_dir: str,
+             previous: StagedDrafter, gates: GateConfig, canary_prompts: list[list[int]],
+             alive: Callable[[], bool], attempt: _Attempt) -> float | None:
+    """The hot update and its gates; the live tau, or None when the replica is to be restarted instead (with
+    `attempt.note` saying why, and the previous drafter back on it when the update may have changed it)."""
+    try:
+        attempt.paused_s = hot_update(replica, drafter_dir, version)
+    except HotUpdateUnsupported as exc:
+        attempt.note = f"no hot update ({exc}); restarted"
+        return None
+    except HotUpdateFailed as exc:
+        how = roll_back(replica, driver, target, previous, gates, alive)
+        attempt.note = f"hot update failed ({exc}); rolled back to version {previous.version} by {how}; restarted"
+        return None
+    driver.updated(replica, drafter_dir)
+    try:
+        tau = check_replica(replica, gates, canary_prompts, alive)
+    except GateError as exc:
+        how = roll_back(replica, driver, target, previous, gates, alive)
+        attempt.note = f"hot-updated replica failed a gate ({exc}); rolled back to version {previous.version} " \
+                       f"by {how}; restarted"
+        return None
+    attempt.update = "hot"
+    return tau
+
+
 def rolling_deploy(
     replicas: list[ReplicaSpec],
     driver: ReplicaDriver,
@@ -287,30 +473,58 @@ def rolling_deploy(
     previous: StagedDrafter | None,
     gates: GateConfig,
     canary_prompts: list[list[int]],
+    update: UpdateMode = "hot",
+    recorded: dict[str, ReplicaDeploy] | None = None,
 ) -> DeployReport:
     """Update replicas one at a time; on a failed gate restore `previous` there and stop.
-    A replica already running `drafter_dir` on `target` keeps running: it only passes the gates
-    (and is restarted like the others if it fails them)."""
+
+    A replica already running `drafter_dir` on `target` keeps running: it only passes the gates (and is
+    updated like the others if it fails them). With `update="hot"` and a `previous` to roll back to, a replica
+    known to serve `target` (from the driver, else from `recorded`, the fleet's recorded state) is hot-updated;
+    any other, and one whose hot update fails (rolled back to `previous` first), is restarted."""
+    recorded = recorded or {}
     done: list[ReplicaDeploy] = []
-    for replica in replicas:
+    for i, replica in enumerate(replicas):
         start = time.monotonic()
         alive = functools.partial(driver.alive, replica)
-        tau = None
-        if driver.serving(replica) == (target, drafter_dir):
-            with suppress(GateError):  # failing while already serving it: restarted like the others
+        attempt, tau = _Attempt(), None
+        serving = driver.serving(replica)
+        if serving == (target, drafter_dir):
+            with suppress(GateError):  # failing while already serving it: updated like the others
                 tau = check_replica(replica, gates, canary_prompts, alive)
-        restarted = tau is None
+                attempt.update = "none"
+        # The policy it serves: what the driver sees, else what the fleet's state recorded.
+        policy = serving[0] if serving else (recorded[replica.name].target if replica.name in recorded else "")
         try:
-            if restarted:
+            if tau is None and update == "hot":
+                if policy != target:
+                    attempt.note = "it serves another policy: restarted" if policy else \
+                        "the policy it serves is not known: restarted"
+                elif previous is None:
+                    attempt.note = "no previous version to roll back to: restarted"
+                else:
+                    tau = _try_hot(replica, driver, target, version, drafter_dir, previous, gates, canary_prompts,
+                                   alive, attempt)
+            if tau is None:
                 driver.restart(replica, target, drafter_dir)
                 tau = check_replica(replica, gates, canary_prompts, alive)
         except GateError as exc:
+            rolled_back = ()
             if previous is not None:
                 driver.restart(replica, target, previous.directory)
                 wait_healthy(replica, gates.ready_timeout_s, alive)
+                earlier = recorded.get(replica.name)
+                rolled_back = (ReplicaDeploy(replica.name, previous.version, earlier.live_tau if earlier else 0.0,
+                                             time.monotonic() - start, True, "rolled back",
+                                             f"{attempt.note + '; ' if attempt.note else ''}{exc}", attempt.paused_s,
+                                             target),)
+            untouched = tuple(recorded[r.name] for r in replicas[i + 1:] if r.name in recorded)
             raise GateError(
                 f"{exc}; rolled back to version {previous.version if previous else 'none'}; deploy of "
-                f"version {version} stopped after {len(done)} of {len(replicas)} replicas"
+                f"version {version} stopped after {len(done)} of {len(replicas)} replicas",
+                (*done, *rolled_back, *untouched),
             ) from None
-        done.append(ReplicaDeploy(replica.name, version, tau, time.monotonic() - start, restarted))
+        done.append(ReplicaDeploy(replica.name, version, tau, time.monotonic() - start,
+                                  attempt.update == "restart", attempt.update, attempt.note, attempt.paused_s,
+                                  target))
     return DeployReport(version, tuple(done))

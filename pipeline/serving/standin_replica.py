@@ -9,6 +9,27 @@ the endpoints a deploy gates on, with vLLM's paths, fields and metric names:
                             speculative decoding with this project's drafter code
     GET  /metrics           vllm:spec_decode_* counters (Prometheus text)
 
+With VLLM_SERVER_DEV_MODE=1 in its environment, as vLLM, it also serves the dev-mode routes a hot
+update of the drafter uses (vLLM's `vllm/entrypoints/serve/dev/rlhf/api_router.py`, with the request
+bodies of its `disk` weight-transfer backend; docs/operating.md names the sources):
+
+    POST /init_weight_transfer_engine   {"init_info": {}}
+    POST /pause?mode=keep               the decoding request finishes its decode, queued ones are held
+    POST /start_draft_weight_update     a weight update of the draft model begins
+    POST /update_weights                {"update_info": {"path": DIR}}: the drafter checkpoint in DIR is
+                                        loaded in place (as vLLM's, not transactional)
+    POST /finish_weight_update          {"weight_version": LABEL}: the update is committed under LABEL
+    POST /resume                        held requests decode, on the new weights
+    GET  /is_paused                     {"is_paused": bool}
+    GET  /weight_info                   {"weight_version": LABEL or null}
+
+Without dev mode those answer 404, as a vLLM server started without it does. Two routes are the
+stand-in's own, for tests (vLLM has neither):
+
+    GET  /standin/requests   {"completed", "failed", "held", "in_flight"}: completions counted
+    POST /standin/faults     {"update_weights": N}: the next N /update_weights load the new weights
+                             into the drafter, then fail with 500 (a partial update)
+
 Prompts are token ids (the stand-in has no tokenizer). With an API key (read from the
 environment variable named by --api-key-env) /v1/* require `Authorization: Bearer <key>`.
 
@@ -22,50 +43,198 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import torch
 
 from pipeline.evaluation import speculative
 from pipeline.models import target as target_lib
-from pipeline.models.checkpoint import load_drafter
+from pipeline.models.checkpoint import CheckpointError, load_drafter
+from pipeline.models.drafter import Proposer
 from pipeline.serving.metrics import SpecCounters, render
+
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class UpdateError(RuntimeError):
+    """A weight-update call out of order or with a body the backend refuses (HTTP 400 or 500)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class RequestCounts:
+    """Completions seen by this replica: what a test reads to say none was lost during an update."""
+
+    completed: int = 0
+    failed: int = 0
+    held: int = 0  # waited for a /resume: queued when the pause began, or arrived while paused
+    in_flight: int = 0
 
 
 class Replica:
-    """The models and counters behind the HTTP handler; one request decodes at a time."""
+    """The models, counters and weight-update session behind the HTTP handler; one request decodes at a
+    time, and a pause holds that turn until /resume."""
 
     def __init__(self, target_uri: str, drafter_dir: str | None, k: int, model_name: str) -> None:
         self.model_name, self.k = model_name, k
         self.target = target_lib.load_checkpoint(target_uri)
-        self.new_proposer = None  # one proposer per request: it holds that request's cache
-        if drafter_dir:
-            drafter = load_drafter(Path(drafter_dir), self.target.config.num_hidden_layers)
-            drafter.attach(self.target)
-            self.new_proposer = speculative.follow_target(drafter, self.target)
+        # One proposer per request (it holds that request's cache), made by the loaded drafter.
+        self.new_proposer = self._load(drafter_dir) if drafter_dir else None
         self.counters = SpecCounters(accepted_per_position={j: 0.0 for j in range(k)})
-        self._lock = threading.Lock()
+        self.requests = RequestCounts()
+        self.weight_version: str | None = None
+        self.faults = {"update_weights": 0}
+        self._decode = threading.Lock()  # the decoding turn; a pause holds it
+        self._state = threading.Lock()  # counts, the pause flag and the update session
+        self._pausing = threading.Lock()  # one /pause or /resume at a time
+        self._paused = False
+        self._session: str | None = None  # None, "started" or "loaded"
+
+    def _load(self, drafter_dir: str) -> Callable[[], Proposer]:
+        drafter = load_drafter(Path(drafter_dir), self.target.config.num_hidden_layers)
+        drafter.attach(self.target)
+        return speculative.follow_target(drafter, self.target)
+
+    # -- serving ---------------------------------------------------------------------------------------------
 
     def complete(self, prompt: list[int], max_tokens: int) -> list[int]:
         ids = torch.tensor(prompt, dtype=torch.int64)
-        with self._lock:
+        with self._state:
+            self.requests.in_flight += 1
+            self.requests.held += self._paused
+        with self._decode:  # counted out before the turn passes on, so a pause sees only the queued ones
+            try:
+                tokens = self._decode_one(ids, max_tokens)
+            except Exception:
+                with self._state:
+                    self.requests.in_flight -= 1
+                    self.requests.failed += 1
+                raise
+            with self._state:
+                self.requests.in_flight -= 1
+                self.requests.completed += 1
+        return tokens
+
+    def request_counts(self) -> RequestCounts:
+        with self._state:
+            return RequestCounts(**asdict(self.requests))
+
+    def _decode_one(self, ids: torch.Tensor, max_tokens: int) -> list[int]:
+        if self.new_proposer is None:
+            return speculative.greedy_generate(self.target, ids, max_tokens)
+        trace = speculative.speculative_generate(self.target, self.new_proposer, ids, max_tokens, self.k)
+        c = self.counters
+        rounds = trace.accepted_per_round
+        self.counters = SpecCounters(
+            drafts=c.drafts + len(rounds),
+            draft_tokens=c.draft_tokens + len(rounds) * self.k,
+            accepted=c.accepted + sum(rounds),
+            accepted_per_position={j: c.accepted_per_position[j] + sum(a > j for a in rounds)
+                                   for j in range(self.k)},
+        )
+        return trace.tokens
+
+    # -- pause and resume ------------------------------------------------------------------------------------
+
+    def pause(self, mode: str) -> None:
+        """`keep` and `wait` alike: the request decoding now finishes (the stand-in decodes a request in one
+        turn), the queued ones are held until /resume. `abort` is not implemented: nothing here is dropped."""
+        if mode not in PAUSE_MODES:
+            raise UpdateError(400, f"mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
+        if mode == "abort":
+            raise UpdateError(400, "the stand-in pauses with mode=keep or mode=wait only")
+        with self._pausing:
+            if self.paused:
+                return
+            self._decode.acquire()
+            with self._state:
+                self._paused = True
+                # The queued requests are held from now on; arrivals while paused count themselves.
+                self.requests.held += self.requests.in_flight
+
+    def resume(self) -> None:
+        with self._pausing:
+            if not self.paused:
+                return
+            with self._state:
+                self._paused = False
+            self._decode.release()
+
+    @property
+    def paused(self) -> bool:
+        with self._state:
+            return self._paused
+
+    # -- the draft weight update -----------------------------------------------------------------------------
+
+    def start_draft_weight_update(self) -> None:
+        with self._state:
             if self.new_proposer is None:
-                return speculative.greedy_generate(self.target, ids, max_tokens)
-            trace = speculative.speculative_generate(self.target, self.new_proposer, ids, max_tokens, self.k)
-            c = self.counters
-            rounds = trace.accepted_per_round
-            self.counters = SpecCounters(
-                drafts=c.drafts + len(rounds),
-                draft_tokens=c.draft_tokens + len(rounds) * self.k,
-                accepted=c.accepted + sum(rounds),
-                accepted_per_position={j: c.accepted_per_position[j] + sum(a > j for a in rounds)
-                                       for j in range(self.k)},
-            )
-            return trace.tokens
+                raise UpdateError(500, "no speculative draft model is configured")
+            if self._session is not None:
+                raise UpdateError(500, "start_weight_update called while a weight update is already in progress")
+            self._session = "started"
+
+    def update_weights(self, update_info: object) -> None:
+        """vLLM's `disk` backend: one complete safetensors checkpoint per session, from an absolute directory."""
+        with self._state:
+            session = self._session
+        if session != "started":
+            self._abort()
+            raise UpdateError(500, "start_weight_update must be called before loading a checkpoint"
+                              if session is None else "the disk backend accepts exactly one checkpoint per session")
+        path = update_info.get("path") if isinstance(update_info, dict) else None
+        if not isinstance(path, str) or not Path(path).is_absolute() or not Path(path).is_dir():
+            self._abort()
+            raise UpdateError(400, "update_info.path must be an absolute local directory")
+        if not any(p.suffix == ".safetensors" for p in Path(path).iterdir()):
+            self._abort()
+            raise UpdateError(400, f"Shared-disk checkpoint directory contains no safetensors files: {path}")
+        try:
+            loaded = self._load(path)
+        except (CheckpointError, OSError, ValueError, KeyError, RuntimeError) as exc:
+            self._abort()
+            raise UpdateError(500, f"loading {path}: {exc}") from None
+        self.new_proposer = loaded  # in place, as vLLM's layerwise reload: requests decode with it from now on
+        with self._state:
+            failing = self.faults["update_weights"] > 0
+            self.faults["update_weights"] -= failing
+        if failing:
+            self._abort()
+            raise UpdateError(500, "stand-in fault: update_weights failed after loading (a partial update)")
+        with self._state:
+            self._session = "loaded"
+
+    def finish_weight_update(self, weight_version: str | None) -> None:
+        with self._state:
+            session, self._session = self._session, None
+            if session is None:
+                raise UpdateError(500, "No shared-disk weight update is active")
+            if session != "loaded":
+                raise UpdateError(500, "No checkpoint was loaded during the shared-disk update session")
+            if weight_version is not None:
+                self.weight_version = weight_version
+
+    def fail_updates(self, count: int) -> int:
+        """The stand-in's fault switch: the next `count` /update_weights load their checkpoint, then fail."""
+        with self._state:
+            self.faults["update_weights"] = count
+            return count
+
+    def _abort(self) -> None:
+        with self._state:
+            self._session = None
 
 
-def make_handler(replica: Replica, api_key: str | None) -> type[BaseHTTPRequestHandler]:
+def make_handler(replica: Replica, api_key: str | None, dev_mode: bool) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "drafter-standin-replica"
 
@@ -85,26 +254,63 @@ def make_handler(replica: Replica, api_key: str | None) -> type[BaseHTTPRequestH
                 return False
             return True
 
+        def _body(self) -> dict:
+            raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            body = json.loads(raw) if raw else {}
+            if not isinstance(body, dict):
+                raise ValueError("the request body must be a JSON object")
+            return body
+
         def do_GET(self) -> None:
-            if self.path == "/health":
+            path = urlsplit(self.path).path
+            if path == "/health":
                 self._send(200, b"", "text/plain")
-            elif self.path == "/metrics":
+            elif path == "/metrics":
                 self._send(200, render(replica.counters, replica.model_name).encode(), "text/plain; version=0.0.4")
-            elif self.path == "/v1/models":
+            elif path == "/v1/models":
                 if self._authorized():
                     self._json(200, {"object": "list", "data": [
                         {"id": replica.model_name, "object": "model", "owned_by": "stand-in replica (not vLLM)"}]})
+            elif path == "/standin/requests":
+                self._json(200, asdict(replica.request_counts()))
+            elif dev_mode and path == "/is_paused":
+                self._json(200, {"is_paused": replica.paused})
+            elif dev_mode and path == "/weight_info":
+                self._json(200, {"weight_version": replica.weight_version})
             else:
-                self._json(404, {"error": f"no route {self.path}"})
+                self._json(404, {"detail": "Not Found"})
 
         def do_POST(self) -> None:
-            if self.path != "/v1/completions":
-                self._json(404, {"error": f"no route {self.path}"})
-                return
+            url = urlsplit(self.path)
+            if url.path == "/v1/completions":
+                self._completion()
+            elif url.path == "/standin/faults":
+                try:
+                    count = int(self._body().get("update_weights", 0))
+                except (ValueError, TypeError, json.JSONDecodeError) as exc:
+                    self._json(400, {"error": str(exc)})
+                    return
+                self._json(200, {"update_weights": replica.fail_updates(count)})
+            elif dev_mode and url.path in DEV_ROUTES:
+                try:
+                    body = self._body()
+                    message = DEV_ROUTES[url.path](replica, body, parse_qs(url.query))
+                except json.JSONDecodeError:
+                    self._json(400, {"detail": "Invalid JSON format"})
+                except ValueError as exc:
+                    self._json(400, {"detail": str(exc)})
+                except UpdateError as exc:
+                    self._json(exc.status, {"detail": str(exc)})
+                else:
+                    self._json(200, message)
+            else:
+                self._json(404, {"detail": "Not Found"})
+
+        def _completion(self) -> None:
             if not self._authorized():
                 return
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
+                body = self._body()
                 prompt, max_tokens = body["prompt"], int(body.get("max_tokens", 16))
                 if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
                     raise ValueError("prompt must be a non-empty list of token ids (the stand-in has no tokenizer)")
@@ -127,6 +333,52 @@ def make_handler(replica: Replica, api_key: str | None) -> type[BaseHTTPRequestH
     return Handler
 
 
+def _init(replica: Replica, body: dict, query: dict) -> dict:
+    if body.get("init_info") is None:
+        raise ValueError("Missing 'init_info' in request body")
+    return {"message": "Weight transfer initialized"}
+
+
+def _pause(replica: Replica, body: dict, query: dict) -> dict:
+    replica.pause(query.get("mode", ["abort"])[0])
+    return {"status": "paused"}
+
+
+def _resume(replica: Replica, body: dict, query: dict) -> dict:
+    replica.resume()
+    return {"status": "resumed"}
+
+
+def _start_draft(replica: Replica, body: dict, query: dict) -> dict:
+    replica.start_draft_weight_update()
+    return {"message": "Draft weight update started"}
+
+
+def _update(replica: Replica, body: dict, query: dict) -> dict:
+    if body.get("update_info") is None:
+        raise ValueError("Missing 'update_info' in request body")
+    replica.update_weights(body["update_info"])
+    return {"message": "Weights updated"}
+
+
+def _finish(replica: Replica, body: dict, query: dict) -> dict:
+    version = body.get("weight_version")
+    if version is not None and not isinstance(version, str):
+        raise ValueError("weight_version must be a string")
+    replica.finish_weight_update(version)
+    return {"message": "Weight update finished"}
+
+
+DEV_ROUTES: dict[str, Callable[[Replica, dict, dict], dict]] = {
+    "/init_weight_transfer_engine": _init,
+    "/pause": _pause,
+    "/resume": _resume,
+    "/start_draft_weight_update": _start_draft,
+    "/update_weights": _update,
+    "/finish_weight_update": _finish,
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Local CPU stand-in for a vLLM replica (not vLLM).")
     parser.add_argument("--host", default="127.0.0.1")
@@ -138,8 +390,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key-env", default="", help="environment variable holding the API key")
     args = parser.parse_args(argv)
     api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
+    dev_mode = os.environ.get(DEV_MODE_ENV, "") not in ("", "0")
     replica = Replica(args.target, args.drafter or None, args.num_speculative_tokens, args.served_model_name)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(replica, api_key))
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(replica, api_key, dev_mode))
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -112,9 +112,26 @@ def check_promotions_reach_the_fleet_once_each(tmp_path: Path, instance: dg.Dags
         state = read_fleet_state(store, cfg.run)
         assert state.version == "2"
         assert [r.replica for r in state.replicas] == ["standin-0", "standin-1"]
+        # Step 2 brought a new policy: the replicas restarted with it, not hot-updated.
+        assert [(r.update, r.note) for r in state.replicas] == [("restart", "it serves another policy: restarted")] * 2
         assert registry.alias_version("live") == "2"
         for replica in deploy.replicas(cfg):  # both serve after the second rollout
             with urllib.request.urlopen(f"{replica.url}/v1/models", timeout=10) as response:
                 assert json.loads(response.read())["data"][0]["id"] == "policy"
+
+        # Version 3, trained on the same policy, reaches the running replicas in place (vLLM's dev-mode routes).
+        pids = [(cfg.data_path / "fleet" / "replicas" / f"{r.name}.pid").read_text() for r in deploy.replicas(cfg)]
+        assert deploy_job.execute_in_process(instance=instance, run_config={
+            "ops": {"fleet": {"config": {"version": "3"}}}}).success
+        state = read_fleet_state(store, cfg.run)
+        assert (state.version, [h.version for h in state.history]) == ("3", ["1", "2", "3"])
+        assert [(r.version, r.update, r.restarted) for r in state.replicas] == [("3", "hot", False)] * 2
+        assert [(cfg.data_path / "fleet" / "replicas" / f"{r.name}.pid").read_text()
+                for r in deploy.replicas(cfg)] == pids
+        for replica in deploy.replicas(cfg):
+            with urllib.request.urlopen(f"{replica.url}/weight_info", timeout=10) as response:
+                assert json.loads(response.read()) == {"weight_version": "drafter-v3"}
+        md = instance.get_latest_materialization_event(dg.AssetKey("fleet")).asset_materialization.metadata
+        assert (md["hot_updated"].value, md["restarted"].value) == (2, 0)
     finally:
         StandInDriver(4, cfg.data_path / "fleet" / "replicas").stop_all(deploy.replicas(cfg))

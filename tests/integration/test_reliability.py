@@ -179,10 +179,10 @@ def _register_fresh(registry: DrafterRegistry, cfg: PipelineConfig, store: Objec
 
 
 def _served_drafter(driver: StandInDriver, replica) -> str:
-    """The --drafter directory the replica's running process was started with."""
-    pid = int((driver.state_dir / f"{replica.name}.pid").read_text())
-    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-    return argv[argv.index("--drafter") + 1]
+    """The drafter directory the replica's running process serves: started with, or hot-updated to since."""
+    serving = driver.serving(replica)
+    assert serving is not None, f"{replica.name} is not running"
+    return serving[1]
 
 
 @pytest.mark.slow
@@ -218,8 +218,9 @@ def test_sigkill_during_a_deploy_then_rerun_serves_one_drafter(loop, reliability
         state = read_fleet_state(store, cfg.run)
         assert state.version == v2
         assert [r.version for r in state.replicas] == [v2, v2]
-        # The replica the killed deploy had already moved to v2 keeps its process; only the other restarts.
-        assert [r.restarted for r in state.replicas] == [False, True]
+        # The replica the killed deploy had already moved to v2 keeps its process and is only gated; the other,
+        # on the same policy, gets v2 in place.
+        assert [(r.update, r.restarted) for r in state.replicas] == [("none", False), ("hot", False)]
         assert int((cfg.data_path / "fleet" / "replicas" / f"{replicas[0].name}.pid").read_text()) == first_pid
         for replica in replicas:
             with urllib.request.urlopen(f"{replica.url}/health", timeout=10) as response:

@@ -94,6 +94,12 @@ def test_config_is_frozen() -> None:
         pytest.param({"refresh": {"max_tokens": 10}}, "refresh.max_tokens", id="refresh-budget-tiny"),
         pytest.param({"refresh": {"margin": -0.1}}, "refresh.margin", id="refresh-margin-negative"),
         pytest.param({"simulation": {"parts_per_step": 0}}, "simulation.parts_per_step", id="parts-zero"),
+        pytest.param({"fleet": {"update": "warm"}}, "fleet.update", id="fleet-update"),
+        pytest.param({"fleet": {"weight_transfer_backend": "disk"}}, "fleet.weight_transfer_backend",
+                     id="weight-transfer-without-command"),
+        pytest.param({"fleet": {"driver": "command", "command": "{argv}", "update": "restart",
+                                "weight_transfer_backend": "disk"}}, "fleet.weight_transfer_backend",
+                     id="weight-transfer-with-restart"),
     ],
 )
 def test_invalid_values_name_the_key(overrides: dict, key: str) -> None:

@@ -34,6 +34,9 @@ ACCEPTANCE = AcceptanceRecord(2, 2, 4, 4, 32, {"cotrained": TAU, "served": None,
 FIGURES = TrainingFigures(8, 0, 1.5, 0.25, 1.25, 0.5, 3.0, 120.0, (3.0, 2.0, 1.5))
 TRAINED = TrainingRecord(2, True, "trained", 90, "run-1", "3", "2", (1, 2), None, FIGURES)
 REPLICA = ReplicaDeploy("standin-0", "3", 2.75, 1.5, True)
+HOT = ReplicaDeploy("standin-1", "4", 2.5, 0.8, False, "hot", "", 0.05, "file:///policies/step-2")
+ROLLED_BACK = ReplicaDeploy("standin-0", "3", 2.75, 9.0, True, "rolled back",
+                            "hot update failed (/update_weights answered HTTP 500); live tau 0.9 below the gate 1.0")
 BUFFER = BufferRecord(2, (BufferEntry(1, "s1-0", "part-00000.arrow", 0, 6),
                           BufferEntry(2, "s2-0", "part-00000.arrow", 0, 4)))
 RECORDS = [
@@ -43,6 +46,7 @@ RECORDS = [
     ACCEPTANCE,
     DeployReport("3", (REPLICA,)),
     FleetState("3", 2, 1700000000.0, (REPLICA,)),
+    FleetState("3", 2, 1700000000.0, (ROLLED_BACK, HOT)),
     FleetState(),
 ]
 
@@ -102,6 +106,21 @@ def test_a_document_missing_a_field_is_refused_naming_the_file_and_field(store: 
     store.write_json(drafter_key(RUN, 2), [1, 2])
     with pytest.raises(RecordError, match=r"drafter/r/step-000002\.json: not a JSON object"):
         read_training(store, RUN, 2)
+
+
+def test_a_fleet_state_from_before_hot_updates_says_how_each_replica_got_its_version(store: ObjectStore) -> None:
+    """Replicas recorded before hot updates were restarted, or only gated when they served the version already."""
+    gated = ReplicaDeploy("standin-1", "3", 2.5, 0.4, False)
+    doc = FleetState("3", 2, 1700000000.0, (REPLICA, gated)).to_json()
+    for replica in doc["replicas"]:
+        for key in ("update", "note", "paused_s", "target"):
+            del replica[key]
+    store.write_json("fleet/r/state.json", doc)
+    state = read_record(store, "fleet/r/state.json", FleetState)
+    assert [(r.update, r.note, r.paused_s, r.target) for r in state.replicas] == [("restart", "", 0.0, ""),
+                                                                                 ("none", "", 0.0, "")]
+    with pytest.raises(ValueError, match="update 'warm' is not one of"):
+        ReplicaDeploy("standin-0", "3", 2.75, 1.5, True, "warm")
 
 
 def test_acceptance_record_lists_the_roles_that_had_a_drafter() -> None:

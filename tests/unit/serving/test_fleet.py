@@ -7,19 +7,13 @@ stand-in processes (`pipeline.serving.standin_replica`, not vLLM) on loopback po
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
-from pipeline.config import DrafterConfig
 from pipeline.evaluation import speculative
-from pipeline.models.checkpoint import save_drafter
-from pipeline.models.drafter import fresh_drafter
 from pipeline.models.target import build_target, tiny_llama_config
 from pipeline.serving import metrics as serving_metrics
 from pipeline.serving.fleet import (
@@ -34,6 +28,7 @@ from pipeline.serving.fleet import (
     vllm_argv,
     vllm_env,
 )
+from tests.unit.serving.conftest import free_port as _free_port
 
 # An excerpt of a vLLM /metrics page (v1 engine, two engines behind one server), as served.
 RECORDED_VLLM_METRICS = """\
@@ -100,41 +95,23 @@ def test_vllm_argv(method: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> N
     assert "sk-secret-value" not in command
 
 
+def test_vllm_argv_with_a_weight_transfer_backend_starts_in_dev_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fleet.weight_transfer_backend: disk`: vLLM started ready for hot drafter updates."""
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    replica = ReplicaSpec("r0", "10.0.0.5", 8000, "policy")
+    argv = vllm_argv(replica, "/models/p", "eagle3", "/drafters/v7", 4, "disk")
+    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "disk"}
+    assert "--weight-transfer-config" not in vllm_argv(replica, "/models/p", "eagle3", "/drafters/v7", 4)
+    assert vllm_env(replica, dev_mode=True)["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "VLLM_SERVER_DEV_MODE" not in vllm_env(replica)
+    command = CommandDriver("restart {name} -- {argv}", "eagle3", 4, "disk").command(replica, "/models/p", "/d/v7")
+    assert """--weight-transfer-config '{"backend": "disk"}'""" in command
+
+
 def test_vllm_argv_serves_peagle_as_eagle3_with_parallel_drafting() -> None:
     argv = vllm_argv(ReplicaSpec("r0", "10.0.0.5", 8000, "policy"), "/models/p", "peagle", "/drafters/v7", 6)
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
         "method": "eagle3", "model": "/drafters/v7", "num_speculative_tokens": 6, "parallel_drafting": True}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """A tiny target (and the next policy, `target2`) and two EAGLE-1/2 drafter checkpoints (v1, v2) plus a
-    broken one."""
-    root = tmp_path_factory.mktemp("models")
-    target = build_target(tiny_llama_config(32, 32, 2, 2), 0)
-    target.save_pretrained(root / "target", safe_serialization=True)
-    build_target(tiny_llama_config(32, 32, 2, 2), 1).save_pretrained(root / "target2", safe_serialization=True)
-    out = {"target": (root / "target").as_uri(), "target2": (root / "target2").as_uri()}
-    for version, seed in (("v1", 1), ("v2", 2)):
-        drafter = fresh_drafter(DrafterConfig(kind="eagle"), target, torch.arange(32), seed)
-        out[version] = str(save_drafter(drafter, root / version))
-    (root / "broken").mkdir()
-    (root / "broken" / "config.json").write_text("{}")
-    out["broken"] = str(root / "broken")
-    return out
-
-
-@pytest.fixture
-def driver(tmp_path: Path) -> Iterator[StandInDriver]:
-    d = StandInDriver(k=3, state_dir=tmp_path / "fleet")
-    yield d
-    d.stop_all([ReplicaSpec(name, "", 0) for name in list(d.processes)])
 
 
 GATES = GateConfig(ready_timeout_s=90, canary_requests=2, canary_tokens=8, min_live_tau=1.0)
@@ -184,7 +161,8 @@ def test_rolling_deploy_and_rollback(models: dict[str, str], driver: StandInDriv
     # The same drafter on the same policy again: no replica restarts, each passes the gates again.
     pids = {name: process.pid for name, process in driver.processes.items()}
     again = rolling_deploy(replicas, driver, models["target"], "1", models["v1"], None, GATES, PROMPTS)
-    assert [(r.replica, r.restarted) for r in again.replicas] == [("r0", False), ("r1", False)]
+    assert [(r.replica, r.restarted, r.update) for r in again.replicas] == [("r0", False, "none"),
+                                                                            ("r1", False, "none")]
     assert all(r.live_tau >= 1.0 for r in again.replicas)
     assert {name: process.pid for name, process in driver.processes.items()} == pids
 
@@ -205,6 +183,7 @@ def test_rolling_deploy_and_rollback(models: dict[str, str], driver: StandInDriv
     assert successor.serving(replicas[1]) == (models["target"], models["v1"])
     moved = rolling_deploy([replicas[1]], successor, models["target2"], "1", models["v1"], None, GATES, PROMPTS)
     assert moved.replicas[0].restarted
+    assert (moved.replicas[0].update, moved.replicas[0].note) == ("restart", "it serves another policy: restarted")
     assert successor.serving(replicas[1]) == (models["target2"], models["v1"])
     assert successor.processes["r1"].pid != old_pid
     successor.stop_all(replicas)
