@@ -1,6 +1,7 @@
 """What fp8-e4m3 storage of hidden states costs in tau: the demo's steps, both drafter kinds.
 
-For each drafter kind, the same steps of the simulated source are captured (capture plan,
+For each drafter kind, the same steps of a source (the simulated one, or TRL's GRPO demo:
+real GRPO steps of `pipeline.sources.trl`, 64 completions of at most 16 tokens a step) are captured (capture plan,
 windows only) and stored twice, lossless (`none`) and `fp8-e4m3`; a drafter is co-trained on
 each as the pipeline trains it (fresh at step 1, then warm-started from the previous step's,
 the buffer of `train.buffer_steps` steps, 100,000 trained positions), and its tau measured
@@ -10,7 +11,7 @@ below lossless at every step (`fp8_tau_max_loss`; docs/storage.md, Compression).
 difference, either way, is `fp8_tau_max_abs_diff`: training on slightly other values moves tau
 by that much as noise (up to 0.08 here, as often up as down).
 
-    python -m benchmarks.fp8_tau [--steps 3]
+    python -m benchmarks.fp8_tau [--steps 3] [--source simulated|trl]
 """
 
 from __future__ import annotations
@@ -43,7 +44,24 @@ def _pretrained_cache(cfg) -> None:
         shutil.copytree(cached, cfg.data_path / "cache", dirs_exist_ok=True)
 
 
-def run(steps: int = 3, kinds: tuple[str, ...] = ("eagle3", "eagle")) -> dict:
+def _publish_steps(cfg, store, steps: int, source: str, workdir: Path) -> None:
+    """Steps 1..`steps` of the source, committed to the store as the pipeline reads them."""
+    if source == "trl":
+        from pipeline.sources.trl import GRPODemo
+
+        rl = GRPODemo(store, cfg.run, steps, workdir / "trl")
+        for step in range(1, steps + 1):
+            rl.run_step(step)
+        rl.finish()
+        return
+    from pipeline.sources.simulation import SimulatedRL
+
+    simulation = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
+    for step in range(1, steps + 1):
+        simulation.run_step(step)
+
+
+def run(steps: int = 3, kinds: tuple[str, ...] = ("eagle3", "eagle"), source: str = "simulated") -> dict:
     import torch
 
     from pipeline.data import capture, shards
@@ -55,7 +73,6 @@ def run(steps: int = 3, kinds: tuple[str, ...] = ("eagle3", "eagle")) -> dict:
     from pipeline.models import drafter as drafters
     from pipeline.models import target as target_lib
     from pipeline.sources import extract
-    from pipeline.sources.simulation import SimulatedRL
     from pipeline.training.dataset import BufferDataset
     from pipeline.training.loop import train_drafter
 
@@ -65,9 +82,7 @@ def run(steps: int = 3, kinds: tuple[str, ...] = ("eagle3", "eagle")) -> dict:
         cfg = _config(Path(tmp), kinds[0])
         _pretrained_cache(cfg)
         store = open_store(cfg)
-        simulation = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
-        for step in range(1, steps + 1):
-            simulation.run_step(step)
+        _publish_steps(cfg, store, steps, source, Path(tmp))
         for kind in kinds:
             cfg = _config(Path(tmp), kind)
             drafter_of: dict[str, drafters.Drafter | None] = dict.fromkeys(COMPRESSIONS)
@@ -113,6 +128,7 @@ def run(steps: int = 3, kinds: tuple[str, ...] = ("eagle3", "eagle")) -> dict:
     diffs = {kind: max(abs(a - b) for a, b in zip(*taus[kind].values(), strict=True)) for kind in kinds}
     losses = {kind: max(a - b for a, b in zip(*taus[kind].values(), strict=True)) for kind in kinds}
     return {
+        "source": source,
         "steps": steps,
         "tau": taus,
         "fp8_tau_max_abs_diff": max(diffs.values()),
@@ -126,8 +142,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--kinds", default="eagle3,eagle")
+    parser.add_argument("--source", choices=["simulated", "trl"], default="simulated")
     args = parser.parse_args()
-    sys.stdout.write(json.dumps(run(args.steps, tuple(args.kinds.split(","))), indent=2) + "\n")
+    sys.stdout.write(json.dumps(run(args.steps, tuple(args.kinds.split(",")), args.source), indent=2) + "\n")
 
 
 if __name__ == "__main__":

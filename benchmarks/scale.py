@@ -12,7 +12,10 @@ extracted into shards and an EAGLE-3 drafter trains on them under `train.max_tok
   before it (rollouts loaded) against the same for a step a quarter the size (goal within 10%:
   memory bounded by a batch, whatever the step).
 * `training_wall_vs_budget_prediction`: wall time of a training of `train.max_tokens` over
-  the wall time predicted from a training of half the budget (goal within 10%).
+  the wall time its tokens predict (goal within 10%): a fixed cost per training plus tokens at a
+  rate, both fitted to two trainings of a quarter and half the budget in the same process
+  (after a warm-up training, discarded). `training_cpu_vs_budget_prediction`: the same with
+  the process's CPU seconds, which other work on a shared machine does not stretch.
 * `projection`: `cli.py plan` for the reference step (Qwen3-8B, 4,096 x 3,000 tokens, p99
   12,000, 8 x H100, a 600 s RL step, the shipped H100 figures) before capture plans and token
   budgets and after; goals: bytes stored <= 2x what training reads, drafter GPU-seconds <= 10%
@@ -29,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,6 +73,23 @@ def _rollouts(count: int, seed: int) -> list:
         out.append(Rollout(f"r{seed}-{i:05d}", ids.integers(0, VOCAB, n).tolist(), [0] * prompt + [1] * (n - prompt),
                            rng.random(), 1))
     return out
+
+
+@dataclass(frozen=True)
+class FixedPlusRate:
+    """A training's seconds: a fixed cost (setup, the first batch's reads) plus its tokens at a rate."""
+
+    fixed_s: float
+    tokens_per_s: float
+
+    def predict(self, tokens: int) -> float:
+        return self.fixed_s + tokens / self.tokens_per_s
+
+
+def fixed_plus_rate(tokens_a: int, seconds_a: float, tokens_b: int, seconds_b: float) -> FixedPlusRate:
+    """The line through two trainings of different budgets (tokens_b > tokens_a)."""
+    per_token = (seconds_b - seconds_a) / (tokens_b - tokens_a)
+    return FixedPlusRate(seconds_a - per_token * tokens_a, 1.0 / per_token)
 
 
 def measure_step(count: int, train: bool) -> dict:
@@ -115,18 +136,23 @@ def measure_step(count: int, train: bool) -> dict:
         if train:
             entries = select_buffer([manifest], 1, 1, cfg.train.data_buffer_max_size)
             counts = torch.ones(VOCAB)
-            walls = {}
+            runs: dict[int, tuple[float, float, int]] = {}  # budget: (wall s, CPU s, trained tokens)
             # A first short training warms what the first training of a process pays for alone (allocator,
-            # kernels' first calls); then half the budget predicts the whole of it.
-            for budget in (TRAIN_BUDGET // 16, TRAIN_BUDGET // 2, TRAIN_BUDGET):
+            # kernels' first calls); a quarter and half the budget then fit the model that predicts the whole.
+            for budget in (TRAIN_BUDGET // 16, TRAIN_BUDGET // 4, TRAIN_BUDGET // 2, TRAIN_BUDGET):
                 drafter = drafters.fresh_drafter(cfg.drafter, target, counts, cfg.train.seed)
                 data = BufferDataset(store, "scale", entries, lambda s, d=drafter: d.training_sample(s, LAYERS))
+                cpu_start = time.process_time()
                 trained = train_drafter(drafter, data, cfg.train.model_copy(update={"max_tokens": budget}),
                                         teacher=drafter.teacher(target))
-                walls[budget] = (trained.wall_s, trained.tokens)
-            (half_s, half_tokens), (full_s, full_tokens) = walls[TRAIN_BUDGET // 2], walls[TRAIN_BUDGET]
-            result.update({"train_tokens": full_tokens, "train_wall_s": full_s,
-                           "train_predicted_s": full_tokens * half_s / half_tokens})
+                runs[budget] = (trained.wall_s, time.process_time() - cpu_start, trained.tokens)
+            quarter, half, full = runs[TRAIN_BUDGET // 4], runs[TRAIN_BUDGET // 2], runs[TRAIN_BUDGET]
+            wall_model, cpu_model = (fixed_plus_rate(quarter[2], quarter[i], half[2], half[i]) for i in (0, 1))
+            result.update({"train_tokens": full[2], "train_wall_s": full[0], "train_cpu_s": full[1],
+                           "train_predicted_s": wall_model.predict(full[2]),
+                           "train_predicted_cpu_s": cpu_model.predict(full[2]),
+                           "train_fixed_s": wall_model.fixed_s, "train_tokens_per_s": wall_model.tokens_per_s,
+                           "train_calibration": {"quarter": quarter, "half": half}})
     return result
 
 
@@ -170,6 +196,7 @@ def run() -> dict:
         "extraction_peak_rss_ratio_vs_quarter_step": full["extraction_peak_rss_bytes"]
         / quarter["extraction_peak_rss_bytes"],
         "training_wall_vs_budget_prediction": full["train_wall_s"] / full["train_predicted_s"],
+        "training_cpu_vs_budget_prediction": full["train_cpu_s"] / full["train_predicted_cpu_s"],
         "step": full,
         "quarter_step": quarter,
         "projection": projection(),

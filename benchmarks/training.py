@@ -6,8 +6,10 @@ buffer (two steps of 84 samples of 64 tokens) and its training settings, four ep
 ranks (gloo) train the same global batches of 16 samples as the one process, 8 samples
 each. Every process runs one thread, so the ratio is the data-parallel scaling from one core
 to two (with more threads per process, OpenMP's barriers dominate on a busy machine and
-the single process looks worse than it is). Single and DDP runs alternate, best of
-`REPEATS`, so that load from other work on the machine hits both alike.
+the single process looks worse than it is). The same two ranks also shard the drafter
+(FSDP2): DDP and FSDP2 trainings alternate in the same two processes, `PAIRED_REPEATS` pairs,
+and the figure is the median pair's ratio, with the spread beside it, so that load from other
+work on the machine meets both arms alike.
 
 GPU (CUDA only, else null; `--gpu` runs only this, with nothing but torch, transformers,
 safetensors and pyarrow installed): the training step the loop runs (`pipeline.training.step`:
@@ -40,6 +42,7 @@ if TYPE_CHECKING:  # imported where used: the GPU path needs only torch and the 
     from pipeline.training.window import DeviceBatch
 
 REPEATS = 2
+PAIRED_REPEATS = 5  # DDP and FSDP2 trainings, alternating in the same two processes
 
 
 def _demo_setup():
@@ -70,7 +73,11 @@ def _demo_setup():
     return cfg, target, drafter, InMemoryDataset(samples)
 
 
-def _cpu_rank(rank: int, world: int, port: int, out: str, parallelism: str = "ddp") -> None:
+def _cpu_rank(rank: int, world: int, port: int, out: str, arms: tuple[str, ...], repeats: int) -> None:
+    """Train the demo's drafter `repeats` times per arm (a `train.parallelism`), the arms alternating in
+    these same processes, so that load from other work on the machine meets every arm alike."""
+    import copy
+
     import torch
 
     from pipeline.training.distributed import DistContext, destroy_process_group, init_process_group
@@ -82,18 +89,25 @@ def _cpu_rank(rank: int, world: int, port: int, out: str, parallelism: str = "dd
     init_process_group(ctx, "cpu")
     try:
         cfg, target, drafter, data = _demo_setup()
-        train = cfg.train.model_copy(update={"batch_size_per_gpu": cfg.train.batch_size_per_gpu // world,
-                                             "epochs": 4, "parallelism": parallelism})
-        result = train_drafter(drafter, data, train, teacher=drafter.teacher(target), ctx=ctx)
+        teacher = drafter.teacher(target)
+        results: dict[str, list[dict]] = {arm: [] for arm in arms}
+        for _ in range(repeats):
+            for arm in arms:
+                train = cfg.train.model_copy(update={"batch_size_per_gpu": cfg.train.batch_size_per_gpu // world,
+                                                     "epochs": 4, "parallelism": arm})
+                result = train_drafter(copy.deepcopy(drafter), data, train, teacher=teacher, ctx=ctx)
+                results[arm].append({"tokens": result.tokens, "wall_s": result.wall_s,
+                                     "tokens_per_s": result.tokens / result.wall_s,
+                                     "iterations": result.iterations, "loss": result.loss,
+                                     "rank_state_bytes": result.rank_state_bytes})
         if ctx.is_main:
-            Path(out).write_text(json.dumps({"tokens": result.tokens, "wall_s": result.wall_s,
-                                             "iterations": result.iterations, "loss": result.loss,
-                                             "rank_state_bytes": result.rank_state_bytes}))
+            Path(out).write_text(json.dumps(results))
     finally:
         destroy_process_group()
 
 
-def _cpu_tokens_per_s(world: int, parallelism: str = "ddp") -> dict:
+def _cpu_runs(world: int, arms: tuple[str, ...], repeats: int) -> dict[str, list[dict]]:
+    """Each arm's trainings, in order, from one set of `world` processes."""
     import socket
 
     import torch.multiprocessing as mp
@@ -103,9 +117,8 @@ def _cpu_tokens_per_s(world: int, parallelism: str = "ddp") -> dict:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
-        mp.start_processes(_cpu_rank, args=(world, port, out, parallelism), nprocs=world, start_method="spawn")
-        result = json.loads(Path(out).read_text())
-    return {**result, "tokens_per_s": result["tokens"] / result["wall_s"]}
+        mp.start_processes(_cpu_rank, args=(world, port, out, arms, repeats), nprocs=world, start_method="spawn")
+        return json.loads(Path(out).read_text())
 
 
 @dataclass(frozen=True)
@@ -305,12 +318,11 @@ def _checkpoint_mb(drafter) -> float:
 
 
 def run() -> dict:
-    runs: dict[str, list[dict]] = {"single": [], "ddp": [], "fsdp": []}
-    for _ in range(REPEATS):
-        runs["single"].append(_cpu_tokens_per_s(1))
-        runs["ddp"].append(_cpu_tokens_per_s(2, "ddp"))
-        runs["fsdp"].append(_cpu_tokens_per_s(2, "fsdp"))
-    single, ddp2, fsdp2 = (max(runs[w], key=lambda r: r["tokens_per_s"]) for w in ("single", "ddp", "fsdp"))
+    single = max(_cpu_runs(1, ("ddp",), REPEATS)["ddp"], key=lambda r: r["tokens_per_s"])
+    paired = _cpu_runs(2, ("ddp", "fsdp"), PAIRED_REPEATS)
+    ddp2, fsdp2 = (max(paired[arm], key=lambda r: r["tokens_per_s"]) for arm in ("ddp", "fsdp"))
+    # Each FSDP2 training against the DDP training just before it, in the same processes.
+    ratios = sorted(f["tokens_per_s"] / d["tokens_per_s"] for d, f in zip(paired["ddp"], paired["fsdp"], strict=True))
     checkpoints = checkpoint_cost()
     gpu_result = gpu()
     return {
@@ -318,7 +330,9 @@ def run() -> dict:
         "ddp2_tokens_per_s": ddp2["tokens_per_s"],
         "ddp2_speedup": ddp2["tokens_per_s"] / single["tokens_per_s"],
         "fsdp2_tokens_per_s": fsdp2["tokens_per_s"],
-        "fsdp2_vs_ddp2_tokens_ratio": fsdp2["tokens_per_s"] / ddp2["tokens_per_s"],
+        "fsdp2_vs_ddp2_tokens_ratio": ratios[len(ratios) // 2],  # the median pair
+        "fsdp2_vs_ddp2_tokens_ratio_spread": [ratios[0], ratios[-1]],
+        "fsdp2_vs_ddp2_tokens_ratio_best_of": fsdp2["tokens_per_s"] / ddp2["tokens_per_s"],
         "fsdp2_vs_ddp2_rank_state_ratio": fsdp2["rank_state_bytes"] / ddp2["rank_state_bytes"],
         "ddp2_rank_state_mb": ddp2["rank_state_bytes"] / 1e6,
         "fsdp2_rank_state_mb": fsdp2["rank_state_bytes"] / 1e6,

@@ -14,8 +14,8 @@ reduction with zero gradients, which DDP cannot express. A drafter is one decode
 its gradients are reduced once per step, and the lost overlap with backward is small.
 
 FSDP2 (`fully_shard`, `train.parallelism: fsdp`) shards the drafter's parameters, gradients
-and AdamW state over the ranks: each rank holds 1/N of them and all-gathers one submodule's
-weights at a time for its forward and backward. It pays off when the fp32 training state
+and AdamW state over the ranks: each rank holds 1/N of them and all-gathers each unit's weights
+once per step, when the step first needs them (`shard_drafter`). It pays off when the fp32 training state
 (16 bytes per trainable parameter: weight, gradient, two AdamW moments; 4 per frozen one)
 would crowd the activations out of a GPU: `train.parallelism: auto` (`choose_parallelism`)
 shards when that state exceeds `train.fsdp_memory_share` of one GPU's memory. For the
@@ -202,44 +202,72 @@ def choose_parallelism(
     return plan("ddp", f"{figures} is within train.fsdp_memory_share={memory_share}")
 
 
-READ_OUTSIDE_FORWARD = ("lm_head",)  # drafter children whose weights the losses read directly
-
-
 class LossModule(torch.nn.Module):
     """The root `fully_shard` unit: one forward computes a batch's loss through the drafter, so
     FSDP2's root hooks (lazy init, the end-of-backward wait) see every forward, however the loss
-    drives the drafter's submodules (EAGLE-3's training-time test calls them step by step)."""
+    drives the drafter's submodules (EAGLE-3's training-time test calls them step by step).
+
+    `held`: the units that keep their gathered weights through the whole backward; `end_backward`
+    frees them once it has run, before the optimizer updates their shards."""
 
     def __init__(self, drafter: torch.nn.Module, loss_of: Callable[[torch.nn.Module, object], tuple]) -> None:
         super().__init__()
         self.drafter, self.loss_of = drafter, loss_of
+        self.held: list[torch.nn.Module] = []
 
     def forward(self, batch: object) -> tuple[torch.Tensor, ...]:
         return tuple(self.loss_of(self.drafter, batch))
 
+    def end_backward(self) -> None:
+        for unit in self.held:
+            unit.reshard()  # type: ignore[operator]  # an FSDPModule's
+
+
+def decoder_layers(drafter: torch.nn.Module) -> list[torch.nn.Module]:
+    """The drafter's decoder layers (the modules holding an attention), in the order they run."""
+    return [m for m in drafter.modules() if isinstance(getattr(m, "self_attn", None), torch.nn.Module)]
+
 
 def shard_drafter(drafter: torch.nn.Module, loss_of: Callable[[torch.nn.Module, object], tuple],
                   device: str) -> LossModule:
-    """A copy of `drafter` sharded with FSDP2 over the default process group, inside its `LossModule`:
-    every direct child holding parameters is one unit (all-gathered for its forward and backward, then
-    freed), the loss module is the root, and its own unit holds the rest: the `lm_head`, whose weight
-    the losses read outside its forward (the chunked cross-entropy), so it is whole for the root's
-    whole forward. Frozen parameters are sharded too (no gradient, no optimizer state); buffers
-    (EAGLE-3's vocabulary maps) stay whole on every rank."""
+    """A copy of `drafter` sharded with FSDP2 over the default process group, inside its `LossModule`.
+
+    Each all-gather and reduce-scatter is a collective every rank waits for, so the units follow how
+    the loss runs the drafter, and no weights are gathered twice in one step:
+
+    * each decoder layer is a unit (the bulk of the weights). The last one runs its backward right
+      after the loss, and EAGLE-3's only layer runs once per training-time-test step: it keeps its
+      gathered weights from its first forward until the step's backward has ended (`LossModule.held`,
+      freed by `end_backward`), where FSDP2 by default frees them after every call and its backward
+      and gathers them again for the next. Earlier layers (P-EAGLE's) are freed after their forward.
+    * the embeddings are a unit read by every training-time-test step: gathered once, at the first
+      step's lookup, and freed when the backward ends (frozen in EAGLE and EAGLE-3: no backward).
+    * the root unit holds the rest: `fc` (run once, first), the norms (a few numbers each, whose own
+      collectives would cost more than they save), and the `lm_head`, whose weight the losses read
+      outside its forward (the chunked cross-entropy).
+
+    At the end of the forward the whole drafter's weights are gathered once, as a replicated rank
+    holds them throughout; gradients and AdamW's moments stay sharded. Frozen parameters are sharded
+    too (no gradient, no optimizer state); buffers (EAGLE-3's vocabulary maps) stay whole on every rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
     replica = copy.deepcopy(drafter).to(device)
-    for name, child in replica.named_children():
-        if name in READ_OUTSIDE_FORWARD:
-            continue
-        # A ModuleList has no forward of its own: its members are the units (EAGLE-1's decoder layers).
-        for unit in child if isinstance(child, torch.nn.ModuleList) else [child]:
-            if any(True for _ in unit.parameters()):
-                fully_shard(unit, mesh=mesh)
+    layers = decoder_layers(replica)
+    held: list[torch.nn.Module] = []
+    for i, layer in enumerate(layers):
+        last = i == len(layers) - 1
+        fully_shard(layer, mesh=mesh, reshard_after_forward=not last)
+        if last:
+            layer.set_reshard_after_backward(False)  # type: ignore[operator]  # fully_shard made it an FSDPModule
+            held.append(layer)
+    embeddings = getattr(replica, "embed_tokens", None)
+    if isinstance(embeddings, torch.nn.Module):
+        fully_shard(embeddings, mesh=mesh, reshard_after_forward=False)
     root = LossModule(replica, loss_of)
     fully_shard(root, mesh=mesh)
+    root.held = held
     for unit in root.modules():
         if isinstance(unit, FSDPModule):
             # Summed, not averaged: the loop weighs each rank's loss by its share of the batch's tokens.

@@ -260,6 +260,7 @@ def _sharded_forward_backward(
     weight = loss_tokens / global_loss_tokens
     idle = _idle_batch(int(feature_sum / ranks_with_data), device) if batch is None else None
     stats = forward_backward(lambda b: LossParts(*root(b)), batch if batch is not None else idle, dtype, weight)
+    root.end_backward()
     figures = torch.stack([v.float() for v in stats.values()]) * weight if batch is not None \
         else torch.zeros(4, device=device)  # (4,) this rank's token-weighted share of the loss parts
     dist.all_reduce(figures)
