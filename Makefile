@@ -15,12 +15,14 @@ setup: $(STAMP)
 
 # torch first: `pip install torch==2.13.0` takes the local CPU wheel where there is one;
 # a torch already in the base interpreter is reused (the venv sees system site-packages).
+# speculators goes in last, without its dependencies (requirements-speculators.txt says why) and without pip's
+# conflict report, which would list the CUDA torch and the older transformers it pins as an ERROR.
 $(STAMP): requirements.txt requirements-speculators.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0 || $(PY) -m pip install --quiet torch
 	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet --no-deps -r requirements-speculators.txt
+	$(PY) -m pip install --quiet --no-deps --no-warn-conflicts -r requirements-speculators.txt
 	touch $(STAMP)
 
 # Debian's chromium for the browser tests (Playwright drives it; it cannot download its own browser here).

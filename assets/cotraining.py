@@ -13,20 +13,18 @@ from pipeline import ledger as ledger_lib
 from pipeline import report
 from pipeline.config import PipelineConfig
 from pipeline.data import buffer as buffer_lib
-from pipeline.data import capture, run_layout
 from pipeline.data import rollouts as rollouts_lib
-from pipeline.data import shard_checks as checks
+from pipeline.data import run_layout
 from pipeline.data.held_out import held_out_rollouts
-from pipeline.data.keys import acceptance_key, buffer_key, hidden_states_prefix, rollouts_key, rollouts_prefix
-from pipeline.data.records import AcceptanceRecord, TailTau, read_training
+from pipeline.data.keys import acceptance_key, buffer_key, rollouts_key, rollouts_prefix
+from pipeline.data.records import read_acceptance, read_training
 from pipeline.data.rollouts import committed_steps
 from pipeline.data.store import ObjectStore
-from pipeline.evaluation import acceptance as acceptance_lib
-from pipeline.evaluation import tail as tail_lib
-from pipeline.models.drafter import stored_layer_ids
-from pipeline.sources import extract
+from pipeline.models.layers import stored_layer_ids
+from pipeline.serving import deploy
 from pipeline.training import outcome as outcome_lib
 from pipeline.training import plan as plan_lib
+from pipeline.training.schedule import LiveTau
 from resources import PipelineResource
 
 GROUP = "cotraining"
@@ -93,33 +91,12 @@ def rollouts(
 )
 def hidden_states(
     context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
-    """Source B (default): the step's policy runs forward over its rollouts; source A: vLLM's files."""
-    cfg, store, step = pipeline.config, pipeline.store(), step_of(context)
-    manifest = extract.extract_hidden_states(store, cfg, step)
-    plan = capture.read_plan(store, cfg.run, step)
-    problems = checks.check_shards(store, cfg.run, step)
-    return dg.MaterializeResult(
-        metadata={
-            "samples": manifest.num_samples,
-            "tokens": manifest.num_tokens,
-            "bytes": manifest.total_bytes,
-            **(plan.summary() if plan else {}),  # rollouts captured of published, tokens stored of forwarded
-            "shards": len(manifest.shards),
-            "hidden_size": manifest.hidden_size,
-            "layer_ids": str(manifest.layer_ids),
-            "compression": manifest.compression,
-            "target": manifest.target["model_id"],
-            **manifest.ingest,  # vLLM connector files: read, unmatched, refused; rollouts without a file
-            "uri": dg.MetadataValue.path(store.uri(hidden_states_prefix(cfg.run, step))),
-        },
-        check_results=[
-            dg.AssetCheckResult(
-                check_name="shards_valid",
-                passed=not problems,
-                metadata={"problems": dg.MetadataValue.md("\n".join(f"* {p}" for p in problems) or "none")},
-            )
-        ],
-    )
+    """Source B (default): the step's policy runs forward over its rollouts; source A: vLLM's files. Either
+    in the extraction worker's own process (`extract.nproc` ranks; a GPU pod in production), which reports
+    the materialization, where it ran and the `shards_valid` check over Pipes."""
+    launcher, step = pipeline.launcher(), step_of(context)
+    context.log.info(f"launching extraction ({launcher.where}, {pipeline.config.extract.nproc} rank(s))")
+    return launcher.run_stage(context, launcher.stage_job("extraction", step)).get_materialize_result()
 
 
 @dg.asset(
@@ -181,8 +158,10 @@ def drafter(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg
     from its last checkpoint when a rerun finds one."""
     cfg, store, registry, step = pipeline.config, pipeline.store(), pipeline.registry(), step_of(context)
     requested_by = context.run.tags.get(RETRAIN_TAG)
+    live = _champion_live_tau(pipeline, registry.alias_version("champion"))
     # A run the sensor asked for trains on the newest buffer; a backfill trains every step, in order.
-    plan = plan_lib.plan_training(store, cfg, step, registry, requested_by, BACKFILL_TAG not in context.run.tags)
+    plan = plan_lib.plan_training(store, cfg, step, registry, requested_by, BACKFILL_TAG not in context.run.tags,
+                                  live)
     tags = {"dagster_run_id": context.run.run_id, "dagster_asset": "drafter", "rl_step": context.partition_key,
             "pipeline_run": cfg.run}
     planned = plan_lib.settle_plan(plan, cfg, registry, tags)
@@ -193,7 +172,17 @@ def drafter(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg
                      + (f", continuing MLflow run {planned.run_id}" if planned.run_id else "")
                      + (f", requested: {requested_by}" if requested_by else ""))
     # Rank 0 of the training process reports the materialization (and writes the step's outcome).
-    return pipeline.launcher().launch(context, planned).get_materialize_result()
+    return pipeline.launcher().train(context, planned).get_materialize_result()
+
+
+def _champion_live_tau(pipeline: PipelineResource, champion: str | None) -> LiveTau | None:
+    """The fleet's live tau of the champion, which the `acceptance` and `cost` schedules decide on (read
+    from the replicas' /metrics only for them)."""
+    cfg = pipeline.config
+    if cfg.train.schedule.kind == "interval" or champion is None:
+        return None
+    tau = deploy.live_tau(cfg, pipeline.store(), champion)
+    return LiveTau(champion, tau) if tau is not None else None
 
 
 @dg.asset(
@@ -211,74 +200,43 @@ def drafter(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg
     ],
 )
 def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
-    """Real speculative decoding with greedy verification against the step's target."""
-    cfg, store, registry, step = pipeline.config, pipeline.store(), pipeline.registry(), step_of(context)
+    """Real speculative decoding with greedy verification against the step's target, in the evaluation
+    worker's own process (`eval.nproc` ranks; a GPU pod in production), which measures every drafter of the
+    step, decides the promotion and reports tau, where it ran and the `tau_in_range` check over Pipes; the
+    plots and the ledger are added here from the records it wrote."""
+    cfg, store, launcher, step = pipeline.config, pipeline.store(), pipeline.launcher(), step_of(context)
     training = read_training(store, cfg.run, step)
-    spent = _stage_seconds(context, cfg.train.nproc_per_node if training.figures else 0)
-    record = acceptance_lib.evaluate_step(store, cfg, step, registry, training.version, spent)
-    ceiling = cfg.eval.num_speculative_tokens + 1
-    measured = record.measured()
-    metadata = _acceptance_metadata(record)
+    spent = _stage_seconds(context, {"extraction": cfg.extract.nproc,
+                                     "training": cfg.train.nproc_per_node if training.figures else 0})
+    context.log.info(f"launching evaluation ({launcher.where}, {cfg.eval.nproc} rank(s))")
+    job = launcher.stage_job("evaluation", step, new_version=training.version, spent_s=spent)
+    measured = launcher.run_stage(context, job).get_materialize_result()
+    record = read_acceptance(store, cfg.run, step)
+    metadata = dict(measured.metadata or {})
     metadata["uri"] = dg.MetadataValue.path(store.uri(acceptance_key(cfg.run, step)))
     if record.champion_after:
         metadata["mlflow_champion"] = dg.MetadataValue.url(
-            registry.version_url(record.champion_after, pipeline.mlflow_ui_url))
+            pipeline.registry().version_url(record.champion_after, pipeline.mlflow_ui_url))
     metadata["tau_by_step"] = _tau_plot(store, cfg, step)
     shown = [s for s in committed_steps(store, cfg.run) if s <= step][-PLOT_STEPS:]
     ledger = ledger_lib.read_ledger(store, cfg.run, shown)
     metadata.update(_ledger_metadata(ledger))
-    ledger_lib.log_served(registry, ledger)
-    tail = tail_lib.measure_tail(store, cfg, step, registry)  # a step published in parts: tau on its tail
-    if tail:
-        metadata.update(_tail_metadata(tail))
-        tail_lib.log_tail(registry, tail)
-    return dg.MaterializeResult(
-        metadata=metadata,
-        check_results=[
-            dg.AssetCheckResult(
-                check_name="tau_in_range",
-                passed=all(1.0 <= d.tau <= ceiling for d in measured.values()),
-                metadata={"ceiling": ceiling},
-            )
-        ],
-    )
+    ledger_lib.log_served(pipeline.registry(), ledger)
+    return dg.MaterializeResult(metadata=metadata, check_results=measured.check_results)
 
 
 STAGE_OF_STEP = {"hidden_states": "extraction", "drafter": "training"}
 
 
-def _stage_seconds(context: dg.AssetExecutionContext, training_devices: int) -> dict[str, float]:
-    """Device-seconds of this run's extraction and training steps, from Dagster's own step timings: the
-    training step's wall time counts once per process it launched (0 when it launched none)."""
+def _stage_seconds(context: dg.AssetExecutionContext, devices: dict[str, int]) -> dict[str, float]:
+    """Device-seconds of this run's extraction and training steps, from Dagster's own step timings: a
+    step's wall time counts once per rank it launched (`devices`; 0 when it launched none)."""
     seconds = {}
     for stats in context.instance.get_run_step_stats(context.run_id):
         stage = STAGE_OF_STEP.get(stats.step_key)
         if stage and stats.start_time and stats.end_time:
-            devices = training_devices if stage == "training" else 1
-            seconds[stage] = (stats.end_time - stats.start_time) * devices
+            seconds[stage] = (stats.end_time - stats.start_time) * devices[stage]
     return seconds
-
-
-def _acceptance_metadata(record: AcceptanceRecord) -> dict:
-    """Tau and version per drafter role, and the promotion decision."""
-    measured = record.measured()
-    metadata: dict = {f"tau_{role}": round(d.tau, 3) for role, d in measured.items()}
-    metadata.update({f"version_{role}": d.version for role, d in measured.items()})
-    metadata.update({"promoted": record.promoted, "decision": record.decision,
-                     "champion_after": record.champion_after or "none"})
-    if cotrained := measured.get("cotrained"):
-        metadata["acceptance_rate_cotrained"] = round(cotrained.acceptance_rate, 3)
-        metadata["per_position_cotrained"] = str([round(p, 3) for p in cotrained.per_position])
-    return metadata
-
-
-def _tail_metadata(tail: TailTau) -> dict:
-    """Tau on the step's tail per drafter and the refresh's latency (numbers Dagster plots; -1: none)."""
-    metadata: dict = {f"tail_tau_{role}": round(tau, 3) if tau is not None else -1.0 for role, tau in tail.taus.items()}
-    metadata.update({"tail_parts": str(list(tail.tail_parts)), "tail_prompts": tail.prompts,
-                     "refresh_latency_s": tail.refresh_latency_s if tail.refresh_latency_s is not None else -1.0,
-                     "refresh_latency_share": tail.latency_share if tail.latency_share is not None else -1.0})
-    return metadata
 
 
 def _ledger_metadata(ledger: ledger_lib.Ledger) -> dict:

@@ -17,6 +17,8 @@ from benchmarks import (
     hidden_states_io,
     policy_loss,
     scale,
+    schedule,
+    stage_launch,
     target_load,
     training,
 )
@@ -29,9 +31,11 @@ BENCHMARKS = {
     "training": training.run,
     "target_load": target_load.run,
     "extraction": extraction.run,
+    "stage_launch": stage_launch.run,
     "evaluation": evaluation.run,
     "scale": scale.run,
     "fp8_tau": fp8_tau.run,
+    "schedule": schedule.run,
 }
 
 
@@ -46,7 +50,7 @@ def main() -> None:
         figures = {k: round(v, 3) for k, v in report[name].items()
                    if k.endswith(("ratio", "_vs_raw", "_vs_torch_save", "_vs_safetensors", "_per_core", "_ms", "_vs_1g",
                                   "reference", "_h64", "_vs_plain_forward", "_4x_step", "_vs_128", "_speedup",
-                                  "_abs_diff", "_vs_windows", "_vs_quarter_step", "_prediction"))}
+                                  "_abs_diff", "_vs_windows", "_vs_quarter_step", "_prediction", "_overhead_s"))}
         sys.stdout.write(f"{name}: {figures}\n")
     path = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(report, indent=2))

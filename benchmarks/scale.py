@@ -171,7 +171,8 @@ def projection() -> dict:
 
     cfg = load_config()
     before_cfg = cfg.model_copy(update={"capture": cfg.capture.model_copy(update={"max_samples": 0, "max_tokens": 0}),
-                                        "train": cfg.train.model_copy(update={"max_tokens": 0})})
+                                        "train": cfg.train.model_copy(update={"max_tokens": 0,
+                                                                              "warm_start_epochs": 0})})
     after_cfg = cfg.model_copy(update={key: getattr(cfg, key).model_copy(update=value)
                                        for key, value in REFERENCE_AFTER.items()})
     step = StepShape(ROLLOUTS, MEAN_TOKENS, P99_TOKENS, 8, "H100", 600.0)

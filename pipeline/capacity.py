@@ -317,10 +317,12 @@ def plan_capacity(policy: PolicyShape, step: StepShape, throughput: Throughput, 
     bytes_per_token = layers * policy.hidden_size * _bytes_per_value(cfg.shard_compression, policy.hidden_size) + 5
     bytes_stored = tokens_stored * bytes_per_token
 
-    # Training: the buffer's windows, epochs over them at most, the token budget first.
+    # Training: the buffer's windows, epochs over them at most (a warm-started training's: the loop's steady
+    # state), the token budget first.
     buffer_samples = min(cfg.train.buffer_steps * captured, cfg.train.data_buffer_max_size)
     buffer_positions = buffer_samples * max(0.0, window_per_sample - 1)
-    trained = cfg.train.epochs * buffer_positions
+    epochs = min(cfg.train.epochs, cfg.train.warm_start_epochs or cfg.train.epochs)
+    trained = epochs * buffer_positions
     if cfg.train.max_tokens:
         trained = min(trained, cfg.train.max_tokens)
     trained_per_step = trained / cfg.train.training_interval_steps

@@ -30,6 +30,11 @@ class _Strict(BaseModel):
 
 class OptimConfig(_Strict):
     lr: float = Field(default=3e-3, gt=0, description="AdamW peak learning rate.")
+    warm_start_lr: float = Field(
+        default=6e-3, ge=0,
+        description="Peak learning rate of a training that starts from a drafter (train.warm_start_epochs): a short "
+                    "run catches up faster at a higher rate; 0 = lr.",
+    )
     lr_warmup_steps: int = Field(default=10, ge=0, description="Linear warmup iterations.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(default=1.0, gt=0, description="Max global gradient norm.")
@@ -97,6 +102,12 @@ class TrainConfig(_Strict):
     vloss_weight: float = Field(default=0.5, ge=0, description="Weight of the SmoothL1 hidden-state loss.")
     ploss_weight: float = Field(default=0.5, ge=0, description="Weight of the soft cross-entropy token loss.")
     epochs: int = Field(default=20, ge=1, description="Most passes over the buffer per training run.")
+    warm_start_epochs: int = Field(
+        default=6, ge=0,
+        description="Most passes over the buffer of a training that starts from a drafter (the champion, or "
+                    "drafter.warm_start): it knows the policy of the steps before and catches up on the newest; "
+                    "0 = train.epochs. A fresh drafter trains train.epochs.",
+    )
     max_tokens: int = Field(
         default=4_000_000, ge=0,
         description="Trained positions per training run (windowed tokens); epochs are an upper bound. "
@@ -222,6 +233,11 @@ class HiddenStatesConfig(_Strict):
         default=8192, ge=1,
         description="`forward`: padded tokens per forward batch (rollouts sorted by length); bounds extraction memory.",
     )
+    samples_per_shard: int = Field(
+        default=256, ge=1,
+        description="`forward`: samples per shard at most (a shard is also cut at 512 MiB); `extract.nproc` ranks "
+                    "share a step's shards, so a step of fewer shards than ranks leaves ranks idle.",
+    )
     max_unmatched_share: float = Field(
         default=0.0, ge=0, le=1,
         description="vLLM files: the most connector files matching no rollout, and rollouts without a file, "
@@ -280,6 +296,12 @@ class TargetConfig(_Strict):
                     "several ranks on the node (torchrun's LOCAL_WORLD_SIZE) an even share each.",
     )
 
+    @property
+    def gpus_per_process(self) -> int:
+        """GPUs one rank of extraction or evaluation holds: a split's `split_devices` when set, else one (its pod
+        requests that many per rank, and rank r starts at cuda:r x that, the first GPU of its block)."""
+        return self.split_devices if self.split != "none" and self.split_devices > 1 else 1
+
     @model_validator(mode="after")
     def _split_has_devices(self) -> TargetConfig:
         if self.split != "none" and self.split_devices == 1:
@@ -288,7 +310,37 @@ class TargetConfig(_Strict):
         return self
 
 
-class EvalConfig(_Strict):
+class StageConfig(_Strict):
+    """A model stage launched like training (`train.launcher`): its ranks and the resources of its pod. The
+    image, namespace, service account, node selector, tolerations, /dev/shm and Secret are `train.k8s`'s."""
+
+    nproc: int = Field(default=1, ge=1, description="Ranks of the stage (torchrun --nproc-per-node); in a pod, "
+                                                    "one GPU each.")
+    cpu: str = Field(default="8", description="CPU request (and limit) of the stage's pod.")
+    memory: str = Field(default="64Gi", description="Memory request (and limit) of the stage's pod: the policy "
+                                                    "is loaded there (its weights, in `target.dtype`, plus batches).")
+
+    @field_validator("cpu", "memory")
+    @classmethod
+    def _quantity(cls, value: str, info: ValidationInfo) -> str:
+        if not _QUANTITY.fullmatch(value):
+            raise ValueError(f"{info.field_name} {value!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)")
+        return value
+
+
+class ExtractConfig(StageConfig):
+    """The `hidden_states` stage's process (or pod): the step's policy runs forward there."""
+
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list, description="Volumes of the extraction pod (Kubernetes objects), e.g. the "
+                                          "shared volume vLLM's connector writes `hidden_states.vllm_path` to.")
+    volume_mounts: list[dict[str, Any]] = Field(
+        default_factory=list, description="Where the extraction pod's container mounts `extract.volumes`.")
+
+
+class EvalConfig(StageConfig):
+    """The `acceptance` stage's process (or pod): every drafter of the step is measured there, one process."""
+
     num_speculative_tokens: int = Field(default=4, ge=1, description="k: tokens the drafter proposes per round.")
     max_new_tokens: int = Field(default=40, ge=1, description="Tokens generated per held-out prompt.")
     num_prompts: int = Field(default=24, ge=1, description="Held-out prompts evaluated per step.")
@@ -463,7 +515,7 @@ class SimulationConfig(_Strict):
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature of rollouts.")
     seed: int = Field(default=1234, description="Seed of the task family and the target.")
     step_period_s: float = Field(
-        default=60.0, ge=0,
+        default=28.0, ge=0,
         description="The demo's source publishes one RL step per this many seconds at most (0: as fast as it runs), "
                     "without waiting for the pipeline.",
     )
@@ -516,6 +568,7 @@ class PipelineConfig(_Strict):
     capture: CaptureConfig = Field(
         default_factory=CaptureConfig, description="Which rollouts and tokens of a step are stored."
     )
+    extract: ExtractConfig = Field(default_factory=ExtractConfig, description="The extraction stage's ranks and pod.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Acceptance evaluation.")
     promotion: PromotionConfig = Field(default_factory=PromotionConfig, description="Champion promotion.")
     fleet: FleetConfig = Field(default_factory=FleetConfig, description="The serving fleet the champion goes to.")
@@ -528,6 +581,17 @@ class PipelineConfig(_Strict):
         if self.drafter.kind == "peagle" and self.eval.num_speculative_tokens > self.drafter.num_depths:
             raise ValueError(f"eval.num_speculative_tokens ({self.eval.num_speculative_tokens}) exceeds "
                              f"drafter.num_depths ({self.drafter.num_depths}): a P-EAGLE forward proposes at most that")
+        return self
+
+    @model_validator(mode="after")
+    def _extract_ranks(self) -> PipelineConfig:
+        if self.extract.nproc > 1 and self.hidden_states.source != "forward":
+            raise ValueError(f"extract.nproc is {self.extract.nproc}, but hidden_states.source "
+                             f"{self.hidden_states.source!r} reads vLLM's files in one process: set extract.nproc "
+                             "to 1, or hidden_states.source to forward")
+        if max(self.extract.nproc, self.eval.nproc) > 1 and self.device not in ("cpu", "cuda"):
+            raise ValueError(f"extract.nproc / eval.nproc above 1 need device cpu or cuda (one GPU per rank), "
+                             f"not {self.device!r}")
         return self
 
     @model_validator(mode="after")

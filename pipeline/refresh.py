@@ -25,27 +25,17 @@ deployed as if no refresh had run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
+from dataclasses import replace
 
 from pipeline.config import PipelineConfig
-from pipeline.data import capture, shards
 from pipeline.data import parts as parts_lib
-from pipeline.data.buffer import select_buffer, write_buffer
-from pipeline.data.held_out import held_out_rollouts
 from pipeline.data.keys import refresh_data_run, refresh_key
 from pipeline.data.parts import Qualified, StepParts, qualify
 from pipeline.data.records import RefreshRecord, read_fleet_state, write_record
 from pipeline.data.rollouts import Rollout
-from pipeline.data.run_layout import TargetLayout
 from pipeline.data.store import ObjectStore
-from pipeline.evaluation import tail as tail_lib
-from pipeline.models import target as target_lib
-from pipeline.models.drafter import stored_layer_ids
 from pipeline.registry import DrafterRegistry
 from pipeline.serving import deploy
-from pipeline.sources.extract import iter_hidden_states
 from pipeline.training.plan import RefreshSpec, TrainJob, input_identity
 
 REFRESH_WARMUP_STEPS = 2  # a refresh is a few dozen iterations: most of them at the full rate
@@ -65,33 +55,6 @@ def part_rollouts(store: ObjectStore, run: str, step: int, parts: tuple[int, ...
                   step_parts: StepParts) -> list[Rollout]:
     manifests = {m.part: m for m in parts_lib.published_parts(store, run, step)}
     return [r for p in sorted(parts) for r in parts_lib.read_part(store, run, step, manifests[p], step_parts.limits)]
-
-
-def extract(store: ObjectStore, cfg: PipelineConfig, q: Qualified) -> int:
-    """The hidden states of the qualifying parts' captured rollouts and their buffer, in the refresh's
-    namespace; returns the buffer's samples."""
-    data_run = refresh_data_run(cfg.run, q.step, q.part)
-    model = target_lib.load_policy(store, q.pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
-    rollouts = part_rollouts(store, cfg.run, q.step, q.parts, q.step_parts)
-    plan = capture.plan_capture(rollouts, q.step, held_out_fraction=cfg.eval.held_out_fraction,
-                                window_tokens=cfg.train.window_tokens, max_samples=cfg.capture.max_samples,
-                                max_tokens=cfg.capture.max_tokens)
-    windows = plan.bounds()
-    num_layers = model.config.num_hidden_layers
-    layer_ids = stored_layer_ids(cfg.drafter, num_layers)
-    samples = iter_hidden_states(model, [r for r in rollouts if r.sample_id in windows], q.step,
-                                 tokens_per_batch=cfg.hidden_states.tokens_per_batch, device=cfg.device,
-                                 layer_ids=layer_ids, windows=windows)
-    manifest = shards.write_hidden_states(
-        store, data_run, q.step, samples, hidden_size=model.config.hidden_size, layer_ids=layer_ids or [num_layers],
-        compression=cfg.shard_compression,
-        target={"model_id": q.pointer.model_id, "policy_version": str(q.pointer.policy_version),
-                "checkpoint_uri": q.pointer.checkpoint_uri, "source": "forward",
-                "final_norm": "applied" if layer_ids is None else "not applied"},
-        layout=TargetLayout.from_config(model.config.to_dict(), layer_ids or [num_layers]),
-        lease_s=cfg.storage.step_lease_s, lease_wait_s=cfg.storage.step_lease_wait_s)
-    entries = select_buffer([manifest], q.step, 1, cfg.train.data_buffer_max_size)
-    return write_buffer(store, data_run, q.step, entries).num_samples
 
 
 def refresh_config(cfg: PipelineConfig) -> PipelineConfig:
@@ -117,35 +80,6 @@ def training_job(store: ObjectStore, cfg: PipelineConfig, q: Qualified, registry
     return TrainJob(q.step, tuned.model_dump(mode="json"), registry.unfinished_run({"input_id": identity}), identity,
                     f"refresh on {q.rows} rollouts of parts {list(q.parts)}", registry.alias_version("champion"),
                     tags, None, spec)
-
-
-@dataclass(frozen=True)
-class RefreshCheck:
-    tau_refreshed: float
-    tau_champion: float | None
-    prompts: int
-    deploy: bool
-    reason: str
-
-
-def check(store: ObjectStore, cfg: PipelineConfig, q: Qualified, registry: DrafterRegistry, version: str,
-          champion: str | None) -> RefreshCheck:
-    """Tau of the refreshed drafter and of the champion on the held-out rollouts of the qualifying parts."""
-    rollouts = held_out_rollouts(part_rollouts(store, cfg.run, q.step, q.parts, q.step_parts),
-                                 cfg.eval.held_out_fraction)[: cfg.eval.num_prompts]
-    if not rollouts:
-        return RefreshCheck(0.0, None, 0, False, "no held-out rollout in the qualifying parts")
-    prompts = [torch.tensor(r.input_ids[: max(1, r.prompt_len)]) for r in rollouts]
-    taus = tail_lib.measure_taus(store, cfg, q.pointer.checkpoint_uri, registry, [version, champion], prompts)
-    new, old = taus[version], taus.get(champion) if champion else None
-    margin = cfg.refresh.margin
-    if old is None:
-        return RefreshCheck(new, None, len(prompts), True, f"no champion; refreshed tau {new:.3f}")
-    if new > old + margin:
-        return RefreshCheck(new, old, len(prompts), True,
-                            f"refreshed tau {new:.3f} > champion tau {old:.3f} + refresh.margin {margin}")
-    return RefreshCheck(new, old, len(prompts), False,
-                        f"refreshed tau {new:.3f} <= champion tau {old:.3f} + refresh.margin {margin}")
 
 
 def seen_step(registry: DrafterRegistry, version: str) -> tuple[int, int]:
@@ -180,31 +114,25 @@ def newer_live_refresh(registry: DrafterRegistry, version: str) -> str | None:
     return None
 
 
-def finish(store: ObjectStore, cfg: PipelineConfig, registry: DrafterRegistry, q: Qualified, job: TrainJob,
-           train_s: float) -> RefreshRecord:
-    """After the refresh's training: check it against the champion it started from, deploy it when it wins
-    (fenced), and record it (the store, the version's MLflow run)."""
-    version = registry.find_version({"input_id": job.input_id})
-    if version is None:
-        raise RuntimeError(f"the refresh of step {q.step} part {q.part} registered no version")
-    checked = check(store, cfg, q, registry, version, job.warm_start_version)
-    deployed, decision, live_at = False, checked.reason, None
-    if checked.deploy:
-        try:
-            deploy.deploy(cfg, store, registry, version, fence=lambda: superseded_by(registry, q.step, q.part))
-        except deploy.DeploySuperseded as exc:
-            decision = f"{checked.reason}; not deployed, superseded: {exc}"
-        else:
-            deployed = True
-            history = read_fleet_state(store, cfg.run).history
-            live_at = next((d.live_at for d in reversed(history) if d.version == version), None)
-    record = RefreshRecord(q.step, q.part, q.parts, q.rows, q.qualified_at, version, job.warm_start_version,
-                           checked.tau_refreshed, checked.tau_champion, deployed, decision, live_at, round(train_s, 3))
-    write_record(store, refresh_key(cfg.run, q.step), record)
-    run_id = registry.client.get_model_version(registry.model_name, version).run_id
-    registry.log_metrics(run_id, {"refresh_tau": checked.tau_refreshed, **(
-        {"refresh_champion_tau": checked.tau_champion} if checked.tau_champion is not None else {}), **(
-        {"refresh_latency_s": record.latency_s} if record.latency_s is not None else {})}, step=q.step)
-    registry.set_version_tags(version, {"refresh_tau": f"{checked.tau_refreshed:.4f}",
-                                        "refresh_deployed": str(deployed).lower()})
+def deploy_refreshed(store: ObjectStore, cfg: PipelineConfig, registry: DrafterRegistry,
+                     record: RefreshRecord) -> RefreshRecord:
+    """The checked refresh to the fleet when it beats the champion, fenced (`superseded_by`); its record and
+    the version's MLflow run say whether it went, and its latency."""
+    if not record.beats_champion or record.version is None:
+        return record
+    try:
+        deploy.deploy(cfg, store, registry, record.version,
+                      fence=lambda: superseded_by(registry, record.step, record.part))
+    except deploy.DeploySuperseded as exc:
+        record = replace(record, decision=f"{record.decision}; not deployed, superseded: {exc}")
+    else:
+        history = read_fleet_state(store, cfg.run).history
+        live_at = next((d.live_at for d in reversed(history) if d.version == record.version), None)
+        record = replace(record, deployed=True, live_at=live_at)
+        registry.set_version_tags(record.version, {"refresh_deployed": "true"})
+        if record.latency_s is not None:
+            run_id = registry.client.get_model_version(registry.model_name, record.version).run_id
+            registry.log_metrics(run_id, {"refresh_latency_s": record.latency_s}, step=record.step)
+    write_record(store, refresh_key(cfg.run, record.step), record)
     return record
+

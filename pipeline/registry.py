@@ -13,14 +13,16 @@ import tempfile
 import time
 from contextlib import suppress
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import PipelineConfig
-from pipeline.models.checkpoint import load_drafter, share_as_umask_allows
-from pipeline.models.drafter import Drafter
+
+if TYPE_CHECKING:
+    from pipeline.models.drafter import Drafter
 
 ARTIFACT_PATH = "drafter"
 ALIASES = ("challenger", "champion", "baseline", "live")
@@ -180,6 +182,8 @@ class DrafterRegistry:
         for path in files:
             if not (root / path).resolve().is_relative_to(root):
                 raise ArtifactPathError(f"{where}: artifact {path!r} would be written outside {root}")
+        from pipeline.models.checkpoint import share_as_umask_allows  # torch: only where checkpoints are read
+
         directory.mkdir(parents=True, exist_ok=True)
         for path in files:
             local = Path(self.client.download_artifacts(mv.run_id, path, str(directory / Path(path).parent)))
@@ -196,7 +200,10 @@ class DrafterRegistry:
         return files
 
     def load(self, version: str) -> Drafter:
-        """Download a version's checkpoint directory and load it (safetensors only)."""
+        """Download a version's checkpoint directory and load it (safetensors only): in the processes that
+        run models, never in the orchestrator's."""
+        from pipeline.models.checkpoint import load_drafter
+
         with tempfile.TemporaryDirectory() as tmp:
             return load_drafter(self.download(version, Path(tmp)))
 

@@ -1,5 +1,5 @@
 """The Dagster layer's one resource: the pipeline configuration, read once per run, and the
-domain objects built from it (object store, drafter registry, training launcher, simulator).
+domain objects built from it (object store, drafter registry, the stages' launcher, simulator).
 
 The YAML file is read when a run (or a sensor tick) starts, never when the code location
 loads: a run sees one configuration from its first asset to its last, and an edited file
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import dagster as dg
 from pydantic import Field, PrivateAttr
@@ -19,8 +20,10 @@ from pydantic import Field, PrivateAttr
 from pipeline.config import CONFIG_ENV, PROJECT_ROOT, PipelineConfig, load_config
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.registry import DrafterRegistry, open_registry
-from pipeline.sources.simulation import SimulatedRL
-from resources.launcher import TrainingLauncher
+from resources.launcher import StageLauncher
+
+if TYPE_CHECKING:
+    from pipeline.sources.simulation import SimulatedRL
 
 EMBEDDED_MLFLOW_UI = "http://127.0.0.1:5000"  # `make ui` serves the embedded SQLite store here
 
@@ -59,11 +62,14 @@ class PipelineResource(dg.ConfigurableResource):
         return os.environ.get("MLFLOW_UI_URL") or (
             tracking if tracking.startswith(("http://", "https://")) else EMBEDDED_MLFLOW_UI)
 
-    def launcher(self) -> TrainingLauncher:
-        return TrainingLauncher(self.config, Path(self.working_dir), self.mlflow_ui_url)
+    def launcher(self) -> StageLauncher:
+        return StageLauncher(self.config, Path(self.working_dir), self.mlflow_ui_url)
 
     def simulator(self) -> SimulatedRL:
-        """The built-in simulated RL trainer (`rollout_source: simulated`)."""
+        """The built-in simulated RL trainer (`rollout_source: simulated`); its model code is imported only
+        by the run that simulates."""
+        from pipeline.sources.simulation import SimulatedRL
+
         cfg = self.config
         if cfg.rollout_source != "simulated":
             raise ValueError(f"rollout_source is {cfg.rollout_source!r}: steps come from an external RL trainer")

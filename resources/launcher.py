@@ -1,18 +1,21 @@
-"""Starting the drafter training as its own process(es) through Dagster Pipes."""
+"""Starting a model stage (extraction, training, evaluation) as its own process(es) through Dagster Pipes:
+the commands and pods come from `pipeline.launch` (and `pipeline.training.launch` for several nodes)."""
 
 from __future__ import annotations
 
 import os
 import time
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
 
 from pipeline.config import PipelineConfig
+from pipeline.launch import StageJob, pod_labels, stage_command, stage_pod_spec
 from pipeline.training.launch import (
     NODE_INDEX_ANNOTATION,
-    pod_labels,
     train_command,
     training_job_name,
     training_job_spec,
@@ -24,33 +27,57 @@ from pipeline.training.plan import TrainJob
 POD_START_TIMEOUT_S = 1800  # node 0's pod: a GPU node scaling up from zero, then a multi-GB image pull
 
 
-class TrainingLauncher:
-    """torchrun (for one process, the worker itself) on this machine (`train.launcher: subprocess`;
-    several `train.nnodes` as loopback nodes), a GPU pod (`train.launcher: k8s`, one node), or an
-    indexed Job of `train.nnodes` GPU pods (`k8s`, several nodes); the last two need dagster-k8s."""
+class StageLauncher:
+    """Every model stage through one launcher (`train.launcher`): a subprocess of this run (`subprocess`:
+    the worker itself for one rank, torchrun for several; `train.nnodes` trainings as loopback nodes), a
+    GPU pod (`k8s`, through `PipesK8sClient`), or for a training on several nodes an indexed Job of
+    `train.nnodes` GPU pods (`k8s`); the last two need dagster-k8s."""
 
     def __init__(self, cfg: PipelineConfig, working_dir: Path, mlflow_ui_url: str) -> None:
         self.cfg, self.working_dir, self.mlflow_ui_url = cfg, working_dir, mlflow_ui_url
 
-    def launch(self, context: dg.AssetExecutionContext, job: TrainJob) -> dg.PipesClientCompletedInvocation:
+    @property
+    def where(self) -> str:
+        """Where a stage runs: `pod` or `process` (a subprocess of the Dagster run)."""
+        return "pod" if self.cfg.train.launcher == "k8s" else "process"
+
+    def stage_job(self, stage: str, step: int, **fields: object) -> StageJob:
+        return StageJob(stage, step, self.cfg.model_dump(mode="json"), self.where, **fields)
+
+    def run_stage(self, context: dg.AssetExecutionContext, job: StageJob) -> dg.PipesClientCompletedInvocation:
+        """Extraction or evaluation: the stage's worker with its ranks, reporting back over Pipes."""
+        return self._run(context, {"job": job.to_dict()}, pod_labels(self.cfg, job.stage, job.step),
+                         lambda: stage_pod_spec(self.cfg, job.stage), stage_command(self.cfg, job.stage))
+
+    def train(self, context: dg.AssetExecutionContext, job: TrainJob) -> dg.PipesClientCompletedInvocation:
         cfg = self.cfg
-        extras = {"job": job.to_dict(), "mlflow_ui_url": self.mlflow_ui_url}
-        with warnings.catch_warnings():
-            # Dagster's Pipes clients call a preview API of Dagster's own: nothing a user can act on.
-            warnings.filterwarnings("ignore", message=".*expected_writer_count", category=dg.PreviewWarning)
-            if cfg.train.launcher == "k8s" and cfg.train.nnodes > 1:
+        extras = {"job": job.to_dict(), "mlflow_ui_url": self.mlflow_ui_url, "where": self.where}
+        if cfg.train.launcher == "k8s" and cfg.train.nnodes > 1:
+            with _quiet_preview():
                 return _run_indexed_job(context, cfg, job, extras)
-            if cfg.train.launcher == "k8s":
+        return self._run(context, extras, pod_labels(cfg, "training", job.step), lambda: training_pod_spec(cfg),
+                         train_command(cfg.train.nproc_per_node, nnodes=cfg.train.nnodes))
+
+    def _run(self, context: dg.AssetExecutionContext, extras: dict, labels: dict[str, str],
+             pod_spec: Callable[[], dict], command: list[str]) -> dg.PipesClientCompletedInvocation:
+        with _quiet_preview():
+            if self.cfg.train.launcher == "k8s":
                 from dagster_k8s import PipesK8sClient  # only deployments that launch pods install dagster-k8s
 
                 return PipesK8sClient().run(
-                    context=context, extras=extras, namespace=cfg.train.k8s.namespace or None,
-                    base_pod_meta={"labels": pod_labels(cfg, job.step)}, base_pod_spec=training_pod_spec(cfg),
+                    context=context, extras=extras, namespace=self.cfg.train.k8s.namespace or None,
+                    base_pod_meta={"labels": labels}, base_pod_spec=pod_spec(),
                 )
-            return dg.PipesSubprocessClient(cwd=str(self.working_dir)).run(
-                context=context, extras=extras,
-                command=train_command(cfg.train.nproc_per_node, nnodes=cfg.train.nnodes),
-            )
+            return dg.PipesSubprocessClient(cwd=str(self.working_dir)).run(context=context, extras=extras,
+                                                                           command=command)
+
+
+@contextmanager
+def _quiet_preview() -> Iterator[None]:
+    with warnings.catch_warnings():
+        # Dagster's Pipes clients call a preview API of Dagster's own: nothing a user can act on.
+        warnings.filterwarnings("ignore", message=".*expected_writer_count", category=dg.PreviewWarning)
+        yield
 
 
 def _run_indexed_job(

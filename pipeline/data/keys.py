@@ -10,6 +10,7 @@
     drafter/<run>/step-000123.json                a step's training outcome
     acceptance/<run>/step-000123.json             a step's acceptance record
     cost/<run>/step-000123.json                   a step's entry in the cost ledger
+    placement/<run>/step-000123/<stage>.json      where a launched stage ran (process or pod, ranks, memory)
     training/<run>/<input id>/                    resumable checkpoints of one training, origin.json
     fleet/<run>/state.json                        which drafter version the fleet serves
     refresh/<run>/step-000123.json                a step's same-step refresh (refresh.py)
@@ -129,6 +130,10 @@ def acceptance_key(run: str, step: int) -> str:
 
 def cost_key(run: str, step: int) -> str:
     return f"cost/{run}/{step_key(step)}.json"
+
+
+def placement_key(run: str, step: int, stage: str) -> str:
+    return f"placement/{run}/{step_key(step)}/{stage}.json"
 
 
 def drafter_key(run: str, step: int) -> str:

@@ -4,6 +4,7 @@
     drafter/<run>/step-000123.json            TrainingRecord     the drafter asset -> acceptance, reports
     acceptance/<run>/step-000123.json         AcceptanceRecord   the acceptance asset -> reports, plots
     cost/<run>/step-000123.json               StepCost           the acceptance asset -> schedules, the ledger
+    placement/<run>/step-000123/<stage>.json  StagePlacement     a launched stage's worker -> its asset, the ledger
     fleet/<run>/state.json                    FleetState         the fleet asset -> status, the demo, the ledger
     refresh/<run>/step-000123.json            RefreshRecord      the refresh job -> tail tau, reports
     tail/<run>/step-000123.json               TailTau            the acceptance asset -> reports, MLflow
@@ -21,7 +22,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, TypeVar, get_args
 
 from pipeline.cost import DecodingCost
-from pipeline.data.keys import acceptance_key, cost_key, drafter_key, fleet_state_key, refresh_key, tail_key
+from pipeline.data.keys import (
+    acceptance_key,
+    cost_key,
+    drafter_key,
+    fleet_state_key,
+    placement_key,
+    refresh_key,
+    tail_key,
+)
 from pipeline.data.store import ObjectStore
 
 SCHEMA_VERSION = 1
@@ -338,21 +347,57 @@ class FleetState:
     since: float | None = None
     replicas: tuple[ReplicaDeploy, ...] = field(default_factory=tuple)
     history: tuple[Deployment, ...] = ()  # oldest first, the current version last
+    # replica -> its vLLM spec-decode counters when `version` went live (serving.metrics.SpecCounters as JSON):
+    # the fleet's live tau of `version` counts from there (a hot update does not reset them)
+    live_counters: dict[str, dict] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"version": self.version, "policy_step": self.policy_step, "since": self.since,
-                "replicas": [r.to_json() for r in self.replicas], "history": [d.to_json() for d in self.history]}
+                "replicas": [r.to_json() for r in self.replicas], "history": [d.to_json() for d in self.history],
+                "live_counters": self.live_counters}
 
     @classmethod
     def from_json(cls, doc: dict) -> FleetState:
         return cls(doc["version"], doc.get("policy_step"), doc.get("since"),
                    tuple(ReplicaDeploy.from_json(r) for r in doc["replicas"]),
-                   tuple(Deployment.from_json(d) for d in doc.get("history", ())))
+                   tuple(Deployment.from_json(d) for d in doc.get("history", ())), dict(doc.get("live_counters", {})))
 
 
 # --- the cost ledger -------------------------------------------------------------------------------------------
 
 STAGES = ("extraction", "training", "evaluation", "deployment")
+LAUNCHED_STAGES = ("extraction", "training", "evaluation")  # the stages that run in a launched process
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Where a launched stage of a step ran, as its worker measured it."""
+
+    stage: str  # extraction | training | evaluation
+    where: str  # process (a subprocess of the Dagster run) | pod (a Kubernetes pod through PipesK8sClient)
+    ranks: int
+    device: str  # the torch device of rank 0, with the GPU's name on CUDA
+    peak_memory_bytes: int  # the largest rank's peak: resident host memory, or allocated GPU memory on CUDA
+    seconds: float  # wall time of the stage's work in its worker, from start-up to its result
+
+    def metadata(self) -> dict[str, str | int | float]:
+        """The figures as a materialization shows them."""
+        return {"ran_in": self.where, "ranks": self.ranks, "device": self.device,
+                "peak_memory_gb": round(self.peak_memory_bytes / 1e9, 3), "stage_seconds": round(self.seconds, 2)}
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> StagePlacement:
+        return cls(str(doc["stage"]), str(doc["where"]), int(doc["ranks"]), str(doc["device"]),
+                   int(doc["peak_memory_bytes"]), float(doc["seconds"]))
+
+
+def read_placements(store: ObjectStore, run: str, step: int) -> tuple[StagePlacement, ...]:
+    """The placements the step's launched stages recorded, in stage order."""
+    keys = [placement_key(run, step, stage) for stage in LAUNCHED_STAGES]
+    return tuple(read_record(store, key, StagePlacement) for key in keys if store.exists(key))
 
 
 @dataclass(frozen=True)
@@ -366,6 +411,7 @@ class StepCost:
     served_version: str | None  # the drafter the fleet ran while the rollouts were generated
     served_tau: float  # 1.0: no drafter served them
     decoding: DecodingCost | None  # timed by the step's evaluation of the served drafter; None: nothing served
+    placements: tuple[StagePlacement, ...] = ()  # where its launched stages ran
 
     @property
     def saved_s(self) -> float:
@@ -374,13 +420,15 @@ class StepCost:
     def to_json(self) -> dict:
         return {"step": self.step, "seconds": self.seconds, "rollout_tokens": self.rollout_tokens,
                 "served_version": self.served_version, "served_tau": self.served_tau,
-                "decoding": self.decoding.to_json() if self.decoding else None}
+                "decoding": self.decoding.to_json() if self.decoding else None,
+                "placements": [p.to_json() for p in self.placements]}
 
     @classmethod
     def from_json(cls, doc: dict) -> StepCost:
         decoding = doc["decoding"]
         return cls(doc["step"], {k: float(v) for k, v in doc["seconds"].items()}, doc["rollout_tokens"],
-                   doc["served_version"], doc["served_tau"], DecodingCost.from_json(decoding) if decoding else None)
+                   doc["served_version"], doc["served_tau"], DecodingCost.from_json(decoding) if decoding else None,
+                   tuple(StagePlacement.from_json(p) for p in doc.get("placements", ())))
 
 
 # --- the same-step refresh ------------------------------------------------------------------------------------
@@ -406,6 +454,7 @@ class RefreshRecord:
     decision: str  # why it was (not) deployed
     live_at: float | None = None
     train_s: float = 0.0  # the refresh's device-seconds of training
+    beats_champion: bool = False  # by refresh.margin on the parts' held-out rollouts: it goes to the fleet
 
     @property
     def latency_s(self) -> float | None:
@@ -419,7 +468,8 @@ class RefreshRecord:
     def from_json(cls, doc: dict) -> RefreshRecord:
         return cls(doc["step"], doc["part"], tuple(doc["parts"]), doc["rollouts"], doc["qualified_at"],
                    doc["version"], doc["warm_start_version"], doc["tau_refreshed"], doc["tau_champion"],
-                   doc["deployed"], doc["decision"], doc.get("live_at"), doc.get("train_s", 0.0))
+                   doc["deployed"], doc["decision"], doc.get("live_at"), doc.get("train_s", 0.0),
+                   doc.get("beats_champion", False))
 
 
 TAIL_ROLES = ("start", "refreshed", "whole_step")
@@ -448,6 +498,15 @@ class TailTau:
         if self.refresh_latency_s is None or self.rollout_period_s <= 0:
             return None
         return round(self.refresh_latency_s / self.rollout_period_s, 4)
+
+    def metadata(self) -> dict:
+        """Tau per drafter and the refresh's latency as Dagster metadata (numbers it plots; -1: none)."""
+        metadata: dict = {f"tail_tau_{role}": round(tau, 3) if tau is not None else -1.0
+                          for role, tau in self.taus.items()}
+        metadata.update({"tail_parts": str(list(self.tail_parts)), "tail_prompts": self.prompts,
+                         "refresh_latency_s": self.refresh_latency_s if self.refresh_latency_s is not None else -1.0,
+                         "refresh_latency_share": self.latency_share if self.latency_share is not None else -1.0})
+        return metadata
 
     def to_json(self) -> dict:
         return {**asdict(self), "tail_parts": list(self.tail_parts), "latency_share": self.latency_share}

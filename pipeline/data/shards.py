@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import BinaryIO
@@ -52,6 +53,7 @@ from pipeline.data.keys import (
 )
 from pipeline.data.run_layout import TargetLayout
 from pipeline.data.store import ObjectStore, RangeReader, fill_range
+from pipeline.ranks import SINGLE, Ranks
 
 # 4: split-zstd frames are zstd literals (compression.py); schema 3 stored Blosc frames there.
 # Raw and fp8 shards did not change, so their schema-3 manifests are still read.
@@ -178,6 +180,17 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(s.bytes for s in self.shards)
+
+    def content_digest(self) -> str:
+        """xxh3-128 of what the manifest commits, without the write that committed it: every field, every
+        shard's size and digest and every sample's byte ranges, with the write id taken out of the shard
+        names. Two writes of the same samples have the same content digest (and byte-identical shards)."""
+        doc = self.to_json()
+        doc.pop("write_id")
+        suffix = f"-{self.write_id}.arrow"
+        doc["shards"] = [{**s, "name": s["name"].removesuffix(suffix)} for s in doc["shards"]]
+        doc["samples"] = [{**e, "shard": e["shard"].removesuffix(suffix)} for e in doc["samples"]]
+        return xxhash.xxh3_128_hexdigest(json.dumps(doc, sort_keys=True).encode())
 
     @property
     def hidden_bytes(self) -> int:
@@ -468,6 +481,113 @@ def write_hidden_states(
                            layer_ids=layer_ids, target=target, compression=compression, write_id=write_id,
                            ingest=dict(ingest or {}), layout=layout)
     return manifest
+
+
+def shard_cuts(tokens: list[int], bytes_per_token: int, max_rows: int = 256,
+               max_bytes: int = SHARD_TARGET_BYTES) -> list[range]:
+    """The shards of samples in write order, as ranges of their positions: the cut `write_hidden_states`
+    makes while streaming (at least one sample, then while within `max_rows` and `max_bytes` of bf16
+    states), computed beforehand from each sample's stored tokens so that ranks can split the shards.
+
+        tokens [4, 4, 4, 2], 10 bytes per token, max_bytes 100   ->   [range(0, 2), range(2, 4)]
+    """
+    cuts: list[range] = []
+    start = rows = size = 0
+    for i, n in enumerate(tokens):
+        nbytes = n * bytes_per_token
+        if rows and (rows >= max_rows or size + nbytes > max_bytes):
+            cuts.append(range(start, i))
+            start, rows, size = i, 0, 0
+        rows, size = rows + 1, size + nbytes
+    if rows:
+        cuts.append(range(start, len(tokens)))
+    return cuts
+
+
+@dataclass(frozen=True)
+class ShardUnit:
+    """One shard of a ranked write: its position among the step's shards, and its samples (produced when
+    the rank that owns it writes it)."""
+
+    part: int
+    samples: Callable[[], Iterable[HiddenSample]]
+
+
+def write_hidden_states_ranked(
+    store: ObjectStore,
+    run: str,
+    step: int,
+    units: list[ShardUnit],
+    ranks: Ranks = SINGLE,
+    *,
+    hidden_size: int,
+    layer_ids: list[int],
+    target: dict[str, str],
+    compression: str = "none",
+    lease_s: float = 1800.0,
+    lease_wait_s: float = 120.0,
+    layout: TargetLayout | None = None,
+) -> Manifest | None:
+    """The step's shards written by several ranks, committed by rank 0 with one manifest; `units` are this
+    rank's shards (`Ranks.mine` of the step's `shard_cuts`). Rank 0 holds the step's lease throughout and
+    hands its write id to the others; each rank writes its own shards, named by their position
+    (`part-<position>-<write id>`); rank 0 gathers their index entries (which waits for every rank to
+    finish), confirms the lease and commits. A shard's bytes depend only on its samples, so any number of
+    ranks writes the same shards and a manifest of the same `content_digest`.
+
+    A rank that fails deletes its own shards; a rank that is killed leaves shards no manifest names (the
+    next commit sweeps them); either way nothing is committed. Returns the manifest on rank 0, None on the
+    others."""
+    if compression not in COMPRESSIONS:
+        raise ShardError(f"compression {compression!r} is not one of {', '.join(COMPRESSIONS)}")
+    prefix = hidden_states_prefix(run, step)
+    schema = shard_schema(list(layer_ids), compression)
+    if not ranks.is_main:
+        write_id = ranks.broadcast_text("", _WRITE_ID_CHARS)
+        ranks.gather_json(_write_units(store, prefix, step, units, schema, compression, hidden_size,
+                                       len(layer_ids), write_id))
+        return None
+    if layout is not None:
+        run_layout.check_step_layout(store, run, step, layout)  # before anything of the step is stored
+    write_id = uuid.uuid4().hex[:_WRITE_ID_CHARS]
+    with lease.hold(store, prefix, write_id, lease_s, lease_wait_s) as held:
+        ranks.broadcast_text(write_id, _WRITE_ID_CHARS)
+        written = _write_units(store, prefix, step, units, schema, compression, hidden_size, len(layer_ids),
+                               write_id)
+        parts = sorted((p for rank_parts in ranks.gather_json(written) for p in rank_parts),
+                       key=lambda p: p["part"])
+        shards = [ShardInfo(**p["info"]) for p in parts]
+        index = [SampleIndex.from_json(e) for p in parts for e in p["entries"]]
+        ids = [e.sample_id for e in index]
+        if not index or len(set(ids)) != len(ids) or [p["part"] for p in parts] != list(range(len(parts))):
+            raise ShardError(f"step {step}: the ranks wrote {len(parts)} shards with {len(ids)} samples "
+                             f"({len(set(ids))} distinct): not one shard per position, or no sample")
+        held.confirm()  # a writer that lost its lease stops here: it never commits
+        return _commit(store, prefix, step, sum(p["tokens"] for p in parts), shards, index,
+                       hidden_size=hidden_size, layer_ids=layer_ids, target=target, compression=compression,
+                       write_id=write_id, ingest={}, layout=layout)
+
+
+_WRITE_ID_CHARS = 8
+
+
+def _write_units(store: ObjectStore, prefix: str, step: int, units: list[ShardUnit], schema: pa.Schema,
+                 compression: str, hidden_size: int, num_layers: int, write_id: str) -> list[dict]:
+    """This rank's shards, written; their index entries as JSON. A sample refused mid-way deletes them."""
+    written: list[dict] = []
+    try:
+        for unit in units:
+            name = f"part-{unit.part:05d}-{write_id}.arrow"
+            stream = _Checked(unit.samples(), step, hidden_size, num_layers)
+            with store.open_write(f"{prefix}/{name}") as f:
+                size, digest, entries = _write_shard(f, stream.take(1 << 62, 1 << 62), schema, compression, name)
+            written.append({"part": unit.part, "info": asdict(ShardInfo(name, len(entries), size, digest)),
+                            "entries": [e.to_json() for e in entries], "tokens": stream.num_tokens})
+    except BaseException:
+        for part in written:
+            store.delete_prefix(f"{prefix}/{part['info']['name']}")
+        raise
+    return written
 
 
 def _commit(store: ObjectStore, prefix: str, step: int, num_tokens: int, shards: list[ShardInfo],

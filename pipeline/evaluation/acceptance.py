@@ -19,7 +19,7 @@ from pipeline.config import PipelineConfig, PromotionConfig
 from pipeline.cost import DecodingCost
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.held_out import held_out_prompts, held_out_sequences
-from pipeline.data.keys import acceptance_key, cost_key
+from pipeline.data.keys import acceptance_key, cost_key, placement_key
 from pipeline.data.records import (
     NO_DRAFTER_TAU,
     AcceptanceRecord,
@@ -27,12 +27,14 @@ from pipeline.data.records import (
     StepCost,
     TauEstimate,
     read_fleet_state,
+    read_placements,
     served_at,
     write_record,
 )
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import cost, speculative, teacher_forced
 from pipeline.models import target as target_lib
+from pipeline.ranks import SINGLE, Ranks, measure_placement
 from pipeline.registry import DrafterRegistry
 
 
@@ -73,11 +75,15 @@ class StepMeasurement:
 
 
 def measure_step(
-    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, new_version: str | None
+    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, new_version: str | None,
+    ranks: Ranks = SINGLE,
 ) -> StepMeasurement:
-    """Speculative decoding of each drafter against the step's target; reads, writes nothing."""
+    """Speculative decoding of each drafter against the step's target; reads, writes nothing. On several
+    `ranks` each decodes its share of the prompt batches and the counts are summed: the same measurement
+    on every rank, equal to one process's."""
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
-    target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
+    device = ranks.device(cfg.device, cfg.target.gpus_per_process)
+    target = target_lib.load_policy(store, pointer.checkpoint_uri, device, target_lib.load_settings(cfg))
     limits = rollouts_lib.TargetLimits.of(target.config)
     prompts = held_out_prompts(store, cfg, step, limits)
     sequences, prompt_lens = held_out_sequences(store, cfg, step, limits)
@@ -96,11 +102,11 @@ def measure_step(
         drafter.attach(target)
         times = speculative.RoundTimes()
         exact = speculative.evaluate(target, speculative.follow_target(drafter, target), prompts, max_new, k,
-                                     times=times)
+                                     times=times, ranks=ranks)
         if version == roles["served"]:
             # a round's drafter cost counts its forwards (k, or 1 for P-EAGLE), not its tokens
             served_decoding = times.decoding_cost(round(exact.drafter_forwards_per_round or k))
-        estimate = teacher_forced.estimate_acceptance(target, drafter, sequences, prompt_lens, k)
+        estimate = teacher_forced.estimate_acceptance(target, drafter, sequences, prompt_lens, k, ranks=ranks)
         # each tau says what it rests on: exact, prompts decoded and rounds; the estimate, rollouts and positions
         measured[version] = DrafterTau(
             version, exact.tau, exact.acceptance_rate, tuple(exact.per_position), exact.rounds, exact.drafted,
@@ -169,27 +175,35 @@ def acceptance_record(
 def step_cost(
     store: ObjectStore, cfg: PipelineConfig, measurement: StepMeasurement, seconds: dict[str, float]
 ) -> StepCost:
-    """The step's ledger entry: `seconds` spent by stage, and what the served drafter saved on its rollouts."""
+    """The step's ledger entry: `seconds` spent by stage, what the served drafter saved on its rollouts, and
+    where the step's launched stages ran (their placement records)."""
     rollouts = rollouts_lib.read_rollouts(store, cfg.run, measurement.step)
     served = measurement.tau("served")
     return StepCost(measurement.step, {stage: round(s, 3) for stage, s in seconds.items()},
                     sum(sum(r.loss_mask) for r in rollouts), measurement.roles["served"],
-                    NO_DRAFTER_TAU if served is None else served, measurement.served_decoding)
+                    NO_DRAFTER_TAU if served is None else served, measurement.served_decoding,
+                    read_placements(store, cfg.run, measurement.step))
 
 
 def evaluate_step(
     store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, new_version: str | None,
-    spent_s: dict[str, float] | None = None,
-) -> AcceptanceRecord:
-    """Measure the drafters, decide on promotion, move aliases, write the step's acceptance record and its
-    ledger entry (`spent_s`: device-seconds of the stages before this one, by stage)."""
+    spent_s: dict[str, float] | None = None, ranks: Ranks = SINGLE, where: str = "process",
+) -> AcceptanceRecord | None:
+    """Measure the drafters (on every rank), then on rank 0: decide on promotion, move aliases, write the
+    step's acceptance record, where the evaluation ran (`where`: process or pod) and the step's ledger entry
+    (`spent_s`: device-seconds of the stages before this one, by stage). None on the other ranks."""
     started = time.perf_counter()
-    measurement = measure_step(store, cfg, step, registry, new_version)
+    measurement = measure_step(store, cfg, step, registry, new_version, ranks)
+    device = ranks.device(cfg.device, cfg.target.gpus_per_process)
+    placement = measure_placement("evaluation", where, ranks, device, started)
+    if not ranks.is_main:
+        return None
     new_tau = measurement.measured[new_version].tau if new_version else None
     decision = promotion_decision(cfg.promotion, new_tau, measurement.tau("champion"))
     apply_promotion(registry, measurement, new_version, decision)
     record = acceptance_record(cfg, measurement, decision, registry.alias_version("champion"))
     write_record(store, acceptance_key(cfg.run, step), record)
-    seconds = {**(spent_s or {}), "evaluation": time.perf_counter() - started}
+    write_record(store, placement_key(cfg.run, step, "evaluation"), placement)
+    seconds = {**(spent_s or {}), "evaluation": (time.perf_counter() - started) * ranks.world_size}
     write_record(store, cost_key(cfg.run, step), step_cost(store, cfg, measurement, seconds))
     return record

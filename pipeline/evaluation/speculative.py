@@ -32,6 +32,7 @@ from transformers import DynamicCache, LlamaForCausalLM
 from pipeline.cost import DecodingCost
 from pipeline.models import target_forward
 from pipeline.models.drafter import CommittedPairs, Drafter, Proposer
+from pipeline.ranks import SINGLE, Ranks
 
 
 def features_for(out: target_forward.TargetOutput, layer_ids: list[int] | None) -> torch.Tensor:
@@ -209,36 +210,51 @@ def acceptance_metrics(
     accepted_per_round: list[int], k: int, drafter_forwards_per_round: float | None = None
 ) -> AcceptanceMetrics:
     rounds = len(accepted_per_round)
+    return metrics_from_counts(rounds, sum(accepted_per_round), [sum(a > j for a in accepted_per_round)
+                                                                  for j in range(k)], k, drafter_forwards_per_round)
+
+
+def metrics_from_counts(
+    rounds: int, accepted: int, reached: list[int], k: int, drafter_forwards_per_round: float | None = None
+) -> AcceptanceMetrics:
+    """The metrics of `rounds` rounds that accepted `accepted` drafts in all, `reached[j]` of them keeping
+    their first j+1 proposals: integer sums, so ranks that count their own rounds and add the counts get
+    the metrics of one process exactly (not a mean of their means)."""
     if rounds == 0:
         raise ValueError("no speculative rounds to measure")
-    accepted = sum(accepted_per_round)
-    per_position = [sum(a > j for a in accepted_per_round) / rounds for j in range(k)]
     return AcceptanceMetrics(
-        tau=1 + accepted / rounds, acceptance_rate=accepted / (rounds * k), per_position=per_position,
+        tau=1 + accepted / rounds, acceptance_rate=accepted / (rounds * k), per_position=[r / rounds for r in reached],
         rounds=rounds, drafted=rounds * k, accepted=accepted, drafter_forwards_per_round=drafter_forwards_per_round,
     )
 
 
 def evaluate(
     model: LlamaForCausalLM, new_proposer: Callable[[], Proposer], prompts: list[torch.Tensor],
-    max_new_tokens: int, k: int, batch_size: int = 16, times: RoundTimes | None = None,
+    max_new_tokens: int, k: int, batch_size: int = 16, times: RoundTimes | None = None, ranks: Ranks = SINGLE,
 ) -> AcceptanceMetrics:
     """Acceptance of the proposer against `model` over held-out prompts, `batch_size` prompts at a time,
-    shortest first: a batch's prefill pads every prompt to its longest. `times` adds up the rounds' seconds."""
+    shortest first: a batch's prefill pads every prompt to its longest. `times` adds up the rounds' seconds
+    (this rank's). On several `ranks` each decodes every world_size-th batch and the ranks sum their
+    integer counts: a batch decodes the same on any rank, so the metrics are one process's."""
     prompts = sorted(prompts, key=len)
+    batches = [prompts[start : start + batch_size] for start in range(0, len(prompts), batch_size)]
     rounds: list[int] = []
-    forwards: int | None = 0
-    proposals = 0
-    for start in range(0, len(prompts), batch_size):
+    forwards = proposals = 0
+    counted_forwards = True
+    for batch in ranks.mine(batches):
         proposer = new_proposer()
         counted = _Counting(proposer)
-        batch = prompts[start : start + batch_size]
         for trace in generate_batch(model, lambda p=counted: p, batch, max_new_tokens, k, times):
             rounds += trace.accepted_per_round
         counts = getattr(proposer, "forwards", None)  # None: a proposer that is no drafter (tests' oracles)
-        forwards = None if counts is None or forwards is None else forwards + counts
+        counted_forwards = counted_forwards and counts is not None
+        forwards += counts or 0
         proposals += counted.proposals
-    return acceptance_metrics(rounds, k, forwards / proposals if forwards is not None and proposals else None)
+    reached = [sum(a > j for a in rounds) for j in range(k)]
+    totals = ranks.sum_counts([len(rounds), sum(rounds), forwards, proposals, int(not counted_forwards), *reached])
+    n_rounds, accepted, forwards, proposals, uncounted, reached = *totals[:5], totals[5:]
+    per_round = forwards / proposals if not uncounted and proposals else None
+    return metrics_from_counts(n_rounds, accepted, reached, k, per_round)
 
 
 class _Counting:

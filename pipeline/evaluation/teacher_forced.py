@@ -32,6 +32,7 @@ from transformers import LlamaForCausalLM
 from pipeline.evaluation.speculative import features_for
 from pipeline.models import target_forward
 from pipeline.models.drafter import Drafter
+from pipeline.ranks import SINGLE, Ranks
 
 
 @dataclass(frozen=True)
@@ -49,15 +50,16 @@ class AcceptanceEstimate:
 @torch.no_grad()
 def estimate_acceptance(
     model: LlamaForCausalLM, drafter: Drafter, sequences: list[torch.Tensor], prompt_lens: list[int], k: int,
-    batch_size: int = 16,
+    batch_size: int = 16, ranks: Ranks = SINGLE,
 ) -> AcceptanceEstimate | None:
     """Teacher-forced per-position acceptance of `drafter` (attached, on the target's device and dtype)
     over `sequences` (prompt + response tokens), `batch_size` sequences per pass; None when no
-    response has k tokens (nothing to estimate on)."""
+    response has k tokens (nothing to estimate on). On several `ranks` each runs every world_size-th
+    pass and the ranks sum their integer counts: the estimate of one process."""
     device = model.device
     accepted = torch.zeros(k, dtype=torch.float64)  # per step: qualifying starts whose steps 0..j matched
     reached = torch.zeros(k, dtype=torch.float64)  # per step: qualifying starts whose steps 0..j-1 matched
-    for first in range(0, len(sequences), batch_size):
+    for first in ranks.mine(range(0, len(sequences), batch_size)):
         batch, prompts = sequences[first : first + batch_size], prompt_lens[first : first + batch_size]
         B, T = len(batch), max(s.shape[0] for s in batch)
         ids = torch.zeros(B, T, dtype=torch.int64, device=device)  # (B, T) right-padded
@@ -84,6 +86,8 @@ def estimate_acceptance(
             reached[j] += float((matched & context).sum())
             matched &= drafts[j] == _shifted(greedy, 1 + j, n)  # step j drafts the choice at column t+1+j
             accepted[j] += float((matched & context).sum())
+    totals = ranks.sum_counts([int(c) for c in (*accepted.tolist(), *reached.tolist())])
+    accepted, reached = torch.tensor(totals[:k], dtype=torch.float64), torch.tensor(totals[k:], dtype=torch.float64)
     if reached[0] == 0:
         return None
     rates = [float(a / r) if r else 0.0 for a, r in zip(accepted, reached, strict=True)]

@@ -64,6 +64,7 @@ from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_laye
 from pipeline.models.peagle import PEagleConfig, PEagleDrafter
 from pipeline.models.rope import UnsupportedRopeError, check_scaling, rope_from
 from pipeline.models.target_forward import TargetMetadata
+from pipeline.models.weights import WeightsLayoutError, read_header
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -201,7 +202,14 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
                   "qwen3": "Qwen3ForCausalLM"}
 
 
-def _read(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+_META_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                "BOOL": torch.bool}
+
+
+def _read(directory: Path, header_only: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+    """config.json and the tensors of model.safetensors; with `header_only`, tensors on the meta device
+    of the shapes and dtypes the file's header gives (nothing else of the file is read)."""
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if not weights_path.exists():
         pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
@@ -210,10 +218,31 @@ def _read(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if not config_path.exists():
         raise CheckpointError(f"{directory}: a drafter checkpoint needs {CONFIG_FILE}")
     try:
-        tensors = load_file(weights_path)
-    except (SafetensorError, OSError) as exc:
+        if header_only:
+            with weights_path.open("rb") as f:
+                entries = read_header(f, weights_path.stat().st_size, str(weights_path))
+            tensors = {name: torch.empty(e.shape, dtype=_META_DTYPES.get(e.dtype, torch.float32), device="meta")
+                       for name, e in entries.items()}
+        else:
+            tensors = load_file(weights_path)
+    except (SafetensorError, OSError, WeightsLayoutError) as exc:
         raise CheckpointError(f"{weights_path}: not a readable safetensors file ({exc})") from None
-    return json.loads(config_path.read_text()), tensors
+    try:
+        raw = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{config_path}: not JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_path}: not a JSON object")
+    return raw, tensors
+
+
+def check_drafter(directory: Path, target_num_layers: int | None = None) -> None:
+    """Refuse a checkpoint `load_drafter` would refuse, from config.json and the safetensors header alone:
+    the drafter its config implies is built on the meta device (no memory: a drafter of a 405B target is
+    about 19 GB in fp32) and checked against the header's tensor names and shapes; no tensor is read."""
+    raw, tensors = _read(directory, header_only=True)
+    with torch.device("meta"):
+        _build(directory, raw, tensors, target_num_layers)
 
 
 def load_drafter(directory: Path, target_num_layers: int | None = None) -> Drafter:
@@ -222,6 +251,11 @@ def load_drafter(directory: Path, target_num_layers: int | None = None) -> Draft
     `target_num_layers` supplies vLLM's default aux layers for EAGLE-3 checkpoints that do
     not name theirs (the EAGLE authors' releases)."""
     raw, tensors = _read(directory)
+    return _build(directory, raw, tensors, target_num_layers)
+
+
+def _build(directory: Path, raw: dict, tensors: dict[str, torch.Tensor], target_num_layers: int | None) -> Drafter:
+    """The drafter of a checkpoint's config with its tensors, each checked against what the config implies."""
     if raw.get("speculators_model_type") == "peagle":
         raw = _from_speculators(raw)
     architectures = raw.get("architectures")

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from pipeline.models import eagle3
 from pipeline.models.eagle import CommittedPairs, EagleConfig, EagleDrafter
-from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids, draft_vocab
+from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, draft_vocab
+from pipeline.models.layers import aux_layer_ids, stored_layer_ids  # noqa: F401 - part of this interface
 from pipeline.models.peagle import PEagleConfig, PEagleDrafter
 from pipeline.models.teacher import Teacher
 
@@ -85,19 +85,6 @@ class Drafter(Protocol):
         """Teacher-forced drafts at every position at once, step j reading step_ids[j] (B, N)
         -> (len(step_ids), B, N) target token ids."""
         ...
-
-
-def aux_layer_ids(cfg: DrafterConfig, num_layers: int) -> list[int]:
-    """EAGLE-3's aux layers: the configured ones, or vLLM's default for a target of `num_layers`."""
-    return list(cfg.aux_layer_ids or default_aux_layer_ids(num_layers))
-
-
-def stored_layer_ids(cfg: DrafterConfig, num_layers: int) -> list[int] | None:
-    """Layers a drafter of `cfg` trains on, each stored once: EAGLE-3 and P-EAGLE their aux layers plus
-    the last one (for the soft labels); EAGLE-1/2 only the post-norm last layer (None)."""
-    if cfg.kind == "eagle":
-        return None
-    return eagle3.stored_layer_ids(aux_layer_ids(cfg, num_layers), num_layers)
 
 
 def _eagle3_config(cfg: DrafterConfig, tc, size: int) -> Eagle3Config:

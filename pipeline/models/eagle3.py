@@ -37,6 +37,8 @@ from pipeline.models.eagle import (
     gather_rows,
     llama_fields,
 )
+from pipeline.models.layers import default_aux_layer_ids  # noqa: F401 - the kind's default, named here too
+from pipeline.models.layers import eagle3_stored_layer_ids as stored_layer_ids
 from pipeline.models.rope import RotaryEmbedding, apply_rotary
 from pipeline.models.teacher import Teacher
 from pipeline.models.ttt import FlexTTTCache, TTTCache
@@ -75,23 +77,6 @@ class Eagle3Config:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
         if len(self.aux_layer_ids) < 1:
             raise ValueError("aux_layer_ids must name at least one target layer")
-
-
-def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """vLLM's default (2, L//2, L-3) from 7 layers on (below that it repeats a layer, as at L=6:
-    (2, 3, 3)); for shallower targets, three distinct ids spread over [0, L]."""
-    if num_layers >= 7:
-        return (2, num_layers // 2, num_layers - 3)
-    if num_layers < 2:
-        raise ValueError("EAGLE-3 needs a target with at least 2 layers")
-    return (0, round(num_layers / 2), num_layers)
-
-
-def stored_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """The target layers (vLLM ids) an EAGLE-3 drafter's hidden states hold, each once: the aux
-    layers, then the last layer L for the soft labels. An id the list repeats (L among the aux
-    ids of a small target, or vLLM's (2, 3, 3) at L=6) is stored at its first place only."""
-    return list(dict.fromkeys([*aux_layer_ids, num_layers]))
 
 
 def read_positions(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:

@@ -26,7 +26,6 @@ from pipeline.data.records import (
     write_record,
 )
 from pipeline.data.store import ObjectStore
-from pipeline.models.checkpoint import load_drafter
 from pipeline.registry import DrafterRegistry
 from pipeline.serving.fleet import (
     CommandDriver,
@@ -37,7 +36,9 @@ from pipeline.serving.fleet import (
     StagedDrafter,
     StandInDriver,
     rolling_deploy,
+    scrape,
 )
+from pipeline.serving.metrics import SpecCounters
 
 
 def replicas(cfg: PipelineConfig) -> list[ReplicaSpec]:
@@ -68,11 +69,14 @@ class StagedVersions:
 
 def stage_versions(cfg: PipelineConfig, registry: DrafterRegistry, version: str) -> StagedVersions:
     """Download `version` (and `live`, when it is not on disk already) for the replicas to read. A
-    checkpoint that does not load (pickle, keys or shapes not matching its config) is refused here,
-    before any replica is touched, rather than by a crashed replica and a rollback."""
+    checkpoint that would not load (pickle, keys or shapes not matching its config) is refused here,
+    before any replica is touched, rather than by a crashed replica and a rollback: checked from its
+    config.json and safetensors header alone, no tensor read."""
+    from pipeline.models.checkpoint import check_drafter  # the deploy run's only model code: meta-device shapes
+
     stage = cfg.data_path / "fleet" / "staged"
     drafter_dir = registry.download(version, stage / f"v{version}")
-    load_drafter(drafter_dir)
+    check_drafter(drafter_dir)
     live = registry.alias_version("live")
     previous = StagedDrafter(live, str(stage / f"v{live}" / "drafter")) if live else None
     if previous and not Path(previous.directory).exists():
@@ -99,17 +103,20 @@ def served_policy(store: ObjectStore, cfg: PipelineConfig) -> ServedPolicy:
 
 
 def record_live(
-    store: ObjectStore, run: str, registry: DrafterRegistry, version: str, policy_step: int, report: DeployReport
+    store: ObjectStore, run: str, registry: DrafterRegistry, version: str, policy_step: int, report: DeployReport,
+    live_counters: dict[str, dict] | None = None,
 ) -> None:
     """The fleet runs `version` everywhere: the registry's `live` alias and the fleet's state say so; the
-    state's history gains the deployment (what the drafter's lag and the cost ledger read)."""
+    state's history gains the deployment (what the drafter's lag and the cost ledger read), and the replicas'
+    spec-decode counters at this moment (`live_counters`), where the fleet's live tau of `version` starts."""
     registry.set_alias("live", version)
     registry.set_version_tags(version, {"deployed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                         "fleet": ",".join(r.replica for r in report.replicas)})
     now = time.time()
     deployment = Deployment(version, now, round(sum(r.deploy_s for r in report.replicas), 3))
     history = (*read_fleet_state(store, run).history, deployment)
-    write_record(store, fleet_state_key(run), FleetState(version, policy_step, now, report.replicas, history))
+    write_record(store, fleet_state_key(run), FleetState(version, policy_step, now, report.replicas, history,
+                                                         live_counters or {}))
 
 
 class DeploySuperseded(RuntimeError):
@@ -146,5 +153,41 @@ def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, v
             if exc.replicas:
                 record_stopped(store, cfg.run, exc.replicas)
             raise
-        record_live(store, cfg.run, registry, version, policy.step, report)
+        record_live(store, cfg.run, registry, version, policy.step, report, _counters_now(replicas(cfg)))
     return report
+
+
+def _counters_now(fleet: list[ReplicaSpec]) -> dict[str, dict]:
+    """Each reachable replica's spec-decode counters, as JSON."""
+    counters = {}
+    for replica in fleet:
+        try:
+            counters[replica.name] = scrape(replica).to_json()
+        except OSError:  # the gates passed moments ago: a replica gone since has no baseline, and no say later
+            continue
+    return counters
+
+
+def live_tau(cfg: PipelineConfig, store: ObjectStore, version: str | None) -> float | None:
+    """The fleet's live tau of `version`: the mean acceptance length its replicas counted (vLLM's spec-decode
+    counters on /metrics) since `version` went live on them, summed over the replicas that run it. A replica
+    restarted since counts from its start. None when the fleet does not run `version`, or no replica has counted
+    a draft of it."""
+    state = read_fleet_state(store, cfg.run)
+    if version is None or cfg.fleet.driver == "none" or state.version != version:
+        return None
+    running = {r.replica for r in state.replicas if r.version == version}
+    window = SpecCounters()
+    for replica in replicas(cfg):
+        if replica.name not in running:
+            continue
+        try:
+            counters = scrape(replica)
+        except OSError:  # an unreachable replica has no say; the deploy gates and the sensor report it
+            continue
+        start = state.live_counters.get(replica.name)
+        if start is not None and counters.drafts >= start["drafts"]:
+            counters = counters - SpecCounters.from_json(start)
+        window = SpecCounters(window.drafts + counters.drafts, window.draft_tokens + counters.draft_tokens,
+                              window.accepted + counters.accepted)
+    return window.mean_acceptance_length

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,7 +21,8 @@ from pipeline.data.shards import HiddenSample, Manifest
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
-from pipeline.models.drafter import stored_layer_ids
+from pipeline.models.layers import stored_layer_ids
+from pipeline.ranks import SINGLE, Ranks
 from pipeline.sources import vllm_connector as vllm_hidden_states
 
 if TYPE_CHECKING:  # the forward path also runs without pydantic (benchmarks/extraction.py on a bare GPU image)
@@ -170,42 +171,58 @@ def iter_hidden_states(
             )
 
 
-def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int) -> Manifest:
+def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int, ranks: Ranks = SINGLE) -> Manifest | None:
     """The hidden states of the step's capture plan (capture.py: which training rollouts, each one's
-    training window), from a forward pass here (source B) or from vLLM's connector files (source A),
-    written as shards + manifest; the plan is stored first. Source B streams: each batch's samples
-    are written as they are computed, in the batches' (length-sorted) order."""
+    training window), from a forward pass (source B) or from vLLM's connector files (source A),
+    written as shards + manifest; the plan is stored first. Returns the manifest (None on ranks but 0).
+
+    Source B on `ranks`: the captured rollouts, longest window end first, are cut into shards
+    (`shards.shard_cuts`) and each rank forwards and writes every world_size-th shard, batch by batch
+    (`iter_hidden_states` over the shard's rollouts), as its samples are computed; rank 0 commits the
+    manifest. A shard's batches are cut from its own samples, so its bytes are the same whichever rank
+    and however many ranks compute it."""
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
-    model = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
+    device = ranks.device(cfg.device, cfg.target.gpus_per_process)
+    model = target_lib.load_policy(store, pointer.checkpoint_uri, device, target_lib.load_settings(cfg))
     # Token ids and lengths are checked against the policy that reads them, before its forward pass.
     rollouts = rollouts_lib.read_rollouts(store, cfg.run, step, TargetLimits.of(model.config))
     plan = capture.plan_capture(rollouts, step, held_out_fraction=cfg.eval.held_out_fraction,
                                 window_tokens=cfg.train.window_tokens, max_samples=cfg.capture.max_samples,
                                 max_tokens=cfg.capture.max_tokens)
-    capture.write_plan(store, cfg.run, plan)  # deterministic: a rerun writes the same plan
+    if ranks.is_main:
+        capture.write_plan(store, cfg.run, plan)  # deterministic: a rerun writes the same plan
     windows = plan.bounds()
     train = [r for r in rollouts if r.sample_id in windows]
     num_layers = model.config.num_hidden_layers
     layer_ids = stored_layer_ids(cfg.drafter, num_layers)
-    ingest: dict[str, int] = {}
-    if cfg.hidden_states.source == "vllm":
+    stored = layer_ids or [num_layers]  # vLLM ids. EAGLE-1/2 reads id L after the final norm (what vLLM's
+    # `eagle` method hands its drafter); EAGLE-3 reads raw residual streams.
+    target = {"model_id": pointer.model_id, "policy_version": str(pointer.policy_version),
+              "checkpoint_uri": pointer.checkpoint_uri, "source": cfg.hidden_states.source,
+              "final_norm": "applied" if layer_ids is None else "not applied"}
+    layout = TargetLayout.from_config(model.config.to_dict(), stored)
+    lease_s, lease_wait_s = cfg.storage.step_lease_s, cfg.storage.step_lease_wait_s
+    if cfg.hidden_states.source == "vllm":  # one rank (config.py): the connector's files are read here
         samples, ingest = _from_vllm(cfg, step, rollouts, windows, model, layer_ids)
-    else:
-        samples = iter_hidden_states(model, train, step, tokens_per_batch=cfg.hidden_states.tokens_per_batch,
-                                     device=cfg.device, layer_ids=layer_ids, windows=windows)
-    return shards.write_hidden_states(
-        store, cfg.run, step, samples,
-        hidden_size=model.config.hidden_size,
-        # vLLM ids. EAGLE-1/2 reads id L after the final norm (what vLLM's `eagle` method
-        # hands its drafter); EAGLE-3 reads raw residual streams.
-        layer_ids=layer_ids or [num_layers],
-        compression=cfg.shard_compression,
-        target={"model_id": pointer.model_id, "policy_version": str(pointer.policy_version),
-                "checkpoint_uri": pointer.checkpoint_uri, "source": cfg.hidden_states.source,
-                "final_norm": "applied" if layer_ids is None else "not applied"},
-        layout=TargetLayout.from_config(model.config.to_dict(), layer_ids or [num_layers]),
-        ingest=ingest, lease_s=cfg.storage.step_lease_s, lease_wait_s=cfg.storage.step_lease_wait_s,
-    )
+        return shards.write_hidden_states(
+            store, cfg.run, step, samples, hidden_size=model.config.hidden_size, layer_ids=stored,
+            compression=cfg.shard_compression, target=target, layout=layout, ingest=ingest, lease_s=lease_s,
+            lease_wait_s=lease_wait_s)
+    if not train:
+        raise shards.ShardError(f"step {step}: no samples to write (empty step)")
+    ordered = sorted(train, key=lambda r: -windows[r.sample_id][1])  # the order plan_batches forwards them in
+    cuts = shards.shard_cuts([end - start for start, end in (windows[r.sample_id] for r in ordered)],
+                             len(stored) * model.config.hidden_size * 2, cfg.hidden_states.samples_per_shard)
+
+    def forward(part: list[Rollout]) -> Callable[[], Iterator[HiddenSample]]:
+        return lambda: iter_hidden_states(model, part, step, tokens_per_batch=cfg.hidden_states.tokens_per_batch,
+                                          device=device, layer_ids=layer_ids, windows=windows)
+
+    units = [shards.ShardUnit(i, forward(ordered[cut.start : cut.stop])) for i, cut in enumerate(cuts)]
+    return shards.write_hidden_states_ranked(
+        store, cfg.run, step, ranks.mine(units), ranks, hidden_size=model.config.hidden_size, layer_ids=stored,
+        target=target, compression=cfg.shard_compression, layout=layout, lease_s=lease_s,
+        lease_wait_s=lease_wait_s)
 
 
 @torch.no_grad()

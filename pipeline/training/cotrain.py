@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import PipelineConfig
+from pipeline.config import PipelineConfig, TrainConfig
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import shards
 from pipeline.data.buffer import iter_buffer_samples, read_buffer
@@ -124,6 +124,17 @@ def _run_params(inputs: _Inputs, warm_start: str | None, ctx: DistContext) -> di
     }
 
 
+def training_settings(cfg: TrainConfig, warm_start: str | None) -> TrainConfig:
+    """A drafter that starts from another catches up in `train.warm_start_epochs` epochs at most, at the peak
+    rate `train.optim.warm_start_lr`; a fresh one trains `train.epochs` at `train.optim.lr`. The budget
+    (`train.max_tokens`) bounds both, and the learning-rate schedule is fitted to the run it gets."""
+    if warm_start is None:
+        return cfg
+    epochs = min(cfg.epochs, cfg.warm_start_epochs) if cfg.warm_start_epochs else cfg.epochs
+    lr = cfg.optim.warm_start_lr or cfg.optim.lr
+    return cfg.model_copy(update={"epochs": epochs, "optim": cfg.optim.model_copy(update={"lr": lr})})
+
+
 def run_training(
     job: TrainJob, ctx: DistContext | None = None, progress: Callable[[str], None] | None = None
 ) -> TrainOutcome | None:
@@ -167,7 +178,8 @@ def run_training(
                      f"loss {state.loss_history[-1]:.4f}")
 
         result = train_drafter(
-            drafter, data, cfg.train, sink, inputs.device, drafter.teacher(target), ctx=ctx,
+            drafter, data, training_settings(cfg.train, warm_start), sink, inputs.device, drafter.teacher(target),
+            ctx=ctx,
             checkpoints=checkpoints if cfg.train.checkpoint_every else None, on_checkpoint=committed,
         )
         if not ctx.is_main:

@@ -29,12 +29,12 @@ import sys
 import time
 import uuid
 
+from pipeline import launch as stage_launch
 from pipeline.config import PipelineConfig
 
-TRAIN_MODULE = "pipeline.training.worker"
+TRAIN_MODULE = stage_launch.WORKERS["training"]
 LAUNCH_MODULE = "pipeline.training.launch"
-CONTAINER_NAME = "trainer"
-SHM_VOLUME = "dshm"
+CONTAINER_NAME = stage_launch.CONTAINERS["training"]
 
 
 RDZV_TIMEOUT_S = 1200  # pods of one Job may start minutes apart while GPU nodes scale up (as the run monitor waits)
@@ -55,7 +55,7 @@ def torchrun_command(
         raise ValueError(f"train.nnodes must be >= 1, got {nnodes}")
     if nnodes == 1:
         return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
-                "-m", TRAIN_MODULE]
+                "-m", TRAIN_MODULE]  # stage_launch.worker_command's, also for one rank
     if not (rdzv_endpoint and rdzv_id):
         raise ValueError("several nodes need a rendezvous endpoint and id")
     return [python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
@@ -71,9 +71,9 @@ def train_command(nproc_per_node: int, python: str = sys.executable, nnodes: int
     Several nodes: their loopback stand-ins (`run_local_nodes`)."""
     if nnodes > 1:
         return [python, "-m", LAUNCH_MODULE, f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}"]
-    if nproc_per_node == 1:
-        return [python, "-m", TRAIN_MODULE]
-    return torchrun_command(nproc_per_node, python)
+    if nproc_per_node < 1:
+        raise ValueError(f"train.nproc_per_node must be >= 1, got {nproc_per_node}")
+    return stage_launch.worker_command(TRAIN_MODULE, nproc_per_node, python)
 
 
 def run_local_nodes(nnodes: int, nproc_per_node: int, python: str = sys.executable, poll_s: float = 0.2) -> int:
@@ -110,40 +110,13 @@ def run_local_nodes(nnodes: int, nproc_per_node: int, python: str = sys.executab
 
 
 def pod_labels(cfg: PipelineConfig, step: int) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "drafter-training", "drafter-cotraining/run": cfg.run,
-            "drafter-cotraining/rl-step": str(step)}
+    return stage_launch.pod_labels(cfg, "training", step)
 
 
 def training_pod_spec(cfg: PipelineConfig) -> dict:
-    """The PodSpec (camelCase, as in a manifest) of one training pod: `nproc_per_node` GPUs,
-    torchrun as the command (`train_command`), /dev/shm in memory (NCCL's shared-memory transport needs more
-    than the container runtime's 64 MB), secrets from a Secret, never inline."""
-    k8s, nproc = cfg.train.k8s, cfg.train.nproc_per_node
-    if not k8s.image:
-        raise ValueError("train.k8s.image is empty: the training pod needs an image with this project installed")
-    amounts = {"cpu": k8s.cpu, "memory": k8s.memory, k8s.gpu_resource: str(nproc)}
-    container: dict = {
-        "name": CONTAINER_NAME,
-        "image": k8s.image,
-        "command": train_command(nproc, python="python"),  # one node; a Job's pods: `training_job_spec`
-        # Extended resources (GPUs) need request == limit; cpu and memory get the same for a Guaranteed pod.
-        "resources": {"requests": dict(amounts), "limits": dict(amounts)},
-        "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
-    }
-    if k8s.env_secret:
-        container["envFrom"] = [{"secretRef": {"name": k8s.env_secret}}]
-    spec: dict = {
-        "restartPolicy": "Never",  # a failed training is retried by Dagster, which then resumes it
-        "containers": [container],
-        "volumes": [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size}}],
-    }
-    if k8s.node_selector:
-        spec["nodeSelector"] = dict(k8s.node_selector)
-    if k8s.tolerations:
-        spec["tolerations"] = [dict(t) for t in k8s.tolerations]
-    if k8s.service_account:
-        spec["serviceAccountName"] = k8s.service_account
-    return spec
+    """The PodSpec of one training pod (`pipeline.launch.pod_spec`): `nproc_per_node` GPUs, `train.k8s`'s
+    CPU and memory, torchrun as the command (`train_command`; a Job's pods: `training_job_spec`)."""
+    return stage_launch.pod_spec(cfg, "training", train_command(cfg.train.nproc_per_node, python="python"))
 
 
 # -- several nodes: an indexed Job and its headless Service

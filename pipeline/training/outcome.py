@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipeline.data.keys import drafter_key
 from pipeline.data.records import TrainingFigures, TrainingRecord, write_record
 from pipeline.data.store import ObjectStore
-from pipeline.training.loop import TrainResult
+
+if TYPE_CHECKING:  # the orchestrator reads outcomes without importing the training's model code
+    from pipeline.training.loop import TrainResult
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from pipeline.data.records import BufferEntry, composition, read_acceptance, rea
 from pipeline.data.store import ObjectStore
 from pipeline.registry import DrafterRegistry
 from pipeline.training.outcome import TrainOutcome
-from pipeline.training.schedule import ChampionTrack, ScheduleInputs, TrainingDecision, schedule_decision
+from pipeline.training.schedule import ChampionTrack, LiveTau, ScheduleInputs, TrainingDecision, schedule_decision
 
 
 def training_decision(
@@ -145,13 +145,14 @@ class TrainingPlan:
 
 def plan_training(
     store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, requested_by: str | None = None,
-    coalesce: bool = False,
+    coalesce: bool = False, live: LiveTau | None = None,
 ) -> TrainingPlan:
     """Skip (with the reason), reuse a version trained on identical inputs, or train; reads only. With
-    `coalesce` (a run the sensor asked for, not a backfill) a newer committed step supersedes this one's training."""
+    `coalesce` (a run the sensor asked for, not a backfill) a newer committed step supersedes this one's training.
+    `live`: the fleet's live tau, which the `acceptance` and `cost` schedules take for the champion's tau now."""
     entries = list(read_buffer(store, cfg.run, step).entries)
     newer = [s for s in rollouts_lib.committed_steps(store, cfg.run) if s > step] if coalesce else []
-    inputs = None if cfg.train.schedule.kind == "interval" else schedule_inputs(store, cfg, step, registry)
+    inputs = None if cfg.train.schedule.kind == "interval" else schedule_inputs(store, cfg, step, registry, live)
     decision = training_decision(step, len(entries), cfg.train, requested_by, inputs, newer[-1] if newer else None)
     if not decision.train:
         return TrainingPlan(step, False, decision.reason, len(entries), requested_by)
@@ -173,17 +174,23 @@ RECENT_TRAININGS = 3  # the expected cost of a training: the mean of the last fe
 SCHEDULE_HISTORY_STEPS = 100  # records a decision reads: a champion promoted earlier counts as unknown (train)
 
 
-def schedule_inputs(store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry) -> ScheduleInputs:
-    """What the `acceptance` and `cost` schedules read: the champion's acceptance since its promotion, the
-    step's rollout tokens, and the costs earlier steps measured (their StepCost records)."""
+def schedule_inputs(
+    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, live: LiveTau | None = None
+) -> ScheduleInputs:
+    """What the `acceptance` and `cost` schedules read: the champion's acceptance since its promotion (its tau now:
+    the fleet's live tau when the fleet runs it, else its evaluation on the newest measured step), the step's
+    rollout tokens, and the costs earlier steps measured (their StepCost records)."""
     earlier = [s for s in rollouts_lib.committed_steps(store, cfg.run) if s < step][-SCHEDULE_HISTORY_STEPS:]
     costs = [c for c in (read_cost(store, cfg.run, s) for s in earlier) if c is not None]
     trainings = [c.seconds["training"] for c in costs if c.seconds.get("training", 0) > 0][-RECENT_TRAININGS:]
     decoding = next((c.decoding for c in reversed(costs) if c.decoding), None)
     tokens = sum(sum(r.loss_mask) for r in rollouts_lib.read_rollouts(store, cfg.run, step))
-    return ScheduleInputs(champion_track(store, cfg.run, earlier, registry.alias_version("champion")),
-                          tokens * cfg.train.training_interval_steps,
-                          sum(trainings) / len(trainings) if trainings else None, decoding)
+    track = champion_track(store, cfg.run, earlier, registry.alias_version("champion"))
+    if track and live and live.version == track.version:  # the fleet serves the step's policy: measured now
+        track = replace(track, tau_now=live.tau, measured_at_step=step, live=True)
+    return ScheduleInputs(track, tokens * cfg.train.training_interval_steps,
+                          sum(trainings) / len(trainings) if trainings else None, decoding,
+                          cfg.fleet.live_tau_floor)
 
 
 def champion_track(store: ObjectStore, run: str, steps: list[int], champion: str | None) -> ChampionTrack | None:

@@ -2,7 +2,8 @@
 when retraining is expected to save more rollout time than it costs.
 
     interval    every `train.training_interval_steps` steps (FastRL's trigger)
-    acceptance  the champion's tau fell by more than `train.schedule.tau_drop` since it was promoted
+    acceptance  the champion's tau fell by more than `train.schedule.tau_drop` since it was promoted,
+                or its live tau is below `fleet.live_tau_floor`
     cost        the rollout seconds a fresh drafter is expected to save before the next chance to
                 retrain exceed what the training is expected to cost:
 
@@ -16,7 +17,11 @@ when retraining is expected to save more rollout time than it costs.
                 the mean device-seconds of the last trainings. Both sides are device-seconds.
 
 The decision reads only what earlier steps measured (the step's own acceptance is measured after
-its training). Without a champion, or before anything was measured, a drafter is trained.
+its training), and the fleet's live tau where the fleet runs the champion: the mean acceptance
+length its vLLM replicas count on the rollouts they serve, read from their /metrics when the
+step is decided (`serving.deploy.champion_live_tau`). Live tau, when present, is the champion's
+tau now; the evaluated tau of the newest measured step otherwise. Without a champion, or before
+anything was measured, a drafter is trained.
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ class ChampionTrack:
     tau_at_promotion: float
     tau_now: float  # on the latest measured step's policy (evaluated, or the fleet's live tau)
     measured_at_step: int
+    live: bool = False  # tau_now is the fleet's live tau, not an evaluation's
+
+    @property
+    def described(self) -> str:
+        return f"{'live' if self.live else 'evaluated'} tau {self.tau_now:.3f} at step {self.measured_at_step}"
 
     @property
     def drop(self) -> float:
@@ -49,13 +59,22 @@ class ChampionTrack:
 
 
 @dataclass(frozen=True)
+class LiveTau:
+    """The fleet's live tau: the mean acceptance length its replicas counted serving `version`."""
+
+    version: str
+    tau: float
+
+
+@dataclass(frozen=True)
 class ScheduleInputs:
-    """What the `acceptance` and `cost` schedules read from earlier steps."""
+    """What the `acceptance` and `cost` schedules read from earlier steps and the fleet."""
 
     champion: ChampionTrack | None
     expected_tokens: int  # rollout tokens expected before the next chance to retrain
     training_cost_s: float | None  # expected device-seconds of a training; None: none measured yet
     decoding: DecodingCost | None  # None: no evaluation timed yet
+    live_tau_floor: float = 0.0  # `acceptance`: live tau below it retrains (fleet.live_tau_floor; 0 = never)
 
 
 @dataclass(frozen=True)
@@ -72,11 +91,15 @@ def interval_decision(step: int, interval: int) -> TrainingDecision:
     return TrainingDecision(True, f"step {step} is a multiple of train.training_interval_steps={interval}")
 
 
-def acceptance_decision(champion: ChampionTrack | None, tau_drop: float) -> TrainingDecision:
+def acceptance_decision(
+    champion: ChampionTrack | None, tau_drop: float, live_tau_floor: float = 0.0
+) -> TrainingDecision:
     if champion is None:
         return TrainingDecision(True, "no champion yet")
-    fell = (f"champion v{champion.version} tau {champion.tau_now:.3f} at step {champion.measured_at_step} fell "
+    fell = (f"champion v{champion.version} {champion.described} fell "
             f"{champion.drop:.3f} since its promotion ({champion.tau_at_promotion:.3f})")
+    if champion.live and live_tau_floor and champion.tau_now < live_tau_floor:
+        return TrainingDecision(True, f"{fell}, below fleet.live_tau_floor={live_tau_floor}")
     if champion.drop > tau_drop:
         return TrainingDecision(True, f"{fell}, more than train.schedule.tau_drop={tau_drop}")
     return TrainingDecision(False, f"{fell}, within train.schedule.tau_drop={tau_drop}")
@@ -98,7 +121,8 @@ def cost_decision(inputs: ScheduleInputs) -> TrainingDecision:
     cost = inputs.training_cost_s
     verdict = ">" if gain > cost else "<="
     reason = (f"expected gain {gain:.1f} s (champion v{inputs.champion.version} losing "
-              f"{inputs.champion.staleness_rate:.3f} tau/step, {inputs.expected_tokens} tokens before the next "
+              f"{inputs.champion.staleness_rate:.3f} tau/step, {inputs.champion.described}, "
+              f"{inputs.expected_tokens} tokens before the next "
               f"chance) {verdict} expected training cost {cost:.1f} s")
     return TrainingDecision(gain > cost, reason, round(gain, 3), round(cost, 3))
 
@@ -115,5 +139,5 @@ def schedule_decision(
     if schedule == "interval" or not on_interval.train:
         return on_interval
     if schedule == "acceptance":
-        return acceptance_decision(inputs.champion, tau_drop)
+        return acceptance_decision(inputs.champion, tau_drop, inputs.live_tau_floor)
     return cost_decision(inputs)

@@ -11,24 +11,27 @@ materialization (its metadata sums all ranks' work, and says how they held the d
 is the only rank that writes to MLflow (one run) and to the store. On several nodes rank 0 runs
 on node 0, whose log is the Pipes channel of an indexed Job.
 
-This module is the only place in `pipeline/` that knows Dagster Pipes (`dagster_pipes`,
-a dependency-free protocol library); the training itself is `cotrain.run_training`.
+The launched workers (this one, `pipeline.sources.worker`, `pipeline.evaluation.worker`, with
+`pipeline.workers`) are the only places in `pipeline/` that know Dagster Pipes (`dagster_pipes`, a
+dependency-free protocol library); the training itself is `cotrain.run_training`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dagster_pipes import PipesDefaultContextLoader, PipesEnvVarParamsLoader, open_dagster_pipes
+from dagster_pipes import open_dagster_pipes
 
 from pipeline import report
+from pipeline.data.keys import placement_key
+from pipeline.data.records import StagePlacement, write_record
+from pipeline.data.store import open_store
+from pipeline.ranks import Ranks, measure_placement
 from pipeline.registry import open_registry
 from pipeline.training.cotrain import run_training
 from pipeline.training.distributed import (
@@ -40,37 +43,23 @@ from pipeline.training.distributed import (
 )
 from pipeline.training.outcome import TrainOutcome, outcome_metadata
 from pipeline.training.plan import TrainJob
-
-
-def _exit_with_launcher(poll_s: float = 1.0) -> None:
-    """Exit when the launching process (torchrun's agent, or the Dagster step) is gone: a
-    killed launcher must not leave ranks training, and writing checkpoints, behind it."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(poll_s)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+from pipeline.workers import exit_with_launcher, is_pipes_process, pipes_extras
 
 
 def _train(
-    job: TrainJob, ctx: DistContext, progress: Callable[[str], None] | None = None
-) -> TrainOutcome | None:
-    init_process_group(ctx, rank_device(ctx, job.pipeline_config.device))
+    job: TrainJob, ctx: DistContext, progress: Callable[[str], None] | None = None, where: str = "process"
+) -> tuple[TrainOutcome | None, StagePlacement]:
+    """The training on this rank; its outcome (rank 0) and where the training ran (every rank measures,
+    the peak memory is the largest rank's)."""
+    started = time.perf_counter()
+    device = rank_device(ctx, job.pipeline_config.device)
+    init_process_group(ctx, device)
     try:
-        return run_training(job, ctx, progress)
+        outcome = run_training(job, ctx, progress)
+        return outcome, measure_placement("training", where, Ranks(ctx.rank, ctx.world_size, ctx.local_rank),
+                                          device, started)
     finally:
         destroy_process_group()
-
-
-def _pipes_extras() -> dict:
-    """The Pipes context's extras, read without opening the message channel (ranks other than 0)."""
-    params = PipesEnvVarParamsLoader().load_context_params()
-    with PipesDefaultContextLoader().load_context(params) as data:
-        return dict(data["extras"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,25 +67,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--job", type=Path, help="a training job as JSON (without Dagster Pipes)")
     args = parser.parse_args(argv)
     ctx = context_from_env()
-    _exit_with_launcher()
+    exit_with_launcher()
     if args.job:
-        outcome = _train(TrainJob.from_dict(json.loads(args.job.read_text())), ctx)
+        outcome, _ = _train(TrainJob.from_dict(json.loads(args.job.read_text())), ctx)
         if outcome:
             sys.stdout.write(json.dumps(outcome_metadata(outcome), default=str) + "\n")
         return
-    if not PipesEnvVarParamsLoader().is_dagster_pipes_process():
+    if not is_pipes_process():
         raise SystemExit("pipeline.training.worker: no job; launch it from the drafter asset (Dagster Pipes) "
                          "or pass --job FILE")
     if not ctx.is_main:
-        _train(TrainJob.from_dict(_pipes_extras()["job"]), ctx)
+        _train(TrainJob.from_dict(pipes_extras()["job"]), ctx)
         return
     with open_dagster_pipes() as pipes:
         job = TrainJob.from_dict(pipes.get_extra("job"))
         continued = f", continuing MLflow run {job.run_id}" if job.run_id else ""
         pipes.log.info(f"training RL step {job.step} on {ctx.world_size} rank(s){continued}")
-        outcome = _train(job, ctx, pipes.log.info)
+        outcome, where = _train(job, ctx, pipes.log.info, pipes.extras.get("where", "process"))
+        cfg = job.pipeline_config
+        write_record(open_store(cfg), placement_key(cfg.run, job.step, "training"), where)
         metadata = _materialization(job, outcome, ctx, pipes.extras.get("mlflow_ui_url"))
-        pipes.report_asset_materialization(metadata=metadata)
+        pipes.report_asset_materialization(metadata={**metadata, **where.metadata()})
 
 
 def _materialization(job: TrainJob, outcome: TrainOutcome, ctx: DistContext, ui_url: str | None) -> dict:

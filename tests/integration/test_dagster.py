@@ -12,7 +12,7 @@ import yaml
 
 from definitions import build_definitions
 from jobs.sensors import SENSOR_NAME, rl_step_sensor
-from pipeline.config import load_config
+from pipeline.config import PROJECT_ROOT, load_config
 from pipeline.data import shards
 from pipeline.data.keys import hidden_states_prefix, rollouts_prefix
 from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
@@ -191,12 +191,11 @@ def test_rollouts_missing_column_fail_before_anything_is_written(tiny_config_pat
 
 def test_failed_shard_check_blocks_downstream(tiny_config_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The shards check is blocking: training never reads shards that failed it."""
-    import assets.cotraining
-
     cfg = load_config(tiny_config_path)
     SimulatedRL(cfg.simulation, open_store(cfg), cfg.run, cfg.data_path / "cache").run_step(1)
-    # Stand-in for a corrupted shard: the check reports a problem.
-    monkeypatch.setattr(assets.cotraining.checks, "check_shards", lambda *a: ["part-00000: checksum differs"])
+    # Stand-in for a corrupted shard: the check in the extraction worker reports a problem.
+    monkeypatch.setenv("PYTHONPATH", f"{PROJECT_ROOT / 'tests' / 'support' / 'worker_faults'}:{PROJECT_ROOT}")
+    monkeypatch.setenv("DRAFTER_TEST_SHARD_PROBLEM", "part-00000: checksum differs")
     defs = build_definitions(str(tiny_config_path))
     with dg.instance_for_test() as instance:
         result = _run_step(defs, instance, "step-000001")

@@ -195,16 +195,3 @@ def test_the_gpu_pool_lets_one_step_run_at_a_time(tmp_path: Path) -> None:
         assert finished == [True]
     finally:
         instance.dispose()
-
-
-def test_step_pods_run_config_fits_the_k8s_job_executor() -> None:
-    from dagster_k8s import k8s_job_executor
-
-    run_config = yaml.safe_load((DEPLOY / "executor.yaml").read_text())
-    checked = dg._config.validate_config(
-        k8s_job_executor.config_schema.config_type, run_config["execution"]["config"])
-    assert checked.success, checked.errors
-    per_step = run_config["execution"]["config"]["per_step_k8s_config"]
-    assert set(per_step) == GPU_ASSETS - {"drafter"}  # the drafter's GPUs are its training pod's
-    for step in per_step.values():
-        assert step["container_config"]["resources"]["limits"]["nvidia.com/gpu"] == "1"

@@ -101,7 +101,8 @@ def test_whole_rollouts_store_what_training_never_reads() -> None:
     """Before capture plans: every token of every training rollout, 5.9x the windows training reads."""
     cfg = load_config()
     cfg = cfg.model_copy(update={"capture": cfg.capture.model_copy(update={"max_samples": 0}),
-                                 "train": cfg.train.model_copy(update={"max_tokens": 0, "epochs": 20})})
+                                 "train": cfg.train.model_copy(update={"max_tokens": 0, "epochs": 20,
+                                                                                "warm_start_epochs": 0})})
     step = StepShape(4096, 3000, 12000, 8, "H100", 600)
     before = plan_capacity(PolicyShape.from_config(QWEN3_8B), step, Throughput.from_bench(THROUGHPUT, "t"), cfg,
                            whole_rollouts=True)

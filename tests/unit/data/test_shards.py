@@ -487,3 +487,33 @@ def test_a_compressed_frame_is_checked_before_it_is_decoded() -> None:
     garbled[first_chunk : first_chunk + 4] = b"nope"  # the chunk's zstd magic number
     with pytest.raises(CompressionError, match="the chunk at word 0 does not decode"):
         decompress_bf16_into(garbled, torch.empty_like(values))
+
+
+# -- shards cut beforehand, written by ranks ---------------------------------------------------------------------
+
+
+def test_shard_cuts_are_the_cuts_the_streaming_writer_makes(store: ObjectStore, monkeypatch) -> None:
+    """Rows and bytes limits: `shard_cuts` from the lengths alone gives the shards `write_hidden_states` cuts
+    while streaming, so ranks can share a step's shards before any forward."""
+    lengths = [9, 2, 7, 7, 1, 12, 3, 3, 3, 8]
+    monkeypatch.setattr(shards, "SHARD_TARGET_BYTES", 16 * H * 2)
+    manifest = write(store, 1, make_samples(1, lengths), samples_per_shard=3)
+    cuts = shards.shard_cuts(lengths, H * 2, max_rows=3, max_bytes=16 * H * 2)
+    assert [len(c) for c in cuts] == [s.rows for s in manifest.shards] == [2, 3, 2, 3]
+
+
+def test_a_ranked_write_of_one_rank_equals_the_streaming_write(store: ObjectStore) -> None:
+    """The same samples in the same shards: byte-identical shards, the same content digest, another write id."""
+    samples = make_samples(1, [6, 5, 5, 4, 3])
+    streamed = write(store, 1, samples, samples_per_shard=2)
+    streamed_bytes = [store.read_bytes(f"{hidden_states_prefix(RUN, 1)}/{s.name}") for s in streamed.shards]
+    cuts = shards.shard_cuts([6, 5, 5, 4, 3], H * 2, max_rows=2)
+    units = [shards.ShardUnit(i, lambda c=c: samples[c.start : c.stop]) for i, c in enumerate(cuts)]
+    ranked = shards.write_hidden_states_ranked(store, RUN, 1, units, hidden_size=H, layer_ids=LAYER_IDS,
+                                               target=TARGET)
+    assert ranked.write_id != streamed.write_id
+    assert ranked.content_digest() == streamed.content_digest()
+    assert [store.read_bytes(f"{hidden_states_prefix(RUN, 1)}/{s.name}") for s in ranked.shards] == streamed_bytes
+    other = replace(make_samples(1, [3], seed=1)[0], sample_id=samples[4].sample_id)  # other values, same id
+    changed = write(store, 1, [*samples[:4], other], samples_per_shard=2)
+    assert changed.content_digest() != streamed.content_digest()

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from pipeline.models.checkpoint import CheckpointError, load_drafter, save_drafter
+from pipeline.models.checkpoint import CheckpointError, check_drafter, load_drafter, save_drafter
 from pipeline.models.eagle3 import (
     Eagle3Drafter,
     default_aux_layer_ids,
@@ -189,12 +189,13 @@ def test_import_without_vocab_maps_when_the_vocab_is_full(tmp_path: Path) -> Non
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
 
 
+@pytest.mark.parametrize("read", [load_drafter, check_drafter], ids=["load", "headers-only"])
 @pytest.mark.parametrize("missing", ["d2t", "t2d"])
-def test_import_refuses_a_reduced_vocab_without_its_maps(tmp_path: Path, missing: str) -> None:
+def test_import_refuses_a_reduced_vocab_without_its_maps(read, tmp_path: Path, missing: str) -> None:
     directory = save_drafter(vocab_drafter(), tmp_path / "ckpt")
     _rewrite(directory, drop=(missing,))
     with pytest.raises(CheckpointError, match=f"missing keys.*{missing}"):
-        load_drafter(directory)
+        read(directory)
 
 
 def test_import_keeps_bundled_embeddings(tmp_path: Path, target: LlamaForCausalLM) -> None:
@@ -245,30 +246,33 @@ def test_import_defaults_the_aux_layers_from_the_target(tmp_path: Path, where: s
     assert_same_drafter(loaded, model)
 
 
+@pytest.mark.parametrize("read", [load_drafter, check_drafter], ids=["load", "headers-only"])
 @pytest.mark.reliability("bad_input", "drafter checkpoint that is a pickle")
-def test_import_refuses_a_pickle_named_safetensors(tmp_path: Path) -> None:
+def test_import_refuses_a_pickle_named_safetensors(read, tmp_path: Path) -> None:
     model = vocab_drafter()
     directory = save_drafter(model, tmp_path / "ckpt")
     (directory / "model.safetensors").unlink()
     torch.save(model.trainable_state_dict(), directory / "model.safetensors")
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):
-        load_drafter(directory)
+        read(directory)
 
 
+@pytest.mark.parametrize("read", [load_drafter, check_drafter], ids=["load", "headers-only"])
 @pytest.mark.reliability("bad_input", "drafter checkpoint that is a pickle (pytorch_model.bin)")
-def test_import_refuses_pytorch_model_bin(tmp_path: Path) -> None:
+def test_import_refuses_pytorch_model_bin(read, tmp_path: Path) -> None:
     model = vocab_drafter()
     directory = save_drafter(model, tmp_path / "ckpt")
     (directory / "model.safetensors").unlink()
     torch.save(model.trainable_state_dict(), directory / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match=r"pytorch_model\.bin"):
-        load_drafter(directory)
+        read(directory)
     # with no config.json either, it is still refused
     (directory / "config.json").unlink()
     with pytest.raises(CheckpointError):
-        load_drafter(directory)
+        read(directory)
 
 
+@pytest.mark.parametrize("read", [load_drafter, check_drafter], ids=["load", "headers-only"])
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -278,10 +282,21 @@ def test_import_refuses_pytorch_model_bin(tmp_path: Path) -> None:
     ],
 )
 @pytest.mark.reliability("bad_input", "drafter checkpoint whose safetensors keys or shapes do not match its config")
-def test_import_refuses_a_config_that_does_not_fit(tmp_path: Path, edit, message: str) -> None:
+def test_import_refuses_a_config_that_does_not_fit(read, tmp_path: Path, edit, message: str) -> None:
     directory = save_drafter(vocab_drafter(), tmp_path / "ckpt")
     _edit_config(directory, edit)
     with pytest.raises(CheckpointError, match=message):
-        load_drafter(directory)
+        read(directory)
 
 
+
+
+@pytest.mark.parametrize("fc_norm", [False, True], ids=["eagle3", "fc-norm"])
+@pytest.mark.parametrize("rename", ["none", *RENAMES], ids=["ours", *RENAMES])
+def test_headers_alone_accept_what_loads(tmp_path: Path, rename: str, fc_norm: bool) -> None:
+    """The deploy step's check reads config.json and the safetensors header only: every layout that loads passes."""
+    directory = save_drafter(vocab_drafter(fc_norm=fc_norm), tmp_path / "ckpt")
+    if rename != "none":
+        _rewrite(directory, rename=RENAMES[rename])
+    check_drafter(directory)
+    load_drafter(directory)

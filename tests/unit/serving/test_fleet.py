@@ -9,12 +9,18 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
 
+from pipeline.config import load_config
+from pipeline.data.keys import fleet_state_key
+from pipeline.data.records import FleetState, write_record
+from pipeline.data.store import open_store
 from pipeline.evaluation import speculative
 from pipeline.models.target import build_target, tiny_llama_config
+from pipeline.serving import deploy
 from pipeline.serving import metrics as serving_metrics
 from pipeline.serving.fleet import (
     CommandDriver,
@@ -189,3 +195,42 @@ def test_rolling_deploy_and_rollback(models: dict[str, str], driver: StandInDriv
     successor.stop_all(replicas)
     assert not any(successor.alive(r) for r in replicas)
     assert successor.serving(replicas[1]) is None
+
+
+def test_live_tau_is_read_from_the_replicas_metrics_where_the_fleet_runs_the_version(
+    models: dict[str, str], driver: StandInDriver, tmp_path: Path
+) -> None:
+    """What the `acceptance` schedule takes for the champion's tau now: the fleet's spec-decode counters since
+    the version went live (a hot update does not reset them), over the replicas that run it."""
+    cfg = load_config(overrides={"data_dir": str(tmp_path), "fleet": {"replicas": [
+        {"name": f"r{i}", "port": _free_port()} for i in range(2)]}})
+    store, replicas = open_store(cfg), deploy.replicas(cfg)
+    report = rolling_deploy(replicas, driver, models["target"], "1", models["v1"], None, GATES, PROMPTS)
+    assert deploy.live_tau(cfg, store, "1") is None  # the fleet's state does not say it runs version 1 yet
+
+    def counters() -> list[serving_metrics.SpecCounters]:
+        return [serving_metrics.parse(_get(r, "/metrics").decode()) for r in replicas]
+
+    # No counters recorded at go-live (a state written before they were): everything since the replicas started.
+    write_record(store, fleet_state_key(cfg.run), FleetState("1", 1, 0.0, report.replicas))
+    since_start = counters()
+    assert sum(c.drafts for c in since_start) > 0  # the canaries were decoded speculatively
+    assert deploy.live_tau(cfg, store, "1") == pytest.approx(
+        1 + sum(c.accepted for c in since_start) / sum(c.drafts for c in since_start))
+    assert deploy.live_tau(cfg, store, "2") is None  # not the version the fleet runs
+
+    # Counters recorded at go-live: only what was served since counts; nothing yet, then one request.
+    write_record(store, fleet_state_key(cfg.run), FleetState("1", 1, 0.0, report.replicas, (),
+                                                             {r.name: c.to_json() for r, c in zip(replicas, since_start,
+                                                                                                  strict=True)}))
+    assert deploy.live_tau(cfg, store, "1") is None
+    request = urllib.request.Request(
+        replicas[1].url + "/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+        data=json.dumps({"model": "policy", "prompt": PROMPTS[0], "max_tokens": 12}).encode())
+    with urllib.request.urlopen(request, timeout=30):
+        pass
+    served = counters()[1] - since_start[1]
+    assert served.drafts > 0
+    assert deploy.live_tau(cfg, store, "1") == pytest.approx(served.mean_acceptance_length)
+    driver.stop(replicas[1])  # an unreachable replica has no say
+    assert deploy.live_tau(cfg, store, "1") is None

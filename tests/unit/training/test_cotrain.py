@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.config import TrainConfig, load_config
+from pipeline.config import OptimConfig, TrainConfig, load_config
 from pipeline.data.shards import HiddenSample
 from pipeline.models.checkpoint import save_drafter
 from pipeline.models.drafter import fresh_drafter
@@ -17,7 +17,7 @@ from pipeline.models.eagle3 import Eagle3Drafter
 from pipeline.models.peagle import PEagleDrafter
 from pipeline.models.target import build_target, tiny_llama_config
 from pipeline.registry import DrafterRegistry
-from pipeline.training.cotrain import _initial_drafter
+from pipeline.training.cotrain import _initial_drafter, training_settings
 from pipeline.training.plan import TrainingDecision, training_decision
 
 
@@ -55,6 +55,23 @@ def _hidden(n: int = 4) -> list[HiddenSample]:
     g = torch.Generator().manual_seed(0)
     return [HiddenSample(f"s{i}", 1, torch.randint(0, 32, (10,), generator=g), torch.tensor([0] * 4 + [1] * 6),
                          torch.zeros(10, 4, 32, dtype=torch.bfloat16)) for i in range(n)]
+
+
+@pytest.mark.parametrize(("warm_start", "warm_start_epochs", "warm_start_lr", "epochs", "lr"), [
+    (None, 3, 6e-3, 20, 3e-3),  # a fresh drafter trains train.epochs at train.optim.lr
+    ("4", 3, 6e-3, 3, 6e-3),  # the champion's successor catches up in train.warm_start_epochs, at a higher rate
+    ("file:/drafters/x", 3, 6e-3, 3, 6e-3),  # drafter.warm_start is a warm start too
+    ("4", 0, 0.0, 20, 3e-3),  # 0: train.epochs and train.optim.lr for every training
+    ("4", 40, 6e-3, 20, 6e-3),  # train.epochs stays the upper bound
+])
+def test_a_warm_started_training_trains_fewer_epochs_at_its_own_rate(
+    warm_start: str | None, warm_start_epochs: int, warm_start_lr: float, epochs: int, lr: float
+) -> None:
+    cfg = TrainConfig(epochs=20, warm_start_epochs=warm_start_epochs, max_tokens=123_456,
+                      optim=OptimConfig(lr=3e-3, warm_start_lr=warm_start_lr))
+    settings = training_settings(cfg, warm_start)
+    assert (settings.epochs, settings.optim.lr) == (epochs, lr)
+    assert settings.max_tokens == 123_456  # the budget bounds both
 
 
 def test_warm_start_from_an_external_eagle3_checkpoint(tmp_path: Path, target) -> None:

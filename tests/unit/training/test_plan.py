@@ -16,6 +16,7 @@ from pipeline.data.store import ObjectStore, open_store
 from pipeline.registry import DrafterRegistry, open_registry
 from pipeline.training.outcome import TrainOutcome, outcome_metadata
 from pipeline.training.plan import TrainJob, plan_training, settle_plan
+from pipeline.training.schedule import LiveTau
 
 STEP = 1
 RETRAIN = "live tau 1.20 < fleet.live_tau_floor 1.5"
@@ -128,10 +129,33 @@ def test_the_acceptance_schedule_retrains_after_a_drift(step, tmp_path: Path) ->
             _measured(store, cfg, s, (version, served_tau))
     assert not decisions[2].train  # nothing measured since the promotion
     assert not decisions[3].train  # step 2: 3.3, a fall of 0.1
-    assert decisions[3].reason == (f"champion v{version} tau 3.300 at step 2 fell 0.100 since its promotion (3.400), "
-                                   "within train.schedule.tau_drop=0.3")
+    assert decisions[3].reason == (f"champion v{version} evaluated tau 3.300 at step 2 fell 0.100 since its "
+                                   "promotion (3.400), within train.schedule.tau_drop=0.3")
     assert decisions[4].train  # step 3, after the drift: 2.9, a fall of 0.5
-    assert decisions[4].reason.startswith(f"champion v{version} tau 2.900 at step 3 fell 0.500")
+    assert decisions[4].reason.startswith(f"champion v{version} evaluated tau 2.900 at step 3 fell 0.500")
+
+
+def test_the_acceptance_schedule_takes_the_fleets_live_tau_when_it_runs_the_champion(step, tmp_path: Path) -> None:
+    """Evaluated at step 2, v1 fell 0.1 only; the fleet serving step 3's policy counts tau 2.9: step 3 retrains.
+    Live tau of another version is not the champion's; below fleet.live_tau_floor the champion retrains too."""
+    cfg, store, registry = step
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(
+        update={"schedule": cfg.train.schedule.model_copy(update={"kind": "acceptance", "tau_drop": 0.3})})})
+    version, _ = _register(registry, "first", tmp_path)
+    registry.set_alias("champion", version)
+    _measured(store, cfg, 1, None, (version, 3.4), promoted=True)
+    _committed(store, cfg, 2)
+    _measured(store, cfg, 2, (version, 3.3))
+    _committed(store, cfg, 3)
+    assert not plan_training(store, cfg, 3, registry).train  # evaluated: 3.3
+    assert not plan_training(store, cfg, 3, registry, live=LiveTau("99", 2.0)).train  # not the champion's
+    live = plan_training(store, cfg, 3, registry, live=LiveTau(version, 2.9))
+    assert live.train
+    assert live.reason.startswith(f"champion v{version} live tau 2.900 at step 3 fell 0.500 since its promotion")
+    floor = cfg.model_copy(update={"fleet": cfg.fleet.model_copy(update={"live_tau_floor": 3.35})})
+    below = plan_training(store, floor, 3, registry, live=LiveTau(version, 3.3))
+    assert below.train  # a fall of 0.1, within tau_drop, but under the floor
+    assert "below fleet.live_tau_floor=3.35" in below.reason
 
 
 def test_the_cost_schedule_weighs_the_expected_gain_against_the_last_trainings(step, tmp_path: Path) -> None:

@@ -1,0 +1,84 @@
+"""Extraction through the stage launcher against the in-process path it replaces, on one simulated step.
+
+* `launched_vs_in_process_ratio` (goal >= 0.9): tokens/s of the `hidden_states` Dagster step, which
+  launches the extraction worker through Dagster Pipes (`python -m pipeline.sources.worker`: process
+  start, torch import, the policy load, the forward and the shard writes, reported back over Pipes),
+  over tokens/s of `extract.extract_hidden_states` called in the process, the function the worker
+  runs (the same load, forward and writes, no process start). Both on the same step, same run.
+* `launch_overhead_s`: the launched step's seconds minus the in-process call's: what a process per
+  stage costs per step, whatever the step's size; `break_even_step_s` is the in-process extraction
+  time from which the ratio reaches 0.9 (9 x the overhead).
+
+The step: the simulated source with a 4-layer, hidden-128 policy, 128 rollouts of 64 tokens (CPU, a
+few minutes on two shared cores, most of it simulating the step). On a real step (a policy of
+billions of parameters, thousands of rollouts) extraction takes minutes and the fixed overhead is
+a small share of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+STEP, KEY = 1, "step-000001"
+SIMULATION = {"vocab_size": 64, "hidden_size": 128, "num_layers": 4, "num_heads": 4, "pretrain_iters": 5,
+              "rl_iters": 1, "rollouts_per_step": 128, "prompt_len": 8, "response_len": 56, "step_period_s": 0.0}
+
+
+def run() -> dict:
+    import dagster as dg
+    import yaml
+
+    from assets.cotraining import hidden_states
+    from pipeline.config import load_config
+    from pipeline.data.store import open_store
+    from pipeline.sources import extract
+    from pipeline.sources.simulation import SimulatedRL
+    from resources import pipeline_resource
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="bench-stage-launch-") as tmp:
+        path = Path(tmp) / "pipeline.yaml"
+        path.write_text(yaml.safe_dump({"run": "bench", "data_dir": str(Path(tmp) / "data"), "simulation": SIMULATION,
+                                        "capture": {"max_samples": 0}}))
+        cfg = load_config(path)
+        store = open_store(cfg)
+        SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
+        extract.extract_hidden_states(store, cfg, STEP)  # warm: the policy's local copy, the page cache
+
+        in_process_s, launched_s, worker_s = [], [], []
+        with dg.instance_for_test() as instance:
+            instance.add_dynamic_partitions("rl_step", [KEY])
+            for _ in range(2):  # alternated, best of two each: the machine's other load falls on both
+                started = time.perf_counter()
+                manifest = extract.extract_hidden_states(store, cfg, STEP)
+                in_process_s.append(time.perf_counter() - started)
+                result = dg.materialize([hidden_states], partition_key=KEY, instance=instance,
+                                        resources={"pipeline": pipeline_resource(str(path))})
+                (stats,) = instance.get_run_step_stats(result.run_id)
+                launched_s.append(stats.end_time - stats.start_time)
+                worker_s.append(result.asset_materializations_for_node("hidden_states")[0]
+                                .metadata["stage_seconds"].value)
+    tokens = manifest.num_tokens
+    in_process, launched = min(in_process_s), min(launched_s)
+    overhead = launched - in_process
+    return {
+        "tokens": tokens,
+        "in_process_s": round(in_process, 3),
+        "launched_s": round(launched, 3),
+        "worker_stage_s": round(min(worker_s), 3),
+        "in_process_tokens_per_s": round(tokens / in_process, 1),
+        "launched_tokens_per_s": round(tokens / launched, 1),
+        "launched_vs_in_process_ratio": round(in_process / launched, 3),
+        "launch_overhead_s": round(overhead, 3),
+        "break_even_step_s": round(9 * overhead, 1),
+    }
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.stdout.write(json.dumps(run(), indent=2) + "\n")

@@ -1,0 +1,126 @@
+"""How a model stage's process is started: its job, its command line and, in production, its pod.
+
+Every stage that runs a model (extraction, training, evaluation) runs in a process of its own,
+launched through Dagster Pipes with the same settings (`train.launcher`, `train.k8s`): a
+subprocess of the Dagster run here, a GPU pod through `PipesK8sClient` in production, each
+stage with its own ranks and resources.
+
+    stage        asset           worker module                   ranks                resources
+    extraction   hidden_states   pipeline.sources.worker         extract.nproc        extract.cpu / .memory
+    training     drafter         pipeline.training.worker        train.nproc_per_node train.k8s.cpu / .memory
+    evaluation   acceptance      pipeline.evaluation.worker      eval.nproc           eval.cpu / .memory
+    refresh      refreshed_drafter pipeline.refresh_worker       1                    train.k8s.cpu / .memory
+
+One rank is started as `python -m <worker>` (rank 0 of 1, no torchrun agent: its start-up would
+only add a torch import); several as `torchrun --standalone --nproc-per-node=N -m <worker>`.
+All are pure functions of the config, so the Dagster layer and the tests build the same thing.
+Training's several-node Job is `pipeline.training.launch`'s.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field
+
+from pipeline.config import PipelineConfig, parse_config
+
+WORKERS = {"extraction": "pipeline.sources.worker", "training": "pipeline.training.worker",
+           "evaluation": "pipeline.evaluation.worker", "refresh": "pipeline.refresh_worker"}
+CONTAINERS = {"extraction": "extractor", "training": "trainer", "evaluation": "evaluator", "refresh": "refresher"}
+SHM_VOLUME = "dshm"
+
+
+@dataclass(frozen=True)
+class StageJob:
+    """What a launched extraction, evaluation or refresh process receives (the Pipes extra `job`)."""
+
+    stage: str  # extraction | evaluation | refresh
+    step: int
+    config: dict  # the full PipelineConfig, resolved (a pod may not see the orchestrator's files)
+    where: str  # process | pod: where the launcher starts it, for its placement record
+    new_version: str | None = None  # evaluation: the drafter version the step's training produced
+    spent_s: dict[str, float] = field(default_factory=dict)  # evaluation: device-seconds of the earlier stages
+    part: int | None = None  # refresh: the qualifying part
+    tags: dict[str, str] = field(default_factory=dict)  # refresh: the MLflow tags of its training run
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> StageJob:
+        return cls(str(doc["stage"]), int(doc["step"]), dict(doc["config"]), str(doc["where"]),
+                   doc.get("new_version"), {k: float(v) for k, v in (doc.get("spent_s") or {}).items()},
+                   doc.get("part"), {str(k): str(v) for k, v in (doc.get("tags") or {}).items()})
+
+    @property
+    def pipeline_config(self) -> PipelineConfig:
+        return parse_config(self.config)
+
+
+def stage_ranks(cfg: PipelineConfig, stage: str) -> int:
+    return {"extraction": cfg.extract.nproc, "training": cfg.train.nproc_per_node,
+            "evaluation": cfg.eval.nproc, "refresh": 1}[stage]
+
+
+def worker_command(module: str, nproc: int, python: str = sys.executable) -> list[str]:
+    """The command of a stage's worker on one machine or in one pod: itself for one rank, torchrun for several."""
+    if nproc < 1:
+        raise ValueError(f"a stage needs at least one rank, got {nproc}")
+    if nproc == 1:
+        return [python, "-m", module]
+    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", module]
+
+
+def stage_command(cfg: PipelineConfig, stage: str, python: str = sys.executable) -> list[str]:
+    return worker_command(WORKERS[stage], stage_ranks(cfg, stage), python)
+
+
+def pod_labels(cfg: PipelineConfig, stage: str, step: int) -> dict[str, str]:
+    name = "drafter-training" if stage == "training" else f"drafter-{stage}"
+    return {"app.kubernetes.io/name": name, "drafter-cotraining/run": cfg.run,
+            "drafter-cotraining/rl-step": str(step), "drafter-cotraining/stage": stage}
+
+
+def pod_spec(cfg: PipelineConfig, stage: str, command: list[str]) -> dict:
+    """The PodSpec (camelCase, as in a manifest) of one stage's pod: one GPU per rank (extraction and
+    evaluation: `target.split_devices` per rank for a split policy), the stage's CPU and
+    memory, `command`, /dev/shm in memory (NCCL's shared-memory transport needs more than the container
+    runtime's 64 MB), secrets from the Secret `train.k8s.env_secret` by reference, never inline."""
+    k8s = cfg.train.k8s
+    if not k8s.image:
+        raise ValueError(f"train.k8s.image is empty: the {stage} pod needs an image with this project installed")
+    cpu, memory = (k8s.cpu, k8s.memory) if stage in ("training", "refresh") else \
+        {"extraction": (cfg.extract.cpu, cfg.extract.memory), "evaluation": (cfg.eval.cpu, cfg.eval.memory)}[stage]
+    per_rank = 1 if stage == "training" else cfg.target.gpus_per_process  # a split policy: a block per rank
+    amounts = {"cpu": cpu, "memory": memory, k8s.gpu_resource: str(stage_ranks(cfg, stage) * per_rank)}
+    container: dict = {
+        "name": CONTAINERS[stage],
+        "image": k8s.image,
+        "command": command,
+        # Extended resources (GPUs) need request == limit; cpu and memory get the same for a Guaranteed pod.
+        "resources": {"requests": dict(amounts), "limits": dict(amounts)},
+        "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
+    }
+    if k8s.env_secret:
+        container["envFrom"] = [{"secretRef": {"name": k8s.env_secret}}]
+    volumes = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size}}]
+    if stage == "extraction":  # e.g. the shared volume vLLM's connector writes its files to
+        container["volumeMounts"] += [dict(m) for m in cfg.extract.volume_mounts]
+        volumes += [dict(v) for v in cfg.extract.volumes]
+    spec: dict = {
+        "restartPolicy": "Never",  # a failed stage is retried by Dagster
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if k8s.node_selector:
+        spec["nodeSelector"] = dict(k8s.node_selector)
+    if k8s.tolerations:
+        spec["tolerations"] = [dict(t) for t in k8s.tolerations]
+    if k8s.service_account:
+        spec["serviceAccountName"] = k8s.service_account
+    return spec
+
+
+def stage_pod_spec(cfg: PipelineConfig, stage: str) -> dict:
+    """The pod of extraction or evaluation (`pod_spec` with the stage's worker command)."""
+    return pod_spec(cfg, stage, stage_command(cfg, stage, python="python"))

@@ -1,0 +1,89 @@
+"""The extraction process, launched by the `hidden_states` asset through Dagster Pipes.
+
+    python -m pipeline.sources.worker                                       one rank
+    torchrun --standalone --nproc-per-node=N -m pipeline.sources.worker     N ranks (gloo on CPU, NCCL on GPUs)
+
+The job (`pipeline.launch.StageJob`: config, RL step) arrives as the Pipes extra `job`. Every
+rank loads the step's policy and forwards its share of the step's shards (`extract.extract_hidden_states`);
+rank 0 commits the manifest, checks the committed shards as a reader sees them, records where the
+stage ran, and reports the materialization, the `shards_valid` check and its logs over Pipes.
+"""
+
+from __future__ import annotations
+
+import time
+
+from dagster_pipes import open_dagster_pipes
+
+from pipeline.data import capture
+from pipeline.data import shard_checks as checks
+from pipeline.data.keys import hidden_states_prefix, placement_key
+from pipeline.data.records import StagePlacement, write_record
+from pipeline.data.shards import Manifest
+from pipeline.data.store import open_store
+from pipeline.launch import StageJob
+from pipeline.ranks import Ranks, join, leave, measure_placement, ranks_from_env
+from pipeline.sources import extract
+from pipeline.workers import exit_with_launcher, is_pipes_process, pipes_extras
+
+
+def run_extraction(job: StageJob, ranks: Ranks) -> tuple[Manifest | None, StagePlacement]:
+    """The step's hidden states on `ranks`; the manifest (rank 0) and where the stage ran (every rank)."""
+    started = time.perf_counter()
+    cfg = job.pipeline_config
+    device = ranks.device(cfg.device, cfg.target.gpus_per_process)
+    join(ranks, device)
+    try:
+        manifest = extract.extract_hidden_states(open_store(cfg), cfg, job.step, ranks)
+        return manifest, measure_placement("extraction", job.where, ranks, device, started)
+    finally:
+        leave()
+
+
+def _metadata(job: StageJob, manifest: Manifest, where: StagePlacement) -> dict:
+    cfg = job.pipeline_config
+    store = open_store(cfg)
+    plan = capture.read_plan(store, cfg.run, job.step)
+    return {
+        "samples": manifest.num_samples,
+        "tokens": manifest.num_tokens,
+        "bytes": manifest.total_bytes,
+        **(plan.summary() if plan else {}),  # rollouts captured of published, tokens stored of forwarded
+        "shards": len(manifest.shards),
+        "hidden_size": manifest.hidden_size,
+        "layer_ids": str(manifest.layer_ids),
+        "compression": manifest.compression,
+        "target": manifest.target["model_id"],
+        "content_digest": manifest.content_digest(),
+        **manifest.ingest,  # vLLM connector files: read, unmatched, refused; rollouts without a file
+        **where.metadata(),
+        "tokens_per_s": round(manifest.num_tokens / max(where.seconds, 1e-9), 1),
+        "uri": {"raw_value": store.uri(hidden_states_prefix(cfg.run, job.step)), "type": "path"},
+    }
+
+
+def main() -> None:
+    ranks = ranks_from_env()
+    exit_with_launcher()
+    if not is_pipes_process():
+        raise SystemExit("pipeline.sources.worker: no job; launch it from the hidden_states asset (Dagster Pipes)")
+    if not ranks.is_main:
+        run_extraction(StageJob.from_dict(pipes_extras()["job"]), ranks)
+        return
+    with open_dagster_pipes() as pipes:
+        job = StageJob.from_dict(pipes.get_extra("job"))
+        pipes.log.info(f"extracting hidden states of RL step {job.step} on {ranks.world_size} rank(s) "
+                       f"({job.where})")
+        manifest, where = run_extraction(job, ranks)
+        cfg = job.pipeline_config
+        store = open_store(cfg)
+        write_record(store, placement_key(cfg.run, job.step, "extraction"), where)
+        problems = checks.check_shards(store, cfg.run, job.step)
+        pipes.report_asset_materialization(metadata=_metadata(job, manifest, where))
+        pipes.report_asset_check(
+            "shards_valid", passed=not problems, severity="ERROR",
+            metadata={"problems": {"raw_value": "\n".join(f"* {p}" for p in problems) or "none", "type": "md"}})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""What every launched stage worker shares (`pipeline.{sources,training,evaluation}.worker`): staying no
+longer than its launcher, and the Pipes extras on ranks other than 0.
+
+Only rank 0 opens Dagster Pipes' message channel, so Dagster sees one process per stage; the
+other ranks read the job from the Pipes context alone. Only workers import this module and
+`dagster_pipes` (a dependency-free protocol library); the orchestrator imports neither.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from dagster_pipes import PipesDefaultContextLoader, PipesEnvVarParamsLoader
+
+
+def exit_with_launcher(poll_s: float = 1.0) -> None:
+    """Exit when the launching process (torchrun's agent, or the Dagster step) is gone: a killed launcher
+    must not leave ranks working, and writing, behind it."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def is_pipes_process() -> bool:
+    return PipesEnvVarParamsLoader().is_dagster_pipes_process()
+
+
+def pipes_extras() -> dict:
+    """The Pipes context's extras, read without opening the message channel (ranks other than 0)."""
+    params = PipesEnvVarParamsLoader().load_context_params()
+    with PipesDefaultContextLoader().load_context(params) as data:
+        return dict(data["extras"])

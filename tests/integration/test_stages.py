@@ -1,0 +1,217 @@
+"""Extraction and evaluation as launched stages: their workers started through Dagster Pipes by the
+`hidden_states` and `acceptance` assets, on one rank and on two gloo ranks (torchrun), against the
+same stages run in this process; a rank killed mid-way; the run process's imports; each stage's pod."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import kubernetes
+import pytest
+import torch
+import yaml
+from dagster_k8s.pipes import build_pod_body
+
+from assets.cotraining import acceptance, hidden_states
+from pipeline import launch
+from pipeline.config import PROJECT_ROOT, load_config
+from pipeline.data import shards
+from pipeline.data.keys import drafter_key, hidden_states_prefix
+from pipeline.data.lease import LEASE_FILE
+from pipeline.data.records import TrainingRecord, read_acceptance, read_cost, write_record
+from pipeline.data.rollouts import read_policy_pointer
+from pipeline.data.store import open_store
+from pipeline.evaluation import acceptance as acceptance_lib
+from pipeline.models import target as target_lib
+from pipeline.models.checkpoint import save_drafter
+from pipeline.models.drafter import fresh_drafter
+from pipeline.registry import open_registry
+from pipeline.sources import extract
+from pipeline.sources.simulation import SimulatedRL
+from resources import pipeline_resource
+from tests.support.config import write_config
+
+STEP, KEY = 1, "step-000001"
+WORKER_FAULTS = Path(__file__).resolve().parent.parent / "support" / "worker_faults"
+DEPLOY = PROJECT_ROOT / "deploy"
+
+
+def _variant(config_path: Path, name: str, overrides: dict) -> Path:
+    data = yaml.safe_load(config_path.read_text())
+    for section, values in overrides.items():
+        data[section] = {**data.get(section, {}), **values}
+    path = config_path.with_name(name)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _materialize(asset: dg.AssetsDefinition, config_path: Path, instance: dg.DagsterInstance):
+    return dg.materialize([asset], partition_key=KEY, resources={"pipeline": pipeline_resource(str(config_path))},
+                          instance=instance, raise_on_error=False)
+
+
+def _shard_bytes(store, cfg, manifest: shards.Manifest) -> list[bytes]:
+    prefix = hidden_states_prefix(cfg.run, STEP)
+    return [store.read_bytes(f"{prefix}/{s.name}") for s in manifest.shards]
+
+
+@pytest.mark.slow
+@pytest.mark.reliability("fault", "a rank of a two-rank extraction SIGKILLed after its first shard, then a rerun")
+def test_extraction_on_two_ranks_writes_one_process_shards_and_a_killed_rank_commits_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through Pipes: two gloo ranks with rank 1 killed as it starts its second shard (the stage fails, no
+    manifest), the rerun on two ranks, one rank; then the one-process function in this process. Every run
+    commits byte-identical shards and the same content digest; the killed rank's shard is swept."""
+    base = write_config(tmp_path, {"simulation": {"rollouts_per_step": 48},
+                                   "hidden_states": {"samples_per_shard": 5, "tokens_per_batch": 64}})
+    two = _variant(base, "two.yaml", {"extract": {"nproc": 2}})
+    cfg = load_config(base)
+    store = open_store(cfg)
+    SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
+    digests, shard_bytes = {}, {}
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_step", [KEY])
+        with monkeypatch.context() as faults:
+            faults.setenv("PYTHONPATH", f"{WORKER_FAULTS}:{PROJECT_ROOT}")
+            faults.setenv("DRAFTER_TEST_KILL_RANK", "1")
+            killed = _materialize(hidden_states, two, instance)
+        assert not killed.success
+        assert not shards.has_manifest(store, cfg.run, STEP)
+        left = [k.rsplit("/", 1)[-1] for k, _, _ in store.list_files(hidden_states_prefix(cfg.run, STEP))]
+        assert any(name.startswith("part-00001-") for name in left)  # rank 1's first shard, named by no manifest
+
+        for name, path in {"two": two, "one": base}.items():
+            result = _materialize(hidden_states, path, instance)
+            assert result.success, name
+            metadata = result.asset_materializations_for_node("hidden_states")[0].metadata
+            assert (metadata["ranks"].value, metadata["ran_in"].value) == ({"two": 2, "one": 1}[name], "process")
+            assert metadata["peak_memory_gb"].value > 0
+            assert metadata["stage_seconds"].value > 0
+            assert all(c.passed for c in result.get_asset_check_evaluations())
+            manifest = shards.read_manifest(store, cfg.run, STEP)
+            assert metadata["content_digest"].value == manifest.content_digest()
+            digests[name], shard_bytes[name] = manifest.content_digest(), _shard_bytes(store, cfg, manifest)
+    manifest = extract.extract_hidden_states(store, cfg, STEP)  # the function the worker runs, in this process
+    digests["in-process"], shard_bytes["in-process"] = manifest.content_digest(), _shard_bytes(store, cfg, manifest)
+
+    assert len(manifest.shards) >= 4  # both ranks had shards to write
+    assert digests["two"] == digests["one"] == digests["in-process"]
+    assert shard_bytes["two"] == shard_bytes["one"] == shard_bytes["in-process"]
+    left = {k.rsplit("/", 1)[-1] for k, _, _ in store.list_files(hidden_states_prefix(cfg.run, STEP))}
+    assert left - {LEASE_FILE} == {s.name for s in manifest.shards} | {shards.MANIFEST}
+
+
+def _register_drafter(cfg) -> str:
+    """A fresh drafter for the step's policy, registered as the step's training would register it."""
+    store = open_store(cfg)
+    pointer = read_policy_pointer(store, cfg.run, STEP)
+    target = target_lib.load_policy(store, pointer.checkpoint_uri, "cpu", target_lib.load_settings(cfg))
+    registry = open_registry(cfg)
+    run_id = registry.start_run("drafter-step-000001", {"rl_step": "1"})
+    drafter = fresh_drafter(cfg.drafter, target, torch.ones(target.config.vocab_size), seed=0)
+    version = registry.register(run_id, save_drafter(drafter, cfg.data_path / "d"),
+                                {"rl_step": "1", "input_id": "stages-test"}, identity="input_id")
+    registry.end_run(run_id)
+    write_record(store, drafter_key(cfg.run, STEP),
+                 TrainingRecord(STEP, True, "test", 0, run_id, version, None, (STEP,)))
+    return version
+
+
+@pytest.mark.slow
+def test_evaluation_on_two_ranks_measures_the_tau_of_one_process(tmp_path: Path) -> None:
+    """34 held-out prompts in three decoding batches and three estimate passes: through Pipes on two gloo ranks
+    and on one, then `measure_step` in this process. The same counts, so the same tau, to the last bit; the
+    step's cost record carries where the evaluation ran."""
+    base = write_config(tmp_path, {"simulation": {"rollouts_per_step": 96},
+                                   "eval": {"num_prompts": 34, "held_out_fraction": 0.4, "max_new_tokens": 6}})
+    two = _variant(base, "two.yaml", {"eval": {"nproc": 2}})
+    cfg = load_config(base)
+    store = open_store(cfg)
+    SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
+    version = _register_drafter(cfg)
+    measured = {}
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_step", [KEY])
+        for name, path in {"two": two, "one": base}.items():
+            result = _materialize(acceptance, path, instance)
+            assert result.success, name
+            metadata = result.asset_materializations_for_node("acceptance")[0].metadata
+            assert (metadata["ranks"].value, metadata["ran_in"].value) == ({"two": 2, "one": 1}[name], "process")
+            assert [c.passed for c in result.get_asset_check_evaluations()] == [True]
+            measured[name] = read_acceptance(store, cfg.run, STEP).drafters["cotrained"]
+            placements = read_cost(store, cfg.run, STEP).placements
+            assert [(p.stage, p.ranks) for p in placements] == [("evaluation", {"two": 2, "one": 1}[name])]
+    in_process = acceptance_lib.measure_step(store, cfg, STEP, open_registry(cfg), version).measured[version]
+
+    assert measured["two"].prompts == 34
+    assert measured["two"] == measured["one"] == in_process
+
+
+def test_the_run_process_imports_no_model_code_for_the_stages() -> None:
+    """The code location and the assets' run-side modules, imported in a fresh interpreter: no policy forward,
+    drafter, decoding or extraction module comes in (those run in the stages' workers only)."""
+    probe = ("import sys, definitions, assets.cotraining, assets.fleet, resources.launcher; "
+             "print('\\n'.join(sorted(sys.modules)))")
+    loaded = set(subprocess.run([sys.executable, "-c", probe], cwd=PROJECT_ROOT, check=True, capture_output=True,
+                                text=True).stdout.split())
+    forbidden = {"pipeline.sources.extract", "pipeline.evaluation.speculative", "pipeline.evaluation.teacher_forced",
+                 "pipeline.evaluation.acceptance", "pipeline.models.target", "pipeline.models.target_forward",
+                 "pipeline.models.drafter", "pipeline.models.eagle", "pipeline.models.eagle3",
+                 "pipeline.models.peagle", "pipeline.models.checkpoint", "pipeline.sources.simulation",
+                 "pipeline.training.loop", "transformers.models.llama.modeling_llama"}
+    assert loaded & forbidden == set()
+    assert "pipeline.launch" in loaded  # the stages are launched from there
+
+
+@pytest.mark.parametrize("stage", ["extraction", "evaluation"])
+def test_each_stage_pod_is_the_stage_worker_with_its_own_resources(stage: str) -> None:
+    """deploy/pipeline.yaml's pod of each stage, as data: the project's image, the stage's worker under torchrun,
+    one GPU per rank and the stage's own memory, secrets only by reference."""
+    cfg = load_config(DEPLOY / "pipeline.yaml", {"hidden_states": {"source": "forward"},
+                                                 "extract": {"nproc": 2, "memory": "200Gi"},
+                                                 "eval": {"nproc": 4, "memory": "300Gi"}})
+    spec = launch.stage_pod_spec(cfg, stage)
+    (container,) = spec["containers"]
+    ranks, memory = {"extraction": (2, "200Gi"), "evaluation": (4, "300Gi")}[stage]
+    assert container["image"] == cfg.train.k8s.image
+    assert container["command"] == ["python", "-m", "torch.distributed.run", "--standalone",
+                                    f"--nproc-per-node={ranks}", "-m", launch.WORKERS[stage]]
+    assert container["resources"]["limits"] == container["resources"]["requests"] == {
+        "cpu": {"extraction": cfg.extract.cpu, "evaluation": cfg.eval.cpu}[stage], "memory": memory,
+        cfg.train.k8s.gpu_resource: str(ranks)}
+    assert container["envFrom"] == [{"secretRef": {"name": cfg.train.k8s.env_secret}}]
+    assert "env" not in container  # no value inline: PipesK8sClient adds only its bootstrap variables
+    assert spec["restartPolicy"] == "Never"
+    assert spec["nodeSelector"] == cfg.train.k8s.node_selector
+    assert launch.pod_labels(cfg, stage, 7)["drafter-cotraining/stage"] == stage
+    # What PipesK8sClient.run submits: dagster-k8s merges the spec with the Pipes bootstrap environment into the
+    # kubernetes client's V1Pod (unknown fields are refused).
+    pod = build_pod_body(pod_name=f"dagster-{stage}-abc123", image=None, command=None,
+                         env_vars={"DAGSTER_PIPES_CONTEXT": "ctx", "DAGSTER_PIPES_MESSAGES": "msg"},
+                         base_pod_meta={"labels": launch.pod_labels(cfg, stage, 7)}, base_pod_spec=spec)
+    assert isinstance(pod, kubernetes.client.V1Pod)
+    assert {e.name for e in pod.spec.containers[0].env} == {"DAGSTER_PIPES_CONTEXT", "DAGSTER_PIPES_MESSAGES"}
+    mounts = [m["mountPath"] for m in container["volumeMounts"]]
+    assert mounts == ["/dev/shm", *(["/shared/hidden_states"] if stage == "extraction" else [])]
+    one = load_config(DEPLOY / "pipeline.yaml")
+    assert launch.stage_pod_spec(one, stage)["containers"][0]["command"] == ["python", "-m", launch.WORKERS[stage]]
+    split = load_config(DEPLOY / "pipeline.yaml", {"target": {"split": "layers", "split_devices": 4}})
+    limits = launch.stage_pod_spec(split, stage)["containers"][0]["resources"]["limits"]
+    assert limits[cfg.train.k8s.gpu_resource] == "4"  # one rank, its policy split over a block of 4 GPUs
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"extract": {"nproc": 0}}, "extract.nproc"),
+    ({"eval": {"memory": "lots"}}, "eval.memory"),
+    ({"extract": {"nproc": 2}, "hidden_states": {"source": "vllm", "vllm_path": "/x", "vllm_layer_ids": [1]}},
+     "extract.nproc is 2"),
+    ({"eval": {"nproc": 2}, "device": "mps"}, "eval.nproc above 1"),
+])
+def test_stage_ranks_are_validated_with_the_key_named(overrides: dict, message: str) -> None:
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
