@@ -13,12 +13,14 @@ plan    the capacity plan of an RL step's drafter side: GPU-seconds, bytes, the 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -145,6 +147,51 @@ class _SensorTicks:
 QUIET_RUN = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
 
+def refresh_ticks(config_path: str | None, overrides: dict | None, every_s: float = 1.0) -> None:
+    """The refresh sensor and the runs it requests, in this process, until its standard input closes: what the
+    Dagster daemon runs beside the step runs. A process of its own (the demo starts one): Dagster configures the
+    logging of a run as it starts it, which two runs in one process's threads would do at once."""
+    import dagster as dg
+
+    from definitions import build_definitions
+    from jobs.sensors import refresh_sensor
+
+    _quiet_libraries()
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), name="stdin-watch", daemon=True).start()
+    instance = dg.DagsterInstance.get()
+    ticks = _SensorTicks(instance, build_definitions(config_path, overrides))
+    while not stop.is_set():
+        ticks.tick(refresh_sensor, "refresh_job", lambda line: out(line))
+        stop.wait(every_s)
+
+
+class _RefreshProcess:
+    """`cli.py refresh-ticks` beside the demo's loop; it ends when the demo closes its standard input."""
+
+    def __init__(self, config_path: str | None, overrides: dict | None, log: Path) -> None:
+        argv = [sys.executable, str(ROOT / "cli.py"), *(["--config", config_path] if config_path else []),
+                "refresh-ticks", *(["--overrides", json.dumps(overrides)] if overrides else [])]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        with log.open("w") as sink:
+            self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=sink, stderr=subprocess.STDOUT,
+                                            cwd=ROOT)
+
+    def raise_if_failed(self) -> None:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"the refresh process exited with {self.process.returncode}; see {self.log}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()  # its loop ends after the run in progress
+            try:
+                self.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.process.terminate()
+                self.process.wait()
+
+
 def _fresh_demo(config_path: str | None, overrides: dict | None) -> PipelineConfig:
     """The demo's config, its data directories emptied (the pre-trained target cache stays)."""
     cfg = load_config(config_path, overrides)
@@ -215,12 +262,27 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
                                    source=source, step_period_s=cfg.simulation.step_period_s,
                                    round_costs=summary_costs, train_tokens_per_s=tokens_per_s,
                                    ledger={"steps": report.ledger_rows(ledger), "spent_s": total.spent_s,
-                                           "saved_s": total.saved_s, "spent_by_stage_s": total.by_stage})
+                                           "saved_s": total.saved_s, "spent_by_stage_s": total.by_stage},
+                                   tail=report.tail_goals(rows))
     out()
     out(report.format_table(rows))
     out()
     out(report.format_ledger(ledger))
     out()
+    if any(r.get("tail_tau_start") is not None for r in rows):
+        goals = report.tail_goals(rows)
+        out(report.format_tail(rows))
+        out("(tail: the step's parts after the refresh's qualifying part; * refreshed but not deployed)")
+        if goals:
+            def ratio(value: float | None, spec: str) -> str:
+                return "-" if value is None else format(value, spec)
+
+            out(f"tail tau over steps {goals['steps']}: refreshed / whole-step "
+                f"{ratio(goals['refreshed_over_whole_step'], '.2f')}x, refreshed / start-of-step "
+                f"{ratio(goals['refreshed_over_start'], '.2f')}x; "
+                f"refresh latency {ratio(goals['latency_s'], '.1f')} s, "
+                f"{ratio(goals['latency_share'], '.0%')} of the step's rollout period")
+        out()
     first, last = rows[0], rows[-1]
     out(f"tau over {steps} steps: co-trained {first['tau_cotrained']:.2f} -> {last['tau_cotrained']:.2f}, "
         f"never retrained {first['tau_baseline']:.2f} -> {last['tau_baseline']:.2f} "
@@ -283,13 +345,21 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
             f"({'local CPU stand-ins, not vLLM' if cfg.fleet.driver == 'standin' else cfg.fleet.driver})")
     # The source publishes at its own pace in a background thread and never waits for the pipeline;
     # the pipeline picks committed steps up through its sensor, as it would an external trainer's.
-    paced = PacedSource(rl.run_step, steps, cfg.simulation.step_period_s).start()
+    period = cfg.simulation.step_period_s
+    run_step = rl.run_step if source == "trl" else (lambda step: rl.run_step(step, period))  # parts over the period
+    paced = PacedSource(run_step, steps, period).start()
+    refreshes = None
+    if cfg.refresh.enabled and with_fleet:  # the refresh sensor and its runs, as the daemon runs them beside steps
+        prepare_instance(instance)  # the storage's tables and pools, from this process first
+        refreshes = _RefreshProcess(config_path, overrides, cfg.data_path / "demo" / "refresh.log")
     rows, step_walls = [], []
     bar = tqdm(total=steps, desc="RL steps", unit="step", file=sys.stdout, dynamic_ncols=True)
     bar.set_postfix_str(what)
     try:
         while len(rows) < steps:
             paced.raise_if_failed()
+            if refreshes:
+                refreshes.raise_if_failed()
             ran = _pipeline_tick(ticks, with_fleet, bar.set_postfix_str)
             for published in paced.published()[len(rows):]:
                 if not store.exists(acceptance_key(cfg.run, published.step)):
@@ -310,6 +380,8 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
         fleet_state = read_fleet_state(store, cfg.run).replicas if with_fleet else ()
     finally:
         paced.stop(timeout=0)
+        if refreshes:
+            refreshes.stop()
         if with_fleet and cfg.fleet.driver == "standin":
             deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the demo's stand-ins end with it
     bar.close()
@@ -535,6 +607,9 @@ def main(argv: list[str] | None = None) -> None:
     demo_p.add_argument("--drafter", choices=["eagle", "eagle3", "peagle"], help="drafter.kind for this demo")
     demo_p.add_argument("--source", choices=["simulated", "trl"], default="simulated",
                         help="what writes the RL steps: the built-in simulator, or real GRPO with TRL")
+    ticks_p = sub.add_parser("refresh-ticks", help="the refresh sensor and its runs, as the Dagster daemon runs them, "
+                             "until standard input closes (the demo starts it)")
+    ticks_p.add_argument("--overrides", help="JSON mapping merged over the config (the demo's --drafter)")
     ui_p = sub.add_parser("ui", help="Dagster and MLflow UIs on the demo's data")
     ui_p.add_argument("--stack", choices=["embedded", "postgres"], default="embedded",
                       help="postgres: a local PostgreSQL and S3-compatible server, production's instance settings")
@@ -565,6 +640,8 @@ def main(argv: list[str] | None = None) -> None:
         demo(args.steps, args.config, args.drafter, args.source)
     elif args.command == "ui":
         ui(args.config, args.stack)
+    elif args.command == "refresh-ticks":
+        refresh_ticks(args.config, json.loads(args.overrides) if args.overrides else None)
     elif args.command == "check-db":
         from pipeline.database import DatabaseError
 

@@ -5,6 +5,7 @@ import time
 import dagster as dg
 from pydantic import Field
 
+from pipeline import refresh as refresh_lib
 from pipeline.serving import deploy
 from resources import PipelineResource
 
@@ -33,8 +34,16 @@ class DeployConfig(dg.Config):
 )
 def fleet(context: dg.AssetExecutionContext, config: DeployConfig, pipeline: PipelineResource) -> dg.MaterializeResult:
     """Rolling update to `config.version`; the registry's `live` alias follows only a full success."""
-    cfg = pipeline.config
-    report = deploy.deploy(cfg, pipeline.store(), pipeline.registry(), config.version)
+    cfg, registry = pipeline.config, pipeline.registry()
+    # A refreshed drafter of a newer step than the version is not replaced by it (the refresh serves that step).
+    try:
+        report = deploy.deploy(cfg, pipeline.store(), registry, config.version,
+                               fence=lambda: refresh_lib.newer_live_refresh(registry, config.version))
+    except deploy.DeploySuperseded as exc:  # nothing was touched: the fleet keeps the newer drafter
+        context.log.info(f"version {config.version} not deployed: {exc}")
+        return dg.MaterializeResult(metadata={"version": registry.alias_version("live") or "none",
+                                              "skipped": f"version {config.version}: {exc}",
+                                              "driver": cfg.fleet.driver})
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     header = "| replica | version | since (UTC) | live tau | deploy s | update | held s | note |\n" \
              "|---|---|---|---|---|---|---|---|\n"

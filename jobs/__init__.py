@@ -23,6 +23,13 @@ rl_step_job = dg.define_asset_job(
 )
 
 
+refresh_job = dg.define_asset_job(
+    "refresh_job",
+    selection=dg.AssetSelection.assets("refreshed_drafter"),
+    description="Refresh the fleet's drafter from a step's first parts, while its tail is still generating.",
+)
+
+
 class SimulateConfig(dg.Config):
     steps: int = Field(default=1, ge=1, description="How many further RL steps to simulate.")
 

@@ -1,5 +1,6 @@
-"""Sensors: new RL steps in (one run per step), a promoted champion out to the fleet, and a
-retraining when the fleet's live acceptance falls below its floor."""
+"""Sensors: new RL steps in (one run per step), a step's first parts into a same-step refresh, a
+promoted champion out to the fleet, and a retraining when the fleet's live acceptance falls below
+its floor."""
 
 import json
 from dataclasses import dataclass
@@ -7,10 +8,11 @@ from dataclasses import dataclass
 import dagster as dg
 
 from assets.partitions import RETRAIN_TAG, rl_step
-from jobs import deploy_job, rl_step_job
+from jobs import deploy_job, refresh_job, rl_step_job
+from pipeline import refresh as refresh_lib
 from pipeline.config import PipelineConfig
-from pipeline.data.keys import malformed_step_names, rollouts_root, step_key
-from pipeline.data.rollouts import committed_steps
+from pipeline.data.keys import is_step_key, malformed_step_names, parse_step_key, rollouts_root, step_key
+from pipeline.data.rollouts import committed_steps, is_committed
 from pipeline.serving import deploy
 from pipeline.serving.fleet import scrape
 from pipeline.serving.metrics import SpecCounters
@@ -19,6 +21,7 @@ from resources import PipelineResource
 SENSOR_NAME = "rl_step_sensor"
 DEPLOY_SENSOR_NAME = "champion_sensor"
 LIVE_TAU_SENSOR_NAME = "live_tau_sensor"
+REFRESH_SENSOR_NAME = "refresh_sensor"
 
 
 @dg.sensor(
@@ -71,6 +74,8 @@ def champion_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResou
         return dg.SkipReason(f"{registry.model_name} has no `champion` alias yet")
     if champion == context.cursor:
         return dg.SkipReason(f"champion {registry.model_name} version {champion} already requested")
+    if newer := refresh_lib.newer_live_refresh(registry, champion):  # the cursor stays: a later champion goes
+        return dg.SkipReason(f"champion version {champion} waits: {newer}")
     return dg.SensorResult(
         run_requests=[
             dg.RunRequest(
@@ -81,6 +86,43 @@ def champion_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResou
         ],
         cursor=champion,
     )
+
+
+@dg.sensor(
+    name=REFRESH_SENSOR_NAME,
+    job=refresh_job,
+    minimum_interval_seconds=5,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Watches the parts of steps not yet committed and, once a step's parts hold refresh.min_share of "
+    "its expected rollouts (or refresh.min_tokens), requests one refresh run per step (run_key = refresh:<step>).",
+)
+def refresh_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResource) -> dg.SensorResult | dg.SkipReason:
+    cfg = pipeline.config
+    if not cfg.refresh.enabled:
+        return dg.SkipReason("refresh.enabled is false")
+    if cfg.fleet.driver == "none" or not cfg.train.enable_drafter_training:
+        return dg.SkipReason("refresh.enabled, but there is no fleet to refresh (fleet.driver none) or drafter "
+                             "training is off (train.enable_drafter_training false)")
+    last = int(context.cursor) if context.cursor else 0
+    if pipeline.registry().alias_version("champion") is None:  # a refresh fine-tunes the champion
+        return dg.SkipReason("no `champion` drafter to refresh yet: the first step's own training makes one")
+    store = pipeline.store()
+    # Only steps still generating: once committed, the step's own run trains on all of it.
+    open_steps = [parse_step_key(n) for n in store.list_dirs(rollouts_root(cfg.run)) if is_step_key(n)]
+    open_steps = [s for s in sorted(open_steps) if s > last and not is_committed(store, cfg.run, s)]
+    requests, seen = [], []
+    for step in open_steps:
+        q = refresh_lib.qualified_parts(store, cfg, step)
+        if q is None:
+            seen.append(f"{step_key(step)} below refresh.min_share")
+            continue
+        requests.append(dg.RunRequest(
+            run_key=f"refresh:{step_key(step)}", tags={"refresh_step": step_key(step), "refresh_part": str(q.part)},
+            run_config={"ops": {"refreshed_drafter": {"config": {"step": step, "part": q.part}}}}))
+        last = step
+    if not requests:
+        return dg.SkipReason(f"no step to refresh after {step_key(last)}: {', '.join(seen) or 'no open step'}")
+    return dg.SensorResult(run_requests=requests, cursor=str(last))
 
 
 @dg.sensor(

@@ -16,17 +16,28 @@ so a trainer hears about a mistake at the step that made it:
 A step is written rollouts first, then the checkpoint, then policy.json (the commit point).
 Publishing a committed step again with the same content is a no-op (a retried call); with
 other content it is refused and nothing stored changes.
+
+A trainer whose groups of rollouts finish over minutes publishes the step in parts as they
+finish, then commits it (`pipeline.data.parts`); the checkpoint goes up with the first part,
+so the pipeline can start on the step's first rollouts while the tail is still generating:
+
+    for part, group in enumerate(finished_groups()):                  # as the rollout engine returns them
+        publish_rollouts_part(root, "my-run", 7, part, group, staging, policy_version=6,
+                              model_id="my-policy", expected_rollouts=512)
+    commit_rollouts_parts(root, "my-run", 7)                            # policy.json lists the parts
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.data import parts as parts_lib
 from pipeline.data.keys import policy_pointer_key, policy_prefix, rollouts_key, rollouts_prefix, step_key
 from pipeline.data.rollouts import (
     PolicyPointer,
@@ -45,8 +56,8 @@ from pipeline.data.rollouts import (
 )
 from pipeline.data.store import ObjectStore
 
-__all__ = ["PublishedStep", "Rollout", "RolloutsError", "StagedCheckpoint", "publish_checkpoint", "publish_step",
-           "stage_checkpoint"]
+__all__ = ["PublishedStep", "Rollout", "RolloutsError", "StagedCheckpoint", "commit_rollouts_parts",
+           "publish_checkpoint", "publish_rollouts_part", "publish_step", "stage_checkpoint"]
 
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS = "model.safetensors"
@@ -165,11 +176,7 @@ def publish_step(
     rollouts_where = store.uri(rollouts_key(run, step))
     pointer_where = store.uri(policy_pointer_key(run, step))
     staged = checkpoint if isinstance(checkpoint, StagedCheckpoint) else stage_checkpoint(checkpoint)
-    if tokenizer_vocab_size is not None and tokenizer_vocab_size > staged.limits.vocab_size:
-        raise RolloutsError(
-            f"{step_key(step)}: policy checkpoint {staged.directory}",
-            f"the tokenizer has {tokenizer_vocab_size} ids, more than the policy's vocabulary "
-            f"({staged.limits.vocab_size}): the policy has no embedding for the ids above it", None, "vocab_size")
+    _check_tokenizer(step, staged, tokenizer_vocab_size)
     check_policy_version(policy_version, pointer_where)
     rollouts = list(rollouts)
     validate_rollouts(rollouts, rollouts_where, staged.limits)
@@ -181,12 +188,68 @@ def publish_step(
         return PublishedStep(rollouts_where, store.uri(checkpoint_key), pointer, written=False)
 
     write_rollouts_file(store, run, step, rollouts)
+    _upload_checkpoint(store, staged, checkpoint_key)
+    store.write_json(policy_pointer_key(run, step), pointer_record(pointer))
+    return PublishedStep(rollouts_where, store.uri(checkpoint_key), pointer, written=True)
+
+
+def _upload_checkpoint(store: ObjectStore, staged: StagedCheckpoint, checkpoint_key: str) -> None:
     for name in staged.files:
         with (staged.directory / name).open("rb") as src, store.open_write(f"{checkpoint_key}/{name}") as dst:
             while chunk := src.read(1 << 24):
                 dst.write(chunk)
-    store.write_json(policy_pointer_key(run, step), pointer_record(pointer))
-    return PublishedStep(rollouts_where, store.uri(checkpoint_key), pointer, written=True)
+
+
+def publish_rollouts_part(
+    store: ObjectStore | str,
+    run: str,
+    step: int,
+    part: int,
+    rollouts: Sequence[Rollout],
+    checkpoint: StagedCheckpoint | str | Path,
+    *,
+    policy_version: int,
+    model_id: str,
+    expected_rollouts: int,
+    tokenizer_vocab_size: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    now: float | None = None,
+) -> parts_lib.PublishedPart:
+    """Validate, then write one part of a step before its commit: with the first part the checkpoint under
+    policies/<run>/<step>/ and the step's record (policy pointer, `expected_rollouts`), then the part's
+    rollouts, its manifest last. The same part again is a no-op; another content for a published part,
+    a sample id another part holds, another policy pointer, or any new part once the step is committed is
+    refused by name. `now`: the part's publication time (epoch seconds; the clock's by default)."""
+    store = store if isinstance(store, ObjectStore) else ObjectStore(store, storage_options)
+    check_step(step, f"{store.uri(f'rollouts/{run}')}/step-?")
+    staged = checkpoint if isinstance(checkpoint, StagedCheckpoint) else stage_checkpoint(checkpoint)
+    _check_tokenizer(step, staged, tokenizer_vocab_size)
+    where = store.uri(policy_pointer_key(run, step))
+    check_policy_version(policy_version, where)
+    checkpoint_key = policy_prefix(run, step)
+    pointer = validate_pointer(pointer_record(PolicyPointer(policy_version, checkpoint_key, model_id)), where)
+    if parts_lib.read_step_parts(store, run, step) is None and not is_committed(store, run, step):
+        validate_rollouts(list(rollouts), store.uri(rollouts_key(run, step)), staged.limits)  # before any upload
+        _upload_checkpoint(store, staged, checkpoint_key)  # the pointer names it from the first part on
+    return parts_lib.write_part(store, run, step, part, rollouts, pointer, expected_rollouts, staged.limits,
+                                time.time() if now is None else now)
+
+
+def commit_rollouts_parts(store: ObjectStore | str, run: str, step: int,
+                          storage_options: dict[str, Any] | None = None) -> list[int]:
+    """Commit a step published in parts: rollouts.parquet of every part, then policy.json listing the parts
+    (the commit point). Again: a no-op. Returns the parts the step consists of."""
+    store = store if isinstance(store, ObjectStore) else ObjectStore(store, storage_options)
+    check_step(step, f"{store.uri(f'rollouts/{run}')}/step-?")
+    return parts_lib.commit_parts(store, run, step)
+
+
+def _check_tokenizer(step: int, staged: StagedCheckpoint, tokenizer_vocab_size: int | None) -> None:
+    if tokenizer_vocab_size is not None and tokenizer_vocab_size > staged.limits.vocab_size:
+        raise RolloutsError(
+            f"{step_key(step)}: policy checkpoint {staged.directory}",
+            f"the tokenizer has {tokenizer_vocab_size} ids, more than the policy's vocabulary "
+            f"({staged.limits.vocab_size}): the policy has no embedding for the ids above it", None, "vocab_size")
 
 
 def _refuse_other_content(store: ObjectStore, run: str, step: int, rollouts: list[Rollout], pointer: PolicyPointer,

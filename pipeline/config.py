@@ -499,7 +499,19 @@ class SimulationConfig(_Strict):
     rl_iters: int = Field(default=60, ge=0, description="Reward-weighted fine-tuning iterations per RL step.")
     rollouts_per_step: int = Field(default=96, ge=2, description="Rollouts generated per RL step.")
     prompt_len: int = Field(default=8, ge=2, description="Prompt tokens per rollout.")
-    response_len: int = Field(default=56, ge=1, description="Response tokens per rollout.")
+    response_len: int = Field(default=112, ge=1, description="Response tokens per rollout: the longest one when "
+                              "`response_len_sigma` > 0.")
+    response_len_median: float = Field(
+        default=0.4, gt=0, le=1,
+        description="Median response length as a share of `response_len` (lognormal lengths).")
+    response_len_sigma: float = Field(
+        default=0.5, ge=0, le=3,
+        description="Sigma of the lognormal response lengths, capped at `response_len`; 0: every response is "
+                    "`response_len` long. A reasoning RL step's lengths are long-tailed.")
+    parts_per_step: int = Field(
+        default=8, ge=1, le=64,
+        description="The step is published in this many parts as its rollouts finish (by length) over its step "
+                    "period, then committed; 1: published whole.")
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature of rollouts.")
     seed: int = Field(default=1234, description="Seed of the task family and the target.")
     step_period_s: float = Field(
@@ -515,6 +527,26 @@ class SimulationConfig(_Strict):
         if self.candidates > self.vocab_size:
             raise ValueError("simulation.candidates must not exceed simulation.vocab_size")
         return self
+
+
+class RefreshConfig(_Strict):
+    """Same-step refresh: a drafter fine-tuned on a step's first parts serves the step's tail."""
+
+    enabled: bool = Field(default=True, description="Run a refresh when a step's parts qualify (with a fleet "
+                          "and drafter training on; otherwise the refresh sensor says why it skips).")
+    min_share: float = Field(
+        default=0.5, gt=0, le=1,
+        description="A step's parts qualify once they hold this share of its expected rollouts.")
+    min_tokens: int = Field(
+        default=0, ge=0, description="... or this many response tokens (0: the share alone decides).")
+    max_tokens: int = Field(
+        default=20000, ge=64,
+        description="Trained positions of a refresh (windowed tokens): a budget of seconds, not minutes.")
+    margin: float = Field(
+        default=0.05, ge=0,
+        description="Deploy the refreshed drafter when its tau on the parts' held-out rollouts beats the "
+                    "champion's by more than this.")
+    lr: float = Field(default=0.001, gt=0, description="Learning rate of the refresh's fine-tuning.")
 
 
 class PipelineConfig(_Strict):
@@ -541,6 +573,8 @@ class PipelineConfig(_Strict):
     promotion: PromotionConfig = Field(default_factory=PromotionConfig, description="Champion promotion.")
     fleet: FleetConfig = Field(default_factory=FleetConfig, description="The serving fleet the champion goes to.")
     simulation: SimulationConfig = Field(default_factory=SimulationConfig, description="Simulated RL source.")
+    refresh: RefreshConfig = Field(default_factory=RefreshConfig,
+                                   description="Same-step refresh of the fleet's drafter from a step's first parts.")
 
     @model_validator(mode="after")
     def _parallel_depths(self) -> PipelineConfig:

@@ -9,6 +9,7 @@ stage with its own ranks and resources.
     extraction   hidden_states   pipeline.sources.worker         extract.nproc        extract.cpu / .memory
     training     drafter         pipeline.training.worker        train.nproc_per_node train.k8s.cpu / .memory
     evaluation   acceptance      pipeline.evaluation.worker      eval.nproc           eval.cpu / .memory
+    refresh      refreshed_drafter pipeline.refresh_worker       1                    train.k8s.cpu / .memory
 
 One rank is started as `python -m <worker>` (rank 0 of 1, no torchrun agent: its start-up would
 only add a torch import); several as `torchrun --standalone --nproc-per-node=N -m <worker>`.
@@ -24,21 +25,23 @@ from dataclasses import asdict, dataclass, field
 from pipeline.config import PipelineConfig, parse_config
 
 WORKERS = {"extraction": "pipeline.sources.worker", "training": "pipeline.training.worker",
-           "evaluation": "pipeline.evaluation.worker"}
-CONTAINERS = {"extraction": "extractor", "training": "trainer", "evaluation": "evaluator"}
+           "evaluation": "pipeline.evaluation.worker", "refresh": "pipeline.refresh_worker"}
+CONTAINERS = {"extraction": "extractor", "training": "trainer", "evaluation": "evaluator", "refresh": "refresher"}
 SHM_VOLUME = "dshm"
 
 
 @dataclass(frozen=True)
 class StageJob:
-    """What a launched extraction or evaluation process receives (the Pipes extra `job`)."""
+    """What a launched extraction, evaluation or refresh process receives (the Pipes extra `job`)."""
 
-    stage: str  # extraction | evaluation
+    stage: str  # extraction | evaluation | refresh
     step: int
     config: dict  # the full PipelineConfig, resolved (a pod may not see the orchestrator's files)
     where: str  # process | pod: where the launcher starts it, for its placement record
     new_version: str | None = None  # evaluation: the drafter version the step's training produced
     spent_s: dict[str, float] = field(default_factory=dict)  # evaluation: device-seconds of the earlier stages
+    part: int | None = None  # refresh: the qualifying part
+    tags: dict[str, str] = field(default_factory=dict)  # refresh: the MLflow tags of its training run
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -46,7 +49,8 @@ class StageJob:
     @classmethod
     def from_dict(cls, doc: dict) -> StageJob:
         return cls(str(doc["stage"]), int(doc["step"]), dict(doc["config"]), str(doc["where"]),
-                   doc.get("new_version"), {k: float(v) for k, v in (doc.get("spent_s") or {}).items()})
+                   doc.get("new_version"), {k: float(v) for k, v in (doc.get("spent_s") or {}).items()},
+                   doc.get("part"), {str(k): str(v) for k, v in (doc.get("tags") or {}).items()})
 
     @property
     def pipeline_config(self) -> PipelineConfig:
@@ -55,7 +59,7 @@ class StageJob:
 
 def stage_ranks(cfg: PipelineConfig, stage: str) -> int:
     return {"extraction": cfg.extract.nproc, "training": cfg.train.nproc_per_node,
-            "evaluation": cfg.eval.nproc}[stage]
+            "evaluation": cfg.eval.nproc, "refresh": 1}[stage]
 
 
 def worker_command(module: str, nproc: int, python: str = sys.executable) -> list[str]:
@@ -85,7 +89,7 @@ def pod_spec(cfg: PipelineConfig, stage: str, command: list[str]) -> dict:
     k8s = cfg.train.k8s
     if not k8s.image:
         raise ValueError(f"train.k8s.image is empty: the {stage} pod needs an image with this project installed")
-    cpu, memory = (k8s.cpu, k8s.memory) if stage == "training" else \
+    cpu, memory = (k8s.cpu, k8s.memory) if stage in ("training", "refresh") else \
         {"extraction": (cfg.extract.cpu, cfg.extract.memory), "evaluation": (cfg.eval.cpu, cfg.eval.memory)}[stage]
     per_rank = 1 if stage == "training" else cfg.target.gpus_per_process  # a split policy: a block per rank
     amounts = {"cpu": cpu, "memory": memory, k8s.gpu_resource: str(stage_ranks(cfg, stage) * per_rank)}

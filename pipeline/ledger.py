@@ -8,9 +8,13 @@ Lag of step s:
     lag_s            from step s's publication until the fleet first ran a version that had seen s
                      (None: not yet)
 
+A step's refreshed drafter (refresh.py) counts as a version that has seen the step: it trained on
+the step's first parts.
+
 Cost of step s, in device-seconds (GPU-seconds in production; one process's seconds here):
     spent   extraction + training + evaluation of the step (its StepCost record), plus the
-            deployments of the versions the step's training produced (the fleet's history)
+            deployments of the versions the step's training or refresh produced (the fleet's
+            history), plus the refresh's training
     saved   the rollout seconds the served drafter saved on the step's response tokens (StepCost.saved_s)
 """
 
@@ -26,6 +30,7 @@ from pipeline.data.records import (
     StepCost,
     read_cost,
     read_fleet_state,
+    read_refresh,
     read_training,
     served_at,
 )
@@ -116,10 +121,17 @@ class Ledger:
 def read_ledger(store: ObjectStore, run: str, steps: list[int]) -> Ledger:
     """The ledger of `steps` from the records the stages stored: trainings, step costs, the fleet's history."""
     trainings = [read_training(store, run, s) for s in steps if store.exists(drafter_key(run, s))]
+    refreshes = [r for r in (read_refresh(store, run, s) for s in steps) if r is not None and r.version]
     trained_at = {t.version: t.step for t in trainings if t.version and t.figures}
     seen = {t.version: max(t.trained_on_steps, default=t.step) for t in trainings if t.version}
+    for r in refreshes:  # a refresh trained on the step's first parts
+        trained_at[r.version] = seen[r.version] = r.step
     history = read_fleet_state(store, run).history
+    refresh_s = {r.step: r.train_s for r in refreshes}
     costs = [c for c in (read_cost(store, run, s) for s in steps) if c is not None]
+    costs = [replace(c, seconds={**c.seconds, "training": round(c.seconds.get("training", 0.0)
+                                                                + refresh_s.get(c.step, 0.0), 3)})
+             if c.step in refresh_s else c for c in costs]
     published = {c.step: rollouts_lib.published_at(store, run, c.step) for c in costs}
     return Ledger(step_lags(published, history, seen), with_deployments(costs, history, trained_at))
 

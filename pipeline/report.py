@@ -11,7 +11,7 @@ from pipeline.data import buffer as buffer_lib
 from pipeline.data import capture, shards
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.keys import acceptance_key
-from pipeline.data.records import NO_DRAFTER_TAU, DrafterTau, read_acceptance, read_training
+from pipeline.data.records import NO_DRAFTER_TAU, DrafterTau, read_acceptance, read_refresh, read_tail, read_training
 from pipeline.data.store import ObjectStore
 from pipeline.ledger import Ledger, cumulative
 
@@ -40,7 +40,64 @@ def step_row(store: ObjectStore, run: str, step: int) -> dict:
         "eval_prompts_cotrained": cotrained.prompts if cotrained else None,
         "eval_rounds_cotrained": cotrained.rounds if cotrained else None,
         "tau_estimate_cotrained": _estimate(cotrained),
+        **tail_fields(store, run, step),
     }
+
+
+TAIL_FIELDS = ("tail_tau_start", "tail_tau_refreshed", "tail_tau_whole_step", "refresh_version", "refresh_deployed",
+               "refresh_latency_s", "refresh_latency_share", "tail_prompts")
+
+
+def tail_fields(store: ObjectStore, run: str, step: int) -> dict:
+    """The step's tail tau per drafter and its refresh (None where the step had no parts, or no refresh)."""
+    tail, refresh = read_tail(store, run, step), read_refresh(store, run, step)
+    fields = dict.fromkeys(TAIL_FIELDS)
+    if refresh:
+        fields.update({"refresh_version": refresh.version, "refresh_deployed": refresh.deployed,
+                       "refresh_latency_s": refresh.latency_s})
+    if tail:
+        fields.update({f"tail_tau_{role}": None if tau is None else round(tau, 4) for role, tau in tail.taus.items()})
+        fields.update({"refresh_latency_share": tail.latency_share, "tail_prompts": tail.prompts})
+    return fields
+
+
+def tail_goals(rows: list[dict], first_step: int = 2) -> dict | None:
+    """Means over the steps from `first_step` with a measured tail: the refreshed drafter's tail tau against the
+    whole-step drafter's and the start-of-step one's, and the refresh's latency as a share of the step's period."""
+    steps = [r for r in rows if r["step"] >= first_step and r.get("tail_tau_refreshed") and r.get("tail_tau_start")]
+    if not steps:
+        return None
+    whole = [r for r in steps if r.get("tail_tau_whole_step")]
+    shares = [r["refresh_latency_share"] for r in steps if r.get("refresh_latency_share") is not None]
+
+    def mean(values: list[float]) -> float | None:
+        return round(sum(values) / len(values), 4) if values else None
+
+    return {"steps": [r["step"] for r in steps],
+            "refreshed_over_whole_step": mean([r["tail_tau_refreshed"] / r["tail_tau_whole_step"] for r in whole]),
+            "refreshed_over_start": mean([r["tail_tau_refreshed"] / r["tail_tau_start"] for r in steps]),
+            "latency_share": mean(shares), "latency_s": mean([r["refresh_latency_s"] for r in steps
+                                                              if r.get("refresh_latency_s") is not None])}
+
+
+def format_tail(rows: list[dict]) -> str:
+    """Tau on each step's tail (its parts after the refresh's qualifying one) and the refresh's latency."""
+    head = (f"{'step':>4} {'tail start':>10} {'refreshed':>9} {'whole step':>10} {'refresh v':>9} "
+            f"{'latency s':>9} {'of period':>9}")
+    lines = [head, "-" * len(head)]
+
+    def shown(value: object, spec: str) -> str:
+        width = int(spec.split(".")[0])
+        return f"{'-':>{width}}" if value is None else format(value, spec)
+
+    for r in rows:
+        version = r.get("refresh_version")
+        version = "-" if version is None else f"v{version}" + ("" if r.get("refresh_deployed") else "*")
+        lines.append(f"{r['step']:>4} {shown(r.get('tail_tau_start'), '10.2f')} "
+                     f"{shown(r.get('tail_tau_refreshed'), '9.2f')} {shown(r.get('tail_tau_whole_step'), '10.2f')} "
+                     f"{version:>9} {shown(r.get('refresh_latency_s'), '9.1f')} "
+                     f"{shown(r.get('refresh_latency_share'), '9.0%')}")
+    return "\n".join(lines)
 
 
 def _tau(measured: DrafterTau | None) -> float:

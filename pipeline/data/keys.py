@@ -1,6 +1,7 @@
 """RL step identifiers and every object-store key the pipeline reads or writes.
 
     rollouts/<run>/step-000123/rollouts.parquet   policy.json (commit point)
+    rollouts/<run>/step-000123/parts/             a step published in parts before its commit (parts.py)
     policies/<run>/step-000123/                   the simulated trainer's policy checkpoints
     hidden_states/<run>/step-000123/              Arrow shards + _manifest.json (commit point)
     hidden_states/<run>/_target_layout.json       the run's target layout, recorded by its first step
@@ -12,6 +13,9 @@
     placement/<run>/step-000123/<stage>.json      where a launched stage ran (process or pod, ranks, memory)
     training/<run>/<input id>/                    resumable checkpoints of one training, origin.json
     fleet/<run>/state.json                        which drafter version the fleet serves
+    refresh/<run>/step-000123.json                a step's same-step refresh (refresh.py)
+    refresh_data/<run>/step-000123-part-0004/     the refresh's hidden states and buffer (its own writer)
+    tail/<run>/step-000123.json                   tau of the step's tail (its last parts) per drafter
 """
 
 from __future__ import annotations
@@ -147,4 +151,46 @@ def training_origin_key(run: str, input_id: str) -> str:
 
 
 def fleet_state_key(run: str) -> str:
-    return f"fleet/{run}/state.json"
+    return f"{fleet_prefix(run)}/state.json"
+
+
+def parts_prefix(run: str, step: int) -> str:
+    return f"{rollouts_prefix(run, step)}/parts"
+
+
+def part_key(part: int) -> str:
+    if part < 0 or part > MAX_STEP:
+        raise ValueError(f"part must be in [0, 2**63 - 1], got {part}")
+    return f"part-{part:04d}"
+
+
+def part_rollouts_key(run: str, step: int, part: int) -> str:
+    return f"{parts_prefix(run, step)}/{part_key(part)}.parquet"
+
+
+def part_manifest_key(run: str, step: int, part: int) -> str:
+    """A part's manifest: written after its rollouts, it is the part's commit point."""
+    return f"{parts_prefix(run, step)}/{part_key(part)}.json"
+
+
+def parts_step_key(run: str, step: int) -> str:
+    """The step's policy pointer and expected rollouts, written with its first part."""
+    return f"{parts_prefix(run, step)}/_step.json"
+
+
+def refresh_key(run: str, step: int) -> str:
+    return f"refresh/{run}/{step_key(step)}.json"
+
+
+def refresh_data_run(run: str, step: int, part: int) -> str:
+    """The namespace of one refresh's hidden states and buffer: apart from the step's own, so the step's
+    extraction (its lease, its sweep of files it did not commit) never meets the refresh's writer."""
+    return f"{run}/refresh/{step_key(step)}-{part_key(part)}"
+
+
+def tail_key(run: str, step: int) -> str:
+    return f"tail/{run}/{step_key(step)}.json"
+
+
+def fleet_prefix(run: str) -> str:
+    return f"fleet/{run}"

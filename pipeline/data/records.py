@@ -6,6 +6,8 @@
     cost/<run>/step-000123.json               StepCost           the acceptance asset -> schedules, the ledger
     placement/<run>/step-000123/<stage>.json  StagePlacement     a launched stage's worker -> its asset, the ledger
     fleet/<run>/state.json                    FleetState         the fleet asset -> status, the demo, the ledger
+    refresh/<run>/step-000123.json            RefreshRecord      the refresh job -> tail tau, reports
+    tail/<run>/step-000123.json               TailTau            the acceptance asset -> reports, MLflow
     (not stored)                              DeployReport       a rolling deploy -> the fleet asset
 
 Each record writes `schema_version` into its JSON; a document without one is version 1 (what
@@ -20,7 +22,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, TypeVar, get_args
 
 from pipeline.cost import DecodingCost
-from pipeline.data.keys import acceptance_key, cost_key, drafter_key, fleet_state_key, placement_key
+from pipeline.data.keys import (
+    acceptance_key,
+    cost_key,
+    drafter_key,
+    fleet_state_key,
+    placement_key,
+    refresh_key,
+    tail_key,
+)
 from pipeline.data.store import ObjectStore
 
 SCHEMA_VERSION = 1
@@ -419,6 +429,102 @@ class StepCost:
         return cls(doc["step"], {k: float(v) for k, v in doc["seconds"].items()}, doc["rollout_tokens"],
                    doc["served_version"], doc["served_tau"], DecodingCost.from_json(decoding) if decoding else None,
                    tuple(StagePlacement.from_json(p) for p in doc.get("placements", ())))
+
+
+# --- the same-step refresh ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RefreshRecord:
+    """A step's refresh: the champion fine-tuned on the step's first parts, and whether it went to the fleet.
+
+    Times are epoch seconds: `qualified_at` is the publication of the part that brought the step to
+    `refresh.min_share` (the latency's start), `live_at` when the whole fleet ran the refreshed drafter."""
+
+    step: int
+    part: int  # the qualifying part: the refresh trained on the parts up to it
+    parts: tuple[int, ...]  # the parts it read
+    rollouts: int  # rows of those parts
+    qualified_at: float
+    version: str | None  # the registered refreshed drafter; None: the training did not run
+    warm_start_version: str | None  # the champion it was fine-tuned from
+    tau_refreshed: float | None  # on the held-out rollouts of its parts, against the step's policy
+    tau_champion: float | None
+    deployed: bool
+    decision: str  # why it was (not) deployed
+    live_at: float | None = None
+    train_s: float = 0.0  # the refresh's device-seconds of training
+    beats_champion: bool = False  # by refresh.margin on the parts' held-out rollouts: it goes to the fleet
+
+    @property
+    def latency_s(self) -> float | None:
+        """From the qualifying part's publication to the whole fleet serving the refreshed drafter."""
+        return None if self.live_at is None else round(self.live_at - self.qualified_at, 3)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "parts": list(self.parts)}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> RefreshRecord:
+        return cls(doc["step"], doc["part"], tuple(doc["parts"]), doc["rollouts"], doc["qualified_at"],
+                   doc["version"], doc["warm_start_version"], doc["tau_refreshed"], doc["tau_champion"],
+                   doc["deployed"], doc["decision"], doc.get("live_at"), doc.get("train_s", 0.0),
+                   doc.get("beats_champion", False))
+
+
+TAIL_ROLES = ("start", "refreshed", "whole_step")
+
+
+@dataclass(frozen=True)
+class TailTau:
+    """Tau on the held-out prompts of a step's tail (its parts after the refresh's qualifying part), per drafter:
+
+        start       the drafter the fleet served when the step's first part was published
+        refreshed   the step's refreshed drafter (None: no refresh, or it did not reach the fleet)
+        whole_step  the drafter trained on the whole step (the step's co-trained drafter)
+
+    and the refresh's latency against the step's rollout period (first part to commit)."""
+
+    step: int
+    tail_parts: tuple[int, ...]
+    prompts: int
+    versions: dict[str, str | None]  # role -> registered version
+    taus: dict[str, float | None]  # role -> tau; 1.0 for `start` when no drafter served
+    refresh_latency_s: float | None
+    rollout_period_s: float
+
+    @property
+    def latency_share(self) -> float | None:
+        if self.refresh_latency_s is None or self.rollout_period_s <= 0:
+            return None
+        return round(self.refresh_latency_s / self.rollout_period_s, 4)
+
+    def metadata(self) -> dict:
+        """Tau per drafter and the refresh's latency as Dagster metadata (numbers it plots; -1: none)."""
+        metadata: dict = {f"tail_tau_{role}": round(tau, 3) if tau is not None else -1.0
+                          for role, tau in self.taus.items()}
+        metadata.update({"tail_parts": str(list(self.tail_parts)), "tail_prompts": self.prompts,
+                         "refresh_latency_s": self.refresh_latency_s if self.refresh_latency_s is not None else -1.0,
+                         "refresh_latency_share": self.latency_share if self.latency_share is not None else -1.0})
+        return metadata
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "tail_parts": list(self.tail_parts), "latency_share": self.latency_share}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> TailTau:
+        return cls(doc["step"], tuple(doc["tail_parts"]), doc["prompts"], dict(doc["versions"]), dict(doc["taus"]),
+                   doc["refresh_latency_s"], doc["rollout_period_s"])
+
+
+def read_refresh(store: ObjectStore, run: str, step: int) -> RefreshRecord | None:
+    key = refresh_key(run, step)
+    return read_record(store, key, RefreshRecord) if store.exists(key) else None
+
+
+def read_tail(store: ObjectStore, run: str, step: int) -> TailTau | None:
+    key = tail_key(run, step)
+    return read_record(store, key, TailTau) if store.exists(key) else None
 
 
 def read_training(store: ObjectStore, run: str, step: int) -> TrainingRecord:

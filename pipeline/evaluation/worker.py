@@ -7,7 +7,8 @@ The job (`pipeline.launch.StageJob`: config, RL step, the step's new drafter ver
 device-seconds of the stages before) arrives as the Pipes extra `job`. One process (or one set of
 ranks) measures every drafter of the step, so the policy is loaded once per step; the ranks share
 the prompt batches and sum their counts (`acceptance.measure_step`). Rank 0 decides the promotion,
-writes the step's records and reports the materialization, the `tau_in_range` check and its logs
+writes the step's records, measures tau on the tail of a step published in parts (`tail`),
+and reports the materialization, the `tau_in_range` check and its logs
 over Pipes.
 """
 
@@ -21,6 +22,7 @@ from pipeline.data.keys import placement_key
 from pipeline.data.records import AcceptanceRecord, StagePlacement, read_record
 from pipeline.data.store import open_store
 from pipeline.evaluation import acceptance
+from pipeline.evaluation import tail as tail_lib
 from pipeline.launch import StageJob
 from pipeline.ranks import Ranks, join, leave, ranks_from_env
 from pipeline.registry import open_registry
@@ -68,7 +70,12 @@ def main() -> None:
         where = read_record(open_store(cfg), placement_key(cfg.run, job.step, "evaluation"), StagePlacement)
         pipes.log.info(f"evaluation done in {time.perf_counter() - started:.1f} s: {record.decision}")
         ceiling = cfg.eval.num_speculative_tokens + 1
-        pipes.report_asset_materialization(metadata={**acceptance_metadata(record), **where.metadata()})
+        metadata = {**acceptance_metadata(record), **where.metadata()}
+        registry = open_registry(cfg)
+        if tail := tail_lib.measure_tail(open_store(cfg), cfg, job.step, registry):  # a step published in parts
+            metadata.update(tail.metadata())
+            tail_lib.log_tail(registry, tail)
+        pipes.report_asset_materialization(metadata=metadata)
         pipes.report_asset_check(
             "tau_in_range", passed=all(1.0 <= d.tau <= ceiling for d in record.measured().values()),
             severity="ERROR", metadata={"ceiling": ceiling})

@@ -7,13 +7,16 @@
 from __future__ import annotations
 
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.config import PipelineConfig
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.held_out import held_out_prompts
-from pipeline.data.keys import fleet_state_key, rollouts_root
+from pipeline.data.keys import fleet_prefix, fleet_state_key, rollouts_root
+from pipeline.data.lease import hold
 from pipeline.data.records import (
     Deployment,
     DeployReport,
@@ -116,6 +119,10 @@ def record_live(
                                                          live_counters or {}))
 
 
+class DeploySuperseded(RuntimeError):
+    """A deploy's fence said the fleet runs something newer than the version: nothing was touched."""
+
+
 def record_stopped(store: ObjectStore, run: str, replicas_now: tuple[ReplicaDeploy, ...]) -> None:
     """A deploy stopped midway: the fleet's version, `live` and history stay; its replicas say what each runs now
     (the ones updated before the failure the new version, the failed one rolled back)."""
@@ -126,21 +133,27 @@ def record_stopped(store: ObjectStore, run: str, replicas_now: tuple[ReplicaDepl
 
 
 def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, version: str,
-           driver: ReplicaDriver | None = None) -> DeployReport:
+           driver: ReplicaDriver | None = None, fence: Callable[[], str | None] | None = None) -> DeployReport:
     """Stage `version`, roll it over the fleet (hot where `fleet.update` allows, else restarts), then record it
-    as `live` (registry alias + fleet state). A deploy stopped by a gate records what each replica runs."""
-    staged = stage_versions(cfg, registry, version)
-    policy = served_policy(store, cfg)
-    recorded = {r.replica: r for r in read_fleet_state(store, cfg.run).replicas}
-    try:
-        report = rolling_deploy(replicas(cfg), driver or make_driver(cfg), policy.target, version,
-                                str(staged.directory), staged.previous, gate_config(cfg), policy.canary_prompts,
-                                cfg.fleet.update, recorded)
-    except GateError as exc:
-        if exc.replicas:
-            record_stopped(store, cfg.run, exc.replicas)
-        raise
-    record_live(store, cfg.run, registry, version, policy.step, report, _counters_now(replicas(cfg)))
+    as `live` (registry alias + fleet state). A deploy stopped by a gate records what each replica runs. One
+    deploy at a time per fleet (the champion's and a refresh's alike hold the fleet's lease); `fence`, asked
+    under the lease, names why the version must not go (DeploySuperseded), or None."""
+    with hold(store, fleet_prefix(cfg.run), f"deploy-v{version}-{uuid.uuid4().hex[:8]}", cfg.storage.step_lease_s,
+              cfg.storage.step_lease_wait_s):
+        if fence is not None and (why := fence()):
+            raise DeploySuperseded(why)
+        staged = stage_versions(cfg, registry, version)
+        policy = served_policy(store, cfg)
+        recorded = {r.replica: r for r in read_fleet_state(store, cfg.run).replicas}
+        try:
+            report = rolling_deploy(replicas(cfg), driver or make_driver(cfg), policy.target, version,
+                                    str(staged.directory), staged.previous, gate_config(cfg), policy.canary_prompts,
+                                    cfg.fleet.update, recorded)
+        except GateError as exc:
+            if exc.replicas:
+                record_stopped(store, cfg.run, exc.replicas)
+            raise
+        record_live(store, cfg.run, registry, version, policy.step, report, _counters_now(replicas(cfg)))
     return report
 
 

@@ -15,13 +15,24 @@ reward-weighted regression (RWR: NLL weighted by exp(reward / beta)) on sequence
 from the step's task, then samples rollouts from the updated policy and writes them,
 with the policy checkpoint, in exactly the layout an external trainer uses
 (see `pipeline/data/rollouts.py`).
+
+Response lengths are lognormal (`response_len_sigma`; median `response_len_median` of the
+longest, capped at `response_len`), as a reasoning step's are: most rollouts finish early
+and a long tail holds the step. With `parts_per_step` > 1 the step is published in parts as
+its rollouts finish (`pipeline/data/parts.py`): the batch decodes together, one token per
+forward, paced so that the longest rollout ends with the step's rollout window; part i holds
+the rollouts whose last token falls in the i-th slice of the decoding, and is published as the
+decoding passes the slice's end. Then the step is committed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,8 +40,9 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from pipeline.config import SimulationConfig
+from pipeline.data import parts as parts_lib
 from pipeline.data.keys import policy_prefix
-from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
+from pipeline.data.rollouts import PolicyPointer, Rollout, TargetLimits, write_rollouts
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
@@ -117,6 +129,19 @@ def _finetune(
     model.eval()
 
 
+@dataclass(frozen=True)
+class GeneratedStep:
+    """A simulated step's policy (written) and rollouts (not yet)."""
+
+    step: int
+    pointer: PolicyPointer
+    rollouts: list[Rollout]
+    limits: TargetLimits
+
+
+OnPart = Callable[[GeneratedStep, int, list[Rollout]], None]
+
+
 class SimulatedRL:
     """Writes RL steps 1, 2, ... of a simulated run into the store (the external-trainer layout)."""
 
@@ -129,7 +154,8 @@ class SimulatedRL:
     def _cache_path(self) -> Path:
         # Only what shapes pre-training goes into the key: tuning RL knobs keeps the cache.
         pretrain = self.cfg.model_dump(
-            exclude={"drift", "rl_iters", "rollouts_per_step", "temperature", "step_period_s"})
+            exclude={"drift", "rl_iters", "rollouts_per_step", "temperature", "step_period_s", "response_len_median",
+                     "response_len_sigma", "parts_per_step"})
         digest = hashlib.sha256(json.dumps(pretrain, sort_keys=True).encode()).hexdigest()[:12]
         return self.cache_dir / f"pretrained-target-{digest}"
 
@@ -155,8 +181,22 @@ class SimulatedRL:
         # A model of its own (not the process's shared policy): run_step fine-tunes it in place.
         return target_lib.load_checkpoint(self.store.uri(policy_prefix(self.run, step)), store=self.store)
 
-    def run_step(self, step: int) -> PolicyPointer:
-        """Update the policy of step-1 with RWR toward step's task, then write step's rollouts."""
+    def run_step(self, step: int, period_s: float = 0.0) -> PolicyPointer:
+        """Update the policy of step-1 with RWR toward step's task, then generate and write step's rollouts:
+        whole, or in `parts_per_step` parts as they finish, the decoding paced to end `period_s` (less the
+        commit's share) after the step began (0: as fast as it runs)."""
+        window_end = time.monotonic() + period_s * ROLLOUT_SHARE_OF_PERIOD
+        if self.cfg.parts_per_step == 1:
+            generated = self.generate_step(step)
+            write_rollouts(self.store, self.run, step, generated.rollouts, generated.pointer)
+            return generated.pointer
+        generated = self.generate_step(step, self._write_part, window_end)
+        parts_lib.commit_parts(self.store, self.run, step)
+        return generated.pointer
+
+    def generate_step(self, step: int, on_part: OnPart | None = None, window_end: float = 0.0) -> GeneratedStep:
+        """The RL update of step (its checkpoint written: the step's pointer) and its rollouts; `on_part` is
+        handed each part as the decoding finishes it, paced to end at `window_end` (time.monotonic())."""
         if step < 1:
             raise ValueError(f"simulated RL steps start at 1, got {step}")
         cfg = self.cfg
@@ -170,24 +210,85 @@ class SimulatedRL:
 
         _finetune(model, rwr_batch, cfg.rl_iters, lr=2e-3)
         checkpoint_uri = target_lib.save_checkpoint(model, self.store, policy_prefix(self.run, step))
-
-        rollouts = self.generate_rollouts(model, step, g)
         pointer = PolicyPointer(policy_version=step, checkpoint_uri=checkpoint_uri,
                                 model_id=target_forward.model_id(model))
-        write_rollouts(self.store, self.run, step, rollouts, pointer)
-        return pointer
+        generated = GeneratedStep(step, pointer, [], TargetLimits.of(model.config))
+        finished = None if on_part is None else (lambda part, rows: on_part(generated, part, rows))
+        generated.rollouts.extend(self.generate_rollouts(model, step, g, finished, window_end))
+        return generated
+
+    def _write_part(self, generated: GeneratedStep, part: int, rows: list[Rollout]) -> None:
+        parts_lib.write_part(self.store, self.run, generated.step, part, rows, generated.pointer,
+                             self.cfg.rollouts_per_step, generated.limits, time.time())
+
+    def publish_parts(self, generated: GeneratedStep, only: set[int] | None = None) -> list[int]:
+        """Write the step's parts at once (`only`: these parts alone); returns the parts written (an empty slice
+        of the decoding is no part)."""
+        written = []
+        for part, finished in enumerate(finish_parts(generated.rollouts, self.cfg.parts_per_step)):
+            if finished and (only is None or part in only):
+                self._write_part(generated, part, finished)
+                written.append(part)
+        return written
+
+    def response_lengths(self, n: int, g: torch.Generator) -> list[int]:
+        """n response lengths: lognormal around the median share of `response_len`, capped at it."""
+        cfg = self.cfg
+        if cfg.response_len_sigma == 0:
+            return [cfg.response_len] * n
+        median = math.log(cfg.response_len_median * cfg.response_len)
+        normal = torch.randn(n, generator=g, dtype=torch.float64)
+        return [max(1, min(cfg.response_len, round(math.exp(median + cfg.response_len_sigma * float(z)))))
+                for z in normal]
 
     @torch.no_grad()
-    def generate_rollouts(self, model: LlamaForCausalLM, step: int, g: torch.Generator) -> list[Rollout]:
+    def generate_rollouts(self, model: LlamaForCausalLM, step: int, g: torch.Generator,
+                          on_part: Callable[[int, list[Rollout]], None] | None = None,
+                          window_end: float = 0.0) -> list[Rollout]:
+        """The step's rollouts, decoded together; with `on_part`, each part (`finish_parts`) is handed over as
+        soon as the decoding has finished it, the decoding paced to end at `window_end` (time.monotonic())."""
         cfg = self.cfg
         prompts = self.task.sample(step, cfg.rollouts_per_step, cfg.prompt_len, g)  # (N, P)
-        seqs = prompts
-        for _ in range(cfg.response_len):  # sampling with our generator keeps steps reproducible
+        lengths = self.response_lengths(cfg.rollouts_per_step, g)
+        longest, parts = max(lengths), cfg.parts_per_step
+        closing: dict[int, list[int]] = {}  # decode step -> the parts it closes
+        for p in range(parts):
+            closing.setdefault(math.ceil((p + 1) / parts * longest), []).append(p)
+        seqs, started = prompts, time.monotonic()
+        rollouts: list[Rollout | None] = [None] * len(lengths)
+        for t in range(1, longest + 1):  # sampling with our generator keeps steps reproducible
             logits = model(input_ids=seqs).logits[:, -1] / cfg.temperature  # (N, V)
             seqs = torch.cat([seqs, torch.multinomial(logits.softmax(-1), 1, generator=g)], dim=1)
-        rewards = self.task.rewards(step, seqs, cfg.prompt_len)
-        mask = [0] * cfg.prompt_len + [1] * cfg.response_len
-        return [
-            Rollout(f"s{step:06d}-{i:05d}", seqs[i].tolist(), list(mask), float(rewards[i]), step)
-            for i in range(seqs.shape[0])
-        ]
+            for i in [i for i, length in enumerate(lengths) if length == t]:  # each response ends at its length
+                seq = seqs[i : i + 1]  # (1, P + t)
+                reward = float(self.task.rewards(step, seq, cfg.prompt_len)[0])
+                rollouts[i] = Rollout(f"s{step:06d}-{i:05d}", seq[0].tolist(), [0] * cfg.prompt_len + [1] * t,
+                                      reward, step)
+            if on_part is None or t not in closing:
+                continue
+            wait = started + t / longest * max(0.0, window_end - started) - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)  # the rollout engine's pace: the longest rollout ends with the window
+            for part in closing[t]:
+                done = [r for r in rollouts if r is not None and part_of(sum(r.loss_mask), longest, parts) == part]
+                if done:
+                    on_part(part, done)
+        return rollouts
+
+
+ROLLOUT_SHARE_OF_PERIOD = 0.95  # the rest of a step's period: the commit, and the next step's update beginning
+
+
+def part_of(length: int, longest: int, parts: int) -> int:
+    """The slice of the decoding (of `parts` equal ones) in which a response of `length` tokens ends."""
+    return max(0, math.ceil(length / longest * parts) - 1)
+
+
+def finish_parts(rollouts: list[Rollout], parts: int) -> list[list[Rollout]]:
+    """The rollouts finished in each of `parts` equal slices of the decoding: a response ends at the decode step
+    of its length (the longest at the last). Empty slices stay empty."""
+    longest = max(sum(r.loss_mask) for r in rollouts)
+    slices: list[list[Rollout]] = [[] for _ in range(parts)]
+    for r in rollouts:
+        slices[part_of(sum(r.loss_mask), longest, parts)].append(r)
+    return slices

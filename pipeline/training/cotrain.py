@@ -74,13 +74,19 @@ class _Inputs:
     entries: list[BufferEntry]
     pointer: PolicyPointer
     device: str
+    data_run: str  # where the buffer and its hidden states are: the run's, or a refresh's own namespace
 
 
 def _read_inputs(job: TrainJob, ctx: DistContext) -> _Inputs:
     cfg = job.pipeline_config
     store = open_store(cfg)
+    if job.refresh:  # the step is not committed yet: its policy is the one its parts named
+        spec = job.refresh
+        pointer = PolicyPointer(spec.policy_version, spec.checkpoint_uri, spec.model_id)
+        return _Inputs(cfg, store, list(read_buffer(store, spec.data_run, job.step).entries), pointer,
+                       rank_device(ctx, cfg.device), spec.data_run)
     return _Inputs(cfg, store, list(read_buffer(store, cfg.run, job.step).entries),
-                   rollouts_lib.read_policy_pointer(store, cfg.run, job.step), rank_device(ctx, cfg.device))
+                   rollouts_lib.read_policy_pointer(store, cfg.run, job.step), rank_device(ctx, cfg.device), cfg.run)
 
 
 def _warm_started_drafter(
@@ -93,7 +99,7 @@ def _warm_started_drafter(
     origin = store.read_json(origin_key) if store.exists(origin_key) else {"champion": job.warm_start_version}
     # A generator: only a fresh drafter reads the buffer (once, streamed) for its token counts, and
     # only on rank 0: the other ranks get rank 0's weights and vocabulary later.
-    hidden = iter_buffer_samples(store, cfg.run, inputs.entries) if ctx.is_main else iter(())
+    hidden = iter_buffer_samples(store, inputs.data_run, inputs.entries) if ctx.is_main else iter(())
     drafter, warm_start = _initial_drafter(cfg, registry, origin["champion"], target, hidden)
     if ctx.is_main and not store.exists(origin_key):
         store.write_json(origin_key, {"champion": origin["champion"], "warm_start": warm_start})
@@ -103,7 +109,7 @@ def _warm_started_drafter(
 def _check_buffer_layers(drafter: drafters.Drafter, inputs: _Inputs, num_layers: int) -> None:
     """Every step in the buffer stored the target layers this drafter reads."""
     for step_in_buffer in sorted({e.step for e in inputs.entries}):
-        manifest = shards.read_manifest(inputs.store, inputs.cfg.run, step_in_buffer)
+        manifest = shards.read_manifest(inputs.store, inputs.data_run, step_in_buffer)
         drafters.check_layers(drafter, manifest.layer_ids, num_layers, f"hidden states of step {step_in_buffer}")
 
 
@@ -152,12 +158,13 @@ def run_training(
     broadcast_state(drafter.to(inputs.device).trainable_state_dict(), ctx)  # before the teacher reads the vocabulary
     num_layers = target.config.num_hidden_layers
     _check_buffer_layers(drafter, inputs, num_layers)
-    data = BufferDataset(store, cfg.run, inputs.entries, lambda s: drafter.training_sample(s, num_layers),
+    data = BufferDataset(store, inputs.data_run, inputs.entries, lambda s: drafter.training_sample(s, num_layers),
                          cfg.train.max_unreadable_share)
 
     run_id = job.run_id
     if ctx.is_main and run_id is None:
-        run_id = registry.start_run(f"drafter-{step_key(job.step)}", {**job.tags, "input_id": job.input_id})
+        name = f"drafter-{step_key(job.step)}" + (f"-refresh-part-{job.refresh.part}" if job.refresh else "")
+        run_id = registry.start_run(name, {**job.tags, "input_id": job.input_id})
     try:
         sink: MetricsSink = NullSink()
         if ctx.is_main:
@@ -198,7 +205,8 @@ def _finish(
 ) -> TrainOutcome:
     outcome = TrainOutcome(True, job.reason, len(inputs.entries), run_id, version, warm_start, result,
                            tuple(composition(inputs.entries)), job.requested_by)
-    write_outcome(store, inputs.cfg.run, job.step, outcome)
+    if job.refresh is None:  # a refresh never stands in for the step's own training record
+        write_outcome(store, inputs.cfg.run, job.step, outcome)
     return outcome
 
 
@@ -220,11 +228,16 @@ def _register(
             }
             if job.requested_by:
                 tags["retrain_requested_by"] = job.requested_by
+            what = f"trained at RL step {job.step}"
+            if job.refresh:
+                tags.update({"refresh_step": str(job.step), "refresh_part": str(job.refresh.part)})
+                what = f"refreshed on RL step {job.step}'s parts up to part {job.refresh.part}"
             version = registry.register(run_id, checkpoint, tags, identity="input_id", description=(
-                f"{cfg.drafter.kind} drafter trained at RL step {job.step} of run {cfg.run} on "
+                f"{cfg.drafter.kind} drafter {what} of run {cfg.run} on "
                 f"{samples_read} samples of steps {steps}, warm-started from "
                 f"{f'version {warm_start}' if warm_start else 'a fresh initialisation'}."))
-    publish_challenger(registry, version)
+    if job.refresh is None:  # a refresh goes to the fleet by itself; the step's training keeps the aliases
+        publish_challenger(registry, version)
     return version
 
 

@@ -72,6 +72,18 @@ def input_identity(
 
 
 @dataclass(frozen=True)
+class RefreshSpec:
+    """What makes a training a same-step refresh: it reads the buffer of its own namespace (`data_run`), the
+    step's policy from its parts (the step is not committed yet), and registers a version no alias follows."""
+
+    part: int  # the qualifying part
+    data_run: str  # keys.refresh_data_run: its hidden states and buffer
+    checkpoint_uri: str
+    policy_version: int
+    model_id: str
+
+
+@dataclass(frozen=True)
 class TrainJob:
     """One training as the training process receives it (JSON: Dagster Pipes extras or a file).
 
@@ -87,17 +99,21 @@ class TrainJob:
     warm_start_version: str | None  # the champion when the training was first decided
     tags: dict[str, str] = field(default_factory=dict)  # of a new MLflow run
     requested_by: str | None = None  # why a retraining was requested off the schedule
+    refresh: RefreshSpec | None = None  # a same-step refresh; None: the step's own training
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, doc: dict) -> TrainJob:
-        optional = {"tags", "requested_by"}
+        optional = {"tags", "requested_by", "refresh"}
         missing = sorted({f.name for f in fields(cls) if f.name not in optional} - set(doc))
         if missing:
             raise ValueError(f"training job is missing {', '.join(missing)}")
-        return cls(**{f.name: doc[f.name] for f in fields(cls) if f.name in doc})
+        values = {f.name: doc[f.name] for f in fields(cls) if f.name in doc}
+        if values.get("refresh") is not None:
+            values["refresh"] = RefreshSpec(**values["refresh"])
+        return cls(**values)
 
     @property
     def pipeline_config(self) -> PipelineConfig:

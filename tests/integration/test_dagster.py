@@ -22,7 +22,7 @@ from pipeline.sources.simulation import SimulatedRL
 from resources import PipelineResource, pipeline_resource
 
 ASSETS = ["rollouts", "hidden_states", "drafter_buffer", "drafter", "acceptance"]
-ALL_ASSETS = [*ASSETS, "fleet"]
+ALL_ASSETS = [*ASSETS, "fleet", "refreshed_drafter"]
 
 
 def _fake_step(store: ObjectStore, run: str, step: int) -> None:

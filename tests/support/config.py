@@ -22,7 +22,9 @@ TINY = {
         "vocab_size": 32, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "pretrain_iters": 30,
         "rl_iters": 5, "rollouts_per_step": 24, "prompt_len": 6, "response_len": 12,
         "step_period_s": 0.0,  # a demo's source publishes as fast as it runs: steps coalesce
+        "response_len_sigma": 0.0, "parts_per_step": 1,  # whole steps of fixed lengths unless a test asks
     },
+    "refresh": {"enabled": False},
     "train": {"epochs": 2, "min_samples": 4, "batch_size_per_gpu": 8},
     "eval": {"num_prompts": 3, "max_new_tokens": 8, "held_out_fraction": 0.2},
 }

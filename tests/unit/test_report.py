@@ -56,7 +56,26 @@ def test_step_row_reads_every_stage_of_the_step(store: ObjectStore) -> None:
         "acceptance_rate_cotrained": round((2.123456 - 1) / 4, 4),
         "eval_prompts_cotrained": 6, "eval_rounds_cotrained": 20,
         "tau_estimate_cotrained": {"tau": 2.0, "rollouts": 3, "positions": 40},
+        **dict.fromkeys(report.TAIL_FIELDS),  # a step published whole: no tail, no refresh
     }
+
+
+def test_tail_goals_average_the_ratios_over_steps_from_two() -> None:
+    rows = [{"step": 1, "tail_tau_start": 1.0, "tail_tau_refreshed": 2.0, "tail_tau_whole_step": 2.0,
+             "refresh_latency_s": 9.0, "refresh_latency_share": 0.15},
+            {"step": 2, "tail_tau_start": 2.0, "tail_tau_refreshed": 2.7, "tail_tau_whole_step": 3.0,
+             "refresh_latency_s": 12.0, "refresh_latency_share": 0.2},
+            {"step": 3, "tail_tau_start": 2.0, "tail_tau_refreshed": 2.9, "tail_tau_whole_step": None,
+             "refresh_latency_s": 18.0, "refresh_latency_share": 0.3},
+            {"step": 4, "tail_tau_start": 2.0, "tail_tau_refreshed": None, "tail_tau_whole_step": 3.0,
+             "refresh_latency_s": None, "refresh_latency_share": None}]
+    assert report.tail_goals(rows) == {"steps": [2, 3], "refreshed_over_whole_step": 0.9,
+                                       "refreshed_over_start": 1.4, "latency_share": 0.25, "latency_s": 15.0}
+    assert report.tail_goals(rows[3:]) is None
+    table = report.format_tail(rows).splitlines()
+    assert table[0].split() == ["step", "tail", "start", "refreshed", "whole", "step", "refresh", "v", "latency", "s",
+                                "of", "period"]
+    assert table[5].split() == ["4", "2.00", "-", "3.00", "-", "-", "-"]
 
 
 def test_a_step_without_a_new_drafter_reports_no_cotrained_figures(store: ObjectStore) -> None:

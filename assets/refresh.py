@@ -1,0 +1,45 @@
+"""The same-step refresh as an asset: materialized once per refreshed step, by the refresh job."""
+
+import dagster as dg
+from pydantic import Field
+
+from pipeline import refresh as refresh_lib
+from pipeline.data.keys import refresh_key, step_key
+from pipeline.data.records import read_refresh
+from resources import PipelineResource
+
+
+class RefreshRunConfig(dg.Config):
+    step: int = Field(ge=0, description="The RL step whose first parts the refresh trains on.")
+    part: int = Field(ge=0, description="The qualifying part: the parts published up to it are read.")
+
+
+@dg.asset(
+    group_name="refresh",
+    kinds={"pytorch", "mlflow", "vllm"},
+    pool="refresh",  # not `gpu`: the refresh never queues behind, nor holds up, a step's own training
+    description="The champion fine-tuned for `refresh.max_tokens` positions on a step's first parts (once they "
+    "hold `refresh.min_share` of its rollouts), checked on their held-out rollouts and, when it beats the champion "
+    "by `refresh.margin`, deployed so that it serves the step's tail. Registered in MLflow, tagged with its step "
+    "and part; the step's own training supersedes it.",
+)
+def refreshed_drafter(context: dg.AssetExecutionContext, config: RefreshRunConfig,
+                      pipeline: PipelineResource) -> dg.MaterializeResult:
+    """Extract, train and check in the refresh's own process (the stages' launcher), then deploy it from here."""
+    cfg, store, registry = pipeline.config, pipeline.store(), pipeline.registry()
+    q = refresh_lib.qualified_parts(store, cfg, config.step)
+    if q is None or q.part != config.part:
+        raise ValueError(f"{step_key(config.step)}: its parts do not qualify at part {config.part} "
+                         f"(refresh.min_share {cfg.refresh.min_share})")
+    tags = {"dagster_run_id": context.run.run_id, "dagster_asset": "refreshed_drafter",
+            "rl_step": step_key(q.step), "refresh_part": str(q.part), "pipeline_run": cfg.run}
+    launcher = pipeline.launcher()
+    checked = launcher.run_stage(context, launcher.stage_job("refresh", q.step, part=q.part, tags=tags))
+    record = refresh_lib.deploy_refreshed(store, cfg, registry, read_refresh(store, cfg.run, q.step))
+    context.log.info(f"{step_key(q.step)} refresh on parts {list(q.parts)}: {record.decision}")
+    return dg.MaterializeResult(metadata={
+        **(checked.get_materialize_result().metadata or {}),
+        "deployed": record.deployed, "decision": record.decision,
+        "refresh_latency_s": record.latency_s if record.latency_s is not None else -1.0,  # -1: not deployed
+        "uri": dg.MetadataValue.path(store.uri(refresh_key(cfg.run, q.step))),
+    })

@@ -1,0 +1,138 @@
+"""Same-step refresh: the champion fine-tuned on a step's first parts serves the step's tail.
+
+A reasoning RL step's rollouts finish unevenly: most groups early, a long tail of long responses
+last. Once a step's published parts (`pipeline/data/parts.py`) hold `refresh.min_share` of its
+expected rollouts (or `refresh.min_tokens` response tokens), a refresh:
+
+    qualify   the parts in publication order, up to the first that reaches the share
+    extract   their captured rollouts' hidden states (the capture plan applies), into the
+              refresh's own namespace (keys.refresh_data_run): the step's own extraction, its
+              writer lease and its sweep never meet the refresh's files
+    train     the champion, warm-started, for `refresh.max_tokens` positions through the same
+              training launcher and worker as any training (plan.TrainJob with a RefreshSpec)
+    check     tau of the refreshed drafter and of the champion on the parts' held-out rollouts,
+              against the step's policy
+    deploy    when it beats the champion by `refresh.margin`, through the fleet's deploy path,
+              fenced: under the fleet's lease, and only while the fleet runs nothing that has seen
+              the step already (the step's own training, once promoted, supersedes the refresh)
+
+    refresh/<run>/step-000123.json    the RefreshRecord (records.py)
+
+The refresh registers an MLflow version tagged `refresh_step` and `refresh_part`, and moves no
+alias but `live` (through the deploy): the step's own training is decided, trained, promoted and
+deployed as if no refresh had run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pipeline.config import PipelineConfig
+from pipeline.data import parts as parts_lib
+from pipeline.data.keys import refresh_data_run, refresh_key
+from pipeline.data.parts import Qualified, StepParts, qualify
+from pipeline.data.records import RefreshRecord, read_fleet_state, write_record
+from pipeline.data.rollouts import Rollout
+from pipeline.data.store import ObjectStore
+from pipeline.registry import DrafterRegistry
+from pipeline.serving import deploy
+from pipeline.training.plan import RefreshSpec, TrainJob, input_identity
+
+REFRESH_WARMUP_STEPS = 2  # a refresh is a few dozen iterations: most of them at the full rate
+
+
+def qualified_parts(store: ObjectStore, cfg: PipelineConfig, step: int) -> Qualified | None:
+    """The step's qualifying parts as its stored manifests say (manifests never change: the same answer on
+    every read); None before the share is reached or for a step published whole."""
+    step_parts = parts_lib.read_step_parts(store, cfg.run, step)
+    if step_parts is None:
+        return None
+    return qualify(parts_lib.published_parts(store, cfg.run, step), step_parts, cfg.refresh.min_share,
+                   cfg.refresh.min_tokens)
+
+
+def part_rollouts(store: ObjectStore, run: str, step: int, parts: tuple[int, ...],
+                  step_parts: StepParts) -> list[Rollout]:
+    manifests = {m.part: m for m in parts_lib.published_parts(store, run, step)}
+    return [r for p in sorted(parts) for r in parts_lib.read_part(store, run, step, manifests[p], step_parts.limits)]
+
+
+def refresh_config(cfg: PipelineConfig) -> PipelineConfig:
+    """The step's training settings with the refresh's budget: `refresh.max_tokens` positions at `refresh.lr`,
+    no resumable checkpoints (a refresh lasts seconds; a killed one is simply not deployed)."""
+    train = cfg.train.model_copy(update={
+        "max_tokens": cfg.refresh.max_tokens, "checkpoint_every": 0, "min_samples": 1,
+        "optim": cfg.train.optim.model_copy(update={"lr": cfg.refresh.lr, "lr_warmup_steps": REFRESH_WARMUP_STEPS}),
+    })
+    return cfg.model_copy(update={"train": train})
+
+
+def training_job(store: ObjectStore, cfg: PipelineConfig, q: Qualified, registry: DrafterRegistry,
+                 tags: dict[str, str]) -> TrainJob:
+    """The training process's job: the champion fine-tuned on the refresh's buffer."""
+    from pipeline.data.buffer import read_buffer
+
+    data_run = refresh_data_run(cfg.run, q.step, q.part)
+    tuned = refresh_config(cfg)
+    entries = list(read_buffer(store, data_run, q.step).entries)
+    identity = input_identity(tuned, entries, q.pointer.checkpoint_uri, f"refresh of part {q.part}")
+    spec = RefreshSpec(q.part, data_run, q.pointer.checkpoint_uri, q.pointer.policy_version, q.pointer.model_id)
+    return TrainJob(q.step, tuned.model_dump(mode="json"), registry.unfinished_run({"input_id": identity}), identity,
+                    f"refresh on {q.rows} rollouts of parts {list(q.parts)}", registry.alias_version("champion"),
+                    tags, None, spec)
+
+
+def seen_step(registry: DrafterRegistry, version: str) -> tuple[int, int]:
+    """(step, part) of the newest data a registered version trained on; a step's own training has seen the
+    whole step (a part above any)."""
+    tags = registry.version_tags(version)
+    if "refresh_step" in tags:
+        return int(tags["refresh_step"]), int(tags["refresh_part"])
+    return int(tags.get("rl_step", -1)), parts_lib.MAX_PART + 1
+
+
+def superseded_by(registry: DrafterRegistry, step: int, part: int) -> str | None:
+    """Why a refresh of (step, part) must not reach the fleet: the live drafter, or the champion, has seen as
+    much of the step or more. None: it may go."""
+    for alias in ("live", "champion"):
+        version = registry.alias_version(alias)
+        if version and seen_step(registry, version) >= (step, part):
+            return f"the {alias} drafter (version {version}) has seen step {step} up to part {part} or more"
+    return None
+
+
+def newer_live_refresh(registry: DrafterRegistry, version: str) -> str | None:
+    """Why a deploy of `version` (the champion) must wait: the fleet runs a refreshed drafter that has seen a
+    newer step than `version`. None: it may go."""
+    live = registry.alias_version("live")
+    if not live or live == version or "refresh_step" not in registry.version_tags(live):
+        return None
+    if seen_step(registry, live) > seen_step(registry, version):
+        step, part = seen_step(registry, live)
+        return (f"the fleet runs refreshed version {live} (step {step} up to part {part}), newer than version "
+                f"{version} (trained at step {seen_step(registry, version)[0]})")
+    return None
+
+
+def deploy_refreshed(store: ObjectStore, cfg: PipelineConfig, registry: DrafterRegistry,
+                     record: RefreshRecord) -> RefreshRecord:
+    """The checked refresh to the fleet when it beats the champion, fenced (`superseded_by`); its record and
+    the version's MLflow run say whether it went, and its latency."""
+    if not record.beats_champion or record.version is None:
+        return record
+    try:
+        deploy.deploy(cfg, store, registry, record.version,
+                      fence=lambda: superseded_by(registry, record.step, record.part))
+    except deploy.DeploySuperseded as exc:
+        record = replace(record, decision=f"{record.decision}; not deployed, superseded: {exc}")
+    else:
+        history = read_fleet_state(store, cfg.run).history
+        live_at = next((d.live_at for d in reversed(history) if d.version == record.version), None)
+        record = replace(record, deployed=True, live_at=live_at)
+        registry.set_version_tags(record.version, {"refresh_deployed": "true"})
+        if record.latency_s is not None:
+            run_id = registry.client.get_model_version(registry.model_name, record.version).run_id
+            registry.log_metrics(run_id, {"refresh_latency_s": record.latency_s}, step=record.step)
+    write_record(store, refresh_key(cfg.run, record.step), record)
+    return record
+

@@ -1,0 +1,120 @@
+"""Same-step refresh through Dagster: a step's first parts reach the refresh sensor, the refresh job fine-tunes
+the champion on them and the fleet's drafter changes while the step's tail is still being published; the
+step's own training then supersedes it. The replicas are stand-in processes (not vLLM)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from cli import _pipeline_tick, _SensorTicks
+from definitions import build_definitions
+from jobs.sensors import REFRESH_SENSOR_NAME, refresh_sensor
+from pipeline.config import load_config
+from pipeline.data import parts as parts_lib
+from pipeline.data.records import read_fleet_state, read_refresh, read_tail
+from pipeline.data.rollouts import is_committed
+from pipeline.data.store import open_store
+from pipeline.registry import open_registry
+from pipeline.serving import deploy
+from pipeline.serving.fleet import StandInDriver
+from pipeline.sources.simulation import SimulatedRL
+from tests.support.config import write_config
+
+REFRESH = {"simulation": {"parts_per_step": 4, "response_len_sigma": 0.5, "drift": 0.6, "rollouts_per_step": 32},
+           "eval": {"held_out_fraction": 0.4, "num_prompts": 4, "max_new_tokens": 8},
+           "refresh": {"enabled": True, "min_share": 0.5, "max_tokens": 3000, "margin": 0.0}}
+
+
+def _refresh_tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None):
+    return refresh_sensor(dg.build_sensor_context(instance=instance, cursor=cursor, sensor_name=REFRESH_SENSOR_NAME,
+                                                  definitions=defs, resources=defs.resources))
+
+
+@pytest.mark.slow
+def test_a_refresh_changes_the_fleets_drafter_mid_step(tmp_path: Path) -> None:
+    path = write_config(tmp_path, REFRESH)
+    cfg = load_config(path)
+    store, registry = open_store(cfg), open_registry(cfg)
+    source = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
+    defs = build_definitions(str(path))
+    driver = StandInDriver(cfg.eval.num_speculative_tokens, cfg.data_path / "fleet" / "replicas")
+    try:
+        with dg.instance_for_test() as instance:
+            ticks = _SensorTicks(instance, defs)
+            source.run_step(1)  # in parts, committed: the step's own run trains v1, which is deployed
+            assert parts_lib.committed_part_numbers(store, cfg.run, 1)
+            assert _pipeline_tick(ticks, True, lambda _: None)
+            assert read_fleet_state(store, cfg.run).version == "1"
+
+            # Step 2 is generating: its first parts are out, its tail is not.
+            generated = source.generate_step(2)
+            order = sorted(parts_lib.published_parts(store, cfg.run, 1), key=lambda m: m.part)
+            assert order  # step 1 went out in parts
+            slices = [p for p, rows in enumerate(parts_lib_finish(generated, cfg.simulation.parts_per_step)) if rows]
+            head, tail = _split_at_share(generated, slices, cfg.refresh.min_share, cfg.simulation.parts_per_step)
+            assert _refresh_tick(defs, instance, None).skip_message.startswith("no step to refresh")
+            source.publish_parts(generated, only=set(head))
+            assert not is_committed(store, cfg.run, 2)
+
+            tick = _refresh_tick(defs, instance, None)
+            [request] = tick.run_requests
+            assert request.run_key == "refresh:step-000002"
+            assert defs.resolve_job_def("refresh_job").execute_in_process(
+                instance=instance, run_config=request.run_config, tags=request.tags).success
+            assert isinstance(_refresh_tick(defs, instance, tick.cursor), dg.SkipReason)  # once per step
+
+            record = read_refresh(store, cfg.run, 2)
+            assert record.part == head[-1]
+            assert record.parts == tuple(head)
+            assert record.warm_start_version == "1"
+            assert registry.version_tags(record.version)["refresh_step"] == "2"
+            assert registry.version_tags(record.version)["refresh_part"] == str(head[-1])
+            assert record.deployed, record.decision
+            # The fleet's drafter changed mid-step: its state and each replica's running drafter say so.
+            state = read_fleet_state(store, cfg.run)
+            assert state.version == record.version
+            assert {r.version for r in state.replicas} == {record.version}
+            for replica in deploy.replicas(cfg):
+                assert f"v{record.version}" in driver.serving(replica)[1]
+            assert record.latency_s is not None
+            assert record.latency_s >= 0
+            assert registry.alias_version("champion") == "1"  # the refresh moves no alias but `live`
+            assert registry.alias_version("challenger") == "1"
+
+            # The tail, the commit, and the step's own run: it supersedes the refresh.
+            source.publish_parts(generated, only=set(tail))
+            parts_lib.commit_parts(store, cfg.run, 2)
+            assert _pipeline_tick(ticks, True, lambda _: None)
+            step_version = registry.alias_version("challenger")
+            assert step_version not in ("1", record.version)
+            tail_tau = read_tail(store, cfg.run, 2)
+            assert tail_tau.tail_parts == tuple(tail)
+            assert tail_tau.versions == {"start": "1", "refreshed": record.version, "whole_step": step_version}
+            assert all(1.0 <= t <= cfg.eval.num_speculative_tokens + 1 for t in tail_tau.taus.values())
+            assert tail_tau.refresh_latency_s == record.latency_s
+            if registry.alias_version("champion") == step_version:  # promoted: it replaces the refresh
+                assert read_fleet_state(store, cfg.run).version == step_version
+    finally:
+        driver.stop_all(deploy.replicas(cfg))
+
+
+def parts_lib_finish(generated, parts: int):
+    from pipeline.sources.simulation import finish_parts
+
+    return finish_parts(generated.rollouts, parts)
+
+
+def _split_at_share(generated, slices: list[int], share: float, parts: int) -> tuple[list[int], list[int]]:
+    """The parts up to the first that brings the step to `share`, and the rest (its tail)."""
+    from pipeline.sources.simulation import finish_parts
+
+    sizes = [len(rows) for rows in finish_parts(generated.rollouts, parts)]
+    total = 0
+    for i, part in enumerate(slices):
+        total += sizes[part]
+        if total >= share * len(generated.rollouts):
+            return slices[: i + 1], slices[i + 1 :]
+    raise AssertionError("the parts never reach the share")
