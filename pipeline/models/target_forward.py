@@ -45,7 +45,7 @@ def forward(
     family in FAMILIES transformers' last hidden_states entry is AFTER the final norm (the same
     tensor as last_hidden_state), so id L is caught on its way into the norm instead.
     """
-    decoding = {"attention_mask": attention_mask, "position_ids": position_ids, "past_key_values": past_key_values,
+    decoding = {"attention_mask": attention_mask, "position_ids": position_ids, "cache": past_key_values,
                 "use_cache": past_key_values is not None}
 
     def logits(features: torch.Tensor) -> torch.Tensor:
