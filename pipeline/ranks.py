@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import resource
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-
-from pipeline.data.records import StagePlacement
 
 T = TypeVar("T")
 
@@ -112,27 +108,6 @@ def ranks_from_env() -> Ranks:
     """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain `python -m` run is rank 0 of 1."""
     return Ranks(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
                  int(os.environ.get("LOCAL_RANK", 0)))
-
-
-def peak_memory_bytes(device: str) -> int:
-    """This process's peak: allocated GPU memory on CUDA, else its peak resident set (Linux: KiB)."""
-    if device.startswith("cuda"):
-        return int(torch.cuda.max_memory_allocated(torch.device(device)))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
-    return device
-
-
-def measure_placement(stage: str, where: str, ranks: Ranks, device: str, started: float) -> StagePlacement:
-    """Where the stage ran and what it held, the largest rank's peak memory; every rank calls it (the
-    peak is reduced over them), rank 0's record counts."""
-    peak = int(ranks.max_value(float(peak_memory_bytes(device))))
-    return StagePlacement(stage, where, ranks.world_size, device_name(device), peak,
-                          round(time.perf_counter() - started, 3))
 
 
 def join(ranks: Ranks, device: str) -> None:

@@ -37,7 +37,8 @@ from pipeline.evaluation import tail as tail_lib
 from pipeline.launch import StageJob
 from pipeline.models import target as target_lib
 from pipeline.models.layers import stored_layer_ids
-from pipeline.ranks import Ranks, measure_placement
+from pipeline.placement import measure_placement
+from pipeline.ranks import Ranks
 from pipeline.registry import DrafterRegistry, open_registry
 from pipeline.sources.extract import iter_hidden_states
 from pipeline.training.cotrain import run_training

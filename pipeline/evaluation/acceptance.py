@@ -34,7 +34,8 @@ from pipeline.data.records import (
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import cost, speculative, teacher_forced
 from pipeline.models import target as target_lib
-from pipeline.ranks import SINGLE, Ranks, measure_placement
+from pipeline.placement import measure_placement
+from pipeline.ranks import SINGLE, Ranks
 from pipeline.registry import DrafterRegistry
 
 

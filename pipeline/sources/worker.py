@@ -22,7 +22,8 @@ from pipeline.data.records import StagePlacement, write_record
 from pipeline.data.shards import Manifest
 from pipeline.data.store import open_store
 from pipeline.launch import StageJob
-from pipeline.ranks import Ranks, join, leave, measure_placement, ranks_from_env
+from pipeline.placement import measure_placement
+from pipeline.ranks import Ranks, join, leave, ranks_from_env
 from pipeline.sources import extract
 from pipeline.workers import exit_with_launcher, is_pipes_process, pipes_extras
 

@@ -31,7 +31,8 @@ from pipeline import report
 from pipeline.data.keys import placement_key
 from pipeline.data.records import StagePlacement, write_record
 from pipeline.data.store import open_store
-from pipeline.ranks import Ranks, measure_placement
+from pipeline.placement import measure_placement
+from pipeline.ranks import Ranks
 from pipeline.registry import open_registry
 from pipeline.training.cotrain import run_training
 from pipeline.training.distributed import (
