@@ -37,6 +37,10 @@ class Ranks:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
     def mine(self, units: Sequence[T]) -> list[T]:
         """This rank's units: every world_size-th, from its rank on (units stay whole: their content and order
         are the same for any number of ranks)."""

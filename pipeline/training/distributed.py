@@ -34,7 +34,6 @@ shards, when training ends, so the export and everything after it see plain tens
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -43,48 +42,18 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from pipeline.ranks import Ranks, join, leave, ranks_from_env
 
-@dataclass(frozen=True)
-class DistContext:
-    """This process's place in the job (torchrun's RANK, WORLD_SIZE, LOCAL_RANK)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-
-def context_from_env() -> DistContext:
-    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain `python -m` run is rank 0 of 1."""
-    return DistContext(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                       int(os.environ.get("LOCAL_RANK", 0)))
+# A training's ranks are a launched stage's ranks (pipeline.ranks), under the names the training code reads.
+DistContext = Ranks
+context_from_env = ranks_from_env
+init_process_group = join
+destroy_process_group = leave
 
 
 def rank_device(ctx: DistContext, device: str) -> str:
     """`cuda` means this rank's own GPU (cuda:LOCAL_RANK); anything else is used as given."""
-    return f"cuda:{ctx.local_rank}" if device == "cuda" else device
-
-
-def init_process_group(ctx: DistContext, device: str) -> None:
-    """Join the job's process group (nothing to join for one process)."""
-    if not ctx.distributed or dist.is_initialized():
-        return
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(ctx.local_rank)
-    dist.init_process_group(backend, rank=ctx.rank, world_size=ctx.world_size)
-
-
-def destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    return ctx.device(device)
 
 
 def rank_share(indices: list[int], ctx: DistContext) -> list[int]:

@@ -32,7 +32,6 @@ from pipeline.data.keys import placement_key
 from pipeline.data.records import StagePlacement, write_record
 from pipeline.data.store import open_store
 from pipeline.placement import measure_placement
-from pipeline.ranks import Ranks
 from pipeline.registry import open_registry
 from pipeline.training.cotrain import run_training
 from pipeline.training.distributed import (
@@ -57,8 +56,7 @@ def _train(
     init_process_group(ctx, device)
     try:
         outcome = run_training(job, ctx, progress)
-        return outcome, measure_placement("training", where, Ranks(ctx.rank, ctx.world_size, ctx.local_rank),
-                                          device, started)
+        return outcome, measure_placement("training", where, ctx, device, started)
     finally:
         destroy_process_group()
 
