@@ -10,17 +10,34 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from pipeline.config import PipelineConfig, TrainConfig, parse_config
+from pipeline.cost import DecodingCost
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.buffer import read_buffer
-from pipeline.data.keys import acceptance_key
-from pipeline.data.records import BufferEntry, composition, read_acceptance, read_cost
+from pipeline.data.keys import acceptance_key, drafter_key
+from pipeline.data.records import (
+    BufferEntry,
+    composition,
+    read_acceptance,
+    read_cost,
+    read_refresh,
+    read_training,
+)
 from pipeline.data.store import ObjectStore
 from pipeline.registry import DrafterRegistry
 from pipeline.training.outcome import TrainOutcome
-from pipeline.training.schedule import ChampionTrack, LiveTau, ScheduleInputs, TrainingDecision, schedule_decision
+from pipeline.training.schedule import (
+    AgedTau,
+    ChampionTrack,
+    LiveTau,
+    ScheduleInputs,
+    TrainingDecision,
+    measure_staleness,
+    schedule_decision,
+)
 
 
 def training_decision(
@@ -171,6 +188,8 @@ def plan_training(
 
 
 RECENT_TRAININGS = 3  # the expected cost of a training: the mean of the last few
+RECENT_TIMINGS = 3  # t and c: the median of the last few steps' timings of the served drafter
+STALENESS_STEPS = 4  # `keep`: drafters measured on the last few steps' policies
 SCHEDULE_HISTORY_STEPS = 100  # records a decision reads: a champion promoted earlier counts as unknown (train)
 
 
@@ -178,19 +197,57 @@ def schedule_inputs(
     store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, live: LiveTau | None = None
 ) -> ScheduleInputs:
     """What the `acceptance` and `cost` schedules read: the champion's acceptance since its promotion (its tau now:
-    the fleet's live tau when the fleet runs it, else its evaluation on the newest measured step), the step's
-    rollout tokens, and the costs earlier steps measured (their StepCost records)."""
+    the fleet's live tau when the fleet runs it, else its evaluation on the newest measured step), how fast drafters
+    went stale on the last steps, the step's rollout tokens, and the costs earlier steps measured (their StepCost
+    records)."""
     earlier = [s for s in rollouts_lib.committed_steps(store, cfg.run) if s < step][-SCHEDULE_HISTORY_STEPS:]
     costs = [c for c in (read_cost(store, cfg.run, s) for s in earlier) if c is not None]
     trainings = [c.seconds["training"] for c in costs if c.seconds.get("training", 0) > 0][-RECENT_TRAININGS:]
-    decoding = next((c.decoding for c in reversed(costs) if c.decoding), None)
+    decoding = median_decoding([c.decoding for c in costs if c.decoding][-RECENT_TIMINGS:])
     tokens = sum(sum(r.loss_mask) for r in rollouts_lib.read_rollouts(store, cfg.run, step))
     track = champion_track(store, cfg.run, earlier, registry.alias_version("champion"))
     if track and live and live.version == track.version:  # the fleet serves the step's policy: measured now
         track = replace(track, tau_now=live.tau, measured_at_step=step, live=True)
-    return ScheduleInputs(track, tokens * cfg.train.training_interval_steps,
-                          sum(trainings) / len(trainings) if trainings else None, decoding,
-                          cfg.fleet.live_tau_floor)
+    staleness = None
+    if cfg.train.schedule.kind == "cost":
+        staleness = measure_staleness(aged_taus(store, cfg.run, earlier, earlier[-STALENESS_STEPS:]))
+    return ScheduleInputs(track, tokens, sum(trainings) / len(trainings) if trainings else None, decoding,
+                          cfg.fleet.live_tau_floor, staleness)
+
+
+def median_decoding(timings: list[DecodingCost]) -> DecodingCost | None:
+    """t and c, each the median of `timings` (f of the newest): a timing taken on a loaded machine moves neither."""
+    if not timings:
+        return None
+    return DecodingCost(statistics.median(d.target_s_per_token for d in timings),
+                        statistics.median(d.draft_cost_ratio for d in timings),
+                        timings[-1].drafter_forwards_per_round)
+
+
+def aged_taus(store: ObjectStore, run: str, history: list[int], recent: list[int]) -> list[AgedTau]:
+    """Every drafter measured on the `recent` steps' policies, with its age there: the step minus the newest step
+    it trained on (its training record's, a refresh's own step, else the step it was first measured as the
+    co-trained drafter). `history`: the steps whose records say when each drafter trained."""
+    seen: dict[str, int] = {}
+    for s in history:
+        if store.exists(drafter_key(run, s)):
+            training = read_training(store, run, s)
+            if training.version and training.trained:
+                seen.setdefault(training.version, max(training.trained_on_steps, default=s))
+        refresh = read_refresh(store, run, s)
+        if refresh is not None and refresh.version:
+            seen.setdefault(refresh.version, s)
+        if store.exists(acceptance_key(run, s)):
+            cotrained = read_acceptance(store, run, s).drafters.get("cotrained")
+            if cotrained is not None:
+                seen.setdefault(cotrained.version, s)
+    taus = []
+    for s in recent:
+        if not store.exists(acceptance_key(run, s)):
+            continue
+        measured = {d.version: d.tau for d in read_acceptance(store, run, s).drafters.values() if d is not None}
+        taus.extend(AgedTau(v, s, s - seen[v], tau) for v, tau in measured.items() if seen.get(v, s + 1) <= s)
+    return taus
 
 
 def champion_track(store: ObjectStore, run: str, steps: list[int], champion: str | None) -> ChampionTrack | None:

@@ -4,24 +4,47 @@ when retraining is expected to save more rollout time than it costs.
     interval    every `train.training_interval_steps` steps (FastRL's trigger)
     acceptance  the champion's tau fell by more than `train.schedule.tau_drop` since it was promoted,
                 or its live tau is below `fleet.live_tau_floor`
-    cost        the rollout seconds a fresh drafter is expected to save before the next chance to
-                retrain exceed what the training is expected to cost:
+    cost        keeping the champion one more chance loses more rollout time than a training costs
+                per chance at its best retraining interval (below)
 
-                    gain = tokens * t * (1 + c*f) * (1/tau_stale - 1/tau_fresh)
-                    tau_stale = tau_now - rate      (one more step stale: the champion if not retrained)
-                    tau_fresh = tau at promotion    (what a drafter trained on fresh data reached)
-                    rate      = (tau at promotion - tau_now) / steps since promotion
+`cost` is the replacement problem of a part that wears: a drafter serves best right after its
+training and loses acceptance with every RL step the policy moves on; a training costs C
+device-seconds. A drafter's age is the RL steps since the newest step it trained on (the fleet's
+lag); it serves from age 1 on. With
 
-                `tokens`: the rollout tokens expected before the next chance (the last step's, times
-                the interval); `t`, `c`, `f`: the decoding cost (pipeline/cost.py); the training's cost:
-                the mean device-seconds of the last trainings. Both sides are device-seconds.
+    S(tau)    = N * t * (1 - (1 + c*f) / tau)       the seconds a drafter at tau saves on a step's N
+                                                    rollout tokens (pipeline/cost.py)
+    fresh(a)  = 1 + (tau_0 - 1) * keep^a            tau of a drafter trained now, at age a
+    champ(a)  = 1 + (tau_m - 1) * keep^(a - a_m)    the champion, from its latest tau tau_m at age a_m
+                                                    (evaluated, or the fleet's live tau)
+    keep      = sum(tau_later - 1) / sum(tau_earlier - 1), per step of age, over consecutive
+                measurements of the same drafters on the last few steps' policies: the share of
+                its excess acceptance (tau - 1) a drafter keeps per RL step (1: no staleness)
+    tau_0     = the newest co-trained tau on its own step (age 0): what a training reaches
+
+and the chances every I = `train.training_interval_steps` steps, a retraining every n chances costs,
+per chance, its training plus the staleness it lets in against retraining at every chance:
+
+    g(n) = (C + sum_{j=1..n*I} [S(fresh(1 + (j-1) mod I)) - S(fresh(j))]) / n,   g* = min_n g(n)
+
+and keeping the champion over the next chance loses
+
+    gain = sum_{m=1..I} [S(fresh(m)) - S(champ(s + m - seen))]      (seen: its newest trained step)
+
+The step trains when gain > g*: the drafter is replaced when one more chance of staleness costs more
+than a training does on average at the best interval, which counts every later step a skipped
+training leaves stale. A training whose fresh drafter saves nothing (fresh(1) <= 1 + c*f: its
+rounds cost more than its tokens save) never pays, and `cost` stops training it: the fleet saves
+more serving without a drafter. t and c are the median of the last few steps' timings of the
+served drafter (one timing on a loaded machine does not move the decision); C is the mean
+device-seconds of the last trainings; N is the step's response tokens.
 
 The decision reads only what earlier steps measured (the step's own acceptance is measured after
 its training), and the fleet's live tau where the fleet runs the champion: the mean acceptance
 length its vLLM replicas count on the rollouts they serve, read from their /metrics when the
 step is decided (`serving.deploy.champion_live_tau`). Live tau, when present, is the champion's
-tau now; the evaluated tau of the newest measured step otherwise. Without a champion, or before
-anything was measured, a drafter is trained.
+tau now; the evaluated tau of the newest measured step otherwise. Without a champion, before
+anything was timed, or before any drafter was measured at two ages, a drafter is trained.
 """
 
 from __future__ import annotations
@@ -31,13 +54,15 @@ from typing import Literal
 
 from pipeline.cost import DecodingCost
 
+MAX_CYCLE_CHANCES = 50  # the longest retraining interval `cost` weighs, in chances
+
 
 @dataclass(frozen=True)
 class ChampionTrack:
     """The serving champion's acceptance: when it was promoted and at what tau, and its latest tau."""
 
     version: str
-    promoted_at_step: int
+    promoted_at_step: int  # also the newest step it trained on: its age counts from there
     tau_at_promotion: float
     tau_now: float  # on the latest measured step's policy (evaluated, or the fleet's live tau)
     measured_at_step: int
@@ -51,11 +76,48 @@ class ChampionTrack:
     def drop(self) -> float:
         return self.tau_at_promotion - self.tau_now
 
-    @property
-    def staleness_rate(self) -> float:
-        """Tau lost per RL step since the promotion (0 before the champion was measured on a later step)."""
-        steps = self.measured_at_step - self.promoted_at_step
-        return max(0.0, self.drop) / steps if steps > 0 else 0.0
+
+@dataclass(frozen=True)
+class AgedTau:
+    """One drafter's tau on one step's policy, `age` RL steps after the newest step it trained on."""
+
+    version: str
+    step: int
+    age: int
+    tau: float
+
+
+@dataclass(frozen=True)
+class Staleness:
+    """How fast drafters go stale, measured on earlier steps, and what a training reaches."""
+
+    keep: float  # share of its excess tau (tau - 1) a drafter keeps per RL step of age
+    tau_fresh: float  # tau_0: the newest co-trained drafter's tau on its own step
+    pairs: int  # consecutive measurements of the same drafters `keep` rests on
+
+    def tau_at(self, age: int) -> float:
+        """A drafter trained now, `age` steps later."""
+        return 1.0 + max(0.0, self.tau_fresh - 1.0) * self.keep ** age
+
+
+def measure_staleness(taus: list[AgedTau]) -> Staleness | None:
+    """`keep` pooled over consecutive measurements of each drafter (oldest step first), and the newest age-0 tau;
+    None until some drafter was measured at two ages or no drafter was measured on its own step."""
+    by_version: dict[str, list[AgedTau]] = {}
+    for t in sorted(taus, key=lambda t: t.step):
+        by_version.setdefault(t.version, []).append(t)
+    earlier = later = span = 0.0
+    pairs = 0
+    for series in by_version.values():
+        for a, b in zip(series, series[1:], strict=False):
+            if b.age > a.age:
+                earlier, later = earlier + max(0.0, a.tau - 1.0), later + max(0.0, b.tau - 1.0)
+                span, pairs = span + (b.age - a.age), pairs + 1
+    fresh = [t for t in taus if t.age == 0]
+    if not pairs or not fresh or earlier <= 0:
+        return None
+    keep = min(1.0, later / earlier) ** (pairs / span)  # per step of age where a pair spans several
+    return Staleness(keep, max(fresh, key=lambda t: t.step).tau, pairs)
 
 
 @dataclass(frozen=True)
@@ -71,18 +133,20 @@ class ScheduleInputs:
     """What the `acceptance` and `cost` schedules read from earlier steps and the fleet."""
 
     champion: ChampionTrack | None
-    expected_tokens: int  # rollout tokens expected before the next chance to retrain
-    training_cost_s: float | None  # expected device-seconds of a training; None: none measured yet
-    decoding: DecodingCost | None  # None: no evaluation timed yet
+    step_tokens: int  # N: the step's rollout (response) tokens, what each coming step is expected to generate
+    training_cost_s: float | None  # C: expected device-seconds of a training; None: none measured yet
+    decoding: DecodingCost | None  # t, c, f; None: no evaluation timed yet
     live_tau_floor: float = 0.0  # `acceptance`: live tau below it retrains (fleet.live_tau_floor; 0 = never)
+    staleness: Staleness | None = None  # None: no drafter measured at two ages yet
 
 
 @dataclass(frozen=True)
 class TrainingDecision:
     train: bool
     reason: str
-    expected_gain_s: float | None = None  # `cost`: rollout seconds a retraining is expected to save
-    expected_cost_s: float | None = None  # `cost`: device-seconds it is expected to take
+    expected_gain_s: float | None = None  # `cost`: rollout seconds keeping the champion one more chance loses
+    expected_cost_s: float | None = None  # `cost`: g*, device-seconds per chance at the best retraining interval
+    best_interval_chances: int | None = None  # `cost`: the n of g*
 
 
 def interval_decision(step: int, interval: int) -> TrainingDecision:
@@ -105,26 +169,62 @@ def acceptance_decision(
     return TrainingDecision(False, f"{fell}, within train.schedule.tau_drop={tau_drop}")
 
 
-def expected_gain_s(champion: ChampionTrack, tokens: int, decoding: DecodingCost) -> float:
-    """Rollout seconds saved before the next chance by a fresh drafter over the champion one step staler."""
-    tau_stale = max(1.0, champion.tau_now - champion.staleness_rate)
-    tau_fresh = max(tau_stale, champion.tau_at_promotion)
-    return decoding.saved_seconds(tau_fresh, tokens) - decoding.saved_seconds(tau_stale, tokens)
+def champion_tau_at(champion: ChampionTrack, staleness: Staleness, step: int) -> float:
+    """The champion's tau on `step`'s policy, from its latest measurement aged by `keep`."""
+    ahead = max(0, step - champion.measured_at_step)
+    return 1.0 + max(0.0, champion.tau_now - 1.0) * staleness.keep ** ahead
 
 
-def cost_decision(inputs: ScheduleInputs) -> TrainingDecision:
-    if inputs.champion is None:
+def keeping_loss_s(
+    champion: ChampionTrack, staleness: Staleness, step: int, interval: int, tokens: int, decoding: DecodingCost
+) -> float:
+    """gain: the rollout seconds serving the champion over the next chance loses against a drafter trained now."""
+    return sum(decoding.saved_seconds(staleness.tau_at(m), tokens)
+               - decoding.saved_seconds(champion_tau_at(champion, staleness, step + m), tokens)
+               for m in range(1, interval + 1))
+
+
+def cycle_costs_s(
+    staleness: Staleness, interval: int, tokens: int, decoding: DecodingCost, training_s: float
+) -> list[float]:
+    """g(n) for n = 1..MAX_CYCLE_CHANCES: device-seconds per chance of retraining every n chances, the training
+    plus the rollout seconds its staleness loses against retraining at every chance."""
+    costs, lost = [], 0.0
+    for n in range(1, MAX_CYCLE_CHANCES + 1):
+        for j in range((n - 1) * interval + 1, n * interval + 1):
+            lost += (decoding.saved_seconds(staleness.tau_at(1 + (j - 1) % interval), tokens)
+                     - decoding.saved_seconds(staleness.tau_at(j), tokens))
+        costs.append((training_s + lost) / n)
+    return costs
+
+
+def cost_decision(inputs: ScheduleInputs, step: int, interval: int = 1) -> TrainingDecision:
+    champion, staleness, decoding = inputs.champion, inputs.staleness, inputs.decoding
+    if champion is None:
         return TrainingDecision(True, "no champion yet")
-    if inputs.training_cost_s is None or inputs.decoding is None:
+    if inputs.training_cost_s is None or decoding is None:
         return TrainingDecision(True, "no training or decoding cost measured yet")
-    gain = expected_gain_s(inputs.champion, inputs.expected_tokens, inputs.decoding)
-    cost = inputs.training_cost_s
+    if staleness is None:
+        return TrainingDecision(True, "staleness not measured yet (no drafter measured at two ages)")
+    tokens, round_cost = inputs.step_tokens, decoding.round_cost
+    fresh = staleness.tau_at(1)
+    if fresh <= round_cost:
+        return TrainingDecision(False, (
+            f"a drafter trained now would serve at tau {fresh:.3f} (age 1), at or below its round cost 1 + c*f = "
+            f"{round_cost:.3f}: it loses rollout time at any staleness, so no training pays"), 0.0, None)
+    gain = keeping_loss_s(champion, staleness, step, interval, tokens, decoding)
+    cycles = cycle_costs_s(staleness, interval, tokens, decoding, inputs.training_cost_s)
+    best = min(range(len(cycles)), key=cycles.__getitem__)
+    cost = cycles[best]
     verdict = ">" if gain > cost else "<="
-    reason = (f"expected gain {gain:.1f} s (champion v{inputs.champion.version} losing "
-              f"{inputs.champion.staleness_rate:.3f} tau/step, {inputs.champion.described}, "
-              f"{inputs.expected_tokens} tokens before the next "
-              f"chance) {verdict} expected training cost {cost:.1f} s")
-    return TrainingDecision(gain > cost, reason, round(gain, 3), round(cost, 3))
+    nxt = step + 1
+    reason = (f"keeping champion v{champion.version} ({champion.described}, expected "
+              f"{champion_tau_at(champion, staleness, nxt):.3f} on step {nxt}) "
+              f"loses {gain:.1f} s against a drafter trained now (tau {fresh:.3f} at age 1; drafters keep "
+              f"{staleness.keep:.2f} of their excess tau per step, {staleness.pairs} measurements) on "
+              f"{tokens} tokens per step {verdict} {cost:.1f} s per chance, the training ({inputs.training_cost_s:.1f}"
+              f" s) and its staleness at the best interval of {best + 1} chance(s)")
+    return TrainingDecision(gain > cost, reason, round(gain, 3), round(cost, 3), best + 1)
 
 
 Schedule = Literal["interval", "acceptance", "cost"]
@@ -140,4 +240,4 @@ def schedule_decision(
         return on_interval
     if schedule == "acceptance":
         return acceptance_decision(inputs.champion, tau_drop, inputs.live_tau_floor)
-    return cost_decision(inputs)
+    return cost_decision(inputs, step, interval)

@@ -4,22 +4,35 @@ import pytest
 
 from pipeline.cost import DecodingCost
 from pipeline.training.schedule import (
+    AgedTau,
     ChampionTrack,
     ScheduleInputs,
-    expected_gain_s,
+    Staleness,
+    cost_decision,
+    cycle_costs_s,
+    keeping_loss_s,
+    measure_staleness,
     schedule_decision,
 )
 
 # t = 10 ms per token, c = 0.05, k = 4: a round costs 1.2 target forwards
 DECODING = DecodingCost(0.01, 0.05, 4)
+TOKENS = 10_000  # a step's rollouts: 100 s of plain decoding
 
 
 def _champion(tau_now: float, measured_at_step: int, promoted_at_step: int = 2, tau_at_promotion: float = 3.6):
     return ChampionTrack("3", promoted_at_step, tau_at_promotion, tau_now, measured_at_step)
 
 
-def _inputs(champion, tokens=100_000, training_cost_s=40.0):
-    return ScheduleInputs(champion, tokens, training_cost_s, DECODING)
+STALE = Staleness(0.8, 3.6, 4)  # drafters keep 0.8 of their excess tau per step; a training reaches 3.6
+
+
+def _inputs(champion, staleness=STALE, tokens=TOKENS, training_cost_s=40.0, decoding=DECODING):
+    return ScheduleInputs(champion, tokens, training_cost_s, decoding, staleness=staleness)
+
+
+def _saved(tau: float) -> float:
+    return TOKENS * 0.01 * (1 - 1.2 / tau)
 
 
 # A champion promoted at step 2 with tau 3.6, measured on later steps' policies.
@@ -38,36 +51,101 @@ def test_acceptance_trains_once_the_drop_exceeds_the_threshold():
     assert "train.schedule.tau_drop=0.35" in decisions[2].reason
 
 
-def test_cost_gain_pinned():
-    """Step 5: the champion lost 0.6 tau in 3 steps (0.2/step); not retrained it would be at 2.8 next step,
-    a fresh one at 3.6: gain = 1e5 * 0.01 * 1.2 * (1/2.8 - 1/3.6) = 95.238 s."""
-    gain = expected_gain_s(_champion(3.0, 5), 100_000, DECODING)
-    assert gain == pytest.approx(1e5 * 0.01 * 1.2 * (1 / 2.8 - 1 / 3.6))
-    assert gain == pytest.approx(95.238, abs=1e-3)
+def test_staleness_pools_consecutive_measurements_of_each_drafter():
+    """v1: 3.0 on its own step, 2.6 one step on, 2.2 two steps on (excess 2.0 -> 1.6 -> 1.2); v2: 3.4 -> 2.92
+    (excess 2.4 -> 1.92). keep = (1.6 + 1.2 + 1.92) / (2.0 + 1.6 + 2.4) = 0.7867; tau_0: v2's, the newest."""
+    taus = [AgedTau("1", 1, 0, 3.0), AgedTau("1", 2, 1, 2.6), AgedTau("2", 2, 0, 3.4), AgedTau("1", 3, 2, 2.2),
+            AgedTau("2", 3, 1, 2.92)]
+    staleness = measure_staleness(taus)
+    assert staleness.keep == pytest.approx(4.72 / 6.0)
+    assert staleness.tau_fresh == 3.4
+    assert staleness.pairs == 3
+    assert staleness.tau_at(2) == pytest.approx(1 + 2.4 * (4.72 / 6.0) ** 2)
+    # a pair two steps apart counts per step of age; nothing measured at two ages: no staleness yet
+    assert measure_staleness([AgedTau("1", 1, 0, 3.0), AgedTau("1", 3, 2, 1.5)]).keep == pytest.approx(0.5)
+    assert measure_staleness([AgedTau("1", 1, 0, 3.0), AgedTau("2", 2, 0, 3.2)]) is None
 
 
-def test_cost_trains_when_the_gain_exceeds_the_training():
-    decisions = [schedule_decision("cost", s + 1, 1, 0.3, _inputs(_champion(tau, s))) for s, tau in STALENESS]
-    gains = [d.expected_gain_s for d in decisions]
-    # rates 0.1, 0.15, 0.2, 0.25 tau/step; gain grows as the champion goes stale
-    assert gains == pytest.approx([1e5 * 0.012 * (1 / (tau - rate) - 1 / 3.6) for (_, tau), rate in
-                                   zip(STALENESS, [0.1, 0.15, 0.2, 0.25], strict=True)], abs=1e-3)
-    assert [d.train for d in decisions] == [False, True, True, True]  # 8.3 s, 44.0 s, 95.2 s, 172.3 s vs 40 s
-    assert decisions[0].expected_cost_s == 40.0
+def test_cost_figures_pinned():
+    """keep 0.8, tau_0 3.6: a drafter trained now serves at 3.08, 2.664, 2.331, ... The champion, measured 3.0
+    at step 5 (trained at 2), serves step 6 at 1 + 2.0 * 0.8 = 2.6: keeping it loses S(3.08) - S(2.6)."""
+    staleness = Staleness(0.8, 3.6, 4)
+    assert keeping_loss_s(_champion(3.0, 5), staleness, 5, 1, TOKENS, DECODING) == pytest.approx(
+        _saved(3.08) - _saved(2.6))
+    g = cycle_costs_s(staleness, 1, TOKENS, DECODING, 40.0)
+    assert g[0] == pytest.approx(40.0)  # retrained every step: the training alone
+    assert g[1] == pytest.approx((40.0 + _saved(3.08) - _saved(2.664)) / 2)
+    assert min(g) == g[3]  # every fourth step is the cheapest at this staleness and price
+    decision = cost_decision(_inputs(_champion(3.0, 5)), 5)
+    assert decision.expected_gain_s == pytest.approx(_saved(3.08) - _saved(2.6), abs=1e-3)
+    assert decision.expected_cost_s == pytest.approx(g[3], abs=1e-3) == pytest.approx(19.438, abs=1e-3)
+    assert decision.best_interval_chances == 4
+
+
+def test_cost_counts_every_step_a_skipped_training_leaves_stale():
+    """A champion going stale as the model says: it is replaced when the next step's loss (25.8 s) passes the
+    19.4 s per step that a training every fourth step costs, not when one step's loss passes the 40 s training
+    (a comparison that forgets every later step the skipped training leaves stale: step 8 here)."""
+    decisions = [cost_decision(_inputs(_champion(1 + 2.6 * 0.8 ** (s - 2), s)), s) for s in (3, 4, 5, 6)]
+    assert [d.train for d in decisions] == [False, False, False, True]
+    assert [d.expected_gain_s for d in decisions] == pytest.approx([6.084, 12.515, 19.151, 25.835], abs=1e-3)
     assert "<=" in decisions[0].reason
+    assert "best interval of 4 chance(s)" in decisions[0].reason
+    assert decisions[3].reason.startswith(
+        "keeping champion v3 (evaluated tau 2.065 at step 6, expected 1.852 on step 7)")
 
 
-def test_cost_with_fewer_tokens_waits_longer():
-    """Half the rollout tokens before the next chance halve the gain: the same staleness no longer pays."""
-    decision = schedule_decision("cost", 5, 1, 0.3, _inputs(_champion(3.3, 4), tokens=50_000))
+def test_cost_trains_sooner_as_staleness_rises():
+    """The champion promoted at 3.6 on step 2 measures 3.5, 3.3, 3.0, 2.6 on the next steps: each step's drop is
+    larger, the share of its excess tau it keeps falls (0.96 -> 0.89), and at step 7 it is replaced."""
+    taus = [AgedTau("3", 2, 0, 3.6)]
+    decisions = []
+    for s, tau in STALENESS:
+        taus.append(AgedTau("3", s, s - 2, tau))
+        decisions.append(cost_decision(_inputs(_champion(tau, s), staleness=measure_staleness(taus)), s + 1))
+    assert [d.train for d in decisions] == [False, False, False, True]
+    assert [d.best_interval_chances for d in decisions] == [9, 7, 6, 5]
+    assert decisions[3].expected_gain_s == pytest.approx(16.578, abs=1e-3)
+    assert decisions[3].expected_cost_s == pytest.approx(14.022, abs=1e-3)
+
+
+def test_cost_stops_training_a_drafter_that_cannot_pay():
+    """c = 0.7: a round of k = 4 costs 3.8 target forwards, above tau 3.08 of a drafter trained now: however stale
+    the champion, no training pays, and the reason says why."""
+    decision = cost_decision(_inputs(_champion(1.2, 6), decoding=DecodingCost(0.01, 0.7, 4)), 6)
     assert not decision.train
+    assert "at or below its round cost 1 + c*f = 3.800" in decision.reason
+    assert "tau 3.080 (age 1)" in decision.reason
 
 
-def test_without_a_champion_or_a_measured_cost_every_schedule_trains():
-    no_champion = ScheduleInputs(None, 100_000, 40.0, DECODING)
-    unmeasured = ScheduleInputs(_champion(3.5, 3), 100_000, None, None)
+def test_cost_with_more_tokens_retrains_sooner():
+    """The same champion three steps stale: kept on a step of 10,000 tokens, replaced on one of 40,000."""
+    champion = _champion(1 + 2.6 * 0.8 ** 3, 5)
+    assert not cost_decision(_inputs(champion), 5).train
+    assert cost_decision(_inputs(champion, tokens=4 * TOKENS), 5).train
+
+
+def test_cost_weighs_a_chance_of_several_steps():
+    """Every second step a chance: keeping the champion loses both steps until the next."""
+    staleness = Staleness(0.8, 3.6, 4)
+    loss = keeping_loss_s(_champion(3.0, 5), staleness, 5, 2, TOKENS, DECODING)
+    assert loss == pytest.approx(_saved(3.08) - _saved(2.6) + _saved(2.664) - _saved(2.28))
+    g = cycle_costs_s(staleness, 2, TOKENS, DECODING, 40.0)
+    # against retraining at every chance (ages 1, 2, 1, 2, ...): every other chance serves ages 3 and 4
+    assert g[0] == pytest.approx(40.0)
+    assert g[1] == pytest.approx((40.0 + _saved(3.08) - _saved(1 + 2.6 * 0.8 ** 3)
+                                  + _saved(2.664) - _saved(1 + 2.6 * 0.8 ** 4)) / 2)
+
+
+def test_without_a_champion_a_measured_cost_or_staleness_every_schedule_trains():
+    no_champion = ScheduleInputs(None, TOKENS, 40.0, DECODING)
+    unmeasured = ScheduleInputs(_champion(3.5, 3), TOKENS, None, None)
+    no_staleness = ScheduleInputs(_champion(3.5, 3), TOKENS, 40.0, DECODING)  # no tau yet at two ages
     assert schedule_decision("acceptance", 3, 1, 0.3, no_champion).train
     assert schedule_decision("cost", 3, 1, 0.3, no_champion).train
     assert schedule_decision("cost", 3, 1, 0.3, unmeasured).train
+    decision = schedule_decision("cost", 3, 1, 0.3, no_staleness)
+    assert decision.train
+    assert decision.reason.startswith("staleness not measured yet")
     # and off the interval nothing trains
     assert not schedule_decision("cost", 3, 2, 0.3, no_champion).train
