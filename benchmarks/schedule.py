@@ -13,12 +13,12 @@ The price of decoding, which both the decisions and the savings rest on (`--pric
 * `measured`: t and c as the evaluation timed them. On the demo's 2-layer CPU target a drafter
   forward costs about 0.7 of a target forward (a round of k = 4: 3.8 target forwards), above any
   tau the toy reaches: no drafter saves time, and `cost` stops training once it has measured so.
-* `h100` (default): c = 0.078, from docs/storage.md's H100 figures (batched speculative decoding
-  at tau 1.0, 492 against 645 tokens/s: a round of k = 4 costs 1.31 target forwards), t as timed
-  here. Each step's cost record is re-priced so before the next decision reads it: the decisions
-  and the savings are a fleet's on H100s.
+* `h100` (default): c = 0.078 (`eval.draft_cost_ratio`), from docs/storage.md's H100 figures
+  (batched speculative decoding at tau 1.0, 492 against 645 tokens/s: a round of k = 4 costs 1.31
+  target forwards), t as timed here: the decisions and the savings are a fleet's on H100s.
 
-`--rollout-scale X` prices each step's rollouts as X times the toy's (t times X): the toy's step
+`--rollout-scale X` prices each step's rollouts as X times the toy's (t times X, in the step's cost
+record before the next decision reads it): the toy's step
 generates about 5,000 tokens, a few CPU-seconds, against a training of 15-40 s, while a production
 RL step generates 10^6-10^8 tokens against a drafter training of minutes. `--drift` sets
 `simulation.drift` (the share of contexts whose favourite moves per step; 0.15 by default).
@@ -49,18 +49,19 @@ KINDS = ("interval", "cost")
 H100_DRAFT_COST_RATIO = 0.078  # (645 / 492 - 1) / 4: docs/storage.md, On an H100, evaluation
 
 
-def _config(data_dir: Path, kind: str, drift: float | None):
+def _config(data_dir: Path, kind: str, draft_cost_ratio: float | None, drift: float | None):
     from pipeline.config import load_config
 
     overrides: dict = {"data_dir": str(data_dir), "run": f"schedule-{kind}", "fleet": {"driver": "none"},
-                       "train": {"schedule": {"kind": kind}}}
+                       "train": {"schedule": {"kind": kind}}, "eval": {"draft_cost_ratio": draft_cost_ratio or 0.0}}
     if drift is not None:
         overrides["simulation"] = {"drift": drift}
     return load_config(overrides=overrides)
 
 
-def _reprice(store, run: str, step: int, draft_cost_ratio: float | None, rollout_scale: float) -> None:
-    """The step's cost record at the chosen price, before the next decision reads it."""
+def _rescale(store, run: str, step: int, rollout_scale: float) -> None:
+    """The step's cost record with its rollouts priced `rollout_scale` times the toy's, before the next decision
+    reads it."""
     from dataclasses import replace
 
     from pipeline.cost import DecodingCost
@@ -68,12 +69,10 @@ def _reprice(store, run: str, step: int, draft_cost_ratio: float | None, rollout
     from pipeline.data.records import read_cost, write_record
 
     cost = read_cost(store, run, step)
-    if cost is None or cost.decoding is None:
+    if cost is None or cost.decoding is None or rollout_scale == 1.0:
         return
     d = cost.decoding
-    priced = DecodingCost(d.target_s_per_token * rollout_scale,
-                          d.draft_cost_ratio if draft_cost_ratio is None else draft_cost_ratio,
-                          d.drafter_forwards_per_round)
+    priced = DecodingCost(d.target_s_per_token * rollout_scale, d.draft_cost_ratio, d.drafter_forwards_per_round)
     write_record(store, cost_key(run, step), replace(cost, decoding=priced))
 
 
@@ -88,7 +87,7 @@ def _run(kind: str, steps: int, data_dir: Path, draft_cost_ratio: float | None, 
     from pipeline.sources.simulation import SimulatedRL
     from pipeline.training.cotrain import train_step
 
-    cfg = _config(data_dir, kind, drift)
+    cfg = _config(data_dir, kind, draft_cost_ratio, drift)
     cached = ROOT / ".data" / "cache"  # the demo's pre-trained target: pre-training is not what is measured
     if cached.is_dir():
         shutil.copytree(cached, cfg.data_path / "cache", dirs_exist_ok=True)
@@ -106,7 +105,7 @@ def _run(kind: str, steps: int, data_dir: Path, draft_cost_ratio: float | None, 
         training_s = time.perf_counter() - started if outcome.trained else 0.0
         record = evaluate_step(store, cfg, step, registry, outcome.version,
                                {"extraction": extraction_s, "training": training_s})
-        _reprice(store, cfg.run, step, draft_cost_ratio, rollout_scale)
+        _rescale(store, cfg.run, step, rollout_scale)
         cost = read_cost(store, cfg.run, step)
         served, cotrained = record.drafters.get("served"), record.drafters.get("cotrained")
         rows.append({"step": step, "trained": outcome.trained, "reason": outcome.reason,

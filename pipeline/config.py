@@ -347,6 +347,12 @@ class EvalConfig(StageConfig):
     held_out_fraction: float = Field(
         default=0.125, gt=0, lt=1, description="Share of each step's rollouts kept out of training for evaluation."
     )
+    draft_cost_ratio: float = Field(
+        default=0.0, ge=0,
+        description="c the cost ledger and the `cost` schedule price a drafter forward at, in target forwards: "
+                    "the fleet's where the evaluation runs on other hardware (0.078: an H100, docs/storage.md); "
+                    "0 = as the evaluation timed it.",
+    )
 
 
 class PromotionConfig(_Strict):

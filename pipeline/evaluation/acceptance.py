@@ -13,7 +13,7 @@ The step's drafters are measured on the same held-out prompts of the step:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeline.config import PipelineConfig, PromotionConfig
 from pipeline.cost import DecodingCost
@@ -179,10 +179,12 @@ def step_cost(
     """The step's ledger entry: `seconds` spent by stage, what the served drafter saved on its rollouts, and
     where the step's launched stages ran (their placement records)."""
     rollouts = rollouts_lib.read_rollouts(store, cfg.run, measurement.step)
-    served = measurement.tau("served")
+    served, decoding = measurement.tau("served"), measurement.served_decoding
+    if decoding and cfg.eval.draft_cost_ratio:  # the fleet's price of a drafter forward, not this process's
+        decoding = replace(decoding, draft_cost_ratio=cfg.eval.draft_cost_ratio)
     return StepCost(measurement.step, {stage: round(s, 3) for stage, s in seconds.items()},
                     sum(sum(r.loss_mask) for r in rollouts), measurement.roles["served"],
-                    NO_DRAFTER_TAU if served is None else served, measurement.served_decoding,
+                    NO_DRAFTER_TAU if served is None else served, decoding,
                     read_placements(store, cfg.run, measurement.step))
 
 
