@@ -24,6 +24,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -303,8 +304,9 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
     return summary
 
 
-def demo(steps: int, config_path: str | None, drafter: str | None = None, source: str = "simulated") -> Path:
-    overrides = {"drafter": {"kind": drafter}} if drafter else None
+def demo(steps: int, config_path: str | None, drafter: str | None = None, source: str = "simulated",
+         overrides: dict | None = None) -> Path:
+    overrides = {**(overrides or {}), **({"drafter": {"kind": drafter}} if drafter else {})} or None
     cfg = _fresh_demo(config_path, overrides)
 
     import dagster as dg
@@ -386,6 +388,47 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
             deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the demo's stand-ins end with it
     bar.close()
     return _demo_report(cfg, rows, time.perf_counter() - start, step_walls, fleet_state, source)
+
+
+def compare_schedules(steps: int, config_path: str | None, source: str, kinds: list[str],
+                      draft_cost_ratio: float) -> Path:
+    """The demo's pipeline once per training schedule, one after the other on the same source, then side by side:
+    per step whether it trained, the training's seconds, the served tau and the cumulative saved rollout time.
+    Each run's demo output is kept under .data/schedules/<kind>/."""
+    from pipeline import report
+    from pipeline.data.store import open_store
+
+    runs: dict[str, list[report.ScheduleStep]] = {}
+    out_dir = load_config(config_path).data_path / "schedules"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    for kind in kinds:
+        overrides = {"train": {"schedule": {"kind": kind}}, "eval": {"draft_cost_ratio": draft_cost_ratio}}
+        out(f"== train.schedule.kind = {kind} ==")
+        demo(steps, config_path, source=source, overrides=overrides)
+        cfg = load_config(config_path, overrides)
+        runs[kind] = report.schedule_steps(open_store(cfg), cfg.run, list(range(1, steps + 1)))
+        shutil.copytree(cfg.data_path / "demo", out_dir / kind)
+        out()
+    out(f"Training schedules side by side ({source} source, {steps} steps, a drafter forward priced at "
+        f"{draft_cost_ratio or 'the measured'} target forwards):")
+    out(report.format_schedules(runs))
+    totals = {kind: report.schedule_totals(rows) for kind, rows in runs.items()}
+    figures: dict = {"source": source, "steps": steps, "draft_cost_ratio": draft_cost_ratio,
+                     "runs": {kind: [asdict(r) for r in rows] for kind, rows in runs.items()},
+                     "totals": {kind: asdict(t) for kind, t in totals.items()}}
+    if "interval" in totals and "cost" in totals:
+        base, cost = totals["interval"], totals["cost"]
+        figures["training_s_ratio"] = round(cost.training_s / base.training_s, 3) if base.training_s else None
+        figures["saved_s_ratio"] = round(cost.saved_s / base.saved_s, 3) if base.saved_s > 0 else None
+        out(f"cost / interval: training seconds {figures['training_s_ratio']}, saved rollout time "
+            f"{figures['saved_s_ratio'] if figures['saved_s_ratio'] is not None else '- (interval saved none)'}")
+    plot = out_dir / "schedules.png"
+    plot.write_bytes(report.schedules_png(runs))
+    summary = out_dir / "schedules.json"
+    summary.write_text(json.dumps(figures, indent=2) + "\n")
+    out(f"plot:    {plot}")
+    out(f"summary: {summary}")
+    return summary
 
 
 def ui(config_path: str | None, stack: str = "embedded") -> None:
@@ -607,6 +650,15 @@ def main(argv: list[str] | None = None) -> None:
     demo_p.add_argument("--drafter", choices=["eagle", "eagle3", "peagle"], help="drafter.kind for this demo")
     demo_p.add_argument("--source", choices=["simulated", "trl"], default="simulated",
                         help="what writes the RL steps: the built-in simulator, or real GRPO with TRL")
+    compare_p = sub.add_parser("compare-schedules", help="the demo once per training schedule, side by side: "
+                               "training seconds, cumulative saved time, served tau per step")
+    compare_p.add_argument("--steps", type=int, default=6)
+    compare_p.add_argument("--source", choices=["simulated", "trl"], default="simulated")
+    compare_p.add_argument("--schedules", nargs="+", choices=["interval", "acceptance", "cost"],
+                           default=["interval", "cost"])
+    compare_p.add_argument("--draft-cost-ratio", type=float, default=0.0,
+                           help="eval.draft_cost_ratio of both runs: 0.078 prices a drafter forward as on an H100; "
+                                "0 = as the evaluation times it")
     ticks_p = sub.add_parser("refresh-ticks", help="the refresh sensor and its runs, as the Dagster daemon runs them, "
                              "until standard input closes (the demo starts it)")
     ticks_p.add_argument("--overrides", help="JSON mapping merged over the config (the demo's --drafter)")
@@ -638,6 +690,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.steps < 1:
             parser.error("--steps must be >= 1")
         demo(args.steps, args.config, args.drafter, args.source)
+    elif args.command == "compare-schedules":
+        if args.steps < 1:
+            parser.error("--steps must be >= 1")
+        compare_schedules(args.steps, args.config, args.source, args.schedules, args.draft_cost_ratio)
     elif args.command == "ui":
         ui(args.config, args.stack)
     elif args.command == "refresh-ticks":

@@ -5,13 +5,22 @@ from __future__ import annotations
 import base64
 import io
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.data import buffer as buffer_lib
 from pipeline.data import capture, shards
 from pipeline.data import rollouts as rollouts_lib
-from pipeline.data.keys import acceptance_key
-from pipeline.data.records import NO_DRAFTER_TAU, DrafterTau, read_acceptance, read_refresh, read_tail, read_training
+from pipeline.data.keys import acceptance_key, drafter_key
+from pipeline.data.records import (
+    NO_DRAFTER_TAU,
+    DrafterTau,
+    read_acceptance,
+    read_cost,
+    read_refresh,
+    read_tail,
+    read_training,
+)
 from pipeline.data.store import ObjectStore
 from pipeline.ledger import Ledger, cumulative
 
@@ -262,3 +271,94 @@ def format_ledger(ledger: Ledger) -> str:
     lines.append(f"spent {total.spent_s:.1f} device-s ({', '.join(f'{k} {v:.1f}' for k, v in total.by_stage.items())})"
                  f", saved {total.saved_s:.3f} s of rollout time")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ScheduleStep:
+    """One step of a run as a training schedule left it: whether and why it trained, at what cost, and what the
+    drafter that served it saved."""
+
+    step: int
+    trained: bool
+    reason: str
+    training_s: float  # the step's own training (a refresh's is `refresh_s`)
+    refresh_s: float
+    served_tau: float
+    saved_s: float
+    cumulative_saved_s: float
+
+
+def schedule_steps(store: ObjectStore, run: str, steps: list[int]) -> list[ScheduleStep]:
+    """The run's steps from the records its stages stored (training decisions, step costs, refreshes)."""
+    rows, saved = [], 0.0
+    for step in steps:
+        cost, refresh = read_cost(store, run, step), read_refresh(store, run, step)
+        if cost is None or not store.exists(drafter_key(run, step)):
+            continue
+        training = read_training(store, run, step)
+        saved += cost.saved_s
+        rows.append(ScheduleStep(step, training.trained, training.reason, round(cost.seconds.get("training", 0.0), 3),
+                                 round(refresh.train_s if refresh else 0.0, 3), round(cost.served_tau, 4),
+                                 round(cost.saved_s, 3), round(saved, 3)))
+    return rows
+
+
+@dataclass(frozen=True)
+class ScheduleTotals:
+    training_s: float
+    refresh_s: float
+    saved_s: float
+    trained_steps: tuple[int, ...]
+
+
+def schedule_totals(rows: list[ScheduleStep]) -> ScheduleTotals:
+    return ScheduleTotals(round(sum(r.training_s for r in rows), 3), round(sum(r.refresh_s for r in rows), 3),
+                          round(sum(r.saved_s for r in rows), 3), tuple(r.step for r in rows if r.trained))
+
+
+def format_schedules(runs: dict[str, list[ScheduleStep]]) -> str:
+    """Schedules side by side, one line per step: trained, training seconds, served tau, cumulative saved."""
+    kinds = list(runs)
+    by_step = {kind: {r.step: r for r in rows} for kind, rows in runs.items()}
+    steps = sorted({s for rows in by_step.values() for s in rows})
+    cell = f"{'train':>5} {'train s':>7} {'tau':>5} {'saved cum':>9}"
+    head = f"{'step':>4} " + " | ".join(f"{kind:^{len(cell)}}" for kind in kinds)
+    lines = [head, f"{'':>4} " + " | ".join(cell for _ in kinds), "-" * len(head)]
+    for step in steps:
+        cells = []
+        for kind in kinds:
+            r = by_step[kind].get(step)
+            cells.append(" " * len(cell) if r is None else
+                         f"{'yes' if r.trained else 'no':>5} {r.training_s:>7.1f} {r.served_tau:>5.2f} "
+                         f"{r.cumulative_saved_s:>9.2f}")
+        lines.append(f"{step:>4} " + " | ".join(cells))
+    for kind in kinds:
+        t = schedule_totals(runs[kind])
+        lines.append(f"{kind}: trained steps {list(t.trained_steps)}, training {t.training_s:.1f} s (refresh "
+                     f"{t.refresh_s:.1f} s), saved {t.saved_s:.2f} s of rollout time")
+    return "\n".join(lines)
+
+
+def schedules_png(runs: dict[str, list[ScheduleStep]], dpi: int = 100) -> bytes:
+    """Three panels, one line per schedule: served tau per step, cumulative training seconds, cumulative saved."""
+    plt = _pyplot()
+    fig, (tau_ax, train_ax, saved_ax) = plt.subplots(1, 3, figsize=(13, 3.6), dpi=dpi)
+    for kind, rows in runs.items():
+        steps = [r.step for r in rows]
+        tau_ax.plot(steps, [r.served_tau for r in rows], "o-", label=kind)
+        spent, running = 0.0, []
+        for r in rows:
+            spent += r.training_s
+            running.append(spent)
+        train_ax.plot(steps, running, "o-", label=kind)
+        saved_ax.plot(steps, [r.cumulative_saved_s for r in rows], "o-", label=kind)
+    for ax, title, label in ((tau_ax, "Served tau", "tau of the served drafter"),
+                             (train_ax, "Training spent", "cumulative training seconds"),
+                             (saved_ax, "Rollout time saved", "cumulative saved seconds")):
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _png(fig)
