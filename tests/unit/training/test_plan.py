@@ -9,14 +9,22 @@ import pytest
 from pipeline.config import PipelineConfig, load_config
 from pipeline.cost import DecodingCost
 from pipeline.data.buffer import write_buffer
-from pipeline.data.keys import acceptance_key, cost_key
-from pipeline.data.records import AcceptanceRecord, BufferEntry, DrafterTau, StepCost, write_record
+from pipeline.data.keys import acceptance_key, cost_key, drafter_key, refresh_key
+from pipeline.data.records import (
+    AcceptanceRecord,
+    BufferEntry,
+    DrafterTau,
+    RefreshRecord,
+    StepCost,
+    TrainingRecord,
+    write_record,
+)
 from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.registry import DrafterRegistry, open_registry
 from pipeline.training.outcome import TrainOutcome, outcome_metadata
-from pipeline.training.plan import TrainJob, plan_training, settle_plan
-from pipeline.training.schedule import LiveTau
+from pipeline.training.plan import TrainJob, aged_taus, median_decoding, plan_training, settle_plan
+from pipeline.training.schedule import AgedTau, LiveTau
 
 STEP = 1
 RETRAIN = "live tau 1.20 < fleet.live_tau_floor 1.5"
@@ -187,3 +195,42 @@ def test_a_newer_committed_step_supersedes_a_waiting_training(step) -> None:
     assert waiting.reason == "superseded: step 2 was committed while this step waited, and trains on the newer buffer"
     assert plan_training(store, cfg, STEP, registry).train  # a backfill's run does not coalesce
     assert plan_training(store, cfg, 2, registry, coalesce=True).train  # the newest step trains
+
+
+def _drafters(store: ObjectStore, cfg: PipelineConfig, step: int, **roles: tuple[str, float]) -> None:
+    def tau(measured: tuple[str, float] | None) -> DrafterTau | None:
+        return DrafterTau(measured[0], measured[1], 0.5, (0.5,), 10, 40, 20, 3) if measured else None
+
+    write_record(store, acceptance_key(cfg.run, step), AcceptanceRecord(
+        step, step, 3, 4, 8, {r: tau(roles.get(r)) for r in ("cotrained", "served", "baseline", "champion")},
+        False, "", None))
+
+
+def test_drafters_are_aged_from_the_step_they_trained_on(tmp_path: Path) -> None:
+    """v1 trained at step 1 (its training record), v2 at step 2, v3 a refresh of step 3 (on its first parts): every
+    drafter measured on the recent steps counts with its age there, the newly promoted ones included, so the
+    staleness is known the step after a promotion."""
+    cfg = load_config(overrides={"data_dir": str(tmp_path)})
+    store = open_store(cfg)
+    for step, version in ((1, "1"), (2, "2")):
+        write_record(store, drafter_key(cfg.run, step), TrainingRecord(step, True, "", 3, "r", version, None,
+                                                                       (step - 1, step) if step > 1 else (1,)))
+    write_record(store, drafter_key(cfg.run, 3), TrainingRecord(3, False, "kept", 3))
+    write_record(store, refresh_key(cfg.run, 3), RefreshRecord(3, 4, (0, 1, 2, 3, 4), 40, 0.0, "3", "2", 2.9, 2.6,
+                                                               True, "beats the champion"))
+    _drafters(store, cfg, 1, cotrained=("1", 3.0), baseline=("1", 3.0))
+    _drafters(store, cfg, 2, cotrained=("2", 3.2), served=("1", 2.4), baseline=("1", 2.4))
+    # no training at step 3: the co-trained drafter is still v2, measured once
+    _drafters(store, cfg, 3, cotrained=("2", 2.7), served=("2", 2.7), baseline=("1", 1.9), champion=("2", 2.7))
+    _drafters(store, cfg, 4, cotrained=("2", 2.4), served=("3", 2.8), baseline=("1", 1.7), champion=("2", 2.4))
+    taus = aged_taus(store, cfg.run, [1, 2, 3, 4], [2, 3, 4])
+    assert sorted(taus, key=lambda t: (t.step, t.version)) == [
+        AgedTau("1", 2, 1, 2.4), AgedTau("2", 2, 0, 3.2),
+        AgedTau("1", 3, 2, 1.9), AgedTau("2", 3, 1, 2.7),  # in three roles, one measurement
+        AgedTau("1", 4, 3, 1.7), AgedTau("2", 4, 2, 2.4), AgedTau("3", 4, 1, 2.8)]
+
+
+def test_one_timing_on_a_loaded_machine_does_not_move_the_price() -> None:
+    timings = [DecodingCost(3e-4, 0.45, 4), DecodingCost(8e-3, 0.45, 4), DecodingCost(2.3e-4, 0.37, 4)]
+    assert median_decoding(timings) == DecodingCost(3e-4, 0.45, 4)
+    assert median_decoding([]) is None
