@@ -79,8 +79,8 @@ class ScheduleConfig(_Strict):
     kind: Literal["interval", "acceptance", "cost"] = Field(
         default="interval",
         description="`interval`: every `train.training_interval_steps` steps; `acceptance`: when the champion's tau "
-                    "fell by more than `tau_drop` since its promotion; `cost`: when keeping the champion one more chance "
-                    "loses more rollout time than a training costs per chance at its best retraining interval.",
+                    "fell by more than `tau_drop` since its promotion; `cost`: when keeping the champion one more "
+                    "chance loses more rollout time than a training costs per chance at its best retraining interval.",
     )
     tau_drop: float = Field(default=0.3, gt=0, description="`acceptance`: the fall in tau that asks for a retraining.")
 
