@@ -1,11 +1,15 @@
-"""The promotion decision: who is promoted, by which margin, and the reason it gives."""
+"""The promotion decision: who is promoted, by which margin, and the reason it gives; the price of the step's
+cost entry."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.config import PromotionConfig
-from pipeline.evaluation.acceptance import Decision, promotion_decision
+from pipeline.config import PromotionConfig, load_config
+from pipeline.cost import DecodingCost
+from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
+from pipeline.data.store import open_store
+from pipeline.evaluation.acceptance import Decision, StepMeasurement, promotion_decision, step_cost
 
 AUTO = PromotionConfig(policy="auto", margin=0.05)
 
@@ -40,3 +44,17 @@ def test_zero_margin_promotes_any_strict_improvement() -> None:
     even = PromotionConfig(policy="auto", margin=0.0)
     assert promotion_decision(even, 2.001, 2.0).promote
     assert not promotion_decision(even, 2.0, 2.0).promote
+
+
+def test_the_ledger_prices_a_drafter_forward_as_the_fleet_does(tmp_path) -> None:
+    """eval.draft_cost_ratio: the step's cost entry keeps the timed t and f, and takes the fleet's c."""
+    timed = DecodingCost(3e-4, 0.45, 4)
+    measurement = StepMeasurement(2, 2, 3, {"served": None}, {}, timed)
+    for ratio, expected in ((0.0, timed), (0.078, DecodingCost(3e-4, 0.078, 4))):
+        cfg = load_config(overrides={"data_dir": str(tmp_path), "eval": {"draft_cost_ratio": ratio}})
+        store = open_store(cfg)
+        write_rollouts(store, cfg.run, 2, [Rollout("s0", [1, 2, 3, 4], [0, 0, 1, 1], 0.5, 2)],
+                       PolicyPointer(2, f"policies/{cfg.run}/x", "m"))
+        cost = step_cost(store, cfg, measurement, {"training": 10.0})
+        assert cost.decoding == expected
+        assert cost.rollout_tokens == 2
