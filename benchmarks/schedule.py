@@ -5,8 +5,11 @@ Dagster, no fleet, no pacing, so the two runs see exactly the same steps and not
 the step's hidden states, its buffer, the training the schedule decides on (`plan_training`, from
 the records earlier steps left), then `evaluate_step`, which writes the step's cost entry. The
 served drafter of a step is the champion before it (the fleet's lag of one step). Figures per
-schedule: steps trained with each decision's reason, training seconds (this process's wall time of
-each training), the served tau and the rollout seconds the served drafters saved, cumulative.
+schedule: steps trained with each decision's reason, training seconds (this process's CPU-seconds
+of each training, as the ledger counts them here: the load other processes put on a shared
+machine does not count), the served tau and the rollout seconds the served drafters saved,
+cumulative, at one price for both runs (`common_price`: the median of every step's timing in
+either run; each run decides on its own timings, as the pipeline does).
 
 The price of decoding, which both the decisions and the savings rest on (`--price`):
 
@@ -96,13 +99,13 @@ def _run(kind: str, steps: int, data_dir: Path, draft_cost_ratio: float | None, 
     rows = []
     for step in range(1, steps + 1):
         simulation.run_step(step)
-        started = time.perf_counter()
-        extract.extract_hidden_states(store, cfg, step)
-        extraction_s = time.perf_counter() - started
+        started = time.process_time()  # CPU-seconds, as the ledger counts a stage here: other processes' load
+        extract.extract_hidden_states(store, cfg, step)  # on the shared machine does not count
+        extraction_s = time.process_time() - started
         buffer_lib.build_buffer(store, cfg.run, step, cfg.train.buffer_steps, cfg.train.data_buffer_max_size)
-        started = time.perf_counter()
+        started = time.process_time()
         outcome = train_step(store, cfg, step, registry, {"benchmark": "schedule"})
-        training_s = time.perf_counter() - started if outcome.trained else 0.0
+        training_s = time.process_time() - started if outcome.trained else 0.0
         record = evaluate_step(store, cfg, step, registry, outcome.version,
                                {"extraction": extraction_s, "training": training_s})
         _rescale(store, cfg.run, step, rollout_scale)
@@ -117,16 +120,29 @@ def _run(kind: str, steps: int, data_dir: Path, draft_cost_ratio: float | None, 
     return {"steps": rows}
 
 
-def _summary(rows: list[dict]) -> dict:
-    saved = cumulative = 0.0
-    per_step = []
+def common_price(runs: list[list[dict]]):
+    """One decoding price for both runs: the median t and c of every step's timing in either. Each run decides on
+    its own timings, as the pipeline does, but t timed on a shared machine varies twofold between runs, and a
+    saving compared at two prices would measure the machine's load rather than the schedule."""
+    import statistics
+
+    from pipeline.cost import DecodingCost
+
+    timings = [DecodingCost.from_json(r["decoding"]) for rows in runs for r in rows if r["decoding"]]
+    return DecodingCost(statistics.median(d.target_s_per_token for d in timings),
+                        statistics.median(d.draft_cost_ratio for d in timings), timings[-1].drafter_forwards_per_round)
+
+
+def _summary(rows: list[dict], price) -> dict:
+    saved, per_step = 0.0, []
     for r in rows:
-        saved += r["saved_s"]
+        if r["decoding"]:  # a drafter served the step
+            saved += price.saved_seconds(r["tau_served"], r["rollout_tokens"])
         per_step.append(round(saved, 3))
-        cumulative = saved
     return {"trained_steps": [r["step"] for r in rows if r["trained"]],
             "training_s": round(sum(r["training_s"] for r in rows), 2),
-            "saved_s": round(cumulative, 3), "cumulative_saved_s": per_step,
+            "saved_s_own_timings": round(sum(r["saved_s"] for r in rows), 3),
+            "saved_s": round(saved, 3), "cumulative_saved_s": per_step,
             "tau_served": [r["tau_served"] for r in rows]}
 
 
@@ -159,7 +175,10 @@ def run(steps: int = 6, price: str = "h100", rollout_scale: float = 1.0, drift: 
     with tempfile.TemporaryDirectory() as tmp:
         for kind in KINDS:
             report[kind] = _run(kind, steps, Path(tmp) / kind, draft_cost_ratio, rollout_scale, drift)
-            report[kind].update(_summary(report[kind]["steps"]))
+    price = common_price([report[kind]["steps"] for kind in KINDS])
+    report["common_price"] = price.to_json()
+    for kind in KINDS:
+        report[kind].update(_summary(report[kind]["steps"], price))
     interval, cost = report["interval"], report["cost"]
     report["training_s_ratio"] = round(cost["training_s"] / interval["training_s"], 3)
     # a ratio of savings means something only where interval's saving is positive
