@@ -62,7 +62,7 @@ class ChampionTrack:
     """The serving champion's acceptance: when it was promoted and at what tau, and its latest tau."""
 
     version: str
-    promoted_at_step: int  # also the newest step it trained on: its age counts from there
+    promoted_at_step: int
     tau_at_promotion: float
     tau_now: float  # on the latest measured step's policy (evaluated, or the fleet's live tau)
     measured_at_step: int
