@@ -391,10 +391,11 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
 
 
 def compare_schedules(steps: int, config_path: str | None, source: str, kinds: list[str],
-                      draft_cost_ratio: float) -> Path:
+                      draft_cost_ratio: float, fleet: bool = True) -> Path:
     """The demo's pipeline once per training schedule, one after the other on the same source, then side by side:
     per step whether it trained, the training's seconds, the served tau and the cumulative saved rollout time.
-    Each run's demo output is kept under .data/schedules/<kind>/."""
+    Each run's demo output is kept under .data/schedules/<kind>/. Without `fleet` no replica (and no refresh)
+    runs: the champion serves, as the fleet would a step later."""
     from pipeline import report
     from pipeline.data.store import open_store
 
@@ -402,7 +403,8 @@ def compare_schedules(steps: int, config_path: str | None, source: str, kinds: l
     out_dir = load_config(config_path).data_path / "schedules"
     shutil.rmtree(out_dir, ignore_errors=True)
     for kind in kinds:
-        overrides = {"train": {"schedule": {"kind": kind}}, "eval": {"draft_cost_ratio": draft_cost_ratio}}
+        overrides = {"train": {"schedule": {"kind": kind}}, "eval": {"draft_cost_ratio": draft_cost_ratio},
+                     **({} if fleet else {"fleet": {"driver": "none"}})}
         out(f"== train.schedule.kind = {kind} ==")
         demo(steps, config_path, source=source, overrides=overrides)
         cfg = load_config(config_path, overrides)
@@ -659,6 +661,8 @@ def main(argv: list[str] | None = None) -> None:
     compare_p.add_argument("--draft-cost-ratio", type=float, default=0.0,
                            help="eval.draft_cost_ratio of both runs: 0.078 prices a drafter forward as on an H100; "
                                 "0 = as the evaluation times it")
+    compare_p.add_argument("--no-fleet", action="store_true",
+                           help="fleet.driver none: no stand-in replicas (no ports, no refresh); the champion serves")
     ticks_p = sub.add_parser("refresh-ticks", help="the refresh sensor and its runs, as the Dagster daemon runs them, "
                              "until standard input closes (the demo starts it)")
     ticks_p.add_argument("--overrides", help="JSON mapping merged over the config (the demo's --drafter)")
@@ -693,7 +697,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "compare-schedules":
         if args.steps < 1:
             parser.error("--steps must be >= 1")
-        compare_schedules(args.steps, args.config, args.source, args.schedules, args.draft_cost_ratio)
+        compare_schedules(args.steps, args.config, args.source, args.schedules, args.draft_cost_ratio,
+                          not args.no_fleet)
     elif args.command == "ui":
         ui(args.config, args.stack)
     elif args.command == "refresh-ticks":
