@@ -15,7 +15,7 @@ its gradients are reduced once per step, and the lost overlap with backward is s
 
 FSDP2 (`fully_shard`, `train.parallelism: fsdp`) shards the drafter's parameters, gradients
 and AdamW state over the ranks: each rank holds 1/N of them and all-gathers each unit's weights
-once per step, when the step first needs them (`shard_drafter`). It pays off when the fp32 training state
+once per step, when the step first needs them. It pays off when the fp32 training state
 (16 bytes per trainable parameter: weight, gradient, two AdamW moments; 4 per frozen one)
 would crowd the activations out of a GPU: `train.parallelism: auto` (`choose_parallelism`)
 shards when that state exceeds `train.fsdp_memory_share` of one GPU's memory. For the
@@ -25,6 +25,11 @@ reference drafters on an 80 GB GPU (share 0.5), from `reference_drafter` on the 
     Llama-3.1-8B      0.43 B      0.53 B                        8.9 GB    ddp
     Llama-3.1-70B     1.40 B      1.05 B                       26.7 GB    ddp
     Llama-3.1-405B    4.82 B      2.10 B                       85.5 GB    fsdp
+
+Sharded, `train.fsdp_units` sets how many collectives a step has (`shard_drafter`): the whole
+drafter one unit (one all-gather, one reduce-scatter) when a step's peak with its weights and
+gradient whole fits the same share (`step_peak_bytes`; on 8 ranks 6.6, 18.8 and 57.6 GB for the
+drafters above: the 405B one gets a unit per decoder layer), else a unit per layer.
 
 The sharded drafter is a copy that `fully_shard` rewrites (its parameters become DTensors);
 the caller's drafter waits on the host and receives the trained weights, gathered from the
