@@ -103,6 +103,8 @@ def clip_to(params: list[torch.nn.Parameter], grad_clip: float, norm: torch.Tens
     """Scale the gradients as `clip_grad_norm_` does, given their whole norm (summed over a sharded
     drafter's ranks by the caller): by grad_clip / (norm + 1e-6), at most 1."""
     grads = local_tensors([p.grad for p in params if p.grad is not None])
+    if not grads:
+        return
     coef = torch.clamp(grad_clip / (norm + 1e-6), max=1.0)
     torch._foreach_mul_(grads, coef.to(grads[0].device))
 
