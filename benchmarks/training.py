@@ -7,9 +7,11 @@ ranks (gloo) train the same global batches of 16 samples as the one process, 8 s
 each. Every process runs one thread, so the ratio is the data-parallel scaling from one core
 to two (with more threads per process, OpenMP's barriers dominate on a busy machine and
 the single process looks worse than it is). The same two ranks also shard the drafter
-(FSDP2): DDP and FSDP2 trainings alternate in the same two processes, `PAIRED_REPEATS` pairs,
-and the figure is the median pair's ratio, with the spread beside it, so that load from other
-work on the machine meets both arms alike.
+(FSDP2), with the units `train.fsdp_units: auto` picks and with a unit per decoder layer: DDP and
+both FSDP2 trainings run in `PAIRED_REPEATS` rounds in the same two processes, the order rotating,
+and each figure is the median over the rounds of an FSDP2 training's over the same round's DDP
+training's, with the spread beside it, in tokens/s and in tokens per CPU-second, so that load
+from other work on the machine meets every arm alike (`paired`; `--paired N` runs only this).
 
 GPU (CUDA only, else null; `--gpu` runs only this, with nothing but torch, transformers,
 safetensors and pyarrow installed): the training step the loop runs (`pipeline.training.step`:
