@@ -175,15 +175,16 @@ def paired(repeats: int = PAIRED_REPEATS) -> dict:
     for arm, prefix in (("fsdp", "fsdp2"), ("fsdp_layer", "fsdp2_layer")):
         sharded = runs[arm]
         assert all(f["tokens"] == d["tokens"] for d, f in zip(ddp, sharded, strict=True)), "not the same batches"
-        wall, wall_spread = _median_and_spread([f["tokens_per_s"] / d["tokens_per_s"]
-                                                for d, f in zip(ddp, sharded, strict=True)])
-        cpu, cpu_spread = _median_and_spread([f["tokens_per_cpu_s"] / d["tokens_per_cpu_s"]
-                                              for d, f in zip(ddp, sharded, strict=True)])
+        walls = [f["tokens_per_s"] / d["tokens_per_s"] for d, f in zip(ddp, sharded, strict=True)]
+        cpus = [f["tokens_per_cpu_s"] / d["tokens_per_cpu_s"] for d, f in zip(ddp, sharded, strict=True)]
+        (wall, wall_spread), (cpu, cpu_spread) = _median_and_spread(walls), _median_and_spread(cpus)
         out.update({
             f"{prefix}_units": sharded[0]["units"],
             f"{prefix}_tokens_per_s": max(r["tokens_per_s"] for r in sharded),
             f"{prefix}_vs_ddp2_tokens_ratio": wall, f"{prefix}_vs_ddp2_tokens_ratio_spread": wall_spread,
             f"{prefix}_vs_ddp2_cpu_ratio": cpu, f"{prefix}_vs_ddp2_cpu_ratio_spread": cpu_spread,
+            f"{prefix}_vs_ddp2_rounds": [{"tokens": round(w, 3), "cpu": round(c, 3)} for w, c in zip(walls, cpus,
+                                                                                             strict=True)],
             f"{prefix}_vs_ddp2_rank_state_ratio": sharded[0]["rank_state_bytes"] / ddp[0]["rank_state_bytes"],
             f"{prefix}_rank_state_mb": sharded[0]["rank_state_bytes"] / 1e6})
     out["ddp2_rank_state_mb"] = ddp[0]["rank_state_bytes"] / 1e6
