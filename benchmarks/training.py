@@ -7,9 +7,11 @@ ranks (gloo) train the same global batches of 16 samples as the one process, 8 s
 each. Every process runs one thread, so the ratio is the data-parallel scaling from one core
 to two (with more threads per process, OpenMP's barriers dominate on a busy machine and
 the single process looks worse than it is). The same two ranks also shard the drafter
-(FSDP2): DDP and FSDP2 trainings alternate in the same two processes, `PAIRED_REPEATS` pairs,
-and the figure is the median pair's ratio, with the spread beside it, so that load from other
-work on the machine meets both arms alike.
+(FSDP2), with the units `train.fsdp_units: auto` picks and with a unit per decoder layer: DDP and
+both FSDP2 trainings run in `PAIRED_REPEATS` rounds in the same two processes, the order rotating,
+and each figure is the median over the rounds of an FSDP2 training's over the same round's DDP
+training's, with the spread beside it, in tokens/s and in tokens per CPU-second, so that load
+from other work on the machine meets every arm alike (`paired`; `--paired N` runs only this).
 
 GPU (CUDA only, else null; `--gpu` runs only this, with nothing but torch, transformers,
 safetensors and pyarrow installed): the training step the loop runs (`pipeline.training.step`:
@@ -42,7 +44,10 @@ if TYPE_CHECKING:  # imported where used: the GPU path needs only torch and the 
     from pipeline.training.window import DeviceBatch
 
 REPEATS = 2
-PAIRED_REPEATS = 5  # DDP and FSDP2 trainings, alternating in the same two processes
+PAIRED_REPEATS = 7  # rounds of DDP and FSDP2 trainings, alternating in the same two processes
+# The paired arms: data parallel, FSDP2 as `train.fsdp_units: auto` shards the demo's drafter (one unit,
+# gathered once a step), and FSDP2 with a unit per decoder layer (the least memory within a step).
+PAIRED_ARMS = (("ddp", "auto"), ("fsdp", "auto"), ("fsdp", "layer"))
 
 
 def _demo_setup():
@@ -73,12 +78,17 @@ def _demo_setup():
     return cfg, target, drafter, InMemoryDataset(samples)
 
 
-def _cpu_rank(rank: int, world: int, port: int, out: str, arms: tuple[str, ...], repeats: int) -> None:
-    """Train the demo's drafter `repeats` times per arm (a `train.parallelism`), the arms alternating in
-    these same processes, so that load from other work on the machine meets every arm alike."""
+def _cpu_rank(rank: int, world: int, port: int, out: str, arms: tuple[tuple[str, str], ...], repeats: int) -> None:
+    """Train the demo's drafter `repeats` rounds, each round every arm (`train.parallelism`,
+    `train.fsdp_units`) once, on the same global batches, in these same processes, so that load from
+    other work on the machine meets every arm alike. The order rotates from round to round (no arm
+    always runs first, or right after the same other), after one warm-up epoch of each arm. Per
+    training: tokens/s (wall) and tokens per CPU-second of the ranks (`time.process_time`, summed
+    over them), which other work on the machine slows less than the wall clock."""
     import copy
 
     import torch
+    import torch.distributed as dist
 
     from pipeline.training.distributed import DistContext, destroy_process_group, init_process_group
     from pipeline.training.loop import train_drafter
@@ -90,24 +100,48 @@ def _cpu_rank(rank: int, world: int, port: int, out: str, arms: tuple[str, ...],
     try:
         cfg, target, drafter, data = _demo_setup()
         teacher = drafter.teacher(target)
-        results: dict[str, list[dict]] = {arm: [] for arm in arms}
-        for _ in range(repeats):
-            for arm in arms:
-                train = cfg.train.model_copy(update={"batch_size_per_gpu": cfg.train.batch_size_per_gpu // world,
-                                                     "epochs": 4, "parallelism": arm})
-                result = train_drafter(copy.deepcopy(drafter), data, train, teacher=teacher, ctx=ctx)
-                results[arm].append({"tokens": result.tokens, "wall_s": result.wall_s,
-                                     "tokens_per_s": result.tokens / result.wall_s,
-                                     "iterations": result.iterations, "loss": result.loss,
-                                     "rank_state_bytes": result.rank_state_bytes})
+
+        def train(arm: tuple[str, str], epochs: int):
+            parallelism, units = arm
+            settings = cfg.train.model_copy(update={"batch_size_per_gpu": cfg.train.batch_size_per_gpu // world,
+                                                    "epochs": epochs, "parallelism": parallelism,
+                                                    "fsdp_units": units})
+            cpu = time.process_time()
+            result = train_drafter(copy.deepcopy(drafter), data, settings, teacher=teacher, ctx=ctx)
+            cpu_s = torch.tensor([time.process_time() - cpu], dtype=torch.float64)
+            if ctx.distributed:
+                dist.all_reduce(cpu_s)
+            return result, float(cpu_s)
+
+        if repeats > 1:
+            for arm in arms:  # the first training of each arm pays one-off costs (allocations, FSDP2's set-up)
+                train(arm, 1)
+        results: dict[str, list[dict]] = {_arm_name(arm): [] for arm in arms}
+        load = [os.getloadavg()[0]]
+        for round_ in range(repeats):
+            for arm in arms[round_ % len(arms):] + arms[: round_ % len(arms)]:
+                result, cpu_s = train(arm, 4)
+                plan = result.parallelism
+                results[_arm_name(arm)].append({
+                    "round": round_, "tokens": result.tokens, "wall_s": result.wall_s,
+                    "tokens_per_s": result.tokens / result.wall_s, "tokens_per_cpu_s": result.tokens / cpu_s,
+                    "iterations": result.iterations, "loss": result.loss, "rank_state_bytes": result.rank_state_bytes,
+                    "units": plan.units if plan else None, "step_peak_bytes": plan.step_peak_bytes if plan else 0})
+        load.append(os.getloadavg()[0])
         if ctx.is_main:
-            Path(out).write_text(json.dumps(results))
+            Path(out).write_text(json.dumps({"runs": results, "load_average": load}))
     finally:
         destroy_process_group()
 
 
-def _cpu_runs(world: int, arms: tuple[str, ...], repeats: int) -> dict[str, list[dict]]:
-    """Each arm's trainings, in order, from one set of `world` processes."""
+def _arm_name(arm: tuple[str, str]) -> str:
+    parallelism, units = arm
+    return parallelism if units == "auto" else f"{parallelism}_{units}"
+
+
+def _cpu_runs(world: int, arms: tuple[tuple[str, str], ...], repeats: int) -> dict:
+    """Each arm's trainings, in order, from one set of `world` processes, and the machine's load
+    average (1 minute) before and after them."""
     import socket
 
     import torch.multiprocessing as mp
@@ -119,6 +153,43 @@ def _cpu_runs(world: int, arms: tuple[str, ...], repeats: int) -> dict[str, list
         out = str(Path(tmp) / "result.json")
         mp.start_processes(_cpu_rank, args=(world, port, out, arms, repeats), nprocs=world, start_method="spawn")
         return json.loads(Path(out).read_text())
+
+
+def _median_and_spread(values: list[float]) -> tuple[float, list[float]]:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return median, [ordered[0], ordered[-1]]
+
+
+def paired(repeats: int = PAIRED_REPEATS) -> dict:
+    """FSDP2 against DDP on two gloo ranks: each FSDP2 training's tokens/s over the DDP training's of the
+    same round, the median of `repeats` rounds and the lowest and highest (`_spread`); the same for
+    tokens per CPU-second; the training state one rank holds between steps, and a step's peak with
+    the drafter one unit (the plan's figure). Both FSDP2 settings, `auto`'s choice unsuffixed."""
+    paired_runs = _cpu_runs(2, PAIRED_ARMS, repeats)
+    runs = paired_runs["runs"]
+    ddp = runs["ddp"]
+    out: dict = {"paired_rounds": repeats, "paired_load_average": paired_runs["load_average"],
+                 "ddp2_tokens_per_s": max(r["tokens_per_s"] for r in ddp)}
+    for arm, prefix in (("fsdp", "fsdp2"), ("fsdp_layer", "fsdp2_layer")):
+        sharded = runs[arm]
+        assert all(f["tokens"] == d["tokens"] for d, f in zip(ddp, sharded, strict=True)), "not the same batches"
+        walls = [f["tokens_per_s"] / d["tokens_per_s"] for d, f in zip(ddp, sharded, strict=True)]
+        cpus = [f["tokens_per_cpu_s"] / d["tokens_per_cpu_s"] for d, f in zip(ddp, sharded, strict=True)]
+        (wall, wall_spread), (cpu, cpu_spread) = _median_and_spread(walls), _median_and_spread(cpus)
+        out.update({
+            f"{prefix}_units": sharded[0]["units"],
+            f"{prefix}_tokens_per_s": max(r["tokens_per_s"] for r in sharded),
+            f"{prefix}_vs_ddp2_tokens_ratio": wall, f"{prefix}_vs_ddp2_tokens_ratio_spread": wall_spread,
+            f"{prefix}_vs_ddp2_cpu_ratio": cpu, f"{prefix}_vs_ddp2_cpu_ratio_spread": cpu_spread,
+            f"{prefix}_vs_ddp2_rounds": [{"tokens": round(w, 3), "cpu": round(c, 3)} for w, c in zip(walls, cpus,
+                                                                                             strict=True)],
+            f"{prefix}_vs_ddp2_rank_state_ratio": sharded[0]["rank_state_bytes"] / ddp[0]["rank_state_bytes"],
+            f"{prefix}_rank_state_mb": sharded[0]["rank_state_bytes"] / 1e6})
+    out["ddp2_rank_state_mb"] = ddp[0]["rank_state_bytes"] / 1e6
+    out["fsdp2_step_peak_mb"] = runs["fsdp"][0]["step_peak_bytes"] / 1e6
+    return out
 
 
 @dataclass(frozen=True)
@@ -318,24 +389,14 @@ def _checkpoint_mb(drafter) -> float:
 
 
 def run() -> dict:
-    single = max(_cpu_runs(1, ("ddp",), REPEATS)["ddp"], key=lambda r: r["tokens_per_s"])
-    paired = _cpu_runs(2, ("ddp", "fsdp"), PAIRED_REPEATS)
-    ddp2, fsdp2 = (max(paired[arm], key=lambda r: r["tokens_per_s"]) for arm in ("ddp", "fsdp"))
-    # Each FSDP2 training against the DDP training just before it, in the same processes.
-    ratios = sorted(f["tokens_per_s"] / d["tokens_per_s"] for d, f in zip(paired["ddp"], paired["fsdp"], strict=True))
+    single = max(_cpu_runs(1, (("ddp", "auto"),), REPEATS)["runs"]["ddp"], key=lambda r: r["tokens_per_s"])
+    sharding = paired()
     checkpoints = checkpoint_cost()
     gpu_result = gpu()
     return {
         "cpu_tokens_per_s": single["tokens_per_s"],
-        "ddp2_tokens_per_s": ddp2["tokens_per_s"],
-        "ddp2_speedup": ddp2["tokens_per_s"] / single["tokens_per_s"],
-        "fsdp2_tokens_per_s": fsdp2["tokens_per_s"],
-        "fsdp2_vs_ddp2_tokens_ratio": ratios[len(ratios) // 2],  # the median pair
-        "fsdp2_vs_ddp2_tokens_ratio_spread": [ratios[0], ratios[-1]],
-        "fsdp2_vs_ddp2_tokens_ratio_best_of": fsdp2["tokens_per_s"] / ddp2["tokens_per_s"],
-        "fsdp2_vs_ddp2_rank_state_ratio": fsdp2["rank_state_bytes"] / ddp2["rank_state_bytes"],
-        "ddp2_rank_state_mb": ddp2["rank_state_bytes"] / 1e6,
-        "fsdp2_rank_state_mb": fsdp2["rank_state_bytes"] / 1e6,
+        "ddp2_speedup": sharding["ddp2_tokens_per_s"] / single["tokens_per_s"],
+        **sharding,
         **checkpoints,
         "reference_drafters": reference_decisions(),
         "cpu_iterations": single["iterations"],
@@ -363,9 +424,11 @@ def reference_decisions(gpu_memory_gb: float = 80.0, share: float = 0.5) -> dict
                 vocab_size=128256, draft_vocab_size=32000, hidden_size=hidden, target_hidden_size=hidden,
                 intermediate_size=mlp, num_attention_heads=heads, num_key_value_heads=8, aux_layer_ids=(2, 16, 29)))
         plan = choose_parallelism(drafter, "auto", share, int(gpu_memory_gb * 1e9), world_size=8)
+        sharded = choose_parallelism(drafter, "fsdp", share, int(gpu_memory_gb * 1e9), world_size=8)
         out[name] = {"parallelism": plan.mode, "trainable_params_b": plan.trainable_params / 1e9,
                      "frozen_params_b": plan.frozen_params / 1e9, "training_state_gb": plan.state_bytes / 1e9,
-                     "share_of_gpu": plan.state_share}
+                     "share_of_gpu": plan.state_share,
+                     "fsdp_units": sharded.units, "fsdp_step_peak_gb": sharded.step_peak_bytes / 1e9}
     return out
 
 
@@ -373,10 +436,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.training", description=__doc__.split("\n")[0])
     parser.add_argument("--gpu", action="store_true",
                         help="only the GPU measurement (needs only torch, transformers, safetensors and pyarrow)")
+    parser.add_argument("--paired", type=int, metavar="ROUNDS", default=0,
+                        help="only FSDP2 against DDP on two gloo ranks, this many rounds")
     args = parser.parse_args(argv)
     if args.gpu:
         gpu_result = gpu()
         result = {"gpu_mfu": gpu_result["mfu"] if gpu_result else None, "gpu": gpu_result}
+    elif args.paired:
+        result = paired(args.paired)
     else:
         result = run()
     sys.stdout.write(json.dumps(result, indent=2) + "\n")

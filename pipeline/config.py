@@ -135,6 +135,13 @@ class TrainConfig(_Strict):
         default=0.5, gt=0, le=1,
         description="`auto`: the share of one GPU's memory the unsharded fp32 training state may take.",
     )
+    fsdp_units: Literal["auto", "drafter", "layer"] = Field(
+        default="auto",
+        description="Sharded (fsdp): gather the whole drafter once a step and reduce-scatter its gradient once "
+                    "(drafter: fewest collectives), or one unit per decoder layer, freed after its forward "
+                    "(layer: least memory); auto: drafter when a step's peak with one unit (whole weights and "
+                    "gradient, plus the rank's shards) is within train.fsdp_memory_share of one GPU.",
+    )
     gpu_memory_gb: float = Field(
         default=80.0, gt=0, description="`auto` off CUDA: the GPU memory to decide for (a CUDA rank reads its own)."
     )

@@ -15,7 +15,7 @@ its gradients are reduced once per step, and the lost overlap with backward is s
 
 FSDP2 (`fully_shard`, `train.parallelism: fsdp`) shards the drafter's parameters, gradients
 and AdamW state over the ranks: each rank holds 1/N of them and all-gathers each unit's weights
-once per step, when the step first needs them (`shard_drafter`). It pays off when the fp32 training state
+once per step, when the step first needs them. It pays off when the fp32 training state
 (16 bytes per trainable parameter: weight, gradient, two AdamW moments; 4 per frozen one)
 would crowd the activations out of a GPU: `train.parallelism: auto` (`choose_parallelism`)
 shards when that state exceeds `train.fsdp_memory_share` of one GPU's memory. For the
@@ -25,6 +25,11 @@ reference drafters on an 80 GB GPU (share 0.5), from `reference_drafter` on the 
     Llama-3.1-8B      0.43 B      0.53 B                        8.9 GB    ddp
     Llama-3.1-70B     1.40 B      1.05 B                       26.7 GB    ddp
     Llama-3.1-405B    4.82 B      2.10 B                       85.5 GB    fsdp
+
+Sharded, `train.fsdp_units` sets how many collectives a step has (`shard_drafter`): the whole
+drafter one unit (one all-gather, one reduce-scatter) when a step's peak with its weights and
+gradient whole fits the same share (`step_peak_bytes`; on 8 ranks 6.6, 18.8 and 57.6 GB for the
+drafters above: the 405B one gets a unit per decoder layer), else a unit per layer.
 
 The sharded drafter is a copy that `fully_shard` rewrites (its parameters become DTensors);
 the caller's drafter waits on the host and receives the trained weights, gathered from the
@@ -118,6 +123,9 @@ class ParallelPlan:
     device_memory_bytes: int  # one GPU's memory (the smallest over the ranks), or train.gpu_memory_gb off CUDA
     memory_share: float  # train.fsdp_memory_share
     reason: str
+    units: Literal["drafter", "layer"] | None = None  # how FSDP2 gathers the sharded drafter (None: not sharded)
+    step_peak_bytes: int = 0  # fsdp: one rank's peak within a step with the drafter one unit (`step_peak_bytes`)
+    units_reason: str = ""
 
     @property
     def state_share(self) -> float:
@@ -125,11 +133,13 @@ class ParallelPlan:
 
     def metadata(self) -> dict[str, str | int | float]:
         """The decision and its figures as the run's metadata and MLflow params read them."""
+        sharded = {"fsdp_units": self.units, "fsdp_units_reason": self.units_reason,
+                   "fsdp_step_peak_gb": round(self.step_peak_bytes / 1e9, 3)} if self.units else {}
         return {"parallelism": self.mode, "parallelism_setting": self.setting, "parallelism_reason": self.reason,
                 "trainable_params": self.trainable_params, "frozen_params": self.frozen_params,
                 "training_state_gb": round(self.state_bytes / 1e9, 3),
                 "device_memory_gb": round(self.device_memory_bytes / 1e9, 1),
-                "training_state_share": round(self.state_share, 4)}
+                "training_state_share": round(self.state_share, 4), **sharded}
 
 
 def training_state_bytes(model: torch.nn.Module) -> tuple[int, int, int]:
@@ -151,16 +161,37 @@ def device_memory_bytes(device: str, fallback_gb: float, ctx: DistContext) -> in
     return int(carrier.item())
 
 
+def step_peak_bytes(trainable: int, frozen: int, state: int, world_size: int) -> int:
+    """One rank's training memory at its peak within a step when the sharded drafter is one FSDP2 unit:
+    the whole drafter's weights gathered (fp32), its whole gradient before the reduce-scatter, and
+    the rank's shards of the training state (1/world_size of it)."""
+    return FROZEN_BYTES_PER_PARAM * (2 * trainable + frozen) + state // world_size
+
+
 def choose_parallelism(
-    model: torch.nn.Module, setting: str, memory_share: float, memory_bytes: int, world_size: int
+    model: torch.nn.Module, setting: str, memory_share: float, memory_bytes: int, world_size: int,
+    units: str = "auto",
 ) -> ParallelPlan:
     """`train.parallelism` for this drafter: `auto` shards (FSDP2) when the unsharded training state
-    exceeds `memory_share` of one GPU, else replicates (data parallel)."""
+    exceeds `memory_share` of one GPU, else replicates (data parallel). Sharded, `train.fsdp_units`:
+    `auto` makes the whole drafter one unit (gathered once a step, reduce-scattered once) when its
+    `step_peak_bytes` is within the same share, else one unit per decoder layer."""
     trainable, frozen, state = training_state_bytes(model)
     figures = f"{state / 1e9:.2f} GB of training state, {state / memory_bytes:.1%} of {memory_bytes / 1e9:.0f} GB"
 
     def plan(mode: Literal["single", "ddp", "fsdp"], reason: str) -> ParallelPlan:
-        return ParallelPlan(mode, setting, trainable, frozen, state, memory_bytes, memory_share, reason)
+        if mode != "fsdp":
+            return ParallelPlan(mode, setting, trainable, frozen, state, memory_bytes, memory_share, reason)
+        peak = step_peak_bytes(trainable, frozen, state, world_size)
+        peak_figures = f"a step's peak with one unit {peak / 1e9:.2f} GB, {peak / memory_bytes:.1%} of the GPU"
+        if units != "auto":
+            chosen, why = units, f"train.fsdp_units is {units} ({peak_figures})"
+        elif peak <= memory_share * memory_bytes:
+            chosen, why = "drafter", f"{peak_figures}, within train.fsdp_memory_share={memory_share}"
+        else:
+            chosen, why = "layer", f"{peak_figures}, exceeds train.fsdp_memory_share={memory_share}"
+        return ParallelPlan(mode, setting, trainable, frozen, state, memory_bytes, memory_share, reason,
+                            chosen, peak, why)  # type: ignore[arg-type]
 
     if world_size == 1:
         return plan("single", f"one rank: nothing to shard ({figures})")
@@ -198,42 +229,48 @@ def decoder_layers(drafter: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_drafter(drafter: torch.nn.Module, loss_of: Callable[[torch.nn.Module, object], tuple],
-                  device: str) -> LossModule:
+                  device: str, units: Literal["drafter", "layer"] = "layer") -> LossModule:
     """A copy of `drafter` sharded with FSDP2 over the default process group, inside its `LossModule`.
 
-    Each all-gather and reduce-scatter is a collective every rank waits for, so the units follow how
-    the loss runs the drafter, and no weights are gathered twice in one step:
+    Each all-gather and reduce-scatter is a collective every rank waits for, so no weights are
+    gathered twice in one step, and `units` (`choose_parallelism`) sets how many collectives a step has:
 
-    * each decoder layer is a unit (the bulk of the weights). The last one runs its backward right
-      after the loss, and EAGLE-3's only layer runs once per training-time-test step: it keeps its
-      gathered weights from its first forward until the step's backward has ended (`LossModule.held`,
-      freed by `end_backward`), where FSDP2 by default frees them after every call and its backward
-      and gathers them again for the next. Earlier layers (P-EAGLE's) are freed after their forward.
-    * the embeddings are a unit read by every training-time-test step: gathered once, at the first
-      step's lookup, and freed when the backward ends (frozen in EAGLE and EAGLE-3: no backward).
-    * the root unit holds the rest: `fc` (run once, first), the norms (a few numbers each, whose own
-      collectives would cost more than they save), and the `lm_head`, whose weight the losses read
-      outside its forward (the chunked cross-entropy).
+    * `drafter`: the whole drafter is one unit, the root's. Its weights are gathered once, when the
+      step's forward begins, and kept through the backward (the root never frees them after its
+      forward); its gradient is reduce-scattered once, when the backward ends: one all-gather and one
+      reduce-scatter a step, ZeRO-2's traffic, where data parallel has one all-reduce. A rank then
+      holds, for the step, the whole weights and gradient (`step_peak_bytes`).
+    * `layer`: the units follow how the loss runs the drafter. Each decoder layer is a unit (the bulk
+      of the weights). The last one runs its backward right after the loss, and EAGLE-3's only layer
+      runs once per training-time-test step: it keeps its gathered weights from its first forward
+      until the step's backward has ended (`LossModule.held`, freed by `end_backward`), where FSDP2
+      by default frees them after every call and its backward and gathers them again for the next.
+      Earlier layers (P-EAGLE's) are freed after their forward and gathered again for their
+      backward (ZeRO-3). The embeddings are a unit read by every training-time-test step: gathered
+      once, at the first step's lookup, and freed when the backward ends (frozen in EAGLE and
+      EAGLE-3: no backward). The root unit holds the rest: `fc` (run once, first), the norms (a few
+      numbers each, whose own collectives would cost more than they save), and the `lm_head`, whose
+      weight the losses read outside its forward (the chunked cross-entropy).
 
-    At the end of the forward the whole drafter's weights are gathered once, as a replicated rank
-    holds them throughout; gradients and AdamW's moments stay sharded. Frozen parameters are sharded
-    too (no gradient, no optimizer state); buffers (EAGLE-3's vocabulary maps) stay whole on every rank."""
+    Gradients and AdamW's moments stay sharded between steps. Frozen parameters are sharded too (no
+    gradient, no optimizer state); buffers (EAGLE-3's vocabulary maps) stay whole on every rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
     replica = copy.deepcopy(drafter).to(device)
-    layers = decoder_layers(replica)
     held: list[torch.nn.Module] = []
-    for i, layer in enumerate(layers):
-        last = i == len(layers) - 1
-        fully_shard(layer, mesh=mesh, reshard_after_forward=not last)
-        if last:
-            layer.set_reshard_after_backward(False)  # type: ignore[operator]  # fully_shard made it an FSDPModule
-            held.append(layer)
-    embeddings = getattr(replica, "embed_tokens", None)
-    if isinstance(embeddings, torch.nn.Module):
-        fully_shard(embeddings, mesh=mesh, reshard_after_forward=False)
+    if units == "layer":
+        layers = decoder_layers(replica)
+        for i, layer in enumerate(layers):
+            last = i == len(layers) - 1
+            fully_shard(layer, mesh=mesh, reshard_after_forward=not last)
+            if last:
+                layer.set_reshard_after_backward(False)  # type: ignore[operator]  # fully_shard made it an FSDPModule
+                held.append(layer)
+        embeddings = getattr(replica, "embed_tokens", None)
+        if isinstance(embeddings, torch.nn.Module):
+            fully_shard(embeddings, mesh=mesh, reshard_after_forward=False)
     root = LossModule(replica, loss_of)
     fully_shard(root, mesh=mesh)
     root.held = held
@@ -244,13 +281,6 @@ def shard_drafter(drafter: torch.nn.Module, loss_of: Callable[[torch.nn.Module, 
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
     return root
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor gathered whole (a collective: every rank calls it); a plain tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def local_bytes(tensors: list[torch.Tensor]) -> int:

@@ -38,7 +38,6 @@ from pipeline.training.distributed import (
     ParallelPlan,
     choose_parallelism,
     device_memory_bytes,
-    full_tensor,
     global_plan_sizes,
     local_bytes,
     rank_share,
@@ -47,7 +46,14 @@ from pipeline.training.distributed import (
 )
 from pipeline.training.losses import LossParts, drafter_loss
 from pipeline.training.state import CheckpointWriter, ResumeState, TrainingCheckpoints, sharded_snapshot, snapshot
-from pipeline.training.step import StepStats, apply_gradients, forward_backward, make_optimizer
+from pipeline.training.step import (
+    StepStats,
+    apply_gradients,
+    forward_backward,
+    local_tensors,
+    make_optimizer,
+    squared_norm,
+)
 from pipeline.training.window import DeviceBatch
 
 
@@ -241,13 +247,24 @@ def _idle_batch(feature_size: int, device: str) -> DeviceBatch:
                        hidden_states=zeros, target=zeros.clone())
 
 
+@dataclass(frozen=True)
+class _ShardedStep:
+    """A sharded step's figures, summed over the ranks in one all-reduce."""
+
+    stats: StepStats
+    tokens: int
+    grad_norm: torch.Tensor  # 0-d: the whole gradient's norm, from every rank's shards
+
+
 def _sharded_forward_backward(
-    root: LossModule, batch: DeviceBatch | None, dtype: str, device: str
-) -> tuple[StepStats, int] | None:
+    root: LossModule, batch: DeviceBatch | None, dtype: str, device: str, params: list[torch.nn.Parameter]
+) -> _ShardedStep | None:
     """The global batch's gradient (reduce-scattered: each rank keeps its shard) and figures, with the
     drafter sharded. The ranks first agree on the global batch's loss tokens W, then each back-propagates
     its mean loss weighted by its own share of W: the summed gradient is the whole batch's mean loss's,
-    as `_summed_over_ranks` gives it unsharded. None when no rank had a token to learn from."""
+    as `_summed_over_ranks` gives it unsharded. The loss parts and the squares of the gradient's shards
+    are summed in one all-reduce after the backward (the clip needs the whole norm). None when no rank
+    had a token to learn from."""
     loss_tokens = float(batch.loss_mask.sum()) if batch is not None else 0.0
     num_tokens = batch.num_tokens if batch is not None else 0
     feature_size = batch.hidden_states.shape[-1] if batch is not None else 0
@@ -263,8 +280,10 @@ def _sharded_forward_backward(
     root.end_backward()
     figures = torch.stack([v.float() for v in stats.values()]) * weight if batch is not None \
         else torch.zeros(4, device=device)  # (4,) this rank's token-weighted share of the loss parts
-    dist.all_reduce(figures)
-    return StepStats(*figures.unbind()), int(global_tokens)
+    grads = local_tensors([p.grad for p in params if p.grad is not None])
+    shares = torch.cat([figures, squared_norm(grads) if grads else torch.zeros(1, device=device)])  # (5,)
+    dist.all_reduce(shares)
+    return _ShardedStep(StepStats(*shares[:4].unbind()), int(global_tokens), shares[4].sqrt())
 
 
 def _iterations(
@@ -310,11 +329,13 @@ def train_drafter(
         raise ValueError("train_drafter: no samples")
     torch.manual_seed(cfg.seed)
     parallel = choose_parallelism(model, cfg.parallelism, cfg.fsdp_memory_share,
-                                  device_memory_bytes(device, cfg.gpu_memory_gb, ctx), ctx.world_size)
+                                  device_memory_bytes(device, cfg.gpu_memory_gb, ctx), ctx.world_size,
+                                  cfg.fsdp_units)
     root: LossModule | None = None
     if parallel.mode == "fsdp":
         model.to("cpu").train()  # the caller's drafter waits on the host for the trained weights
-        root = shard_drafter(model, lambda m, b: _parts(compute_loss(m, b, cfg, teacher)), device)
+        root = shard_drafter(model, lambda m, b: _parts(compute_loss(m, b, cfg, teacher)), device,
+                             parallel.units or "layer")
     else:
         model.to(device).train()
     trained: torch.nn.Module = root.drafter if root is not None else model  # what the optimizer updates
@@ -346,11 +367,12 @@ def train_drafter(
             if writer:
                 committed(writer.poll())
             on_device = batch.to(device) if batch is not None else None
+            norm = None  # the gradient's norm, where the ranks have summed it already
             if root is not None:
-                summed = _sharded_forward_backward(root, on_device, cfg.dtype, device)
-                if summed is None:  # no rank had a token to learn from: the iteration count stays aligned
+                step = _sharded_forward_backward(root, on_device, cfg.dtype, device, params)
+                if step is None:  # no rank had a token to learn from: the iteration count stays aligned
                     continue
-                stats, tokens = summed
+                stats, tokens, norm = step.stats, step.tokens, step.grad_norm
             else:
                 stats = None if on_device is None else forward_backward(
                     lambda b: compute_loss(model, b, cfg, teacher), on_device, cfg.dtype)
@@ -364,7 +386,7 @@ def train_drafter(
                 elif stats is None:
                     continue
             lr = lr_at(iteration, total, cfg.optim.lr, warmup)
-            grad_norm = full_tensor(apply_gradients(optimizer, params, lr, cfg.optim.grad_clip))
+            grad_norm = apply_gradients(optimizer, params, lr, cfg.optim.grad_clip, norm)
             progress.add(_Iteration(iteration, lr, tokens, stats, grad_norm))
             if (iterations - state.iteration) % cfg.log_every == 0:
                 progress.flush()

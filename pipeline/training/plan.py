@@ -68,7 +68,7 @@ def training_decision(
 # Where a training runs, whether its ranks shard the drafter (the same steps, up to float rounding),
 # how often and how it saves and how often it reports do not change what it learns: kept out of its identity.
 _PLACEMENT_KEYS = {"launcher", "k8s", "checkpoint_every", "log_every", "checkpoint_background", "parallelism",
-                   "fsdp_memory_share", "gpu_memory_gb", "rdzv_port"}
+                   "fsdp_memory_share", "fsdp_units", "gpu_memory_gb", "rdzv_port"}
 
 
 def input_identity(

@@ -85,14 +85,43 @@ def forward_backward(
     return StepStats.of(parts)
 
 
+def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A sharded drafter's tensors as this rank's shards (plain tensors sharing their storage), so that
+    arithmetic on them skips DTensor's dispatch; plain tensors as they are."""
+    from torch.distributed.tensor import DTensor
+
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of `grads` (this rank's shards): a (1,) float32 tensor on their device."""
+    norms = torch._foreach_norm(grads)
+    return torch.stack(norms).float().pow(2).sum().reshape(1)
+
+
+def clip_to(params: list[torch.nn.Parameter], grad_clip: float, norm: torch.Tensor) -> None:
+    """Scale the gradients as `clip_grad_norm_` does, given their whole norm (summed over a sharded
+    drafter's ranks by the caller): by grad_clip / (norm + 1e-6), at most 1."""
+    grads = local_tensors([p.grad for p in params if p.grad is not None])
+    if not grads:
+        return
+    coef = torch.clamp(grad_clip / (norm + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+
 def apply_gradients(
-    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], lr: float, grad_clip: float
+    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], lr: float, grad_clip: float,
+    norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Clip the gradient, take the optimizer step at `lr` and drop the gradient; returns the
-    gradient's norm before clipping (a 0-d tensor on the device)."""
+    gradient's norm before clipping (a 0-d tensor on the device). `norm`: that norm, where the caller
+    has it already (a sharded drafter's, summed over the ranks with the step's figures)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=True if sharded(params) else None)
+    if norm is None:
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=True if sharded(params) else None)
+    else:
+        clip_to(params, grad_clip, norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm

@@ -78,6 +78,9 @@ def test_two_ranks_through_the_launcher_equal_one_process_and_two_loopback_nodes
     assert {name: m["parallelism"].value for name, m in metadata.items()} == {
         "two": "ddp", "one": "single", "nodes": "fsdp"}
     assert "training_state_gb" in metadata["nodes"]
+    # The demo's drafter is small: `train.fsdp_units: auto` gathers it whole once a step.
+    assert metadata["nodes"]["fsdp_units"].value == "drafter"
+    assert "fsdp_units" not in metadata["two"]
     assert records["two"].iterations == records["one"].iterations == records["nodes"].iterations >= 4
     torch.testing.assert_close(torch.tensor(records["two"].loss_history),
                                torch.tensor(records["one"].loss_history), rtol=2e-3, atol=1e-4)

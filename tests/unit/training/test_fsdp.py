@@ -66,10 +66,11 @@ def _samples(kind: str, target, n: int = 11) -> list[Sample]:
     return out
 
 
-def _cfg(batch_size_per_gpu: int, parallelism: str = "auto", checkpoint_every: int = 0) -> TrainConfig:
+def _cfg(batch_size_per_gpu: int, parallelism: str = "auto", checkpoint_every: int = 0,
+         units: str = "auto") -> TrainConfig:
     return TrainConfig(epochs=2, batch_size_per_gpu=batch_size_per_gpu, max_seq_len=256, window_tokens=64, seed=4,
                        optim=OptimConfig(lr=3e-3, lr_warmup_steps=2, weight_decay=0.01), dtype="fp32",
-                       parallelism=parallelism, checkpoint_every=checkpoint_every)
+                       parallelism=parallelism, checkpoint_every=checkpoint_every, fsdp_units=units)
 
 
 def _train(kind: str, cfg: TrainConfig, ctx: DistContext | None = None,
@@ -80,6 +81,7 @@ def _train(kind: str, cfg: TrainConfig, ctx: DistContext | None = None,
                            ctx=ctx, checkpoints=checkpoints)
     return {"loss_history": result.loss_history, "iterations": result.iterations, "tokens": result.tokens,
             "resumed_from": result.resumed_from_iteration, "mode": result.parallelism.mode,
+            "units": result.parallelism.units,
             "rank_state_bytes": result.rank_state_bytes,
             "weights": {k: v.tolist() for k, v in model.trainable_state_dict().items() if v.is_floating_point()},
             "plain": all(type(p) is torch.nn.Parameter for p in model.parameters())}
@@ -94,7 +96,8 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         out = {}
         for kind in KINDS:
             out[f"{kind}-ddp"] = _train(kind, _cfg(3, "ddp"), ctx)
-            out[f"{kind}-fsdp"] = _train(kind, _cfg(3, "fsdp"), ctx)
+            out[f"{kind}-fsdp"] = _train(kind, _cfg(3, "fsdp"), ctx)  # auto: the whole drafter one unit
+            out[f"{kind}-fsdp-layer"] = _train(kind, _cfg(3, "fsdp", units="layer"), ctx)
         # A sharded training that saves every 2 iterations; the same training again finds its last
         # checkpoint (as a retry after a kill does) and must end exactly where the first ended.
         checkpoints = TrainingCheckpoints(ObjectStore(Path(out_dir, "store").as_uri()), "training/run/fsdp")
@@ -132,10 +135,13 @@ def test_fsdp_on_two_ranks_equals_ddp_and_one_process_on_the_global_batch(two_ra
     ranks weigh alike and must agree closely."""
     single = _train(kind, _cfg(6))
     fsdp, ddp = two_ranks[0][f"{kind}-fsdp"], two_ranks[0][f"{kind}-ddp"]
+    layered = two_ranks[0][f"{kind}-fsdp-layer"]
     assert (fsdp["mode"], ddp["mode"], single["mode"]) == ("fsdp", "ddp", "single")
+    assert (fsdp["units"], layered["units"], ddp["units"]) == ("drafter", "layer", None)
     assert fsdp["iterations"] == ddp["iterations"] == single["iterations"] == 2 * 2  # ceil(11/6) per epoch
-    assert fsdp["tokens"] == ddp["tokens"] == single["tokens"]
+    assert fsdp["tokens"] == ddp["tokens"] == single["tokens"] == layered["tokens"]
     _close(fsdp, ddp)
+    _close(layered, ddp)
     if kind == "eagle":
         _close(fsdp, single)
     else:
@@ -144,8 +150,8 @@ def test_fsdp_on_two_ranks_equals_ddp_and_one_process_on_the_global_batch(two_ra
     # Both ranks end with the whole trained drafter, in plain tensors (the export reads them).
     assert two_ranks[0][f"{kind}-fsdp"]["weights"] == two_ranks[1][f"{kind}-fsdp"]["weights"]
     assert fsdp["plain"]
-    # Each rank held about half the training state.
-    assert fsdp["rank_state_bytes"] < 0.6 * ddp["rank_state_bytes"]
+    # Each rank held about half the training state, however the units gather it.
+    assert fsdp["rank_state_bytes"] == layered["rank_state_bytes"] < 0.6 * ddp["rank_state_bytes"]
 
 
 @pytest.mark.slow
@@ -180,11 +186,26 @@ def test_auto_shards_only_a_drafter_whose_training_state_crowds_the_gpu() -> Non
     assert big.state_bytes == 16 * big.trainable_params + 4 * big.frozen_params
     assert "exceeds train.fsdp_memory_share=0.5" in big.reason
     assert big.metadata()["parallelism"] == "fsdp"
+    # Sharded, a step with the whole drafter one unit holds its weights and gradient whole, plus the
+    # rank's shards: 57.7 GB on each of 8 ranks, over half the GPU, so the 405B drafter's layers are
+    # units of their own, freed after their forward.
+    assert big.step_peak_bytes == 4 * (2 * big.trainable_params + big.frozen_params) + big.state_bytes // 8
+    assert big.step_peak_bytes == pytest.approx(57.7e9, rel=0.01)
+    assert (big.units, big.metadata()["fsdp_units"]) == ("layer", "layer")
+    assert "exceeds train.fsdp_memory_share=0.5" in big.units_reason
+    assert "fsdp_units" not in decisions["8B"].metadata()  # replicated: no units
     # the setting wins over the figures; one process has nothing to shard
     small = _reference_drafter(4096, 14336, 32)
     assert choose_parallelism(small, "fsdp", 0.5, gpu, 2).mode == "fsdp"
     assert choose_parallelism(_reference_drafter(16384, 53248, 128), "ddp", 0.5, gpu, 2).mode == "ddp"
     assert choose_parallelism(small, "fsdp", 0.5, gpu, 1).mode == "single"
+    # The 8B drafter, sharded on 2 ranks: weights and gradient whole for a step, plus half the state: 9.9 GB.
+    eight = choose_parallelism(small, "fsdp", 0.5, gpu, 2)
+    assert (eight.units, eight.step_peak_bytes) == ("drafter", 4 * (2 * eight.trainable_params + eight.frozen_params)
+                                                    + eight.state_bytes // 2)
+    assert "within train.fsdp_memory_share=0.5" in eight.units_reason
+    assert choose_parallelism(small, "fsdp", 0.5, gpu, 2, units="layer").units == "layer"  # the setting wins
+    assert choose_parallelism(small, "fsdp", 0.05, gpu, 2).units == "layer"  # 4 GB: a step's peak exceeds it
     trainable, frozen, _ = training_state_bytes(small)
     assert trainable == sum(p.numel() for p in small.parameters() if p.requires_grad)
     assert frozen == 128256 * 4096

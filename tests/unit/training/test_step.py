@@ -11,7 +11,7 @@ import torch
 from benchmarks.training import DrafterShapes, main, model_flops_per_token, shipped_step
 from pipeline.models.eagle import EagleConfig, EagleDrafter
 from pipeline.models.target import build_target, tiny_llama_config
-from pipeline.training.step import autocast, make_optimizer, param_groups
+from pipeline.training.step import apply_gradients, autocast, clip_to, make_optimizer, param_groups, squared_norm
 
 TINY = DrafterShapes(hidden=64, heads=4, kv_heads=2, mlp=128, vocab=256, draft_vocab=64, tokens=32, docs=2)
 
@@ -37,6 +37,32 @@ def test_norms_and_biases_are_not_decayed() -> None:
     assert len(decay["params"]) + len(no_decay["params"]) == len(trainable)  # frozen heads in neither
     optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.1, device="cpu")
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+
+
+@pytest.mark.parametrize("grad_clip", [0.05, 100.0])  # clipped, and left as it is
+def test_a_given_norm_clips_as_clip_grad_norm_does(grad_clip: float) -> None:
+    """A sharded drafter's ranks sum the squares of their gradient's shards with the step's figures;
+    the step then clips with that norm, as `clip_grad_norm_` would over the whole gradient."""
+    model = _drafter()
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(p.shape, generator=g) for p in params]
+    expected = [x.clone() for x in grads]
+    for p, x in zip(params, grads, strict=True):
+        p.grad = x
+    norm = squared_norm([p.grad for p in params]).sqrt()[0]
+    clip_to(params, grad_clip, norm)
+    reference = [torch.nn.Parameter(torch.zeros_like(x)) for x in expected]
+    for p, x in zip(reference, expected, strict=True):
+        p.grad = x
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference, grad_clip)
+    torch.testing.assert_close(norm, expected_norm)
+    for p, r in zip(params, reference, strict=True):
+        torch.testing.assert_close(p.grad, r.grad)
+    # apply_gradients takes the norm as given, and returns it
+    optimizer = make_optimizer(model, lr=1e-2, weight_decay=0.0, device="cpu")
+    assert apply_gradients(optimizer, params, 1e-2, grad_clip, norm) is norm
+    assert all(p.grad is None for p in params)
 
 
 def test_a_cpu_trains_in_fp32_whatever_the_setting() -> None:
