@@ -30,7 +30,7 @@ from pipeline.registry import DrafterRegistry
 from pipeline.sources.simulation import SimulatedRL
 from tests.integration.test_deploy import check_promotions_reach_the_fleet_once_each
 from tests.integration.test_s3 import BUCKET, s3_endpoint  # noqa: F401  (the moto server fixture)
-from tests.integration.test_ui import _processes_of, browser_page, check_mlflow_ui
+from tests.integration.test_ui import DEQUEUE_EVERY_SECOND, _processes_of, browser_page, check_mlflow_ui
 from tests.support.config import write_config
 from tests.support.mlflow_server import mlflow_server
 from tests.support.registered import register_champion
@@ -101,8 +101,10 @@ def stack(postgres: PostgresServer, s3_endpoint: str, tmp_path_factory: pytest.T
             # Of the four steps the daemon test runs, step 3 trains (a drafter process is minutes of CPU here).
             "train": {"training_interval_steps": 3},
         })
-        yield Stack(postgres, write_dagster_home(tmp / "dagster", postgres.port), config, load_config(config), url,
-                    s3_endpoint, dagster_db, mlflow_db)
+        home = write_dagster_home(tmp / "dagster", postgres.port)
+        with (home / "dagster.yaml").open("a") as f:  # the run queue looked at every second (Dagster's default: 5 s)
+            f.write(DEQUEUE_EVERY_SECOND)
+        yield Stack(postgres, home, config, load_config(config), url, s3_endpoint, dagster_db, mlflow_db)
 
 
 @contextlib.contextmanager
@@ -131,7 +133,7 @@ def _wait_for_runs(instance: dg.DagsterInstance, filters: dg.RunsFilter, count: 
         runs = instance.get_runs(filters)
         if len(runs) >= count and all(r.is_finished for r in runs):
             return sorted(runs, key=lambda r: r.tags.get("dagster/partition", ""))
-        time.sleep(2)
+        time.sleep(1)
     raise AssertionError(f"{count} runs not finished in {RUN_TIMEOUT_S}s: {instance.get_runs(filters)}\n"
                          f"{log.read_text()[-3000:]}")
 
