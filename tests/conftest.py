@@ -39,13 +39,14 @@ os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 # files, close together, instead of one of them running a long file last, alone. Ordered by each file's time
 # measured alone (CPU seconds of the file's processes, and wall time where daemons or a browser wait).
 SLOWEST_FIRST = ["tests/integration/test_families.py", "tests/integration/test_postgres.py",
-                 "tests/integration/test_e2e.py", "tests/integration/test_ui.py",
+                 "tests/integration/test_ui.py", "tests/integration/test_e2e.py",
                  "tests/integration/test_dagster.py", "tests/integration/test_deploy.py",
                  "tests/integration/test_reliability.py", "tests/integration/test_train_process.py",
                  "tests/integration/test_async_steps.py", "tests/integration/test_stages.py",
                  "tests/integration/test_refresh.py", "tests/integration/test_postgres_faults.py",
                  "tests/integration/test_trl.py", "tests/integration/test_untrusted_trainer.py",
-                 "tests/unit/serving/test_fleet.py", "tests/integration/test_s3.py"]
+                 "tests/unit/serving/test_hot_update.py", "tests/unit/serving/test_fleet.py",
+                 "tests/integration/test_s3.py"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
