@@ -34,13 +34,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 
-# The longest files first (each takes minutes, the others seconds): `make test` runs a file at a time per
-# pytest-xdist worker, so these start side by side at once instead of one of them running last, alone.
-SLOWEST_FIRST = ["tests/integration/test_ui.py", "tests/integration/test_postgres.py", "tests/integration/test_e2e.py",
-                 "tests/integration/test_reliability.py", "tests/integration/test_deploy.py",
-                 "tests/integration/test_train_process.py", "tests/integration/test_postgres_faults.py",
-                 "tests/integration/test_dagster.py",
-                 "tests/unit/serving/test_fleet.py", "tests/integration/test_s3.py"]
+# The longest files first (each takes minutes, the others seconds), longest first: `make test` runs a file at a
+# time per pytest-xdist worker, so the long ones start side by side and the two workers end on the short unit
+# files, close together, instead of one of them running a long file last, alone. Ordered by each file's time
+# measured alone (CPU seconds of the file's processes, and wall time where daemons or a browser wait).
+SLOWEST_FIRST = ["tests/integration/test_families.py", "tests/integration/test_postgres.py",
+                 "tests/integration/test_ui.py", "tests/integration/test_e2e.py",
+                 "tests/integration/test_dagster.py", "tests/integration/test_deploy.py",
+                 "tests/integration/test_reliability.py", "tests/integration/test_train_process.py",
+                 "tests/integration/test_async_steps.py", "tests/integration/test_stages.py",
+                 "tests/integration/test_refresh.py", "tests/integration/test_postgres_faults.py",
+                 "tests/integration/test_trl.py", "tests/integration/test_untrusted_trainer.py",
+                 "tests/unit/serving/test_hot_update.py", "tests/unit/serving/test_fleet.py",
+                 "tests/integration/test_s3.py"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

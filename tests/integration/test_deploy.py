@@ -1,4 +1,6 @@
-"""Promotion to serving through Dagster: the champion sensor, the deploy job, stand-in replicas.
+"""Promotion to serving through Dagster: the champion sensor, the deploy job, stand-in replicas, on the
+production stack's Dagster instance (PostgreSQL) and MLflow server (PostgreSQL, artifacts on S3) of
+tests/integration/test_postgres.py; a file of its own, so that it runs beside that file's daemon test.
 
 The replicas are stand-in processes (`pipeline.serving.standin_replica`, not vLLM) on loopback ports.
 """
@@ -7,20 +9,27 @@ from __future__ import annotations
 
 import json
 import urllib.request
+import uuid
 from pathlib import Path
 
 import dagster as dg
+import pytest
 
 from definitions import build_definitions
 from jobs.sensors import DEPLOY_SENSOR_NAME, champion_sensor, live_tau_sensor
 from pipeline.config import load_config
 from pipeline.data.records import read_fleet_state
 from pipeline.data.store import open_store
+from pipeline.local_stack import write_dagster_home
 from pipeline.registry import DrafterRegistry
 from pipeline.serving import deploy
 from pipeline.serving.fleet import StandInDriver
 from pipeline.sources.simulation import SimulatedRL
+from tests.integration.test_postgres import Stack, _environ, stack  # noqa: F401  (the production stack fixture)
+from tests.integration.test_s3 import s3_endpoint  # noqa: F401  (the moto server fixture)
 from tests.support.config import write_config
+
+pytestmark = pytest.mark.postgres
 
 
 def _tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None):
@@ -39,11 +48,6 @@ def _complete(url: str, prompt: list[int], max_tokens: int) -> None:
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         assert json.loads(response.read())["choices"][0]["token_ids"]
-
-
-def test_promotions_reach_the_fleet_once_each(tmp_path: Path, mlflow_server: str) -> None:
-    with dg.instance_for_test() as instance:
-        check_promotions_reach_the_fleet_once_each(tmp_path, instance, {"mlflow": {"tracking_uri": mlflow_server}})
 
 
 def check_promotions_reach_the_fleet_once_each(tmp_path: Path, instance: dg.DagsterInstance, overrides: dict) -> None:
@@ -135,3 +139,17 @@ def check_promotions_reach_the_fleet_once_each(tmp_path: Path, instance: dg.Dags
         assert (md["hot_updated"].value, md["restarted"].value) == (2, 0)
     finally:
         StandInDriver(4, cfg.data_path / "fleet" / "replicas").stop_all(deploy.replicas(cfg))
+
+
+@pytest.mark.slow
+def test_promotions_reach_the_fleet_on_postgres_and_s3(stack: Stack, tmp_path: Path) -> None:  # noqa: F811
+    """The champion sensor redeploying, a manual alias change in the MLflow client driving exactly one deploy:
+    the Dagster instance and the MLflow server of the production stack. The object store stays a local
+    directory: a stand-in replica reads its target from a URI with no S3 endpoint to go with it."""
+    db = stack.pg.create_database(f"dagster_deploy_{uuid.uuid4().hex[:6]}")
+    home = write_dagster_home(tmp_path / "dagster", stack.pg.port)
+    overrides = {"mlflow": {"tracking_uri": stack.mlflow, "experiment": "pg-deploy"}}
+    with _environ(stack.pg.dagster_env(db)), dg.DagsterInstance.from_config(str(home)) as instance:
+        check_promotions_reach_the_fleet_once_each(tmp_path, instance, overrides)
+    deploys = stack.pg.query(db, "SELECT count(*) FROM runs WHERE pipeline_name = 'deploy_job'")
+    assert deploys == [(3,)]  # one per alias change, and version 3's hot update, in PostgreSQL

@@ -52,6 +52,7 @@ KEYS = [step_key(s) for s in STEPS]
 ASSETS = ["rollouts", "hidden_states", "drafter_buffer", "drafter", "acceptance"]
 MODEL = "ui-drafter"
 BACKFILL_TIMEOUT_S = 900  # a loaded 2-core CI machine; about 90 s when idle
+DEQUEUE_EVERY_SECOND = "run_queue:\n  dequeue_interval_seconds: 1\n"
 
 
 @dataclass
@@ -151,6 +152,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Itera
     home = tmp / "dagster"
     home.mkdir()
     shutil.copyfile(ROOT / "dagster.yaml", home / "dagster.yaml")
+    with (home / "dagster.yaml").open("a") as f:  # the run queue looked at every second (Dagster's default: 5 s)
+        f.write(DEQUEUE_EVERY_SECOND)
     with dg.DagsterInstance.from_config(str(home)) as instance:
         prepare_instance(instance)  # before the webserver and the daemon race to create it
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "MLFLOW_UI"))}
@@ -215,14 +218,20 @@ def _shot(page, name: str) -> Path:
 
 
 def _wait_for_backfill(instance: dg.DagsterInstance, timeout_s: float) -> dg.PartitionBackfill:
+    """The backfill once each of its partitions' runs has finished, or once it ended otherwise (failed,
+    canceled). The backfill daemon marks a finished backfill only on its next pass (every 30 s): its runs say
+    sooner."""
     from dagster._core.execution.backfill import BulkActionStatus
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         backfills = instance.get_backfills()
-        if backfills and backfills[0].status not in (BulkActionStatus.REQUESTED,):
-            return backfills[0]
-        time.sleep(3)
+        if backfills:
+            runs = instance.get_runs(dg.RunsFilter(tags={"dagster/backfill": backfills[0].backfill_id}))
+            if backfills[0].status != BulkActionStatus.REQUESTED or (
+                    len(runs) == len(KEYS) and all(r.is_finished for r in runs)):
+                return backfills[0]
+        time.sleep(1)
     raise AssertionError(f"backfill not finished after {timeout_s}s: {instance.get_backfills()}")
 
 
