@@ -10,8 +10,11 @@
   (`python -m pipeline.sources.worker`: process start, torch import, then the same work).
 * `launch_overhead_s` and `warm_overhead_s`: a launched step's seconds minus the in-process call's:
   what a process per stage (or a job on a warm worker) costs per step, whatever the step's size;
-  `break_even_step_s` is the in-process extraction time from which a fresh process's ratio reaches
-  0.9 (9 x its overhead).
+  `break_even_step_s` and `warm_break_even_step_s` are the in-process extraction times from which
+  the ratios reach 0.9 (9 x the overhead). `worker_stage_s` and `warm_worker_stage_s` are the
+  extraction's own seconds inside the worker: the rest of a step is Dagster's step, the Pipes session
+  and the worker's reading back of the committed shards (the `shards_valid` check), which the
+  in-process call does not do.
 
 All on the same step, same run, alternated, best of two each.
 
@@ -58,7 +61,7 @@ def run() -> dict:
         SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
         extract.extract_hidden_states(store, cfg, STEP)  # warm: the policy's local copy, the page cache
 
-        in_process_s, launched_s, worker_s, warm_s = [], [], [], []
+        in_process_s, launched_s, worker_s, warm_s, warm_worker_s = [], [], [], [], []
         with dg.instance_for_test() as instance:
             instance.add_dynamic_partitions("rl_step", [KEY])
 
@@ -78,7 +81,9 @@ def run() -> dict:
                 seconds, stage_s = step_seconds(path)
                 launched_s.append(seconds)
                 worker_s.append(stage_s)
-                warm_s.append(step_seconds(warm_path)[0])
+                seconds, stage_s = step_seconds(warm_path)
+                warm_s.append(seconds)
+                warm_worker_s.append(stage_s)
     tokens = manifest.num_tokens
     in_process, launched, warm = min(in_process_s), min(launched_s), min(warm_s)
     overhead = launched - in_process
@@ -93,10 +98,12 @@ def run() -> dict:
         "launch_overhead_s": round(overhead, 3),
         "warm_cold_s": round(warm_cold_s, 3),
         "warm_s": round(warm, 3),
+        "warm_worker_stage_s": round(min(warm_worker_s), 3),
         "warm_tokens_per_s": round(tokens / warm, 1),
         "warm_vs_in_process_ratio": round(in_process / warm, 3),
         "warm_overhead_s": round(warm - in_process, 3),
         "break_even_step_s": round(9 * overhead, 1),
+        "warm_break_even_step_s": round(9 * (warm - in_process), 1),
     }
 
 

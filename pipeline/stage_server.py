@@ -142,11 +142,12 @@ def serve(stage: str, socket_path: Path, lock_path: Path, idle_s: float) -> None
     finally:
         os.umask(old_umask)
     listener.listen(16)
+    bound = _identity(socket_path)
     sys.stderr.write(f"stage server {stage} pid {os.getpid()} listening on {socket_path}\n")
     sys.stderr.flush()
     jobs = 0
     while True:
-        if not select.select([listener], [], [], idle_s)[0] and _leave_if_idle(listener, socket_path, lock_path):
+        if not select.select([listener], [], [], idle_s)[0] and _leave_if_idle(listener, socket_path, bound, lock_path):
             sys.stderr.write(f"idle for {idle_s} s after {jobs} job(s): exiting\n")
             return
         conn, _ = listener.accept()
@@ -160,14 +161,29 @@ def serve(stage: str, socket_path: Path, lock_path: Path, idle_s: float) -> None
                 pass  # the launcher left after the job's end: nothing more to tell it
 
 
-def _leave_if_idle(listener: socket.socket, socket_path: Path, lock_path: Path) -> bool:
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        status = path.stat()
+    except FileNotFoundError:
+        return None
+    return status.st_dev, status.st_ino
+
+
+def _leave_if_idle(listener: socket.socket, socket_path: Path, bound: tuple[int, int] | None,
+                   lock_path: Path) -> bool:
     """Remove the socket unless a launcher connected meanwhile; under the launchers' lock, so none connects
-    between the check and the removal."""
-    with open(lock_path, "a") as lock:
+    between the check and the removal. A socket path that is no longer this server's (its data dir was
+    removed, another server listens there now) is left alone, and this server leaves."""
+    try:
+        lock = open(lock_path, "a")  # held until the socket is gone
+    except FileNotFoundError:
+        return True  # the run's data dir is gone: nobody can reach this server any more
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if select.select([listener], [], [], 0)[0]:
             return False
-        socket_path.unlink(missing_ok=True)
+        if _identity(socket_path) == bound:
+            socket_path.unlink()
         return True
 
 
