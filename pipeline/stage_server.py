@@ -12,9 +12,10 @@ It listens on the Unix socket S and serves one connection at a time (others wait
     answer    one JSON line {"ok": bool, "error": str | null, "pid": int, "jobs": int}
 
 A job leaves the process as a fresh one finds it: torch's RNG state, default dtype, thread count,
-grad mode and deterministic flag, the environment and the working directory are restored, and an
-MLflow run left active is ended. Nothing else is kept between jobs: every job loads its policy and
-drafters from the store, so its output is bit for bit a fresh process's.
+grad mode and deterministic flag, the environment and the working directory are restored, an
+MLflow run left active is ended, and the peak memory (the next job's placement record) is reset.
+Nothing else is kept between jobs: every job loads its policy and drafters from the store, so its
+output is bit for bit a fresh process's.
 
 The launcher's side closing the connection mid-job (its Dagster step killed) ends this process at
 once, as `pipeline.workers.exit_with_launcher` ends a launched worker: nothing is written after its
@@ -69,6 +70,8 @@ class ProcessState:
         if torch.cuda.is_initialized():  # a fresh process's CUDA generators start from the default seed
             torch.cuda.manual_seed_all(self.seed)
             torch.cuda.empty_cache()
+            for device in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(device)
         torch.set_default_dtype(self.dtype)
         torch.set_num_threads(self.threads)
         torch.set_grad_enabled(self.grad)
@@ -83,6 +86,16 @@ class ProcessState:
                 mlflow.end_run()
         PipesContext._instance = None  # noqa: SLF001  open_dagster_pipes returns an open singleton otherwise
         gc.collect()
+        _reset_peak_rss()
+
+
+def _reset_peak_rss() -> None:
+    """The next job's peak resident set (its placement record) is its own, from what the process holds now, as
+    a fresh process's counts from its imports (Linux: the high-water mark reset through /proc)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # elsewhere the peak stays the worker's: an upper bound
 
 
 @dataclass(frozen=True)
