@@ -158,7 +158,7 @@ class TrainConfig(_Strict):
                     "`k8s`: a GPU pod (Dagster Pipes all three).",
     )
     warm_idle_s: float = Field(
-        default=90.0, gt=0,
+        default=300.0, gt=0,
         description="`launcher: warm`: a stage's worker exits after this many seconds without a job.",
     )
     k8s: K8sConfig = Field(default_factory=K8sConfig, description="The training pod of `launcher: k8s`.")
