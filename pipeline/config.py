@@ -158,9 +158,15 @@ class TrainConfig(_Strict):
     dtype: Literal["bf16", "fp32"] = Field(
         default="bf16", description="GPU compute: bf16 autocast over fp32 weights, or fp32; a CPU trains in fp32."
     )
-    launcher: Literal["subprocess", "k8s"] = Field(
-        default="subprocess",
-        description="`subprocess`: torchrun on the orchestrator's machine; `k8s`: a GPU pod (Dagster Pipes both).",
+    launcher: Literal["subprocess", "warm", "k8s"] = Field(
+        default="warm",
+        description="`subprocess`: a process per stage (torchrun for several ranks) on the orchestrator's machine; "
+                    "`warm`: a one-rank stage on its stage's long-lived worker there, several ranks as `subprocess`; "
+                    "`k8s`: a GPU pod (Dagster Pipes all three).",
+    )
+    warm_idle_s: float = Field(
+        default=300.0, gt=0,
+        description="`launcher: warm`: a stage's worker exits after this many seconds without a job.",
     )
     k8s: K8sConfig = Field(default_factory=K8sConfig, description="The training pod of `launcher: k8s`.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer settings.")

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from dagster_pipes import open_dagster_pipes
+from dagster_pipes import PipesContext, open_dagster_pipes
 
 from pipeline import refresh as refresh_lib
 from pipeline.config import PipelineConfig
@@ -131,19 +131,25 @@ def run_refresh(job: StageJob, progress: Callable[[str], None]) -> tuple[Refresh
     return record, samples, measure_placement("refresh", job.where, Ranks(), cfg.device, started)
 
 
+def run_pipes(pipes: PipesContext) -> None:
+    """The refresh over an open Pipes channel, and its report (a launched process's and a warm worker's,
+    `pipeline.stage_server`)."""
+    job = StageJob.from_dict(pipes.get_extra("job"))
+    record, samples, where = run_refresh(job, pipes.log.info)
+    pipes.log.info(f"{step_key(record.step)} refresh on parts {list(record.parts)}: {record.decision}")
+    pipes.report_asset_materialization(metadata={
+        "step": record.step, "part": record.part, "parts": str(list(record.parts)), "rollouts": record.rollouts,
+        "samples": samples, "version": record.version or "none",
+        "tau_refreshed": round(record.tau_refreshed or 0.0, 3),
+        "tau_champion": round(record.tau_champion or 0.0, 3), **where.metadata()})
+
+
 def main() -> None:
     exit_with_launcher()
     if not is_pipes_process():
         raise SystemExit("pipeline.refresh_worker: no job; launch it from the refreshed_drafter asset (Dagster Pipes)")
     with open_dagster_pipes() as pipes:
-        job = StageJob.from_dict(pipes.get_extra("job"))
-        record, samples, where = run_refresh(job, pipes.log.info)
-        pipes.log.info(f"{step_key(record.step)} refresh on parts {list(record.parts)}: {record.decision}")
-        pipes.report_asset_materialization(metadata={
-            "step": record.step, "part": record.part, "parts": str(list(record.parts)), "rollouts": record.rollouts,
-            "samples": samples, "version": record.version or "none",
-            "tau_refreshed": round(record.tau_refreshed or 0.0, 3),
-            "tau_champion": round(record.tau_champion or 0.0, 3), **where.metadata()})
+        run_pipes(pipes)
 
 
 if __name__ == "__main__":

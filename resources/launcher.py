@@ -1,5 +1,6 @@
-"""Starting a model stage (extraction, training, evaluation) as its own process(es) through Dagster Pipes:
-the commands and pods come from `pipeline.launch` (and `pipeline.training.launch` for several nodes)."""
+"""Starting a model stage (extraction, training, evaluation, refresh) as its own process(es) through Dagster
+Pipes: the commands and pods come from `pipeline.launch` (and `pipeline.training.launch` for several nodes),
+a one-rank stage's warm worker from `resources.warm`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import dagster as dg
 
 from pipeline.config import PipelineConfig
-from pipeline.launch import StageJob, pod_labels, stage_command, stage_pod_spec
+from pipeline.launch import StageJob, pod_labels, stage_command, stage_pod_spec, stage_ranks
 from pipeline.training.launch import (
     NODE_INDEX_ANNOTATION,
     train_command,
@@ -23,15 +24,17 @@ from pipeline.training.launch import (
     training_service_spec,
 )
 from pipeline.training.plan import TrainJob
+from resources.warm import PipesWarmClient
 
 POD_START_TIMEOUT_S = 1800  # node 0's pod: a GPU node scaling up from zero, then a multi-GB image pull
 
 
 class StageLauncher:
     """Every model stage through one launcher (`train.launcher`): a subprocess of this run (`subprocess`:
-    the worker itself for one rank, torchrun for several; `train.nnodes` trainings as loopback nodes), a
-    GPU pod (`k8s`, through `PipesK8sClient`), or for a training on several nodes an indexed Job of
-    `train.nnodes` GPU pods (`k8s`); the last two need dagster-k8s."""
+    the worker itself for one rank, torchrun for several; `train.nnodes` trainings as loopback nodes), the
+    stage's warm worker for one rank and a subprocess for several (`warm`), a GPU pod (`k8s`, through
+    `PipesK8sClient`), or for a training on several nodes an indexed Job of `train.nnodes` GPU pods
+    (`k8s`); the last two need dagster-k8s."""
 
     def __init__(self, cfg: PipelineConfig, working_dir: Path, mlflow_ui_url: str) -> None:
         self.cfg, self.working_dir, self.mlflow_ui_url = cfg, working_dir, mlflow_ui_url
@@ -46,7 +49,8 @@ class StageLauncher:
 
     def run_stage(self, context: dg.AssetExecutionContext, job: StageJob) -> dg.PipesClientCompletedInvocation:
         """Extraction or evaluation: the stage's worker with its ranks, reporting back over Pipes."""
-        return self._run(context, {"job": job.to_dict()}, pod_labels(self.cfg, job.stage, job.step),
+        return self._run(context, job.stage, stage_ranks(self.cfg, job.stage), {"job": job.to_dict()},
+                         pod_labels(self.cfg, job.stage, job.step),
                          lambda: stage_pod_spec(self.cfg, job.stage), stage_command(self.cfg, job.stage))
 
     def train(self, context: dg.AssetExecutionContext, job: TrainJob) -> dg.PipesClientCompletedInvocation:
@@ -55,10 +59,11 @@ class StageLauncher:
         if cfg.train.launcher == "k8s" and cfg.train.nnodes > 1:
             with _quiet_preview():
                 return _run_indexed_job(context, cfg, job, extras)
-        return self._run(context, extras, pod_labels(cfg, "training", job.step), lambda: training_pod_spec(cfg),
+        return self._run(context, "training", cfg.train.nproc_per_node * cfg.train.nnodes, extras,
+                         pod_labels(cfg, "training", job.step), lambda: training_pod_spec(cfg),
                          train_command(cfg.train.nproc_per_node, nnodes=cfg.train.nnodes))
 
-    def _run(self, context: dg.AssetExecutionContext, extras: dict, labels: dict[str, str],
+    def _run(self, context: dg.AssetExecutionContext, stage: str, ranks: int, extras: dict, labels: dict[str, str],
              pod_spec: Callable[[], dict], command: list[str]) -> dg.PipesClientCompletedInvocation:
         with _quiet_preview():
             if self.cfg.train.launcher == "k8s":
@@ -68,6 +73,9 @@ class StageLauncher:
                     context=context, extras=extras, namespace=self.cfg.train.k8s.namespace or None,
                     base_pod_meta={"labels": labels}, base_pod_spec=pod_spec(),
                 )
+            if self.cfg.train.launcher == "warm" and ranks == 1:
+                return PipesWarmClient(stage, self.cfg.data_path, self.working_dir,
+                                       self.cfg.train.warm_idle_s).run(context=context, extras=extras)
             return dg.PipesSubprocessClient(cwd=str(self.working_dir)).run(context=context, extras=extras,
                                                                            command=command)
 

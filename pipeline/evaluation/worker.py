@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from dagster_pipes import open_dagster_pipes
+from dagster_pipes import PipesContext, open_dagster_pipes
 
 from pipeline.data.keys import placement_key
 from pipeline.data.records import AcceptanceRecord, StagePlacement, read_record
@@ -24,7 +24,7 @@ from pipeline.data.store import open_store
 from pipeline.evaluation import acceptance
 from pipeline.evaluation import tail as tail_lib
 from pipeline.launch import StageJob
-from pipeline.ranks import Ranks, join, leave, ranks_from_env
+from pipeline.ranks import SINGLE, Ranks, join, leave, ranks_from_env
 from pipeline.registry import open_registry
 from pipeline.workers import exit_with_launcher, is_pipes_process, pipes_extras
 
@@ -53,6 +53,28 @@ def acceptance_metadata(record: AcceptanceRecord) -> dict:
     return metadata
 
 
+def run_pipes(pipes: PipesContext, ranks: Ranks = SINGLE) -> None:
+    """Rank 0's work over an open Pipes channel: the measurements, the promotion, the tail, the report (a
+    launched process's and a warm worker's, `pipeline.stage_server`)."""
+    started = time.perf_counter()
+    job = StageJob.from_dict(pipes.get_extra("job"))
+    pipes.log.info(f"measuring the drafters of RL step {job.step} on {ranks.world_size} rank(s) ({job.where})")
+    record = run_evaluation(job, ranks)
+    cfg = job.pipeline_config
+    where = read_record(open_store(cfg), placement_key(cfg.run, job.step, "evaluation"), StagePlacement)
+    pipes.log.info(f"evaluation done in {time.perf_counter() - started:.1f} s: {record.decision}")
+    ceiling = cfg.eval.num_speculative_tokens + 1
+    metadata = {**acceptance_metadata(record), **where.metadata()}
+    registry = open_registry(cfg)
+    if tail := tail_lib.measure_tail(open_store(cfg), cfg, job.step, registry):  # a step published in parts
+        metadata.update(tail.metadata())
+        tail_lib.log_tail(registry, tail)
+    pipes.report_asset_materialization(metadata=metadata)
+    pipes.report_asset_check(
+        "tau_in_range", passed=all(1.0 <= d.tau <= ceiling for d in record.measured().values()),
+        severity="ERROR", metadata={"ceiling": ceiling})
+
+
 def main() -> None:
     ranks = ranks_from_env()
     exit_with_launcher()
@@ -62,23 +84,7 @@ def main() -> None:
         run_evaluation(StageJob.from_dict(pipes_extras()["job"]), ranks)
         return
     with open_dagster_pipes() as pipes:
-        started = time.perf_counter()
-        job = StageJob.from_dict(pipes.get_extra("job"))
-        pipes.log.info(f"measuring the drafters of RL step {job.step} on {ranks.world_size} rank(s) ({job.where})")
-        record = run_evaluation(job, ranks)
-        cfg = job.pipeline_config
-        where = read_record(open_store(cfg), placement_key(cfg.run, job.step, "evaluation"), StagePlacement)
-        pipes.log.info(f"evaluation done in {time.perf_counter() - started:.1f} s: {record.decision}")
-        ceiling = cfg.eval.num_speculative_tokens + 1
-        metadata = {**acceptance_metadata(record), **where.metadata()}
-        registry = open_registry(cfg)
-        if tail := tail_lib.measure_tail(open_store(cfg), cfg, job.step, registry):  # a step published in parts
-            metadata.update(tail.metadata())
-            tail_lib.log_tail(registry, tail)
-        pipes.report_asset_materialization(metadata=metadata)
-        pipes.report_asset_check(
-            "tau_in_range", passed=all(1.0 <= d.tau <= ceiling for d in record.measured().values()),
-            severity="ERROR", metadata={"ceiling": ceiling})
+        run_pipes(pipes, ranks)
 
 
 if __name__ == "__main__":

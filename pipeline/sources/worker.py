@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from dagster_pipes import open_dagster_pipes
+from dagster_pipes import PipesContext, open_dagster_pipes
 
 from pipeline.data import capture
 from pipeline.data import shard_checks as checks
@@ -23,7 +23,7 @@ from pipeline.data.shards import Manifest
 from pipeline.data.store import open_store
 from pipeline.launch import StageJob
 from pipeline.placement import measure_placement
-from pipeline.ranks import Ranks, join, leave, ranks_from_env
+from pipeline.ranks import SINGLE, Ranks, join, leave, ranks_from_env
 from pipeline.sources import extract
 from pipeline.workers import exit_with_launcher, is_pipes_process, pipes_extras
 
@@ -63,6 +63,23 @@ def _metadata(job: StageJob, manifest: Manifest, where: StagePlacement) -> dict:
     }
 
 
+def run_pipes(pipes: PipesContext, ranks: Ranks = SINGLE) -> None:
+    """Rank 0's work over an open Pipes channel: the extraction, its commit, check and report (a launched
+    process's and a warm worker's, `pipeline.stage_server`)."""
+    job = StageJob.from_dict(pipes.get_extra("job"))
+    pipes.log.info(f"extracting hidden states of RL step {job.step} on {ranks.world_size} rank(s) "
+                   f"({job.where})")
+    manifest, where = run_extraction(job, ranks)
+    cfg = job.pipeline_config
+    store = open_store(cfg)
+    write_record(store, placement_key(cfg.run, job.step, "extraction"), where)
+    problems = checks.check_shards(store, cfg.run, job.step)
+    pipes.report_asset_materialization(metadata=_metadata(job, manifest, where))
+    pipes.report_asset_check(
+        "shards_valid", passed=not problems, severity="ERROR",
+        metadata={"problems": {"raw_value": "\n".join(f"* {p}" for p in problems) or "none", "type": "md"}})
+
+
 def main() -> None:
     ranks = ranks_from_env()
     exit_with_launcher()
@@ -72,18 +89,7 @@ def main() -> None:
         run_extraction(StageJob.from_dict(pipes_extras()["job"]), ranks)
         return
     with open_dagster_pipes() as pipes:
-        job = StageJob.from_dict(pipes.get_extra("job"))
-        pipes.log.info(f"extracting hidden states of RL step {job.step} on {ranks.world_size} rank(s) "
-                       f"({job.where})")
-        manifest, where = run_extraction(job, ranks)
-        cfg = job.pipeline_config
-        store = open_store(cfg)
-        write_record(store, placement_key(cfg.run, job.step, "extraction"), where)
-        problems = checks.check_shards(store, cfg.run, job.step)
-        pipes.report_asset_materialization(metadata=_metadata(job, manifest, where))
-        pipes.report_asset_check(
-            "shards_valid", passed=not problems, severity="ERROR",
-            metadata={"problems": {"raw_value": "\n".join(f"* {p}" for p in problems) or "none", "type": "md"}})
+        run_pipes(pipes, ranks)
 
 
 if __name__ == "__main__":

@@ -25,13 +25,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dagster_pipes import open_dagster_pipes
+from dagster_pipes import PipesContext, open_dagster_pipes
 
 from pipeline import report
 from pipeline.data.keys import placement_key
 from pipeline.data.records import StagePlacement, write_record
 from pipeline.data.store import open_store
 from pipeline.placement import measure_placement
+from pipeline.ranks import SINGLE
 from pipeline.registry import open_registry
 from pipeline.training.cotrain import run_training
 from pipeline.training.distributed import (
@@ -61,6 +62,19 @@ def _train(
         destroy_process_group()
 
 
+def run_pipes(pipes: PipesContext, ctx: DistContext = SINGLE) -> None:
+    """Rank 0's work over an open Pipes channel: the training, its placement record and the materialization
+    (a launched process's and a warm worker's, `pipeline.stage_server`)."""
+    job = TrainJob.from_dict(pipes.get_extra("job"))
+    continued = f", continuing MLflow run {job.run_id}" if job.run_id else ""
+    pipes.log.info(f"training RL step {job.step} on {ctx.world_size} rank(s){continued}")
+    outcome, where = _train(job, ctx, pipes.log.info, pipes.extras.get("where", "process"))
+    cfg = job.pipeline_config
+    write_record(open_store(cfg), placement_key(cfg.run, job.step, "training"), where)
+    metadata = _materialization(job, outcome, ctx, pipes.extras.get("mlflow_ui_url"))
+    pipes.report_asset_materialization(metadata={**metadata, **where.metadata()})
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipeline.training.worker", description=__doc__.split("\n")[0])
     parser.add_argument("--job", type=Path, help="a training job as JSON (without Dagster Pipes)")
@@ -79,14 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         _train(TrainJob.from_dict(pipes_extras()["job"]), ctx)
         return
     with open_dagster_pipes() as pipes:
-        job = TrainJob.from_dict(pipes.get_extra("job"))
-        continued = f", continuing MLflow run {job.run_id}" if job.run_id else ""
-        pipes.log.info(f"training RL step {job.step} on {ctx.world_size} rank(s){continued}")
-        outcome, where = _train(job, ctx, pipes.log.info, pipes.extras.get("where", "process"))
-        cfg = job.pipeline_config
-        write_record(open_store(cfg), placement_key(cfg.run, job.step, "training"), where)
-        metadata = _materialization(job, outcome, ctx, pipes.extras.get("mlflow_ui_url"))
-        pipes.report_asset_materialization(metadata={**metadata, **where.metadata()})
+        run_pipes(pipes, ctx)
 
 
 def _materialization(job: TrainJob, outcome: TrainOutcome, ctx: DistContext, ui_url: str | None) -> dict:

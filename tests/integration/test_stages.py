@@ -1,11 +1,14 @@
 """Extraction and evaluation as launched stages: their workers started through Dagster Pipes by the
 `hidden_states` and `acceptance` assets, on one rank and on two gloo ranks (torchrun), against the
-same stages run in this process; a rank killed mid-way; the run process's imports; each stage's pod."""
+same stages run in this process; a rank killed mid-way; warm stage workers against fresh processes, a
+warm worker killed mid-job, a Dagster step killed under one; the run process's imports; each stage's pod."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -19,7 +22,7 @@ from assets.cotraining import acceptance, hidden_states
 from pipeline import launch
 from pipeline.config import PROJECT_ROOT, load_config
 from pipeline.data import shards
-from pipeline.data.keys import drafter_key, hidden_states_prefix
+from pipeline.data.keys import drafter_key, hidden_states_prefix, placement_key
 from pipeline.data.lease import LEASE_FILE
 from pipeline.data.records import TrainingRecord, read_acceptance, read_cost, write_record
 from pipeline.data.rollouts import read_policy_pointer
@@ -32,6 +35,7 @@ from pipeline.registry import open_registry
 from pipeline.sources import extract
 from pipeline.sources.simulation import SimulatedRL
 from resources import pipeline_resource
+from resources.warm import server_files
 from tests.support.config import write_config
 
 STEP, KEY = 1, "step-000001"
@@ -56,6 +60,38 @@ def _materialize(asset: dg.AssetsDefinition, config_path: Path, instance: dg.Dag
 def _shard_bytes(store, cfg, manifest: shards.Manifest) -> list[bytes]:
     prefix = hidden_states_prefix(cfg.run, STEP)
     return [store.read_bytes(f"{prefix}/{s.name}") for s in manifest.shards]
+
+
+def _step_files(store, cfg) -> set[str]:
+    return {k for k, _, _ in store.list_files(hidden_states_prefix(cfg.run, STEP))}
+
+
+def _failure(result) -> str:
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    return failure.step_failure_data.error.to_string()
+
+
+def _server_pids(cfg, stage: str) -> list[int]:
+    """The pids of every warm worker of `stage` started on this data dir, in start order (from their logs)."""
+    pids = []
+    for log in sorted((cfg.data_path / "stages").glob(f"{stage}-*.log"), key=lambda p: p.stat().st_mtime):
+        pids += [int(line.split(" pid ")[1].split()[0]) for line in log.read_text().splitlines()
+                 if line.startswith(f"stage server {stage} pid ")]
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _wait_until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.1)
 
 
 @pytest.mark.slow
@@ -150,10 +186,131 @@ def test_evaluation_on_two_ranks_measures_the_tau_of_one_process(tmp_path: Path)
     assert measured["two"] == measured["one"] == in_process
 
 
+@pytest.mark.slow
+def test_warm_workers_write_the_shards_and_measure_the_tau_of_fresh_processes(tmp_path: Path) -> None:
+    """The same step's extraction and evaluation through fresh processes (`launcher: subprocess`) and through
+    warm workers (`launcher: warm`), each stage twice on one worker: byte-identical shards, the same content
+    digest and the same counts, so the same tau, for the first job and the next."""
+    warm = write_config(tmp_path, {"simulation": {"rollouts_per_step": 48},
+                                   "hidden_states": {"samples_per_shard": 5, "tokens_per_batch": 64},
+                                   "eval": {"num_prompts": 6, "held_out_fraction": 0.3, "max_new_tokens": 6},
+                                   "train": {"launcher": "warm", "warm_idle_s": 120.0}})
+    fresh = _variant(warm, "fresh.yaml", {"train": {"launcher": "subprocess"}})
+    cfg = load_config(warm)
+    store = open_store(cfg)
+    SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
+    _register_drafter(cfg)
+    shard_bytes, digests, measured = {}, {}, {}
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_step", [KEY])
+        for name, path in [("fresh", fresh), ("warm-1", warm), ("warm-2", warm)]:
+            extracted = _materialize(hidden_states, path, instance)
+            assert extracted.success, name
+            manifest = shards.read_manifest(store, cfg.run, STEP)
+            metadata = extracted.asset_materializations_for_node("hidden_states")[0].metadata
+            assert metadata["content_digest"].value == manifest.content_digest()
+            assert metadata["ran_in"].value == "process"
+            digests[name], shard_bytes[name] = manifest.content_digest(), _shard_bytes(store, cfg, manifest)
+            evaluated = _materialize(acceptance, path, instance)
+            assert evaluated.success, name
+            assert [c.passed for c in evaluated.get_asset_check_evaluations()] == [True]
+            measured[name] = read_acceptance(store, cfg.run, STEP).drafters["cotrained"]
+
+    assert [len(_server_pids(cfg, stage)) for stage in ("extraction", "evaluation")] == [1, 1]  # one worker each
+    assert digests["fresh"] == digests["warm-1"] == digests["warm-2"]
+    assert shard_bytes["fresh"] == shard_bytes["warm-1"] == shard_bytes["warm-2"]
+    assert measured["fresh"].prompts == 6
+    assert measured["fresh"] == measured["warm-1"] == measured["warm-2"]
+
+
+@pytest.mark.slow
+@pytest.mark.reliability("fault", "the warm extraction worker SIGKILLed as it starts its second shard, then a rerun")
+def test_a_warm_worker_killed_mid_job_fails_its_step_and_commits_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step fails with an error naming the worker's death and its log; no manifest; the rerun starts a new
+    worker and commits the content digest of this process's extraction."""
+    path = write_config(tmp_path, {"simulation": {"rollouts_per_step": 48},
+                                   "hidden_states": {"samples_per_shard": 5, "tokens_per_batch": 64},
+                                   "train": {"launcher": "warm"}})
+    cfg = load_config(path)
+    store = open_store(cfg)
+    SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_step", [KEY])
+        with monkeypatch.context() as faults:
+            faults.setenv("PYTHONPATH", f"{WORKER_FAULTS}:{PROJECT_ROOT}")
+            faults.setenv("DRAFTER_TEST_KILL_SHARD", "1")
+            killed = _materialize(hidden_states, path, instance)
+        assert not killed.success
+        error = _failure(killed)
+        assert "the warm extraction worker died mid-job" in error
+        assert "stage server extraction pid" in error  # the tail of its log
+        assert not shards.has_manifest(store, cfg.run, STEP)
+        assert not store.exists(placement_key(cfg.run, STEP, "extraction"))
+        rerun = _materialize(hidden_states, path, instance)
+        assert rerun.success
+    (dead, new) = _server_pids(cfg, "extraction")
+    assert not _alive(dead)
+    assert _alive(new)
+    committed = shards.read_manifest(store, cfg.run, STEP).content_digest()
+    assert committed == extract.extract_hidden_states(store, cfg, STEP).content_digest()
+
+
+STEP_PROCESS = """
+import sys
+import dagster as dg
+from assets.cotraining import hidden_states
+from resources import pipeline_resource
+with dg.instance_for_test() as instance:
+    instance.add_dynamic_partitions("rl_step", ["step-000001"])
+    dg.materialize([hidden_states], partition_key="step-000001", instance=instance,
+                   resources={"pipeline": pipeline_resource(sys.argv[1])})
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.reliability("fault", "a Dagster step SIGKILLed while its warm extraction worker writes shards")
+def test_a_warm_worker_stops_with_its_killed_step_and_leaves_when_idle(tmp_path: Path) -> None:
+    """A Dagster step in a process of its own, SIGKILLed once the first shard is written: its warm worker exits
+    at once and nothing more is written (no shard, no manifest, no placement record). A worker idle for
+    `train.warm_idle_s` exits by itself and removes its socket."""
+    path = write_config(tmp_path, {"simulation": {"rollouts_per_step": 48},
+                                   "hidden_states": {"samples_per_shard": 5, "tokens_per_batch": 64},
+                                   "train": {"launcher": "warm", "warm_idle_s": 3.0}})
+    cfg = load_config(path)
+    store = open_store(cfg)
+    SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
+    env = {**os.environ, "PYTHONPATH": f"{WORKER_FAULTS}:{PROJECT_ROOT}", "DRAFTER_TEST_SLOW_SHARDS": "3"}
+    step = subprocess.Popen([sys.executable, "-c", STEP_PROCESS, str(path)], cwd=PROJECT_ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_until(lambda: any(k.endswith(".arrow") for k in _step_files(store, cfg)), 300, "a first shard")
+    finally:
+        step.kill()
+        step.wait()
+    (worker,) = _server_pids(cfg, "extraction")
+    _wait_until(lambda: not _alive(worker), 10, "the worker's exit")
+    left = _step_files(store, cfg)
+    time.sleep(4)  # longer than a shard's write
+    assert _step_files(store, cfg) == left
+    assert not shards.has_manifest(store, cfg.run, STEP)
+    assert not store.exists(placement_key(cfg.run, STEP, "extraction"))
+
+    with dg.instance_for_test() as instance:  # a job on a new worker (this process's environment), then idle
+        instance.add_dynamic_partitions("rl_step", [KEY])
+        assert _materialize(hidden_states, path, instance).success
+        files = server_files(cfg.data_path, "extraction", PROJECT_ROOT)  # the environment the step had
+    (_, idle) = _server_pids(cfg, "extraction")
+    _wait_until(lambda: not _alive(idle), 3 + 30, "the idle worker's exit")
+    assert not files.socket.exists()
+    assert files.log.read_text().splitlines()[-1] == "idle for 3.0 s after 1 job(s): exiting"
+
+
 def test_the_run_process_imports_no_model_code_for_the_stages() -> None:
-    """The code location and the assets' run-side modules, imported in a fresh interpreter: no policy forward,
-    drafter, decoding or extraction module comes in (those run in the stages' workers only)."""
-    probe = ("import sys, definitions, assets.cotraining, assets.fleet, resources.launcher; "
+    """The code location and the assets' run-side modules (the warm launcher's client too), imported in a fresh
+    interpreter: no policy forward, drafter, decoding or extraction module, no stage worker or warm worker comes
+    in (those run in the stages' own processes only)."""
+    probe = ("import sys, definitions, assets.cotraining, assets.fleet, resources.launcher, resources.warm; "
              "print('\\n'.join(sorted(sys.modules)))")
     loaded = set(subprocess.run([sys.executable, "-c", probe], cwd=PROJECT_ROOT, check=True, capture_output=True,
                                 text=True).stdout.split())
@@ -161,7 +318,8 @@ def test_the_run_process_imports_no_model_code_for_the_stages() -> None:
                  "pipeline.evaluation.acceptance", "pipeline.models.target", "pipeline.models.target_forward",
                  "pipeline.models.drafter", "pipeline.models.eagle", "pipeline.models.eagle3",
                  "pipeline.models.peagle", "pipeline.models.checkpoint", "pipeline.sources.simulation",
-                 "pipeline.training.loop", "transformers.models.llama.modeling_llama"}
+                 "pipeline.training.loop", "transformers.models.llama.modeling_llama",
+                 "pipeline.stage_server", *launch.WORKERS.values()}  # a warm worker is a process of its own too
     assert loaded & forbidden == set()
     assert "pipeline.launch" in loaded  # the stages are launched from there
 

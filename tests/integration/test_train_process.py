@@ -58,7 +58,8 @@ def test_two_ranks_through_the_launcher_equal_one_process_and_two_loopback_nodes
     """torchrun --nproc-per-node=2 (gloo), 4 samples per rank, vs one process with the same 8-sample global
     batch, vs two torchrun nodes of one rank each, joined by a c10d rendezvous on loopback and sharding
     the drafter (FSDP2): the same steps, the same losses."""
-    base = write_config(tmp_path, {"train": {"epochs": 2, "batch_size_per_gpu": 4, "checkpoint_every": 0}})
+    base = write_config(tmp_path, {"train": {"epochs": 2, "batch_size_per_gpu": 4, "checkpoint_every": 0,
+                                             "launcher": "subprocess"}})  # one rank: a process of its own too
     _prepare_step(base)
     variants = {
         "two": _variant(base, "two.yaml", {"nproc_per_node": 2, "parallelism": "ddp"}),
@@ -106,7 +107,8 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _training_ranks() -> list[int]:
+def _training_ranks(data_dir: Path | None = None) -> list[int]:
+    """The training ranks below this process; with `data_dir`, that run's warm training worker too."""
     ranks = []
     for pid in _children(os.getpid()):
         try:
@@ -115,15 +117,20 @@ def _training_ranks() -> list[int]:
             continue
         if TRAIN_MODULE.encode() in argv and b"torch.distributed.run" not in argv:
             ranks.append(pid)
+        warm = b"pipeline.stage_server" in argv and b"training" in argv
+        if warm and data_dir and any(a.startswith(str(data_dir).encode()) for a in argv):  # its lock file
+            ranks.append(pid)
     return ranks
 
 
 @pytest.mark.slow
-@pytest.mark.reliability("fault", "SIGKILL during training, then rerun resumes from its checkpoint")
-def test_a_killed_training_resumes_from_its_checkpoint(tmp_path: Path, mlflow_server: str) -> None:
+@pytest.mark.reliability("fault", "SIGKILL during training (its process, or its warm worker), then rerun resumes "
+                                  "from its checkpoint")
+@pytest.mark.parametrize("launcher", ["subprocess", "warm"])
+def test_a_killed_training_resumes_from_its_checkpoint(tmp_path: Path, mlflow_server: str, launcher: str) -> None:
     name = f"kill-{tmp_path.name}"
     config_path = write_config(tmp_path, {
-        "train": {"epochs": 12, "batch_size_per_gpu": 4, "checkpoint_every": 4},
+        "train": {"epochs": 12, "batch_size_per_gpu": 4, "checkpoint_every": 4, "launcher": launcher},
         "mlflow": {"tracking_uri": mlflow_server, "experiment": name, "model_name": name},
     })
     cfg = load_config(config_path)
@@ -135,7 +142,7 @@ def test_a_killed_training_resumes_from_its_checkpoint(tmp_path: Path, mlflow_se
         deadline = time.monotonic() + 600
         while not list(prefix.glob("*/latest.json")) and time.monotonic() < deadline:
             time.sleep(0.05)
-        for pid in _training_ranks():
+        for pid in _training_ranks(cfg.data_path):
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 

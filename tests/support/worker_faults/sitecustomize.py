@@ -3,6 +3,8 @@ them): Python imports `sitecustomize` at start-up, so a worker process picks the
 Nothing in the pipeline knows of them.
 
     DRAFTER_TEST_KILL_RANK=r        torchrun rank r SIGKILLs itself as it starts writing its second shard
+    DRAFTER_TEST_KILL_SHARD=1       the process (a warm stage worker) SIGKILLs itself as it starts its second shard
+    DRAFTER_TEST_SLOW_SHARDS=s      every shard write after the first waits s seconds first
     DRAFTER_TEST_SHARD_PROBLEM=msg  the shards check finds `msg` (a stand-in for a corrupted shard)
 """
 
@@ -22,6 +24,24 @@ if os.environ.get("DRAFTER_TEST_KILL_RANK") and os.environ.get("RANK") == os.env
         return _write_shard(*args, **kwargs)
 
     shards._write_shard = _dies_on_its_second_shard
+
+if os.environ.get("DRAFTER_TEST_KILL_SHARD") or os.environ.get("DRAFTER_TEST_SLOW_SHARDS"):
+    import time
+
+    from pipeline.data import shards
+
+    _write = shards._write_shard
+    _started = []
+
+    def _faulty_shard_write(*args, **kwargs):
+        if _started and os.environ.get("DRAFTER_TEST_KILL_SHARD"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if _started:
+            time.sleep(float(os.environ.get("DRAFTER_TEST_SLOW_SHARDS", 0)))
+        _started.append(1)
+        return _write(*args, **kwargs)
+
+    shards._write_shard = _faulty_shard_write
 
 if os.environ.get("DRAFTER_TEST_SHARD_PROBLEM"):
     from pipeline.data import shard_checks

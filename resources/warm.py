@@ -1,0 +1,133 @@
+"""The launcher's side of a warm stage worker (`train.launcher: warm`, `pipeline.stage_server`): a Pipes
+client that hands a one-rank stage's job to its stage's long-lived worker over a Unix socket, starting
+the worker when none is listening.
+
+    <data_dir>/stages/<stage>-<key>.sock   the worker's socket (a short path under the temp dir when that
+                                          one is too long for a Unix socket)
+    <data_dir>/stages/<stage>-<key>.lock   taken to connect or start, so two steps never start two workers
+    <data_dir>/stages/<stage>-<key>.log    the worker's output: its tail is in every error this client raises
+
+The key digests what a worker inherits at its start and a fresh process would too: the Python
+executable, the working directory and the environment. A step with another environment (a test's
+fault injection, another PYTHONPATH) gets a worker of its own. The Pipes channel is
+`PipesSubprocessClient`'s: the context in a temp file, the messages read from a temp file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import dagster as dg
+from dagster._core.errors import DagsterPipesExecutionError  # what PipesSubprocessClient raises
+
+START_TIMEOUT_S = 600  # a cold worker's imports on a loaded machine
+SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes
+VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)  # changes within one process, read by no worker
+LOG_TAIL_LINES = 30
+
+
+@dataclass(frozen=True)
+class ServerFiles:
+    """Where one stage's warm worker listens, locks and logs."""
+
+    socket: Path
+    lock: Path
+    log: Path
+
+    def log_tail(self) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+def server_files(data_dir: Path, stage: str, working_dir: Path, environ: dict[str, str] | None = None) -> ServerFiles:
+    env = {k: v for k, v in (os.environ if environ is None else environ).items() if k not in VOLATILE_ENV}
+    identity = json.dumps([sys.executable, str(working_dir), sorted(env.items())])
+    key = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    folder = data_dir / "stages"
+    sock = folder / f"{stage}-{key}.sock"
+    if len(os.fsencode(sock)) > SOCKET_PATH_MAX:
+        digest = hashlib.sha256(os.fsencode(sock)).hexdigest()[:16]
+        sock = Path(tempfile.gettempdir()) / f"drafter-stage-{digest}.sock"
+    return ServerFiles(sock, folder / f"{stage}-{key}.lock", folder / f"{stage}-{key}.log")
+
+
+class PipesWarmClient(dg.PipesClient):
+    """One job on the stage's warm worker: its Pipes session, the request, the worker's answer."""
+
+    def __init__(self, stage: str, data_dir: Path, working_dir: Path, idle_s: float) -> None:
+        self.stage, self.working_dir, self.idle_s = stage, working_dir, idle_s
+        self.files = server_files(data_dir, stage, working_dir)
+
+    def run(self, *, context: dg.AssetExecutionContext, extras: dict) -> dg.PipesClientCompletedInvocation:
+        with dg.open_pipes_session(context=context, context_injector=dg.PipesTempFileContextInjector(),
+                                   message_reader=dg.PipesTempFileMessageReader(), extras=extras) as session:
+            with self._connect() as conn:
+                conn.sendall((json.dumps({"pipes": session.get_bootstrap_env_vars()}) + "\n").encode())
+                line = conn.makefile("rb").readline()  # the job's length: the worker answers when it is done
+            if not line:
+                raise DagsterPipesExecutionError(
+                    f"the warm {self.stage} worker died mid-job (nothing of it is committed unless it reported "
+                    f"so); its log {self.files.log} ends:\n{self.files.log_tail()}")
+            answer = json.loads(line)
+            if not answer["ok"]:
+                raise DagsterPipesExecutionError(
+                    f"the warm {self.stage} worker (pid {answer['pid']}) failed its job: {answer['error']}; "
+                    f"its log {self.files.log} ends:\n{self.files.log_tail()}")
+            context.log.info(f"warm {self.stage} worker pid {answer['pid']}: job {answer['jobs']} done")
+        return dg.PipesClientCompletedInvocation(session)
+
+    def _connect(self) -> socket.socket:
+        """A connection to the stage's worker, started first if none listens (under the lock, so once)."""
+        self.files.lock.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.files.lock, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            conn = _try_connect(self.files.socket)
+            if conn is None:
+                conn = self._start()
+            return conn
+
+    def _start(self) -> socket.socket:
+        self.files.socket.unlink(missing_ok=True)  # a dead worker's, or none: nothing listens on it
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES_")}
+        with open(self.files.log, "ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.stage_server", "--stage", self.stage, "--socket",
+                 str(self.files.socket), "--lock", str(self.files.lock), "--idle-s", str(self.idle_s)],
+                cwd=self.working_dir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)  # outlives this step; the Dagster run's signals are not its
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if (conn := _try_connect(self.files.socket)) is not None:
+                return conn
+            if process.poll() is not None:
+                raise DagsterPipesExecutionError(
+                    f"the warm {self.stage} worker exited with code {process.returncode} at start; its log "
+                    f"{self.files.log} ends:\n{self.files.log_tail()}")
+            time.sleep(0.1)
+        process.kill()
+        raise DagsterPipesExecutionError(
+            f"the warm {self.stage} worker did not listen within {START_TIMEOUT_S} s; its log {self.files.log} "
+            f"ends:\n{self.files.log_tail()}")
+
+
+def _try_connect(path: Path) -> socket.socket | None:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(str(path))
+    except (FileNotFoundError, ConnectionRefusedError):
+        conn.close()
+        return None
+    return conn
