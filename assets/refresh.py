@@ -1,5 +1,8 @@
 """The same-step refresh as an asset: materialized once per refreshed step, by the refresh job."""
 
+import time
+from dataclasses import replace
+
 import dagster as dg
 from pydantic import Field
 
@@ -26,6 +29,7 @@ class RefreshRunConfig(dg.Config):
 def refreshed_drafter(context: dg.AssetExecutionContext, config: RefreshRunConfig,
                       pipeline: PipelineResource) -> dg.MaterializeResult:
     """Extract, train and check in the refresh's own process (the stages' launcher), then deploy it from here."""
+    run_started_at = time.time()
     cfg, store, registry = pipeline.config, pipeline.store(), pipeline.registry()
     q = refresh_lib.qualified_parts(store, cfg, config.step)
     if q is None or q.part != config.part:
@@ -35,11 +39,17 @@ def refreshed_drafter(context: dg.AssetExecutionContext, config: RefreshRunConfi
             "rl_step": step_key(q.step), "refresh_part": str(q.part), "pipeline_run": cfg.run}
     launcher = pipeline.launcher()
     checked = launcher.run_stage(context, launcher.stage_job("refresh", q.step, part=q.part, tags=tags))
-    record = refresh_lib.deploy_refreshed(store, cfg, registry, read_refresh(store, cfg.run, q.step))
-    context.log.info(f"{step_key(q.step)} refresh on parts {list(q.parts)}: {record.decision}")
+    record = read_refresh(store, cfg.run, q.step)
+    if record.times is not None:  # the run's own start: the wait before it and the process's launch after it
+        record = replace(record, times=replace(record.times, run_started_at=run_started_at))
+    record = refresh_lib.deploy_refreshed(store, cfg, registry, record, q)
+    breakdown = record.breakdown
+    context.log.info(f"{step_key(q.step)} refresh on parts {list(q.parts)}: {record.decision}"
+                     + (f"; latency {breakdown.to_json()}" if breakdown else ""))
     return dg.MaterializeResult(metadata={
         **(checked.get_materialize_result().metadata or {}),
         "deployed": record.deployed, "decision": record.decision,
         "refresh_latency_s": record.latency_s if record.latency_s is not None else -1.0,  # -1: not deployed
+        **(breakdown.metadata() if breakdown else {}),
         "uri": dg.MetadataValue.path(store.uri(refresh_key(cfg.run, q.step))),
     })
