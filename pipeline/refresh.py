@@ -131,6 +131,17 @@ def serving_policy(store: ObjectStore, cfg: PipelineConfig, q: Qualified) -> dep
     return deploy.ServedPolicy(q.step, store.resolve(q.pointer.checkpoint_uri), prompts)
 
 
+def record_skipped(store: ObjectStore, cfg: PipelineConfig, q: Qualified, reason: str) -> RefreshRecord | None:
+    """A qualifying step not refreshed (a newer one is): its record says why. None when it has a record already
+    (a refresh ran, or the skip was recorded)."""
+    key = refresh_key(cfg.run, q.step)
+    if store.exists(key):
+        return None
+    record = RefreshRecord(q.step, q.part, q.parts, q.rows, q.qualified_at, None, None, None, None, False, reason)
+    write_record(store, key, record)
+    return record
+
+
 def deploy_refreshed(store: ObjectStore, cfg: PipelineConfig, registry: DrafterRegistry,
                      record: RefreshRecord, q: Qualified | None = None) -> RefreshRecord:
     """The checked refresh to the fleet when it beats the champion, fenced (`superseded_by`), on the step's own
