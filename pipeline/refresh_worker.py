@@ -86,7 +86,7 @@ def check(store: ObjectStore, cfg: PipelineConfig, q: Qualified, registry: Draft
           champion: str | None) -> RefreshCheck:
     """Tau of the refreshed drafter and of the champion on the held-out rollouts of the qualifying parts."""
     rollouts = held_out_rollouts(refresh_lib.part_rollouts(store, cfg.run, q.step, q.parts, q.step_parts),
-                                 cfg.eval.held_out_fraction)[: cfg.eval.num_prompts]
+                                 cfg.eval.held_out_fraction)[: min(cfg.eval.num_prompts, cfg.refresh.check_prompts)]
     if not rollouts:
         return RefreshCheck(0.0, None, 0, False, "no held-out rollout in the qualifying parts")
     prompts = [torch.tensor(r.input_ids[: max(1, r.prompt_len)]) for r in rollouts]
