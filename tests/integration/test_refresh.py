@@ -131,7 +131,6 @@ def test_one_refresh_at_a_time_for_the_newest_qualifying_step(tmp_path: Path) ->
     path = write_config(tmp_path, {"refresh": {"enabled": True, "min_share": 0.5}}, pretrained=False)
     cfg = load_config(path)
     store, registry = open_store(cfg), open_registry(cfg)
-    registry.client.create_registered_model(cfg.mlflow.model_name)
     champion = registry.client.create_model_version(cfg.mlflow.model_name, (tmp_path / "drafter").as_uri())
     registry.set_alias("champion", str(champion.version))  # the sensor's one question to the registry
     checkpoint = tmp_path / "policy"
