@@ -243,6 +243,16 @@ def _kind_figures(cfg: PipelineConfig, rows: list[dict]) -> tuple[list[dict], fl
     return [c.to_json() for c in costs], (sum(rates) / len(rates) if rates else None)
 
 
+def _tail_summary(goals: dict | None, breakdowns: dict) -> dict | None:
+    """The tail's goals with the mean refresh latency breakdown (RefreshBreakdown) over the deployed refreshes."""
+    from pipeline.data.records import RefreshBreakdown
+
+    mean = RefreshBreakdown.mean(list(breakdowns.values()))
+    if goals is None:
+        return None
+    return {**goals, "latency_breakdown": mean.to_json() if mean else None}
+
+
 def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls: list[float],
                  fleet_state: tuple[ReplicaDeploy, ...], source: str) -> Path:
     """The table, the plot and the JSON summary of a demo."""
@@ -258,13 +268,14 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
     fleet = [{"replica": r.replica, "version": r.version, "live_tau": round(r.live_tau, 4)} for r in fleet_state]
     total = ledger.totals
     summary_costs, tokens_per_s = _kind_figures(cfg, rows)
+    breakdowns = report.refresh_breakdowns(open_store(cfg), cfg.run, [r["step"] for r in rows])
     summary = report.write_summary(rows, wall, step_walls, out_dir / "summary.json", fleet=fleet,
                                    num_speculative_tokens=k, drafter_kind=cfg.drafter.kind, device=cfg.device,
                                    source=source, step_period_s=cfg.simulation.step_period_s,
                                    round_costs=summary_costs, train_tokens_per_s=tokens_per_s,
                                    ledger={"steps": report.ledger_rows(ledger), "spent_s": total.spent_s,
                                            "saved_s": total.saved_s, "spent_by_stage_s": total.by_stage},
-                                   tail=report.tail_goals(rows))
+                                   tail=_tail_summary(report.tail_goals(rows), breakdowns))
     out()
     out(report.format_table(rows))
     out()
@@ -283,6 +294,10 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
                 f"{ratio(goals['refreshed_over_start'], '.2f')}x; "
                 f"refresh latency {ratio(goals['latency_s'], '.1f')} s, "
                 f"{ratio(goals['latency_share'], '.0%')} of the step's rollout period")
+        if breakdowns:
+            out()
+            out("refresh latency, seconds from the qualifying part's publication to every replica updated:")
+            out(report.format_breakdown(breakdowns))
         out()
     first, last = rows[0], rows[-1]
     out(f"tau over {steps} steps: co-trained {first['tau_cotrained']:.2f} -> {last['tau_cotrained']:.2f}, "

@@ -22,6 +22,8 @@ SENSOR_NAME = "rl_step_sensor"
 DEPLOY_SENSOR_NAME = "champion_sensor"
 LIVE_TAU_SENSOR_NAME = "live_tau_sensor"
 REFRESH_SENSOR_NAME = "refresh_sensor"
+IN_PROGRESS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
+               dg.DagsterRunStatus.STARTED]
 
 
 @dg.sensor(
@@ -91,10 +93,11 @@ def champion_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResou
 @dg.sensor(
     name=REFRESH_SENSOR_NAME,
     job=refresh_job,
-    minimum_interval_seconds=5,
+    minimum_interval_seconds=2,  # its wait is part of the refresh's latency
     default_status=dg.DefaultSensorStatus.RUNNING,
     description="Watches the parts of steps not yet committed and, once a step's parts hold refresh.min_share of "
-    "its expected rollouts (or refresh.min_tokens), requests one refresh run per step (run_key = refresh:<step>).",
+    "its expected rollouts (or refresh.min_tokens), requests one refresh run per step (run_key = refresh:<step>): "
+    "one at a time per run, the newest qualifying step's (an older one is recorded as skipped).",
 )
 def refresh_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResource) -> dg.SensorResult | dg.SkipReason:
     cfg = pipeline.config
@@ -106,23 +109,33 @@ def refresh_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResour
     last = int(context.cursor) if context.cursor else 0
     if pipeline.registry().alias_version("champion") is None:  # a refresh fine-tunes the champion
         return dg.SkipReason("no `champion` drafter to refresh yet: the first step's own training makes one")
+    # One refresh at a time per run: while one is queued or running, the next waits for it (its request comes
+    # on a later tick, for the newest step that qualifies by then).
+    running = context.instance.get_runs(dg.RunsFilter(job_name=refresh_job.name, statuses=IN_PROGRESS), limit=1)
+    if running:
+        return dg.SkipReason(f"a refresh run is in progress ({running[0].tags.get('refresh_step', '?')}, run "
+                             f"{running[0].run_id[:8]}): one refresh at a time; the newest qualifying step goes next")
     store = pipeline.store()
     # Only steps still generating: once committed, the step's own run trains on all of it.
     open_steps = [parse_step_key(n) for n in store.list_dirs(rollouts_root(cfg.run)) if is_step_key(n)]
     open_steps = [s for s in sorted(open_steps) if s > last and not is_committed(store, cfg.run, s)]
-    requests, seen = [], []
+    qualified, seen = [], []
     for step in open_steps:
         q = refresh_lib.qualified_parts(store, cfg, step)
         if q is None:
             seen.append(f"{step_key(step)} below refresh.min_share")
-            continue
-        requests.append(dg.RunRequest(
-            run_key=f"refresh:{step_key(step)}", tags={"refresh_step": step_key(step), "refresh_part": str(q.part)},
-            run_config={"ops": {"refreshed_drafter": {"config": {"step": step, "part": q.part}}}}))
-        last = step
-    if not requests:
+        else:
+            qualified.append(q)
+    if not qualified:
         return dg.SkipReason(f"no step to refresh after {step_key(last)}: {', '.join(seen) or 'no open step'}")
-    return dg.SensorResult(run_requests=requests, cursor=str(last))
+    # Only the newest: an older open step's tail is out before a refresh of it could serve it.
+    q = qualified[-1]
+    for older in qualified[:-1]:
+        refresh_lib.record_skipped(store, cfg, older, f"skipped: {step_key(q.step)} qualified as well; one refresh "
+                                   f"at a time, the newest open step's")
+    return dg.SensorResult(run_requests=[dg.RunRequest(
+        run_key=f"refresh:{step_key(q.step)}", tags={"refresh_step": step_key(q.step), "refresh_part": str(q.part)},
+        run_config={"ops": {"refreshed_drafter": {"config": {"step": q.step, "part": q.part}}}})], cursor=str(q.step))
 
 
 @dg.sensor(

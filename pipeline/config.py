@@ -566,6 +566,11 @@ class RefreshConfig(_Strict):
         description="Deploy the refreshed drafter when its tau on the parts' held-out rollouts beats the "
                     "champion's by more than this.")
     lr: float = Field(default=0.001, gt=0, description="Learning rate of the refresh's fine-tuning.")
+    check_prompts: int = Field(
+        default=8, ge=1,
+        description="Held-out prompts of the qualifying parts the refresh's check decodes with the refreshed "
+                    "drafter and the champion (at most eval.num_prompts): a go/no-go at refresh.margin, on the "
+                    "refresh's latency path.")
 
 
 class PipelineConfig(_Strict):

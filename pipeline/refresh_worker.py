@@ -30,7 +30,7 @@ from pipeline.data.buffer import select_buffer, write_buffer
 from pipeline.data.held_out import held_out_rollouts
 from pipeline.data.keys import refresh_data_run, refresh_key, step_key
 from pipeline.data.parts import Qualified
-from pipeline.data.records import RefreshRecord, StagePlacement, write_record
+from pipeline.data.records import RefreshRecord, RefreshTimes, StagePlacement, write_record
 from pipeline.data.run_layout import TargetLayout
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.evaluation import tail as tail_lib
@@ -86,7 +86,7 @@ def check(store: ObjectStore, cfg: PipelineConfig, q: Qualified, registry: Draft
           champion: str | None) -> RefreshCheck:
     """Tau of the refreshed drafter and of the champion on the held-out rollouts of the qualifying parts."""
     rollouts = held_out_rollouts(refresh_lib.part_rollouts(store, cfg.run, q.step, q.parts, q.step_parts),
-                                 cfg.eval.held_out_fraction)[: cfg.eval.num_prompts]
+                                 cfg.eval.held_out_fraction)[: min(cfg.eval.num_prompts, cfg.refresh.check_prompts)]
     if not rollouts:
         return RefreshCheck(0.0, None, 0, False, "no held-out rollout in the qualifying parts")
     prompts = [torch.tensor(r.input_ids[: max(1, r.prompt_len)]) for r in rollouts]
@@ -106,23 +106,28 @@ def run_refresh(job: StageJob, progress: Callable[[str], None]) -> tuple[Refresh
     """Extract, train and check the refresh of `job.step` at `job.part`: its record (written, not deployed),
     the samples it trained on and where it ran."""
     cfg = job.pipeline_config
+    worker_started_at = time.time()
     store, registry, started = open_store(cfg), open_registry(cfg), time.perf_counter()
     q = refresh_lib.qualified_parts(store, cfg, job.step)
     if q is None or q.part != job.part:
         raise ValueError(f"{step_key(job.step)}: its parts do not qualify at part {job.part}")
     samples = extract(store, cfg, q)
+    extracted_at = time.time()
     train_job = refresh_lib.training_job(store, cfg, q, registry, job.tags)
     progress(f"fine-tuning champion v{train_job.warm_start_version} on {samples} samples of parts {list(q.parts)}")
-    trained_at = time.perf_counter()
-    run_training(train_job, DistContext(), progress)
-    train_s = time.perf_counter() - trained_at
+    outcome = run_training(train_job, DistContext(), progress)
+    trained_at = time.time()
     version = registry.find_version({"input_id": train_job.input_id})
     if version is None:
         raise RuntimeError(f"the refresh of step {q.step} part {q.part} registered no version")
     checked = check(store, cfg, q, registry, version, train_job.warm_start_version)
+    fine_tune_s = outcome.result.wall_s if outcome is not None and outcome.result is not None else 0.0
+    # run_started_at is the run's to set (it reads the record back); until then the process's own start.
+    times = RefreshTimes(worker_started_at, worker_started_at, extracted_at, trained_at, round(fine_tune_s, 3),
+                         time.time())
     record = RefreshRecord(q.step, q.part, q.parts, q.rows, q.qualified_at, version, train_job.warm_start_version,
                            checked.tau_refreshed, checked.tau_champion, False, checked.reason, None,
-                           round(train_s, 3), checked.deploy)
+                           round(trained_at - extracted_at, 3), checked.deploy, times)
     write_record(store, refresh_key(cfg.run, q.step), record)
     run_id = registry.client.get_model_version(registry.model_name, version).run_id
     registry.log_metrics(run_id, {"refresh_tau": checked.tau_refreshed, **(

@@ -15,6 +15,7 @@ from pipeline.data.keys import acceptance_key, drafter_key
 from pipeline.data.records import (
     NO_DRAFTER_TAU,
     DrafterTau,
+    RefreshBreakdown,
     read_acceptance,
     read_cost,
     read_refresh,
@@ -54,7 +55,7 @@ def step_row(store: ObjectStore, run: str, step: int) -> dict:
 
 
 TAIL_FIELDS = ("tail_tau_start", "tail_tau_refreshed", "tail_tau_whole_step", "refresh_version", "refresh_deployed",
-               "refresh_latency_s", "refresh_latency_share", "tail_prompts")
+               "refresh_latency_s", "refresh_latency_share", "tail_prompts", "refresh_breakdown")
 
 
 def tail_fields(store: ObjectStore, run: str, step: int) -> dict:
@@ -63,7 +64,8 @@ def tail_fields(store: ObjectStore, run: str, step: int) -> dict:
     fields = dict.fromkeys(TAIL_FIELDS)
     if refresh:
         fields.update({"refresh_version": refresh.version, "refresh_deployed": refresh.deployed,
-                       "refresh_latency_s": refresh.latency_s})
+                       "refresh_latency_s": refresh.latency_s,
+                       "refresh_breakdown": refresh.breakdown.to_json() if refresh.breakdown else None})
     if tail:
         fields.update({f"tail_tau_{role}": None if tau is None else round(tau, 4) for role, tau in tail.taus.items()})
         fields.update({"refresh_latency_share": tail.latency_share, "tail_prompts": tail.prompts})
@@ -87,6 +89,30 @@ def tail_goals(rows: list[dict], first_step: int = 2) -> dict | None:
             "refreshed_over_start": mean([r["tail_tau_refreshed"] / r["tail_tau_start"] for r in steps]),
             "latency_share": mean(shares), "latency_s": mean([r["refresh_latency_s"] for r in steps
                                                               if r.get("refresh_latency_s") is not None])}
+
+
+def refresh_breakdowns(store: ObjectStore, run: str, steps: list[int]) -> dict[int, RefreshBreakdown]:
+    """Where each refreshed step's latency went, from its refresh record."""
+    records = [read_refresh(store, run, s) for s in steps]
+    return {r.step: r.breakdown for r in records if r is not None and r.breakdown is not None}
+
+
+BREAKDOWN_COLUMNS = (("wait", "wait_s"), ("launch", "launch_s"), ("extract", "extract_s"), ("tune", "fine_tune_s"),
+                     ("train io", "train_io_s"), ("check", "check_s"), ("handoff", "handoff_s"),
+                     ("deploy", "deploy_s"), ("total", "total_s"))
+
+
+def format_breakdown(breakdowns: dict[int, RefreshBreakdown]) -> str:
+    """One line per refresh: seconds from its qualifying part's publication to the fleet running it, by segment
+    (RefreshBreakdown says what each holds), and their mean over the deployed ones."""
+    head = f"{'step':>4} " + " ".join(f"{name:>8}" for name, _ in BREAKDOWN_COLUMNS)
+    lines = [head, "-" * len(head)]
+    rows = [(str(step), b) for step, b in sorted(breakdowns.items())]
+    mean = RefreshBreakdown.mean(list(breakdowns.values()))
+    for label, b in rows + ([("mean", mean)] if mean else []):
+        cells = [getattr(b, attr) for _, attr in BREAKDOWN_COLUMNS]
+        lines.append(f"{label:>4} " + " ".join("       -" if v is None else f"{v:>8.1f}" for v in cells))
+    return "\n".join(lines)
 
 
 def format_tail(rows: list[dict]) -> str:

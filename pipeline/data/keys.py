@@ -185,7 +185,25 @@ def refresh_key(run: str, step: int) -> str:
 def refresh_data_run(run: str, step: int, part: int) -> str:
     """The namespace of one refresh's hidden states and buffer: apart from the step's own, so the step's
     extraction (its lease, its sweep of files it did not commit) never meets the refresh's writer."""
-    return f"{run}/refresh/{step_key(step)}-{part_key(part)}"
+    return f"{refresh_data_root(run)}/{step_key(step)}-{part_key(part)}"
+
+
+def refresh_data_root(run: str) -> str:
+    """Where every refresh namespace of a run lives (`refresh_data_run`), as a run name."""
+    return f"{run}/refresh"
+
+
+def refresh_lock_prefix(run: str) -> str:
+    """The lease one refresh at a time of a run holds."""
+    return f"refresh/{run}/_running"
+
+
+def parse_refresh_data_name(name: str) -> int | None:
+    """The step of a refresh namespace's last path element (`step-000123-part-0004`); None for anything else."""
+    head, sep, tail = name.rpartition("-part-")
+    if not sep or not tail.isdigit() or not is_step_key(head):
+        return None
+    return parse_step_key(head)
 
 
 def tail_key(run: str, step: int) -> str:

@@ -17,6 +17,7 @@ naming its key.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, TypeVar, get_args
@@ -435,6 +436,83 @@ class StepCost:
 
 
 @dataclass(frozen=True)
+class RefreshBreakdown:
+    """Where a refresh's latency went, in seconds, in order (they add up to `total_s`):
+
+        wait_s        qualifying part published -> the refresh run's asset began: the sensor's poll, the run's start
+        launch_s      -> the refresh process began its work: process start and imports (what a warm worker saves)
+        extract_s     -> the parts' hidden states stored
+        fine_tune_s   the training loop itself
+        train_io_s    around it: loading the policy and the champion, the MLflow run, registering the version
+        check_s       -> tau of the refreshed drafter and the champion measured on the parts' held-out rollouts
+        handoff_s     -> the deploy began: the record and MLflow tags, the process's exit, back in the run
+        deploy_s      -> every replica runs it: the fleet's lease, staging, the update and its gates"""
+
+    wait_s: float
+    launch_s: float
+    extract_s: float
+    fine_tune_s: float
+    train_io_s: float
+    check_s: float
+    handoff_s: float
+    deploy_s: float | None  # None: not deployed
+
+    @property
+    def total_s(self) -> float:
+        return round(sum(v for v in asdict(self).values() if v is not None), 3)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "total_s": self.total_s}
+
+    def metadata(self) -> dict[str, float]:
+        """As Dagster metadata (numbers it plots; -1: not deployed)."""
+        return {f"latency_{k}": (-1.0 if v is None else v) for k, v in self.to_json().items()}
+
+    @classmethod
+    def mean(cls, breakdowns: list[RefreshBreakdown]) -> RefreshBreakdown | None:
+        """The mean of each segment over deployed refreshes; None without one."""
+        deployed = [b for b in breakdowns if b.deploy_s is not None]
+        if not deployed:
+            return None
+        return cls(*(round(sum(getattr(b, f) for b in deployed) / len(deployed), 3)
+                     for f in cls.__dataclass_fields__))
+
+
+@dataclass(frozen=True)
+class RefreshTimes:
+    """Epoch seconds of a refresh's milestones (one clock: the run and its process share the machine, or their
+    clocks are synchronized), from which its latency breakdown follows."""
+
+    run_started_at: float  # the refresh run's asset began
+    worker_started_at: float  # the refresh process began its work
+    extracted_at: float
+    trained_at: float  # the fine-tuned drafter registered
+    fine_tune_s: float  # the training loop's own seconds within extracted_at..trained_at
+    checked_at: float
+    deploy_started_at: float | None = None
+    live_at: float | None = None
+
+    def breakdown(self, qualified_at: float) -> RefreshBreakdown:
+        r = functools.partial(round, ndigits=3)
+        train_s = self.trained_at - self.extracted_at
+        return RefreshBreakdown(
+            r(self.run_started_at - qualified_at), r(self.worker_started_at - self.run_started_at),
+            r(self.extracted_at - self.worker_started_at), r(self.fine_tune_s), r(max(0.0, train_s - self.fine_tune_s)),
+            r(self.checked_at - self.trained_at),
+            r((self.deploy_started_at or self.checked_at) - self.checked_at),
+            None if self.live_at is None or self.deploy_started_at is None
+            else r(self.live_at - self.deploy_started_at))
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> RefreshTimes:
+        return cls(doc["run_started_at"], doc["worker_started_at"], doc["extracted_at"], doc["trained_at"],
+                   doc["fine_tune_s"], doc["checked_at"], doc.get("deploy_started_at"), doc.get("live_at"))
+
+
+@dataclass(frozen=True)
 class RefreshRecord:
     """A step's refresh: the champion fine-tuned on the step's first parts, and whether it went to the fleet.
 
@@ -455,21 +533,27 @@ class RefreshRecord:
     live_at: float | None = None
     train_s: float = 0.0  # the refresh's device-seconds of training
     beats_champion: bool = False  # by refresh.margin on the parts' held-out rollouts: it goes to the fleet
+    times: RefreshTimes | None = None  # its milestones; None in records written before they were kept
 
     @property
     def latency_s(self) -> float | None:
         """From the qualifying part's publication to the whole fleet serving the refreshed drafter."""
         return None if self.live_at is None else round(self.live_at - self.qualified_at, 3)
 
+    @property
+    def breakdown(self) -> RefreshBreakdown | None:
+        return None if self.times is None else self.times.breakdown(self.qualified_at)
+
     def to_json(self) -> dict:
-        return {**asdict(self), "parts": list(self.parts)}
+        return {**asdict(self), "parts": list(self.parts), "times": self.times.to_json() if self.times else None}
 
     @classmethod
     def from_json(cls, doc: dict) -> RefreshRecord:
+        times = doc.get("times")
         return cls(doc["step"], doc["part"], tuple(doc["parts"]), doc["rollouts"], doc["qualified_at"],
                    doc["version"], doc["warm_start_version"], doc["tau_refreshed"], doc["tau_champion"],
                    doc["deployed"], doc["decision"], doc.get("live_at"), doc.get("train_s", 0.0),
-                   doc.get("beats_champion", False))
+                   doc.get("beats_champion", False), RefreshTimes.from_json(times) if times else None)
 
 
 TAIL_ROLES = ("start", "refreshed", "whole_step")

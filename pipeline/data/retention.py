@@ -13,6 +13,11 @@ shards); this is the one place that does, and it plans before it deletes:
 * Files in a step's directory that its manifest does not list (a crashed or replaced
   write) are deleted once older than a grace period, so a write in progress, whose
   manifest is not committed yet, is never touched.
+* A same-step refresh's hidden states and buffer (its own namespace, keys.refresh_data_run)
+  live as long as the step's own would inside the buffer window: once the step falls out of
+  it they are deleted, buffer manifest first, then the hidden states' manifest, then the
+  shards. A refresh trains once, on a subset of the step's rollouts (kept in rollouts/), and
+  the step's own training supersedes it, so nothing reads them again.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from pipeline.data.keys import (
     hidden_states_manifest_key,
     hidden_states_prefix,
     hidden_states_root,
+    parse_refresh_data_name,
     parse_step_key,
+    refresh_data_root,
 )
 from pipeline.data.store import ObjectStore
 
@@ -108,7 +115,25 @@ def plan_retention(
         orphan_reason = f"not listed by the step's manifest, older than {grace_s:.0f} s"
         plan.delete += [Doomed(k, n, orphan_reason) for k, n, modified in files
                         if k != manifest_key and k not in listed and now - modified > grace_s]
+    plan.delete += _expired_refreshes(store, run, window_start)
     return plan
+
+
+def _expired_refreshes(store: ObjectStore, run: str, window_start: int) -> list[Doomed]:
+    """Every file of the refreshes of steps before `window_start`: manifests first, then the shards."""
+    root = refresh_data_root(run)
+    names = set(store.list_dirs(hidden_states_root(root))) | set(store.list_dirs(buffer_root(root)))
+    doomed: list[Doomed] = []
+    for name in sorted(names):
+        step = parse_refresh_data_name(name)
+        if step is None or step >= window_start:
+            continue  # not a refresh namespace, or its step still inside the window
+        data_run = f"{root}/{name}"
+        reason = f"refresh of a step before the buffer window (step {step} < {window_start})"
+        files = [*store.list_files(buffer_root(data_run)), *store.list_files(hidden_states_root(data_run))]
+        files.sort(key=lambda f: (not f[0].endswith("_manifest.json"), f[0].startswith("hidden_states/")))
+        doomed += [Doomed(k, n, reason) for k, n, _ in files]
+    return doomed
 
 
 def apply_retention(store: ObjectStore, plan: RetentionPlan) -> int:

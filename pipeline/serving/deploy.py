@@ -133,17 +133,20 @@ def record_stopped(store: ObjectStore, run: str, replicas_now: tuple[ReplicaDepl
 
 
 def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, version: str,
-           driver: ReplicaDriver | None = None, fence: Callable[[], str | None] | None = None) -> DeployReport:
+           driver: ReplicaDriver | None = None, fence: Callable[[], str | None] | None = None,
+           serving: Callable[[], ServedPolicy] | None = None) -> DeployReport:
     """Stage `version`, roll it over the fleet (hot where `fleet.update` allows, else restarts), then record it
     as `live` (registry alias + fleet state). A deploy stopped by a gate records what each replica runs. One
     deploy at a time per fleet (the champion's and a refresh's alike hold the fleet's lease); `fence`, asked
-    under the lease, names why the version must not go (DeploySuperseded), or None."""
+    under the lease, names why the version must not go (DeploySuperseded), or None. `serving`, asked under the
+    lease, is the policy to serve (a refresh's: its step's, published with its first part); by default the
+    newest committed step's."""
     with hold(store, fleet_prefix(cfg.run), f"deploy-v{version}-{uuid.uuid4().hex[:8]}", cfg.storage.step_lease_s,
               cfg.storage.step_lease_wait_s):
         if fence is not None and (why := fence()):
             raise DeploySuperseded(why)
         staged = stage_versions(cfg, registry, version)
-        policy = served_policy(store, cfg)
+        policy = serving() if serving is not None else served_policy(store, cfg)
         recorded = {r.replica: r for r in read_fleet_state(store, cfg.run).replicas}
         try:
             report = rolling_deploy(replicas(cfg), driver or make_driver(cfg), policy.target, version,

@@ -7,15 +7,19 @@ sources):
 
     POST /init_weight_transfer_engine {"init_info": {}}
     POST /pause?mode=keep                  in-flight requests are held, not dropped
+    (a new policy first, when the replica serves another one and the policy is a local directory:)
+    POST /start_weight_update              the update targets the policy (the target model)
+    POST /update_weights {"update_info": {"path": POLICY_DIR}}
+    POST /finish_weight_update {"weight_version": "policy-<dir name>"}
     POST /start_draft_weight_update        the update targets the speculative draft model
     POST /update_weights {"update_info": {"path": DIR}}     the `disk` backend loads DIR
     POST /finish_weight_update {"weight_version": "drafter-v<version>"}
     POST /resume
     GET  /weight_info                      must now report "drafter-v<version>"
 
-A replica without those routes (404/405: not in dev mode, an older vLLM), or on another policy,
-is restarted with the new `--speculative-config` instead (the one way that works on every vLLM
-version), never more than one down. A hot update that fails once weights may have changed is
+A replica without those routes (404/405: not in dev mode, an older vLLM), or on a policy that is
+not a local directory, is restarted with the new `--speculative-config` instead (the one way that
+works on every vLLM version), never more than one down. A hot update that fails once weights may have changed is
 rolled back first (the previous drafter sent again, or, failing that, a restart with it), then the
 replica takes the restart path. A replica the driver knows runs that very drafter and policy
 already (a rerun of a deploy stopped midway, the same version again) is not touched, only gated. A
@@ -114,8 +118,9 @@ class ReplicaDriver(Protocol):
         """(target, drafter_dir) the replica's running process serves; None when not known."""
         ...
 
-    def updated(self, replica: ReplicaSpec, drafter_dir: str) -> None:
-        """The replica's drafter weights were replaced in place by those of `drafter_dir` (a hot update)."""
+    def updated(self, replica: ReplicaSpec, drafter_dir: str, target: str | None = None) -> None:
+        """The replica's drafter weights were replaced in place by those of `drafter_dir` (a hot update), and
+        its policy by `target` when given."""
         ...
 
 
@@ -203,17 +208,19 @@ class StandInDriver:
             target, drafter_dir = argv[argv.index("--target") + 1], argv[argv.index("--drafter") + 1]
         except (OSError, ValueError, IndexError):
             return None
-        updated = self._drafter_file(replica)
-        with suppress(OSError, ValueError):
-            recorded_pid, drafter_dir = updated.read_text().split("\n", 1)
-            if int(recorded_pid) != pid:  # written for a process since replaced
-                return target, argv[argv.index("--drafter") + 1]
+        with suppress(OSError, ValueError, json.JSONDecodeError, KeyError, TypeError):
+            hot = json.loads(self._drafter_file(replica).read_text())
+            if int(hot["pid"]) == pid:  # else written for a process since replaced
+                return hot["target"] or target, hot["drafter"]
         return target, drafter_dir
 
-    def updated(self, replica: ReplicaSpec, drafter_dir: str) -> None:
+    def updated(self, replica: ReplicaSpec, drafter_dir: str, target: str | None = None) -> None:
         pid_file = self._pid_file(replica)
         if pid_file.exists():
-            self._drafter_file(replica).write_text(f"{pid_file.read_text().strip()}\n{drafter_dir}")
+            known = self.serving(replica)
+            target = target or (known[0] if known else None)
+            self._drafter_file(replica).write_text(json.dumps(
+                {"pid": int(pid_file.read_text().strip()), "target": target, "drafter": drafter_dir}))
 
     def stop_all(self, replicas: list[ReplicaSpec]) -> None:
         for replica in replicas:
@@ -255,7 +262,7 @@ class CommandDriver:
     def serving(self, replica: ReplicaSpec) -> tuple[str, str] | None:
         return None  # not observable here: the deploy goes by the fleet's recorded state
 
-    def updated(self, replica: ReplicaSpec, drafter_dir: str) -> None:
+    def updated(self, replica: ReplicaSpec, drafter_dir: str, target: str | None = None) -> None:
         pass  # the fleet's recorded state says what each replica serves
 
 
@@ -354,6 +361,10 @@ class HotUpdateFailed(RuntimeError):
     """A weight-update call failed after the replica was paused: its weights may have changed."""
 
 
+class _Unchanged(RuntimeError):
+    """Inside a paused update: refused before any weight was sent."""
+
+
 def weight_version(version: str) -> str:
     """What the fleet commits as vLLM's `weight_version` for a drafter version, and reads back from /weight_info."""
     return f"drafter-v{version}"
@@ -377,26 +388,51 @@ def _dev_call(replica: ReplicaSpec, path: str, body: dict | None = None, timeout
         raise HotUpdateFailed(f"{path} answered with no JSON object") from None
 
 
-def _send_drafter(replica: ReplicaSpec, drafter_dir: str, label: str) -> None:
-    """One draft weight-update session on a paused replica: start, the checkpoint, finish under `label`."""
-    _dev_call(replica, "/start_draft_weight_update", {})
+def _send_drafter(replica: ReplicaSpec, drafter_dir: str, label: str, start: str = "/start_draft_weight_update"
+                  ) -> None:
+    """One weight-update session on a paused replica: start (the draft model's, or with
+    `/start_weight_update` the policy's), the checkpoint, finish under `label`."""
+    _dev_call(replica, start, {})
     _dev_call(replica, "/update_weights", {"update_info": {"path": str(Path(drafter_dir).resolve())}})
     _dev_call(replica, "/finish_weight_update", {"weight_version": label})
 
 
-def hot_update(replica: ReplicaSpec, drafter_dir: str, version: str) -> float:
-    """Pause the replica (requests held, not dropped), send it the drafter in `drafter_dir`, resume, and check
-    it reports `version`; returns the seconds its requests were held. HotUpdateUnsupported when it refused
-    before anything changed; HotUpdateFailed (resumed, but its weights unknown) otherwise."""
+def local_directory(target: str) -> str | None:
+    """The local directory of a policy checkpoint URI (`file://` or a path), as the `disk` backend reads it;
+    None for a remote one (s3://), which only a restart loads."""
+    if target.startswith("file://"):
+        return urllib.request.url2pathname(target[len("file://"):])
+    return target if target.startswith("/") else None
+
+
+def policy_version(policy_dir: str) -> str:
+    """The `weight_version` a policy sent in place is committed under."""
+    return f"policy-{Path(policy_dir).name}"
+
+
+def hot_update(replica: ReplicaSpec, drafter_dir: str, version: str, policy_dir: str | None = None) -> float:
+    """Pause the replica (requests held, not dropped), send it the policy in `policy_dir` (when given) and the
+    drafter in `drafter_dir`, resume, and check it reports `version`; returns the seconds its requests were held.
+    HotUpdateUnsupported when it refused before anything changed (a policy update it has no route for included);
+    HotUpdateFailed (resumed, but its weights unknown) otherwise."""
     try:
         _dev_call(replica, "/init_weight_transfer_engine", {"init_info": {}})
         _dev_call(replica, "/pause?mode=keep", {})
     except HotUpdateFailed as exc:
         raise HotUpdateUnsupported(str(exc)) from None
     paused = time.monotonic()
-    failure: HotUpdateFailed | None = None
+    failure: HotUpdateFailed | HotUpdateUnsupported | None = None
     try:
+        if policy_dir is not None:
+            try:
+                _dev_call(replica, "/start_weight_update", {})
+            except HotUpdateUnsupported as exc:  # nothing sent yet: unchanged, it takes the restart
+                raise _Unchanged(f"{exc}: the policy cannot be sent in place") from None
+            _dev_call(replica, "/update_weights", {"update_info": {"path": str(Path(policy_dir).resolve())}})
+            _dev_call(replica, "/finish_weight_update", {"weight_version": policy_version(policy_dir)})
         _send_drafter(replica, drafter_dir, weight_version(version))
+    except _Unchanged as exc:
+        failure = HotUpdateUnsupported(str(exc))
     except HotUpdateUnsupported as exc:
         failure = HotUpdateFailed(f"{exc} after /pause succeeded")
     except HotUpdateFailed as exc:
@@ -416,12 +452,13 @@ def hot_update(replica: ReplicaSpec, drafter_dir: str, version: str) -> float:
 
 
 def roll_back(replica: ReplicaSpec, driver: ReplicaDriver, target: str, previous: StagedDrafter,
-              gates: GateConfig, alive: Callable[[], bool]) -> str:
-    """After a failed hot update: the previous drafter again, hot if the replica takes it, else by a restart.
+              gates: GateConfig, alive: Callable[[], bool], policy_dir: str | None = None) -> str:
+    """After a failed hot update: the previous drafter again (on the policy in `policy_dir`, the one `target`
+    names, when the update sent a policy too), hot if the replica takes it, else by a restart on `target`.
     Returns how ("hot" or "restart")."""
     try:
-        hot_update(replica, previous.directory, previous.version)
-        driver.updated(replica, previous.directory)
+        hot_update(replica, previous.directory, previous.version, policy_dir)
+        driver.updated(replica, previous.directory, target if policy_dir else None)
         return "hot"
     except (HotUpdateFailed, HotUpdateUnsupported):
         driver.restart(replica, target, previous.directory)
@@ -440,27 +477,32 @@ class _Attempt:
 
 def _try_hot(replica: ReplicaSpec, driver: ReplicaDriver, target: str, version: str, drafter_dir: str,
              previous: StagedDrafter, gates: GateConfig, canary_prompts: list[list[int]],
-             alive: Callable[[], bool], attempt: _Attempt) -> float | None:
+             alive: Callable[[], bool], attempt: _Attempt, served: str) -> float | None:
     """The hot update and its gates; the live tau, or None when the replica is to be restarted instead (with
-    `attempt.note` saying why, and the previous drafter back on it when the update may have changed it)."""
+    `attempt.note` saying why, and the previous drafter back on it when the update may have changed it).
+    `served`: the policy the replica runs; when it is not `target`, the new policy goes first, in place."""
+    new_policy = local_directory(target) if served != target else None
+    old_policy = local_directory(served) if new_policy else None
     try:
-        attempt.paused_s = hot_update(replica, drafter_dir, version)
+        attempt.paused_s = hot_update(replica, drafter_dir, version, new_policy)
     except HotUpdateUnsupported as exc:
         attempt.note = f"no hot update ({exc}); restarted"
         return None
     except HotUpdateFailed as exc:
-        how = roll_back(replica, driver, target, previous, gates, alive)
+        how = roll_back(replica, driver, served, previous, gates, alive, old_policy)
         attempt.note = f"hot update failed ({exc}); rolled back to version {previous.version} by {how}; restarted"
         return None
-    driver.updated(replica, drafter_dir)
+    driver.updated(replica, drafter_dir, target if new_policy else None)
     try:
         tau = check_replica(replica, gates, canary_prompts, alive)
     except GateError as exc:
-        how = roll_back(replica, driver, target, previous, gates, alive)
+        how = roll_back(replica, driver, served, previous, gates, alive, old_policy)
         attempt.note = f"hot-updated replica failed a gate ({exc}); rolled back to version {previous.version} " \
                        f"by {how}; restarted"
         return None
     attempt.update = "hot"
+    if new_policy:
+        attempt.note = "the new policy and the drafter sent in place"
     return tau
 
 
@@ -480,8 +522,10 @@ def rolling_deploy(
 
     A replica already running `drafter_dir` on `target` keeps running: it only passes the gates (and is
     updated like the others if it fails them). With `update="hot"` and a `previous` to roll back to, a replica
-    known to serve `target` (from the driver, else from `recorded`, the fleet's recorded state) is hot-updated;
-    any other, and one whose hot update fails (rolled back to `previous` first), is restarted."""
+    whose policy is known (from the driver, else from `recorded`, the fleet's recorded state) is hot-updated:
+    the drafter alone when it serves `target`, `target` first when it serves another policy and both are local
+    directories. Any other, and one whose hot update fails (rolled back to `previous` first, on the policy it
+    served), is restarted."""
     recorded = recorded or {}
     done: list[ReplicaDeploy] = []
     for i, replica in enumerate(replicas):
@@ -497,14 +541,15 @@ def rolling_deploy(
         policy = serving[0] if serving else (recorded[replica.name].target if replica.name in recorded else "")
         try:
             if tau is None and update == "hot":
-                if policy != target:
-                    attempt.note = "it serves another policy: restarted" if policy else \
-                        "the policy it serves is not known: restarted"
+                if not policy:
+                    attempt.note = "the policy it serves is not known: restarted"
+                elif policy != target and (local_directory(target) is None or local_directory(policy) is None):
+                    attempt.note = "it serves another policy, not both on local disk: restarted"
                 elif previous is None:
                     attempt.note = "no previous version to roll back to: restarted"
                 else:
                     tau = _try_hot(replica, driver, target, version, drafter_dir, previous, gates, canary_prompts,
-                                   alive, attempt)
+                                   alive, attempt, policy)
             if tau is None:
                 driver.restart(replica, target, drafter_dir)
                 tau = check_replica(replica, gates, canary_prompts, alive)

@@ -15,9 +15,11 @@ bodies of its `disk` weight-transfer backend; docs/operating.md names the source
 
     POST /init_weight_transfer_engine   {"init_info": {}}
     POST /pause?mode=keep               the decoding request finishes its decode, queued ones are held
+    POST /start_weight_update           a weight update of the target (the policy) begins
     POST /start_draft_weight_update     a weight update of the draft model begins
-    POST /update_weights                {"update_info": {"path": DIR}}: the drafter checkpoint in DIR is
-                                        loaded in place (as vLLM's, not transactional)
+    POST /update_weights                {"update_info": {"path": DIR}}: the checkpoint in DIR (the policy's
+                                        or the drafter's, as the session began) is loaded in place (as
+                                        vLLM's, not transactional); a new policy carries the drafter over
     POST /finish_weight_update          {"weight_version": LABEL}: the update is committed under LABEL
     POST /resume                        held requests decode, on the new weights
     GET  /is_paused                     {"is_paused": bool}
@@ -84,7 +86,7 @@ class Replica:
     time, and a pause holds that turn until /resume."""
 
     def __init__(self, target_uri: str, drafter_dir: str | None, k: int, model_name: str) -> None:
-        self.model_name, self.k = model_name, k
+        self.model_name, self.k, self.drafter_dir = model_name, k, drafter_dir
         self.target = target_lib.load_checkpoint(target_uri)
         # One proposer per request (it holds that request's cache), made by the loaded drafter.
         self.new_proposer = self._load(drafter_dir) if drafter_dir else None
@@ -97,6 +99,7 @@ class Replica:
         self._pausing = threading.Lock()  # one /pause or /resume at a time
         self._paused = False
         self._session: str | None = None  # None, "started" or "loaded"
+        self._session_model = "draft"  # what the open session updates: "draft" or "policy"
 
     def _load(self, drafter_dir: str) -> Callable[[], Proposer]:
         drafter = load_drafter(Path(drafter_dir), self.target.config.num_hidden_layers)
@@ -175,13 +178,17 @@ class Replica:
 
     # -- the draft weight update -----------------------------------------------------------------------------
 
-    def start_draft_weight_update(self) -> None:
+    def start_weight_update(self, model: str = "policy") -> None:
+        """A session updating the target (`policy`) or the draft model (`draft`)."""
         with self._state:
-            if self.new_proposer is None:
+            if model == "draft" and self.new_proposer is None:
                 raise UpdateError(500, "no speculative draft model is configured")
             if self._session is not None:
                 raise UpdateError(500, "start_weight_update called while a weight update is already in progress")
-            self._session = "started"
+            self._session, self._session_model = "started", model
+
+    def start_draft_weight_update(self) -> None:
+        self.start_weight_update("draft")
 
     def update_weights(self, update_info: object) -> None:
         """vLLM's `disk` backend: one complete safetensors checkpoint per session, from an absolute directory."""
@@ -199,11 +206,13 @@ class Replica:
             self._abort()
             raise UpdateError(400, f"Shared-disk checkpoint directory contains no safetensors files: {path}")
         try:
-            loaded = self._load(path)
+            if self._session_model == "policy":
+                self._load_policy(path)
+            else:
+                self.new_proposer, self.drafter_dir = self._load(path), path
         except (CheckpointError, OSError, ValueError, KeyError, RuntimeError) as exc:
             self._abort()
             raise UpdateError(500, f"loading {path}: {exc}") from None
-        self.new_proposer = loaded  # in place, as vLLM's layerwise reload: requests decode with it from now on
         with self._state:
             failing = self.faults["update_weights"] > 0
             self.faults["update_weights"] -= failing
@@ -212,6 +221,17 @@ class Replica:
             raise UpdateError(500, "stand-in fault: update_weights failed after loading (a partial update)")
         with self._state:
             self._session = "loaded"
+
+    def _load_policy(self, path: str) -> None:
+        """The target's weights from DIR in place; the drafter it serves follows the new target (its shared
+        embedding and head are the target's). Requests decode with both from now on."""
+        target = target_lib.load_checkpoint(Path(path).as_uri())
+        proposer = None
+        if self.drafter_dir:
+            drafter = load_drafter(Path(self.drafter_dir), target.config.num_hidden_layers)
+            drafter.attach(target)
+            proposer = speculative.follow_target(drafter, target)
+        self.target, self.new_proposer = target, proposer
 
     def finish_weight_update(self, weight_version: str | None) -> None:
         with self._state:
@@ -349,6 +369,11 @@ def _resume(replica: Replica, body: dict, query: dict) -> dict:
     return {"status": "resumed"}
 
 
+def _start(replica: Replica, body: dict, query: dict) -> dict:
+    replica.start_weight_update("policy")
+    return {"message": "Weight update started"}
+
+
 def _start_draft(replica: Replica, body: dict, query: dict) -> dict:
     replica.start_draft_weight_update()
     return {"message": "Draft weight update started"}
@@ -373,6 +398,7 @@ DEV_ROUTES: dict[str, Callable[[Replica, dict, dict], dict]] = {
     "/init_weight_transfer_engine": _init,
     "/pause": _pause,
     "/resume": _resume,
+    "/start_weight_update": _start,
     "/start_draft_weight_update": _start_draft,
     "/update_weights": _update,
     "/finish_weight_update": _finish,

@@ -27,18 +27,25 @@ import tempfile
 import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from pipeline.client import publish_checkpoint, publish_step
+from pipeline.client import (
+    StagedCheckpoint,
+    commit_rollouts_parts,
+    publish_checkpoint,
+    publish_rollouts_part,
+    publish_step,
+)
 from pipeline.data.rollouts import Rollout
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
+from pipeline.sources.simulation import finish_parts
 
 LETTERS = "abcdefghijklmnop"
 VOWELS = frozenset("aeio")
@@ -63,6 +70,7 @@ class PublishedGRPOStep:
     mean_reward: float  # TRL's logged `reward` of the step: the mean over its completions
     rollouts: list[Rollout] = field(repr=False)
     skipped_unscorable: int = 0  # completions every reward function returned None for (no reward to publish)
+    parts: tuple[int, ...] = ()  # the parts it went out in, shortest completions first; (): published whole
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -103,13 +111,34 @@ def vowel_reward(completions: list[str], **_: Any) -> list[float]:
 
 
 class StepPublisher:
-    """Where a trainer's steps go: the store, the run, and how often to publish."""
+    """Where a trainer's steps go: the store, the run, how often to publish, and in how many parts (1: whole)."""
 
-    def __init__(self, store: ObjectStore, run: str, model_id: str, publish_every: int = 1) -> None:
+    def __init__(self, store: ObjectStore, run: str, model_id: str, publish_every: int = 1, parts: int = 1) -> None:
         if publish_every < 1:
             raise ValueError(f"publish_every must be >= 1, got {publish_every}")
+        if parts < 1:
+            raise ValueError(f"parts must be >= 1, got {parts}")
         self.store, self.run, self.model_id, self.publish_every = store, run, model_id, publish_every
+        self.parts = parts
         self.published: list[PublishedGRPOStep] = []
+
+    def publish(self, step: int, rollouts: list[Rollout], staged: StagedCheckpoint, policy_version: int,
+                tokenizer_vocab_size: int) -> tuple[int, ...]:
+        """The step whole, or in parts as a rollout engine finishes its completions (shortest first, the
+        simulated source's `finish_parts`), then committed; returns the parts written (() when whole)."""
+        if self.parts == 1 or not rollouts:
+            publish_step(self.store, self.run, step, rollouts, staged, policy_version=policy_version,
+                         model_id=self.model_id, tokenizer_vocab_size=tokenizer_vocab_size)
+            return ()
+        written = []
+        for part, rows in enumerate(finish_parts(rollouts, self.parts)):
+            if rows:  # an empty slice of the decoding is no part
+                publish_rollouts_part(self.store, self.run, step, part, rows, staged, policy_version=policy_version,
+                                      model_id=self.model_id, expected_rollouts=len(rollouts),
+                                      tokenizer_vocab_size=tokenizer_vocab_size)
+                written.append(part)
+        commit_rollouts_parts(self.store, self.run, step)
+        return tuple(written)
 
 
 def _grpo_trainer_class():  # TRL is imported on first use: the pipeline runs without it
@@ -171,8 +200,8 @@ def _grpo_trainer_class():  # TRL is imported on first use: the pipeline runs wi
             p = self.publisher
             with tempfile.TemporaryDirectory() as staging:
                 staged = publish_checkpoint(self.accelerator.unwrap_model(self.model), staging)
-                publish_step(p.store, p.run, step, rollouts, staged, policy_version=version, model_id=p.model_id,
-                             tokenizer_vocab_size=len(self._tokenizer))
+                parts = p.publish(step, rollouts, staged, version, len(self._tokenizer))
+            published = replace(published, parts=parts)
             p.published.append(published)
             return published
 
@@ -192,6 +221,7 @@ class GRPODemoSettings:
     learning_rate: float = 3e-3
     temperature: float = 1.0
     seed: int = 0
+    parts_per_step: int = 4  # each step published in parts by completion length, then committed (1: whole)
 
 
 class GRPODemo:
@@ -205,7 +235,7 @@ class GRPODemo:
         self.steps = steps
         self.tokenizer = build_tokenizer()
         self.policy = build_policy(self.tokenizer, seed=s.seed)
-        self.publisher = StepPublisher(store, run, target_forward.model_id(self.policy))
+        self.publisher = StepPublisher(store, run, target_forward.model_id(self.policy), parts=s.parts_per_step)
         self.output_dir = output_dir
         self._resume = threading.Semaphore(0)
         self._published = threading.Semaphore(0)

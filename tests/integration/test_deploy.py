@@ -116,8 +116,10 @@ def check_promotions_reach_the_fleet_once_each(tmp_path: Path, instance: dg.Dags
         state = read_fleet_state(store, cfg.run)
         assert state.version == "2"
         assert [r.replica for r in state.replicas] == ["standin-0", "standin-1"]
-        # Step 2 brought a new policy: the replicas restarted with it, not hot-updated.
-        assert [(r.update, r.note) for r in state.replicas] == [("restart", "it serves another policy: restarted")] * 2
+        # Step 2 brought a new policy: sent in place with the drafter (both on local disk), no restart.
+        assert [(r.update, r.note, r.restarted) for r in state.replicas] == [
+            ("hot", "the new policy and the drafter sent in place", False)] * 2
+        assert all(r.target.endswith("step-000002") for r in state.replicas)
         assert registry.alias_version("live") == "2"
         for replica in deploy.replicas(cfg):  # both serve after the second rollout
             with urllib.request.urlopen(f"{replica.url}/v1/models", timeout=10) as response:

@@ -4,14 +4,18 @@ step's own training then supersedes it. The replicas are stand-in processes (not
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import dagster as dg
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from cli import _pipeline_tick, _SensorTicks
 from definitions import build_definitions
 from jobs.sensors import REFRESH_SENSOR_NAME, refresh_sensor
+from pipeline.client import publish_rollouts_part
 from pipeline.config import load_config
 from pipeline.data import parts as parts_lib
 from pipeline.data.records import read_fleet_state, read_refresh, read_tail
@@ -22,6 +26,7 @@ from pipeline.serving import deploy
 from pipeline.serving.fleet import StandInDriver
 from pipeline.sources.simulation import SimulatedRL
 from tests.support.config import write_config
+from tests.support.contract_cases import ok
 
 REFRESH = {"simulation": {"parts_per_step": 4, "response_len_sigma": 0.5, "drift": 0.6, "rollouts_per_step": 32},
            "eval": {"held_out_fraction": 0.4, "num_prompts": 4, "max_new_tokens": 8},
@@ -118,3 +123,44 @@ def _split_at_share(generated, slices: list[int], share: float, parts: int) -> t
         if total >= share * len(generated.rollouts):
             return slices[: i + 1], slices[i + 1 :]
     raise AssertionError("the parts never reach the share")
+
+
+def test_one_refresh_at_a_time_for_the_newest_qualifying_step(tmp_path: Path) -> None:
+    """Steps 3 and 4 qualify at once (an asynchronous trainer): only 4 is refreshed, 3 is recorded as skipped;
+    while a refresh run is in progress the sensor waits, then requests the newest step qualifying by then."""
+    path = write_config(tmp_path, {"refresh": {"enabled": True, "min_share": 0.5}}, pretrained=False)
+    cfg = load_config(path)
+    store, registry = open_store(cfg), open_registry(cfg)
+    champion = registry.client.create_model_version(cfg.mlflow.model_name, (tmp_path / "drafter").as_uri())
+    registry.set_alias("champion", str(champion.version))  # the sensor's one question to the registry
+    checkpoint = tmp_path / "policy"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"vocab_size": 50, "max_position_embeddings": 8}))
+    save_file({"w": np.zeros((2, 3), dtype=np.float32)}, str(checkpoint / "model.safetensors"))
+
+    def first_half(step: int) -> None:
+        publish_rollouts_part(store, cfg.run, step, 0, [ok(f"s{step}-{i}") for i in range(4)], checkpoint,
+                              policy_version=step, model_id="tiny", expected_rollouts=8)
+
+    first_half(3)
+    first_half(4)
+    defs = build_definitions(str(path))
+    with dg.instance_for_test() as instance:
+        tick = _refresh_tick(defs, instance, None)
+        [request] = tick.run_requests
+        assert (request.run_key, tick.cursor) == ("refresh:step-000004", "4")
+        skipped = read_refresh(store, cfg.run, 3)
+        assert (skipped.version, skipped.deployed, skipped.part) == (None, False, 0)
+        assert skipped.decision == "skipped: step-000004 qualified as well; one refresh at a time, the newest " \
+                                   "open step's"
+
+        running = instance.create_run_for_job(defs.resolve_job_def("refresh_job"), run_config=request.run_config,
+                                              tags=request.tags, status=dg.DagsterRunStatus.STARTED)
+        first_half(5)
+        waiting = _refresh_tick(defs, instance, tick.cursor)
+        assert isinstance(waiting, dg.SkipReason)
+        assert waiting.skip_message.startswith("a refresh run is in progress (step-000004, run ")
+        instance.report_run_canceled(running)
+        [after] = _refresh_tick(defs, instance, tick.cursor).run_requests
+        assert after.run_key == "refresh:step-000005"
+        assert read_refresh(store, cfg.run, 5) is None  # requested, not skipped

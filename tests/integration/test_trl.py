@@ -12,6 +12,7 @@ import torch
 from definitions import build_definitions
 from jobs.sensors import SENSOR_NAME, rl_step_sensor
 from pipeline.config import load_config
+from pipeline.data import parts as parts_lib
 from pipeline.data import shards
 from pipeline.data.held_out import training_rollouts
 from pipeline.data.rollouts import read_policy_pointer, read_rollouts
@@ -19,6 +20,7 @@ from pipeline.data.store import open_store
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.sources import trl as trl_source
+from pipeline.sources.simulation import part_of
 from tests.support.config import write_config
 
 STEPS = 3
@@ -45,6 +47,12 @@ def recording_trainer_class() -> type:
     return Recording
 
 
+def _in_trl_order(rows: list, pub: trl_source.PublishedGRPOStep) -> list:
+    """A committed step's rollouts (in part order) in the order of TRL's generation batch."""
+    order = {r.sample_id: i for i, r in enumerate(pub.rollouts)}
+    return sorted(rows, key=lambda r: order[r.sample_id])
+
+
 @pytest.mark.slow
 def test_grpo_steps_through_the_pipeline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config_path = write_config(tmp_path, {"fleet": {"driver": "none"}}, pretrained=False)
@@ -61,7 +69,15 @@ def test_grpo_steps_through_the_pipeline(tmp_path: Path, monkeypatch: pytest.Mon
     logged = {h["step"]: h["reward"] for h in history if "reward" in h}
     assert len(recorder.batches) == STEPS
     for step, batch, pub in zip(range(1, STEPS + 1), recorder.batches, published, strict=True):
-        rows = read_rollouts(store, cfg.run, step)
+        # Published in parts as the completions finish (shortest first), then committed: the commit lists them.
+        committed = read_rollouts(store, cfg.run, step)
+        assert len(pub.parts) > 1
+        assert parts_lib.committed_part_numbers(store, cfg.run, step) == list(pub.parts)
+        lengths = [sum(r.loss_mask) for r in committed]
+        slices = [part_of(n, max(lengths), SETTINGS.parts_per_step) for n in lengths]
+        assert slices == sorted(slices)
+        assert slices[0] < slices[-1]
+        rows = _in_trl_order(committed, pub)
         assert [r.sample_id for r in rows] == [r.sample_id for r in pub.rollouts]
         for i, r in enumerate(rows):
             prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
@@ -85,10 +101,10 @@ def test_grpo_steps_through_the_pipeline(tmp_path: Path, monkeypatch: pytest.Mon
                for r in first if r.input_ids[-1] != tokenizer.eos_token_id)
 
     # The step's checkpoint reproduces TRL's logits for the completions it generated (unpadded here, padded there).
-    for step, batch in zip(range(1, STEPS + 1), recorder.batches, strict=True):
+    for step, batch, pub in zip(range(1, STEPS + 1), recorder.batches, published, strict=True):
         policy = target_lib.load_policy(store, read_policy_pointer(store, cfg.run, step).checkpoint_uri)
         real = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1).bool()  # (B, P + C)
-        for i, r in enumerate(read_rollouts(store, cfg.run, step)):
+        for i, r in enumerate(_in_trl_order(read_rollouts(store, cfg.run, step), pub)):
             logits = target_forward.forward(policy, torch.tensor([r.input_ids])).logits[0]  # (T, V)
             torch.testing.assert_close(logits, batch["logits"][i][real[i]], atol=1e-4, rtol=1e-4)
 

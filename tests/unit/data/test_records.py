@@ -16,6 +16,9 @@ from pipeline.data.records import (
     DrafterTau,
     FleetState,
     RecordError,
+    RefreshBreakdown,
+    RefreshRecord,
+    RefreshTimes,
     ReplicaDeploy,
     TauEstimate,
     TrainingFigures,
@@ -39,7 +42,13 @@ ROLLED_BACK = ReplicaDeploy("standin-0", "3", 2.75, 9.0, True, "rolled back",
                             "hot update failed (/update_weights answered HTTP 500); live tau 0.9 below the gate 1.0")
 BUFFER = BufferRecord(2, (BufferEntry(1, "s1-0", "part-00000.arrow", 0, 6),
                           BufferEntry(2, "s2-0", "part-00000.arrow", 0, 4)))
+# Published at 1000; the run began 2 s later, its process 4 s after that; extraction 1 s, training 6 s (5 of them
+# the loop), the check 1.5 s, the hand-off 0.5 s, the deploy 2 s: live at 1018.
+TIMES = RefreshTimes(1002.0, 1006.0, 1007.0, 1013.0, 5.0, 1014.5, 1015.0, 1017.0)
+REFRESHED = RefreshRecord(4, 2, (0, 1, 2), 40, 1000.0, "7", "6", 2.8, 2.1, True, "beats", 1017.0, 6.0, True, TIMES)
 RECORDS = [
+    REFRESHED,
+    RefreshRecord(5, 3, (3,), 9, 1100.0, None, None, None, None, False, "skipped: step-000006 qualified as well"),
     BUFFER,
     TRAINED,
     TrainingRecord(3, False, "every 2 steps; next at step 4", 90),
@@ -125,3 +134,22 @@ def test_a_fleet_state_from_before_hot_updates_says_how_each_replica_got_its_ver
 
 def test_acceptance_record_lists_the_roles_that_had_a_drafter() -> None:
     assert list(ACCEPTANCE.measured()) == ["cotrained", "baseline"]
+
+
+def test_a_refreshs_latency_breaks_down_into_its_milestones_and_adds_up() -> None:
+    breakdown = REFRESHED.breakdown
+    assert breakdown == RefreshBreakdown(wait_s=2.0, launch_s=4.0, extract_s=1.0, fine_tune_s=5.0, train_io_s=1.0,
+                                         check_s=1.5, handoff_s=0.5, deploy_s=2.0)
+    assert breakdown.total_s == REFRESHED.latency_s == 17.0
+    assert breakdown.metadata()["latency_launch_s"] == 4.0
+    # Not deployed: no deploy segment (-1 in Dagster's metadata), and no mean over it.
+    undeployed = RefreshTimes(1002.0, 1006.0, 1007.0, 1013.0, 5.0, 1014.5).breakdown(1000.0)
+    assert (undeployed.deploy_s, undeployed.handoff_s, undeployed.metadata()["latency_deploy_s"]) == (None, 0.0, -1.0)
+    faster = RefreshBreakdown(1.0, 0.0, 1.0, 3.0, 1.0, 0.5, 0.5, 1.0)
+    assert RefreshBreakdown.mean([breakdown, faster, undeployed]) == RefreshBreakdown(
+        1.5, 2.0, 1.0, 4.0, 1.0, 1.0, 0.5, 1.5)
+    assert RefreshBreakdown.mean([undeployed]) is None
+    # Records written before the milestones were kept read without them.
+    doc = REFRESHED.to_json()
+    del doc["times"]
+    assert RefreshRecord.from_json(doc).breakdown is None

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.data import buffer, retention, shards
-from pipeline.data.keys import buffer_key, hidden_states_prefix
+from pipeline.data.keys import buffer_key, hidden_states_prefix, refresh_data_run
 from pipeline.data.store import ObjectStore
 
 RUN = "r"
@@ -74,6 +74,35 @@ def test_dry_run_lists_and_changes_nothing_then_apply_deletes_exactly_that(store
         assert len(list(shards.iter_samples(store, RUN, shards.read_manifest(store, RUN, step)))) == 3
     # A second run finds nothing more to delete.
     assert retention.plan_retention(store, RUN, registered_steps={2}, buffer_steps=2).delete == []
+
+
+def _refresh_data(store: ObjectStore, step: int, part: int) -> str:
+    """A refresh's hidden states and buffer in its own namespace, as the refresh process writes them."""
+    data_run = refresh_data_run(RUN, step, part)
+    manifest = shards.write_hidden_states(store, data_run, step, _samples(step), hidden_size=8, layer_ids=[1],
+                                          target={"model_id": "m"}, samples_per_shard=2)
+    buffer.write_buffer(store, data_run, step, buffer.select_buffer([manifest], step, 1, 100))
+    return data_run
+
+
+def test_refresh_data_goes_once_its_step_leaves_the_buffer_window(store: ObjectStore) -> None:
+    build_history(store, steps=6, buffered=5)
+    old, kept = _refresh_data(store, 3, 2), _refresh_data(store, 4, 5)  # window of 2 steps ending at 5: 4, 5
+
+    plan = retention.plan_retention(store, RUN, registered_steps={2}, buffer_steps=2)
+
+    doomed = [d for d in plan.delete if d.reason.startswith("refresh")]
+    keys = [d.key for d in doomed]
+    manifest = shards.read_manifest(store, old, 3)
+    assert keys[:2] == [buffer_key(old, 3), f"{hidden_states_prefix(old, 3)}/{shards.MANIFEST}"]  # manifests first
+    assert sorted(keys[2:]) == sorted(f"{hidden_states_prefix(old, 3)}/{s.name}" for s in manifest.shards)
+    assert all(d.reason == "refresh of a step before the buffer window (step 3 < 4)" for d in doomed)
+    retention.apply_retention(store, plan)
+    assert store.list_files(hidden_states_prefix(old, 3)) == []
+    assert not store.exists(buffer_key(old, 3))
+    # The one still inside the window reads as written; a second plan deletes nothing more of the refreshes.
+    assert len(list(shards.iter_samples(store, kept, shards.read_manifest(store, kept, 4)))) == 3
+    assert not [d for d in retention.plan_retention(store, RUN, {2}, 2).delete if d.reason.startswith("refresh")]
 
 
 def test_evicting_from_the_buffer_deletes_no_data(store: ObjectStore, tmp_path: Path) -> None:

@@ -251,3 +251,53 @@ def test_replica_without_the_routes_is_restarted(
     assert [_probe_window(r) for r in replicas] == [expected["v2"]] * 2
     # Restarted by a hot-updating fleet, it now serves the routes.
     assert _call(replicas[1], "/is_paused") == {"is_paused": False}
+
+
+def _decoded_here(target_uri: str, drafter_dir: str) -> tuple[list[int], tuple[float, float]]:
+    """The probe's tokens and (drafts, accepted) decoded here with a policy and a drafter checkpoint."""
+    target = target_lib.load_checkpoint(target_uri)
+    drafter = load_drafter(Path(drafter_dir), target.config.num_hidden_layers)
+    drafter.attach(target)
+    trace = speculative.speculative_generate(target, speculative.follow_target(drafter, target),
+                                             torch.tensor(PROBE), PROBE_TOKENS, K)
+    return list(trace.tokens), (float(len(trace.accepted_per_round)), float(sum(trace.accepted_per_round)))
+
+
+def test_a_new_policy_goes_in_place_with_the_drafter_and_a_failed_one_rolls_back(
+    models: dict[str, str], driver: StandInDriver
+) -> None:
+    replica = ReplicaSpec("r0", "127.0.0.1", free_port())
+    rolling_deploy([replica], driver, models["target"], "1", models["v1"], None, GATES, PROMPTS)
+    pid = driver.processes["r0"].pid
+
+    # The next step's policy and its drafter, sent in place mid-traffic: one pause, no restart.
+    traffic, stop, threads = Traffic.start([replica], clients=2)
+    time.sleep(0.5)
+    [entry] = rolling_deploy([replica], driver, models["target2"], "2", models["v2"], StagedDrafter("1", models["v1"]),
+                             GATES, PROMPTS, recorded={}).replicas
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert (entry.update, entry.restarted, entry.target) == ("hot", False, models["target2"])
+    assert entry.note == "the new policy and the drafter sent in place"
+    assert driver.processes["r0"].pid == pid
+    assert driver.serving(replica) == (models["target2"], models["v2"])
+    assert _call(replica, "/weight_info") == {"weight_version": "drafter-v2"}
+    tokens, window = _decoded_here(models["target2"], models["v2"])
+    assert _complete(replica, PROBE, PROBE_TOKENS) == tokens  # the new policy's greedy tokens
+    assert _probe_window(replica) == window  # proposed by the new drafter on the new policy
+    assert traffic.failed == []
+    counts = _call(replica, "/standin/requests")
+    assert (counts["failed"], counts["in_flight"]) == (0, 0)
+    assert counts["completed"] == traffic.ok["r0"] + 2 * GATE_COMPLETIONS + 2
+
+    # The policy's /update_weights fails once the weights are in (a partial update): the replica gets its policy
+    # and drafter back in place, then the restart path brings the new ones.
+    _call(replica, "/standin/faults", {"update_weights": 1})
+    [failed] = rolling_deploy([replica], driver, models["target"], "3", models["v1"], StagedDrafter("2", models["v2"]),
+                              GATES, PROMPTS).replicas
+    assert (failed.version, failed.update, failed.restarted) == ("3", "restart", True)
+    assert "hot update failed (/update_weights answered HTTP 500" in failed.note
+    assert failed.note.endswith("rolled back to version 2 by hot; restarted")
+    assert driver.serving(replica) == (models["target"], models["v1"])
+    assert _complete(replica, PROBE, PROBE_TOKENS) == _decoded_here(models["target"], models["v1"])[0]

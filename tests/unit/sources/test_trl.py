@@ -45,3 +45,37 @@ def test_publish_every_must_be_positive(tmp_path) -> None:  # noqa: ANN001
 
     with pytest.raises(ValueError, match="publish_every must be >= 1"):
         trl_source.StepPublisher(ObjectStore(tmp_path.as_uri()), "r", "m", publish_every=0)
+
+
+def test_a_step_goes_out_in_parts_by_completion_length_then_commits(tmp_path) -> None:  # noqa: ANN001
+    """What the GRPO trainer's publisher writes for one generation batch (the GRPO run: the integration test)."""
+    from pipeline.client import Rollout, publish_checkpoint
+    from pipeline.data import parts as parts_lib
+    from pipeline.data.rollouts import is_committed, read_rollouts
+    from pipeline.data.store import ObjectStore
+
+    tok = trl_source.build_tokenizer()
+    model = trl_source.build_policy(tok, hidden_size=16, num_layers=1, num_heads=2)
+    store = ObjectStore((tmp_path / "store").as_uri())
+    lengths = [1, 8, 2, 7, 3, 8]  # completion lengths of a batch, in TRL's order
+    batch = [Rollout(f"s000001-p0000-g{i:02d}", [4, 5] + [6] * n, [0, 0] + [1] * n, 0.5, 0)
+             for i, n in enumerate(lengths)]
+    publisher = trl_source.StepPublisher(store, "r", "m", parts=4)
+    staged = publish_checkpoint(model, tmp_path / "staging")
+
+    parts = publisher.publish(1, batch, staged, 0, len(tok))
+
+    # Slices of the decoding (8 tokens in 4): lengths 1-2 end in the first, 3 in the second, 7-8 in the last.
+    assert parts == (0, 1, 3)
+    assert is_committed(store, "r", 1)
+    assert parts_lib.committed_part_numbers(store, "r", 1) == [0, 1, 3]
+    manifests = {m.part: m.rows for m in parts_lib.published_parts(store, "r", 1)}
+    assert manifests == {0: 2, 1: 1, 3: 3}
+    assert [sum(r.loss_mask) for r in read_rollouts(store, "r", 1)] == [1, 2, 3, 8, 7, 8]
+    # One part: the step whole, as before.
+    whole = trl_source.StepPublisher(store, "r", "m")
+    second = [Rollout(r.sample_id.replace("s000001", "s000002"), r.input_ids, r.loss_mask, r.reward, 1) for r in batch]
+    assert whole.publish(2, second, staged, 1, len(tok)) == ()
+    assert parts_lib.committed_part_numbers(store, "r", 2) == []
+    with pytest.raises(ValueError, match="parts must be >= 1"):
+        trl_source.StepPublisher(store, "r", "m", parts=0)
