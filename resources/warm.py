@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +112,8 @@ class PipesWarmClient(dg.PipesClient):
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if (conn := _try_connect(self.files.socket)) is not None:
+                # A launcher that outlives its worker (a process launching many steps) reaps it: no zombie.
+                threading.Thread(target=process.wait, name=f"reap-{self.stage}-worker", daemon=True).start()
                 return conn
             if process.poll() is not None:
                 raise DagsterPipesExecutionError(
