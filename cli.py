@@ -322,6 +322,11 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
 def demo(steps: int, config_path: str | None, drafter: str | None = None, source: str = "simulated",
          overrides: dict | None = None) -> Path:
     overrides = {**(overrides or {}), **({"drafter": {"kind": drafter}} if drafter else {})} or None
+    # One torch thread per process, inherited by every process the demo starts: on a small machine the
+    # source, the stages' workers, the refresh and the stand-ins run side by side, and OpenMP's spinning
+    # threads, one per core in each, made a 2-core demo's steps 4-7x slower than its CPU work.
+    for threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(threads, "1")
     cfg = _fresh_demo(config_path, overrides)
 
     import dagster as dg
