@@ -1,5 +1,5 @@
 """What every launched stage worker shares (`pipeline.{sources,training,evaluation}.worker`): staying no
-longer than its launcher, and the Pipes extras on ranks other than 0.
+longer than its launcher, the Pipes extras on ranks other than 0, and the entry of extraction and evaluation.
 
 Only rank 0 opens Dagster Pipes' message channel, so Dagster sees one process per stage; the
 other ranks read the job from the Pipes context alone. Only workers import this module and
@@ -11,8 +11,12 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
-from dagster_pipes import PipesDefaultContextLoader, PipesEnvVarParamsLoader
+from dagster_pipes import PipesContext, PipesDefaultContextLoader, PipesEnvVarParamsLoader, open_dagster_pipes
+
+from pipeline.launch import StageJob
+from pipeline.ranks import Ranks, ranks_from_env
 
 
 def exit_with_launcher(poll_s: float = 1.0) -> None:
@@ -38,3 +42,18 @@ def pipes_extras() -> dict:
     params = PipesEnvVarParamsLoader().load_context_params()
     with PipesDefaultContextLoader().load_context(params) as data:
         return dict(data["extras"])
+
+
+def run_stage_worker(module: str, asset: str, run_share: Callable[[StageJob, Ranks], object],
+                     run_pipes: Callable[[PipesContext, Ranks], None]) -> None:
+    """A launched extraction or evaluation: ranks other than 0 do their share of the job from the Pipes
+    context; rank 0 runs the stage's body (`run_pipes`, also a warm worker's) over Pipes' channel."""
+    ranks = ranks_from_env()
+    exit_with_launcher()
+    if not is_pipes_process():
+        raise SystemExit(f"{module}: no job; launch it from the {asset} asset (Dagster Pipes)")
+    if not ranks.is_main:
+        run_share(StageJob.from_dict(pipes_extras()["job"]), ranks)
+        return
+    with open_dagster_pipes() as pipes:
+        run_pipes(pipes, ranks)

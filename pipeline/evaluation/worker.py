@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from dagster_pipes import PipesContext, open_dagster_pipes
+from dagster_pipes import PipesContext
 
 from pipeline.data.keys import placement_key
 from pipeline.data.records import AcceptanceRecord, StagePlacement, read_record
@@ -24,9 +24,9 @@ from pipeline.data.store import open_store
 from pipeline.evaluation import acceptance
 from pipeline.evaluation import tail as tail_lib
 from pipeline.launch import StageJob
-from pipeline.ranks import SINGLE, Ranks, join, leave, ranks_from_env
+from pipeline.ranks import SINGLE, Ranks, join, leave
 from pipeline.registry import open_registry
-from pipeline.workers import exit_with_launcher, is_pipes_process, pipes_extras
+from pipeline.workers import run_stage_worker
 
 
 def run_evaluation(job: StageJob, ranks: Ranks) -> AcceptanceRecord | None:
@@ -76,15 +76,7 @@ def run_pipes(pipes: PipesContext, ranks: Ranks = SINGLE) -> None:
 
 
 def main() -> None:
-    ranks = ranks_from_env()
-    exit_with_launcher()
-    if not is_pipes_process():
-        raise SystemExit("pipeline.evaluation.worker: no job; launch it from the acceptance asset (Dagster Pipes)")
-    if not ranks.is_main:
-        run_evaluation(StageJob.from_dict(pipes_extras()["job"]), ranks)
-        return
-    with open_dagster_pipes() as pipes:
-        run_pipes(pipes, ranks)
+    run_stage_worker("pipeline.evaluation.worker", "acceptance", run_evaluation, run_pipes)
 
 
 if __name__ == "__main__":

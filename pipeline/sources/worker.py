@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from dagster_pipes import PipesContext, open_dagster_pipes
+from dagster_pipes import PipesContext
 
 from pipeline.data import capture
 from pipeline.data import shard_checks as checks
@@ -23,9 +23,9 @@ from pipeline.data.shards import Manifest
 from pipeline.data.store import open_store
 from pipeline.launch import StageJob
 from pipeline.placement import measure_placement
-from pipeline.ranks import SINGLE, Ranks, join, leave, ranks_from_env
+from pipeline.ranks import SINGLE, Ranks, join, leave
 from pipeline.sources import extract
-from pipeline.workers import exit_with_launcher, is_pipes_process, pipes_extras
+from pipeline.workers import run_stage_worker
 
 
 def run_extraction(job: StageJob, ranks: Ranks) -> tuple[Manifest | None, StagePlacement]:
@@ -81,15 +81,7 @@ def run_pipes(pipes: PipesContext, ranks: Ranks = SINGLE) -> None:
 
 
 def main() -> None:
-    ranks = ranks_from_env()
-    exit_with_launcher()
-    if not is_pipes_process():
-        raise SystemExit("pipeline.sources.worker: no job; launch it from the hidden_states asset (Dagster Pipes)")
-    if not ranks.is_main:
-        run_extraction(StageJob.from_dict(pipes_extras()["job"]), ranks)
-        return
-    with open_dagster_pipes() as pipes:
-        run_pipes(pipes, ranks)
+    run_stage_worker("pipeline.sources.worker", "hidden_states", run_extraction, run_pipes)
 
 
 if __name__ == "__main__":
