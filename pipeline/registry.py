@@ -46,6 +46,19 @@ class MetricsBatcher:
             self.client.log_batch(self.run_id, metrics=self._pending[start : start + 1000])
         self._pending = []
 
+    def log_missing(self, records: list[tuple[int, dict[str, float]]]) -> None:
+        """Send the records the run lacks, per metric: a process killed after its checkpoint committed
+        and before its records were sent left them out, and none may be logged twice."""
+        logged: dict[str, int] = {}
+        for _, payload in records:
+            for key in payload.keys() - logged.keys():
+                logged[key] = max((m.step for m in self.client.get_metric_history(self.run_id, key)), default=-1)
+        for step, payload in records:
+            missing = {k: v for k, v in payload.items() if step > logged[k]}
+            if missing:
+                self.log_dict(missing, step)
+        self.flush()
+
 
 class DrafterRegistry:
     def __init__(self, tracking_uri: str, experiment: str, model_name: str, artifact_root: str | None = None) -> None:

@@ -169,8 +169,13 @@ def run_training(
         sink: MetricsSink = NullSink()
         if ctx.is_main:
             registry.log_params(run_id, _run_params(inputs, warm_start, ctx))  # a continued run keeps its first
-            # Metrics reach MLflow when a checkpoint commits: a resumed run never logs an iteration twice.
-            sink = MetricsBatcher(registry.client, run_id, flush_every=1 << 62 if cfg.train.checkpoint_every else 200)
+            # Metrics reach MLflow when a checkpoint commits: a resumed run never logs an iteration twice,
+            # and sends first those its checkpoint committed but a killed process never sent.
+            held = 1 << 62 if cfg.train.checkpoint_every else 200
+            batcher = MetricsBatcher(registry.client, run_id, flush_every=held)
+            if found:
+                batcher.log_missing(found.state.unlogged)
+            sink = batcher
 
         def committed(state: ResumeState) -> None:
             sink.flush()

@@ -394,7 +394,8 @@ def train_drafter(
                 progress.flush()
                 checkpoint_start = time.perf_counter()
                 saved = ResumeState(iterations, total, ctx.world_size, progress.tokens, time.perf_counter() - start,
-                                    list(progress.history))  # a copy: training appends while it is written
+                                    list(progress.history),  # copies: training appends while it is written
+                                    list(progress.unreleased))
                 snap = sharded_snapshot(trained, optimizer, saved, ctx.is_main) if root is not None \
                     else snapshot(model, optimizer, saved) if ctx.is_main else None
                 if writer and snap:

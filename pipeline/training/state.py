@@ -51,6 +51,9 @@ class ResumeState:
     tokens: int = 0
     wall_s: float = 0.0
     loss_history: list[float] = field(default_factory=list)
+    # Metric records (iteration, {name: value}) not yet known to be in the tracker when this was saved:
+    # the checkpoint commits before its records are sent, so a resume sends whichever the tracker lacks.
+    unlogged: list[tuple[int, dict[str, float]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from pipeline.data.keys import training_prefix
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
+from pipeline.registry import DrafterRegistry, MetricsBatcher
 from pipeline.training import loop
 from pipeline.training.dataset import InMemoryDataset, Sample
 from pipeline.training.loop import train_drafter
@@ -80,6 +81,46 @@ def test_resume_from_the_last_checkpoint_reproduces_the_uninterrupted_training(
     assert resumed.loss_history == full.loss_history  # the first 8 from the checkpoint, the rest recomputed
     for key, value in reference.trainable_state_dict().items():
         assert torch.equal(resumed_model.trainable_state_dict()[key], value), key
+
+
+class _DiedAfterCommit(Exception):
+    pass
+
+
+def test_records_of_a_committed_checkpoint_reach_mlflow_once_when_the_process_dies_before_sending_them(
+    tmp_path: Path, target, samples: list[Sample]
+) -> None:
+    """The checkpoint commits before its iterations' metrics are sent; a process killed between the
+    two leaves them out of MLflow, and the resume sends them, each iteration exactly once."""
+    registry = DrafterRegistry(f"sqlite:///{tmp_path / 'db' / 'mlflow.db'}", "exp", "drafter")
+    run_id = registry.start_run("drafter", {})
+    checkpoints = TrainingCheckpoints(ObjectStore(tmp_path.as_uri()), training_prefix("test", "abc"))
+    first = MetricsBatcher(registry.client, run_id, flush_every=1 << 62)
+
+    def die_after_the_second_commit(state: ResumeState) -> None:
+        if state.iteration == 8:
+            raise _DiedAfterCommit
+        first.flush()
+
+    with pytest.raises(_DiedAfterCommit):
+        train_drafter(_drafter(target), InMemoryDataset(samples), CFG, first, checkpoints=checkpoints,
+                      on_checkpoint=die_after_the_second_commit)
+
+    def steps() -> list[int]:
+        return sorted(m.step for m in registry.client.get_metric_history(run_id, "loss"))
+
+    assert steps() == [0, 1, 2, 3]  # iterations 4-7 are in the checkpoint at 8, not in MLflow
+    saved = checkpoints.latest().state
+    resumed = MetricsBatcher(registry.client, run_id, flush_every=1 << 62)
+    resumed.log_missing(saved.unlogged)
+    resumed.log_missing(saved.unlogged)  # a second resume from the same checkpoint sends nothing
+    assert steps() == list(range(8))
+    train_drafter(_drafter(target), InMemoryDataset(samples), CFG, resumed, checkpoints=checkpoints,
+                  on_checkpoint=lambda _: resumed.flush())
+    resumed.flush()
+    assert steps() == list(range(12))
+    for key in ("vloss", "ploss", "accuracy", "grad_norm", "lr", "tokens_per_s"):
+        assert len(registry.client.get_metric_history(run_id, key)) == 12, key
 
 
 def test_optimizer_state_round_trips_bit_exactly(tmp_path: Path, target, samples: list[Sample]) -> None:
