@@ -13,6 +13,7 @@ plan    the capacity plan of an RL step's drafter side: GPU-seconds, bytes, the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ if TYPE_CHECKING:  # imported where used: `cli.py --help` starts without them
     import dagster as dg
 
     from pipeline.data.records import ReplicaDeploy
+    from pipeline.registry import DrafterRegistry
 
 ROOT = Path(__file__).resolve().parent
 
@@ -148,31 +150,58 @@ class _SensorTicks:
 QUIET_RUN = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
 
-def refresh_ticks(config_path: str | None, overrides: dict | None, every_s: float = 1.0) -> None:
-    """The refresh sensor and the runs it requests, in this process, until its standard input closes: what the
-    Dagster daemon runs beside the step runs. A process of its own (the demo starts one): Dagster configures the
-    logging of a run as it starts it, which two runs in one process's threads would do at once."""
+REFRESH_TICK_S = 0.5  # the demo's refresh sensor interval: its wait is part of the refresh's latency
+PIPELINE_TICK_S = 0.5  # the demo's step sensor interval when nothing is new (a tick costs CPU the stages share)
+FLEET_WAIT_S = 300.0  # the last champion's deploy, at the demo's end
+
+
+def prestart_workers(config_path: str | None, overrides: dict | None, stages: list[str]) -> threading.Thread:
+    """The warm workers of `stages` started in a background thread, one after the other, off any step's clock:
+    what this process's runs launch then finds them listening. A worker that fails to start is started again
+    by its stage's first job, whose error then says why."""
+    from resources import pipeline_resource
+
+    def start() -> None:
+        with contextlib.suppress(Exception):
+            pipeline_resource(config_path, overrides).launcher().prestart(stages)
+
+    thread = threading.Thread(target=start, name="prestart-workers", daemon=True)
+    thread.start()
+    return thread
+
+
+def refresh_ticks(config_path: str | None, overrides: dict | None, every_s: float = REFRESH_TICK_S,
+                  deploys: bool = False) -> None:
+    """The refresh sensor and the runs it requests (with `deploys`, first the champion sensor's deploys), in this
+    process, until its standard input closes: what the Dagster daemon runs beside the step runs. A process of its
+    own (the demo starts one): Dagster configures the logging of a run as it starts it, which two runs in one
+    process's threads would do at once. The refresh's warm worker starts with it, before the first step's parts
+    arrive."""
     import dagster as dg
 
     from definitions import build_definitions
-    from jobs.sensors import refresh_sensor
+    from jobs.sensors import champion_sensor, refresh_sensor
 
     _quiet_libraries()
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), name="stdin-watch", daemon=True).start()
     instance = dg.DagsterInstance.get()
     ticks = _SensorTicks(instance, build_definitions(config_path, overrides))
+    prestart_workers(config_path, overrides, ["refresh"])
     while not stop.is_set():
+        if deploys:
+            ticks.tick(champion_sensor, "deploy_job", lambda line: out(f"deploy, {line}"))
         ticks.tick(refresh_sensor, "refresh_job", lambda line: out(line))
         stop.wait(every_s)
 
 
 class _RefreshProcess:
-    """`cli.py refresh-ticks` beside the demo's loop; it ends when the demo closes its standard input."""
+    """`cli.py refresh-ticks --deploys` beside the demo's loop, so that no step run waits for a deploy (the daemon
+    runs them side by side too); it ends when the demo closes its standard input."""
 
     def __init__(self, config_path: str | None, overrides: dict | None, log: Path) -> None:
         argv = [sys.executable, str(ROOT / "cli.py"), *(["--config", config_path] if config_path else []),
-                "refresh-ticks", *(["--overrides", json.dumps(overrides)] if overrides else [])]
+                "refresh-ticks", "--deploys", *(["--overrides", json.dumps(overrides)] if overrides else [])]
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log = log
         with log.open("w") as sink:
@@ -182,6 +211,19 @@ class _RefreshProcess:
     def raise_if_failed(self) -> None:
         if self.process.poll() is not None:
             raise RuntimeError(f"the refresh process exited with {self.process.returncode}; see {self.log}")
+
+    def wait_for_champion(self, registry: DrafterRegistry, timeout_s: float = FLEET_WAIT_S) -> None:
+        """Until the fleet runs the champion (its deploy is this process's) or a refreshed drafter newer than it
+        (which the champion does not replace), or the process has failed."""
+        from pipeline.refresh import newer_live_refresh
+
+        deadline = time.monotonic() + timeout_s
+        while (champion := registry.alias_version("champion")) and champion != registry.alias_version("live") \
+                and not newer_live_refresh(registry, champion):
+            self.raise_if_failed()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the fleet did not run the champion within {timeout_s:.0f} s; see {self.log}")
+            time.sleep(0.2)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -198,7 +240,8 @@ def _fresh_demo(config_path: str | None, overrides: dict | None) -> PipelineConf
     cfg = load_config(config_path, overrides)
     if cfg.rollout_source != "simulated":
         raise SystemExit("demo needs rollout_source: simulated (an external trainer drives its own steps)")
-    for sub in ("store", "mlflow", "dagster", "demo"):
+    # stages: a warm worker left by an earlier demo holds its deleted MLflow database open; this demo starts its own
+    for sub in ("store", "mlflow", "dagster", "demo", "stages"):
         shutil.rmtree(cfg.data_path / sub, ignore_errors=True)
     prepare_dagster_home(cfg)
     _quiet_libraries()
@@ -345,6 +388,8 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     instance = dg.DagsterInstance.get()
     ticks = _SensorTicks(instance, build_definitions(config_path, overrides))
     store, registry = open_store(cfg), open_registry(cfg)
+    # The stages' warm workers start now, while the source runs its first step: no step waits for their imports.
+    prestart_workers(config_path, overrides, ["extraction", "training", "evaluation"])
     if source == "trl":  # real GRPO with TRL publishing through the trainer client
         from pipeline.sources.trl import GRPODemo
 
@@ -368,7 +413,8 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     # The source publishes at its own pace in a background thread and never waits for the pipeline;
     # the pipeline picks committed steps up through its sensor, as it would an external trainer's.
     period = cfg.simulation.step_period_s
-    run_step = rl.run_step if source == "trl" else (lambda step: rl.run_step(step, period))  # parts over the period
+    # Simulated: parts over the period's rollout share; the next step's update computed while they decode.
+    run_step = rl.run_step if source == "trl" else (lambda step: rl.run_step(step, period, step < steps))
     paced = PacedSource(run_step, steps, period).start()
     refreshes = None
     if cfg.refresh.enabled and with_fleet:  # the refresh sensor and its runs, as the daemon runs them beside steps
@@ -382,7 +428,7 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
             paced.raise_if_failed()
             if refreshes:
                 refreshes.raise_if_failed()
-            ran = _pipeline_tick(ticks, with_fleet, bar.set_postfix_str)
+            ran = _pipeline_tick(ticks, with_fleet and refreshes is None, bar.set_postfix_str)
             for published in paced.published()[len(rows):]:
                 if not store.exists(acceptance_key(cfg.run, published.step)):
                     break
@@ -395,8 +441,10 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
                 bar.update(1)
                 bar.write(_step_line(r, step_walls[-1], source))
             if not ran:
-                time.sleep(0.2)  # nothing new committed: wait for the source
+                time.sleep(PIPELINE_TICK_S)  # nothing new committed: wait for the source
         paced.stop()
+        if refreshes:
+            refreshes.wait_for_champion(registry)  # the last step's drafter reaches the fleet
         if source == "trl":
             rl.finish()  # TRL's last optimizer step
         fleet_state = read_fleet_state(store, cfg.run).replicas if with_fleet else ()
@@ -686,6 +734,9 @@ def main(argv: list[str] | None = None) -> None:
     ticks_p = sub.add_parser("refresh-ticks", help="the refresh sensor and its runs, as the Dagster daemon runs them, "
                              "until standard input closes (the demo starts it)")
     ticks_p.add_argument("--overrides", help="JSON mapping merged over the config (the demo's --drafter)")
+    ticks_p.add_argument("--deploys", action="store_true",
+                         help="the champion sensor's deploys too, before each refresh tick (the demo's steps never "
+                              "wait for a deploy)")
     ui_p = sub.add_parser("ui", help="Dagster and MLflow UIs on the demo's data")
     ui_p.add_argument("--stack", choices=["embedded", "postgres"], default="embedded",
                       help="postgres: a local PostgreSQL and S3-compatible server, production's instance settings")
@@ -722,7 +773,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "ui":
         ui(args.config, args.stack)
     elif args.command == "refresh-ticks":
-        refresh_ticks(args.config, json.loads(args.overrides) if args.overrides else None)
+        refresh_ticks(args.config, json.loads(args.overrides) if args.overrides else None, deploys=args.deploys)
     elif args.command == "check-db":
         from pipeline.database import DatabaseError
 

@@ -11,6 +11,9 @@ It listens on the Unix socket S and serves one connection at a time (others wait
               process: the same messages, materialization, checks and logs reach Dagster
     answer    one JSON line {"ok": bool, "error": str | null, "pid": int, "jobs": int}
 
+A connection closed before its request line is a probe (`resources.warm.prestart`: a launcher that
+started the worker ahead of its first job, or checked that one listens): no job, no answer.
+
 A job leaves the process as a fresh one finds it: torch's RNG state, default dtype, thread count,
 grad mode and deterministic flag, the environment and the working directory are restored, an
 MLflow run left active is ended, and the peak memory (the next job's placement record) is reset.
@@ -122,10 +125,10 @@ def _exit_when_client_leaves(conn: socket.socket, done: threading.Event) -> None
         os._exit(1)
 
 
-def run_job(worker, conn: socket.socket, jobs: int) -> Answer:
-    """One request: the stage's rank-0 body over the request's Pipes channel."""
-    request = json.loads(conn.makefile("rb").readline() or b"{}")
-    if not isinstance(request.get("pipes"), dict):
+def run_job(worker, conn: socket.socket, line: bytes, jobs: int) -> Answer:
+    """One request (its JSON `line`): the stage's rank-0 body over the request's Pipes channel."""
+    request = json.loads(line)
+    if not isinstance(request, dict) or not isinstance(request.get("pipes"), dict):
         return Answer(False, "the request carries no Pipes bootstrap variables", os.getpid(), jobs)
     done = threading.Event()
     threading.Thread(target=_exit_when_client_leaves, args=(conn, done), name="launcher-watch", daemon=True).start()
@@ -165,7 +168,10 @@ def serve(stage: str, socket_path: Path, lock_path: Path, idle_s: float) -> None
             return
         conn, _ = listener.accept()
         with conn:
-            answer = run_job(worker, conn, jobs)
+            line = conn.makefile("rb").readline()
+            if not line:  # a probe: the connection closed without a request
+                continue
+            answer = run_job(worker, conn, line, jobs)
             jobs = answer.jobs
             try:
                 conn.sendall(answer.to_line())

@@ -24,7 +24,7 @@ from pipeline.training.launch import (
     training_service_spec,
 )
 from pipeline.training.plan import TrainJob
-from resources.warm import PipesWarmClient
+from resources.warm import PipesWarmClient, prestart
 
 POD_START_TIMEOUT_S = 1800  # node 0's pod: a GPU node scaling up from zero, then a multi-GB image pull
 
@@ -46,6 +46,17 @@ class StageLauncher:
 
     def stage_job(self, stage: str, step: int, **fields: object) -> StageJob:
         return StageJob(stage, step, self.cfg.model_dump(mode="json"), self.where, **fields)
+
+    def prestart(self, stages: list[str]) -> list[str]:
+        """Start the warm workers of `stages` now, one after the other (those that run on one, under
+        `train.launcher: warm`), so their first jobs find them listening; returns the stages started or found."""
+        if self.cfg.train.launcher != "warm":
+            return []
+        ranks = {"training": self.cfg.train.nproc_per_node * self.cfg.train.nnodes}
+        started = [stage for stage in stages if ranks.get(stage, stage_ranks(self.cfg, stage)) == 1]
+        for stage in started:
+            prestart(stage, self.cfg.data_path, self.working_dir, self.cfg.train.warm_idle_s)
+        return started
 
     def run_stage(self, context: dg.AssetExecutionContext, job: StageJob) -> dg.PipesClientCompletedInvocation:
         """Extraction or evaluation: the stage's worker with its ranks, reporting back over Pipes."""

@@ -7,6 +7,10 @@ the worker when none is listening.
     <data_dir>/stages/<stage>-<key>.lock   taken to connect or start, so two steps never start two workers
     <data_dir>/stages/<stage>-<key>.log    the worker's output: its tail is in every error this client raises
 
+`prestart` starts a stage's worker ahead of its first job (the demo does, at its start, so that no step
+pays for a worker's imports): it connects as a job would and closes before sending a request, which the
+worker takes for a probe.
+
 The key digests what a worker inherits at its start and a fresh process would too: the Python
 executable, the working directory and the environment. A step with another environment (a test's
 fault injection, another PYTHONPATH) gets a worker of its own. The Pipes channel is
@@ -33,7 +37,8 @@ from dagster._core.errors import DagsterPipesExecutionError  # what PipesSubproc
 
 START_TIMEOUT_S = 600  # a cold worker's imports on a loaded machine
 SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes
-VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)  # changes within one process, read by no worker
+# Change within one process (a test's name; MLflow's telemetry session, set at its first use), read by no stage.
+VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "_MLFLOW_TELEMETRY_SESSION_ID")
 LOG_TAIL_LINES = 30
 
 
@@ -124,6 +129,12 @@ class PipesWarmClient(dg.PipesClient):
         raise DagsterPipesExecutionError(
             f"the warm {self.stage} worker did not listen within {START_TIMEOUT_S} s; its log {self.files.log} "
             f"ends:\n{self.files.log_tail()}")
+
+
+def prestart(stage: str, data_dir: Path, working_dir: Path, idle_s: float) -> None:
+    """The stage's warm worker started now, unless one listens already: the worker a job of this process
+    (same environment, same working directory) would get."""
+    PipesWarmClient(stage, data_dir, working_dir, idle_s)._connect().close()
 
 
 def _try_connect(path: Path) -> socket.socket | None:
