@@ -534,9 +534,10 @@ class SimulationConfig(_Strict):
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature of rollouts.")
     seed: int = Field(default=1234, description="Seed of the task family and the target.")
     step_period_s: float = Field(
-        default=60.0, ge=0,
+        default=25.0, ge=0,
         description="The demo's source publishes one RL step per this many seconds at most (0: as fast as it runs), "
-                    "without waiting for the pipeline.",
+                    "without waiting for the pipeline: its rollouts over the first 85% of the period, then the "
+                    "update.",
     )
 
     @model_validator(mode="after")

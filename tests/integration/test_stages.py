@@ -256,6 +256,29 @@ def test_a_warm_worker_killed_mid_job_fails_its_step_and_commits_nothing(
     assert committed == extract.extract_hidden_states(store, cfg, STEP).content_digest()
 
 
+@pytest.mark.slow
+def test_a_worker_started_ahead_takes_the_first_job_and_its_probe_is_no_job(tmp_path: Path) -> None:
+    """`StageLauncher.prestart` starts the extraction worker before any step (and finds it listening when asked
+    again); the step's job then runs on that worker as its job 1: the prestart's connections were probes."""
+    path = write_config(tmp_path, {"train": {"launcher": "warm", "warm_idle_s": 60.0}})
+    cfg = load_config(path)
+    SimulatedRL(cfg.simulation, open_store(cfg), cfg.run, cfg.data_path / "cache").run_step(STEP)
+    launcher = pipeline_resource(str(path)).launcher()
+    assert launcher.prestart(["extraction"]) == ["extraction"]
+    (worker,) = _server_pids(cfg, "extraction")
+    assert launcher.prestart(["extraction"]) == ["extraction"]  # listening already: probed, not started again
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_step", [KEY])
+        assert _materialize(hidden_states, path, instance).success
+    assert _server_pids(cfg, "extraction") == [worker]
+    jobs = [line for line in server_files(cfg.data_path, "extraction", PROJECT_ROOT).log.read_text().splitlines()
+            if line.startswith("job ")]
+    assert len(jobs) == 1
+    assert jobs[0].startswith("job 1: ok")
+    subprocess_launcher = pipeline_resource(str(_variant(path, "fresh.yaml", {"train": {"launcher": "subprocess"}})))
+    assert subprocess_launcher.launcher().prestart(["extraction"]) == []  # a process per step: nothing to start
+
+
 STEP_PROCESS = """
 import sys
 import dagster as dg
