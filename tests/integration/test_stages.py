@@ -264,15 +264,15 @@ def test_a_worker_started_ahead_takes_the_first_job_and_its_probe_is_no_job(tmp_
     cfg = load_config(path)
     SimulatedRL(cfg.simulation, open_store(cfg), cfg.run, cfg.data_path / "cache").run_step(STEP)
     launcher = pipeline_resource(str(path)).launcher()
-    assert launcher.prestart(["extraction"]) == ["extraction"]
-    (worker,) = _server_pids(cfg, "extraction")
-    assert launcher.prestart(["extraction"]) == ["extraction"]  # listening already: probed, not started again
-    with dg.instance_for_test() as instance:
+    with dg.instance_for_test() as instance:  # the environment the step's launcher will have (DAGSTER_HOME)
+        assert launcher.prestart(["extraction"]) == ["extraction"]
+        (worker,) = _server_pids(cfg, "extraction")
+        assert launcher.prestart(["extraction"]) == ["extraction"]  # listening already: probed, not started again
         instance.add_dynamic_partitions("rl_step", [KEY])
         assert _materialize(hidden_states, path, instance).success
+        files = server_files(cfg.data_path, "extraction", PROJECT_ROOT)
     assert _server_pids(cfg, "extraction") == [worker]
-    jobs = [line for line in server_files(cfg.data_path, "extraction", PROJECT_ROOT).log.read_text().splitlines()
-            if line.startswith("job ")]
+    jobs = [line for line in files.log.read_text().splitlines() if line.startswith("job ")]
     assert len(jobs) == 1
     assert jobs[0].startswith("job 1: ok")
     subprocess_launcher = pipeline_resource(str(_variant(path, "fresh.yaml", {"train": {"launcher": "subprocess"}})))
