@@ -1,10 +1,10 @@
 """Extraction through the stage launcher against the in-process path it replaces, at two step sizes.
 
 The steps: step 1, the simulated source's (a 4-layer, hidden-128 policy, 128 rollouts of up to 64
-tokens: 3.5k tokens stored, under a second of extraction), and step 2, 512 rollouts of 8 + 248 tokens
-cut from step 1's prompts and responses under step 1's policy (110k tokens stored, seconds of
-extraction: a step where the launcher's fixed cost weighs as it does on a real one, whose extraction
-takes minutes). For each:
+tokens: 3.5k tokens stored, under a second of extraction, where a step's fixed cost is most of it), and step 2,
+384 rollouts of 8 + 248 tokens cut from step 1's prompts and responses under step 1's policy (89k tokens
+stored, about 5 s of extraction on 2 cores: nearer the share the fixed cost has of a real step, whose
+extraction takes minutes). For each:
 
 * `warm_vs_in_process_ratio` (goal >= 0.9): tokens/s of the `hidden_states` Dagster step with
   `train.launcher: warm`, which hands the job to the extraction stage's warm worker
@@ -19,7 +19,9 @@ takes minutes). For each:
   in the Dagster run process (extraction, placement record, `shards_valid` read-back check, the same
   metadata and check result): `dagster_step_overhead_s` is its seconds minus the bare call's, what any
   step costs (Dagster's events and the check), and `warm_vs_in_process_step_ratio` and
-  `warm_launcher_overhead_s` compare the warm step with it: what the launcher itself adds.
+  `warm_launcher_overhead_s` compare the warm step with it: what the launcher itself adds (the Pipes
+  session and hand-off), with the extraction's speed in another process than this one, which on busy
+  cores varies by several percent either way (`warm_worker_stage_s` against `in_process_s`).
 * `launch_overhead_s` and `warm_overhead_s`: a launched step's seconds minus the in-process call's:
   what a process per stage (or a job on a warm worker) costs per step, whatever the step's size;
   `break_even_step_s` and `warm_break_even_step_s` are the in-process extraction times from which
