@@ -228,7 +228,7 @@ def publishing_grpo_trainer(*args: Any, **kwargs: Any):  # noqa: ANN201
 class GRPODemoSettings:
     prompts_per_step: int = 8
     num_generations: int = 8  # a GRPO group: completions per prompt
-    max_completion_length: int = 16
+    max_completion_length: int = 32  # most end on EOS, as in RL: the tail is the longest, not a truncated bulk
     learning_rate: float = 3e-3
     temperature: float = 1.0
     seed: int = 0
