@@ -413,8 +413,9 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     # The source publishes at its own pace in a background thread and never waits for the pipeline;
     # the pipeline picks committed steps up through its sensor, as it would an external trainer's.
     period = cfg.simulation.step_period_s
-    # Simulated: parts over the period's rollout share; the next step's update computed while they decode.
-    run_step = rl.run_step if source == "trl" else (lambda step: rl.run_step(step, period, step < steps))
+    # Parts over the period's rollout share; the simulated source computes the next step's update while they decode.
+    run_step = (lambda step: rl.run_step(step, period)) if source == "trl" else \
+        (lambda step: rl.run_step(step, period, prepare_next=step < steps))
     paced = PacedSource(run_step, steps, period).start()
     refreshes = None
     if cfg.refresh.enabled and with_fleet:  # the refresh sensor and its runs, as the daemon runs them beside steps
