@@ -368,8 +368,7 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     # The source publishes at its own pace in a background thread and never waits for the pipeline;
     # the pipeline picks committed steps up through its sensor, as it would an external trainer's.
     period = cfg.simulation.step_period_s
-    run_step = rl.run_step if source == "trl" else (lambda step: rl.run_step(step, period))  # parts over the period
-    paced = PacedSource(run_step, steps, period).start()
+    paced = PacedSource(lambda step: rl.run_step(step, period), steps, period).start()  # parts over the period
     refreshes = None
     if cfg.refresh.enabled and with_fleet:  # the refresh sensor and its runs, as the daemon runs them beside steps
         prepare_instance(instance)  # the storage's tables and pools, from this process first

@@ -25,6 +25,7 @@ from __future__ import annotations
 import random
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -45,7 +46,7 @@ from pipeline.data.rollouts import Rollout
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
-from pipeline.sources.simulation import finish_parts
+from pipeline.sources.simulation import ROLLOUT_SHARE_OF_PERIOD, finish_parts
 
 LETTERS = "abcdefghijklmnop"
 VOWELS = frozenset("aeio")
@@ -111,7 +112,12 @@ def vowel_reward(completions: list[str], **_: Any) -> list[float]:
 
 
 class StepPublisher:
-    """Where a trainer's steps go: the store, the run, how often to publish, and in how many parts (1: whole)."""
+    """Where a trainer's steps go: the store, the run, how often to publish, and in how many parts (1: whole).
+
+    `window_end` (time.monotonic(); 0: none) paces the parts: TRL decodes a batch at once, where a rollout
+    engine serving thousands of completions finishes them over minutes, shortest first. Part p of P is
+    released at (p+1)/P of the window, as its slice of the decoding would end, so a step's head is
+    published while its tail is still being generated (what the same-step refresh serves)."""
 
     def __init__(self, store: ObjectStore, run: str, model_id: str, publish_every: int = 1, parts: int = 1) -> None:
         if publish_every < 1:
@@ -120,18 +126,23 @@ class StepPublisher:
             raise ValueError(f"parts must be >= 1, got {parts}")
         self.store, self.run, self.model_id, self.publish_every = store, run, model_id, publish_every
         self.parts = parts
+        self.window_end = 0.0
         self.published: list[PublishedGRPOStep] = []
 
     def publish(self, step: int, rollouts: list[Rollout], staged: StagedCheckpoint, policy_version: int,
                 tokenizer_vocab_size: int) -> tuple[int, ...]:
         """The step whole, or in parts as a rollout engine finishes its completions (shortest first, the
-        simulated source's `finish_parts`), then committed; returns the parts written (() when whole)."""
+        simulated source's `finish_parts`, paced to `window_end`), then committed; returns the parts
+        written (() when whole)."""
         if self.parts == 1 or not rollouts:
             publish_step(self.store, self.run, step, rollouts, staged, policy_version=policy_version,
                          model_id=self.model_id, tokenizer_vocab_size=tokenizer_vocab_size)
             return ()
         written = []
+        start = time.monotonic()
+        window = max(0.0, self.window_end - start)
         for part, rows in enumerate(finish_parts(rollouts, self.parts)):
+            time.sleep(max(0.0, start + window * (part + 1) / self.parts - time.monotonic()))
             if rows:  # an empty slice of the decoding is no part
                 publish_rollouts_part(self.store, self.run, step, part, rows, staged, policy_version=policy_version,
                                       model_id=self.model_id, expected_rollouts=len(rollouts),
@@ -217,7 +228,7 @@ def publishing_grpo_trainer(*args: Any, **kwargs: Any):  # noqa: ANN201
 class GRPODemoSettings:
     prompts_per_step: int = 8
     num_generations: int = 8  # a GRPO group: completions per prompt
-    max_completion_length: int = 16
+    max_completion_length: int = 32  # most end on EOS, as in RL: the tail is the longest, not a truncated bulk
     learning_rate: float = 3e-3
     temperature: float = 1.0
     seed: int = 0
@@ -289,9 +300,12 @@ class GRPODemo:
         finally:
             self._published.release()
 
-    def run_step(self, step: int) -> PublishedGRPOStep:
-        """Let TRL train until step `step` is published; it waits there until the next call or `finish`."""
+    def run_step(self, step: int, period_s: float = 0.0) -> PublishedGRPOStep:
+        """Let TRL train until step `step` is published, its parts paced over `period_s` (less the commit's
+        share; 0: at once) as the simulated source paces its decoding; TRL waits there until the next call
+        or `finish`."""
         self.pretrained()
+        self.publisher.window_end = time.monotonic() + period_s * ROLLOUT_SHARE_OF_PERIOD if period_s else 0.0
         if self._thread is None:
             self._thread = threading.Thread(target=self._train, name="trl-grpo", daemon=True)
             self._thread.start()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 
 from pipeline.sources import trl as trl_source
@@ -79,3 +82,29 @@ def test_a_step_goes_out_in_parts_by_completion_length_then_commits(tmp_path) ->
     assert parts_lib.committed_part_numbers(store, "r", 2) == []
     with pytest.raises(ValueError, match="parts must be >= 1"):
         trl_source.StepPublisher(store, "r", "m", parts=0)
+
+
+def test_parts_go_out_over_the_rollout_window_as_an_engine_finishes_them(tmp_path: Path) -> None:
+    """TRL decodes a batch at once; with a window the publisher releases part p of P at (p+1)/P of it."""
+    from pipeline.client import publish_checkpoint
+    from pipeline.data import parts as parts_lib
+    from pipeline.data.rollouts import Rollout
+    from pipeline.data.store import ObjectStore
+
+    tok = trl_source.build_tokenizer()
+    model = trl_source.build_policy(tok, hidden_size=16, num_layers=1, num_heads=2)
+    store = ObjectStore((tmp_path / "store").as_uri())
+    batch = [Rollout(f"s000001-p0000-g{i:02d}", [4, 5] + [6] * n, [0, 0] + [1] * n, 0.5, 0)
+             for i, n in enumerate([2, 4, 6, 8])]  # one completion ending in each quarter of the decoding
+    publisher = trl_source.StepPublisher(store, "r", "m", parts=4)
+    staged = publish_checkpoint(model, tmp_path / "staging")
+    window = 1.2
+    started = time.time()
+    publisher.window_end = time.monotonic() + window
+
+    assert publisher.publish(1, batch, staged, 0, len(tok)) == (0, 1, 2, 3)
+
+    released = {m.part: m.published_at - started for m in parts_lib.published_parts(store, "r", 1)}
+    for part in range(4):  # never before its slice of the window ends
+        assert released[part] >= window * (part + 1) / 4 - 0.05, released
+    assert released[0] < released[1] < released[2] < released[3]
