@@ -20,6 +20,11 @@ The price of decoding, which both the decisions and the savings rest on (`--pric
   (batched speculative decoding at tau 1.0, 492 against 645 tokens/s: a round of k = 4 costs 1.31
   target forwards), t as timed here: the decisions and the savings are a fleet's on H100s.
 
+t is in CPU-seconds, as the trainings are: the evaluation's wall-clock t times the share of its
+wall-clock the process ran (one thread: at most 1). On a machine other processes load, the
+wall-clock t of a step rises with their load while a training's CPU-seconds do not, and a decision
+would weigh rollouts dearer against trainings the busier the machine.
+
 `--rollout-scale X` prices each step's rollouts as X times the toy's (t times X, in the step's cost
 record before the next decision reads it): the toy's step
 generates about 5,000 tokens, a few CPU-seconds, against a training of 15-40 s, while a production
@@ -64,9 +69,11 @@ def _config(data_dir: Path, kind: str, draft_cost_ratio: float | None, drift: fl
     return load_config(overrides=overrides)
 
 
-def _rescale(store, run: str, step: int, rollout_scale: float) -> None:
-    """The step's cost record with its rollouts priced `rollout_scale` times the toy's, before the next decision
-    reads it."""
+def _rescale(store, run: str, step: int, rollout_scale: float, cpu_share: float = 1.0) -> None:
+    """The step's cost record with its rollouts priced `rollout_scale` times the toy's, and t in CPU-seconds (the
+    wall-clock t the evaluation timed times the share of it the process ran, `cpu_share`), before the next
+    decision reads it: trainings count CPU-seconds here, and a loaded machine must not make the rollouts look
+    dearer against them than they are."""
     from dataclasses import replace
 
     from pipeline.cost import DecodingCost
@@ -74,10 +81,11 @@ def _rescale(store, run: str, step: int, rollout_scale: float) -> None:
     from pipeline.data.records import read_cost, write_record
 
     cost = read_cost(store, run, step)
-    if cost is None or cost.decoding is None or rollout_scale == 1.0:
+    if cost is None or cost.decoding is None or (rollout_scale == 1.0 and cpu_share == 1.0):
         return
     d = cost.decoding
-    priced = DecodingCost(d.target_s_per_token * rollout_scale, d.draft_cost_ratio, d.drafter_forwards_per_round)
+    priced = DecodingCost(d.target_s_per_token * rollout_scale * cpu_share, d.draft_cost_ratio,
+                          d.drafter_forwards_per_round)
     write_record(store, cost_key(run, step), replace(cost, decoding=priced))
 
 
@@ -109,9 +117,11 @@ def _run(kind: str, steps: int, data_dir: Path, draft_cost_ratio: float | None, 
         started = time.process_time()
         outcome = train_step(store, cfg, step, registry, {"benchmark": "schedule"})
         training_s = time.process_time() - started if outcome.trained else 0.0
+        started, wall = time.process_time(), time.perf_counter()
         record = evaluate_step(store, cfg, step, registry, outcome.version,
                                {"extraction": extraction_s, "training": training_s})
-        _rescale(store, cfg.run, step, rollout_scale)
+        cpu_share = min(1.0, (time.process_time() - started) / (time.perf_counter() - wall))
+        _rescale(store, cfg.run, step, rollout_scale, cpu_share)
         cost = read_cost(store, cfg.run, step)
         served, cotrained = record.drafters.get("served"), record.drafters.get("cotrained")
         rows.append({"step": step, "trained": outcome.trained, "reason": outcome.reason,
@@ -119,7 +129,7 @@ def _run(kind: str, steps: int, data_dir: Path, draft_cost_ratio: float | None, 
                      "version_served": served.version if served else None,
                      "tau_cotrained": round(cotrained.tau, 3) if cotrained else None,
                      "rollout_tokens": cost.rollout_tokens, "decoding": cost.decoding.to_json() if cost.decoding
-                     else None, "saved_s": round(cost.saved_s, 4)})
+                     else None, "evaluation_cpu_share": round(cpu_share, 3), "saved_s": round(cost.saved_s, 4)})
     return {"steps": rows}
 
 
