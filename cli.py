@@ -414,25 +414,32 @@ def compare_schedules(steps: int, config_path: str | None, source: str, kinds: l
     """The demo's pipeline once per training schedule, one after the other on the same source, then side by side:
     per step whether it trained, the training's seconds, the served tau and the cumulative saved rollout time.
     Each run decides on its own timings; the savings side by side are at one price, the median of both runs'
-    timings (`report.common_price`). Each run's demo output is kept under .data/schedules/<kind>/. Without
-    `fleet` no replica (and no refresh) runs: the champion serves, as the fleet would a step later."""
+    timings (`report.common_price`). Each run is a demo process of its own on a data directory of its own,
+    .data/schedules/<kind>/ (the demo's output in its demo/, its store, MLflow, Dagster instance and warm stage
+    workers beside it): a run never meets the state of the one before it, not an MLflow connection to a deleted
+    database in a warm worker, not a champion of the other registry. Without `fleet` no replica (and no refresh)
+    runs: the champion serves, as the fleet would a step later."""
     from pipeline import report
     from pipeline.data.store import open_store
 
     runs: dict[str, list[report.ScheduleStep]] = {}
-    out_dir = load_config(config_path).data_path / "schedules"
+    base = load_config(config_path)
+    out_dir = base.data_path / "schedules"
     shutil.rmtree(out_dir, ignore_errors=True)
     walls: dict[str, float] = {}
     for kind in kinds:
-        overrides = {"train": {"schedule": {"kind": kind}}, "eval": {"draft_cost_ratio": draft_cost_ratio},
-                     **({} if fleet else {"fleet": {"driver": "none"}})}
+        overrides = {"data_dir": str(out_dir / kind), "train": {"schedule": {"kind": kind}},
+                     "eval": {"draft_cost_ratio": draft_cost_ratio}, **({} if fleet else {"fleet": {"driver": "none"}})}
+        cfg = load_config(config_path, overrides)
+        if (base.data_path / "cache").is_dir():  # the pre-trained target: built once, shared by the runs
+            shutil.copytree(base.data_path / "cache", cfg.data_path / "cache")
         out(f"== train.schedule.kind = {kind} ==")
         started = time.perf_counter()
-        demo(steps, config_path, source=source, overrides=overrides)
+        subprocess.run([sys.executable, str(ROOT / "cli.py"), *(["--config", config_path] if config_path else []),
+                        "demo", "--steps", str(steps), "--source", source, "--overrides", json.dumps(overrides)],
+                       check=True)
         walls[kind] = round(time.perf_counter() - started, 1)
-        cfg = load_config(config_path, overrides)
         runs[kind] = report.schedule_steps(open_store(cfg), cfg.run, list(range(1, steps + 1)))
-        shutil.copytree(cfg.data_path / "demo", out_dir / kind)
         out()
     price = report.common_price(runs)
     if price is not None:
@@ -688,6 +695,7 @@ def main(argv: list[str] | None = None) -> None:
     demo_p.add_argument("--drafter", choices=["eagle", "eagle3", "peagle"], help="drafter.kind for this demo")
     demo_p.add_argument("--source", choices=["simulated", "trl"], default="simulated",
                         help="what writes the RL steps: the built-in simulator, or real GRPO with TRL")
+    demo_p.add_argument("--overrides", help="JSON mapping merged over the config (compare-schedules' runs)")
     compare_p = sub.add_parser("compare-schedules", help="the demo once per training schedule, side by side: "
                                "training seconds, cumulative saved time, served tau per step")
     compare_p.add_argument("--steps", type=int, default=6)
@@ -730,7 +738,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "demo":
         if args.steps < 1:
             parser.error("--steps must be >= 1")
-        demo(args.steps, args.config, args.drafter, args.source)
+        demo(args.steps, args.config, args.drafter, args.source,
+             json.loads(args.overrides) if args.overrides else None)
     elif args.command == "compare-schedules":
         if args.steps < 1:
             parser.error("--steps must be >= 1")
