@@ -95,7 +95,6 @@ def hidden_states(
     in the extraction worker's own process (`extract.nproc` ranks; a GPU pod in production), which reports
     the materialization, where it ran and the `shards_valid` check over Pipes."""
     launcher, step = pipeline.launcher(), step_of(context)
-    context.log.info(f"launching extraction ({launcher.where}, {pipeline.config.extract.nproc} rank(s))")
     return launcher.run_stage(context, launcher.stage_job("extraction", step)).get_materialize_result()
 
 
@@ -208,7 +207,6 @@ def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) ->
     training = read_training(store, cfg.run, step)
     spent = _stage_seconds(context, {"extraction": cfg.extract.nproc,
                                      "training": cfg.train.nproc_per_node if training.figures else 0})
-    context.log.info(f"launching evaluation ({launcher.where}, {cfg.eval.nproc} rank(s))")
     job = launcher.stage_job("evaluation", step, new_version=training.version, spent_s=spent)
     measured = launcher.run_stage(context, job).get_materialize_result()
     record = read_acceptance(store, cfg.run, step)

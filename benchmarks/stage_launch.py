@@ -1,27 +1,36 @@
-"""Extraction through the stage launcher against the in-process path it replaces, on one simulated step.
+"""Extraction through the stage launcher against the in-process path it replaces, at two step sizes.
+
+The steps: step 1, the simulated source's (a 4-layer, hidden-128 policy, 128 rollouts of up to 64
+tokens: 3.5k tokens stored, under a second of extraction, where a step's fixed cost is most of it), and step 2,
+384 rollouts of 8 + 248 tokens cut from step 1's prompts and responses under step 1's policy (89k tokens
+stored, about 5 s of extraction on 2 cores: nearer the share the fixed cost has of a real step, whose
+extraction takes minutes). For each:
 
 * `warm_vs_in_process_ratio` (goal >= 0.9): tokens/s of the `hidden_states` Dagster step with
   `train.launcher: warm`, which hands the job to the extraction stage's warm worker
   (`pipeline.stage_server`: imports loaded, then the policy load, the forward and the shard writes,
-  reported back over Pipes), over tokens/s of `extract.extract_hidden_states` called in the process,
-  the function the worker runs (the same load, forward and writes). The worker's first job, which
-  starts it, is `warm_cold_s`; the ratio is on its later jobs.
+  the committed shards read back and checked, reported over Pipes), over tokens/s of
+  `extract.extract_hidden_states` called in the process, the function the worker runs (the same load,
+  forward and writes). The worker's first job, which starts it, is `warm_cold_s`; the ratio is on its
+  later jobs.
 * `launched_vs_in_process_ratio`: the same with `train.launcher: subprocess`, a fresh process per step
   (`python -m pipeline.sources.worker`: process start, torch import, then the same work).
+* `in_process_step_s`: the path the launcher replaced, a `hidden_states` step that does the worker's work
+  in the Dagster run process (extraction, placement record, `shards_valid` read-back check, the same
+  metadata and check result): `dagster_step_overhead_s` is its seconds minus the bare call's, what any
+  step costs (Dagster's events and the check), and `warm_vs_in_process_step_ratio` and
+  `warm_launcher_overhead_s` compare the warm step with it: what the launcher itself adds (the Pipes
+  session and hand-off), with the extraction's speed in another process than this one, which on busy
+  cores varies by several percent either way (`warm_worker_stage_s` against `in_process_s`).
 * `launch_overhead_s` and `warm_overhead_s`: a launched step's seconds minus the in-process call's:
   what a process per stage (or a job on a warm worker) costs per step, whatever the step's size;
   `break_even_step_s` and `warm_break_even_step_s` are the in-process extraction times from which
   the ratios reach 0.9 (9 x the overhead). `worker_stage_s` and `warm_worker_stage_s` are the
-  extraction's own seconds inside the worker: the rest of a step is Dagster's step, the Pipes session
-  and the worker's reading back of the committed shards (the `shards_valid` check), which the
-  in-process call does not do.
+  extraction's own seconds inside the worker.
 
-All on the same step, same run, alternated, best of two each.
-
-The step: the simulated source with a 4-layer, hidden-128 policy, 128 rollouts of 64 tokens (CPU, a
-few minutes on two shared cores, most of it simulating the step). On a real step (a policy of
-billions of parameters, thousands of rollouts) extraction takes minutes and the fixed overhead is
-a small share of it.
+Step 1's figures have these names, step 2's the same with `large_` before them. All on the same steps in
+the same run, alternated (3 rounds of step 1, 2 of step 2), best of the rounds each; `load_average` is the
+machine's 1-minute load before and after, the other work it ran meanwhile.
 """
 
 from __future__ import annotations
@@ -33,8 +42,89 @@ import time
 from pathlib import Path
 
 STEP, KEY = 1, "step-000001"
+LARGE_STEP, LARGE_KEY = 2, "step-000002"
 SIMULATION = {"vocab_size": 64, "hidden_size": 128, "num_layers": 4, "num_heads": 4, "pretrain_iters": 5,
               "rl_iters": 1, "rollouts_per_step": 128, "prompt_len": 8, "response_len": 56, "step_period_s": 0.0}
+LARGE_ROLLOUTS, LARGE_RESPONSE_LEN = 384, 248
+ROUNDS, LARGE_ROUNDS = 3, 2
+
+
+def _write_large_step(store, run: str) -> None:
+    """Step 2: LARGE_ROLLOUTS rollouts, each a step-1 prompt and LARGE_RESPONSE_LEN tokens of step 1's
+    responses run together, under step 1's policy: a larger step without simulating it."""
+    from pipeline.data import rollouts as rollouts_lib
+    from pipeline.data.rollouts import Rollout
+
+    base = rollouts_lib.read_rollouts(store, run, STEP)
+    pointer = rollouts_lib.read_policy_pointer(store, run, STEP)
+    stream = [t for r in base for t in r.input_ids[r.prompt_len:]]
+    rollouts = []
+    for i in range(LARGE_ROLLOUTS):
+        source = base[i % len(base)]
+        start = i * LARGE_RESPONSE_LEN // 3
+        response = [stream[(start + j) % len(stream)] for j in range(LARGE_RESPONSE_LEN)]
+        rollouts.append(Rollout.from_prompt_and_response(
+            f"large-{i:04d}", source.input_ids[:source.prompt_len], response, source.reward, source.policy_version))
+    rollouts_lib.write_rollouts(store, run, LARGE_STEP, rollouts, pointer)
+
+
+def _in_process_asset():
+    """The `hidden_states` asset as it was before the launcher: the worker's rank-0 work (extraction, placement
+    record, the read-back check, the metadata) in the Dagster run process, the same check reported."""
+    import dagster as dg
+    from dagster._core.definitions.metadata.external_metadata import metadata_map_from_external
+    from dagster_pipes import PIPES_METADATA_TYPE_INFER
+
+    from assets.partitions import rl_step, step_of
+    from pipeline.ranks import SINGLE
+    from pipeline.sources import worker
+
+    def as_reported(metadata: dict) -> dict:
+        """What Dagster makes of metadata a worker reports over Pipes."""
+        return metadata_map_from_external({k: v if isinstance(v, dict) else
+                                           {"raw_value": v, "type": PIPES_METADATA_TYPE_INFER}
+                                           for k, v in metadata.items()})
+
+    @dg.asset(name="hidden_states", partitions_def=rl_step, deps=[dg.AssetKey("rollouts")], pool="gpu",
+              required_resource_keys={"pipeline"},
+              check_specs=[dg.AssetCheckSpec("shards_valid", asset="hidden_states", blocking=True)])
+    def hidden_states(context):  # annotations would be strings naming this function's imports
+        job = context.resources.pipeline.launcher().stage_job("extraction", step_of(context))
+        manifest, where = worker.run_extraction(job, SINGLE)
+        report = worker.report_extraction(job, manifest, where)
+        return dg.MaterializeResult(
+            metadata=as_reported(report.metadata),
+            check_results=[dg.AssetCheckResult(check_name="shards_valid", passed=not report.problems,
+                                               severity=dg.AssetCheckSeverity.ERROR,
+                                               metadata=as_reported(report.check_metadata()))])
+
+    return hidden_states
+
+
+def _figures(tokens: int, call: float, step: float, launched: float, warm: float, worker: float,
+             warm_worker: float) -> dict:
+    overhead, warm_overhead = launched - call, warm - call
+    return {
+        "tokens": tokens,
+        "in_process_s": round(call, 3),
+        "launched_s": round(launched, 3),
+        "worker_stage_s": round(worker, 3),
+        "in_process_tokens_per_s": round(tokens / call, 1),
+        "launched_tokens_per_s": round(tokens / launched, 1),
+        "launched_vs_in_process_ratio": round(call / launched, 3),
+        "launch_overhead_s": round(overhead, 3),
+        "warm_s": round(warm, 3),
+        "warm_worker_stage_s": round(warm_worker, 3),
+        "warm_tokens_per_s": round(tokens / warm, 1),
+        "warm_vs_in_process_ratio": round(call / warm, 3),
+        "warm_overhead_s": round(warm_overhead, 3),
+        "break_even_step_s": round(9 * overhead, 1),
+        "warm_break_even_step_s": round(9 * warm_overhead, 1),
+        "in_process_step_s": round(step, 3),
+        "dagster_step_overhead_s": round(step - call, 3),
+        "warm_vs_in_process_step_ratio": round(step / warm, 3),
+        "warm_launcher_overhead_s": round(warm - step, 3),
+    }
 
 
 def run() -> dict:
@@ -49,6 +139,8 @@ def run() -> dict:
     from resources import pipeline_resource
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    load_before = os.getloadavg()[0]
+    in_process_asset = _in_process_asset()
     with tempfile.TemporaryDirectory(prefix="bench-stage-launch-") as tmp:
         path = Path(tmp) / "pipeline.yaml"
         base = {"run": "bench", "data_dir": str(Path(tmp) / "data"), "simulation": SIMULATION,
@@ -59,52 +151,44 @@ def run() -> dict:
         cfg = load_config(path)
         store = open_store(cfg)
         SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
+        _write_large_step(store, cfg.run)
         extract.extract_hidden_states(store, cfg, STEP)  # warm: the policy's local copy, the page cache
 
-        in_process_s, launched_s, worker_s, warm_s, warm_worker_s = [], [], [], [], []
         with dg.instance_for_test() as instance:
-            instance.add_dynamic_partitions("rl_step", [KEY])
+            instance.add_dynamic_partitions("rl_step", [KEY, LARGE_KEY])
 
-            def step_seconds(config: Path) -> tuple[float, float]:
-                """The `hidden_states` step's seconds and its worker's stage seconds."""
-                result = dg.materialize([hidden_states], partition_key=KEY, instance=instance,
+            def step_seconds(asset, config: Path, key: str) -> tuple[float, float]:
+                """The `hidden_states` step's seconds and its stage seconds."""
+                result = dg.materialize([asset], partition_key=key, instance=instance,
                                         resources={"pipeline": pipeline_resource(str(config))})
                 (stats,) = instance.get_run_step_stats(result.run_id)
                 metadata = result.asset_materializations_for_node("hidden_states")[0].metadata
                 return stats.end_time - stats.start_time, metadata["stage_seconds"].value
 
-            warm_cold_s = step_seconds(warm_path)[0]  # starts the worker
-            for _ in range(2):  # alternated, best of two each: the machine's other load falls on all
-                started = time.perf_counter()
-                manifest = extract.extract_hidden_states(store, cfg, STEP)
-                in_process_s.append(time.perf_counter() - started)
-                seconds, stage_s = step_seconds(path)
-                launched_s.append(seconds)
-                worker_s.append(stage_s)
-                seconds, stage_s = step_seconds(warm_path)
-                warm_s.append(seconds)
-                warm_worker_s.append(stage_s)
-    tokens = manifest.num_tokens
-    in_process, launched, warm = min(in_process_s), min(launched_s), min(warm_s)
-    overhead = launched - in_process
-    return {
-        "tokens": tokens,
-        "in_process_s": round(in_process, 3),
-        "launched_s": round(launched, 3),
-        "worker_stage_s": round(min(worker_s), 3),
-        "in_process_tokens_per_s": round(tokens / in_process, 1),
-        "launched_tokens_per_s": round(tokens / launched, 1),
-        "launched_vs_in_process_ratio": round(in_process / launched, 3),
-        "launch_overhead_s": round(overhead, 3),
-        "warm_cold_s": round(warm_cold_s, 3),
-        "warm_s": round(warm, 3),
-        "warm_worker_stage_s": round(min(warm_worker_s), 3),
-        "warm_tokens_per_s": round(tokens / warm, 1),
-        "warm_vs_in_process_ratio": round(in_process / warm, 3),
-        "warm_overhead_s": round(warm - in_process, 3),
-        "break_even_step_s": round(9 * overhead, 1),
-        "warm_break_even_step_s": round(9 * (warm - in_process), 1),
-    }
+            def measure(step: int, key: str, rounds: int) -> dict:
+                seconds: dict[str, list[float]] = {k: [] for k in ("call", "step", "launched", "worker", "warm",
+                                                                   "warm_worker")}
+                for _ in range(rounds):  # alternated, best of the rounds each: the machine's other load falls on all
+                    started = time.perf_counter()
+                    manifest = extract.extract_hidden_states(store, cfg, step)
+                    seconds["call"].append(time.perf_counter() - started)
+                    seconds["step"].append(step_seconds(in_process_asset, path, key)[0])
+                    launched, worker = step_seconds(hidden_states, path, key)
+                    seconds["launched"].append(launched)
+                    seconds["worker"].append(worker)
+                    warm, warm_worker = step_seconds(hidden_states, warm_path, key)
+                    seconds["warm"].append(warm)
+                    seconds["warm_worker"].append(warm_worker)
+                best = {k: min(v) for k, v in seconds.items()}
+                return _figures(manifest.num_tokens, best["call"], best["step"], best["launched"], best["warm"],
+                                best["worker"], best["warm_worker"])
+
+            warm_cold_s = step_seconds(hidden_states, warm_path, KEY)[0]  # starts the worker
+            small = measure(STEP, KEY, ROUNDS)
+            extract.extract_hidden_states(store, cfg, LARGE_STEP)  # the page cache, as for step 1
+            large = measure(LARGE_STEP, LARGE_KEY, LARGE_ROUNDS)
+    return {**small, "warm_cold_s": round(warm_cold_s, 3), **{f"large_{k}": v for k, v in large.items()},
+            "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
 
 
 if __name__ == "__main__":

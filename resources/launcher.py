@@ -49,9 +49,10 @@ class StageLauncher:
 
     def run_stage(self, context: dg.AssetExecutionContext, job: StageJob) -> dg.PipesClientCompletedInvocation:
         """Extraction or evaluation: the stage's worker with its ranks, reporting back over Pipes."""
-        return self._run(context, job.stage, stage_ranks(self.cfg, job.stage), {"job": job.to_dict()},
-                         pod_labels(self.cfg, job.stage, job.step),
-                         lambda: stage_pod_spec(self.cfg, job.stage), stage_command(self.cfg, job.stage))
+        ranks = stage_ranks(self.cfg, job.stage)
+        return self._run(context, job.stage, ranks, {"job": job.to_dict()}, pod_labels(self.cfg, job.stage, job.step),
+                         lambda: stage_pod_spec(self.cfg, job.stage), stage_command(self.cfg, job.stage),
+                         f"launching {job.stage} ({self.where}, {ranks} rank(s))")
 
     def train(self, context: dg.AssetExecutionContext, job: TrainJob) -> dg.PipesClientCompletedInvocation:
         cfg = self.cfg
@@ -64,7 +65,12 @@ class StageLauncher:
                          train_command(cfg.train.nproc_per_node, nnodes=cfg.train.nnodes))
 
     def _run(self, context: dg.AssetExecutionContext, stage: str, ranks: int, extras: dict, labels: dict[str, str],
-             pod_spec: Callable[[], dict], command: list[str]) -> dg.PipesClientCompletedInvocation:
+             pod_spec: Callable[[], dict], command: list[str], announce: str = "") -> dg.PipesClientCompletedInvocation:
+        """`announce`, a line for the run's log, is logged before the launch, or on a warm worker once the job
+        is handed over (while it works, not on the step's time)."""
+        warm = self.cfg.train.launcher == "warm" and ranks == 1
+        if announce and not warm:
+            context.log.info(announce)
         with _quiet_preview():
             if self.cfg.train.launcher == "k8s":
                 from dagster_k8s import PipesK8sClient  # only deployments that launch pods install dagster-k8s
@@ -73,9 +79,10 @@ class StageLauncher:
                     context=context, extras=extras, namespace=self.cfg.train.k8s.namespace or None,
                     base_pod_meta={"labels": labels}, base_pod_spec=pod_spec(),
                 )
-            if self.cfg.train.launcher == "warm" and ranks == 1:
+            if warm:
                 return PipesWarmClient(stage, self.cfg.data_path, self.working_dir,
-                                       self.cfg.train.warm_idle_s).run(context=context, extras=extras)
+                                       self.cfg.train.warm_idle_s).run(context=context, extras=extras,
+                                                                       announce=announce)
             return dg.PipesSubprocessClient(cwd=str(self.working_dir)).run(context=context, extras=extras,
                                                                            command=command)
 

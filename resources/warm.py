@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -72,11 +73,17 @@ class PipesWarmClient(dg.PipesClient):
         self.stage, self.working_dir, self.idle_s = stage, working_dir, idle_s
         self.files = server_files(data_dir, stage, working_dir)
 
-    def run(self, *, context: dg.AssetExecutionContext, extras: dict) -> dg.PipesClientCompletedInvocation:
+    def run(self, *, context: dg.AssetExecutionContext, extras: dict,
+            announce: str = "") -> dg.PipesClientCompletedInvocation:
+        """The job on the worker; `announce` begins the line logged once the worker has it."""
         with dg.open_pipes_session(context=context, context_injector=dg.PipesTempFileContextInjector(),
                                    message_reader=dg.PipesTempFileMessageReader(), extras=extras) as session:
             with self._connect() as conn:
                 conn.sendall((json.dumps({"pipes": session.get_bootstrap_env_vars()}) + "\n").encode())
+                # Logged while the worker works: an event written before the hand-off or after the answer
+                # would lengthen the step.
+                context.log.info(f"{announce + ': ' if announce else ''}job handed to the warm {self.stage} worker "
+                                 f"(pid {_peer_pid(conn)}; its log {self.files.log})")
                 line = conn.makefile("rb").readline()  # the job's length: the worker answers when it is done
             if not line:
                 raise DagsterPipesExecutionError(
@@ -87,7 +94,6 @@ class PipesWarmClient(dg.PipesClient):
                 raise DagsterPipesExecutionError(
                     f"the warm {self.stage} worker (pid {answer['pid']}) failed its job: {answer['error']}; "
                     f"its log {self.files.log} ends:\n{self.files.log_tail()}")
-            context.log.info(f"warm {self.stage} worker pid {answer['pid']}: job {answer['jobs']} done")
         return dg.PipesClientCompletedInvocation(session)
 
     def _connect(self) -> socket.socket:
@@ -124,6 +130,14 @@ class PipesWarmClient(dg.PipesClient):
         raise DagsterPipesExecutionError(
             f"the warm {self.stage} worker did not listen within {START_TIMEOUT_S} s; its log {self.files.log} "
             f"ends:\n{self.files.log_tail()}")
+
+
+def _peer_pid(conn: socket.socket) -> int | str:
+    """The pid of the process on the socket's other end (Linux's SO_PEERCRED), known before it answers."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return "unknown"
+    pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid
 
 
 def _try_connect(path: Path) -> socket.socket | None:

@@ -12,6 +12,7 @@ stage ran, and reports the materialization, the `shards_valid` check and its log
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from dagster_pipes import PipesContext
 
@@ -39,6 +40,29 @@ def run_extraction(job: StageJob, ranks: Ranks) -> tuple[Manifest | None, StageP
         return manifest, measure_placement("extraction", job.where, ranks, device, started)
     finally:
         leave()
+
+
+@dataclass(frozen=True)
+class ExtractionReport:
+    """What rank 0 reports of a committed extraction: the materialization's metadata and the problems the
+    `shards_valid` check found in the shards read back."""
+
+    metadata: dict
+    problems: list[str]
+
+    def check_metadata(self) -> dict:
+        """The `shards_valid` check's metadata, as Pipes reports it."""
+        return {"problems": {"raw_value": "\n".join(f"* {p}" for p in self.problems) or "none", "type": "md"}}
+
+
+def report_extraction(job: StageJob, manifest: Manifest, where: StagePlacement) -> ExtractionReport:
+    """Rank 0's work after the commit: the placement record stored, the committed shards checked as a reader
+    sees them, the materialization's metadata."""
+    cfg = job.pipeline_config
+    store = open_store(cfg)
+    write_record(store, placement_key(cfg.run, job.step, "extraction"), where)
+    problems = checks.check_shards(store, cfg.run, job.step)
+    return ExtractionReport(_metadata(job, manifest, where), problems)
 
 
 def _metadata(job: StageJob, manifest: Manifest, where: StagePlacement) -> dict:
@@ -70,14 +94,10 @@ def run_pipes(pipes: PipesContext, ranks: Ranks = SINGLE) -> None:
     pipes.log.info(f"extracting hidden states of RL step {job.step} on {ranks.world_size} rank(s) "
                    f"({job.where})")
     manifest, where = run_extraction(job, ranks)
-    cfg = job.pipeline_config
-    store = open_store(cfg)
-    write_record(store, placement_key(cfg.run, job.step, "extraction"), where)
-    problems = checks.check_shards(store, cfg.run, job.step)
-    pipes.report_asset_materialization(metadata=_metadata(job, manifest, where))
-    pipes.report_asset_check(
-        "shards_valid", passed=not problems, severity="ERROR",
-        metadata={"problems": {"raw_value": "\n".join(f"* {p}" for p in problems) or "none", "type": "md"}})
+    report = report_extraction(job, manifest, where)
+    pipes.report_asset_materialization(metadata=report.metadata)
+    pipes.report_asset_check("shards_valid", passed=not report.problems, severity="ERROR",
+                             metadata=report.check_metadata())
 
 
 def main() -> None:
