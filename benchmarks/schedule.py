@@ -20,11 +20,17 @@ The price of decoding, which both the decisions and the savings rest on (`--pric
   (batched speculative decoding at tau 1.0, 492 against 645 tokens/s: a round of k = 4 costs 1.31
   target forwards), t as timed here: the decisions and the savings are a fleet's on H100s.
 
+t is in CPU-seconds, as the trainings are: the evaluation's wall-clock t times the share of its
+wall-clock the process ran (one thread: at most 1). On a machine other processes load, the
+wall-clock t of a step rises with their load while a training's CPU-seconds do not, and a decision
+would weigh rollouts dearer against trainings the busier the machine.
+
 `--rollout-scale X` prices each step's rollouts as X times the toy's (t times X, in the step's cost
 record before the next decision reads it): the toy's step
 generates about 5,000 tokens, a few CPU-seconds, against a training of 15-40 s, while a production
 RL step generates 10^6-10^8 tokens against a drafter training of minutes. `--drift` sets
-`simulation.drift` (the share of contexts whose favourite moves per step; 0.15 by default).
+`simulation.drift` (the share of contexts whose favourite moves per step; 0.15 by default), `--seed`
+`simulation.seed` (another task, policy and rollouts: a different staleness series).
 
 The goal (#28): `cost` at most 0.6 of `interval`'s training seconds (`training_s_ratio`) at >= 0.95
 of its saved time (`saved_s_ratio`), both measured in the same invocation. `regimes` replays the
@@ -34,7 +40,7 @@ keeps little of its acceptance per step (the toy at drift 0.15 keeps about half)
 skipped step's saving, so no schedule trains less at the same saving; a drafter that keeps 0.85 or
 more, with a training that costs a few percent of a step's rollout seconds, is where skipping pays.
 
-    python -m benchmarks.schedule [--steps 6] [--price h100|measured] [--rollout-scale 1] [--drift 0.15]
+    python -m benchmarks.schedule [--steps 6] [--price h100|measured] [--rollout-scale 1] [--drift 0.15] [--seed N]
 """
 
 from __future__ import annotations
@@ -52,19 +58,22 @@ KINDS = ("interval", "cost")
 H100_DRAFT_COST_RATIO = 0.078  # (645 / 492 - 1) / 4: docs/storage.md, On an H100, evaluation
 
 
-def _config(data_dir: Path, kind: str, draft_cost_ratio: float | None, drift: float | None):
+def _config(data_dir: Path, kind: str, draft_cost_ratio: float | None, drift: float | None, seed: int | None = None):
     from pipeline.config import load_config
 
     overrides: dict = {"data_dir": str(data_dir), "run": f"schedule-{kind}", "fleet": {"driver": "none"},
                        "train": {"schedule": {"kind": kind}}, "eval": {"draft_cost_ratio": draft_cost_ratio or 0.0}}
-    if drift is not None:
-        overrides["simulation"] = {"drift": drift}
+    simulation = {k: v for k, v in (("drift", drift), ("seed", seed)) if v is not None}
+    if simulation:
+        overrides["simulation"] = simulation
     return load_config(overrides=overrides)
 
 
-def _rescale(store, run: str, step: int, rollout_scale: float) -> None:
-    """The step's cost record with its rollouts priced `rollout_scale` times the toy's, before the next decision
-    reads it."""
+def _rescale(store, run: str, step: int, rollout_scale: float, cpu_share: float = 1.0) -> None:
+    """The step's cost record with its rollouts priced `rollout_scale` times the toy's, and t in CPU-seconds (the
+    wall-clock t the evaluation timed times the share of it the process ran, `cpu_share`), before the next
+    decision reads it: trainings count CPU-seconds here, and a loaded machine must not make the rollouts look
+    dearer against them than they are."""
     from dataclasses import replace
 
     from pipeline.cost import DecodingCost
@@ -72,15 +81,16 @@ def _rescale(store, run: str, step: int, rollout_scale: float) -> None:
     from pipeline.data.records import read_cost, write_record
 
     cost = read_cost(store, run, step)
-    if cost is None or cost.decoding is None or rollout_scale == 1.0:
+    if cost is None or cost.decoding is None or (rollout_scale == 1.0 and cpu_share == 1.0):
         return
     d = cost.decoding
-    priced = DecodingCost(d.target_s_per_token * rollout_scale, d.draft_cost_ratio, d.drafter_forwards_per_round)
+    priced = DecodingCost(d.target_s_per_token * rollout_scale * cpu_share, d.draft_cost_ratio,
+                          d.drafter_forwards_per_round)
     write_record(store, cost_key(run, step), replace(cost, decoding=priced))
 
 
 def _run(kind: str, steps: int, data_dir: Path, draft_cost_ratio: float | None, rollout_scale: float,
-         drift: float | None) -> dict:
+         drift: float | None, seed: int | None = None, caches: tuple[Path, ...] = ()) -> dict:
     from pipeline.data import buffer as buffer_lib
     from pipeline.data.records import read_cost
     from pipeline.data.store import open_store
@@ -90,10 +100,11 @@ def _run(kind: str, steps: int, data_dir: Path, draft_cost_ratio: float | None, 
     from pipeline.sources.simulation import SimulatedRL
     from pipeline.training.cotrain import train_step
 
-    cfg = _config(data_dir, kind, draft_cost_ratio, drift)
-    cached = ROOT / ".data" / "cache"  # the demo's pre-trained target: pre-training is not what is measured
-    if cached.is_dir():
-        shutil.copytree(cached, cfg.data_path / "cache", dirs_exist_ok=True)
+    cfg = _config(data_dir, kind, draft_cost_ratio, drift, seed)
+    # the demo's pre-trained target, or the one the other run pre-trained: pre-training is not what is measured
+    for cached in (ROOT / ".data" / "cache", *caches):
+        if cached.is_dir():
+            shutil.copytree(cached, cfg.data_path / "cache", dirs_exist_ok=True)
     store, registry = open_store(cfg), open_registry(cfg)
     simulation = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
     rows = []
@@ -106,9 +117,11 @@ def _run(kind: str, steps: int, data_dir: Path, draft_cost_ratio: float | None, 
         started = time.process_time()
         outcome = train_step(store, cfg, step, registry, {"benchmark": "schedule"})
         training_s = time.process_time() - started if outcome.trained else 0.0
+        started, wall = time.process_time(), time.perf_counter()
         record = evaluate_step(store, cfg, step, registry, outcome.version,
                                {"extraction": extraction_s, "training": training_s})
-        _rescale(store, cfg.run, step, rollout_scale)
+        cpu_share = min(1.0, (time.process_time() - started) / (time.perf_counter() - wall))
+        _rescale(store, cfg.run, step, rollout_scale, cpu_share)
         cost = read_cost(store, cfg.run, step)
         served, cotrained = record.drafters.get("served"), record.drafters.get("cotrained")
         rows.append({"step": step, "trained": outcome.trained, "reason": outcome.reason,
@@ -116,7 +129,7 @@ def _run(kind: str, steps: int, data_dir: Path, draft_cost_ratio: float | None, 
                      "version_served": served.version if served else None,
                      "tau_cotrained": round(cotrained.tau, 3) if cotrained else None,
                      "rollout_tokens": cost.rollout_tokens, "decoding": cost.decoding.to_json() if cost.decoding
-                     else None, "saved_s": round(cost.saved_s, 4)})
+                     else None, "evaluation_cpu_share": round(cpu_share, 3), "saved_s": round(cost.saved_s, 4)})
     return {"steps": rows}
 
 
@@ -168,13 +181,15 @@ def replay(keep: float, tau_fresh: float, rollout_to_training: float, draft_cost
             "saved_s_ratio": round(saved / interval_saved, 3) if interval_saved > 0 else None}
 
 
-def run(steps: int = 6, price: str = "h100", rollout_scale: float = 1.0, drift: float | None = None) -> dict:
+def run(steps: int = 6, price: str = "h100", rollout_scale: float = 1.0, drift: float | None = None,
+        seed: int | None = None) -> dict:
     draft_cost_ratio = H100_DRAFT_COST_RATIO if price == "h100" else None
     report: dict = {"steps": steps, "price": price, "draft_cost_ratio": draft_cost_ratio,
-                    "rollout_scale": rollout_scale, "drift": drift}
+                    "rollout_scale": rollout_scale, "drift": drift, "seed": seed}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in KINDS:
-            report[kind] = _run(kind, steps, Path(tmp) / kind, draft_cost_ratio, rollout_scale, drift)
+            report[kind] = _run(kind, steps, Path(tmp) / kind, draft_cost_ratio, rollout_scale, drift, seed,
+                                tuple(Path(tmp) / other / "cache" for other in KINDS if other != kind))
     price = common_price([report[kind]["steps"] for kind in KINDS])
     report["common_price"] = price.to_json()
     for kind in KINDS:
@@ -200,8 +215,10 @@ def main() -> None:
     parser.add_argument("--price", choices=["h100", "measured"], default="h100")
     parser.add_argument("--rollout-scale", type=float, default=1.0)
     parser.add_argument("--drift", type=float)
+    parser.add_argument("--seed", type=int, help="simulation.seed: another task, policy and rollouts")
     args = parser.parse_args()
-    sys.stdout.write(json.dumps(run(args.steps, args.price, args.rollout_scale, args.drift), indent=2) + "\n")
+    sys.stdout.write(json.dumps(run(args.steps, args.price, args.rollout_scale, args.drift, args.seed), indent=2)
+                     + "\n")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,12 @@ from __future__ import annotations
 import base64
 import io
 import json
-from dataclasses import dataclass
+import statistics
+import textwrap
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pipeline.cost import DecodingCost
 from pipeline.data import buffer as buffer_lib
 from pipeline.data import capture, shards
 from pipeline.data import rollouts as rollouts_lib
@@ -312,6 +315,8 @@ class ScheduleStep:
     served_tau: float
     saved_s: float
     cumulative_saved_s: float
+    rollout_tokens: int = 0
+    decoding: DecodingCost | None = None  # the served drafter's rounds as the step's evaluation timed them
 
 
 def schedule_steps(store: ObjectStore, run: str, steps: list[int]) -> list[ScheduleStep]:
@@ -325,8 +330,29 @@ def schedule_steps(store: ObjectStore, run: str, steps: list[int]) -> list[Sched
         saved += cost.saved_s
         rows.append(ScheduleStep(step, training.trained, training.reason, round(cost.seconds.get("training", 0.0), 3),
                                  round(refresh.train_s if refresh else 0.0, 3), round(cost.served_tau, 4),
-                                 round(cost.saved_s, 3), round(saved, 3)))
+                                 round(cost.saved_s, 3), round(saved, 3), cost.rollout_tokens, cost.decoding))
     return rows
+
+
+def common_price(runs: dict[str, list[ScheduleStep]]) -> DecodingCost | None:
+    """One price of decoding for every run: the median t and c of every step's timing in any of them (f of the
+    newest). Each run decides on its own timings, as the pipeline does, but t timed on a shared machine varies
+    twofold between runs, and savings compared at two prices would measure the machine's load, not the schedule."""
+    timings = [r.decoding for rows in runs.values() for r in rows if r.decoding]
+    if not timings:
+        return None
+    return DecodingCost(statistics.median(d.target_s_per_token for d in timings),
+                        statistics.median(d.draft_cost_ratio for d in timings), timings[-1].drafter_forwards_per_round)
+
+
+def at_price(rows: list[ScheduleStep], price: DecodingCost) -> list[ScheduleStep]:
+    """The run's savings at `price`: a step a drafter served saves price.saved_seconds(its served tau, its tokens)."""
+    priced, saved = [], 0.0
+    for r in rows:
+        step_saved = price.saved_seconds(r.served_tau, r.rollout_tokens) if r.decoding else 0.0
+        saved += step_saved
+        priced.append(replace(r, saved_s=round(step_saved, 3), cumulative_saved_s=round(saved, 3)))
+    return priced
 
 
 @dataclass(frozen=True)
@@ -362,6 +388,13 @@ def format_schedules(runs: dict[str, list[ScheduleStep]]) -> str:
         t = schedule_totals(runs[kind])
         lines.append(f"{kind}: trained steps {list(t.trained_steps)}, training {t.training_s:.1f} s (refresh "
                      f"{t.refresh_s:.1f} s), saved {t.saved_s:.2f} s of rollout time")
+    for kind in kinds:
+        if kind == "interval":  # its reason is the step number
+            continue
+        lines.append(f"why {kind} trained or not:")
+        for r in runs[kind]:
+            lines.extend(textwrap.wrap(f"{r.step:>4} {'trained' if r.trained else 'skipped'}: {r.reason}", 118,
+                                       subsequent_indent=" " * 5))
     return "\n".join(lines)
 
 

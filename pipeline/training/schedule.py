@@ -17,11 +17,15 @@ lag); it serves from age 1 on. With
     fresh(a)  = 1 + (tau_0 - 1) * keep^a            tau of a drafter trained now, at age a
     champ(a)  = 1 + (tau_m - 1) * keep^(a - a_m)    the champion, from its latest tau tau_m at age a_m
                                                     (evaluated, or the fleet's live tau)
-    keep      = sum(tau_later - 1) / sum(tau_earlier - 1), per step of age, over consecutive
-                measurements of the same drafters on the last few steps' policies: the share of
-                its excess acceptance (tau - 1) a drafter keeps per RL step (1: no staleness)
-    tau_0     = the newest co-trained tau on its own step (age 0): what a training reaches
+    keep      = solves sum(e_older) = sum(e_younger * keep^d) over the drafters measured on the same
+                step's policy (neighbours in age, d ages apart, e = tau - 1), on the last few steps:
+                the share of its excess acceptance a drafter keeps per RL step (1: no staleness)
+    tau_0     = the newest step's youngest drafter's tau, brought back to age 0 by keep (its own tau
+                where it trained on that step): what a training reaches, at the coming steps' level
 
+`keep` compares drafters on one step, never one drafter across steps: a step whose policy is harder
+to draft for lowers every drafter measured on it, and charging that to age would misjudge the
+staleness a skipped training lets in, which is a difference between two drafters on the same step.
 and the chances every I = `train.training_interval_steps` steps, a retraining every n chances costs,
 per chance, its training plus the staleness it lets in against retraining at every chance:
 
@@ -44,7 +48,8 @@ its training), and the fleet's live tau where the fleet runs the champion: the m
 length its vLLM replicas count on the rollouts they serve, read from their /metrics when the
 step is decided (`serving.deploy.champion_live_tau`). Live tau, when present, is the champion's
 tau now; the evaluated tau of the newest measured step otherwise. Without a champion, before
-anything was timed, or before any drafter was measured at two ages, a drafter is trained.
+anything was timed, or before some step measured two drafters of different ages, a drafter is
+trained.
 """
 
 from __future__ import annotations
@@ -92,8 +97,8 @@ class Staleness:
     """How fast drafters go stale, measured on earlier steps, and what a training reaches."""
 
     keep: float  # share of its excess tau (tau - 1) a drafter keeps per RL step of age
-    tau_fresh: float  # tau_0: the newest co-trained drafter's tau on its own step
-    pairs: int  # consecutive measurements of the same drafters `keep` rests on
+    tau_fresh: float  # tau_0: what a training reaches at age 0, at the newest measured step's level
+    pairs: int  # pairs of drafters measured on the same step at different ages `keep` rests on
 
     def tau_at(self, age: int) -> float:
         """A drafter trained now, `age` steps later."""
@@ -101,23 +106,47 @@ class Staleness:
 
 
 def measure_staleness(taus: list[AgedTau]) -> Staleness | None:
-    """`keep` pooled over consecutive measurements of each drafter (oldest step first), and the newest age-0 tau;
-    None until some drafter was measured at two ages or no drafter was measured on its own step."""
-    by_version: dict[str, list[AgedTau]] = {}
-    for t in sorted(taus, key=lambda t: t.step):
-        by_version.setdefault(t.version, []).append(t)
-    earlier = later = span = 0.0
-    pairs = 0
-    for series in by_version.values():
-        for a, b in zip(series, series[1:], strict=False):
-            if b.age > a.age:
-                earlier, later = earlier + max(0.0, a.tau - 1.0), later + max(0.0, b.tau - 1.0)
-                span, pairs = span + (b.age - a.age), pairs + 1
-    fresh = [t for t in taus if t.age == 0]
-    if not pairs or not fresh or earlier <= 0:
+    """`keep` from drafters of different ages measured on the same step's policy, and tau_0 from the newest step;
+    None until some step measured two drafters of different ages.
+
+    Each step's drafters, youngest first, give pairs of neighbours in age (excess e_y at the younger age, e_o
+    at the older, d ages apart); `keep` solves sum(e_o) = sum(e_y * keep^d), the older excess predicted from the
+    younger on the same prompts of the same policy. Comparing one drafter across two steps instead would charge
+    its age with how much harder the second step's policy is to draft for: every drafter falls together on such a
+    step. What a schedule changes is which drafter serves a step, so the loss a skipped training causes is a
+    difference between drafters on one step, the measurement `keep` rests on.
+
+    tau_0 is the newest step's youngest drafter's tau, brought back to age 0 by `keep` (its own tau where it
+    trained on that step): the drafter a training makes next serves the coming steps at their level, which the
+    newest step measures best, not the level of whichever older step last measured a drafter on its own step."""
+    by_step: dict[int, list[AgedTau]] = {}
+    for t in taus:
+        by_step.setdefault(t.step, []).append(t)
+    pairs: list[tuple[float, float, int]] = []  # (younger excess, older excess, ages apart)
+    for measured in by_step.values():
+        ordered = sorted(measured, key=lambda t: t.age)
+        pairs.extend((max(0.0, a.tau - 1.0), max(0.0, b.tau - 1.0), b.age - a.age)
+                     for a, b in zip(ordered, ordered[1:], strict=False) if b.age > a.age)
+    if not pairs or sum(e_y for e_y, _, _ in pairs) <= 0:
         return None
-    keep = min(1.0, later / earlier) ** (pairs / span)  # per step of age where a pair spans several
-    return Staleness(keep, max(fresh, key=lambda t: t.step).tau, pairs)
+    keep = _solve_keep(pairs)
+    newest = min(by_step[max(by_step)], key=lambda t: t.age)
+    if newest.age and keep <= 0:
+        return None  # nothing younger was measured there, and nothing ages back from 0
+    return Staleness(keep, 1.0 + max(0.0, newest.tau - 1.0) / keep ** newest.age, len(pairs))
+
+
+def _solve_keep(pairs: list[tuple[float, float, int]]) -> float:
+    """keep in [0, 1] with sum(e_o) = sum(e_y * keep^d) (bisection: the right side rises with keep); 1 where the
+    older drafters kept all of it."""
+    older = sum(e_o for _, e_o, _ in pairs)
+    if older >= sum(e_y for e_y, _, _ in pairs):
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if sum(e_y * mid ** d for e_y, _, d in pairs) < older else (low, mid)
+    return (low + high) / 2
 
 
 @dataclass(frozen=True)
@@ -137,7 +166,7 @@ class ScheduleInputs:
     training_cost_s: float | None  # C: expected device-seconds of a training; None: none measured yet
     decoding: DecodingCost | None  # t, c, f; None: no evaluation timed yet
     live_tau_floor: float = 0.0  # `acceptance`: live tau below it retrains (fleet.live_tau_floor; 0 = never)
-    staleness: Staleness | None = None  # None: no drafter measured at two ages yet
+    staleness: Staleness | None = None  # None: no step measured two drafters of different ages yet
 
 
 @dataclass(frozen=True)
@@ -205,7 +234,7 @@ def cost_decision(inputs: ScheduleInputs, step: int, interval: int = 1) -> Train
     if inputs.training_cost_s is None or decoding is None:
         return TrainingDecision(True, "no training or decoding cost measured yet")
     if staleness is None:
-        return TrainingDecision(True, "staleness not measured yet (no drafter measured at two ages)")
+        return TrainingDecision(True, "staleness not measured yet (no step measured two drafters of different ages)")
     tokens, round_cost = inputs.step_tokens, decoding.round_cost
     fresh = staleness.tau_at(1)
     if fresh <= round_cost:
@@ -221,7 +250,7 @@ def cost_decision(inputs: ScheduleInputs, step: int, interval: int = 1) -> Train
     reason = (f"keeping champion v{champion.version} ({champion.described}, expected "
               f"{champion_tau_at(champion, staleness, nxt):.3f} on step {nxt}) "
               f"loses {gain:.1f} s against a drafter trained now (tau {fresh:.3f} at age 1; drafters keep "
-              f"{staleness.keep:.2f} of their excess tau per step, {staleness.pairs} measurements) on "
+              f"{staleness.keep:.2f} of their excess tau per step, {staleness.pairs} same-step pairs) on "
               f"{tokens} tokens per step {verdict} {cost:.1f} s per chance, the training ({inputs.training_cost_s:.1f}"
               f" s) and its staleness at the best interval of {best + 1} chance(s)")
     return TrainingDecision(gain > cost, reason, round(gain, 3), round(cost, 3), best + 1)

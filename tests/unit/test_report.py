@@ -116,3 +116,34 @@ def test_summary_json_and_plots(store: ObjectStore, tmp_path: Path) -> None:
     assert report.loss_png([4.0, 2.0, 0.1], "loss").startswith(PNG)
     markdown = report.png_markdown(PNG, "tau")
     assert markdown.startswith("![tau](data:image/png;base64,")
+
+
+def _schedule_step(step: int, trained: bool, tau: float, decoding, reason: str = "why") -> report.ScheduleStep:
+    saved = decoding.saved_seconds(tau, 1000) if decoding else 0.0
+    return report.ScheduleStep(step, trained, reason, 10.0 if trained else 0.0, 0.0, tau, saved, 0.0, 1000, decoding)
+
+
+def test_schedules_side_by_side_are_priced_alike() -> None:
+    """Two runs timed t at 1 and 3 ms per token (a loaded machine in the second): side by side, both are priced at
+    the median of their timings, so the same served tau saves the same seconds in either, and the table says why
+    `cost` skipped."""
+    from pipeline.cost import DecodingCost
+
+    fast, slow = DecodingCost(1e-3, 0.1, 4), DecodingCost(3e-3, 0.1, 4)
+    runs = {"interval": [_schedule_step(1, True, 1.0, None), _schedule_step(2, True, 2.8, fast),
+                         _schedule_step(3, True, 2.8, fast)],
+            "cost": [_schedule_step(1, True, 1.0, None), _schedule_step(2, True, 2.8, slow),
+                     _schedule_step(3, False, 2.8, slow, "keeping champion v2 loses 0.1 s <= 5.0 s per chance")]}
+    price = report.common_price(runs)
+    assert price == DecodingCost(2e-3, 0.1, 4)
+    priced = {kind: report.at_price(rows, price) for kind, rows in runs.items()}
+    per_step = 1000 * 2e-3 * (1 - 1.4 / 2.8)  # 1.0 s at the common price
+    for rows in priced.values():
+        assert [r.saved_s for r in rows] == pytest.approx([0.0, per_step, per_step])
+        assert rows[-1].cumulative_saved_s == pytest.approx(2 * per_step)
+    assert report.schedule_totals(priced["cost"]) == report.ScheduleTotals(20.0, 0.0, 2.0, (1, 2))
+    table = report.format_schedules(priced)
+    assert "   3   yes    10.0  2.80      2.00 |    no     0.0  2.80      2.00" in table
+    assert "cost: trained steps [1, 2], training 20.0 s (refresh 0.0 s), saved 2.00 s of rollout time" in table
+    assert "   3 skipped: keeping champion v2 loses 0.1 s <= 5.0 s per chance" in table
+    assert report.common_price({"interval": runs["interval"][:1]}) is None

@@ -167,9 +167,9 @@ def test_the_acceptance_schedule_takes_the_fleets_live_tau_when_it_runs_the_cham
 
 
 def test_the_cost_schedule_weighs_the_expected_gain_against_the_last_trainings(step, tmp_path: Path) -> None:
-    """v1 measured 3.4 on its own step and 2.9 one step on: drafters keep 1.9 / 2.4 of their excess tau per step,
-    read from the records. Step 3's 6 response tokens can never pay for a 30 s training: no interval up to the
-    longest weighed makes it pay."""
+    """v1 measured 3.4 on its own step and 2.9 one step on, beside v2 at 3.4 on its own step 2: drafters keep
+    1.9 / 2.4 of their excess tau per step, read from the records. Step 3's 6 response tokens can never pay for
+    a 30 s training: no interval up to the longest weighed makes it pay."""
     cfg, store, registry = step
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(
         update={"schedule": cfg.train.schedule.model_copy(update={"kind": "cost"})})})
@@ -177,13 +177,14 @@ def test_the_cost_schedule_weighs_the_expected_gain_against_the_last_trainings(s
     registry.set_alias("champion", version)
     _measured(store, cfg, 1, None, (version, 3.4), promoted=True)
     _committed(store, cfg, 2)
-    _measured(store, cfg, 2, (version, 2.9))
+    _measured(store, cfg, 2, (version, 2.9), ("99", 3.4))  # v2 (version 99) trained, not promoted
     _committed(store, cfg, 3)
     decision = plan_training(store, cfg, 3, registry)
     assert not decision.train
     assert decision.reason.startswith(f"keeping champion v{version} (evaluated tau 2.900 at step 2, expected 2.191 "
                                       "on step 4)")
-    assert "drafters keep 0.79 of their excess tau per step, 1 measurements) on 6 tokens per step <=" in decision.reason
+    assert ("drafters keep 0.79 of their excess tau per step, 1 same-step pairs) on 6 tokens per step <="
+            in decision.reason)
     assert "the training (30.0 s) and its staleness at the best interval of 50 chance(s)" in decision.reason
 
 

@@ -51,19 +51,53 @@ def test_acceptance_trains_once_the_drop_exceeds_the_threshold():
     assert "train.schedule.tau_drop=0.35" in decisions[2].reason
 
 
-def test_staleness_pools_consecutive_measurements_of_each_drafter():
-    """v1: 3.0 on its own step, 2.6 one step on, 2.2 two steps on (excess 2.0 -> 1.6 -> 1.2); v2: 3.4 -> 2.92
-    (excess 2.4 -> 1.92). keep = (1.6 + 1.2 + 1.92) / (2.0 + 1.6 + 2.4) = 0.7867; tau_0: v2's, the newest."""
-    taus = [AgedTau("1", 1, 0, 3.0), AgedTau("1", 2, 1, 2.6), AgedTau("2", 2, 0, 3.4), AgedTau("1", 3, 2, 2.2),
-            AgedTau("2", 3, 1, 2.92)]
+def test_staleness_compares_drafters_on_the_same_step():
+    """Drafters keep 0.75 of their excess tau per step, and step 3's policy is harder to draft for: every drafter
+    measured on it keeps half its excess. v1 3.4 (step 1, age 0), 2.8 (step 2); v2 3.4 on its own step 2; step 3:
+    v3 2.2 (age 0), v2 1.9, v1 1.675. Side by side on each step: (1.8 + 0.9 + 0.675) / (2.4 + 1.2 + 0.9) = 0.75.
+    Following each drafter across steps (the rule this replaces) charged step 3's difficulty to age: (1.8 + 0.675 +
+    0.9) / (2.4 + 1.8 + 2.4) = 0.51, and a schedule deciding with it would retrain as if drafters lost half their
+    excess per step. What a skipped training costs is one drafter against another on the same step, as measured
+    here."""
+    taus = [AgedTau("1", 1, 0, 3.4), AgedTau("1", 2, 1, 2.8), AgedTau("2", 2, 0, 3.4), AgedTau("1", 3, 2, 1.675),
+            AgedTau("2", 3, 1, 1.9), AgedTau("3", 3, 0, 2.2)]
     staleness = measure_staleness(taus)
-    assert staleness.keep == pytest.approx(4.72 / 6.0)
-    assert staleness.tau_fresh == 3.4
+    assert staleness.keep == pytest.approx(0.75)
+    assert staleness.tau_fresh == pytest.approx(2.2)  # the newest step's fresh drafter: the level of the coming steps
     assert staleness.pairs == 3
-    assert staleness.tau_at(2) == pytest.approx(1 + 2.4 * (4.72 / 6.0) ** 2)
-    # a pair two steps apart counts per step of age; nothing measured at two ages: no staleness yet
-    assert measure_staleness([AgedTau("1", 1, 0, 3.0), AgedTau("1", 3, 2, 1.5)]).keep == pytest.approx(0.5)
+    assert staleness.tau_at(2) == pytest.approx(1 + 1.2 * 0.75 ** 2)
+    # no fresh drafter on the newest step: its youngest, v2 at age 1, brought back to age 0 (1 + 0.9 / 0.75)
+    assert measure_staleness(taus[:-1]).tau_fresh == pytest.approx(2.2)
+    # a pair two ages apart counts per step of age: 1.5 = 1 + 2.0 * keep^2
+    assert measure_staleness([AgedTau("1", 1, 0, 3.0), AgedTau("1", 3, 2, 1.5),
+                              AgedTau("2", 3, 0, 3.0)]).keep == pytest.approx(0.5)
+    # one drafter across steps, or drafters of one age: nothing tells age from the step's policy, no staleness yet
+    assert measure_staleness([AgedTau("1", 1, 0, 3.0), AgedTau("1", 3, 2, 1.5)]) is None
     assert measure_staleness([AgedTau("1", 1, 0, 3.0), AgedTau("2", 2, 0, 3.2)]) is None
+
+
+def test_cost_reads_a_fresh_drafter_at_the_newest_steps_level():
+    """Step 4's policy is hard (v4 measures 3.0 on its own step), step 6's easy (v4 3.4 at age 2): on every step v3,
+    one step older, keeps 0.8 of v4's excess. Deciding step 7 the champion v4 is 4 steps old by step 8 (expected
+    1 + 2.4 * 0.64 = 2.536). A drafter trained now serves at step 6's level, 1 + 2.4 / 0.8^2 * 0.8 = 4.0 at age 1:
+    keeping v4 loses 17.3 s > 15.5 s per chance, so the step trains. The rule this replaces took tau_0 from the
+    newest drafter measured on its own step (v4's 3.0 on hard step 4), expected a fresh drafter at 2.6, below the
+    champion's 3.4 measured now, and kept a 4-step-old drafter for a loss of 1.2 s: the comparison mixed the
+    levels of two steps' policies."""
+    taus = [AgedTau("4", 4, 0, 3.0), AgedTau("3", 4, 1, 2.6), AgedTau("4", 5, 1, 2.6), AgedTau("3", 5, 2, 2.28),
+            AgedTau("4", 6, 2, 3.4), AgedTau("3", 6, 3, 2.92)]
+    staleness = measure_staleness(taus)
+    assert staleness.keep == pytest.approx(0.8)
+    assert staleness.tau_fresh == pytest.approx(4.75)
+    champion = ChampionTrack("4", 4, 3.0, 3.4, 6)
+    decision = cost_decision(_inputs(champion, staleness=staleness, training_cost_s=30.0), 7)
+    assert decision.train
+    assert decision.expected_gain_s == pytest.approx(17.319, abs=1e-3)
+    assert decision.expected_cost_s == pytest.approx(15.463, abs=1e-3)
+    assert "expected 2.536 on step 8" in decision.reason
+    assert "tau 4.000 at age 1" in decision.reason
+    old_level = Staleness(0.8, 3.0, 3)
+    assert not cost_decision(_inputs(champion, staleness=old_level, training_cost_s=30.0), 7).train
 
 
 def test_cost_figures_pinned():
@@ -96,17 +130,23 @@ def test_cost_counts_every_step_a_skipped_training_leaves_stale():
 
 
 def test_cost_trains_sooner_as_staleness_rises():
-    """The champion promoted at 3.6 on step 2 measures 3.5, 3.3, 3.0, 2.6 on the next steps: each step's drop is
-    larger, the share of its excess tau it keeps falls (0.96 -> 0.89), and at step 7 it is replaced."""
+    """The champion promoted at 3.6 on step 2 measures 3.5, 3.3, 3.0, 2.6 on the next steps, and beside it v1,
+    trained a step earlier, keeps a smaller share of the champion's excess on each (0.95, 0.9, 0.85, 0.8): the
+    share a drafter keeps per step falls (0.95 -> 0.88), the best interval shortens, and at step 7 the champion is
+    replaced. (Pinned on the champion alone across steps before drafters were compared on the same step; v1 is
+    what that comparison needs.)"""
     taus = [AgedTau("3", 2, 0, 3.6)]
-    decisions = []
-    for s, tau in STALENESS:
-        taus.append(AgedTau("3", s, s - 2, tau))
-        decisions.append(cost_decision(_inputs(_champion(tau, s), staleness=measure_staleness(taus)), s + 1))
+    decisions, keeps = [], []
+    for (s, tau), share in zip(STALENESS, (0.95, 0.9, 0.85, 0.8), strict=True):
+        taus += [AgedTau("3", s, s - 2, tau), AgedTau("1", s, s - 1, round(1 + (tau - 1) * share, 3))]
+        staleness = measure_staleness(taus)
+        keeps.append(staleness.keep)
+        decisions.append(cost_decision(_inputs(_champion(tau, s), staleness=staleness), s + 1))
+    assert keeps == pytest.approx([0.95, 0.926, 0.904, 0.884], abs=1e-3)
     assert [d.train for d in decisions] == [False, False, False, True]
-    assert [d.best_interval_chances for d in decisions] == [9, 7, 6, 5]
-    assert decisions[3].expected_gain_s == pytest.approx(16.578, abs=1e-3)
-    assert decisions[3].expected_cost_s == pytest.approx(14.022, abs=1e-3)
+    assert [d.best_interval_chances for d in decisions] == [8, 6, 5, 5]
+    assert decisions[3].expected_gain_s == pytest.approx(17.150, abs=1e-3)
+    assert decisions[3].expected_cost_s == pytest.approx(14.642, abs=1e-3)
 
 
 def test_cost_stops_training_a_drafter_that_cannot_pay():
