@@ -24,6 +24,7 @@ from pipeline.training.launch import (
     training_service_spec,
 )
 from pipeline.training.plan import TrainJob
+from resources.pipes_messages import PipesWholeLineTempFileMessageReader
 from resources.warm import PipesWarmClient, prestart
 
 POD_START_TIMEOUT_S = 1800  # node 0's pod: a GPU node scaling up from zero, then a multi-GB image pull
@@ -94,8 +95,9 @@ class StageLauncher:
                 return PipesWarmClient(stage, self.cfg.data_path, self.working_dir,
                                        self.cfg.train.warm_idle_s).run(context=context, extras=extras,
                                                                        announce=announce)
-            return dg.PipesSubprocessClient(cwd=str(self.working_dir)).run(context=context, extras=extras,
-                                                                           command=command)
+            return dg.PipesSubprocessClient(cwd=str(self.working_dir),
+                                            message_reader=PipesWholeLineTempFileMessageReader()).run(
+                context=context, extras=extras, command=command)
 
 
 @contextmanager

@@ -13,8 +13,9 @@ worker takes for a probe.
 
 The key digests what a worker inherits at its start and a fresh process would too: the Python
 executable, the working directory and the environment. A step with another environment (a test's
-fault injection, another PYTHONPATH) gets a worker of its own. The Pipes channel is
-`PipesSubprocessClient`'s: the context in a temp file, the messages read from a temp file.
+fault injection, another PYTHONPATH) gets a worker of its own. The Pipes channel is a launched
+process's: the context in a temp file, the messages read from a temp file by whole lines
+(`resources.pipes_messages`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from pathlib import Path
 
 import dagster as dg
 from dagster._core.errors import DagsterPipesExecutionError  # what PipesSubprocessClient raises
+
+from resources.pipes_messages import PipesWholeLineTempFileMessageReader
 
 START_TIMEOUT_S = 600  # a cold worker's imports on a loaded machine
 SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes
@@ -82,7 +85,7 @@ class PipesWarmClient(dg.PipesClient):
             announce: str = "") -> dg.PipesClientCompletedInvocation:
         """The job on the worker; `announce` begins the line logged once the worker has it."""
         with dg.open_pipes_session(context=context, context_injector=dg.PipesTempFileContextInjector(),
-                                   message_reader=dg.PipesTempFileMessageReader(), extras=extras) as session:
+                                   message_reader=PipesWholeLineTempFileMessageReader(), extras=extras) as session:
             with self._connect() as conn:
                 conn.sendall((json.dumps({"pipes": session.get_bootstrap_env_vars()}) + "\n").encode())
                 # Logged while the worker works: an event written before the hand-off or after the answer
