@@ -53,15 +53,18 @@ class StageLauncher:
         `train.launcher: warm`), so their first jobs find them listening; returns the stages started or found."""
         if self.cfg.train.launcher != "warm":
             return []
-        ranks = {"training": self.cfg.train.nproc_per_node * self.cfg.train.nnodes}
-        started = [stage for stage in stages if ranks.get(stage, stage_ranks(self.cfg, stage)) == 1]
+        started = [stage for stage in stages if self._ranks(stage) == 1]
         for stage in started:
             prestart(stage, self.cfg.data_path, self.working_dir, self.cfg.train.warm_idle_s)
         return started
 
+    def _ranks(self, stage: str) -> int:
+        """The ranks a stage's job runs on: training's on every node."""
+        return stage_ranks(self.cfg, stage) * (self.cfg.train.nnodes if stage == "training" else 1)
+
     def run_stage(self, context: dg.AssetExecutionContext, job: StageJob) -> dg.PipesClientCompletedInvocation:
         """Extraction or evaluation: the stage's worker with its ranks, reporting back over Pipes."""
-        ranks = stage_ranks(self.cfg, job.stage)
+        ranks = self._ranks(job.stage)
         return self._run(context, job.stage, ranks, {"job": job.to_dict()}, pod_labels(self.cfg, job.stage, job.step),
                          lambda: stage_pod_spec(self.cfg, job.stage), stage_command(self.cfg, job.stage),
                          f"launching {job.stage} ({self.where}, {ranks} rank(s))")
@@ -72,7 +75,7 @@ class StageLauncher:
         if cfg.train.launcher == "k8s" and cfg.train.nnodes > 1:
             with _quiet_preview():
                 return _run_indexed_job(context, cfg, job, extras)
-        return self._run(context, "training", cfg.train.nproc_per_node * cfg.train.nnodes, extras,
+        return self._run(context, "training", self._ranks("training"), extras,
                          pod_labels(cfg, "training", job.step), lambda: training_pod_spec(cfg),
                          train_command(cfg.train.nproc_per_node, nnodes=cfg.train.nnodes))
 

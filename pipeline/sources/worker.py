@@ -21,7 +21,7 @@ from pipeline.data import shard_checks as checks
 from pipeline.data.keys import hidden_states_prefix, placement_key
 from pipeline.data.records import StagePlacement, write_record
 from pipeline.data.shards import Manifest
-from pipeline.data.store import open_store
+from pipeline.data.store import ObjectStore, open_store
 from pipeline.launch import StageJob
 from pipeline.placement import measure_placement
 from pipeline.ranks import SINGLE, Ranks, join, leave
@@ -62,12 +62,11 @@ def report_extraction(job: StageJob, manifest: Manifest, where: StagePlacement) 
     store = open_store(cfg)
     write_record(store, placement_key(cfg.run, job.step, "extraction"), where)
     problems = checks.check_shards(store, cfg.run, job.step)
-    return ExtractionReport(_metadata(job, manifest, where), problems)
+    return ExtractionReport(_metadata(store, job, manifest, where), problems)
 
 
-def _metadata(job: StageJob, manifest: Manifest, where: StagePlacement) -> dict:
+def _metadata(store: ObjectStore, job: StageJob, manifest: Manifest, where: StagePlacement) -> dict:
     cfg = job.pipeline_config
-    store = open_store(cfg)
     plan = capture.read_plan(store, cfg.run, job.step)
     return {
         "samples": manifest.num_samples,

@@ -23,9 +23,6 @@ lag); it serves from age 1 on. With
     tau_0     = the newest step's youngest drafter's tau, brought back to age 0 by keep (its own tau
                 where it trained on that step): what a training reaches, at the coming steps' level
 
-`keep` compares drafters on one step, never one drafter across steps: a step whose policy is harder
-to draft for lowers every drafter measured on it, and charging that to age would misjudge the
-staleness a skipped training lets in, which is a difference between two drafters on the same step.
 and the chances every I = `train.training_interval_steps` steps, a retraining every n chances costs,
 per chance, its training plus the staleness it lets in against retraining at every chance:
 
@@ -42,6 +39,10 @@ rounds cost more than its tokens save) never pays, and `cost` stops training it:
 more serving without a drafter. t and c are the median of the last few steps' timings of the
 served drafter (one timing on a loaded machine does not move the decision); C is the mean
 device-seconds of the last trainings; N is the step's response tokens.
+
+`keep` compares drafters on one step, never one drafter across steps: a step whose policy is harder
+to draft for lowers every drafter measured on it, and charging that to age would misjudge the
+staleness a skipped training lets in, which is a difference between two drafters on the same step.
 
 The decision reads only what earlier steps measured (the step's own acceptance is measured after
 its training), and the fleet's live tau where the fleet runs the champion: the mean acceptance
