@@ -30,7 +30,9 @@ extraction takes minutes). For each:
 
 Step 1's figures have these names, step 2's the same with `large_` before them. All on the same steps in
 the same run, alternated (3 rounds of step 1, 2 of step 2), best of the rounds each; `load_average` is the
-machine's 1-minute load before and after, the other work it ran meanwhile.
+machine's 1-minute load before and after, the other work it ran meanwhile. Every process runs
+`OMP_NUM_THREADS` torch threads (1 unless set): the workers inherit it, and this process sets its own to
+match, so the ratios compare where the work runs, not how many cores it may use.
 """
 
 from __future__ import annotations
@@ -128,6 +130,19 @@ def _figures(tokens: int, call: float, step: float, launched: float, warm: float
 
 
 def run() -> dict:
+    import torch
+
+    # one thread on both sides: the workers inherit OMP_NUM_THREADS, this process has imported torch already
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    try:
+        return _measure()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure() -> dict:
     import dagster as dg
     import yaml
 
@@ -138,7 +153,6 @@ def run() -> dict:
     from pipeline.sources.simulation import SimulatedRL
     from resources import pipeline_resource
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     load_before = os.getloadavg()[0]
     in_process_asset = _in_process_asset()
     with tempfile.TemporaryDirectory(prefix="bench-stage-launch-") as tmp:
