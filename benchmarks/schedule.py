@@ -184,13 +184,49 @@ def _run(kind: str, warmup: int, steps: int, data_dir: Path, draft_cost_ratio: f
         rows.append({"step": step, "phase": phase, "trained": trained, "reason": reason,
                      "training_s": round(training_s, 2), "tau_served": round(served.tau, 3) if served else 1.0,
                      "version_served": served.version if served else None,
+                     "version_trained": version if trained else None,
                      "tau_cotrained": round(cotrained.tau, 3) if cotrained else None,
                      "rollout_tokens": tokens,
                      "decoding": decoding.to_json() if decoding else None,  # the toy's price, CPU-seconds
                      "evaluation_cpu_share": round(cpu_share, 3),
                      "keep": round(staleness.keep, 3) if staleness else None,  # what the next decision reads
                      "tau_fresh": round(staleness.tau_fresh, 3) if staleness else None})
-    return {"steps": rows, "wall_s": round(time.perf_counter() - began, 1)}
+    result = {"steps": rows, "wall_s": round(time.perf_counter() - began, 1)}
+    if kind == "interval":  # every step trained after the warm-up: one drafter of each age on the last trained step
+        newest = warmup + steps
+        result["age_profile"] = age_profile(store, own, registry, newest, {
+            r["version_trained"]: newest - r["step"] for r in rows if r["version_trained"] and r["step"] >= warmup})
+    return result
+
+
+def age_profile(store, cfg, registry, step: int, ages: dict[str, int]) -> dict:
+    """Each drafter of `ages` (version -> its age at `step`) decoding `step`'s held-out prompts: tau by age on one
+    policy, what a drafter trained j steps earlier serves, and `keep` fitted to it with and without the drafter
+    trained on the step itself. A served drafter is at least one step old: where the step after a drafter's own
+    loses more than each later one, the staleness a skipped training lets in is the later steps' `keep`."""
+    from pipeline.data import rollouts as rollouts_lib
+    from pipeline.data.held_out import held_out_prompts
+    from pipeline.evaluation import speculative
+    from pipeline.models import target as target_lib
+    from pipeline.ranks import SINGLE
+    from pipeline.training.schedule import AgedTau, measure_staleness
+
+    pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
+    device = SINGLE.device(cfg.device, cfg.target.gpus_per_process)
+    target = target_lib.load_policy(store, pointer.checkpoint_uri, device, target_lib.load_settings(cfg))
+    prompts = held_out_prompts(store, cfg, step, rollouts_lib.TargetLimits.of(target.config))
+    taus = []
+    for version, age in sorted(ages.items(), key=lambda item: item[1]):
+        drafter = registry.load(version)
+        drafter.attach(target)
+        exact = speculative.evaluate(target, speculative.follow_target(drafter, target), prompts,
+                                     cfg.eval.max_new_tokens, cfg.eval.num_speculative_tokens)
+        taus.append(AgedTau(version, step, age, exact.tau))
+    fitted = measure_staleness(taus)
+    served = measure_staleness([t for t in taus if t.age >= 1])
+    return {"step": step, "taus": [{"age": t.age, "version": t.version, "tau": round(t.tau, 3)} for t in taus],
+            "keep": round(fitted.keep, 3) if fitted else None,
+            "keep_from_age_1": round(served.keep, 3) if served else None}
 
 
 def rollout_scale_for(rows: list[dict], rollout_to_training: float) -> float:
@@ -326,6 +362,10 @@ def run(warmup: int = WARMUP, steps: int = STEPS, price: str = "h100",
     if keeps:
         report["model"] = replay(statistics.median(keeps), tau_fresh, report["rollout_s_per_training_s"],
                                  priced.draft_cost_ratio, priced.drafter_forwards_per_round)
+    report["age_profile"] = profile = report["interval"].pop("age_profile")
+    if profile["keep_from_age_1"] is not None:  # the rule's model at the staleness of drafters as they serve
+        report["model_from_age_1"] = replay(profile["keep_from_age_1"], tau_fresh, report["rollout_s_per_training_s"],
+                                            priced.draft_cost_ratio, priced.drafter_forwards_per_round)
     report["regimes"] = {"tau_fresh": round(tau_fresh, 3), "draft_cost_ratio": H100_DRAFT_COST_RATIO, "rows": [
         replay(keep, tau_fresh, ratio, H100_DRAFT_COST_RATIO, 4)
         for keep in (0.5, 0.7, 0.85, 0.95) for ratio in (1.0, 3.0, 10.0, 30.0, 50.0, 100.0)]}
