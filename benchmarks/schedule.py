@@ -18,11 +18,17 @@ production RL run lasts hundreds to thousands of steps, so its warm-up is a negl
 it; a run of ten steps is mostly warm-up, and there both schedules must train.
 
 Figures per schedule: steps trained with each decision's reason, training seconds (this
-process's CPU-seconds of each training, as the ledger counts them here: the load other processes
-put on a shared machine does not count), the served tau, the rollout seconds the served drafters
+process's CPU-seconds of each training, as the ledger counts them here: another process's time on
+a shared machine does not count), the served tau, the rollout seconds the served drafters
 saved, cumulative, at one price for both runs (`common_price`: the median of every step's timing
 in either run; each run decides on its own timings, as the pipeline does), the net (saved less
-training) and `keep`, the staleness each step's records give the next decision.
+training) and `keep`, the staleness each step's records give the next decision. `trainings_ratio`
+is the decisions' share alone: identical trainings count different CPU-seconds when other work
+contends for the machine's caches (up to a fifth apart, measured). `age_profile`: every drafter
+`interval` trained from the warm-up's last step on, decoding the last trained step's held-out
+prompts, tau by age on one policy (what a drafter trained a steps earlier serves), with `keep`
+fitted to it with and without the age-0 drafter: the staleness a skipped training lets in,
+measured directly, against the `keep` the rule reads from each step's few drafters.
 
 The regime (`--rollout-to-training`, `--drift`) is argued from production, not searched for:
 
@@ -32,7 +38,7 @@ The regime (`--rollout-to-training`, `--drift`) is argued from production, not s
   source; ReSpec reports over 75%), 4,080 GPU-seconds, against a drafter training of 80
   GPU-seconds (docs/storage.md's projection, `train.max_tokens` 4M): 51. Their plain-decoding
   equivalent, the t * N the saving formula multiplies, is larger by the speedup the fleet
-  already has (about 2 at tau 3), which makes training dearer to skip. The toy's own step
+  already has (2.3 at tau 3), which makes training dearer to skip. The toy's own step
   generates about 5,000 tokens, under a CPU-second, against a training of 10-40 CPU-seconds, so
   its rollouts are priced at `rollout_scale` times the toy's: chosen after the `interval` run so
   that the median step's rollouts cost 50 times the mean of that run's trainings after the
@@ -67,7 +73,8 @@ decides with) over 40 steps for a grid of staleness and rollout-to-training rati
 that goal can hold at all: a drafter that keeps little of its acceptance per step loses most of a
 skipped step's saving, so no schedule trains less at the same saving, and where a training costs
 a small share of a step's rollouts it pays unless drafters keep nearly all of their acceptance.
-`model` replays it at this invocation's measured keep and ratio.
+`model` replays it at this invocation's ratio and the median `keep` the `cost` run read,
+`model_from_age_1` at the age profile's `keep` of drafters one step old or more.
 
     python -m benchmarks.schedule [--warmup 4] [--steps 8] [--rollout-to-training 50 | --rollout-scale X]
         [--drift 0.03] [--price h100|measured] [--seed N]
@@ -267,14 +274,17 @@ class Window:
         served = [r for r in rows if self.first_training < r["step"] <= self.last_training + 1]
         training_s = sum(r["training_s"] for r in trainings)
         saved_s = sum(price.saved_seconds(r["tau_served"], r["rollout_tokens"]) for r in served if r["decoding"])
-        return {"trained_steps": [r["step"] for r in trainings if r["trained"]],
-                "training_s": round(training_s, 2), "saved_s": round(saved_s, 2),
-                "net_s": round(saved_s - training_s, 2)}
+        trained = [r["step"] for r in trainings if r["trained"]]
+        return {"trained_steps": trained, "trainings": len(trained), "training_s": round(training_s, 2),
+                "saved_s": round(saved_s, 2), "net_s": round(saved_s - training_s, 2)}
 
 
 def ratios(interval: dict, cost: dict) -> dict:
-    """cost over interval: training seconds, and saved seconds where interval's saving is positive."""
-    return {"training_s_ratio": round(cost["training_s"] / interval["training_s"], 3) if interval["training_s"]
+    """cost over interval: trainings, training seconds, and saved seconds where interval's saving is positive.
+    The trainings' ratio is the decisions' alone: identical trainings count different CPU-seconds on a machine
+    whose other work contends for its caches and memory bandwidth."""
+    return {"trainings_ratio": round(cost["trainings"] / interval["trainings"], 3) if interval["trainings"] else None,
+            "training_s_ratio": round(cost["training_s"] / interval["training_s"], 3) if interval["training_s"]
             else None,
             "saved_s_ratio": round(cost["saved_s"] / interval["saved_s"], 3) if interval["saved_s"] > 0 else None,
             "net_s_vs_interval": round(cost["net_s"] - interval["net_s"], 2)}

@@ -27,9 +27,9 @@ def test_a_window_pairs_its_trainings_with_the_steps_their_drafters_serve():
     """Steps 3-5's decisions serve steps 4-6: step 3's saving belongs to the warm-up's last training, step 6's to
     step 5's decision, and the untrained last step adds no training."""
     measured = Window(3, 5).totals(ROWS, PRICE)
-    assert measured == {"trained_steps": [3, 5], "training_s": 22.0, "saved_s": 20.0, "net_s": -2.0}
+    assert measured == {"trained_steps": [3, 5], "trainings": 2, "training_s": 22.0, "saved_s": 20.0, "net_s": -2.0}
     whole = Window(1, 5).totals(ROWS, PRICE)  # step 1 served nothing: no timing, no saving
-    assert whole == {"trained_steps": [1, 2, 3, 5], "training_s": 62.0, "saved_s": 32.5, "net_s": -29.5}
+    assert whole == {"trained_steps": [1, 2, 3, 5], "trainings": 4, "training_s": 62.0, "saved_s": 32.5, "net_s": -29.5}
 
 
 def test_the_rollout_scale_prices_the_median_step_at_the_ratio_to_the_mean_training():
@@ -42,15 +42,16 @@ def test_the_rollout_scale_prices_the_median_step_at_the_ratio_to_the_mean_train
 
 
 def test_ratios_and_the_goal():
-    interval = {"training_s": 100.0, "saved_s": 1000.0, "net_s": 900.0}
-    figures = ratios(interval, {"training_s": 60.0, "saved_s": 950.0, "net_s": 890.0})
-    assert figures == {"training_s_ratio": 0.6, "saved_s_ratio": 0.95, "net_s_vs_interval": -10.0}
+    interval = {"trainings": 10, "training_s": 100.0, "saved_s": 1000.0, "net_s": 900.0}
+    figures = ratios(interval, {"trainings": 5, "training_s": 60.0, "saved_s": 950.0, "net_s": 890.0})
+    assert figures == {"trainings_ratio": 0.5, "training_s_ratio": 0.6, "saved_s_ratio": 0.95,
+                       "net_s_vs_interval": -10.0}
     assert goal_met(figures)
-    assert not goal_met(ratios(interval, {"training_s": 61.0, "saved_s": 990.0, "net_s": 929.0}))
-    assert not goal_met(ratios(interval, {"training_s": 50.0, "saved_s": 949.0, "net_s": 899.0}))
+    assert not goal_met(ratios(interval, {"trainings": 5, "training_s": 61.0, "saved_s": 990.0, "net_s": 929.0}))
+    assert not goal_met(ratios(interval, {"trainings": 5, "training_s": 50.0, "saved_s": 949.0, "net_s": 899.0}))
     # interval saved nothing: no ratio of savings, and no goal met on it
-    lost = ratios({"training_s": 100.0, "saved_s": -5.0, "net_s": -105.0},
-                  {"training_s": 0.0, "saved_s": -5.0, "net_s": -5.0})
+    lost = ratios({"trainings": 10, "training_s": 100.0, "saved_s": -5.0, "net_s": -105.0},
+                  {"trainings": 0, "training_s": 0.0, "saved_s": -5.0, "net_s": -5.0})
     assert lost["saved_s_ratio"] is None
     assert not goal_met(lost)
 
