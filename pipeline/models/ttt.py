@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from functools import cache
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -72,7 +73,9 @@ class TTTCache:
         return attn
 
 
-BAND_CHUNK = 64  # queries per chunk: at the demo's shapes 16 to 128 cost the same; wider bands waste more
+# Queries per chunk: a larger chunk widens every band (W = C + lookback), a smaller one adds chunks;
+# at the demo's shapes 16 to 128 cost the same.
+BAND_CHUNK = 64
 # The band where it scores at most this share of the dense block: its padding and copies cost about
 # a tenth more per score than the dense path's (measured on the CPU at N 250 to 1,000).
 BAND_MAX_SHARE = 0.8
@@ -123,13 +126,12 @@ class TTTBand:
     def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
         """(B, heads, N, D) -> (B, heads, chunks, C, D), zero padded."""
         B, heads, n, D = x.shape
-        return torch.nn.functional.pad(x, (0, 0, 0, self.chunks * self.chunk - n)).view(B, heads, self.chunks,
-                                                                                         self.chunk, D)
+        return F.pad(x, (0, 0, 0, self.chunks * self.chunk - n)).view(B, heads, self.chunks, self.chunk, D)
 
     def to_bands(self, x: torch.Tensor) -> torch.Tensor:
         """(B, heads, N, D) -> (B, heads, chunks, W, D): each chunk's band, views of one padded copy."""
         n = x.shape[2]
-        padded = torch.nn.functional.pad(x, (0, 0, self.lookback, self.chunks * self.chunk - n))
+        padded = F.pad(x, (0, 0, self.lookback, self.chunks * self.chunk - n))  # (B, heads, lookback + Np, D)
         return padded.unfold(2, self.width, self.chunk).transpose(-1, -2)  # (B, heads, chunks, D, W) -> W, D
 
 
