@@ -449,6 +449,8 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
         if source == "trl":
             rl.finish()  # TRL's last optimizer step
         fleet_state = read_fleet_state(store, cfg.run).replicas if with_fleet else ()
+        # a refresh that reached the fleet after its step's row was taken (the first step's, by a cold start)
+        rows = [{**r, **report.tail_fields(store, cfg.run, r["step"])} for r in rows]
     finally:
         paced.stop(timeout=0)
         if refreshes:

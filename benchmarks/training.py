@@ -28,6 +28,7 @@ measured in the same run (8192^3 matmuls).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -44,13 +45,19 @@ if TYPE_CHECKING:  # imported where used: the GPU path needs only torch and the 
     from pipeline.training.window import DeviceBatch
 
 REPEATS = 2
+TTT_ROUNDS = 5  # rounds of the banded and the dense TTT attention's trainings, alternating in one process
 PAIRED_REPEATS = 7  # rounds of DDP and FSDP2 trainings, alternating in the same two processes
 # The paired arms: data parallel, FSDP2 as `train.fsdp_units: auto` shards the demo's drafter (one unit,
 # gathered once a step), and FSDP2 with a unit per decoder layer (the least memory within a step).
 PAIRED_ARMS = (("ddp", "auto"), ("fsdp", "auto"), ("fsdp", "layer"))
 
 
-def _demo_setup():
+def _demo_setup(lognormal: bool = False, steps: int | None = None):
+    """The demo's target, a fresh drafter and `steps` RL steps of its training rollouts (default
+    `train.buffer_steps`): every response `simulation.response_len` long, or (`lognormal`) of the
+    lengths the simulation draws (median 0.4 of it, sigma 0.5, capped at it)."""
+    import math
+
     import torch
 
     from pipeline.config import load_config
@@ -64,9 +71,14 @@ def _demo_setup():
     target = target_lib.build_target(
         target_lib.tiny_llama_config(sim.vocab_size, sim.hidden_size, sim.num_layers, sim.num_heads), sim.seed)
     per_step = sim.rollouts_per_step - round(sim.rollouts_per_step * cfg.eval.held_out_fraction)
-    n, length = per_step * cfg.train.buffer_steps, sim.prompt_len + sim.response_len
+    n, length = per_step * (steps or cfg.train.buffer_steps), sim.prompt_len + sim.response_len
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, sim.vocab_size, (n, length), generator=g)
+    responses = [sim.response_len] * n
+    if lognormal:  # as `SimulatedRL.response_lengths` draws them
+        median = math.log(sim.response_len_median * sim.response_len)
+        responses = [max(1, min(sim.response_len, round(math.exp(median + sim.response_len_sigma * float(z)))))
+                     for z in torch.randn(n, generator=g, dtype=torch.float64)]
     drafter = drafters.fresh_drafter(cfg.drafter, target, torch.bincount(ids.flatten(), minlength=sim.vocab_size),
                                      cfg.train.seed)
     drafter.attach(target)
@@ -74,7 +86,9 @@ def _demo_setup():
     with torch.no_grad():
         layers = target_forward.forward(target, ids, layer_ids).layers  # (n, T, layers, H)
     mask = torch.cat([torch.zeros(sim.prompt_len), torch.ones(sim.response_len)]).long()
-    samples = [(ids[i], layers[i].flatten(1), mask) for i in range(n)]
+    # A causal target: a rollout's states are its prefix of the full-length forward's.
+    ends = [sim.prompt_len + r for r in responses]
+    samples = [(ids[i, :end], layers[i, :end].flatten(1), mask[:end]) for i, end in enumerate(ends)]
     return cfg, target, drafter, InMemoryDataset(samples)
 
 
@@ -132,6 +146,72 @@ def _cpu_rank(rank: int, world: int, port: int, out: str, arms: tuple[tuple[str,
             Path(out).write_text(json.dumps({"runs": results, "load_average": load}))
     finally:
         destroy_process_group()
+
+
+@contextlib.contextmanager
+def _dense_ttt():
+    """`eagle3_loss` with the dense `TTTCache` in place of the cache `ttt_cache` picks: the baseline."""
+    from pipeline.models.ttt import TTTCache
+    from pipeline.training import losses
+
+    picked = losses.ttt_cache
+    losses.ttt_cache = lambda document_ids: TTTCache()
+    try:
+        yield
+    finally:
+        losses.ttt_cache = picked
+
+
+def ttt_attention(rounds: int = TTT_ROUNDS) -> dict:
+    """The demo's EAGLE-3 training on the CPU (one thread, one RL step's rollouts of the simulation's
+    lognormal lengths, 16 packed per step, about 55 positions each), with the TTT attention
+    `ttt_cache` picks there (`BandTTTCache`) against the dense `TTTCache` (`_dense_ttt`): two-epoch
+    trainings, alternating in `rounds` rounds in this process after a warm-up of each. Each figure
+    is the median over the rounds of the band's over the same round's dense training, in tokens/s
+    (`banded_vs_dense_ttt_ratio`) and in tokens per CPU-second (`_cpu_ratio`, which other work on the
+    machine disturbs less), with the spread beside it; the final losses agree to float noise."""
+    import copy
+
+    import torch
+
+    from pipeline.models.ttt import BandTTTCache, ttt_cache
+    from pipeline.training.loop import train_drafter
+    from pipeline.training.window import pack
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg, target, drafter, data = _demo_setup(lognormal=True, steps=1)
+        teacher = drafter.teacher(target)
+        first = pack(data.load(list(range(cfg.train.batch_size_per_gpu))), cfg.train.window_tokens)
+        assert isinstance(ttt_cache(first.document_ids), BandTTTCache), "the demo's batches attend in a band"
+
+        def train(dense: bool, epochs: int):
+            settings = cfg.train.model_copy(update={"epochs": epochs})
+            with _dense_ttt() if dense else contextlib.nullcontext():
+                cpu = time.process_time()
+                result = train_drafter(copy.deepcopy(drafter), data, settings, teacher=teacher)
+            return result, time.process_time() - cpu
+
+        for dense in (False, True):
+            train(dense, 1)
+        runs: dict[str, list] = {"band": [], "dense": []}
+        for round_ in range(rounds):
+            for arm in ("band", "dense") if round_ % 2 == 0 else ("dense", "band"):
+                runs[arm].append(train(arm == "dense", 2))
+    finally:
+        torch.set_num_threads(threads)
+    walls = [(b.tokens / b.wall_s) / (d.tokens / d.wall_s) for (b, _), (d, _) in zip(runs["band"], runs["dense"],
+                                                                                       strict=True)]
+    cpus = [d_cpu / b_cpu for (_, b_cpu), (_, d_cpu) in zip(runs["band"], runs["dense"], strict=True)]
+    (wall, wall_spread), (cpu, cpu_spread) = _median_and_spread(walls), _median_and_spread(cpus)
+    band, dense = runs["band"][0][0], runs["dense"][0][0]
+    return {"ttt_rounds": rounds, "ttt_tokens_per_step": first.num_tokens,
+            "banded_ttt_tokens_per_s": max(r.tokens / r.wall_s for r, _ in runs["band"]),
+            "dense_ttt_tokens_per_s": max(r.tokens / r.wall_s for r, _ in runs["dense"]),
+            "banded_vs_dense_ttt_ratio": wall, "banded_vs_dense_ttt_ratio_spread": wall_spread,
+            "banded_vs_dense_ttt_cpu_ratio": cpu, "banded_vs_dense_ttt_cpu_ratio_spread": cpu_spread,
+            "banded_vs_dense_ttt_loss_abs_diff": abs(band.loss - dense.loss)}
 
 
 def _arm_name(arm: tuple[str, str]) -> str:
@@ -391,12 +471,14 @@ def _checkpoint_mb(drafter) -> float:
 def run() -> dict:
     single = max(_cpu_runs(1, (("ddp", "auto"),), REPEATS)["runs"]["ddp"], key=lambda r: r["tokens_per_s"])
     sharding = paired()
+    attention = ttt_attention()
     checkpoints = checkpoint_cost()
     gpu_result = gpu()
     return {
         "cpu_tokens_per_s": single["tokens_per_s"],
         "ddp2_speedup": sharding["ddp2_tokens_per_s"] / single["tokens_per_s"],
         **sharding,
+        **attention,
         **checkpoints,
         "reference_drafters": reference_decisions(),
         "cpu_iterations": single["iterations"],
@@ -438,12 +520,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="only the GPU measurement (needs only torch, transformers, safetensors and pyarrow)")
     parser.add_argument("--paired", type=int, metavar="ROUNDS", default=0,
                         help="only FSDP2 against DDP on two gloo ranks, this many rounds")
+    parser.add_argument("--ttt", type=int, metavar="ROUNDS", default=0,
+                        help="only the banded TTT attention against the dense one, this many rounds")
     args = parser.parse_args(argv)
     if args.gpu:
         gpu_result = gpu()
         result = {"gpu_mfu": gpu_result["mfu"] if gpu_result else None, "gpu": gpu_result}
     elif args.paired:
         result = paired(args.paired)
+    elif args.ttt:
+        result = ttt_attention(args.ttt)
     else:
         result = run()
     sys.stdout.write(json.dumps(result, indent=2) + "\n")

@@ -107,8 +107,6 @@ def refresh_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResour
         return dg.SkipReason("refresh.enabled, but there is no fleet to refresh (fleet.driver none) or drafter "
                              "training is off (train.enable_drafter_training false)")
     last = int(context.cursor) if context.cursor else 0
-    if pipeline.registry().alias_version("champion") is None:  # a refresh fine-tunes the champion
-        return dg.SkipReason("no `champion` drafter to refresh yet: the first step's own training makes one")
     # One refresh at a time per run: while one is queued or running, the next waits for it (its request comes
     # on a later tick, for the newest step that qualifies by then).
     running = context.instance.get_runs(dg.RunsFilter(job_name=refresh_job.name, statuses=IN_PROGRESS), limit=1)

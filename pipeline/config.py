@@ -103,7 +103,7 @@ class TrainConfig(_Strict):
     ploss_weight: float = Field(default=0.5, ge=0, description="Weight of the soft cross-entropy token loss.")
     epochs: int = Field(default=20, ge=1, description="Most passes over the buffer per training run.")
     warm_start_epochs: int = Field(
-        default=6, ge=0,
+        default=12, ge=0,
         description="Most passes over the buffer of a training that starts from a drafter (the champion, or "
                     "drafter.warm_start): it knows the policy of the steps before and catches up on the newest; "
                     "0 = train.epochs. A fresh drafter trains train.epochs.",

@@ -18,6 +18,14 @@ expected rollouts (or `refresh.min_tokens` response tokens), a refresh:
 
     refresh/<run>/step-000123.json    the RefreshRecord (records.py)
 
+Before the first champion, a refresh starts from the drafter the fleet runs (an earlier refresh's),
+and with none a fresh drafter trains at the step's own budget (`train.epochs` at `train.optim.lr`,
+within `train.max_tokens`: a fine-tune's few thousand positions leave a fresh drafter untrained).
+That is the first step's: an asynchronous trainer starts the second step as the first ends, and the
+first step's own training and deploy outlast a step, so without it the fleet would serve no drafter
+through the second step; a refresh trained on the first step's head serves it. Its check compares
+with the drafter it started from, or decides on its own tau when it started fresh.
+
 The refresh registers an MLflow version tagged `refresh_step` and `refresh_part`, and moves no
 alias but `live` (through the deploy): the step's own training is decided, trained, promoted and
 deployed as if no refresh had run.
@@ -60,29 +68,36 @@ def part_rollouts(store: ObjectStore, run: str, step: int, parts: tuple[int, ...
     return [r for p in sorted(parts) for r in parts_lib.read_part(store, run, step, manifests[p], step_parts.limits)]
 
 
-def refresh_config(cfg: PipelineConfig) -> PipelineConfig:
-    """The step's training settings with the refresh's budget: `refresh.max_tokens` positions at `refresh.lr`,
-    no resumable checkpoints (a refresh lasts seconds; a killed one is simply not deployed)."""
-    train = cfg.train.model_copy(update={
-        "max_tokens": cfg.refresh.max_tokens, "checkpoint_every": 0, "min_samples": 1,
-        "optim": cfg.train.optim.model_copy(update={"lr": cfg.refresh.lr, "lr_warmup_steps": REFRESH_WARMUP_STEPS}),
-    })
-    return cfg.model_copy(update={"train": train})
+def refresh_config(cfg: PipelineConfig, fresh: bool = False) -> PipelineConfig:
+    """The step's training settings with the refresh's budget: `refresh.max_tokens` positions at `refresh.lr`
+    (`fresh`: the step's own budget, for a drafter that starts from nothing), no resumable checkpoints (a
+    refresh lasts seconds; a killed one is simply not deployed)."""
+    update: dict = {"checkpoint_every": 0, "min_samples": 1}
+    if not fresh:
+        update.update(max_tokens=cfg.refresh.max_tokens, optim=cfg.train.optim.model_copy(
+            update={"lr": cfg.refresh.lr, "lr_warmup_steps": REFRESH_WARMUP_STEPS}))
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update=update)})
+
+
+def starting_version(registry: DrafterRegistry) -> str | None:
+    """The drafter a refresh fine-tunes: the champion, else the one the fleet runs (an earlier refresh's);
+    None: a fresh drafter."""
+    return registry.alias_version("champion") or registry.alias_version("live")
 
 
 def training_job(store: ObjectStore, cfg: PipelineConfig, q: Qualified, registry: DrafterRegistry,
                  tags: dict[str, str]) -> TrainJob:
-    """The training process's job: the champion fine-tuned on the refresh's buffer."""
+    """The training process's job: the champion (`starting_version`) fine-tuned on the refresh's buffer."""
     from pipeline.data.buffer import read_buffer
 
     data_run = refresh_data_run(cfg.run, q.step, q.part)
-    tuned = refresh_config(cfg)
+    start = starting_version(registry)
+    tuned = refresh_config(cfg, fresh=start is None)
     entries = list(read_buffer(store, data_run, q.step).entries)
     identity = input_identity(tuned, entries, q.pointer.checkpoint_uri, f"refresh of part {q.part}")
     spec = RefreshSpec(q.part, data_run, q.pointer.checkpoint_uri, q.pointer.policy_version, q.pointer.model_id)
     return TrainJob(q.step, tuned.model_dump(mode="json"), registry.unfinished_run({"input_id": identity}), identity,
-                    f"refresh on {q.rows} rollouts of parts {list(q.parts)}", registry.alias_version("champion"),
-                    tags, None, spec)
+                    f"refresh on {q.rows} rollouts of parts {list(q.parts)}", start, tags, None, spec)
 
 
 def seen_step(registry: DrafterRegistry, version: str) -> tuple[int, int]:

@@ -6,8 +6,9 @@ One process does a refresh's model work, in order (`pipeline.refresh` says what 
 
     extract   the qualifying parts' captured rollouts through the step's policy, into the refresh's
               own namespace (keys.refresh_data_run)
-    train     the champion fine-tuned on them: `cotrain.run_training`, as every training, on one rank
-    check     it and the champion on the parts' held-out rollouts, against the step's policy
+    train     the champion fine-tuned on them (`refresh.starting_version`; before any drafter, a fresh
+              one): `cotrain.run_training`, as every training, on one rank
+    check     it and the drafter it started from on the parts' held-out rollouts, against the step's policy
 
 It writes the refresh's record (not yet deployed) and reports the materialization over Pipes; the
 asset then deploys it, fenced, from the run process, which runs no model. One rank: a refresh
@@ -84,7 +85,8 @@ class RefreshCheck:
 
 def check(store: ObjectStore, cfg: PipelineConfig, q: Qualified, registry: DrafterRegistry, version: str,
           champion: str | None) -> RefreshCheck:
-    """Tau of the refreshed drafter and of the champion on the held-out rollouts of the qualifying parts."""
+    """Tau of the refreshed drafter and of `champion`, the drafter it started from (None: it started fresh), on
+    the held-out rollouts of the qualifying parts."""
     rollouts = held_out_rollouts(refresh_lib.part_rollouts(store, cfg.run, q.step, q.parts, q.step_parts),
                                  cfg.eval.held_out_fraction)[: min(cfg.eval.num_prompts, cfg.refresh.check_prompts)]
     if not rollouts:
@@ -94,12 +96,12 @@ def check(store: ObjectStore, cfg: PipelineConfig, q: Qualified, registry: Draft
     new, old = taus[version], taus.get(champion) if champion else None
     margin = cfg.refresh.margin
     if old is None:
-        return RefreshCheck(new, None, len(prompts), True, f"no champion; refreshed tau {new:.3f}")
+        return RefreshCheck(new, None, len(prompts), True, f"started fresh; refreshed tau {new:.3f}")
     if new > old + margin:
         return RefreshCheck(new, old, len(prompts), True,
-                            f"refreshed tau {new:.3f} > champion tau {old:.3f} + refresh.margin {margin}")
+                            f"refreshed tau {new:.3f} > v{champion}'s tau {old:.3f} + refresh.margin {margin}")
     return RefreshCheck(new, old, len(prompts), False,
-                        f"refreshed tau {new:.3f} <= champion tau {old:.3f} + refresh.margin {margin}")
+                        f"refreshed tau {new:.3f} <= v{champion}'s tau {old:.3f} + refresh.margin {margin}")
 
 
 def run_refresh(job: StageJob, progress: Callable[[str], None]) -> tuple[RefreshRecord, int, StagePlacement]:
@@ -114,7 +116,9 @@ def run_refresh(job: StageJob, progress: Callable[[str], None]) -> tuple[Refresh
     samples = extract(store, cfg, q)
     extracted_at = time.time()
     train_job = refresh_lib.training_job(store, cfg, q, registry, job.tags)
-    progress(f"fine-tuning champion v{train_job.warm_start_version} on {samples} samples of parts {list(q.parts)}")
+    start = train_job.warm_start_version
+    progress(f"{f'fine-tuning v{start}' if start else 'training a fresh drafter'} on {samples} samples of parts "
+             f"{list(q.parts)}")
     outcome = run_training(train_job, DistContext(), progress)
     trained_at = time.time()
     version = registry.find_version({"input_id": train_job.input_id})

@@ -41,7 +41,7 @@ from pipeline.models.layers import default_aux_layer_ids  # noqa: F401 - the kin
 from pipeline.models.layers import eagle3_stored_layer_ids as stored_layer_ids
 from pipeline.models.rope import RotaryEmbedding, apply_rotary
 from pipeline.models.teacher import Teacher
-from pipeline.models.ttt import FlexTTTCache, TTTCache
+from pipeline.models.ttt import BandTTTCache, FlexTTTCache, TTTCache
 
 if TYPE_CHECKING:
     from pipeline.data.shards import HiddenSample
@@ -114,7 +114,7 @@ class Eagle3Attention(nn.Module):
         hidden_states: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        cache: TTTCache | FlexTTTCache | LayerCache,
+        cache: TTTCache | BandTTTCache | FlexTTTCache | LayerCache,
     ) -> torch.Tensor:
         """
         hidden_states:  (B, Nq, 2H)
@@ -154,7 +154,7 @@ class Eagle3DecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        cache: TTTCache | FlexTTTCache | LayerCache,
+        cache: TTTCache | BandTTTCache | FlexTTTCache | LayerCache,
     ) -> torch.Tensor:
         """
         inputs_embeds:  (B, Nq, H) embeddings of the tokens
@@ -311,7 +311,7 @@ class Eagle3Drafter(nn.Module):
         hidden_states: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        cache: TTTCache | FlexTTTCache | LayerCache,
+        cache: TTTCache | BandTTTCache | FlexTTTCache | LayerCache,
     ) -> torch.Tensor:
         """One TTT step (training), or one decoding call (a LayerCache).
 

@@ -1,4 +1,4 @@
-"""Training-time-test (TTT) attention: the keys of one EAGLE-3 unroll, and two ways to attend them.
+"""Training-time-test (TTT) attention: the keys of one EAGLE-3 unroll, and three ways to attend them.
 
 Step k's query at position t sees step 0's keys at positions <= t of its own document, and the
 keys of steps 1..k at t itself; its rotary phase is t + k. Laid out as one key sequence of
@@ -9,7 +9,18 @@ N columns and a diagonal on each later block:
     query t      same document, col <= t    col t              col t
 
 * `TTTCache` (any device) scores the first block densely, (B, heads, N, N), and adds the
-  diagonal terms one dot product each: simple, and the reference for the other.
+  diagonal terms one dot product each: simple, and the reference for the others.
+* `BandTTTCache` (CPU) scores only a band of the first block. Documents are contiguous and
+  causal, so query t needs step 0's keys in [start of t's document, t]. The queries go in chunks
+  of C positions; each chunk scores the W = C + lookback keys that end at its own end, lookback
+  being the furthest any chunk's first query reaches back to its document's start:
+
+                 step 0 keys, in chunks of C             the band of chunk c: W keys
+    chunk c      ..........[ lookback | c's C keys ]...   (B, heads, chunks, C, W) scores
+
+  A packed batch of short documents (the demo's: 16 of about 55 positions) scores about W / N of
+  the dense block (~15%). A batch whose band is as wide as the sequence (one long document) saves
+  little (over `BAND_MAX_SHARE` of the dense block), and `ttt_cache` gives it the dense `TTTCache`.
 * `FlexTTTCache` (CUDA) hands the whole sequence to FlexAttention with a block mask, so the
   kernel visits only the 128 x 128 tiles the mask touches (about a causal attention over the
   documents) and never materialises scores or probabilities.
@@ -22,6 +33,7 @@ from dataclasses import dataclass, field
 from functools import cache
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -59,6 +71,110 @@ class TTTCache:
         for i, v in enumerate(self.values):
             attn = attn + probs[..., n0 + i, None] * v
         return attn
+
+
+# Queries per chunk: a larger chunk widens every band (W = C + lookback), a smaller one adds chunks;
+# at the demo's shapes 16 to 128 cost the same.
+BAND_CHUNK = 64
+# The band where it scores at most this share of the dense block: its padding and copies cost about
+# a tenth more per score than the dense path's (measured on the CPU at N 250 to 1,000).
+BAND_MAX_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class TTTBand:
+    """Where each chunk of queries looks among step 0's keys: the band geometry of `BandTTTCache`."""
+
+    length: int  # N positions
+    chunk: int  # C queries per chunk; the last chunk is padded to C
+    lookback: int  # keys before its own C that every chunk scores
+    mask: torch.Tensor  # (B, 1, chunks, C, W) bool: key in the query's document, at or before it
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.length // self.chunk)
+
+    @property
+    def width(self) -> int:
+        return self.chunk + self.lookback  # W keys per chunk
+
+    @property
+    def saves_work(self) -> bool:
+        """At most `BAND_MAX_SHARE` of the dense block's N x N (query, key) scores."""
+        return self.chunks * self.chunk * self.width <= BAND_MAX_SHARE * self.length**2
+
+    @classmethod
+    def of(cls, document_ids: torch.Tensor, chunk: int = BAND_CHUNK) -> TTTBand:
+        """The band of documents `document_ids` (B, N), each a contiguous run of positions."""
+        B, n = document_ids.shape
+        chunks = -(-n // chunk)
+        padded = chunks * chunk
+        position = torch.arange(padded, device=document_ids.device)  # (Np,)
+        starts = torch.ones(B, padded, dtype=torch.bool, device=document_ids.device)  # (B, Np)
+        # a padding position is a document of its own, so that its (discarded) row softmaxes over itself
+        starts[:, 1:n] = document_ids[:, 1:] != document_ids[:, :-1]
+        doc_start = torch.where(starts, position, 0).cummax(dim=1).values  # (B, Np) start of t's document
+        lookback = int((position[::chunk] - doc_start[:, ::chunk]).max())
+        width = chunk + lookback
+        key_position = torch.arange(-lookback, padded, device=document_ids.device)  # (lookback + Np,)
+        key_position = key_position.unfold(0, width, chunk)  # (chunks, W) the keys of each chunk's band
+        query_position = position.view(chunks, chunk, 1)  # (chunks, C, 1)
+        query_start = doc_start.view(B, chunks, chunk, 1)  # (B, chunks, C, 1)
+        mask = (key_position[:, None, :] <= query_position) & (key_position[:, None, :] >= query_start)
+        return cls(n, chunk, lookback, mask.unsqueeze(1))  # (B, 1, chunks, C, W)
+
+    def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, heads, N, D) -> (B, heads, chunks, C, D), zero padded."""
+        B, heads, n, D = x.shape
+        return F.pad(x, (0, 0, 0, self.chunks * self.chunk - n)).view(B, heads, self.chunks, self.chunk, D)
+
+    def to_bands(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, heads, N, D) -> (B, heads, chunks, W, D): each chunk's band, views of one padded copy."""
+        n = x.shape[2]
+        padded = F.pad(x, (0, 0, self.lookback, self.chunks * self.chunk - n))  # (B, heads, lookback + Np, D)
+        return padded.unfold(2, self.width, self.chunk).transpose(-1, -2)  # (B, heads, chunks, D, W) -> W, D
+
+
+@dataclass
+class BandTTTCache:
+    """Eager TTT attention over a band of step 0's keys (`TTTBand`) and the diagonal ones of later
+    steps: `TTTCache`'s result, without scoring the pairs its mask would drop."""
+
+    band: TTTBand
+    key0: torch.Tensor | None = None  # (B, heads, chunks, W, D) each chunk's band of keys
+    value0: torch.Tensor | None = None
+    keys: list[torch.Tensor] = field(default_factory=list)  # each (B, heads, chunks, C, D)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        return 0 if self.key0 is None else 1 + len(self.keys)
+
+    position_offset = step  # the rotary phase of the step about to attend: the steps before it
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """query/key/value (B, heads, N, D) of this step -> (B, heads, N, D); `attention_mask` is not
+        read (the band's mask stands for it)."""
+        band = self.band
+        if self.key0 is None:
+            self.key0, self.value0 = band.to_bands(key), band.to_bands(value)
+        else:
+            self.keys.append(band.to_chunks(key))
+            self.values.append(band.to_chunks(value))
+        B, heads, n, D = query.shape
+        scale = 1.0 / math.sqrt(D)
+        query = band.to_chunks(query)  # (B, heads, chunks, C, D)
+        block = (query @ self.key0.transpose(-1, -2)) * scale  # (B, heads, chunks, C, W)
+        block = block.masked_fill(~band.mask, torch.finfo(block.dtype).min)
+        diagonal = [(query * k).sum(-1, keepdim=True) * scale for k in self.keys]  # each (B, heads, chunks, C, 1)
+        scores = torch.cat([block, *diagonal], dim=-1)  # (B, heads, chunks, C, W + steps)
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(value.dtype)
+        attn = probs[..., : band.width] @ self.value0  # (B, heads, chunks, C, D)
+        for i, v in enumerate(self.values):
+            attn = attn + probs[..., band.width + i, None] * v
+        return attn.view(B, heads, -1, D)[:, :, :n]  # (B, heads, N, D)
 
 
 @cache
@@ -116,7 +232,11 @@ class FlexTTTCache:
         return _flex_attention()(query, keys, values, block_mask=block_mask)
 
 
-def ttt_cache(document_ids: torch.Tensor) -> TTTCache | FlexTTTCache:
+def ttt_cache(document_ids: torch.Tensor) -> TTTCache | BandTTTCache | FlexTTTCache:
     """The cache a training unroll over documents `document_ids` (B, N) uses: FlexAttention on a
-    GPU, the eager version elsewhere (FlexAttention on a CPU compiles C++ at run time)."""
-    return FlexTTTCache(document_ids) if document_ids.is_cuda else TTTCache()
+    GPU; elsewhere (FlexAttention on a CPU compiles C++ at run time) the band, or the dense block
+    where the band would score as much."""
+    if document_ids.is_cuda:
+        return FlexTTTCache(document_ids)
+    band = TTTBand.of(document_ids)
+    return BandTTTCache(band) if band.saves_work else TTTCache()

@@ -106,6 +106,52 @@ def test_a_refresh_changes_the_fleets_drafter_mid_step(tmp_path: Path) -> None:
         driver.stop_all(deploy.replicas(cfg))
 
 
+@pytest.mark.slow
+def test_the_first_steps_refresh_trains_a_fresh_drafter_until_the_steps_own_replaces_it(tmp_path: Path) -> None:
+    """No champion yet: step 1's head trains a fresh drafter at the step's own budget (not the fine-tune's), the
+    replicas start with it and serve it; step 1's own training, promoted, replaces it."""
+    path = write_config(tmp_path, REFRESH)
+    cfg = load_config(path)
+    store, registry = open_store(cfg), open_registry(cfg)
+    source = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
+    defs = build_definitions(str(path))
+    driver = StandInDriver(cfg.eval.num_speculative_tokens, cfg.data_path / "fleet" / "replicas")
+    try:
+        with dg.instance_for_test() as instance:
+            generated = source.generate_step(1)
+            slices = [p for p, rows in enumerate(parts_lib_finish(generated, cfg.simulation.parts_per_step)) if rows]
+            head, tail = _split_at_share(generated, slices, cfg.refresh.min_share, cfg.simulation.parts_per_step)
+            source.publish_parts(generated, only=set(head))
+            [request] = _refresh_tick(defs, instance, None).run_requests
+            assert request.run_key == "refresh:step-000001"
+            assert defs.resolve_job_def("refresh_job").execute_in_process(
+                instance=instance, run_config=request.run_config, tags=request.tags).success
+
+            record = read_refresh(store, cfg.run, 1)
+            assert record.warm_start_version is None
+            assert record.tau_champion is None
+            assert record.decision.startswith("started fresh; refreshed tau"), record.decision
+            assert record.deployed, record.decision
+            params = registry.client.get_run(
+                registry.client.get_model_version(cfg.mlflow.model_name, record.version).run_id).data.params
+            assert (params["warm_start_version"], params["epochs"], params["max_tokens"], params["optim.lr"]) == (
+                "none", str(cfg.train.epochs), str(cfg.train.max_tokens), str(cfg.train.optim.lr))
+            state = read_fleet_state(store, cfg.run)
+            assert {(r.version, r.update) for r in state.replicas} == {(record.version, "restart")}
+            assert registry.alias_version("champion") is None  # the refresh moves no alias but `live`
+            assert registry.alias_version("live") == record.version
+
+            source.publish_parts(generated, only=set(tail))
+            parts_lib.commit_parts(store, cfg.run, 1)
+            assert _pipeline_tick(_SensorTicks(instance, defs), True, lambda _: None)
+            champion = registry.alias_version("champion")
+            assert champion not in (None, record.version)
+            assert registry.version_tags(champion)["warm_start_version"] == "none"  # the step's own starts fresh too
+            assert read_fleet_state(store, cfg.run).version == champion
+    finally:
+        driver.stop_all(deploy.replicas(cfg))
+
+
 def parts_lib_finish(generated, parts: int):
     from pipeline.sources.simulation import finish_parts
 
