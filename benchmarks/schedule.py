@@ -39,7 +39,7 @@ The regime (`--rollout-to-training`, `--drift`) is argued from production, not s
   GPU-seconds (docs/storage.md's projection, `train.max_tokens` 4M): 51. Their plain-decoding
   equivalent, the t * N the saving formula multiplies, is larger by the speedup the fleet
   already has (2.3 at tau 3), which makes training dearer to skip. The toy's own step
-  generates about 5,000 tokens, under a CPU-second, against a training of 10-40 CPU-seconds, so
+  generates about 5,000 tokens, under a CPU-second, against a training of 6-8 CPU-seconds, so
   its rollouts are priced at `rollout_scale` times the toy's: chosen after the `interval` run so
   that the median step's rollouts cost 50 times the mean of that run's trainings after the
   warm-up, and applied to both runs (to the `cost` run's records before each decision reads
