@@ -3,9 +3,9 @@ model FLOPs utilization of an EAGLE-3 drafter of a Llama-3-8B-sized target on a 
 
 CPU: the demo's EAGLE-3 drafter (simulated target: vocab 64, hidden 64, 2 layers), its
 buffer (two steps of 84 samples of 64 tokens) and its training settings, four epochs. Two
-ranks (gloo) train the same global batches of 16 samples as the one process, 8 samples
-each. Every process runs one thread, so the ratio is the data-parallel scaling from one core
-to two (with more threads per process, OpenMP's barriers dominate on a busy machine and
+ranks (gloo) each train `train.batch_size_per_gpu` (16) samples a step, as two GPUs of the
+pipeline do (a global batch twice the one process's). Every process runs one thread, so the
+ratio is the data-parallel scaling from one core to two (with more threads per process, OpenMP's barriers dominate on a busy machine and
 the single process looks worse than it is). The same two ranks also shard the drafter
 (FSDP2), with the units `train.fsdp_units: auto` picks and with a unit per decoder layer: DDP and
 both FSDP2 trainings run in `PAIRED_REPEATS` rounds in the same two processes, the order rotating,
@@ -117,7 +117,7 @@ def _cpu_rank(rank: int, world: int, port: int, out: str, arms: tuple[tuple[str,
 
         def train(arm: tuple[str, str], epochs: int):
             parallelism, units = arm
-            settings = cfg.train.model_copy(update={"batch_size_per_gpu": cfg.train.batch_size_per_gpu // world,
+            settings = cfg.train.model_copy(update={"batch_size_per_gpu": cfg.train.batch_size_per_gpu,
                                                     "epochs": epochs, "parallelism": parallelism,
                                                     "fsdp_units": units})
             cpu = time.process_time()
