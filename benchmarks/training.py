@@ -1,17 +1,17 @@
 """Drafter training throughput: CPU at the demo's size (one process vs two gloo ranks), and
 model FLOPs utilization of an EAGLE-3 drafter of a Llama-3-8B-sized target on a GPU.
 
-CPU: the demo's EAGLE-3 drafter (simulated target: vocab 64, hidden 64, 2 layers), its
-buffer (two steps of 84 samples of 64 tokens) and its training settings, four epochs. Two
-ranks (gloo) each train `train.batch_size_per_gpu` (16) samples a step, as two GPUs of the
-pipeline do (a global batch twice the one process's). Every process runs one thread, so the
-ratio is the data-parallel scaling from one core to two (with more threads per process, OpenMP's barriers dominate on a busy machine and
-the single process looks worse than it is). The same two ranks also shard the drafter
+CPU: the demo's EAGLE-3 drafter (simulated target: vocab 64, hidden 64, 2 layers), its buffer (two
+steps of 84 samples of 64 tokens) and its training settings, four epochs. Two ranks (gloo) each
+train `train.batch_size_per_gpu` (16) samples a step, as two GPUs of the pipeline do (a global
+batch twice the one process's). Every process runs one thread, so the ratio is the data-parallel
+scaling from one core to two (with more threads per process, OpenMP's barriers dominate on a busy
+machine and the single process looks worse than it is). The same two ranks also shard the drafter
 (FSDP2), with the units `train.fsdp_units: auto` picks and with a unit per decoder layer: DDP and
 both FSDP2 trainings run in `PAIRED_REPEATS` rounds in the same two processes, the order rotating,
 and each figure is the median over the rounds of an FSDP2 training's over the same round's DDP
-training's, with the spread beside it, in tokens/s and in tokens per CPU-second, so that load
-from other work on the machine meets every arm alike (`paired`; `--paired N` runs only this).
+training's, with the spread beside it, in tokens/s and in tokens per CPU-second, so that load from
+other work on the machine meets every arm alike (`paired`; `--paired N` runs only this).
 
 GPU (CUDA only, else null; `--gpu` runs only this, with nothing but torch, transformers,
 safetensors and pyarrow installed): the training step the loop runs (`pipeline.training.step`:

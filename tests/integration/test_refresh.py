@@ -5,6 +5,8 @@ step's own training then supersedes it. The replicas are stand-in processes (not
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
@@ -16,12 +18,12 @@ from cli import _pipeline_tick, _SensorTicks
 from definitions import build_definitions
 from jobs.sensors import REFRESH_SENSOR_NAME, refresh_sensor
 from pipeline.client import publish_rollouts_part
-from pipeline.config import load_config
+from pipeline.config import PipelineConfig, load_config
 from pipeline.data import parts as parts_lib
 from pipeline.data.records import read_fleet_state, read_refresh, read_tail
 from pipeline.data.rollouts import is_committed
-from pipeline.data.store import open_store
-from pipeline.registry import open_registry
+from pipeline.data.store import ObjectStore, open_store
+from pipeline.registry import DrafterRegistry, open_registry
 from pipeline.serving import deploy
 from pipeline.serving.fleet import StandInDriver
 from pipeline.sources.simulation import SimulatedRL
@@ -33,123 +35,136 @@ REFRESH = {"simulation": {"parts_per_step": 4, "response_len_sigma": 0.5, "drift
            "refresh": {"enabled": True, "min_share": 0.5, "max_tokens": 3000, "margin": 0.0}}
 
 
+@dataclass(frozen=True)
+class Refreshing:
+    """A run with `REFRESH`'s settings: its store, registry, simulated source and definitions, and the driver of
+    the stand-in replicas its deploys start."""
+
+    cfg: PipelineConfig
+    store: ObjectStore
+    registry: DrafterRegistry
+    source: SimulatedRL
+    defs: dg.Definitions
+    driver: StandInDriver
+
+
+@pytest.fixture
+def refreshing(tmp_path: Path) -> Iterator[Refreshing]:
+    path = write_config(tmp_path, REFRESH)
+    cfg = load_config(path)
+    store = open_store(cfg)
+    driver = StandInDriver(cfg.eval.num_speculative_tokens, cfg.data_path / "fleet" / "replicas")
+    try:
+        yield Refreshing(cfg, store, open_registry(cfg), SimulatedRL(cfg.simulation, store, cfg.run,
+                                                                     cfg.data_path / "cache"),
+                         build_definitions(str(path)), driver)
+    finally:
+        driver.stop_all(deploy.replicas(cfg))
+
+
 def _refresh_tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None):
     return refresh_sensor(dg.build_sensor_context(instance=instance, cursor=cursor, sensor_name=REFRESH_SENSOR_NAME,
                                                   definitions=defs, resources=defs.resources))
 
 
 @pytest.mark.slow
-def test_a_refresh_changes_the_fleets_drafter_mid_step(tmp_path: Path) -> None:
-    path = write_config(tmp_path, REFRESH)
-    cfg = load_config(path)
-    store, registry = open_store(cfg), open_registry(cfg)
-    source = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
-    defs = build_definitions(str(path))
-    driver = StandInDriver(cfg.eval.num_speculative_tokens, cfg.data_path / "fleet" / "replicas")
-    try:
-        with dg.instance_for_test() as instance:
-            ticks = _SensorTicks(instance, defs)
-            source.run_step(1)  # in parts, committed: the step's own run trains v1, which is deployed
-            assert parts_lib.committed_part_numbers(store, cfg.run, 1)
-            assert _pipeline_tick(ticks, True, lambda _: None)
-            assert read_fleet_state(store, cfg.run).version == "1"
+def test_a_refresh_changes_the_fleets_drafter_mid_step(refreshing: Refreshing) -> None:
+    r = refreshing
+    cfg, store, registry, source, defs, driver = r.cfg, r.store, r.registry, r.source, r.defs, r.driver
+    with dg.instance_for_test() as instance:
+        ticks = _SensorTicks(instance, defs)
+        source.run_step(1)  # in parts, committed: the step's own run trains v1, which is deployed
+        assert parts_lib.committed_part_numbers(store, cfg.run, 1)
+        assert _pipeline_tick(ticks, True, lambda _: None)
+        assert read_fleet_state(store, cfg.run).version == "1"
 
-            # Step 2 is generating: its first parts are out, its tail is not.
-            generated = source.generate_step(2)
-            order = sorted(parts_lib.published_parts(store, cfg.run, 1), key=lambda m: m.part)
-            assert order  # step 1 went out in parts
-            slices = [p for p, rows in enumerate(parts_lib_finish(generated, cfg.simulation.parts_per_step)) if rows]
-            head, tail = _split_at_share(generated, slices, cfg.refresh.min_share, cfg.simulation.parts_per_step)
-            assert _refresh_tick(defs, instance, None).skip_message.startswith("no step to refresh")
-            source.publish_parts(generated, only=set(head))
-            assert not is_committed(store, cfg.run, 2)
+        # Step 2 is generating: its first parts are out, its tail is not.
+        generated = source.generate_step(2)
+        order = sorted(parts_lib.published_parts(store, cfg.run, 1), key=lambda m: m.part)
+        assert order  # step 1 went out in parts
+        slices = [p for p, rows in enumerate(parts_lib_finish(generated, cfg.simulation.parts_per_step)) if rows]
+        head, tail = _split_at_share(generated, slices, cfg.refresh.min_share, cfg.simulation.parts_per_step)
+        assert _refresh_tick(defs, instance, None).skip_message.startswith("no step to refresh")
+        source.publish_parts(generated, only=set(head))
+        assert not is_committed(store, cfg.run, 2)
 
-            tick = _refresh_tick(defs, instance, None)
-            [request] = tick.run_requests
-            assert request.run_key == "refresh:step-000002"
-            assert defs.resolve_job_def("refresh_job").execute_in_process(
-                instance=instance, run_config=request.run_config, tags=request.tags).success
-            assert isinstance(_refresh_tick(defs, instance, tick.cursor), dg.SkipReason)  # once per step
+        tick = _refresh_tick(defs, instance, None)
+        [request] = tick.run_requests
+        assert request.run_key == "refresh:step-000002"
+        assert defs.resolve_job_def("refresh_job").execute_in_process(
+            instance=instance, run_config=request.run_config, tags=request.tags).success
+        assert isinstance(_refresh_tick(defs, instance, tick.cursor), dg.SkipReason)  # once per step
 
-            record = read_refresh(store, cfg.run, 2)
-            assert record.part == head[-1]
-            assert record.parts == tuple(head)
-            assert record.warm_start_version == "1"
-            assert registry.version_tags(record.version)["refresh_step"] == "2"
-            assert registry.version_tags(record.version)["refresh_part"] == str(head[-1])
-            assert record.deployed, record.decision
-            # The fleet's drafter changed mid-step: its state and each replica's running drafter say so.
-            state = read_fleet_state(store, cfg.run)
-            assert state.version == record.version
-            assert {r.version for r in state.replicas} == {record.version}
-            for replica in deploy.replicas(cfg):
-                assert f"v{record.version}" in driver.serving(replica)[1]
-            assert record.latency_s is not None
-            assert record.latency_s >= 0
-            assert registry.alias_version("champion") == "1"  # the refresh moves no alias but `live`
-            assert registry.alias_version("challenger") == "1"
+        record = read_refresh(store, cfg.run, 2)
+        assert record.part == head[-1]
+        assert record.parts == tuple(head)
+        assert record.warm_start_version == "1"
+        assert registry.version_tags(record.version)["refresh_step"] == "2"
+        assert registry.version_tags(record.version)["refresh_part"] == str(head[-1])
+        assert record.deployed, record.decision
+        # The fleet's drafter changed mid-step: its state and each replica's running drafter say so.
+        state = read_fleet_state(store, cfg.run)
+        assert state.version == record.version
+        assert {r.version for r in state.replicas} == {record.version}
+        for replica in deploy.replicas(cfg):
+            assert f"v{record.version}" in driver.serving(replica)[1]
+        assert record.latency_s is not None
+        assert record.latency_s >= 0
+        assert registry.alias_version("champion") == "1"  # the refresh moves no alias but `live`
+        assert registry.alias_version("challenger") == "1"
 
-            # The tail, the commit, and the step's own run: it supersedes the refresh.
-            source.publish_parts(generated, only=set(tail))
-            parts_lib.commit_parts(store, cfg.run, 2)
-            assert _pipeline_tick(ticks, True, lambda _: None)
-            step_version = registry.alias_version("challenger")
-            assert step_version not in ("1", record.version)
-            tail_tau = read_tail(store, cfg.run, 2)
-            assert tail_tau.tail_parts == tuple(tail)
-            assert tail_tau.versions == {"start": "1", "refreshed": record.version, "whole_step": step_version}
-            assert all(1.0 <= t <= cfg.eval.num_speculative_tokens + 1 for t in tail_tau.taus.values())
-            assert tail_tau.refresh_latency_s == record.latency_s
-            if registry.alias_version("champion") == step_version:  # promoted: it replaces the refresh
-                assert read_fleet_state(store, cfg.run).version == step_version
-    finally:
-        driver.stop_all(deploy.replicas(cfg))
+        # The tail, the commit, and the step's own run: it supersedes the refresh.
+        source.publish_parts(generated, only=set(tail))
+        parts_lib.commit_parts(store, cfg.run, 2)
+        assert _pipeline_tick(ticks, True, lambda _: None)
+        step_version = registry.alias_version("challenger")
+        assert step_version not in ("1", record.version)
+        tail_tau = read_tail(store, cfg.run, 2)
+        assert tail_tau.tail_parts == tuple(tail)
+        assert tail_tau.versions == {"start": "1", "refreshed": record.version, "whole_step": step_version}
+        assert all(1.0 <= t <= cfg.eval.num_speculative_tokens + 1 for t in tail_tau.taus.values())
+        assert tail_tau.refresh_latency_s == record.latency_s
+        if registry.alias_version("champion") == step_version:  # promoted: it replaces the refresh
+            assert read_fleet_state(store, cfg.run).version == step_version
 
 
 @pytest.mark.slow
-def test_the_first_steps_refresh_trains_a_fresh_drafter_until_the_steps_own_replaces_it(tmp_path: Path) -> None:
+def test_the_first_steps_refresh_trains_a_fresh_drafter_until_the_steps_own_replaces_it(refreshing: Refreshing) -> None:
     """No champion yet: step 1's head trains a fresh drafter at the step's own budget (not the fine-tune's), the
     replicas start with it and serve it; step 1's own training, promoted, replaces it."""
-    path = write_config(tmp_path, REFRESH)
-    cfg = load_config(path)
-    store, registry = open_store(cfg), open_registry(cfg)
-    source = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
-    defs = build_definitions(str(path))
-    driver = StandInDriver(cfg.eval.num_speculative_tokens, cfg.data_path / "fleet" / "replicas")
-    try:
-        with dg.instance_for_test() as instance:
-            generated = source.generate_step(1)
-            slices = [p for p, rows in enumerate(parts_lib_finish(generated, cfg.simulation.parts_per_step)) if rows]
-            head, tail = _split_at_share(generated, slices, cfg.refresh.min_share, cfg.simulation.parts_per_step)
-            source.publish_parts(generated, only=set(head))
-            [request] = _refresh_tick(defs, instance, None).run_requests
-            assert request.run_key == "refresh:step-000001"
-            assert defs.resolve_job_def("refresh_job").execute_in_process(
-                instance=instance, run_config=request.run_config, tags=request.tags).success
+    r = refreshing
+    cfg, store, registry, source, defs = r.cfg, r.store, r.registry, r.source, r.defs
+    with dg.instance_for_test() as instance:
+        generated = source.generate_step(1)
+        slices = [p for p, rows in enumerate(parts_lib_finish(generated, cfg.simulation.parts_per_step)) if rows]
+        head, tail = _split_at_share(generated, slices, cfg.refresh.min_share, cfg.simulation.parts_per_step)
+        source.publish_parts(generated, only=set(head))
+        [request] = _refresh_tick(defs, instance, None).run_requests
+        assert request.run_key == "refresh:step-000001"
+        assert defs.resolve_job_def("refresh_job").execute_in_process(
+            instance=instance, run_config=request.run_config, tags=request.tags).success
 
-            record = read_refresh(store, cfg.run, 1)
-            assert record.warm_start_version is None
-            assert record.tau_champion is None
-            assert record.decision.startswith("started fresh; refreshed tau"), record.decision
-            assert record.deployed, record.decision
-            params = registry.client.get_run(
-                registry.client.get_model_version(cfg.mlflow.model_name, record.version).run_id).data.params
-            assert (params["warm_start_version"], params["epochs"], params["max_tokens"], params["optim.lr"]) == (
-                "none", str(cfg.train.epochs), str(cfg.train.max_tokens), str(cfg.train.optim.lr))
-            state = read_fleet_state(store, cfg.run)
-            assert {(r.version, r.update) for r in state.replicas} == {(record.version, "restart")}
-            assert registry.alias_version("champion") is None  # the refresh moves no alias but `live`
-            assert registry.alias_version("live") == record.version
+        record = read_refresh(store, cfg.run, 1)
+        assert record.warm_start_version is None
+        assert record.tau_champion is None
+        assert record.decision.startswith("started fresh; refreshed tau"), record.decision
+        assert record.deployed, record.decision
+        params = registry.client.get_run(
+            registry.client.get_model_version(cfg.mlflow.model_name, record.version).run_id).data.params
+        assert (params["warm_start_version"], params["epochs"], params["max_tokens"], params["optim.lr"]) == (
+            "none", str(cfg.train.epochs), str(cfg.train.max_tokens), str(cfg.train.optim.lr))
+        state = read_fleet_state(store, cfg.run)
+        assert {(r.version, r.update) for r in state.replicas} == {(record.version, "restart")}
+        assert registry.alias_version("champion") is None  # the refresh moves no alias but `live`
+        assert registry.alias_version("live") == record.version
 
-            source.publish_parts(generated, only=set(tail))
-            parts_lib.commit_parts(store, cfg.run, 1)
-            assert _pipeline_tick(_SensorTicks(instance, defs), True, lambda _: None)
-            champion = registry.alias_version("champion")
-            assert champion not in (None, record.version)
-            assert registry.version_tags(champion)["warm_start_version"] == "none"  # the step's own starts fresh too
-            assert read_fleet_state(store, cfg.run).version == champion
-    finally:
-        driver.stop_all(deploy.replicas(cfg))
+        source.publish_parts(generated, only=set(tail))
+        parts_lib.commit_parts(store, cfg.run, 1)
+        assert _pipeline_tick(_SensorTicks(instance, defs), True, lambda _: None)
+        champion = registry.alias_version("champion")
+        assert champion not in (None, record.version)
+        assert registry.version_tags(champion)["warm_start_version"] == "none"  # the step's own starts fresh too
+        assert read_fleet_state(store, cfg.run).version == champion
 
 
 def parts_lib_finish(generated, parts: int):

@@ -27,6 +27,19 @@ def _documents(*lengths: int) -> torch.Tensor:
     return torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
 
 
+def _drafter(h: int, v: int, draft_vocab: int) -> tuple[Eagle3Drafter, RMSNorm, torch.Tensor, torch.Generator]:
+    """A seeded EAGLE-3 drafter over three aux layers of hidden `h`, the target's final norm and its
+    draft-vocab lm_head rows, and the generator the samples are drawn from."""
+    torch.manual_seed(0)
+    config = Eagle3Config(vocab_size=v, draft_vocab_size=draft_vocab, hidden_size=h, target_hidden_size=h,
+                          intermediate_size=2 * h, num_attention_heads=4, num_key_value_heads=2,
+                          aux_layer_ids=(0, 1, 2))
+    model = Eagle3Drafter(config)
+    norm = RMSNorm(h, 1e-5).requires_grad_(False)
+    head = torch.randn(draft_vocab, h) * 0.1
+    return model, norm, head, torch.Generator().manual_seed(1)
+
+
 def test_a_cpu_unroll_of_short_documents_attends_in_a_band() -> None:
     """16 documents of 60 positions: the chunk starting at 896 is furthest into its document (at 840),
     so each chunk scores 56 + 64 keys, 15 x 64 x 120 scores, 12.5% of the dense block's."""
@@ -106,22 +119,15 @@ def test_band_unroll_equals_the_dense_one_in_value_and_gradients(lengths: tuple[
 def test_eagle3_loss_with_the_band_equals_it_with_the_dense_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shipped loss on a packed batch (the band chosen by `ttt_cache`), against the same loss with
     the dense `TTTCache` put in its place: loss, accuracy and every parameter's gradient, float32."""
-    torch.manual_seed(0)
     h, v = 32, 64
-    config = Eagle3Config(vocab_size=v, draft_vocab_size=40, hidden_size=h, target_hidden_size=h,
-                          intermediate_size=2 * h, num_attention_heads=4, num_key_value_heads=2,
-                          aux_layer_ids=(0, 1, 2))
-    model = Eagle3Drafter(config)
-    norm = RMSNorm(h, 1e-5).requires_grad_(False)
-    head = torch.randn(40, h) * 0.1
-    g = torch.Generator().manual_seed(1)
+    model, norm, head, g = _drafter(h, v, draft_vocab=40)
     samples = [(torch.randint(0, v, (n,), generator=g), torch.randn(n, 4 * h, generator=g),
                 (torch.arange(n) >= 8).long()) for n in (64, 2, 30, 120, 45, 9, 70, 33)]
     batch = pack(samples, window_tokens=128).to("cpu")
     assert isinstance(ttt_cache(batch.document_ids), BandTTTCache)
 
     def run():
-        m = Eagle3Drafter(config)
+        m = Eagle3Drafter(model.config)
         m.load_state_dict(model.state_dict())
         parts = eagle3_loss(m, batch, norm, head, ttt_steps=3, decay=0.8)
         parts.loss.backward()
@@ -167,21 +173,14 @@ def test_flex_unroll_equals_the_eager_one_in_value_and_gradients() -> None:
 def test_bf16_eagle3_loss_on_cuda_matches_fp32_on_cpu() -> None:
     """The shipped loss under bf16 autocast (FlexAttention, bf16 matmuls in the chunked soft
     cross-entropy) against float32 eager on the CPU: loss and every gradient."""
-    torch.manual_seed(0)
     h, v = 64, 96
-    config = Eagle3Config(vocab_size=v, draft_vocab_size=48, hidden_size=h, target_hidden_size=h,
-                          intermediate_size=2 * h, num_attention_heads=4, num_key_value_heads=2,
-                          aux_layer_ids=(0, 1, 2))
-    model = Eagle3Drafter(config)
-    norm = RMSNorm(h, 1e-5).requires_grad_(False)
-    head = torch.randn(48, h) * 0.1
-    g = torch.Generator().manual_seed(1)
+    model, norm, head, g = _drafter(h, v, draft_vocab=48)
     samples = [(torch.randint(0, v, (n,), generator=g), torch.randn(n, 4 * h, generator=g),
                 torch.ones(n, dtype=torch.int64)) for n in (150, 97, 60)]
     batch = pack(samples, window_tokens=256)
 
     def run(device: str, dtype: str):
-        m = Eagle3Drafter(config).to(device)
+        m = Eagle3Drafter(model.config).to(device)
         m.load_state_dict(model.state_dict())
         with autocast(device, dtype):
             parts = eagle3_loss(m, batch.to(device), norm.to(device), head.to(device), ttt_steps=3, decay=0.8)
