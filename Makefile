@@ -14,11 +14,13 @@ export HF_HUB_OFFLINE := 1
 setup: $(STAMP)
 
 # torch first: `pip install torch==2.13.0` takes the local CPU wheel where there is one;
-# a torch already in the base interpreter is reused (the venv sees system site-packages).
+# a torch already in the base interpreter is reused. The venv sees system site-packages only then: a base
+# image's other packages (an awscli pinning an older botocore) would make pip's resolver print an ERROR over
+# packages the project never imports.
 # speculators goes in last, without its dependencies (requirements-speculators.txt says why) and without pip's
 # conflict report, which would list the CUDA torch and the older transformers it pins as an ERROR.
 $(STAMP): requirements.txt requirements-speculators.txt
-	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PYTHON) -m venv $$($(PYTHON) -c "import torch" 2>/dev/null && echo --system-site-packages) $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0 || $(PY) -m pip install --quiet torch
 	$(PY) -m pip install --quiet -r requirements.txt
