@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
+from pipeline.config import PROJECT_ROOT
 from pipeline.data.records import DeployReport, ReplicaDeploy, UpdateKind
 from pipeline.serving import metrics as serving_metrics
 
@@ -157,7 +158,7 @@ class StandInDriver:
             env[DEV_MODE_ENV] = "1"
         process = subprocess.Popen(
             self.argv(replica, target, drafter_dir), stdout=log, stderr=subprocess.STDOUT,
-            cwd=Path(__file__).resolve().parent.parent, start_new_session=True, env=env,
+            cwd=PROJECT_ROOT, start_new_session=True, env=env,  # where `-m pipeline...` imports from
         )
         self.processes[replica.name] = process
         self._pid_file(replica).write_text(str(process.pid))

@@ -136,6 +136,7 @@ def test_standin_replica_serves_vllm_endpoints(
     models: dict[str, str], driver: StandInDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("STANDIN_KEY", "sk-standin")
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # as `python cli.py ...` starts it, without make's PYTHONPATH
     replica = ReplicaSpec("r0", "127.0.0.1", _free_port(), "policy", api_key_env="STANDIN_KEY")
     driver.restart(replica, models["target"], models["v1"])
     tau = check_replica(replica, GATES, PROMPTS)
