@@ -60,17 +60,27 @@ class TTTCache:
         else:
             self.keys.append(key)
             self.values.append(value)
-        scale = 1.0 / math.sqrt(query.shape[-1])
-        block = (query @ self.key0.transpose(-1, -2)) * scale  # (B, heads, Nq, N0)
-        block = block.masked_fill(~attention_mask, torch.finfo(block.dtype).min)
-        diagonal = [(query * k).sum(-1, keepdim=True) * scale for k in self.keys]  # each (B, heads, Nq, 1)
-        scores = torch.cat([block, *diagonal], dim=-1)  # (B, heads, Nq, N0 + steps)
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(value.dtype)
-        n0 = self.key0.shape[2]
-        attn = probs[..., :n0] @ self.value0  # (B, heads, Nq, D)
-        for i, v in enumerate(self.values):
-            attn = attn + probs[..., n0 + i, None] * v
-        return attn
+        return _attend(query, self.key0, self.value0, self.keys, self.values, attention_mask)
+
+
+def _attend(
+    query: torch.Tensor, key0: torch.Tensor, value0: torch.Tensor, keys: list[torch.Tensor],
+    values: list[torch.Tensor], mask: torch.Tensor,
+) -> torch.Tensor:
+    """One softmax over a block of step 0's keys and one diagonal key per later step, over any leading dims `...`:
+    query (..., Nq, D), key0/value0 (..., N0, D), keys/values each (..., Nq, D), mask (..., Nq, N0) broadcastable,
+    True where a query sees the key -> (..., Nq, D)."""
+    scale = 1.0 / math.sqrt(query.shape[-1])
+    block = (query @ key0.transpose(-1, -2)) * scale  # (..., Nq, N0)
+    block = block.masked_fill(~mask, torch.finfo(block.dtype).min)
+    diagonal = [(query * k).sum(-1, keepdim=True) * scale for k in keys]  # each (..., Nq, 1)
+    scores = torch.cat([block, *diagonal], dim=-1)  # (..., Nq, N0 + steps)
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(value0.dtype)
+    n0 = key0.shape[-2]
+    attn = probs[..., :n0] @ value0  # (..., Nq, D)
+    for i, v in enumerate(values):
+        attn = attn + probs[..., n0 + i, None] * v
+    return attn
 
 
 # Queries per chunk: a larger chunk widens every band (W = C + lookback), a smaller one adds chunks;
@@ -164,17 +174,9 @@ class BandTTTCache:
             self.keys.append(band.to_chunks(key))
             self.values.append(band.to_chunks(value))
         B, heads, n, D = query.shape
-        scale = 1.0 / math.sqrt(D)
-        query = band.to_chunks(query)  # (B, heads, chunks, C, D)
-        block = (query @ self.key0.transpose(-1, -2)) * scale  # (B, heads, chunks, C, W)
-        block = block.masked_fill(~band.mask, torch.finfo(block.dtype).min)
-        diagonal = [(query * k).sum(-1, keepdim=True) * scale for k in self.keys]  # each (B, heads, chunks, C, 1)
-        scores = torch.cat([block, *diagonal], dim=-1)  # (B, heads, chunks, C, W + steps)
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(value.dtype)
-        attn = probs[..., : band.width] @ self.value0  # (B, heads, chunks, C, D)
-        for i, v in enumerate(self.values):
-            attn = attn + probs[..., band.width + i, None] * v
-        return attn.view(B, heads, -1, D)[:, :, :n]  # (B, heads, N, D)
+        # chunks as a leading dim: each chunk's C queries against its band of W keys
+        attn = _attend(band.to_chunks(query), self.key0, self.value0, self.keys, self.values, band.mask)
+        return attn.view(B, heads, -1, D)[:, :, :n]  # (B, heads, chunks, C, D) -> (B, heads, N, D)
 
 
 @cache
