@@ -123,7 +123,7 @@ def _close(a: dict, b: dict) -> None:
     assert a["weights"].keys() == b["weights"].keys()
     for key in a["weights"]:
         torch.testing.assert_close(torch.tensor(a["weights"][key]), torch.tensor(b["weights"][key]), rtol=RTOL,
-                                   atol=ATOL, msg=lambda m: f"{key}: {m}")
+                                   atol=ATOL, msg=lambda m, key=key: f"{key}: {m}")
 
 
 @pytest.mark.slow
