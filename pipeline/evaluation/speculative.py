@@ -1,9 +1,10 @@
-"""Chain speculative decoding with greedy verification, batched over prompts, and its metrics.
+"""Chain speculative decoding, batched over prompts, verified by vLLM's rule, and its metrics.
 
 One round, for every row of the batch at once: the drafter proposes k tokens, the target
-runs once over the row's pending token plus the proposal, the longest prefix of the
-proposal that matches the target's greedy choices is kept, plus one token from the target.
-So each row's output is exactly the target's greedy decoding; only the number of target
+runs once over the row's pending token plus the proposal, and vLLM's rejection sampler
+(`rejection_sampler.py`) keeps a prefix of the proposal and adds one token of the target's.
+Each row's tokens are distributed as sampling the target at the row's parameters: at
+temperature 0 they are exactly the target's greedy decoding; only the number of target
 forwards changes.
 
 Both models keep key/value caches, so a round costs k + 1 target positions and k drafter
@@ -30,8 +31,10 @@ import torch
 from transformers import DynamicCache, LlamaForCausalLM
 
 from pipeline.cost import DecodingCost
+from pipeline.data.sampling import GREEDY, DraftSampleMethod, SamplingParams
+from pipeline.evaluation.rejection_sampler import BatchSampling, DraftSampler, RequestSampling, verify
 from pipeline.models import target_forward
-from pipeline.models.drafter import CommittedPairs, Drafter, Proposer
+from pipeline.models.drafter import CommittedPairs, DraftChooser, Drafter, Proposer
 from pipeline.ranks import SINGLE, Ranks
 
 
@@ -50,6 +53,7 @@ def follow_target(drafter: Drafter, model: LlamaForCausalLM) -> Callable[[], Pro
 class GenerationTrace:
     tokens: list[int]  # generated tokens (prompt excluded), exactly max_new_tokens
     accepted_per_round: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # each token's log-probability under the raw target logits
 
 
 @torch.no_grad()
@@ -121,14 +125,21 @@ def _clock(device: torch.device) -> float:
 @torch.no_grad()
 def generate_batch(
     model: LlamaForCausalLM, new_proposer: Callable[[], Proposer], prompts: list[torch.Tensor],
-    max_new_tokens: int, k: int, times: RoundTimes | None = None,
+    max_new_tokens: int, k: int, times: RoundTimes | None = None, sampling: BatchSampling | None = None,
+    draft_method: DraftSampleMethod = "greedy",
 ) -> list[GenerationTrace]:
-    """Speculative decoding of `prompts` as one batch; each row's tokens equal greedy decoding's. `times`,
-    when given, adds up the rounds' target and drafter seconds."""
+    """Speculative decoding of `prompts` as one batch, row b sampled as `sampling`'s row b (greedy when None: each
+    row's tokens then equal greedy decoding's), the drafts chosen by `draft_method`. `times`, when given, adds up
+    the rounds' target and drafter seconds."""
     if not prompts or min(p.shape[0] for p in prompts) < 1:
         raise ValueError("speculative decoding needs at least one prompt, each of at least one token")
+    sampling = sampling or BatchSampling.greedy(len(prompts))
+    if len(sampling) != len(prompts):
+        raise ValueError(f"{len(sampling)} rows of sampling parameters for {len(prompts)} prompts")
     device = model.device
     proposer, cache = new_proposer(), TargetCache()
+    drafts = DraftSampler(draft_method, sampling)
+    chooser = drafts if draft_method == "probabilistic" else None
     B = len(prompts)
     lengths = torch.tensor([p.shape[0] for p in prompts], device=device)  # (B,)
     rows = torch.arange(B, device=device)
@@ -140,45 +151,62 @@ def generate_batch(
     valid = torch.arange(width, device=device)[None] < lengths[:, None]  # (B, T)
     positions = torch.arange(width, device=device).expand(B, width)  # (B, T)
     out = cache.forward(model, ids, positions, valid, proposer.layer_ids, logits_at=lengths - 1)
-    pending = out.logits[:, 0].argmax(-1)  # (B,) committed, not yet in the cache
+    pending = sampling.sample(sampling.probs(out.logits)[:, 0])  # (B,) committed, not yet in the cache
+    first_logprobs = _logprobs(out.logits, pending[:, None])[:, 0]  # (B,)
     next_tokens = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # (B, T) x_{t+1}
     next_tokens[rows, lengths - 1] = pending
     pairs = CommittedPairs(features_for(out, proposer.layer_ids), next_tokens, positions, valid)
     generated = [[int(t)] for t in pending.tolist()]
+    traces = [GenerationTrace(tokens=[], logprobs=[float(lp)]) for lp in first_logprobs.tolist()]
     committed = lengths + 1  # (B,) tokens per row, the pending one included
-    traces = [GenerationTrace(tokens=[]) for _ in prompts]
     offsets = torch.arange(k + 1, device=device)  # (k+1,)
     # -- rounds: every row each time; a row past max_new_tokens keeps step but counts no more rounds
     while min(len(g) for g in generated) < max_new_tokens:
         active = [len(g) < max_new_tokens for g in generated]
         started = _clock(device) if times is not None else 0.0
-        proposal = proposer.propose(pairs, k)  # (B, k)
+        # (B, k); a proposer that drafts greedily alone (the tests' oracles) need not take a chooser
+        proposal = proposer.propose(pairs, k) if chooser is None else proposer.propose(pairs, k, chooser)
         drafted = _clock(device) if times is not None else 0.0
         ids = torch.cat([pending[:, None], proposal], dim=1)  # (B, k+1)
         positions = (committed - 1)[:, None] + offsets  # (B, k+1)
         out = cache.forward(model, ids, positions, torch.ones_like(ids, dtype=torch.bool), proposer.layer_ids)
+        verdict = verify(sampling.probs(out.logits), proposal, drafts.take(),
+                         sampling.round_draws(k, out.logits.shape[-1], device))
         if times is not None:
             times.draft_s += drafted - started
             times.target_s += _clock(device) - drafted
             times.rounds += 1
             times.row_rounds += B
-        greedy = out.logits.argmax(-1)  # (B, k+1) the target's choice after each column
-        accepted = (proposal == greedy[:, :k]).long().cumprod(dim=1).sum(dim=1)  # (B,)
+        accepted, pending = verdict.accepted, verdict.next_tokens  # (B,), (B,)
         kept = offsets[None] <= accepted[:, None]  # (B, k+1): the pending token and the accepted drafts
         cache.keep(kept)
-        pending = greedy[rows, accepted]  # (B,) the target's token after the accepted drafts
+        emitted = torch.cat([proposal, proposal[:, :1]], dim=1)  # (B, k+1): the drafts, then the row's own token
+        emitted[rows, accepted] = pending
+        logprobs = _logprobs(out.logits, emitted)  # (B, k+1)
         next_tokens = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # (B, k+1)
         next_tokens[rows, accepted] = pending
         pairs = CommittedPairs(features_for(out, proposer.layer_ids), next_tokens, positions, kept)
         committed = committed + accepted + 1
-        for b, (a, drafts, bonus) in enumerate(zip(accepted.tolist(), proposal.tolist(), pending.tolist(),
-                                                  strict=True)):
+        for b, (a, tokens, lps) in enumerate(zip(accepted.tolist(), emitted.tolist(), logprobs.tolist(),
+                                                 strict=True)):
             if active[b]:
                 traces[b].accepted_per_round.append(a)
-                generated[b] += [*drafts[:a], bonus]
+                generated[b] += tokens[: a + 1]
+                traces[b].logprobs += lps[: a + 1]
     for trace, tokens in zip(traces, generated, strict=True):
         trace.tokens = tokens[:max_new_tokens]
+        trace.logprobs = trace.logprobs[:max_new_tokens]
     return traces
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, N, V) raw logits and (B, N) tokens -> (B, N) each token's log-probability (vLLM's raw logprobs)."""
+    return logits.float().log_softmax(dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def request_sampling(params: SamplingParams, seeds: list[int], device: torch.device | str) -> BatchSampling:
+    """A batch of requests at the same parameters, each seeded: reproducible whatever the batch."""
+    return BatchSampling([RequestSampling.seeded(params, seed, device) for seed in seeds])
 
 
 def speculative_generate(
@@ -231,20 +259,25 @@ def metrics_from_counts(
 def evaluate(
     model: LlamaForCausalLM, new_proposer: Callable[[], Proposer], prompts: list[torch.Tensor],
     max_new_tokens: int, k: int, batch_size: int = 16, times: RoundTimes | None = None, ranks: Ranks = SINGLE,
+    params: SamplingParams = GREEDY, draft_method: DraftSampleMethod = "greedy", seed: int = 0,
 ) -> AcceptanceMetrics:
-    """Acceptance of the proposer against `model` over held-out prompts, `batch_size` prompts at a time,
-    shortest first: a batch's prefill pads every prompt to its longest. `times` adds up the rounds' seconds
-    (this rank's). On several `ranks` each decodes every world_size-th batch and the ranks sum their
-    integer counts: a batch decodes the same on any rank, so the metrics are one process's."""
-    prompts = sorted(prompts, key=len)
-    batches = [prompts[start : start + batch_size] for start in range(0, len(prompts), batch_size)]
+    """Acceptance of the proposer against `model` over held-out prompts sampled at `params`, `batch_size` prompts
+    at a time, shortest first: a batch's prefill pads every prompt to its longest. Prompt i draws from seed
+    `seed + i` whatever its batch, so every drafter measured with the same seed meets the same random numbers.
+    `times` adds up the rounds' seconds (this rank's). On several `ranks` each decodes every world_size-th batch
+    and the ranks sum their integer counts: a batch decodes the same on any rank, so the metrics are one
+    process's."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
     rounds: list[int] = []
     forwards = proposals = 0
     counted_forwards = True
     for batch in ranks.mine(batches):
         proposer = new_proposer()
         counted = _Counting(proposer)
-        for trace in generate_batch(model, lambda p=counted: p, batch, max_new_tokens, k, times):
+        sampling = request_sampling(params, [seed + i for i in batch], model.device)
+        for trace in generate_batch(model, lambda p=counted: p, [prompts[i] for i in batch], max_new_tokens, k,
+                                    times, sampling, draft_method):
             rounds += trace.accepted_per_round
         counts = getattr(proposer, "forwards", None)  # None: a proposer that is no drafter (tests' oracles)
         counted_forwards = counted_forwards and counts is not None
@@ -263,6 +296,6 @@ class _Counting:
     def __init__(self, proposer: Proposer) -> None:
         self.proposer, self.layer_ids, self.proposals = proposer, proposer.layer_ids, 0
 
-    def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
+    def propose(self, pairs: CommittedPairs, k: int, chooser: DraftChooser | None = None) -> torch.Tensor:
         self.proposals += 1
-        return self.proposer.propose(pairs, k)
+        return self.proposer.propose(pairs, k) if chooser is None else self.proposer.propose(pairs, k, chooser)

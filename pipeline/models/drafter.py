@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from pipeline.models.eagle import CommittedPairs, EagleConfig, EagleDrafter
+from pipeline.models.eagle import CommittedPairs, DraftChooser, EagleConfig, EagleDrafter
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, draft_vocab
 from pipeline.models.layers import aux_layer_ids, stored_layer_ids  # noqa: F401 - part of this interface
 from pipeline.models.peagle import PEagleConfig, PEagleDrafter
@@ -24,8 +24,8 @@ if TYPE_CHECKING:  # extraction reads the kind here and runs without pydantic on
     from pipeline.config import DrafterConfig
     from pipeline.data.shards import HiddenSample
 
-__all__ = ["CommittedPairs", "Drafter", "Proposer", "Teacher", "check_layers", "fresh_drafter", "stored_layer_ids",
-           "warm_start_from"]
+__all__ = ["CommittedPairs", "DraftChooser", "Drafter", "Proposer", "Teacher", "check_layers", "fresh_drafter",
+           "stored_layer_ids", "warm_start_from"]
 
 
 class Proposer(Protocol):
@@ -34,8 +34,9 @@ class Proposer(Protocol):
     layer_ids: list[int] | None  # target layers (vLLM ids) it reads; None = the post-norm last layer
     forwards: int  # drafter forward passes so far (EAGLE: k per proposal; P-EAGLE: 1)
 
-    def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
-        """The pairs committed since the last call (the prompts' on the first) -> (B, k) proposed tokens."""
+    def propose(self, pairs: CommittedPairs, k: int, chooser: DraftChooser | None = None) -> torch.Tensor:
+        """The pairs committed since the last call (the prompts' on the first) -> (B, k) proposed tokens, each
+        the drafter's argmax, or the chooser's pick from the drafter's logits."""
         ...
 
 

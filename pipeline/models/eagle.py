@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -343,6 +343,14 @@ class EagleDrafter(nn.Module):
 # -- decoding: a batch of rows, each accepting its own number of drafts per round
 
 
+class DraftChooser(Protocol):
+    """How a proposer turns its logits into draft tokens, greedy or sampled (evaluation/rejection_sampler.py)."""
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V) logits over the target vocabulary (-inf outside the draft vocabulary) -> (B,) token ids."""
+        ...
+
+
 @dataclass(frozen=True)
 class CommittedPairs:
     """What the target committed since the last proposal: pairs (f_t, x_{t+1}) per row.
@@ -406,8 +414,9 @@ class EagleProposer:
         self.cache = DraftCache(len(drafter.layers))
 
     @torch.no_grad()
-    def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
-        """pairs: the block committed since the last call -> (B, k) proposed tokens per row."""
+    def propose(self, pairs: CommittedPairs, k: int, chooser: DraftChooser | None = None) -> torch.Tensor:
+        """pairs: the block committed since the last call -> (B, k) proposed tokens per row (the argmax, or the
+        chooser's pick)."""
         d = self.drafter
         dtype = d.fc.weight.dtype
         mask = self.cache.extend(pairs.valid)  # (B, 1, N, S + N)
@@ -419,7 +428,8 @@ class EagleProposer:
         position = gather_rows(pairs.positions, last)  # (B, 1)
         proposal = []
         for j in range(k):
-            token = d.lm_head(feature).argmax(-1)  # (B, 1)
+            logits = d.lm_head(feature)  # (B, 1, V)
+            token = logits.argmax(-1) if chooser is None else chooser.choose(logits[:, 0].float())[:, None]  # (B, 1)
             proposal.append(token)
             if j + 1 < k:
                 mask = self.cache.extend(torch.ones_like(token, dtype=torch.bool))  # (B, 1, 1, S + 1)

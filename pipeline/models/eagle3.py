@@ -31,6 +31,7 @@ from pipeline.models.eagle import (
     MLP,
     CommittedPairs,
     DraftCache,
+    DraftChooser,
     LayerCache,
     RMSNorm,
     check_heads,
@@ -219,6 +220,15 @@ class Eagle3Drafter(nn.Module):
         """(draft_vocab,) target id of each draft id."""
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
+    def choose(self, draft_logits: torch.Tensor, chooser: DraftChooser | None) -> torch.Tensor:
+        """(B, draft_vocab) logits -> (B,) target ids: the argmax, or the chooser's pick from the logits spread over
+        the target vocabulary (-inf on the ids outside the draft vocabulary)."""
+        if chooser is None:
+            return self.draft_to_target[draft_logits.argmax(-1)]
+        logits = draft_logits.new_full((draft_logits.shape[0], self.config.vocab_size), float("-inf")).float()
+        logits[:, self.draft_to_target] = draft_logits.float()  # (B, V)
+        return chooser.choose(logits)
+
     # -- the drafter interface (pipeline.models.drafter.Drafter)
     kind = "eagle3"
 
@@ -347,8 +357,9 @@ class Eagle3Proposer:
         self.cache = DraftCache(1)
 
     @torch.no_grad()
-    def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
-        """pairs: the block committed since the last call -> (B, k) proposed target tokens per row."""
+    def propose(self, pairs: CommittedPairs, k: int, chooser: DraftChooser | None = None) -> torch.Tensor:
+        """pairs: the block committed since the last call -> (B, k) proposed target tokens per row (the argmax, or
+        the chooser's pick)."""
         d = self.drafter
         layer = self.cache.layers[0]
         mask = self.cache.extend(pairs.valid)  # (B, 1, N, S + N)
@@ -361,7 +372,7 @@ class Eagle3Proposer:
         position = gather_rows(pairs.positions, last)  # (B, 1)
         proposal = []
         for j in range(k):
-            token = d.draft_to_target[d.lm_head(d.logits_input(state)).argmax(-1)]  # (B, 1) target ids
+            token = d.choose(d.lm_head(d.logits_input(state))[:, 0], chooser)[:, None]  # (B, 1) target ids
             proposal.append(token)
             if j + 1 < k:
                 mask = self.cache.extend(torch.ones_like(token, dtype=torch.bool))  # (B, 1, 1, S + 1)

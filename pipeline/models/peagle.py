@@ -36,6 +36,7 @@ from pipeline.models.eagle import (
     MLP,
     CommittedPairs,
     DraftCache,
+    DraftChooser,
     LayerCache,
     RMSNorm,
     gather_rows,
@@ -287,6 +288,7 @@ class PEagleDrafter(nn.Module):
     # -- vocabulary, as EAGLE-3's
     set_vocab = Eagle3Drafter.set_vocab
     draft_to_target = Eagle3Drafter.draft_to_target
+    choose = Eagle3Drafter.choose
     project_aux = Eagle3Drafter.project_aux
 
     # -- the drafter interface (pipeline.models.drafter.Drafter)
@@ -454,8 +456,9 @@ class PEagleProposer:
         self.forwards = 0
 
     @torch.no_grad()
-    def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
-        """pairs: the block committed since the last call -> (B, k) proposed target tokens per row."""
+    def propose(self, pairs: CommittedPairs, k: int, chooser: DraftChooser | None = None) -> torch.Tensor:
+        """pairs: the block committed since the last call -> (B, k) proposed target tokens per row (the argmax, or
+        the chooser's pick, depth by depth)."""
         d = self.drafter
         if k > d.config.num_depths:
             raise ValueError(f"k = {k} exceeds the {d.config.num_depths} depths the P-EAGLE drafter predicts")
@@ -476,4 +479,5 @@ class PEagleProposer:
         self.forwards += 1
         self.cache.crop(committed + N)
         rows = torch.cat([gather_rows(state, last), state[:, N:]], dim=1)  # (B, k, H): depth 0, then 1 .. k-1
-        return d.draft_to_target[d.lm_head(d.norm(rows)).argmax(-1)]  # (B, k)
+        logits = d.lm_head(d.norm(rows))  # (B, k, draft_vocab)
+        return torch.stack([d.choose(logits[:, j], chooser) for j in range(k)], dim=1)  # (B, k)
