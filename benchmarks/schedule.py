@@ -187,7 +187,7 @@ def _run(kind: str, warmup: int, steps: int, data_dir: Path, draft_cost_ratio: f
         tokens, decoding = _cpu_decoding(store, RUN, step, cpu_share, rollout_scale or 1.0)
         history = list(range(1, step + 1))
         staleness = measure_staleness(aged_taus(store, RUN, history, history[-STALENESS_STEPS:]))
-        served, cotrained = record.drafters.get("served"), record.drafters.get("cotrained")
+        served, cotrained = record.served, record.cotrained
         rows.append({"step": step, "phase": phase, "trained": trained, "reason": reason,
                      "training_s": round(training_s, 2), "tau_served": round(served.tau, 3) if served else 1.0,
                      "version_served": served.version if served else None,

@@ -385,6 +385,10 @@ class EvalConfig(StageConfig):
                     "0 = as the evaluation timed it.",
     )
 
+    def rollout_sampling(self, recorded: SamplingParams | None) -> SamplingParams:
+        """The parameters a step's taus are measured at: those its trainer recorded, else `eval.sampling`."""
+        return recorded or self.sampling.params()
+
 
 class PromotionConfig(_Strict):
     policy: Literal["auto", "manual"] = Field(default="auto", description="Who moves the `champion` alias.")

@@ -92,7 +92,7 @@ def check(store: ObjectStore, cfg: PipelineConfig, q: Qualified, registry: Draft
     if not rollouts:
         return RefreshCheck(0.0, None, 0, False, "no held-out rollout in the qualifying parts")
     prompts = [torch.tensor(r.input_ids[: max(1, r.prompt_len)]) for r in rollouts]
-    taus = tail_lib.measure_taus(store, cfg, q.pointer.checkpoint_uri, registry, [version, champion], prompts)
+    taus = tail_lib.measure_taus(store, cfg, q.pointer, registry, [version, champion], prompts, seed=q.step)
     new, old = taus[version], taus.get(champion) if champion else None
     margin = cfg.refresh.margin
     if old is None:

@@ -32,7 +32,7 @@ from pipeline.ledger import Ledger, cumulative
 def step_row(store: ObjectStore, run: str, step: int) -> dict:
     """One line of the summary, read from what the step's assets stored."""
     record = read_acceptance(store, run, step)
-    cotrained, served = record.drafters["cotrained"], record.drafters["served"]
+    cotrained, served = record.cotrained, record.served
     plan = capture.read_plan(store, run, step)
     return {
         "step": step,
@@ -43,7 +43,7 @@ def step_row(store: ObjectStore, run: str, step: int) -> dict:
         else None,
         "trained": read_training(store, run, step).trained,
         "tau_cotrained": _tau(cotrained),
-        "tau_baseline": _tau(record.drafters["baseline"]),
+        "tau_baseline": _tau(record.baseline),
         "tau_served": _tau(served),
         "promoted": record.promoted,
         "version_cotrained": cotrained.version if cotrained else None,
@@ -225,12 +225,14 @@ def loss_png(loss_history: list[float], title: str, dpi: int = 100) -> bytes:
 
 
 def acceptance_rows(store: ObjectStore, run: str, steps: list[int]) -> list[dict]:
-    """tau of each drafter role for the `steps` that have an acceptance record (no other reads)."""
+    """tau of the co-trained, served and never-retrained drafters for the `steps` that have an acceptance record (no
+    other reads)."""
     rows = []
     for step in steps:
         if store.exists(acceptance_key(run, step)):
-            drafters = read_acceptance(store, run, step).drafters
-            rows.append({"step": step, **{f"tau_{role}": _tau(d) for role, d in drafters.items()}})
+            record = read_acceptance(store, run, step)
+            rows.append({"step": step, "tau_cotrained": _tau(record.cotrained), "tau_served": _tau(record.served),
+                         "tau_baseline": _tau(record.baseline)})
     return rows
 
 

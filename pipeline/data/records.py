@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, Protocol, TypeVar, get_args
 
 from pipeline.cost import DecodingCost
@@ -32,6 +32,7 @@ from pipeline.data.keys import (
     refresh_key,
     tail_key,
 )
+from pipeline.data.sampling import DRAFT_SAMPLE_METHODS, GREEDY, DraftSampleMethod, SamplingParams
 from pipeline.data.store import ObjectStore
 
 SCHEMA_VERSION = 1
@@ -199,7 +200,8 @@ class TauEstimate:
 
 @dataclass(frozen=True)
 class DrafterTau:
-    """One drafter version measured by speculative decoding on the step's held-out prompts."""
+    """One drafter version measured by speculative decoding on the step's held-out prompts, at the record's sampling
+    parameters (`tau`, its parts) and greedily (`greedy_tau`)."""
 
     version: str
     tau: float
@@ -211,20 +213,23 @@ class DrafterTau:
     prompts: int
     estimate: TauEstimate | None = None  # None: no held-out response was long enough to estimate on
     drafter_forwards_per_round: float | None = None  # k (EAGLE-1/2, EAGLE-3) or 1 (P-EAGLE); None: not counted
+    greedy_tau: float | None = None  # at temperature 0; None: not measured
+    greedy_per_position: tuple[float, ...] | None = None
 
     def to_json(self) -> dict:
         return {**asdict(self), "per_position": list(self.per_position),
-                "estimate": self.estimate.to_json() if self.estimate else None}
+                "estimate": self.estimate.to_json() if self.estimate else None,
+                "greedy_per_position": list(self.greedy_per_position) if self.greedy_per_position else None}
 
     @classmethod
     def from_json(cls, doc: dict) -> DrafterTau:
-        estimate = doc.get("estimate")
+        estimate, greedy_per_position = doc.get("estimate"), doc.get("greedy_per_position")
         return cls(doc["version"], doc["tau"], doc["acceptance_rate"], tuple(doc["per_position"]), doc["rounds"],
                    doc["drafted"], doc["accepted"], doc["prompts"],
-                   TauEstimate.from_json(estimate) if estimate else None, doc.get("drafter_forwards_per_round"))
+                   TauEstimate.from_json(estimate) if estimate else None, doc.get("drafter_forwards_per_round"),
+                   doc.get("greedy_tau"), tuple(greedy_per_position) if greedy_per_position else None)
 
 
-ROLES = ("cotrained", "served", "baseline", "champion")
 NO_DRAFTER_TAU = 1.0  # without a drafter every target forward yields one token
 
 
@@ -232,11 +237,15 @@ NO_DRAFTER_TAU = 1.0  # without a drafter every target forward yields one token
 class AcceptanceRecord:
     """The step's drafters measured against the step's policy, and the promotion decision.
 
-    drafters: role -> its measurement; None when there was no such drafter at this step
+    Each role's measurement; None when there was no such drafter at this step:
         cotrained  the newest drafter (the `challenger`), trained on data up to this step
         served     what the fleet ran when the step was published: what served this step's rollouts
         baseline   the first drafter ever trained, never retrained
-        champion   the `champion` before this step's decision (absent from records that predate it)
+        incumbent  what a new drafter must beat: the drafter the fleet runs at the decision (the `live` alias:
+                   a same-step refresh may run there), else the `champion` (stored under the key "champion")
+
+    Every tau is at `sampling`, the rollouts' own parameters, with the fleet's `draft_sample_method`; records
+    written before sampling was measured were greedy, and read as such.
     """
 
     step: int
@@ -244,27 +253,47 @@ class AcceptanceRecord:
     num_prompts: int
     num_speculative_tokens: int
     max_new_tokens: int
-    drafters: dict[str, DrafterTau | None]
+    cotrained: DrafterTau | None
+    served: DrafterTau | None
+    baseline: DrafterTau | None
+    incumbent: DrafterTau | None
     promoted: bool
     decision: str
     champion_after: str | None
+    sampling: SamplingParams = GREEDY
+    draft_sample_method: DraftSampleMethod = "greedy"
 
     def measured(self) -> dict[str, DrafterTau]:
-        """The roles that had a drafter."""
-        return {role: d for role, d in self.drafters.items() if d is not None}
+        """The roles that had a drafter, by their stored names."""
+        return {role: d for role, d in self.roles().items() if d is not None}
+
+    def roles(self) -> dict[str, DrafterTau | None]:
+        """Every role, by its stored name (the incumbent's is "champion"); None where the step had no such drafter."""
+        return {"cotrained": self.cotrained, "served": self.served, "baseline": self.baseline,
+                "champion": self.incumbent}
 
     def to_json(self) -> dict:
         return {"step": self.step, "policy_version": self.policy_version, "num_prompts": self.num_prompts,
                 "num_speculative_tokens": self.num_speculative_tokens, "max_new_tokens": self.max_new_tokens,
-                "drafters": {role: d.to_json() if d else None for role, d in self.drafters.items()},
-                "promoted": self.promoted, "decision": self.decision, "champion_after": self.champion_after}
+                "drafters": {role: d.to_json() if d else None for role, d in self.roles().items()},
+                "promoted": self.promoted, "decision": self.decision, "champion_after": self.champion_after,
+                "sampling": self.sampling.to_json(), "draft_sample_method": self.draft_sample_method}
 
     @classmethod
     def from_json(cls, doc: dict) -> AcceptanceRecord:
+        roles = {role: DrafterTau.from_json(d) if d else None for role, d in doc["drafters"].items()}
+        if "sampling" in doc:
+            sampling = SamplingParams.from_json(doc["sampling"], "acceptance record")
+        else:  # written before sampling was measured: greedily, so the greedy tau is the tau
+            sampling = GREEDY
+            roles = {role: replace(d, greedy_tau=d.tau, greedy_per_position=d.per_position) if d else None
+                     for role, d in roles.items()}
+        method = doc.get("draft_sample_method", "greedy")
+        if method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"draft_sample_method {method!r} is not one of {', '.join(DRAFT_SAMPLE_METHODS)}")
         return cls(doc["step"], doc["policy_version"], doc["num_prompts"], doc["num_speculative_tokens"],
-                   doc["max_new_tokens"], {role: DrafterTau.from_json(d) if d else None
-                                           for role, d in doc["drafters"].items()},
-                   doc["promoted"], doc["decision"], doc["champion_after"])
+                   doc["max_new_tokens"], roles.get("cotrained"), roles.get("served"), roles.get("baseline"),
+                   roles.get("champion"), doc["promoted"], doc["decision"], doc["champion_after"], sampling, method)
 
 
 # --- the fleet -------------------------------------------------------------------------------------------------

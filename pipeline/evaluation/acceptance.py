@@ -1,13 +1,19 @@
 """Acceptance of the step's drafters against the step's policy, the promotion decision, and the
 step's entry in the cost ledger.
 
-The step's drafters are measured on the same held-out prompts of the step:
+The step's drafters are measured on the same held-out prompts of the step, sampled as the step's
+rollouts were (policy.json's `sampling`, else `eval.sampling`) and drafted as the fleet drafts
+(`fleet.draft_sample_method`): the tau the rollouts get, which is what promotion, the schedule and
+the ledger decide on. Each prompt draws from its own seed, the same for every drafter of the step,
+so two drafters meet the same random numbers and their difference is not sampling noise. Each is
+measured greedily too, beside it.
+
     cotrained  the newest drafter (the `challenger`), trained on data up to this step
     served     what the fleet ran when the step was published: what served its rollouts (the
                champion where the fleet keeps no history)
     baseline   the first drafter ever trained, never retrained
-    champion   the `champion` before this step's decision, which the new drafter must beat (the
-               served drafter unless a promotion has not reached the fleet yet)
+    incumbent  what the new drafter must beat: the drafter the fleet runs now (`live`: a same-step
+               refresh may serve there, newer than the champion), else the `champion`
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pipeline.data.records import (
     served_at,
     write_record,
 )
+from pipeline.data.sampling import DraftSampleMethod, SamplingParams
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import cost, speculative, teacher_forced
 from pipeline.models import target as target_lib
@@ -46,17 +53,18 @@ class Decision:
 
 
 def promotion_decision(
-    policy: PromotionConfig, new_tau: float | None, champion_tau: float | None
+    policy: PromotionConfig, new_tau: float | None, incumbent_tau: float | None
 ) -> Decision:
+    """Promote the new drafter when it beats the incumbent (what the fleet runs, else the champion) by the margin."""
     if new_tau is None:
         return Decision(False, "no new drafter at this step")
     if policy.policy == "manual":
         return Decision(False, "promotion.policy is manual: a person moves `champion` in the MLflow UI")
-    if champion_tau is None:
-        return Decision(True, f"no champion yet; new tau {new_tau:.3f}")
-    if new_tau > champion_tau + policy.margin:
-        return Decision(True, f"new tau {new_tau:.3f} > champion tau {champion_tau:.3f} + margin {policy.margin}")
-    return Decision(False, f"new tau {new_tau:.3f} <= champion tau {champion_tau:.3f} + margin {policy.margin}")
+    if incumbent_tau is None:
+        return Decision(True, f"no drafter serves or is champion yet; new tau {new_tau:.3f}")
+    if new_tau > incumbent_tau + policy.margin:
+        return Decision(True, f"new tau {new_tau:.3f} > incumbent tau {incumbent_tau:.3f} + margin {policy.margin}")
+    return Decision(False, f"new tau {new_tau:.3f} <= incumbent tau {incumbent_tau:.3f} + margin {policy.margin}")
 
 
 @dataclass(frozen=True)
@@ -69,10 +77,20 @@ class StepMeasurement:
     roles: dict[str, str | None]  # role -> registered version, None: no such drafter
     measured: dict[str, DrafterTau]  # version -> exact tau and its parts, the teacher-forced estimate
     served_decoding: DecodingCost | None  # the served drafter's rounds, timed: the ledger's saving rests on them
+    sampling: SamplingParams  # the rollouts' parameters, every tau's
+    draft_sample_method: DraftSampleMethod
 
     def tau(self, role: str) -> float | None:
+        return self.drafter(role).tau if self.roles[role] else None
+
+    def drafter(self, role: str) -> DrafterTau | None:
         version = self.roles[role]
-        return self.measured[version].tau if version else None
+        return self.measured[version] if version else None
+
+
+def eval_seed(step: int) -> int:
+    """The first prompt's seed at `step`: the same for every drafter measured there, another at every step."""
+    return step * 1_000_003
 
 
 def measure_step(
@@ -89,32 +107,37 @@ def measure_step(
     prompts = held_out_prompts(store, cfg, step, limits)
     sequences, prompt_lens = held_out_sequences(store, cfg, step, limits)
     k, max_new = cfg.eval.num_speculative_tokens, cfg.eval.max_new_tokens
+    params, method = cfg.eval.rollout_sampling(pointer.sampling), cfg.fleet.draft_sample_method
     champion = registry.alias_version("champion")
     roles = {
         "cotrained": new_version or registry.alias_version("challenger"),
         "served": served_version(store, cfg.run, step, champion),
         "baseline": registry.alias_version("baseline"),
-        "champion": champion,
+        "incumbent": registry.alias_version("live") or champion,
     }
     measured: dict[str, DrafterTau] = {}
     served_decoding = None
     for version in sorted({v for v in roles.values() if v is not None}, key=int):
         drafter = registry.load(version)
         drafter.attach(target)
+        proposer = speculative.follow_target(drafter, target)
         times = speculative.RoundTimes()
-        exact = speculative.evaluate(target, speculative.follow_target(drafter, target), prompts, max_new, k,
-                                     times=times, ranks=ranks)
+        exact = speculative.evaluate(target, proposer, prompts, max_new, k, times=times, ranks=ranks, params=params,
+                                     draft_method=method, seed=eval_seed(step))
+        greedy = exact if params.greedy else speculative.evaluate(target, proposer, prompts, max_new, k, ranks=ranks)
         if version == roles["served"]:
             # a round's drafter cost counts its forwards (k, or 1 for P-EAGLE), not its tokens
             served_decoding = times.decoding_cost(round(exact.drafter_forwards_per_round or k))
-        estimate = teacher_forced.estimate_acceptance(target, drafter, sequences, prompt_lens, k, ranks=ranks)
+        estimate = teacher_forced.estimate_acceptance(target, drafter, sequences, prompt_lens, k, ranks=ranks,
+                                                      sampled=not params.greedy)
         # each tau says what it rests on: exact, prompts decoded and rounds; the estimate, rollouts and positions
         measured[version] = DrafterTau(
             version, exact.tau, exact.acceptance_rate, tuple(exact.per_position), exact.rounds, exact.drafted,
             exact.accepted, len(prompts),
             TauEstimate(estimate.tau, tuple(estimate.per_position), estimate.sequences, estimate.positions)
-            if estimate else None, exact.drafter_forwards_per_round)
-    return StepMeasurement(step, pointer.policy_version, len(prompts), roles, measured, served_decoding)
+            if estimate else None, exact.drafter_forwards_per_round, greedy.tau, tuple(greedy.per_position))
+    return StepMeasurement(step, pointer.policy_version, len(prompts), roles, measured, served_decoding, params,
+                           method)
 
 
 def served_version(store: ObjectStore, run: str, step: int, champion: str | None) -> str | None:
@@ -137,7 +160,8 @@ def round_costs_at_step(
     drafter = registry.load(version)
     drafter.attach(target)
     return cost.round_costs(target, drafter, speculative.follow_target(drafter, target), prompts,
-                            cfg.eval.max_new_tokens, ks)
+                            cfg.eval.max_new_tokens, ks, cfg.eval.rollout_sampling(pointer.sampling),
+                            cfg.fleet.draft_sample_method, eval_seed(step))
 
 
 def apply_promotion(
@@ -148,18 +172,21 @@ def apply_promotion(
         registry.set_alias("champion", new_version)
     if not new_version:
         return
-    champion_tau = measurement.tau("champion")
+    incumbent_tau = measurement.tau("incumbent")
     registry.set_version_tags(new_version, {
         "tau": f"{measurement.measured[new_version].tau:.4f}", "promoted": str(decision.promote).lower(),
-        "champion_tau_at_decision": "none" if champion_tau is None else f"{champion_tau:.4f}",
+        "champion_tau_at_decision": "none" if incumbent_tau is None else f"{incumbent_tau:.4f}",
     })
     run_id = registry.client.get_model_version(registry.model_name, new_version).run_id
     new = measurement.measured[new_version]
     registry.log_metrics(run_id, {
         "eval_tau": new.tau, "eval_acceptance_rate": new.acceptance_rate,
         **{f"eval_accept_pos{j}": p for j, p in enumerate(new.per_position)},
-        **({"eval_champion_tau": champion_tau} if champion_tau is not None else {}),
+        **({"eval_greedy_tau": new.greedy_tau} if new.greedy_tau is not None else {}),
+        **({"eval_champion_tau": incumbent_tau} if incumbent_tau is not None else {}),
     })
+    registry.set_run_tags(run_id, {"eval_sampling": measurement.sampling.label,
+                                   "eval_draft_sample_method": measurement.draft_sample_method})
     registry.set_run_tags(run_id, {"promotion": decision.reason})
 
 
@@ -167,10 +194,11 @@ def acceptance_record(
     cfg: PipelineConfig, measurement: StepMeasurement, decision: Decision, champion_after: str | None
 ) -> AcceptanceRecord:
     """The step's acceptance record, as stored and as the reports read it."""
-    drafters = {role: measurement.measured[v] if v else None for role, v in measurement.roles.items()}
+    m = measurement
     return AcceptanceRecord(
-        measurement.step, measurement.policy_version, measurement.num_prompts, cfg.eval.num_speculative_tokens,
-        cfg.eval.max_new_tokens, drafters, decision.promote, decision.reason, champion_after)
+        m.step, m.policy_version, m.num_prompts, cfg.eval.num_speculative_tokens, cfg.eval.max_new_tokens,
+        m.drafter("cotrained"), m.drafter("served"), m.drafter("baseline"), m.drafter("incumbent"), decision.promote,
+        decision.reason, champion_after, m.sampling, m.draft_sample_method)
 
 
 def step_cost(
@@ -202,7 +230,7 @@ def evaluate_step(
     if not ranks.is_main:
         return None
     new_tau = measurement.measured[new_version].tau if new_version else None
-    decision = promotion_decision(cfg.promotion, new_tau, measurement.tau("champion"))
+    decision = promotion_decision(cfg.promotion, new_tau, measurement.tau("incumbent"))
     apply_promotion(registry, measurement, new_version, decision)
     record = acceptance_record(cfg, measurement, decision, registry.alias_version("champion"))
     write_record(store, acceptance_key(cfg.run, step), record)

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import LlamaForCausalLM
 
 from pipeline.cost import DecodingCost
+from pipeline.data.sampling import GREEDY, DraftSampleMethod, SamplingParams
 from pipeline.evaluation import speculative
 from pipeline.models.drafter import Proposer
 
@@ -70,12 +71,15 @@ def drafter_cost_ratio(drafter: nn.Module, target: nn.Module) -> float:
 
 def round_costs(
     target: LlamaForCausalLM, drafter: nn.Module, new_proposer: Callable[[], Proposer], prompts: list[torch.Tensor],
-    max_new_tokens: int, ks: list[int],
+    max_new_tokens: int, ks: list[int], params: SamplingParams = GREEDY, draft_method: DraftSampleMethod = "greedy",
+    seed: int = 0,
 ) -> list[RoundCost]:
-    """Exact tau and forwards per round of the drafter at each k (speculative decoding of `prompts`)."""
+    """Exact tau (at `params`, drafted by `draft_method`) and forwards per round of the drafter at each k
+    (speculative decoding of `prompts`)."""
     c = drafter_cost_ratio(drafter, target)
     costs = []
     for k in ks:
-        metrics = speculative.evaluate(target, new_proposer, prompts, max_new_tokens, k)
+        metrics = speculative.evaluate(target, new_proposer, prompts, max_new_tokens, k, params=params,
+                                       draft_method=draft_method, seed=seed)
         costs.append(RoundCost(k, metrics.tau, metrics.drafter_forwards_per_round or float(k), c))
     return costs

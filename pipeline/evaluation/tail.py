@@ -34,22 +34,26 @@ from pipeline.data.records import (
     served_at,
     write_record,
 )
+from pipeline.data.rollouts import PolicyPointer
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import speculative
 from pipeline.models import target as target_lib
 from pipeline.registry import DrafterRegistry
 
 
-def measure_taus(store: ObjectStore, cfg: PipelineConfig, policy_uri: str, registry: DrafterRegistry,
-                 versions: list[str | None], prompts: list[torch.Tensor]) -> dict[str, float]:
-    """Tau of each registered version by speculative decoding of `prompts` against the policy."""
-    target = target_lib.load_policy(store, policy_uri, cfg.device, target_lib.load_settings(cfg))
+def measure_taus(store: ObjectStore, cfg: PipelineConfig, pointer: PolicyPointer, registry: DrafterRegistry,
+                 versions: list[str | None], prompts: list[torch.Tensor], seed: int) -> dict[str, float]:
+    """Tau of each registered version by speculative decoding of `prompts` against the pointer's policy, sampled as
+    its rollouts were and drafted as the fleet drafts; every version from the same seeds."""
+    target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
+    params = cfg.eval.rollout_sampling(pointer.sampling)
     taus = {}
     for version in sorted({v for v in versions if v}, key=int):
         drafter = registry.load(version)
         drafter.attach(target)
-        taus[version] = speculative.evaluate(target, speculative.follow_target(drafter, target), prompts,
-                                             cfg.eval.max_new_tokens, cfg.eval.num_speculative_tokens).tau
+        taus[version] = speculative.evaluate(
+            target, speculative.follow_target(drafter, target), prompts, cfg.eval.max_new_tokens,
+            cfg.eval.num_speculative_tokens, params=params, draft_method=cfg.fleet.draft_sample_method, seed=seed).tau
     return taus
 
 
@@ -88,7 +92,7 @@ def measure_tail(store: ObjectStore, cfg: PipelineConfig, step: int, registry: D
     versions = tail_versions(read_fleet_state(store, cfg.run), step_parts.started_at, refresh, training, step)
     prompts = [torch.tensor(r.input_ids[: max(1, r.prompt_len)]) for r in held_out]
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
-    measured = measure_taus(store, cfg, pointer.checkpoint_uri, registry, list(versions.values()), prompts)
+    measured = measure_taus(store, cfg, pointer, registry, list(versions.values()), prompts, seed=step)
     taus: dict[str, float | None] = {role: measured[v] if v else None for role, v in versions.items()}
     if taus["start"] is None:
         taus["start"] = NO_DRAFTER_TAU  # no drafter served the step's start: one token per target forward

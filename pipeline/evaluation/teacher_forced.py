@@ -19,6 +19,17 @@ gets its acceptance rate given the earlier ones, over the starts whose context q
 
 On greedy text every start qualifies and this is exact, start by start. On sampled text it
 still reads low (the earlier context is sampled; see benchmarks/evaluation.py).
+
+Under sampling (`sampled`: the rollouts were sampled, and the estimate is at their own
+parameters) the rollout itself is a draw of what speculative decoding emits: with greedy
+drafting a draft is kept exactly when the emitted token is the draft (a rejected draft's
+replacement never is), and speculative sampling emits what sampling the target does. So a
+step is kept where the drafter's token equals the rollout's, every start qualifies, and
+
+    per_position[j] = share of starts whose steps 0..j all drew the rollout's tokens
+
+which is what vLLM's rule gives in expectation, start by start (for greedy drafting; sampled
+drafts are kept more often than this counts).
 """
 
 from __future__ import annotations
@@ -50,12 +61,13 @@ class AcceptanceEstimate:
 @torch.no_grad()
 def estimate_acceptance(
     model: LlamaForCausalLM, drafter: Drafter, sequences: list[torch.Tensor], prompt_lens: list[int], k: int,
-    batch_size: int = 16, ranks: Ranks = SINGLE,
+    batch_size: int = 16, ranks: Ranks = SINGLE, sampled: bool = False,
 ) -> AcceptanceEstimate | None:
     """Teacher-forced per-position acceptance of `drafter` (attached, on the target's device and dtype)
     over `sequences` (prompt + response tokens), `batch_size` sequences per pass; None when no
-    response has k tokens (nothing to estimate on). On several `ranks` each runs every world_size-th
-    pass and the ranks sum their integer counts: the estimate of one process."""
+    response has k tokens (nothing to estimate on). `sampled`: at the rollouts' own sampling parameters,
+    drafts kept where they draw the rollout's tokens; else greedily. On several `ranks` each runs every
+    world_size-th pass and the ranks sum their integer counts: the estimate of one process."""
     device = model.device
     accepted = torch.zeros(k, dtype=torch.float64)  # per step: qualifying starts whose steps 0..j matched
     reached = torch.zeros(k, dtype=torch.float64)  # per step: qualifying starts whose steps 0..j-1 matched
@@ -68,7 +80,6 @@ def estimate_acceptance(
         lengths = torch.tensor([s.shape[0] for s in batch], device=device)  # (B,)
         valid = torch.arange(T, device=device)[None] < lengths[:, None]  # (B, T)
         out = target_forward.forward(model, ids, drafter.decode_layer_ids, attention_mask=valid.long())
-        greedy = out.logits.argmax(-1)  # (B, T): greedy[:, p] is the target's choice for token p + 1
         n = T - 1  # pairs (f_t, x_{t+1}), t < T - 1
         features = features_for(out, drafter.decode_layer_ids)[:, :n]  # (B, n, D)
         mask = valid[:, None, None, :n] & torch.ones(n, n, dtype=torch.bool, device=device).tril()  # (B, 1, n, n)
@@ -77,14 +88,19 @@ def estimate_acceptance(
         drafts = drafter.draft_unrolled(features, step_ids, positions, mask)  # (k, B, n)
         t = torch.arange(n, device=device)  # (n,)
         first_start = torch.tensor(prompts, device=device)[:, None] - 1  # (B, 1): the first round's pair
-        greedy_next = ids[:, 1:] == greedy[:, :n]  # (B, n): token t+1 is the target's choice at t
-        after_greedy = torch.nn.functional.pad(greedy_next, (1, 0))[:, :n] | (t[None] == first_start)  # (B, n)
-        context = (t[None] >= first_start) & (t[None] + k <= lengths[:, None] - 1) & after_greedy  # (B, n)
+        context = (t[None] >= first_start) & (t[None] + k <= lengths[:, None] - 1)  # (B, n)
+        if sampled:  # the rollout is a draw of decoding: its tokens are what it emitted, each on decoding's path
+            emitted = ids[:, 1:]  # (B, n): emitted[:, p] is token p + 1
+            on_path = torch.ones_like(context)
+        else:  # greedy decoding emits the target's choices; a sampled rollout leaves that path where it differs
+            emitted = out.logits.argmax(-1)  # (B, T): emitted[:, p] is the target's choice for token p + 1
+            on_path = ids[:, 1:] == emitted[:, :n]  # (B, n): token t+1 is the target's choice at t
+            context &= torch.nn.functional.pad(on_path, (1, 0))[:, :n] | (t[None] == first_start)
         matched = torch.ones(B, n, dtype=torch.bool, device=device)
         for j in range(k):
-            context &= _shifted(greedy_next, j, n)  # step j reads token t+1+j: decoding's accepted draft
+            context &= _shifted(on_path, j, n)  # step j reads token t+1+j: decoding's accepted draft
             reached[j] += float((matched & context).sum())
-            matched &= drafts[j] == _shifted(greedy, 1 + j, n)  # step j drafts the choice at column t+1+j
+            matched &= drafts[j] == _shifted(emitted, 1 + j, n)  # step j drafts what column t+1+j emits
             accepted[j] += float((matched & context).sum())
     totals = ranks.sum_counts([int(c) for c in (*accepted.tolist(), *reached.tolist())])
     accepted, reached = torch.tensor(totals[:k], dtype=torch.float64), torch.tensor(totals[k:], dtype=torch.float64)

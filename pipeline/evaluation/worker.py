@@ -44,10 +44,13 @@ def acceptance_metadata(record: AcceptanceRecord) -> dict:
     """Tau and version per drafter role, and the promotion decision."""
     measured = record.measured()
     metadata: dict = {f"tau_{role}": round(d.tau, 3) for role, d in measured.items()}
+    metadata.update({f"greedy_tau_{role}": round(d.greedy_tau, 3) for role, d in measured.items()
+                     if d.greedy_tau is not None})
     metadata.update({f"version_{role}": d.version for role, d in measured.items()})
     metadata.update({"promoted": record.promoted, "decision": record.decision,
-                     "champion_after": record.champion_after or "none"})
-    if cotrained := measured.get("cotrained"):
+                     "champion_after": record.champion_after or "none", "sampling": record.sampling.label,
+                     "draft_sample_method": record.draft_sample_method})
+    if cotrained := record.cotrained:
         metadata["acceptance_rate_cotrained"] = round(cotrained.acceptance_rate, 3)
         metadata["per_position_cotrained"] = str([round(p, 3) for p in cotrained.per_position])
     return metadata

@@ -238,14 +238,14 @@ def aged_taus(store: ObjectStore, run: str, history: list[int], recent: list[int
         if refresh is not None and refresh.version:
             seen.setdefault(refresh.version, s)
         if store.exists(acceptance_key(run, s)):
-            cotrained = read_acceptance(store, run, s).drafters.get("cotrained")
+            cotrained = read_acceptance(store, run, s).cotrained
             if cotrained is not None:
                 seen.setdefault(cotrained.version, s)
     taus = []
     for s in recent:
         if not store.exists(acceptance_key(run, s)):
             continue
-        measured = {d.version: d.tau for d in read_acceptance(store, run, s).drafters.values() if d is not None}
+        measured = {d.version: d.tau for d in read_acceptance(store, run, s).measured().values()}
         taus.extend(AgedTau(v, s, s - seen[v], tau) for v, tau in measured.items() if seen.get(v, s + 1) <= s)
     return taus
 
@@ -258,7 +258,7 @@ def champion_track(store: ObjectStore, run: str, steps: list[int], champion: str
         if champion is None or not store.exists(acceptance_key(run, step)):
             continue
         record = read_acceptance(store, run, step)
-        cotrained, served = record.drafters.get("cotrained"), record.drafters.get("served")
+        cotrained, served = record.cotrained, record.served
         if record.promoted and cotrained and cotrained.version == champion:
             track = ChampionTrack(champion, step, cotrained.tau, cotrained.tau, step)
         elif track and served and served.version == champion:

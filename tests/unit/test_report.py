@@ -35,7 +35,8 @@ def _store_step(store: ObjectStore, step: int, drafters: dict[str, DrafterTau | 
     write_buffer(store, RUN, step, [BufferEntry(step, f"s{step}-{i}", "part-00000.arrow", i, 3) for i in range(4)])
     write_record(store, drafter_key(RUN, step), TrainingRecord(step, trained, "why", 4))
     write_record(store, acceptance_key(RUN, step), AcceptanceRecord(
-        step, step, 6, 4, 32, drafters, promoted, "decided", "1"))
+        step, step, 6, 4, 32, drafters["cotrained"], drafters["served"], drafters["baseline"], None, promoted,
+        "decided", "1"))
 
 
 @pytest.fixture

@@ -28,12 +28,14 @@ from pipeline.data.records import (
     read_training,
     write_record,
 )
+from pipeline.data.sampling import SamplingParams
 from pipeline.data.store import ObjectStore
 
 RUN = "r"
 TAU = DrafterTau("3", 2.5, 0.375, (0.75, 0.5, 0.25, 0.0), 12, 48, 18, 4, TauEstimate(2.25, (0.75, 0.5), 4, 30))
-ACCEPTANCE = AcceptanceRecord(2, 2, 4, 4, 32, {"cotrained": TAU, "served": None, "baseline": TAU},
-                              True, "no champion yet; new tau 2.500", "3")
+ACCEPTANCE = AcceptanceRecord(2, 2, 4, 4, 32, TAU, None, TAU, None, True,
+                              "no drafter serves or is champion yet; new tau 2.500", "3",
+                              SamplingParams(temperature=1.0), "probabilistic")
 FIGURES = TrainingFigures(8, 0, 1.5, 0.25, 1.25, 0.5, 3.0, 120.0, (3.0, 2.0, 1.5))
 TRAINED = TrainingRecord(2, True, "trained", 90, "run-1", "3", "2", (1, 2), None, FIGURES)
 REPLICA = ReplicaDeploy("standin-0", "3", 2.75, 1.5, True)
@@ -134,6 +136,19 @@ def test_a_fleet_state_from_before_hot_updates_says_how_each_replica_got_its_ver
 
 def test_acceptance_record_lists_the_roles_that_had_a_drafter() -> None:
     assert list(ACCEPTANCE.measured()) == ["cotrained", "baseline"]
+
+
+def test_an_acceptance_record_from_before_sampling_reads_as_greedy(tmp_path: Path) -> None:
+    """Records without `sampling` were measured greedily: their tau is the greedy tau, at temperature 0."""
+    store = ObjectStore(tmp_path.as_uri())
+    old = ACCEPTANCE.to_json()
+    del old["sampling"], old["draft_sample_method"]
+    store.write_json(acceptance_key(RUN, 2), old)
+    record = read_acceptance(store, RUN, 2)
+    assert record.sampling.greedy
+    assert record.draft_sample_method == "greedy"
+    assert record.cotrained.greedy_tau == record.cotrained.tau == 2.5
+    assert record.cotrained.greedy_per_position == (0.75, 0.5, 0.25, 0.0)
 
 
 def test_a_refreshs_latency_breaks_down_into_its_milestones_and_adds_up() -> None:

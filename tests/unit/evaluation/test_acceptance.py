@@ -8,6 +8,7 @@ import pytest
 from pipeline.config import PromotionConfig, load_config
 from pipeline.cost import DecodingCost
 from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
+from pipeline.data.sampling import GREEDY
 from pipeline.data.store import open_store
 from pipeline.evaluation.acceptance import Decision, StepMeasurement, promotion_decision, step_cost
 
@@ -19,11 +20,11 @@ AUTO = PromotionConfig(policy="auto", margin=0.05)
     [
         (None, 2.0, False, "no new drafter at this step"),
         (None, None, False, "no new drafter at this step"),
-        (2.0, None, True, "no champion yet; new tau 2.000"),
-        (2.5, 2.0, True, "new tau 2.500 > champion tau 2.000 + margin 0.05"),
-        (2.04, 2.0, False, "new tau 2.040 <= champion tau 2.000 + margin 0.05"),
-        (2.05, 2.0, False, "new tau 2.050 <= champion tau 2.000 + margin 0.05"),  # the margin itself is not enough
-        (1.5, 2.0, False, "new tau 1.500 <= champion tau 2.000 + margin 0.05"),
+        (2.0, None, True, "no drafter serves or is champion yet; new tau 2.000"),
+        (2.5, 2.0, True, "new tau 2.500 > incumbent tau 2.000 + margin 0.05"),
+        (2.04, 2.0, False, "new tau 2.040 <= incumbent tau 2.000 + margin 0.05"),
+        (2.05, 2.0, False, "new tau 2.050 <= incumbent tau 2.000 + margin 0.05"),  # the margin itself is not enough
+        (1.5, 2.0, False, "new tau 1.500 <= incumbent tau 2.000 + margin 0.05"),
     ],
     ids=["no-new-drafter", "nothing-at-all", "first-drafter", "better", "within-margin", "at-margin", "worse"],
 )
@@ -49,7 +50,7 @@ def test_zero_margin_promotes_any_strict_improvement() -> None:
 def test_the_ledger_prices_a_drafter_forward_as_the_fleet_does(tmp_path) -> None:
     """eval.draft_cost_ratio: the step's cost entry keeps the timed t and f, and takes the fleet's c."""
     timed = DecodingCost(3e-4, 0.45, 4)
-    measurement = StepMeasurement(2, 2, 3, {"served": None}, {}, timed)
+    measurement = StepMeasurement(2, 2, 3, {"served": None}, {}, timed, GREEDY, "greedy")
     for ratio, expected in ((0.0, timed), (0.078, DecodingCost(3e-4, 0.078, 4))):
         cfg = load_config(overrides={"data_dir": str(tmp_path), "eval": {"draft_cost_ratio": ratio}})
         store = open_store(cfg)

@@ -114,8 +114,8 @@ def _measured(store: ObjectStore, cfg: PipelineConfig, step: int, served: tuple[
         return DrafterTau(measured[0], measured[1], 0.5, (0.5,), 10, 40, 20, 3) if measured else None
 
     write_record(store, acceptance_key(cfg.run, step), AcceptanceRecord(
-        step, step, 3, 4, 8, {"cotrained": tau(cotrained), "served": tau(served), "baseline": None,
-                              "champion": tau(served)}, promoted, "", cotrained[0] if promoted else None))
+        step, step, 3, 4, 8, tau(cotrained), tau(served), None, tau(served), promoted, "",
+        cotrained[0] if promoted else None))
     write_record(store, cost_key(cfg.run, step), StepCost(
         step, {"extraction": 1.0, "training": 30.0 if cotrained else 0.0, "evaluation": 2.0}, 6,
         served[0] if served else None, served[1] if served else 1.0, DecodingCost(0.01, 0.05, 4)))
@@ -203,7 +203,7 @@ def _drafters(store: ObjectStore, cfg: PipelineConfig, step: int, **roles: tuple
         return DrafterTau(measured[0], measured[1], 0.5, (0.5,), 10, 40, 20, 3) if measured else None
 
     write_record(store, acceptance_key(cfg.run, step), AcceptanceRecord(
-        step, step, 3, 4, 8, {r: tau(roles.get(r)) for r in ("cotrained", "served", "baseline", "champion")},
+        step, step, 3, 4, 8, *(tau(roles.get(r)) for r in ("cotrained", "served", "baseline", "champion")),
         False, "", None))
 
 
