@@ -11,7 +11,7 @@ below lossless at every step (`fp8_tau_max_loss`; docs/storage.md, Compression).
 difference, either way, is `fp8_tau_max_abs_diff`: training on slightly other values moves tau
 by that much as noise (up to 0.08 here, as often up as down).
 
-`--tiny` (the smoke run's): two steps of `benchmarks.tiny`'s simulated source, trainings of `tiny.TRAIN`'s budget.
+`--tiny` (the smoke run's): two steps of `benchmarks.tiny`'s simulated source, trainings of `tiny.TRAIN`'s token budget.
 
     python -m benchmarks.fp8_tau [--steps 3] [--source simulated|trl] [--tiny]
 """
@@ -82,7 +82,8 @@ def run(steps: int = 3, kinds: tuple[str, ...] = ("eagle3", "eagle"), source: st
 
     overrides, budget = None, TRAIN_BUDGET
     if tiny:
-        overrides, budget, steps = {"simulation": tiny_sizes.SIMULATION, "eval": tiny_sizes.EVAL}, 1500, min(steps, 2)
+        overrides = {"simulation": tiny_sizes.SIMULATION, "eval": tiny_sizes.EVAL}
+        budget, steps = tiny_sizes.TRAIN["max_tokens"], min(steps, 2)
     taus: dict[str, dict[str, list[float]]] = {}
     stored: dict[str, dict[str, int]] = {}
     with tempfile.TemporaryDirectory() as tmp:

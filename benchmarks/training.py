@@ -48,7 +48,6 @@ if TYPE_CHECKING:  # imported where used: the GPU path needs only torch and the 
     from pipeline.training.window import DeviceBatch
 
 
-
 @dataclass(frozen=True)
 class Sizes:
     repeats: int  # one process's trainings, and the checkpoint comparison's rounds: best of them
@@ -182,8 +181,8 @@ def _dense_ttt():
 def ttt_attention(rounds: int = FULL.ttt_rounds, epochs: int = FULL.ttt_epochs) -> dict:
     """The demo's EAGLE-3 training on the CPU (one thread, one RL step's rollouts of the simulation's
     lognormal lengths, 16 packed per step, about 55 positions each), with the TTT attention
-    `ttt_cache` picks there (`BandTTTCache`) against the dense `TTTCache` (`_dense_ttt`): two-epoch
-    trainings (`epochs`), alternating in `rounds` rounds in this process after a warm-up of each. Each figure
+    `ttt_cache` picks there (`BandTTTCache`) against the dense `TTTCache` (`_dense_ttt`): trainings of
+    `epochs` epochs, alternating in `rounds` rounds in this process after a warm-up of each. Each figure
     is the median over the rounds of the band's over the same round's dense training, in tokens/s
     (`banded_vs_dense_ttt_ratio`) and in tokens per CPU-second (`_cpu_ratio`, which other work on the
     machine disturbs less), with the spread beside it; the final losses agree to float noise."""
