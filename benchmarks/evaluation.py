@@ -41,6 +41,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import tiny as smoke
+
 K = 4
 
 
@@ -65,12 +67,9 @@ FULL = Sizes(hidden=1024, vocab=2048, kinds_layers=8, contexts=(128, 2048), cost
              prompt_lens=(24, 48), batch_new_tokens=16, kinds_prompt=128, kinds_new_tokens=40, repeats=3, tau_epochs=6)
 
 
-def _tiny() -> Sizes:
-    from benchmarks import tiny
-
-    return Sizes(hidden=64, vocab=256, kinds_layers=2, contexts=(16, 64), cost_new_tokens=8, prompts=4,
-                 prompt_lens=(8, 16), batch_new_tokens=4, kinds_prompt=16, kinds_new_tokens=12, repeats=1, tau_epochs=1,
-                 tau_overrides={"simulation": tiny.SIMULATION, "eval": tiny.EVAL})
+TINY = Sizes(hidden=64, vocab=256, kinds_layers=2, contexts=(16, 64), cost_new_tokens=8, prompts=4,
+             prompt_lens=(8, 16), batch_new_tokens=4, kinds_prompt=16, kinds_new_tokens=12, repeats=1, tau_epochs=1,
+             tau_overrides={"simulation": smoke.SIMULATION, "eval": smoke.EVAL})
 
 
 def _target(torch, sizes: Sizes, layers: int = 2):
@@ -306,7 +305,7 @@ def gpu_throughput(prompts: int = 16, prompt_len: int = 128, new_tokens: int = 1
 def run(tiny: bool = False) -> dict:
     import torch
 
-    sizes = _tiny() if tiny else FULL
+    sizes = TINY if tiny else FULL
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -67,7 +67,7 @@ def run(steps: int = 3, kinds: tuple[str, ...] = ("eagle3", "eagle"), source: st
         tiny: bool = False) -> dict:
     import torch
 
-    from benchmarks import tiny as tiny_sizes
+    from benchmarks import tiny as smoke
     from pipeline.data import capture, shards
     from pipeline.data.buffer import select_buffer
     from pipeline.data.held_out import held_out_prompts
@@ -82,8 +82,8 @@ def run(steps: int = 3, kinds: tuple[str, ...] = ("eagle3", "eagle"), source: st
 
     overrides, budget = None, TRAIN_BUDGET
     if tiny:
-        overrides = {"simulation": tiny_sizes.SIMULATION, "eval": tiny_sizes.EVAL}
-        budget, steps = tiny_sizes.TRAIN["max_tokens"], min(steps, 2)
+        overrides = {"simulation": smoke.SIMULATION, "eval": smoke.EVAL}
+        budget, steps = smoke.TRAIN["max_tokens"], min(steps, 2)
     taus: dict[str, dict[str, list[float]]] = {}
     stored: dict[str, dict[str, int]] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,7 +5,7 @@
 Each section runs in turn; one that fails is recorded in the JSON (`failed`, and the section's `error`), named on
 stderr, and the next runs. The JSON is rewritten after every section, so what was measured survives a section
 that fails or a run that is stopped; the exit status is 1 when a section failed. `--tiny`: every section at its
-smoke-run sizes (seconds each; tests/unit/test_benchmarks.py), the same code paths.
+smoke-run sizes (seconds to a minute each; tests/unit/test_benchmarks.py), the same code paths.
 """
 
 from __future__ import annotations
@@ -132,7 +132,8 @@ def run_sections(sections: tuple[Section, ...], out_dir: Path, tiny: bool = Fals
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="every section at its smoke-run sizes (seconds each)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="every section at its smoke-run sizes (seconds to a minute each)")
     parser.add_argument("--only", help="the sections to run, comma-separated (default: all)")
     parser.add_argument("--out", type=Path, default=OUT_DIR, help="the folder of the JSON (default: .data/bench)")
     args = parser.parse_args(argv)

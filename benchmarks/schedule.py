@@ -107,10 +107,10 @@ RUN = "schedule"  # one run name in both data directories: the two warm-ups have
 
 def _config(data_dir: Path, kind: str, draft_cost_ratio: float | None, drift: float | None, seed: int | None = None,
             tiny: bool = False):
-    from benchmarks import tiny as sizes
+    from benchmarks import tiny as smoke
     from pipeline.config import load_config
 
-    small = {"simulation": sizes.SIMULATION, "train": sizes.TRAIN, "eval": sizes.EVAL} if tiny else {}
+    small = {"simulation": smoke.SIMULATION, "train": smoke.TRAIN, "eval": smoke.EVAL} if tiny else {}
     overrides: dict = {"data_dir": str(data_dir), "run": RUN, "fleet": {"driver": "none"},
                        "train": {**small.get("train", {}), "schedule": {"kind": kind}},
                        "eval": {**small.get("eval", {}), "draft_cost_ratio": draft_cost_ratio or 0.0}}
