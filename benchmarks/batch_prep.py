@@ -12,7 +12,7 @@ input and target features the training step reads on its device (here the CPU).
 rss_ratio_8g_vs_1g: peak RSS (VmHWM) of a fresh process that streams every batch of a
 buffer over 8 GiB of shards through `pipeline.training.dataset` (plan from lengths, loads with a
 prefetch thread, packs), over the same for 1 GiB. The shards are written once for the
-run and deleted after it.
+run and deleted after it. `TINY`, the smoke run's sizes: one batch of each, 8 and 32 MiB streamed.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,8 +32,22 @@ HIDDEN = 4096
 WINDOW = 512
 BATCH = 16
 SMALL_HIDDEN = 64  # the demo's target
-RSS_SIZES_GIB = (1, 8)
-STEP_BYTES = 512 << 20  # one RL step's shards in the streaming test
+
+
+@dataclass(frozen=True)
+class Sizes:
+    batches: int  # timed batches at H 4096 (twice as many at H 64), best of `repeats`
+    repeats: int
+    stream_bytes: tuple[int, int]  # the smaller and the larger buffer streamed
+    step_bytes: int  # one RL step's shards in the streaming test
+
+
+FULL = Sizes(batches=3, repeats=3, stream_bytes=(1 << 30, 8 << 30), step_bytes=512 << 20)
+TINY = Sizes(batches=1, repeats=1, stream_bytes=(8 << 20, 32 << 20), step_bytes=8 << 20)
+
+
+def _label(nbytes: int) -> str:
+    return f"{nbytes >> 30}g" if nbytes >= 1 << 30 else f"{nbytes >> 20}m"
 
 
 def reference_prepare_training_batch(
@@ -85,7 +100,7 @@ def _batches(hidden_size: int, count: int, seed: int = 0) -> list[list[tuple[tor
     return batches
 
 
-def _tokens_per_s(fn, batches: list, repeats: int = 3) -> float:
+def _tokens_per_s(fn, batches: list, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -123,14 +138,15 @@ def _check_same(batches: list) -> None:
                 raise AssertionError(f"pack and the reference disagree on {name}")
 
 
-def speedups() -> dict:
+def speedups(sizes: Sizes) -> dict:
     out = {}
-    for hidden_size, count in ((HIDDEN, 3), (SMALL_HIDDEN, 8)):
+    for hidden_size, count in ((HIDDEN, sizes.batches), (SMALL_HIDDEN, 2 * sizes.batches)):
         batches = _batches(hidden_size, count)
         _check_same(batches[:1])
-        reference, ours = _tokens_per_s(_reference, batches), _tokens_per_s(_pack, batches)
-        reference_on_device = _tokens_per_s(lambda b: _reference(b, on_device=True), batches)
-        ours_on_device = _tokens_per_s(lambda b: _pack(b, on_device=True), batches)
+        repeats = sizes.repeats
+        reference, ours = _tokens_per_s(_reference, batches, repeats), _tokens_per_s(_pack, batches, repeats)
+        reference_on_device = _tokens_per_s(lambda b: _reference(b, on_device=True), batches, repeats)
+        ours_on_device = _tokens_per_s(lambda b: _pack(b, on_device=True), batches, repeats)
         out[hidden_size] = {"reference_tokens_per_s": reference, "pack_tokens_per_s": ours,
                             "speedup": ours / reference,
                             "speedup_with_device_copy": ours_on_device / reference_on_device}
@@ -140,8 +156,8 @@ def speedups() -> dict:
 # -- peak RSS while streaming the buffer --------------------------------------------------------------------------
 
 
-def write_buffer_shards(root: Path, gib: int) -> None:
-    """Steps of ~STEP_BYTES of bf16 hidden states until `gib` GiB are stored (one sample pool, re-keyed per step)."""
+def write_buffer_shards(root: Path, nbytes: int, step_bytes: int) -> None:
+    """Steps of ~`step_bytes` of bf16 hidden states until `nbytes` are stored (one sample pool, re-keyed per step)."""
     from dataclasses import replace
 
     from benchmarks.hidden_states_io import make_samples
@@ -149,16 +165,16 @@ def write_buffer_shards(root: Path, gib: int) -> None:
     from pipeline.data.store import ObjectStore
 
     store = ObjectStore(root.as_uri())
-    pool = make_samples(STEP_BYTES, seed=3)
+    pool = make_samples(step_bytes, seed=3)
     step_bytes = sum(s.hidden.numel() * 2 for s in pool)
-    for step in range(1, -(-(gib << 30) // step_bytes) + 1):
+    for step in range(1, -(-nbytes // step_bytes) + 1):
         samples = [replace(s, sample_id=f"{step}-{s.sample_id}", step=step) for s in pool]
         shards.write_hidden_states(store, "bench", step, samples, hidden_size=HIDDEN, layer_ids=[0],
                                    target={"model_id": "bench"})
 
 
-def stream_buffer(root: Path, gib: int) -> dict:
-    """In a fresh process: stream every batch of the steps holding the first `gib` GiB; peak RSS."""
+def stream_buffer(root: Path, nbytes: int) -> dict:
+    """In a fresh process: stream every batch of the steps holding the first `nbytes`; peak RSS."""
     from pipeline.config import TrainConfig
     from pipeline.data import buffer, shards
     from pipeline.data.store import ObjectStore
@@ -166,7 +182,7 @@ def stream_buffer(root: Path, gib: int) -> dict:
 
     store = ObjectStore(root.as_uri())
     manifests, size, step = [], 0, 1
-    while size < gib << 30 and shards.has_manifest(store, "bench", step):
+    while size < nbytes and shards.has_manifest(store, "bench", step):
         manifests.append(shards.read_manifest(store, "bench", step))
         size += manifests[-1].hidden_bytes
         step += 1
@@ -178,7 +194,7 @@ def stream_buffer(root: Path, gib: int) -> dict:
     for batch in iter_batches(dataset, plan_epoch(dataset.lengths, cfg, 0), WINDOW):
         tokens += batch.num_tokens
         batches += 1
-    return {"gib": gib, "hidden_bytes": size, "samples": len(entries), "batches": batches, "tokens": tokens,
+    return {"bytes": nbytes, "hidden_bytes": size, "samples": len(entries), "batches": batches, "tokens": tokens,
             "seconds": time.perf_counter() - start, "rss_before_bytes": baseline, "peak_rss_bytes": _vm("VmHWM")}
 
 
@@ -189,27 +205,28 @@ def _vm(field: str) -> int:
     raise KeyError(field)
 
 
-def rss() -> dict:
+def rss(sizes: Sizes) -> dict:
     base = Path(__file__).resolve().parent.parent / ".data" / "bench"
     base.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="batch_prep-", dir=base))
     try:
-        subprocess.run([sys.executable, "-m", "benchmarks.batch_prep", "write", str(root), str(max(RSS_SIZES_GIB))],
-                       check=True, capture_output=True, text=True)
+        subprocess.run([sys.executable, "-m", "benchmarks.batch_prep", "write", str(root), str(max(sizes.stream_bytes)),
+                        str(sizes.step_bytes)], check=True, capture_output=True, text=True)
         runs = {}
-        for gib in RSS_SIZES_GIB:
-            out = subprocess.run([sys.executable, "-m", "benchmarks.batch_prep", "stream", str(root), str(gib)],
+        for nbytes in sizes.stream_bytes:
+            out = subprocess.run([sys.executable, "-m", "benchmarks.batch_prep", "stream", str(root), str(nbytes)],
                                  check=True, capture_output=True, text=True)
-            runs[f"{gib}g"] = json.loads(out.stdout.strip().splitlines()[-1])
+            runs[_label(nbytes)] = json.loads(out.stdout.strip().splitlines()[-1])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return runs
 
 
-def run() -> dict:
-    speed = speedups()
-    streams = rss()
-    small, large = streams[f"{RSS_SIZES_GIB[0]}g"], streams[f"{RSS_SIZES_GIB[-1]}g"]
+def run(tiny: bool = False) -> dict:
+    sizes = TINY if tiny else FULL
+    speed = speedups(sizes)
+    streams = rss(sizes)
+    small, large = (streams[_label(nbytes)] for nbytes in sizes.stream_bytes)
     return {
         "speedup_vs_reference": speed[HIDDEN]["speedup"],
         "speedup_vs_reference_h64": speed[SMALL_HIDDEN]["speedup"],
@@ -223,7 +240,8 @@ def run() -> dict:
 
 
 if __name__ == "__main__":
+    # the children of `rss`: write ROOT BYTES STEP_BYTES, stream ROOT BYTES
     if sys.argv[1] == "write":
-        write_buffer_shards(Path(sys.argv[2]), int(sys.argv[3]))
+        write_buffer_shards(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
     else:
         sys.stdout.write(json.dumps(stream_buffer(Path(sys.argv[2]), int(sys.argv[3]))) + "\n")

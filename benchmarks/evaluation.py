@@ -30,21 +30,52 @@ teacher-forced estimate against exact tau.
   both); the untrained drafters' taus are beside it (about 1 for both).
 
 Goals: ratio <= 1.5, speedup >= 4, estimate within 0.3 of exact tau, P-EAGLE/EAGLE-3 per token below
-1 at k = 4 and lower at k = 8. One thread throughout.
+1 at k = 4 and lower at k = 8. One thread throughout. `run(tiny=True)`: the same at `TINY`'s sizes, a smoke run.
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks import tiny as smoke
 
 K = 4
-REPEATS = 3
 
 
-def _target(torch, hidden: int = 1024, layers: int = 2, vocab: int = 2048):
+@dataclass(frozen=True)
+class Sizes:
+    hidden: int  # the cost ratio's and batching's target
+    vocab: int
+    kinds_layers: int  # drafter_kinds' target: as deep as a drafter is a realistic fraction of it
+    contexts: tuple[int, int]  # the cost ratio's short and long prompt
+    cost_new_tokens: int
+    prompts: int  # batching's
+    prompt_lens: tuple[int, int]  # batching's prompts: lengths drawn in [low, high)
+    batch_new_tokens: int
+    kinds_prompt: int
+    kinds_new_tokens: int
+    repeats: int  # batching's rounds, best of them
+    tau_epochs: int  # tau_estimate's training
+    tau_overrides: dict | None = None  # tau_estimate's config (None: the demo's, its pre-trained target cached)
+
+
+FULL = Sizes(hidden=1024, vocab=2048, kinds_layers=8, contexts=(128, 2048), cost_new_tokens=24, prompts=16,
+             prompt_lens=(24, 48), batch_new_tokens=16, kinds_prompt=128, kinds_new_tokens=40, repeats=3, tau_epochs=6)
+
+
+TINY = Sizes(hidden=64, vocab=256, kinds_layers=2, contexts=(16, 64), cost_new_tokens=8, prompts=4,
+             prompt_lens=(8, 16), batch_new_tokens=4, kinds_prompt=16, kinds_new_tokens=12, repeats=1, tau_epochs=1,
+             tau_overrides={"simulation": smoke.SIMULATION, "eval": smoke.EVAL})
+
+
+def _target(torch, sizes: Sizes, layers: int = 2):
     from pipeline.models import target as target_lib
 
+    hidden, vocab = sizes.hidden, sizes.vocab
     config = target_lib.tiny_llama_config(vocab, hidden, layers, 16)
     config.intermediate_size = 4 * hidden
     config.max_position_embeddings = 4096
@@ -60,11 +91,11 @@ def _drafter(torch, target, kind: str):
     return drafter
 
 
-def _best_interleaved(fns: dict) -> dict[str, float]:
-    """Each fn's best time over REPEATS rounds, the fns taking turns within a round: a shared machine that slows
+def _best_interleaved(fns: dict, repeats: int) -> dict[str, float]:
+    """Each fn's best time over `repeats` rounds, the fns taking turns within a round: a shared machine that slows
     down for a while slows them alike, rather than whichever was being timed then."""
     best = dict.fromkeys(fns, float("inf"))
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()
@@ -98,12 +129,12 @@ def _per_token_s(torch, target, drafter, context: int, new_tokens: int) -> float
     return statistics.median(rounds) / tokens_per_round
 
 
-def cost_ratio(torch) -> dict:
-    target = _target(torch)
+def cost_ratio(torch, sizes: Sizes) -> dict:
+    target = _target(torch, sizes)
     out = {}
     for kind in ("eagle", "eagle3"):
         drafter = _drafter(torch, target, kind)
-        short, long = (_per_token_s(torch, target, drafter, n, 24) for n in (128, 2048))
+        short, long = (_per_token_s(torch, target, drafter, n, sizes.cost_new_tokens) for n in sizes.contexts)
         out[kind] = {"per_token_ms_128": short * 1e3, "per_token_ms_2048": long * 1e3, "ratio": long / short}
     return out
 
@@ -122,14 +153,15 @@ class _ProposalClock(TimedProposer):
         return out
 
 
-def drafter_kinds(torch) -> dict:
+def drafter_kinds(torch, sizes: Sizes) -> dict:
     import statistics
 
     from pipeline.evaluation.cost import drafter_cost_ratio
     from pipeline.evaluation.speculative import generate_batch
 
-    target = _target(torch, layers=8)
-    prompt = torch.randint(0, target.config.vocab_size, (128,), generator=torch.Generator().manual_seed(3))
+    target = _target(torch, sizes, layers=sizes.kinds_layers)
+    prompt = torch.randint(0, target.config.vocab_size, (sizes.kinds_prompt,),
+                           generator=torch.Generator().manual_seed(3))
     out: dict = {}
     for k in (4, 8):
         for kind in ("eagle3", "peagle"):
@@ -142,7 +174,7 @@ def drafter_kinds(torch) -> dict:
                 proposers.append(drafter.proposer())
                 return _ProposalClock(proposers[-1], stamps, proposing)
 
-            trace = generate_batch(target, new, [prompt], 40, k)[0]
+            trace = generate_batch(target, new, [prompt], sizes.kinds_new_tokens, k)[0]
             rounds = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
             out[f"{kind}_k{k}"] = {
                 "round_ms": statistics.median(rounds) * 1e3, "proposal_ms": statistics.median(proposing[1:]) * 1e3,
@@ -154,54 +186,59 @@ def drafter_kinds(torch) -> dict:
     return out
 
 
-def batched_speedup(torch) -> dict:
+def batched_speedup(torch, sizes: Sizes) -> dict:
     from pipeline.evaluation.speculative import generate_batch
 
-    target = _target(torch)
+    target = _target(torch, sizes)
     drafter = _drafter(torch, target, "eagle3")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, target.config.vocab_size, (int(n),), generator=g)
-               for n in torch.randint(24, 48, (16,), generator=g)]
+               for n in torch.randint(*sizes.prompt_lens, (sizes.prompts,), generator=g)]
+    new_tokens = sizes.batch_new_tokens
     weight = target.model.layers[0].mlp.up_proj.weight  # (I, H) the verification forward's largest matmul
     one, all_rows = (torch.randn(n * (K + 1), weight.shape[1], generator=g) for n in (1, len(prompts)))
     times = _best_interleaved({
-        "batched": lambda: generate_batch(target, drafter.proposer, prompts, 16, K),
-        "alone": lambda: [generate_batch(target, drafter.proposer, [p], 16, K) for p in prompts],
+        "batched": lambda: generate_batch(target, drafter.proposer, prompts, new_tokens, K),
+        "alone": lambda: [generate_batch(target, drafter.proposer, [p], new_tokens, K) for p in prompts],
         "matmul_batched": lambda: [torch.nn.functional.linear(all_rows, weight) for _ in range(20)],
         "matmul_alone": lambda: [torch.nn.functional.linear(one, weight) for _ in range(20 * len(prompts))],
-    })
+    }, sizes.repeats)
     batched, alone = times["batched"], times["alone"]
     return {"batched_s": batched, "one_at_a_time_s": alone, "speedup": alone / batched, "prompts": len(prompts),
             "matmul_bound": times["matmul_alone"] / times["matmul_batched"]}
 
 
-def tau_estimate(torch) -> dict:
+def tau_estimate(torch, sizes: Sizes) -> dict:
+    """The demo's simulated step (or `sizes.tau_overrides`', pre-trained in a temporary directory): its training
+    rollouts' hidden states extracted as the pipeline extracts them (long-tailed lengths, batched and padded by
+    `iter_hidden_states`), a fresh drafter trained on them; exact and estimated tau on its held-out rollouts."""
     from pipeline.config import load_config
     from pipeline.data.held_out import is_held_out
-    from pipeline.data.shards import HiddenSample
     from pipeline.evaluation import speculative
     from pipeline.evaluation.teacher_forced import estimate_acceptance
-    from pipeline.models import target_forward
     from pipeline.models.drafter import fresh_drafter
+    from pipeline.models.layers import stored_layer_ids
+    from pipeline.sources.extract import iter_hidden_states
     from pipeline.sources.simulation import SimulatedRL
     from pipeline.training.dataset import InMemoryDataset
     from pipeline.training.loop import train_drafter
 
-    cfg = load_config()
-    sim = SimulatedRL(cfg.simulation, store=None, run="bench", cache_dir=cfg.data_path / "cache")
-    target = sim.pretrained()
+    with tempfile.TemporaryDirectory(prefix="bench-evaluation-") as tmp:
+        cfg = load_config(overrides=sizes.tau_overrides)
+        cache = cfg.data_path / "cache" if sizes.tau_overrides is None else Path(tmp)
+        sim = SimulatedRL(cfg.simulation, store=None, run="bench", cache_dir=cache)
+        target = sim.pretrained()
     rollouts = sim.generate_rollouts(target, 1, torch.Generator().manual_seed(7))
     held = [r for r in rollouts if is_held_out(r.sample_id, cfg.eval.held_out_fraction)]
     train = [r for r in rollouts if not is_held_out(r.sample_id, cfg.eval.held_out_fraction)]
-    ids = torch.tensor([r.input_ids for r in train])  # (N, T)
-    drafter = fresh_drafter(cfg.drafter, target, torch.bincount(ids.flatten(), minlength=target.config.vocab_size),
-                            cfg.train.seed)
-    num_layers = target.config.num_hidden_layers
-    layers = target_forward.forward(target, ids, drafter.stored_layer_ids(num_layers)).layers  # (N, T, stored, H)
-    samples = [drafter.training_sample(HiddenSample(r.sample_id, 1, ids[i], torch.tensor(r.loss_mask), layers[i]),
-                                       num_layers) for i, r in enumerate(train)]
+    num_layers, vocab = target.config.num_hidden_layers, target.config.vocab_size
+    hidden = list(iter_hidden_states(target, train, 1, tokens_per_batch=cfg.hidden_states.tokens_per_batch,
+                                     layer_ids=stored_layer_ids(cfg.drafter, num_layers)))
+    counts = sum(torch.bincount(s.input_ids[s.loss_mask.bool()], minlength=vocab) for s in hidden)
+    drafter = fresh_drafter(cfg.drafter, target, counts, cfg.train.seed)
+    samples = [drafter.training_sample(s, num_layers) for s in hidden]
     start = time.perf_counter()
-    train_drafter(drafter, InMemoryDataset(samples), cfg.train.model_copy(update={"epochs": 6}),
+    train_drafter(drafter, InMemoryDataset(samples), cfg.train.model_copy(update={"epochs": sizes.tau_epochs}),
                   teacher=drafter.teacher(target))
     train_s = time.perf_counter() - start
     drafter.attach(target)
@@ -216,6 +253,8 @@ def tau_estimate(torch) -> dict:
     estimate_s = time.perf_counter() - start
     return {"exact": {**exact.as_dict(), "prompts": len(prompts), "wall_s": exact_s},
             "estimate": {**estimate.as_dict(), "wall_s": estimate_s}, "train_s": train_s,
+            "train_samples": len(samples), "train_lengths": [min(len(r.input_ids) for r in train),
+                                                             max(len(r.input_ids) for r in train)],
             "abs_diff": abs(estimate.tau - exact.tau)}
 
 
@@ -263,17 +302,18 @@ def gpu_throughput(prompts: int = 16, prompt_len: int = 128, new_tokens: int = 1
             "ratio_vs_plain": plain_s / spec_s, "tau": 1 + sum(accepted) / max(len(accepted), 1)}
 
 
-def run() -> dict:
+def run(tiny: bool = False) -> dict:
     import torch
 
+    sizes = TINY if tiny else FULL
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.no_grad():
-            cost = cost_ratio(torch)
-            batch = batched_speedup(torch)
-            kinds = drafter_kinds(torch)
-        tau = tau_estimate(torch)
+            cost = cost_ratio(torch, sizes)
+            batch = batched_speedup(torch, sizes)
+            kinds = drafter_kinds(torch, sizes)
+        tau = tau_estimate(torch, sizes)
     finally:
         torch.set_num_threads(threads)
     return {
@@ -292,5 +332,5 @@ def run() -> dict:
 if __name__ == "__main__":
     import sys
 
-    result = gpu_throughput() if "--gpu" in sys.argv else run()
+    result = gpu_throughput() if "--gpu" in sys.argv else run(tiny="--tiny" in sys.argv)
     sys.stdout.write(json.dumps(result, indent=2) + "\n")

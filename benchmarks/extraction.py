@@ -12,7 +12,8 @@
   extracts N (same target, same length distribution), each in its own process. Memory bounded by a
   batch gives ~1.0; holding the step would grow with it.
 
-CPU (default, `make bench`): a small fp32 Llama, under two minutes on two cores.
+CPU (default, `make bench`): a small fp32 Llama, under two minutes on two cores. `--tiny` (the smoke run's):
+`TINY_THROUGHPUT` and `TINY_MEMORY` on either device, one repeat, seconds.
 CUDA: `python -m benchmarks.extraction --device cuda`: a 1.5B-parameter bf16 Llama built from its
 config (H 2048, 16 layers, vocab 128256); needs torch, transformers, pyarrow, numpy, fsspec and
 xxhash only (no pipeline configuration, no dagster or mlflow).
@@ -64,6 +65,11 @@ MEMORY = {
                   vocab_size=128256, dtype="bfloat16", samples=64, min_len=128, max_len=2048,
                   tokens_per_batch=32768),
 }
+TINY_THROUGHPUT = Setup(hidden_size=64, num_layers=2, intermediate_size=128, num_heads=4, num_kv_heads=4,
+                        vocab_size=256, dtype="float32", samples=4, min_len=16, max_len=64, tokens_per_batch=256)
+TINY_MEMORY = replace(TINY_THROUGHPUT, samples=8)
+PROBE_BYTES = {"cpu": 256 << 20, "cuda": 1 << 30}  # the disk's write-and-fsync probe
+TINY_PROBE_BYTES = 4 << 20
 
 
 def _target(setup: Setup, device: str):
@@ -161,7 +167,7 @@ def _durable_write_bytes_per_s(directory: str, nbytes: int) -> float:
     """Bytes per second of writing `nbytes` to a file in `directory` and fsyncing it, as a shard write does."""
     import os
 
-    block = os.urandom(64 << 20)
+    block = os.urandom(min(nbytes, 64 << 20))
     path = Path(directory) / "fsync-probe"
     start = time.perf_counter()
     with path.open("wb") as f:
@@ -175,7 +181,7 @@ def _durable_write_bytes_per_s(directory: str, nbytes: int) -> float:
     return written / seconds
 
 
-def throughput(setup: Setup, device: str, repeats: int) -> dict:
+def throughput(setup: Setup, device: str, repeats: int, probe_bytes: int) -> dict:
     from pipeline.data.keys import hidden_states_prefix
     from pipeline.data.store import ObjectStore
 
@@ -195,7 +201,7 @@ def throughput(setup: Setup, device: str, repeats: int) -> dict:
             seconds, _ = _timed(lambda r=rep: _extract(model, rollouts, setup, device, store, step=r + 1))
             best["extract"] = min(best["extract"], seconds)
             store.delete_prefix(hidden_states_prefix("bench", rep + 1))
-        disk_bytes_per_s = _durable_write_bytes_per_s(tmp, 1 << 30 if device == "cuda" else 256 << 20)
+        disk_bytes_per_s = _durable_write_bytes_per_s(tmp, probe_bytes)
     layers = len(_layer_ids(setup.num_layers))
     plain_bytes_per_s = layers * setup.hidden_size * 2 * tokens / best["plain"]  # stored bytes at the forward's rate
     return {
@@ -254,15 +260,20 @@ def memory(setup: Setup, device: str) -> dict:
     }
 
 
-def run(device: str = "cpu", repeats: int = 2) -> dict:
-    return {"device": device, "target": asdict(THROUGHPUT[device]), "memory_target": asdict(MEMORY[device]),
-            **throughput(THROUGHPUT[device], device, repeats), **memory(MEMORY[device], device)}
+def run(device: str = "cpu", repeats: int = 2, tiny: bool = False) -> dict:
+    if tiny:
+        speed, rss, repeats, probe = TINY_THROUGHPUT, TINY_MEMORY, 1, TINY_PROBE_BYTES
+    else:
+        speed, rss, probe = THROUGHPUT[device], MEMORY[device], PROBE_BYTES[device]
+    return {"device": device, "target": asdict(speed), "memory_target": asdict(rss),
+            **throughput(speed, device, repeats, probe), **memory(rss, device)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=sorted(THROUGHPUT))
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="the smoke run's sizes (seconds)")
     parser.add_argument("--measure-step", help=argparse.SUPPRESS)  # a Setup as JSON: the child of `peak_rss`
     parser.add_argument("--samples", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--hold-step", action="store_true", help=argparse.SUPPRESS)
@@ -270,7 +281,7 @@ def main() -> None:
     if args.measure_step:
         result = measure_step(Setup(**json.loads(args.measure_step)), args.device, args.samples, args.hold_step)
     else:
-        result = run(args.device, args.repeats)
+        result = run(args.device, args.repeats, args.tiny)
     sys.stdout.write(json.dumps(result) + "\n")
 
 

@@ -11,7 +11,9 @@ below lossless at every step (`fp8_tau_max_loss`; docs/storage.md, Compression).
 difference, either way, is `fp8_tau_max_abs_diff`: training on slightly other values moves tau
 by that much as noise (up to 0.08 here, as often up as down).
 
-    python -m benchmarks.fp8_tau [--steps 3] [--source simulated|trl]
+`--tiny` (the smoke run's): two steps of `benchmarks.tiny`'s simulated source, trainings of `tiny.TRAIN`'s token budget.
+
+    python -m benchmarks.fp8_tau [--steps 3] [--source simulated|trl] [--tiny]
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ COMPRESSIONS = ("none", "fp8-e4m3")
 TRAIN_BUDGET = 100_000  # trained positions per training: about half the demo's 20 epochs, to bound the run
 
 
-def _config(data_dir: Path, kind: str):
+def _config(data_dir: Path, kind: str, overrides: dict | None):
     from pipeline.config import load_config
 
-    cfg = load_config()
+    cfg = load_config(overrides=overrides)
     return cfg.model_copy(update={"data_dir": str(data_dir), "run": "fp8tau",
                                   "drafter": cfg.drafter.model_copy(update={"kind": kind})})
 
@@ -61,9 +63,11 @@ def _publish_steps(cfg, store, steps: int, source: str, workdir: Path) -> None:
         simulation.run_step(step)
 
 
-def run(steps: int = 3, kinds: tuple[str, ...] = ("eagle3", "eagle"), source: str = "simulated") -> dict:
+def run(steps: int = 3, kinds: tuple[str, ...] = ("eagle3", "eagle"), source: str = "simulated",
+        tiny: bool = False) -> dict:
     import torch
 
+    from benchmarks import tiny as smoke
     from pipeline.data import capture, shards
     from pipeline.data.buffer import select_buffer
     from pipeline.data.held_out import held_out_prompts
@@ -76,15 +80,20 @@ def run(steps: int = 3, kinds: tuple[str, ...] = ("eagle3", "eagle"), source: st
     from pipeline.training.dataset import BufferDataset
     from pipeline.training.loop import train_drafter
 
+    overrides, budget = None, TRAIN_BUDGET
+    if tiny:
+        overrides = {"simulation": smoke.SIMULATION, "eval": smoke.EVAL}
+        budget, steps = smoke.TRAIN["max_tokens"], min(steps, 2)
     taus: dict[str, dict[str, list[float]]] = {}
     stored: dict[str, dict[str, int]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = _config(Path(tmp), kinds[0])
-        _pretrained_cache(cfg)
+        cfg = _config(Path(tmp), kinds[0], overrides)
+        if not tiny:
+            _pretrained_cache(cfg)
         store = open_store(cfg)
         _publish_steps(cfg, store, steps, source, Path(tmp))
         for kind in kinds:
-            cfg = _config(Path(tmp), kind)
+            cfg = _config(Path(tmp), kind, overrides)
             drafter_of: dict[str, drafters.Drafter | None] = dict.fromkeys(COMPRESSIONS)
             taus[kind] = {c: [] for c in COMPRESSIONS}
             stored[kind] = dict.fromkeys(COMPRESSIONS, 0)
@@ -119,7 +128,7 @@ def run(steps: int = 3, kinds: tuple[str, ...] = ("eagle3", "eagle"), source: st
                     drafter.attach(policy)
                     data = BufferDataset(store, run_name, entries,
                                          lambda s, d=drafter, n=num_layers: d.training_sample(s, n))
-                    train_drafter(drafter, data, cfg.train.model_copy(update={"max_tokens": TRAIN_BUDGET}),
+                    train_drafter(drafter, data, cfg.train.model_copy(update={"max_tokens": budget}),
                                   teacher=drafter.teacher(policy))
                     drafter_of[compression] = drafter
                     result = speculative.evaluate(policy, speculative.follow_target(drafter, policy), prompts,
@@ -143,8 +152,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--kinds", default="eagle3,eagle")
     parser.add_argument("--source", choices=["simulated", "trl"], default="simulated")
+    parser.add_argument("--tiny", action="store_true", help="the smoke run's sizes (seconds)")
     args = parser.parse_args()
-    sys.stdout.write(json.dumps(run(args.steps, tuple(args.kinds.split(",")), args.source), indent=2) + "\n")
+    result = run(args.steps, tuple(args.kinds.split(",")), args.source, args.tiny)
+    sys.stdout.write(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Hidden-state write and read throughput: our shards against the formats people use today.
 
 Same data for every format: bf16 activations, H = 4096, one layer, 256-2048 tokens per
-sample, >= 1 GiB locally (a smaller set over S3). Baselines, measured in the same run:
+sample, >= 1 GiB locally (a smaller set over S3; `TINY`, the smoke run's: a few MiB). Baselines,
+measured in the same run:
 
     raw          one flat file of the same bf16 bytes (the disk's limit): read with `readinto`
                  and through a memory map, the faster of the two counts
@@ -15,7 +16,7 @@ nobody has touched is not a read. The two baselines that map files (`safetensors
 `torch.load(weights_only=True, mmap=True)`) are timed both ways, cloned and touched. Writes end
 with fsync, like the object store's. The page cache cannot be dropped without root, so every
 format is read back from the page cache right after it was written, the same way for all; each
-figure is the best of REPEATS.
+figure is the best of `Sizes.repeats`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,11 +39,20 @@ import xxhash
 
 HIDDEN = 4096
 MIN_TOKENS, MAX_TOKENS = 256, 2048
-LOCAL_BYTES = int(os.environ.get("BENCH_HS_BYTES", 1 << 30))
-S3_BYTES = 32 << 20
-S3_REPEATS = 2
-REPEATS = 3
-RANDOM_READS = 24
+
+
+@dataclass(frozen=True)
+class Sizes:
+    local_bytes: int
+    s3_bytes: int
+    repeats: int
+    s3_repeats: int
+    random_reads: int
+
+
+FULL = Sizes(local_bytes=int(os.environ.get("BENCH_HS_BYTES", 1 << 30)), s3_bytes=32 << 20, repeats=3, s3_repeats=2,
+             random_reads=24)
+TINY = Sizes(local_bytes=16 << 20, s3_bytes=4 << 20, repeats=1, s3_repeats=1, random_reads=4)
 
 
 def activations(tokens: int, gen: torch.Generator, channel_scale: torch.Tensor) -> torch.Tensor:
@@ -66,7 +77,7 @@ def make_samples(total_bytes: int, seed: int = 0) -> list:
     return samples
 
 
-def _best(fn: Callable[[], object], repeats: int = REPEATS) -> float:
+def _best(fn: Callable[[], object], repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -77,8 +88,8 @@ def _best(fn: Callable[[], object], repeats: int = REPEATS) -> float:
 
 
 def _best_write(write: Callable[[int], object], cleanup: Callable[[int], None],
-                repeats: int = REPEATS) -> tuple[float, object]:
-    """Best time of REPEATS writes, each to a fresh place (overwriting would time a truncate or
+                repeats: int) -> tuple[float, object]:
+    """Best time of `repeats` writes, each to a fresh place (overwriting would time a truncate or
     delete as well); earlier copies are removed untimed, the last one stays for reading."""
     best, result = float("inf"), None
     for rep in range(repeats):
@@ -217,11 +228,11 @@ def read_shards(store, manifest) -> list:
     return out
 
 
-def random_read_ms(store, manifest) -> float:
+def random_read_ms(store, manifest, reads: int) -> float:
     from pipeline.data import shards
 
     gen = torch.Generator().manual_seed(1)
-    picks = torch.randint(0, manifest.num_samples, (RANDOM_READS,), generator=gen).tolist()
+    picks = torch.randint(0, manifest.num_samples, (reads,), generator=gen).tolist()
     times = []
     for i in picks:
         start = time.perf_counter()
@@ -230,10 +241,10 @@ def random_read_ms(store, manifest) -> float:
     return 1000 * sorted(times)[len(times) // 2]
 
 
-def _compressed_read(store, manifest) -> tuple[float, float]:
+def _compressed_read(store, manifest, repeats: int) -> tuple[float, float]:
     """Best (wall s, CPU s of all threads) reading the compressed step."""
     best_wall, best_cpu = float("inf"), float("inf")
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         wall, cpu = time.perf_counter(), time.process_time()
         result = read_shards(store, manifest)
         best_wall, best_cpu = min(best_wall, time.perf_counter() - wall), min(best_cpu, time.process_time() - cpu)
@@ -247,11 +258,12 @@ def _assert_same(samples: list, read: list) -> None:
             raise AssertionError(f"sample {want.sample_id} did not round-trip bit-exactly")
 
 
-def measure_local(directory: Path) -> dict:
+def measure_local(directory: Path, sizes: Sizes) -> dict:
     from pipeline.data.keys import hidden_states_prefix
     from pipeline.data.store import ObjectStore
 
-    samples = make_samples(LOCAL_BYTES)
+    samples = make_samples(sizes.local_bytes)
+    repeats = sizes.repeats
     payload = sum(s.hidden.numel() * 2 for s in samples)
     store = ObjectStore((directory / "store").as_uri())
 
@@ -260,44 +272,45 @@ def measure_local(directory: Path) -> dict:
 
     # Format by format: written, read back, then deleted, so that every format is read from the
     # page cache and none is evicted by the formats written after it.
-    last = REPEATS - 1
+    last = repeats - 1
     seconds: dict[str, float] = {}
     seconds["raw_write"], _ = _best_write(lambda r: write_raw(samples, directory / f"raw{r}.bin"),
-                                          lambda r: (directory / f"raw{r}.bin").unlink())
-    seconds["raw_read_syscall"] = _best(lambda: read_raw(samples, directory / f"raw{last}.bin"))
-    seconds["raw_read_mapped"] = _best(lambda: read_raw_mapped(samples, directory / f"raw{last}.bin"))
-    seconds["raw_read_viewed"] = _best(lambda: read_raw_viewed(samples, directory / f"raw{last}.bin"))
+                                          lambda r: (directory / f"raw{r}.bin").unlink(), repeats)
+    seconds["raw_read_syscall"] = _best(lambda: read_raw(samples, directory / f"raw{last}.bin"), repeats)
+    seconds["raw_read_mapped"] = _best(lambda: read_raw_mapped(samples, directory / f"raw{last}.bin"), repeats)
+    seconds["raw_read_viewed"] = _best(lambda: read_raw_viewed(samples, directory / f"raw{last}.bin"), repeats)
     seconds["raw_read"] = min(seconds["raw_read_syscall"], seconds["raw_read_mapped"], seconds["raw_read_viewed"])
     (directory / f"raw{last}.bin").unlink()
 
     seconds["torch_save_write"], _ = _best_write(lambda r: write_torch_save(samples, directory / f"pt{r}"),
-                                                 lambda r: shutil.rmtree(directory / f"pt{r}"))
-    seconds["torch_save_read_cloned"] = _best(lambda: read_torch_save(samples, directory / f"pt{last}", True))
-    seconds["torch_save_read_viewed"] = _best(lambda: read_torch_save(samples, directory / f"pt{last}", False))
+                                                 lambda r: shutil.rmtree(directory / f"pt{r}"), repeats)
+    seconds["torch_save_read_cloned"] = _best(lambda: read_torch_save(samples, directory / f"pt{last}", True), repeats)
+    seconds["torch_save_read_viewed"] = _best(lambda: read_torch_save(samples, directory / f"pt{last}", False), repeats)
     seconds["torch_save_read"] = min(seconds["torch_save_read_cloned"], seconds["torch_save_read_viewed"])
     shutil.rmtree(directory / f"pt{last}")
 
     seconds["safetensors_write"], _ = _best_write(lambda r: write_safetensors(samples, directory / f"st{r}"),
-                                                  lambda r: shutil.rmtree(directory / f"st{r}"))
-    seconds["safetensors_read_cloned"] = _best(lambda: read_safetensors(samples, directory / f"st{last}", True))
-    seconds["safetensors_read_viewed"] = _best(lambda: read_safetensors(samples, directory / f"st{last}", False))
+                                                  lambda r: shutil.rmtree(directory / f"st{r}"), repeats)
+    st_last = directory / f"st{last}"
+    seconds["safetensors_read_cloned"] = _best(lambda: read_safetensors(samples, st_last, True), repeats)
+    seconds["safetensors_read_viewed"] = _best(lambda: read_safetensors(samples, st_last, False), repeats)
     seconds["safetensors_read"] = min(seconds["safetensors_read_cloned"], seconds["safetensors_read_viewed"])
     shutil.rmtree(directory / f"st{last}")
 
     seconds["shards_write"], manifest = _best_write(lambda r: write_shards(store, samples, 10 + r, "none"),
-                                                    lambda r: drop_step(10 + r))
+                                                    lambda r: drop_step(10 + r), repeats)
     _assert_same(samples, read_shards(store, manifest))
-    seconds["shards_read"] = _best(lambda: read_shards(store, manifest))
-    random_ms = random_read_ms(store, manifest)
+    seconds["shards_read"] = _best(lambda: read_shards(store, manifest), repeats)
+    random_ms = random_read_ms(store, manifest, sizes.random_reads)
     # Once: compression is for object storage, where the upload, not this, sets the pace.
     seconds["split_zstd_write"], packed = _best_write(lambda r: write_shards(store, samples, 20 + r, "split-zstd"),
                                                       lambda r: drop_step(20 + r), repeats=1)
     _assert_same(samples, read_shards(store, packed))
-    wall, cpu = _compressed_read(store, packed)
+    wall, cpu = _compressed_read(store, packed, repeats)
     seconds["split_zstd_read"] = wall
     seconds["fp8_write"], lossy = _best_write(lambda r: write_shards(store, samples, 30 + r, "fp8-e4m3"),
                                               lambda r: drop_step(30 + r), repeats=1)
-    seconds["fp8_read"] = _best(lambda: read_shards(store, lossy))
+    seconds["fp8_read"] = _best(lambda: read_shards(store, lossy), repeats)
     return _figures(seconds, payload, manifest, packed, cpu, random_ms) | {
         "fp8_size_ratio": manifest.total_bytes / lossy.total_bytes,  # lossy: not a goal, see the demo's tau
         "write_vs_torch_save": seconds["torch_save_write"] / seconds["shards_write"],
@@ -325,7 +338,7 @@ def _figures(seconds: dict, payload: int, manifest, packed, compressed_cpu_s: fl
 # -- over S3 (moto's server on loopback) ------------------------------------------------------------------------
 
 
-def measure_s3() -> dict:
+def measure_s3(sizes: Sizes) -> dict:
     import io
 
     import s3fs
@@ -334,7 +347,8 @@ def measure_s3() -> dict:
 
     from pipeline.data.store import ObjectStore, storage_options_for
 
-    samples = make_samples(S3_BYTES, seed=2)
+    samples = make_samples(sizes.s3_bytes, seed=2)
+    repeats = sizes.s3_repeats
     payload = sum(s.hidden.numel() * 2 for s in samples)
     port = _free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -345,7 +359,7 @@ def measure_s3() -> dict:
         fs.mkdir("bench-bucket")
         store = ObjectStore("s3://bench-bucket/store", storage_options_for("s3://bench-bucket/store", endpoint))
 
-        last = S3_REPEATS - 1
+        last = repeats - 1
 
         def write_raw_s3(rep: int) -> None:
             fs.pipe_file(f"bench-bucket/raw{rep}.bin", b"".join(_bytes_of(s.hidden) for s in samples))
@@ -383,23 +397,23 @@ def measure_s3() -> dict:
             return lambda rep: fs.rm(f"bench-bucket/{key.format(rep=base + rep)}", recursive=True)
 
         seconds: dict[str, float] = {}
-        seconds["raw_write"], _ = _best_write(write_raw_s3, drop("raw{rep}.bin"), S3_REPEATS)
+        seconds["raw_write"], _ = _best_write(write_raw_s3, drop("raw{rep}.bin"), repeats)
         seconds["shards_write"], manifest = _best_write(lambda r: write_shards(store, samples, 10 + r, "none"),
                                                         drop("store/hidden_states/bench/step-{rep:06d}", 10),
-                                                        S3_REPEATS)
-        seconds["torch_save_write"], _ = _best_write(write_pt_s3, drop("pt{rep}"), S3_REPEATS)
-        seconds["safetensors_write"], _ = _best_write(write_st_s3, drop("st{rep}"), S3_REPEATS)
+                                                        repeats)
+        seconds["torch_save_write"], _ = _best_write(write_pt_s3, drop("pt{rep}"), repeats)
+        seconds["safetensors_write"], _ = _best_write(write_st_s3, drop("st{rep}"), repeats)
         _assert_same(samples, read_shards(store, manifest))
         seconds |= {
-            "raw_read": _best(read_raw_s3, S3_REPEATS),
-            "shards_read": _best(lambda: read_shards(store, manifest), S3_REPEATS),
-            "torch_save_read": _best(read_pt_s3, S3_REPEATS),
-            "safetensors_read": _best(read_st_s3, S3_REPEATS),
+            "raw_read": _best(read_raw_s3, repeats),
+            "shards_read": _best(lambda: read_shards(store, manifest), repeats),
+            "torch_save_read": _best(read_pt_s3, repeats),
+            "safetensors_read": _best(read_st_s3, repeats),
         }
-        random_ms = random_read_ms(store, manifest)
+        random_ms = random_read_ms(store, manifest, sizes.random_reads)
         packed = write_shards(store, samples, 20, "split-zstd")
         _assert_same(samples, read_shards(store, packed))
-        wall, cpu = _compressed_read(store, packed)
+        wall, cpu = _compressed_read(store, packed, repeats)
         seconds["split_zstd_read"] = wall
     finally:
         server.stop()
@@ -416,34 +430,35 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _in_subprocess(where: str) -> dict:
+def _in_subprocess(where: str, tiny: bool) -> dict:
     env = dict(os.environ)
     if where == "s3":  # moto accepts any credentials; real ones are never sent to it
         env |= {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
-    out = subprocess.run([sys.executable, "-m", "benchmarks.hidden_states_io", where],
+    out = subprocess.run([sys.executable, "-m", "benchmarks.hidden_states_io", where, *(["--tiny"] if tiny else [])],
                          check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run() -> dict:
-    return _in_subprocess("local")
+def run(tiny: bool = False) -> dict:
+    return _in_subprocess("local", tiny)
 
 
-def run_s3() -> dict:
-    return _in_subprocess("s3")
+def run_s3(tiny: bool = False) -> dict:
+    return _in_subprocess("s3", tiny)
 
 
-def main(where: str) -> dict:
+def main(where: str, sizes: Sizes) -> dict:
     if where == "s3":
-        return measure_s3()
+        return measure_s3(sizes)
     base = Path(__file__).resolve().parent.parent / ".data" / "bench"
     base.mkdir(parents=True, exist_ok=True)
     directory = Path(tempfile.mkdtemp(prefix="hidden_states_io-", dir=base))
     try:
-        return measure_local(directory)
+        return measure_local(directory, sizes)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    sys.stdout.write(json.dumps(main(sys.argv[1])) + "\n")
+    # python -m benchmarks.hidden_states_io local|s3 [--tiny]
+    sys.stdout.write(json.dumps(main(sys.argv[1], TINY if "--tiny" in sys.argv else FULL)) + "\n")

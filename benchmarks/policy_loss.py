@@ -13,25 +13,36 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-VOCAB, HIDDEN, TOKENS = 128256, 4096, 2048
+
+@dataclass(frozen=True)
+class Sizes:
+    vocab: int
+    hidden: int
+    tokens: int
+
+
+FULL = Sizes(vocab=128256, hidden=4096, tokens=2048)
+TINY = Sizes(vocab=8192, hidden=256, tokens=512)  # the smoke run's: (tokens, vocab) float32 is still 16 MiB
 
 
 def _rss_bytes() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
 
 
-def _measure(variant: str, tokens: int, device: str) -> dict:
+def _measure(variant: str, sizes: Sizes, device: str) -> dict:
     import torch
 
     from pipeline.training.losses import soft_cross_entropy, soft_cross_entropy_reference
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    hidden = torch.randn(tokens, HIDDEN, device=device, dtype=dtype, requires_grad=True)
-    target_hidden = torch.randn(tokens, HIDDEN, device=device, dtype=dtype)
-    weight = torch.randn(VOCAB, HIDDEN, device=device, dtype=dtype).mul_(0.02)  # in place: no transient copy
+    tokens = sizes.tokens
+    hidden = torch.randn(tokens, sizes.hidden, device=device, dtype=dtype, requires_grad=True)
+    target_hidden = torch.randn(tokens, sizes.hidden, device=device, dtype=dtype)
+    weight = torch.randn(sizes.vocab, sizes.hidden, device=device, dtype=dtype).mul_(0.02)  # in place: no copy
     mask = torch.ones(tokens, device=device)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -53,15 +64,15 @@ def _measure(variant: str, tokens: int, device: str) -> dict:
     return {"seconds": time.perf_counter() - start, "peak_bytes": peak, "loss": float(loss)}
 
 
-def run() -> dict:
+def run(tiny: bool = False) -> dict:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokens = TOKENS
+    sizes = TINY if tiny else FULL
     results = {}
     for variant in ("naive", "chunked"):
         out = subprocess.run(
-            [sys.executable, "-m", "benchmarks.policy_loss", variant, str(tokens), device],
+            [sys.executable, "-m", "benchmarks.policy_loss", variant, device, *(["--tiny"] if tiny else [])],
             check=True, capture_output=True, text=True,
         )
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -71,13 +82,14 @@ def run() -> dict:
         "time_ratio": chunked["seconds"] / naive["seconds"],
         "naive": naive,
         "chunked": chunked,
-        "vocab": VOCAB,
-        "hidden": HIDDEN,
-        "tokens": tokens,
+        "vocab": sizes.vocab,
+        "hidden": sizes.hidden,
+        "tokens": sizes.tokens,
         "device": device,
         "dtype": "bfloat16" if device == "cuda" else "float32",
     }
 
 
 if __name__ == "__main__":
-    sys.stdout.write(json.dumps(_measure(sys.argv[1], int(sys.argv[2]), sys.argv[3])) + "\n")
+    # the child of `run`: python -m benchmarks.policy_loss VARIANT DEVICE [--tiny]
+    sys.stdout.write(json.dumps(_measure(sys.argv[1], TINY if "--tiny" in sys.argv else FULL, sys.argv[2])) + "\n")

@@ -21,7 +21,10 @@ extracted into shards and an EAGLE-3 drafter trains on them under `train.max_tok
   budgets and after; goals: bytes stored <= 2x what training reads, drafter GPU-seconds <= 10%
   of the RL step's, the served drafter at most 1 RL step old.
 
-    python -m benchmarks.scale
+`--tiny` (the smoke run's): a step of 64 rollouts of mean 200 tokens, 16 captured, a budget of 4,000 in
+batches of 2.
+
+    python -m benchmarks.scale [--tiny]
 """
 
 from __future__ import annotations
@@ -36,13 +39,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ROLLOUTS, MEAN_TOKENS, P99_TOKENS, MAX_TOKENS = 4096, 3000, 12000, 16384
+ROLLOUTS, MEAN_TOKENS, P99_TOKENS = 4096, 3000, 12000  # the reference step's
 HIDDEN, LAYERS, VOCAB = 64, 4, 256
-TOKENS_PER_BATCH = 32768
-TRAIN_BUDGET = 64_000  # trained positions of the measured training (the calibration trains half)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    rollouts: int
+    mean_tokens: int
+    p99_tokens: int
+    max_tokens: int
+    tokens_per_batch: int
+    train_budget: int  # trained positions of the measured training (the calibration trains half)
+    captured: int
+    batch_size: int | None = None  # samples a training step packs (None: train.batch_size_per_gpu)
+
+
 # The cap that keeps the run near 3 minutes on 2 cores: a forward over 3,000-token contexts runs at about
 # 15k tokens per CPU-second even at hidden size 64 (attention), so 128 rollouts are captured, not 1,024.
-CAPTURED = 128
+FULL = Sizes(rollouts=ROLLOUTS, mean_tokens=MEAN_TOKENS, p99_tokens=P99_TOKENS, max_tokens=16384,
+             tokens_per_batch=32768, train_budget=64_000, captured=128)
+# Batches of 2 samples: the calibration's budgets end at different batches.
+TINY = Sizes(rollouts=64, mean_tokens=200, p99_tokens=800, max_tokens=1024, tokens_per_batch=4096, train_budget=4000,
+             captured=16, batch_size=2)
 # The reference step's budgets "after": capture and training budgets sized for an 8B policy on 8 GPUs.
 REFERENCE_AFTER = {"capture": {"max_samples": 1024}, "train": {"max_tokens": 4_000_000}}
 QWEN3_8B = {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
@@ -57,18 +76,18 @@ def _rss_bytes(field: str) -> int:
     return 0
 
 
-def _rollouts(count: int, seed: int) -> list:
+def _rollouts(sizes: Sizes, count: int, seed: int) -> list:
     import numpy as np
 
     from pipeline.capacity import StepShape
     from pipeline.data.rollouts import Rollout
 
-    lengths = StepShape(count, MEAN_TOKENS, P99_TOKENS, 1, "", 1).lengths()
+    lengths = StepShape(count, sizes.mean_tokens, sizes.p99_tokens, 1, "", 1).lengths()
     rng = random.Random(seed)
     ids = np.random.default_rng(seed)
     out = []
     for i in range(count):
-        n = min(MAX_TOKENS, max(64, int(rng.choice(lengths))))
+        n = min(sizes.max_tokens, max(64, int(rng.choice(lengths))))
         prompt = min(256, n // 4)
         out.append(Rollout(f"r{seed}-{i:05d}", ids.integers(0, VOCAB, n).tolist(), [0] * prompt + [1] * (n - prompt),
                            rng.random(), 1))
@@ -92,7 +111,7 @@ def fixed_plus_rate(tokens_a: int, seconds_a: float, tokens_b: int, seconds_b: f
     return FixedPlusRate(seconds_a - per_token * tokens_a, 1.0 / per_token)
 
 
-def measure_step(count: int, train: bool) -> dict:
+def measure_step(sizes: Sizes, count: int, train: bool) -> dict:
     """In this process: a step of `count` rollouts captured with the shipped defaults, extracted into shards;
     with `train`, an EAGLE-3 drafter trained on them under a token budget (and half of it)."""
     import torch
@@ -109,12 +128,14 @@ def measure_step(count: int, train: bool) -> dict:
 
     torch.set_num_threads(1)
     cfg = load_config()
+    if sizes.batch_size:
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"batch_size_per_gpu": sizes.batch_size})})
     config = target_lib.tiny_llama_config(VOCAB, HIDDEN, LAYERS, 4)
-    config.max_position_embeddings = MAX_TOKENS
+    config.max_position_embeddings = sizes.max_tokens
     target = target_lib.build_target(config, seed=0)
-    rollouts = _rollouts(count, seed=count)
+    rollouts = _rollouts(sizes, count, seed=count)
     plan = capture.plan_capture(rollouts, 1, held_out_fraction=cfg.eval.held_out_fraction,
-                                window_tokens=cfg.train.window_tokens, max_samples=CAPTURED)
+                                window_tokens=cfg.train.window_tokens, max_samples=sizes.captured)
     windows = plan.bounds()
     layer_ids = stored_layer_ids(cfg.drafter, LAYERS)
     baseline_rss = _rss_bytes("VmRSS:")
@@ -122,7 +143,7 @@ def measure_step(count: int, train: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         store = ObjectStore(Path(tmp).as_uri())
         samples = iter_hidden_states(target, [r for r in rollouts if r.sample_id in windows], 1,
-                                     tokens_per_batch=TOKENS_PER_BATCH, layer_ids=layer_ids, windows=windows)
+                                     tokens_per_batch=sizes.tokens_per_batch, layer_ids=layer_ids, windows=windows)
         manifest = shards.write_hidden_states(store, "scale", 1, samples, hidden_size=HIDDEN, layer_ids=layer_ids,
                                               target={"model_id": "tiny"})
         extraction_s = time.perf_counter() - start
@@ -139,14 +160,15 @@ def measure_step(count: int, train: bool) -> dict:
             runs: dict[int, tuple[float, float, int]] = {}  # budget: (wall s, CPU s, trained tokens)
             # A first short training warms what the first training of a process pays for alone (allocator,
             # kernels' first calls); a quarter and half the budget then fit the model that predicts the whole.
-            for budget in (TRAIN_BUDGET // 16, TRAIN_BUDGET // 4, TRAIN_BUDGET // 2, TRAIN_BUDGET):
+            whole = sizes.train_budget
+            for budget in (whole // 16, whole // 4, whole // 2, whole):
                 drafter = drafters.fresh_drafter(cfg.drafter, target, counts, cfg.train.seed)
                 data = BufferDataset(store, "scale", entries, lambda s, d=drafter: d.training_sample(s, LAYERS))
                 cpu_start = time.process_time()
                 trained = train_drafter(drafter, data, cfg.train.model_copy(update={"max_tokens": budget}),
                                         teacher=drafter.teacher(target))
                 runs[budget] = (trained.wall_s, time.process_time() - cpu_start, trained.tokens)
-            quarter, half, full = runs[TRAIN_BUDGET // 4], runs[TRAIN_BUDGET // 2], runs[TRAIN_BUDGET]
+            quarter, half, full = runs[whole // 4], runs[whole // 2], runs[whole]
             wall_model, cpu_model = (fixed_plus_rate(quarter[2], quarter[i], half[2], half[i]) for i in (0, 1))
             result.update({"train_tokens": full[2], "train_wall_s": full[0], "train_cpu_s": full[1],
                            "train_predicted_s": wall_model.predict(full[2]),
@@ -156,9 +178,9 @@ def measure_step(count: int, train: bool) -> dict:
     return result
 
 
-def _in_subprocess(count: int, train: bool) -> dict:
+def _in_subprocess(count: int, train: bool, tiny: bool) -> dict:
     out = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--measure-step", str(count),
-                          *(["--train"] if train else [])],
+                          *(["--train"] if train else []), *(["--tiny"] if tiny else [])],
                          check=True, capture_output=True, text=True, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -187,9 +209,10 @@ def projection() -> dict:
     }
 
 
-def run() -> dict:
-    full = _in_subprocess(ROLLOUTS, train=True)
-    quarter = _in_subprocess(ROLLOUTS // 4, train=False)
+def run(tiny: bool = False) -> dict:
+    rollouts = (TINY if tiny else FULL).rollouts
+    full = _in_subprocess(rollouts, train=True, tiny=tiny)
+    quarter = _in_subprocess(rollouts // 4, train=False, tiny=tiny)
     windows = full["tokens_stored"] * full["stored_layers"] * full["hidden_size"] * 2
     return {
         "bytes_vs_windows": full["layer_bytes"] / windows,
@@ -207,9 +230,10 @@ def run() -> dict:
 def main() -> None:
     if "--measure-step" in sys.argv:
         count = int(sys.argv[sys.argv.index("--measure-step") + 1])
-        sys.stdout.write(json.dumps(measure_step(count, "--train" in sys.argv)) + "\n")
+        sizes = TINY if "--tiny" in sys.argv else FULL
+        sys.stdout.write(json.dumps(measure_step(sizes, count, "--train" in sys.argv)) + "\n")
         return
-    sys.stdout.write(json.dumps(run(), indent=2) + "\n")
+    sys.stdout.write(json.dumps(run(tiny="--tiny" in sys.argv), indent=2) + "\n")
 
 
 if __name__ == "__main__":

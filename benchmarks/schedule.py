@@ -76,8 +76,10 @@ a small share of a step's rollouts it pays unless drafters keep nearly all of th
 `model` replays it at this invocation's ratio and the median `keep` the `cost` run read,
 `model_from_age_1` at the age profile's `keep` of drafters one step old or more.
 
+`--tiny` (the smoke run's): one warm-up step and one decided, `benchmarks.tiny`'s source, trainings and evaluation.
+
     python -m benchmarks.schedule [--warmup 4] [--steps 8] [--rollout-to-training 50 | --rollout-scale X]
-        [--drift 0.03] [--price h100|measured] [--seed N]
+        [--drift 0.03] [--price h100|measured] [--seed N] [--tiny]
 """
 
 from __future__ import annotations
@@ -103,12 +105,17 @@ STEPS = 8
 RUN = "schedule"  # one run name in both data directories: the two warm-ups have one config
 
 
-def _config(data_dir: Path, kind: str, draft_cost_ratio: float | None, drift: float | None, seed: int | None = None):
+def _config(data_dir: Path, kind: str, draft_cost_ratio: float | None, drift: float | None, seed: int | None = None,
+            tiny: bool = False):
+    from benchmarks import tiny as smoke
     from pipeline.config import load_config
 
+    small = {"simulation": smoke.SIMULATION, "train": smoke.TRAIN, "eval": smoke.EVAL} if tiny else {}
     overrides: dict = {"data_dir": str(data_dir), "run": RUN, "fleet": {"driver": "none"},
-                       "train": {"schedule": {"kind": kind}}, "eval": {"draft_cost_ratio": draft_cost_ratio or 0.0}}
-    simulation = {k: v for k, v in (("drift", drift), ("seed", seed)) if v is not None}
+                       "train": {**small.get("train", {}), "schedule": {"kind": kind}},
+                       "eval": {**small.get("eval", {}), "draft_cost_ratio": draft_cost_ratio or 0.0}}
+    simulation = {**small.get("simulation", {}),
+                  **{k: v for k, v in (("drift", drift), ("seed", seed)) if v is not None}}
     if simulation:
         overrides["simulation"] = simulation
     return load_config(overrides=overrides)
@@ -143,7 +150,7 @@ def _cpu_decoding(store, run: str, step: int, cpu_share: float, rollout_scale: f
 
 def _run(kind: str, warmup: int, steps: int, data_dir: Path, draft_cost_ratio: float | None,
          rollout_scale: float | None, drift: float | None, seed: int | None = None,
-         caches: tuple[Path, ...] = ()) -> dict:
+         caches: tuple[Path, ...] = (), tiny: bool = False) -> dict:
     """W warm-up steps trained at every step, M steps by `kind`, one more served and measured, untrained.
     `rollout_scale` None: the records keep the toy's price (`interval` never reads them)."""
     from pipeline.data import buffer as buffer_lib
@@ -157,9 +164,9 @@ def _run(kind: str, warmup: int, steps: int, data_dir: Path, draft_cost_ratio: f
     from pipeline.training.schedule import measure_staleness
 
     began = time.perf_counter()
-    warm, own = (_config(data_dir, k, draft_cost_ratio, drift, seed) for k in ("interval", kind))
+    warm, own = (_config(data_dir, k, draft_cost_ratio, drift, seed, tiny) for k in ("interval", kind))
     # the demo's pre-trained target, or the one the other run pre-trained: pre-training is not what is measured
-    for cached in (ROOT / ".data" / "cache", *caches):
+    for cached in (*(() if tiny else (ROOT / ".data" / "cache",)), *caches):
         if cached.is_dir():
             shutil.copytree(cached, own.data_path / "cache", dirs_exist_ok=True)
     store, registry = open_store(own), open_registry(own)
@@ -327,7 +334,9 @@ def replay(keep: float, tau_fresh: float, rollout_to_training: float, draft_cost
 
 def run(warmup: int = WARMUP, steps: int = STEPS, price: str = "h100",
         rollout_to_training: float = ROLLOUT_TO_TRAINING, rollout_scale: float | None = None,
-        drift: float | None = DRIFT, seed: int | None = None) -> dict:
+        drift: float | None = DRIFT, seed: int | None = None, tiny: bool = False) -> dict:
+    if tiny:
+        warmup, steps = 1, 1
     if warmup < 1 or steps < 1:
         raise ValueError(f"a comparison needs a warm-up and measured steps, got --warmup {warmup} --steps {steps}")
     draft_cost_ratio = H100_DRAFT_COST_RATIO if price == "h100" else None
@@ -338,7 +347,7 @@ def run(warmup: int = WARMUP, steps: int = STEPS, price: str = "h100",
     with tempfile.TemporaryDirectory() as tmp:
         for kind in KINDS:
             report[kind] = _run(kind, warmup, steps, Path(tmp) / kind, draft_cost_ratio, rollout_scale, drift, seed,
-                                tuple(Path(tmp) / other / "cache" for other in KINDS if other != kind))
+                                tuple(Path(tmp) / other / "cache" for other in KINDS if other != kind), tiny)
             if rollout_scale is None:  # from `interval`'s steady state, before `cost` decides on anything
                 rollout_scale = rollout_scale_for(
                     [r for r in report[kind]["steps"] if r["phase"] == "measured"], rollout_to_training)
@@ -394,9 +403,10 @@ def main() -> None:
     scale.add_argument("--rollout-scale", type=float, help="price a step's rollouts at X times the toy's instead")
     parser.add_argument("--drift", type=float, default=DRIFT, help="simulation.drift")
     parser.add_argument("--seed", type=int, help="simulation.seed: another task, policy and rollouts")
+    parser.add_argument("--tiny", action="store_true", help="the smoke run's sizes (seconds)")
     args = parser.parse_args()
     sys.stdout.write(json.dumps(run(args.warmup, args.steps, args.price, args.rollout_to_training, args.rollout_scale,
-                                    args.drift, args.seed), indent=2) + "\n")
+                                    args.drift, args.seed, args.tiny), indent=2) + "\n")
 
 
 if __name__ == "__main__":

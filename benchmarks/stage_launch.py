@@ -32,7 +32,8 @@ Step 1's figures have these names, step 2's the same with `large_` before them. 
 the same run, alternated (3 rounds of step 1, 2 of step 2), best of the rounds each; `load_average` is the
 machine's 1-minute load before and after, the other work it ran meanwhile. Every process runs
 `OMP_NUM_THREADS` torch threads (1 unless set): the workers inherit it, and this process sets its own to
-match, so the ratios compare where the work runs, not how many cores it may use.
+match, so the ratios compare where the work runs, not how many cores it may use. `TINY`, the smoke run's: steps of
+16 and 24 short rollouts, one round each.
 """
 
 from __future__ import annotations
@@ -41,18 +42,31 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 STEP, KEY = 1, "step-000001"
 LARGE_STEP, LARGE_KEY = 2, "step-000002"
 SIMULATION = {"vocab_size": 64, "hidden_size": 128, "num_layers": 4, "num_heads": 4, "pretrain_iters": 5,
-              "rl_iters": 1, "rollouts_per_step": 128, "prompt_len": 8, "response_len": 56, "step_period_s": 0.0}
-LARGE_ROLLOUTS, LARGE_RESPONSE_LEN = 384, 248
-ROUNDS, LARGE_ROUNDS = 3, 2
+              "rl_iters": 1, "prompt_len": 8, "step_period_s": 0.0}
 
 
-def _write_large_step(store, run: str) -> None:
-    """Step 2: LARGE_ROLLOUTS rollouts, each a step-1 prompt and LARGE_RESPONSE_LEN tokens of step 1's
+@dataclass(frozen=True)
+class Sizes:
+    rollouts: int  # step 1's, the simulated source's
+    response_len: int
+    large_rollouts: int  # step 2's, cut from step 1's
+    large_response_len: int
+    rounds: int
+    large_rounds: int
+
+
+FULL = Sizes(rollouts=128, response_len=56, large_rollouts=384, large_response_len=248, rounds=3, large_rounds=2)
+TINY = Sizes(rollouts=16, response_len=16, large_rollouts=24, large_response_len=32, rounds=1, large_rounds=1)
+
+
+def _write_large_step(store, run: str, sizes: Sizes) -> None:
+    """Step 2: `sizes.large_rollouts` rollouts, each a step-1 prompt and `large_response_len` tokens of step 1's
     responses run together, under step 1's policy: a larger step without simulating it."""
     from pipeline.data import rollouts as rollouts_lib
     from pipeline.data.rollouts import Rollout
@@ -61,10 +75,10 @@ def _write_large_step(store, run: str) -> None:
     pointer = rollouts_lib.read_policy_pointer(store, run, STEP)
     stream = [t for r in base for t in r.input_ids[r.prompt_len:]]
     rollouts = []
-    for i in range(LARGE_ROLLOUTS):
+    for i in range(sizes.large_rollouts):
         source = base[i % len(base)]
-        start = i * LARGE_RESPONSE_LEN // 3
-        response = [stream[(start + j) % len(stream)] for j in range(LARGE_RESPONSE_LEN)]
+        start = i * sizes.large_response_len // 3
+        response = [stream[(start + j) % len(stream)] for j in range(sizes.large_response_len)]
         rollouts.append(Rollout.from_prompt_and_response(
             f"large-{i:04d}", source.input_ids[:source.prompt_len], response, source.reward, source.policy_version))
     rollouts_lib.write_rollouts(store, run, LARGE_STEP, rollouts, pointer)
@@ -129,7 +143,7 @@ def _figures(tokens: int, call: float, step: float, launched: float, warm: float
     }
 
 
-def run() -> dict:
+def run(tiny: bool = False) -> dict:
     import torch
 
     # one thread on both sides: the workers inherit OMP_NUM_THREADS, this process has imported torch already
@@ -137,12 +151,12 @@ def run() -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
-        return _measure()
+        return _measure(TINY if tiny else FULL)
     finally:
         torch.set_num_threads(threads)
 
 
-def _measure() -> dict:
+def _measure(sizes: Sizes) -> dict:
     import dagster as dg
     import yaml
 
@@ -157,7 +171,8 @@ def _measure() -> dict:
     in_process_asset = _in_process_asset()
     with tempfile.TemporaryDirectory(prefix="bench-stage-launch-") as tmp:
         path = Path(tmp) / "pipeline.yaml"
-        base = {"run": "bench", "data_dir": str(Path(tmp) / "data"), "simulation": SIMULATION,
+        simulation = {**SIMULATION, "rollouts_per_step": sizes.rollouts, "response_len": sizes.response_len}
+        base = {"run": "bench", "data_dir": str(Path(tmp) / "data"), "simulation": simulation,
                 "capture": {"max_samples": 0}}
         path.write_text(yaml.safe_dump({**base, "train": {"launcher": "subprocess"}}))
         warm_path = Path(tmp) / "warm.yaml"
@@ -165,7 +180,7 @@ def _measure() -> dict:
         cfg = load_config(path)
         store = open_store(cfg)
         SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
-        _write_large_step(store, cfg.run)
+        _write_large_step(store, cfg.run, sizes)
         extract.extract_hidden_states(store, cfg, STEP)  # warm: the policy's local copy, the page cache
 
         with dg.instance_for_test() as instance:
@@ -198,9 +213,9 @@ def _measure() -> dict:
                                 best["worker"], best["warm_worker"])
 
             warm_cold_s = step_seconds(hidden_states, warm_path, KEY)[0]  # starts the worker
-            small = measure(STEP, KEY, ROUNDS)
+            small = measure(STEP, KEY, sizes.rounds)
             extract.extract_hidden_states(store, cfg, LARGE_STEP)  # the page cache, as for step 1
-            large = measure(LARGE_STEP, LARGE_KEY, LARGE_ROUNDS)
+            large = measure(LARGE_STEP, LARGE_KEY, sizes.large_rounds)
     return {**small, "warm_cold_s": round(warm_cold_s, 3), **{f"large_{k}": v for k, v in large.items()},
             "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
 
@@ -208,4 +223,4 @@ def _measure() -> dict:
 if __name__ == "__main__":
     import sys
 
-    sys.stdout.write(json.dumps(run(), indent=2) + "\n")
+    sys.stdout.write(json.dumps(run(tiny="--tiny" in sys.argv), indent=2) + "\n")

@@ -8,8 +8,8 @@ load (a file truncated later cannot crash a forward with SIGBUS), so `load_and_f
 compares the two with that first read included.
 Ours reads the files in place after checking every header against the config's meta-device
 state dict (`check_s` is that check alone), and a second `load_policy` of the same checkpoint
-in the process is a cache hit. Best of `REPEATS`, alternating, so that other load on the
-machine hits both alike.
+in the process is a cache hit. Best of `Sizes.repeats`, alternating, so that other load on the
+machine hits both alike. `TINY`, the smoke run's: a policy of a few MB in 4 shards, once.
 """
 
 from __future__ import annotations
@@ -17,9 +17,24 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-REPEATS = 3
+
+@dataclass(frozen=True)
+class Sizes:
+    vocab: int
+    hidden: int
+    mlp: int
+    layers: int
+    heads: int
+    kv_heads: int
+    max_shard_size: str
+    repeats: int
+
+
+FULL = Sizes(vocab=32000, hidden=768, mlp=2048, layers=6, heads=12, kv_heads=4, max_shard_size="100MB", repeats=3)
+TINY = Sizes(vocab=2048, hidden=128, mlp=256, layers=2, heads=4, kv_heads=2, max_shard_size="1MB", repeats=1)
 
 
 def _reference(directory: Path):
@@ -38,21 +53,23 @@ def _first_forward(model) -> None:
         model(torch.zeros(1, 8, dtype=torch.long))
 
 
-def run() -> dict:
+def run(tiny: bool = False) -> dict:
     from transformers import LlamaConfig
 
     from pipeline.data.store import ObjectStore
     from pipeline.models import target as target_lib
     from pipeline.models import target_checks
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=6,
-                         num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=False)
+    sizes = TINY if tiny else FULL
+    config = LlamaConfig(vocab_size=sizes.vocab, hidden_size=sizes.hidden, intermediate_size=sizes.mlp,
+                         num_hidden_layers=sizes.layers, num_attention_heads=sizes.heads,
+                         num_key_value_heads=sizes.kv_heads, tie_word_embeddings=False)
     with tempfile.TemporaryDirectory() as tmp:
         store = ObjectStore(Path(tmp).as_uri())
         model = target_lib.build_target(config, seed=0)
         params = sum(p.numel() for p in model.parameters())
         with tempfile.TemporaryDirectory() as staging:
-            model.save_pretrained(staging, safe_serialization=True, max_shard_size="100MB")
+            model.save_pretrained(staging, safe_serialization=True, max_shard_size=sizes.max_shard_size)
             for p in Path(staging).iterdir():
                 store.write_bytes(f"policy/{p.name}", p.read_bytes())
         del model
@@ -60,7 +77,7 @@ def run() -> dict:
         shards = len(list(directory.glob("*.safetensors")))
         settings = target_lib.LoadSettings(dtype="float32", cached_policies=0)
         ours, reference, check, ours_first, reference_first = [], [], [], [], []
-        for _ in range(REPEATS):
+        for _ in range(sizes.repeats):
             start = time.perf_counter()
             model = _reference(directory)
             reference.append(time.perf_counter() - start)

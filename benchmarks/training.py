@@ -8,7 +8,7 @@ batch twice the one process's). Every process runs one thread, so the ratio is t
 scaling from one core to two (with more threads per process, OpenMP's barriers dominate on a busy
 machine and the single process looks worse than it is). The same two ranks also shard the drafter
 (FSDP2), with the units `train.fsdp_units: auto` picks and with a unit per decoder layer: DDP and
-both FSDP2 trainings run in `PAIRED_REPEATS` rounds in the same two processes, the order rotating,
+both FSDP2 trainings run in `Sizes.paired_rounds` rounds in the same two processes, the order rotating,
 and each figure is the median over the rounds of an FSDP2 training's over the same round's DDP
 training's, with the spread beside it, in tokens/s and in tokens per CPU-second, so that load from
 other work on the machine meets every arm alike (`paired`; `--paired N` runs only this).
@@ -23,6 +23,9 @@ drafter of Llama-3.1-8B's sizes, hidden 4096, vocab 128256, draft vocab 32000, M
 matmuls and causal attention three times (forward, backward) per training-time-test step
 plus the teacher's lm_head rows once; MFU is their rate over the GPU's bf16 matmul rate
 measured in the same run (8192^3 matmuls).
+
+`run(tiny=True)`, the smoke run: every measurement once, one epoch, on one step's buffer, small checkpoints, and
+on CUDA a drafter of hidden 256 (`TINY`).
 """
 
 from __future__ import annotations
@@ -44,9 +47,21 @@ if TYPE_CHECKING:  # imported where used: the GPU path needs only torch and the 
     from pipeline.training.step import StepStats
     from pipeline.training.window import DeviceBatch
 
-REPEATS = 2
-TTT_ROUNDS = 5  # rounds of the banded and the dense TTT attention's trainings, alternating in one process
-PAIRED_REPEATS = 7  # rounds of DDP and FSDP2 trainings, alternating in the same two processes
+
+@dataclass(frozen=True)
+class Sizes:
+    repeats: int  # one process's trainings, and the checkpoint comparison's rounds: best of them
+    epochs: int  # of each timed training on the demo's buffer
+    buffer_steps: int | None  # RL steps of the demo's buffer (None: train.buffer_steps)
+    paired_rounds: int  # rounds of DDP and FSDP2 trainings, alternating in the same two processes
+    ttt_rounds: int  # rounds of the banded and the dense TTT attention's trainings, alternating in one process
+    ttt_epochs: int
+    checkpoint_hidden: int  # the checkpointed drafter's target
+
+
+FULL = Sizes(repeats=2, epochs=4, buffer_steps=None, paired_rounds=7, ttt_rounds=5, ttt_epochs=2,
+             checkpoint_hidden=384)
+TINY = Sizes(repeats=1, epochs=1, buffer_steps=1, paired_rounds=1, ttt_rounds=1, ttt_epochs=1, checkpoint_hidden=64)
 # The paired arms: data parallel, FSDP2 as `train.fsdp_units: auto` shards the demo's drafter (one unit,
 # gathered once a step), and FSDP2 with a unit per decoder layer (the least memory within a step).
 PAIRED_ARMS = (("ddp", "auto"), ("fsdp", "auto"), ("fsdp", "layer"))
@@ -92,8 +107,9 @@ def _demo_setup(lognormal: bool = False, steps: int | None = None):
     return cfg, target, drafter, InMemoryDataset(samples)
 
 
-def _cpu_rank(rank: int, world: int, port: int, out: str, arms: tuple[tuple[str, str], ...], repeats: int) -> None:
-    """Train the demo's drafter `repeats` rounds, each round every arm (`train.parallelism`,
+def _cpu_rank(rank: int, world: int, port: int, out: str, arms: tuple[tuple[str, str], ...], repeats: int,
+              epochs: int, buffer_steps: int | None) -> None:
+    """Train the demo's drafter `repeats` rounds of `epochs`, each round every arm (`train.parallelism`,
     `train.fsdp_units`) once, on the same global batches, in these same processes, so that load from
     other work on the machine meets every arm alike. The order rotates from round to round (no arm
     always runs first, or right after the same other), after one warm-up epoch of each arm. Per
@@ -112,7 +128,7 @@ def _cpu_rank(rank: int, world: int, port: int, out: str, arms: tuple[tuple[str,
     ctx = DistContext(rank, world, rank)
     init_process_group(ctx, "cpu")
     try:
-        cfg, target, drafter, data = _demo_setup()
+        cfg, target, drafter, data = _demo_setup(steps=buffer_steps)
         teacher = drafter.teacher(target)
 
         def train(arm: tuple[str, str], epochs: int):
@@ -134,7 +150,7 @@ def _cpu_rank(rank: int, world: int, port: int, out: str, arms: tuple[tuple[str,
         load = [os.getloadavg()[0]]
         for round_ in range(repeats):
             for arm in arms[round_ % len(arms):] + arms[: round_ % len(arms)]:
-                result, cpu_s = train(arm, 4)
+                result, cpu_s = train(arm, epochs)
                 plan = result.parallelism
                 results[_arm_name(arm)].append({
                     "round": round_, "tokens": result.tokens, "wall_s": result.wall_s,
@@ -162,11 +178,11 @@ def _dense_ttt():
         losses.ttt_cache = picked
 
 
-def ttt_attention(rounds: int = TTT_ROUNDS) -> dict:
+def ttt_attention(rounds: int = FULL.ttt_rounds, epochs: int = FULL.ttt_epochs) -> dict:
     """The demo's EAGLE-3 training on the CPU (one thread, one RL step's rollouts of the simulation's
     lognormal lengths, 16 packed per step, about 55 positions each), with the TTT attention
-    `ttt_cache` picks there (`BandTTTCache`) against the dense `TTTCache` (`_dense_ttt`): two-epoch
-    trainings, alternating in `rounds` rounds in this process after a warm-up of each. Each figure
+    `ttt_cache` picks there (`BandTTTCache`) against the dense `TTTCache` (`_dense_ttt`): trainings of
+    `epochs` epochs, alternating in `rounds` rounds in this process after a warm-up of each. Each figure
     is the median over the rounds of the band's over the same round's dense training, in tokens/s
     (`banded_vs_dense_ttt_ratio`) and in tokens per CPU-second (`_cpu_ratio`, which other work on the
     machine disturbs less), with the spread beside it; the final losses agree to float noise."""
@@ -198,7 +214,7 @@ def ttt_attention(rounds: int = TTT_ROUNDS) -> dict:
         runs: dict[str, list] = {"band": [], "dense": []}
         for round_ in range(rounds):
             for arm in ("band", "dense") if round_ % 2 == 0 else ("dense", "band"):
-                runs[arm].append(train(arm == "dense", 2))
+                runs[arm].append(train(arm == "dense", epochs))
     finally:
         torch.set_num_threads(threads)
     walls = [(b.tokens / b.wall_s) / (d.tokens / d.wall_s) for (b, _), (d, _) in zip(runs["band"], runs["dense"],
@@ -219,7 +235,7 @@ def _arm_name(arm: tuple[str, str]) -> str:
     return parallelism if units == "auto" else f"{parallelism}_{units}"
 
 
-def _cpu_runs(world: int, arms: tuple[tuple[str, str], ...], repeats: int) -> dict:
+def _cpu_runs(world: int, arms: tuple[tuple[str, str], ...], repeats: int, sizes: Sizes = FULL) -> dict:
     """Each arm's trainings, in order, from one set of `world` processes, and the machine's load
     average (1 minute) before and after them."""
     import socket
@@ -231,7 +247,8 @@ def _cpu_runs(world: int, arms: tuple[tuple[str, str], ...], repeats: int) -> di
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
-        mp.start_processes(_cpu_rank, args=(world, port, out, arms, repeats), nprocs=world, start_method="spawn")
+        mp.start_processes(_cpu_rank, args=(world, port, out, arms, repeats, sizes.epochs, sizes.buffer_steps),
+                           nprocs=world, start_method="spawn")
         return json.loads(Path(out).read_text())
 
 
@@ -242,12 +259,12 @@ def _median_and_spread(values: list[float]) -> tuple[float, list[float]]:
     return median, [ordered[0], ordered[-1]]
 
 
-def paired(repeats: int = PAIRED_REPEATS) -> dict:
+def paired(repeats: int = FULL.paired_rounds, sizes: Sizes = FULL) -> dict:
     """FSDP2 against DDP on two gloo ranks: each FSDP2 training's tokens/s over the DDP training's of the
     same round, the median of `repeats` rounds and the lowest and highest (`_spread`); the same for
     tokens per CPU-second; the training state one rank holds between steps, and a step's peak with
     the drafter one unit (the plan's figure). Both FSDP2 settings, `auto`'s choice unsuffixed."""
-    paired_runs = _cpu_runs(2, PAIRED_ARMS, repeats)
+    paired_runs = _cpu_runs(2, PAIRED_ARMS, repeats, sizes)
     runs = paired_runs["runs"]
     ddp = runs["ddp"]
     out: dict = {"paired_rounds": repeats, "paired_load_average": paired_runs["load_average"],
@@ -288,6 +305,7 @@ class DrafterShapes:
 
 LLAMA_8B = DrafterShapes()  # Llama-3.1-8B's sizes, the default training step
 LLAMA_8B_SHORT = DrafterShapes(tokens=2048, docs=4)
+GPU_TINY = DrafterShapes(hidden=256, heads=4, kv_heads=2, mlp=512, vocab=4096, draft_vocab=1024, tokens=512, docs=4)
 TTT_STEPS, TTT_DECAY = 3, 0.8  # the defaults of train.ttt_steps and train.ttt_decay
 
 
@@ -383,23 +401,25 @@ def _gpu_mfu(shapes: DrafterShapes, peak: float, steps: int = 10, warmup: int = 
     return result
 
 
-def gpu() -> dict | None:
-    """MFU at the default step and at a quarter of it, against the bf16 matmul rate measured here."""
+def gpu(tiny: bool = False) -> dict | None:
+    """MFU at the default step and at a quarter of it (`tiny`: of `GPU_TINY`, both), against the bf16 matmul rate
+    measured here."""
     import torch
 
     if not torch.cuda.is_available():
         return None
+    shapes, short_shapes = (GPU_TINY, GPU_TINY) if tiny else (LLAMA_8B, LLAMA_8B_SHORT)
     peak = _bf16_matmul_flops(torch)
-    default, short = _gpu_mfu(LLAMA_8B, peak), _gpu_mfu(LLAMA_8B_SHORT, peak)
+    default, short = _gpu_mfu(shapes, peak), _gpu_mfu(short_shapes, peak)
     return {"gpu": torch.cuda.get_device_name(), "bf16_matmul_tflops": peak / 1e12, **default,
-            "shapes": asdict(LLAMA_8B), "short_step": short}  # shapes: what `cli.py plan` scales from
+            "shapes": asdict(shapes), "short_step": short}  # shapes: what `cli.py plan` scales from
 
 
-CHECKPOINT_HIDDEN, CHECKPOINT_EPOCHS, CHECKPOINT_EVERY = 384, 1, 3
+CHECKPOINT_EPOCHS, CHECKPOINT_EVERY = 1, 3
 
 
-def _checkpoint_setup():
-    """An EAGLE-3 drafter of a small simulated target (hidden 384: checkpoints of 42 MB of weights and
+def _checkpoint_setup(h: int):
+    """An EAGLE-3 drafter of a small simulated target (hidden `h`; at 384, checkpoints of 42 MB of weights and
     AdamW moments) and 48 samples of 128 tokens (12 iterations per epoch of 4 samples)."""
     import torch
 
@@ -409,8 +429,8 @@ def _checkpoint_setup():
     from pipeline.models import target_forward
     from pipeline.training.dataset import InMemoryDataset
 
-    vocab, h, layers = 512, CHECKPOINT_HIDDEN, 4
-    target = target_lib.build_target(target_lib.tiny_llama_config(vocab, h, layers, 6), seed=0)
+    vocab, layers = 512, 4
+    target = target_lib.build_target(target_lib.tiny_llama_config(vocab, h, layers, h // 64), seed=0)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (48, 128), generator=g)
     drafter = drafters.fresh_drafter(DrafterConfig(kind="eagle3", aux_layer_ids=[1, 2, 3]), target,
@@ -422,9 +442,9 @@ def _checkpoint_setup():
     return drafter, drafter.teacher(target), InMemoryDataset(samples)
 
 
-def checkpoint_cost() -> dict:
+def checkpoint_cost(sizes: Sizes = FULL) -> dict:
     """Training time lost to checkpoints, written synchronously or in the background (to a `file://`
-    store), in the same training, alternating, best of `REPEATS`. Lost: the training thread's time on
+    store), in the same training, alternating, best of `sizes.repeats`. Lost: the training thread's time on
     checkpoints (`TrainResult.checkpoint_s`: the copy to the host, then the write, or the wait for the
     previous one); also the wall time over the same training without checkpoints, which adds the
     background thread's competition for the CPU (two cores here, shared)."""
@@ -438,10 +458,10 @@ def checkpoint_cost() -> dict:
     from pipeline.training.state import TrainingCheckpoints
 
     torch.set_num_threads(1)
-    drafter, teacher, data = _checkpoint_setup()
+    drafter, teacher, data = _checkpoint_setup(sizes.checkpoint_hidden)
     results: dict[str, list] = {"none": [], "sync": [], "background": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(REPEATS):
+        for repeat in range(sizes.repeats):
             for mode in results:
                 cfg = TrainConfig(epochs=CHECKPOINT_EPOCHS, batch_size_per_gpu=4, max_seq_len=512, window_tokens=128,
                                   optim=OptimConfig(lr=1e-3, lr_warmup_steps=2), dtype="fp32",
@@ -468,12 +488,13 @@ def _checkpoint_mb(drafter) -> float:
     return sum(3 * p.numel() * p.element_size() for p in drafter.parameters() if p.requires_grad) / 1e6
 
 
-def run() -> dict:
-    single = max(_cpu_runs(1, (("ddp", "auto"),), REPEATS)["runs"]["ddp"], key=lambda r: r["tokens_per_s"])
-    sharding = paired()
-    attention = ttt_attention()
-    checkpoints = checkpoint_cost()
-    gpu_result = gpu()
+def run(tiny: bool = False) -> dict:
+    sizes = TINY if tiny else FULL
+    single = max(_cpu_runs(1, (("ddp", "auto"),), sizes.repeats, sizes)["runs"]["ddp"], key=lambda r: r["tokens_per_s"])
+    sharding = paired(sizes.paired_rounds, sizes)
+    attention = ttt_attention(sizes.ttt_rounds, sizes.ttt_epochs)
+    checkpoints = checkpoint_cost(sizes)
+    gpu_result = gpu(tiny)
     return {
         "cpu_tokens_per_s": single["tokens_per_s"],
         "ddp2_speedup": sharding["ddp2_tokens_per_s"] / single["tokens_per_s"],
@@ -522,16 +543,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="only FSDP2 against DDP on two gloo ranks, this many rounds")
     parser.add_argument("--ttt", type=int, metavar="ROUNDS", default=0,
                         help="only the banded TTT attention against the dense one, this many rounds")
+    parser.add_argument("--tiny", action="store_true", help="the smoke run's sizes (seconds)")
     args = parser.parse_args(argv)
     if args.gpu:
-        gpu_result = gpu()
+        gpu_result = gpu(args.tiny)
         result = {"gpu_mfu": gpu_result["mfu"] if gpu_result else None, "gpu": gpu_result}
     elif args.paired:
         result = paired(args.paired)
     elif args.ttt:
         result = ttt_attention(args.ttt)
     else:
-        result = run()
+        result = run(args.tiny)
     sys.stdout.write(json.dumps(result, indent=2) + "\n")
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import TYPE_CHECKING
 
+from pipeline.models.layers import stored_layer_ids
+
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
 
@@ -286,15 +288,6 @@ def _bytes_per_value(compression: str, hidden_size: int) -> float:
     return 2 / SPLIT_ZSTD_RATIO if compression == "split-zstd" else 2
 
 
-def stored_layers(cfg: PipelineConfig, num_layers: int) -> int:
-    if cfg.drafter.kind != "eagle3":
-        return 1
-    # eagle3.default_aux_layer_ids and eagle3.stored_layer_ids, without importing torch
-    aux = cfg.drafter.aux_layer_ids or ((2, num_layers // 2, num_layers - 3) if num_layers >= 7
-                                        else (0, round(num_layers / 2), num_layers))
-    return len(dict.fromkeys([*aux, num_layers]))
-
-
 def plan_capacity(policy: PolicyShape, step: StepShape, throughput: Throughput, cfg: PipelineConfig,
                   retained_steps: int | None = None, whole_rollouts: bool = False) -> CapacityPlan:
     """The drafter side of one RL step of `step`'s shape under `cfg` (its capture, train, storage and
@@ -313,7 +306,7 @@ def plan_capacity(policy: PolicyShape, step: StepShape, throughput: Throughput, 
         captured = min(captured, cfg.capture.max_tokens / window_per_sample)
     tokens_forwarded = captured * mean_len
     tokens_stored = captured * stored_per_sample
-    layers = stored_layers(cfg, policy.num_layers)
+    layers = len(stored_layer_ids(cfg.drafter, policy.num_layers) or [policy.num_layers])  # EAGLE-1/2: L alone
     bytes_per_token = layers * policy.hidden_size * _bytes_per_value(cfg.shard_compression, policy.hidden_size) + 5
     bytes_stored = tokens_stored * bytes_per_token
 

@@ -46,7 +46,7 @@ SLOWEST_FIRST = ["tests/integration/test_families.py", "tests/integration/test_p
                  "tests/integration/test_refresh.py", "tests/integration/test_postgres_faults.py",
                  "tests/integration/test_trl.py", "tests/integration/test_untrusted_trainer.py",
                  "tests/unit/serving/test_hot_update.py", "tests/unit/serving/test_fleet.py",
-                 "tests/integration/test_s3.py"]
+                 "tests/integration/test_s3.py", "tests/unit/test_benchmarks.py"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,8 @@ from pipeline.capacity import (
     plan_capacity,
 )
 from pipeline.config import CONFIG_ENV, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
 
 QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288,
             "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -95,6 +99,30 @@ def test_reference_70b_step_as_json(tmp_path: Path, capsys: pytest.CaptureFixtur
     # a 70B policy's forward over 3M tokens alone is a quarter of 8 GPUs' 600 s: the plan says so
     assert doc["drafter_share"] == pytest.approx(1797.8 / 4800, abs=1e-3)
     assert plan.lag_steps == 2
+
+
+@pytest.mark.parametrize(("drafter", "layers"), [
+    ({"kind": "eagle"}, 1),  # EAGLE-1/2: the last layer after the final norm
+    ({"kind": "eagle3"}, 4),  # vLLM's aux layers of a 36-layer target, (2, 18, 33), and the last, 36
+    ({"kind": "peagle"}, 4),  # P-EAGLE reads EAGLE-3's layers
+    ({"kind": "peagle", "aux_layer_ids": [1, 18, 36]}, 3),  # the last among the aux layers: stored once
+], ids=["eagle", "eagle3", "peagle", "peagle-last-among-aux"])
+def test_bytes_stored_count_every_layer_the_drafter_reads(drafter: dict, layers: int) -> None:
+    cfg = load_config(overrides={**SETTINGS, "drafter": drafter})
+    step = StepShape(4096, 3000, 12000, 8, "H100", 600)
+    plan = plan_capacity(PolicyShape.from_config(QWEN3_8B), step, Throughput.from_bench(THROUGHPUT, "t"), cfg)
+    assert plan.tokens_stored == pytest.approx(522_696.6, rel=1e-6)  # the same windows whatever the kind
+    per_token = layers * 4096 * 2 + 5  # each layer's bf16 values at H 4096, the token's id and mask
+    assert plan.bytes_stored == pytest.approx(plan.tokens_stored * per_token, rel=1e-9)
+
+
+def test_the_plan_imports_no_torch() -> None:
+    """`cli.py plan` imports no torch: the layers a drafter stores come from `pipeline.models.layers`,
+    as extraction's do, which needs none."""
+    code = "import sys, pipeline.capacity; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert result.stdout.strip() == "False"
 
 
 def test_whole_rollouts_store_what_training_never_reads() -> None:
