@@ -72,6 +72,13 @@ class History:
     def __init__(self, prompts: list[torch.Tensor]) -> None:
         self.tokens = [p[:1].clone() for p in prompts]  # row b: x_0, x_1, ... (T,)
         self.features: list[torch.Tensor | None] = [None] * len(prompts)  # row b: f_0 ... f_{T-2} (T-1, D)
+        self.requests = list(range(len(prompts)))  # row b serves prompt requests[b]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Finished requests leave the batch."""
+        rows = rows.tolist()
+        self.tokens, self.features = [self.tokens[b] for b in rows], [self.features[b] for b in rows]
+        self.requests = [self.requests[b] for b in rows]
 
     def add(self, pairs: CommittedPairs) -> None:
         for b in range(pairs.valid.shape[0]):
@@ -92,6 +99,9 @@ class OracleProposer:
     def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
         self.history.add(pairs)
         return torch.stack([self.greedy.continuation(tokens, k) for tokens in self.history.tokens])
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.history.select(rows)
 
 
 class WrongProposer(OracleProposer):
@@ -130,9 +140,12 @@ class RecordingProposer:
 
     def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
         self.history.add(pairs)
-        self.calls.append([(t.clone(), f.clone()) for t, f in zip(self.history.tokens, self.history.features,
-                                                                  strict=True)])
+        self.calls.append([(r, t.clone(), f.clone()) for r, t, f in zip(
+            self.history.requests, self.history.tokens, self.history.features, strict=True)])
         return torch.zeros(pairs.valid.shape[0], k, dtype=torch.int64)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.history.select(rows)
 
 
 def eagle_drafter(model: LlamaForCausalLM) -> EagleDrafter:
@@ -215,7 +228,8 @@ def test_proposer_gets_tokens_and_features_of_all_but_the_newest(
 
     assert proposer.calls
     for call in proposer.calls:
-        for (tokens, features), prompt in zip(call, prompts, strict=True):
+        for request, tokens, features in call:
+            prompt = prompts[request]
             assert torch.equal(tokens[: prompt.shape[0]], prompt)
             assert features.shape == (tokens.shape[0] - 1, H)
             expected = target_forward.forward(model, tokens[None]).features[0, :-1]
@@ -352,6 +366,10 @@ class ShadowProposer:
             out.append(proposal)
         self.rounds += 1
         return torch.stack(out)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.inner.select(rows)
+        self.history.select(rows)
 
 
 @pytest.mark.parametrize("kind", KINDS)
