@@ -146,7 +146,7 @@ class RoundTimes:
                             self.draft_s / (self.target_s * drafter_forwards_per_round), drafter_forwards_per_round)
 
 
-def _clock(device: torch.device) -> float:
+def clock(device: torch.device) -> float:
     if device.type == "cuda":  # kernels run asynchronously: read the clock once they are done
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -221,6 +221,11 @@ class DecodingBatch:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def abort(self) -> None:
+        """Every row dropped (a failed round leaves the caches in no known state)."""
+        self.rows = []
+        self._clear()
 
     @property
     def speculative(self) -> bool:
@@ -344,10 +349,10 @@ class DecodingBatch:
         offsets = torch.arange(k + 1, device=device)  # (k+1,)
         drafts = DraftSampler(self.draft_method, sampling)
         chooser = drafts if self.draft_method == "probabilistic" else None
-        started = _clock(device) if self.times is not None else 0.0
+        started = clock(device) if self.times is not None else 0.0
         # (B, k); a proposer that drafts greedily alone (the tests' oracles) need not take a chooser
         proposal = proposer.propose(self.pairs, k) if chooser is None else proposer.propose(self.pairs, k, chooser)
-        drafted = _clock(device) if self.times is not None else 0.0
+        drafted = clock(device) if self.times is not None else 0.0
         ids = torch.cat([self.pending[:, None], proposal], dim=1)  # (B, k+1)
         positions = (self.committed - 1)[:, None] + offsets  # (B, k+1)
         out = self.cache.forward(self.model, ids, positions, torch.ones_like(ids, dtype=torch.bool),
@@ -356,7 +361,7 @@ class DecodingBatch:
                          sampling.round_draws(k, out.logits.shape[-1], device))
         if self.times is not None:
             self.times.draft_s += drafted - started
-            self.times.target_s += _clock(device) - drafted
+            self.times.target_s += clock(device) - drafted
             self.times.rounds += 1
             self.times.row_rounds += B
         accepted, self.pending = verdict.accepted, verdict.next_tokens  # (B,), (B,)

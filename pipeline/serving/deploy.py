@@ -33,6 +33,7 @@ from pipeline.serving.fleet import (
     GateError,
     ReplicaDriver,
     ReplicaSpec,
+    Speculation,
     StagedDrafter,
     StandInDriver,
     rolling_deploy,
@@ -45,12 +46,19 @@ def replicas(cfg: PipelineConfig) -> list[ReplicaSpec]:
     return [ReplicaSpec(r.name, r.host, r.port, r.served_model_name, r.api_key_env) for r in cfg.fleet.replicas]
 
 
+def speculation(cfg: PipelineConfig) -> Speculation:
+    f = cfg.fleet
+    return Speculation(f.draft_sample_method, None if f.speculation_max_batch == "auto" else f.speculation_max_batch)
+
+
 def make_driver(cfg: PipelineConfig) -> ReplicaDriver:
     k = cfg.eval.num_speculative_tokens
     if cfg.fleet.driver == "command":
-        return CommandDriver(cfg.fleet.command, cfg.drafter.kind, k, cfg.fleet.weight_transfer_backend)
+        return CommandDriver(cfg.fleet.command, cfg.drafter.kind, k, cfg.fleet.weight_transfer_backend,
+                             speculation(cfg))
     # Stand-ins serve the weight-update routes (as vLLM in dev mode) when the fleet updates hot.
-    return StandInDriver(k, cfg.data_path / "fleet" / "replicas", dev_mode=cfg.fleet.update == "hot")
+    return StandInDriver(k, cfg.data_path / "fleet" / "replicas", dev_mode=cfg.fleet.update == "hot",
+                         speculation=speculation(cfg))
 
 
 def gate_config(cfg: PipelineConfig) -> GateConfig:
