@@ -480,6 +480,28 @@ def hot_update(replica: ReplicaSpec, drafter_dir: str, version: str, policy_dir:
     return held
 
 
+def send_policy(replica: ReplicaSpec, policy_dir: str) -> float:
+    """The policy in `policy_dir` in place on a running replica, alone (its drafter stays): paused (requests held),
+    sent, resumed; /weight_info must then report the policy's label. Returns the seconds requests were held.
+    HotUpdateUnsupported when it refused before anything changed; HotUpdateFailed otherwise."""
+    try:
+        _dev_call(replica, "/init_weight_transfer_engine", {"init_info": {}})
+        _dev_call(replica, "/pause?mode=keep", {})
+    except HotUpdateFailed as exc:
+        raise HotUpdateUnsupported(str(exc)) from None
+    paused = time.monotonic()
+    try:
+        _send_drafter(replica, policy_dir, policy_version(policy_dir), start="/start_weight_update")
+    finally:
+        _dev_call(replica, "/resume", {})
+    held = time.monotonic() - paused
+    reported = _dev_call(replica, "/weight_info").get("weight_version")
+    if reported != policy_version(policy_dir):
+        raise HotUpdateFailed(f"/weight_info reports {reported!r} after the policy update, not "
+                              f"{policy_version(policy_dir)!r}")
+    return held
+
+
 def roll_back(replica: ReplicaSpec, driver: ReplicaDriver, target: str, previous: StagedDrafter,
               gates: GateConfig, alive: Callable[[], bool], policy_dir: str | None = None) -> str:
     """After a failed hot update: the previous drafter again (on the policy in `policy_dir`, the one `target`
