@@ -402,11 +402,6 @@ class FleetConfig(_Strict):
         ],
         description="The serving fleet.",
     )
-    draft_sample_method: Literal["greedy", "probabilistic"] = Field(
-        default="greedy", description="How the replicas' drafter picks its tokens, vLLM's `draft_sample_method` "
-        "(passed in --speculative-config): `greedy` proposes its argmax, `probabilistic` samples its distribution "
-        "at the request's parameters and the target accepts with min(1, p/q)."
-    )
     speculation_max_batch: Literal["auto"] | int = Field(
         default="auto", description="The largest batch whose decoding rounds speculate. `auto`: the stand-ins time "
         "speculative and plain rounds at each batch size and turn speculation off where it does not pay (a vLLM "
