@@ -54,6 +54,7 @@ from pipeline.data.rollouts import (
     validate_rollouts,
     write_rollouts_file,
 )
+from pipeline.data.sampling import SamplingParams
 from pipeline.data.store import ObjectStore
 
 __all__ = ["PublishedStep", "Rollout", "RolloutsError", "StagedCheckpoint", "commit_rollouts_parts",
@@ -164,12 +165,14 @@ def publish_step(
     *,
     policy_version: int,
     model_id: str,
+    sampling: SamplingParams | None = None,
     tokenizer_vocab_size: int | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> PublishedStep:
     """Validate, then write the step: rollouts.parquet, the checkpoint under policies/<run>/<step>/,
     policy.json last. `store` is an ObjectStore or a root URI (`storage_options` for fsspec, e.g. an
-    S3 endpoint; credentials come from the AWS environment variables). `tokenizer_vocab_size` is
+    S3 endpoint; credentials come from the AWS environment variables). `sampling`: how the rollouts were
+    sampled (temperature, top_p, top_k), at which every tau of the step is measured. `tokenizer_vocab_size` is
     len(tokenizer): a tokenizer with more ids than the policy's embedding is refused."""
     store = store if isinstance(store, ObjectStore) else ObjectStore(store, storage_options)
     check_step(step, f"{store.uri(f'rollouts/{run}')}/step-?")
@@ -181,7 +184,8 @@ def publish_step(
     rollouts = list(rollouts)
     validate_rollouts(rollouts, rollouts_where, staged.limits)
     checkpoint_key = policy_prefix(run, step)
-    pointer = validate_pointer(pointer_record(PolicyPointer(policy_version, checkpoint_key, model_id)), pointer_where)
+    pointer = validate_pointer(pointer_record(PolicyPointer(policy_version, checkpoint_key, model_id, sampling)),
+                               pointer_where)
 
     if is_committed(store, run, step):
         _refuse_other_content(store, run, step, rollouts, pointer, staged)
@@ -211,6 +215,7 @@ def publish_rollouts_part(
     policy_version: int,
     model_id: str,
     expected_rollouts: int,
+    sampling: SamplingParams | None = None,
     tokenizer_vocab_size: int | None = None,
     storage_options: dict[str, Any] | None = None,
     now: float | None = None,
@@ -227,7 +232,7 @@ def publish_rollouts_part(
     where = store.uri(policy_pointer_key(run, step))
     check_policy_version(policy_version, where)
     checkpoint_key = policy_prefix(run, step)
-    pointer = validate_pointer(pointer_record(PolicyPointer(policy_version, checkpoint_key, model_id)), where)
+    pointer = validate_pointer(pointer_record(PolicyPointer(policy_version, checkpoint_key, model_id, sampling)), where)
     if parts_lib.read_step_parts(store, run, step) is None and not is_committed(store, run, step):
         validate_rollouts(list(rollouts), store.uri(rollouts_key(run, step)), staged.limits)  # before any upload
         _upload_checkpoint(store, staged, checkpoint_key)  # the pointer names it from the first part on

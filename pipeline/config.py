@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from pipeline.data.sampling import DraftSampleMethod, SamplingParams
+
 DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
 CONFIG_ENV = "DRAFTER_PIPELINE_CONFIG"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -351,12 +353,28 @@ class ExtractConfig(StageConfig):
         default_factory=list, description="Where the extraction pod's container mounts `extract.volumes`.")
 
 
+class SamplingConfig(_Strict):
+    """Sampling parameters as vLLM's requests name them."""
+
+    temperature: float = Field(default=1.0, ge=0, le=100, description="0: greedy decoding.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus: the most likely tokens up to this mass.")
+    top_k: int = Field(default=0, ge=-1, description="The k most likely tokens; 0 or -1: all.")
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k)
+
+
 class EvalConfig(StageConfig):
     """The `acceptance` stage's process (or pod): every drafter of the step is measured there, one process."""
 
     num_speculative_tokens: int = Field(default=4, ge=1, description="k: tokens the drafter proposes per round.")
     max_new_tokens: int = Field(default=40, ge=1, description="Tokens generated per held-out prompt.")
     num_prompts: int = Field(default=24, ge=1, description="Held-out prompts evaluated per step.")
+    sampling: SamplingConfig = Field(
+        default_factory=SamplingConfig,
+        description="The rollouts' sampling parameters where a step's policy.json does not name them: tau is "
+                    "measured at the rollouts' own (and greedily beside them).",
+    )
     held_out_fraction: float = Field(
         default=0.125, gt=0, lt=1, description="Share of each step's rollouts kept out of training for evaluation."
     )
@@ -391,6 +409,11 @@ class FleetConfig(_Strict):
         default="hot", description="`hot`: a replica already on the policy gets the new drafter weights in place "
         "through vLLM's dev-mode weight-update routes, restarted when it has none or the update fails (rolled back "
         "first); `restart`: every replica is restarted with the new --speculative-config."
+    )
+    draft_sample_method: DraftSampleMethod = Field(
+        default="greedy", description="How the replicas' drafter picks its tokens (vLLM's `draft_sample_method`): "
+        "`greedy` proposes its argmax, `probabilistic` samples its distribution at the request's parameters; "
+        "evaluation measures tau the same way."
     )
     weight_transfer_backend: Literal["", "disk"] = Field(
         default="", description="`command` driver: start vLLM in dev mode (VLLM_SERVER_DEV_MODE=1) with "

@@ -13,8 +13,11 @@ rollouts.parquet (file metadata `schema_version` = "1"), no nulls anywhere:
 
 policy.json:
     {"schema_version": 1, "policy_version": 123, "model_id": "...",
-     "checkpoint_uri": "s3://.../step-000123"  (or a key relative to the store root)}
-    The checkpoint is a transformers directory: config.json + safetensors weights.
+     "checkpoint_uri": "s3://.../step-000123"  (or a key relative to the store root),
+     "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0}}
+    The checkpoint is a transformers directory: config.json + safetensors weights. `sampling`
+    (optional: pipeline/data/sampling.py) is how the rollouts were sampled; every tau of the
+    step is measured at it (without it, at `eval.sampling`).
 
 The validators below are the contract: the pipeline runs them on what it reads and the
 trainer-side client (`pipeline/client.py`) runs the same ones before it writes, so a trainer
@@ -36,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.data.keys import MAX_STEP, parse_step_key, policy_pointer_key, rollouts_key, rollouts_root
+from pipeline.data.sampling import SamplingError, SamplingParams
 from pipeline.data.store import ObjectStore
 
 SCHEMA_VERSION = 1
@@ -96,6 +100,7 @@ class PolicyPointer:
     policy_version: int
     checkpoint_uri: str
     model_id: str
+    sampling: SamplingParams | None = None  # how the rollouts were sampled; None: the trainer did not say
 
 
 @dataclass(frozen=True)
@@ -195,8 +200,11 @@ def validate_rollouts(rollouts: Sequence[Rollout], where: str, limits: TargetLim
 
 def pointer_record(pointer: PolicyPointer) -> dict[str, Any]:
     """policy.json's content for a pointer."""
-    return {"schema_version": SCHEMA_VERSION, "policy_version": pointer.policy_version,
-            "checkpoint_uri": pointer.checkpoint_uri, "model_id": pointer.model_id}
+    record = {"schema_version": SCHEMA_VERSION, "policy_version": pointer.policy_version,
+              "checkpoint_uri": pointer.checkpoint_uri, "model_id": pointer.model_id}
+    if pointer.sampling is not None:
+        record["sampling"] = pointer.sampling.to_json()
+    return record
 
 
 def validate_pointer(data: Any, where: str) -> PolicyPointer:
@@ -213,7 +221,13 @@ def validate_pointer(data: Any, where: str) -> PolicyPointer:
     for key in ("checkpoint_uri", "model_id"):
         if not isinstance(data[key], str) or not data[key]:
             raise RolloutsError(where, f"must be a non-empty string, got {type(data[key]).__name__}", None, key)
-    return PolicyPointer(version, data["checkpoint_uri"], data["model_id"])
+    sampling = None
+    if data.get("sampling") is not None:
+        try:
+            sampling = SamplingParams.from_json(data["sampling"], where)
+        except SamplingError as exc:
+            raise RolloutsError(where, str(exc).removeprefix(f"{where}: "), None, "sampling") from None
+    return PolicyPointer(version, data["checkpoint_uri"], data["model_id"], sampling)
 
 
 def rollouts_table(rollouts: Sequence[Rollout]) -> pa.Table:
