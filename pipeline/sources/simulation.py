@@ -229,7 +229,8 @@ class SimulatedRL:
         model, g = self._take_prepared(step) or self._rl_update(step, self.policy(step - 1))
         checkpoint_uri = target_lib.save_checkpoint(model, self.store, policy_prefix(self.run, step))
         pointer = PolicyPointer(policy_version=step, checkpoint_uri=checkpoint_uri,
-                                model_id=target_forward.model_id(model))
+                                model_id=target_forward.model_id(model),
+                                sampling=SamplingParams(temperature=self.cfg.temperature))
         if prepare_next:
             self._prepare(step + 1, copy.deepcopy(model))
         generated = GeneratedStep(step, pointer, [], TargetLimits.of(model.config))
