@@ -175,12 +175,13 @@ def batched_speedup(torch) -> dict:
             "matmul_bound": times["matmul_alone"] / times["matmul_batched"]}
 
 
-def tau_estimate(torch) -> dict:
+def demo_drafter(torch) -> tuple:
+    """The demo's simulated target (pre-trained, cached under the data dir), its sampled rollouts of step 1
+    (temperature 1) and the demo's drafter trained on their training split (6 epochs) -> (cfg, target, drafter,
+    held-out rollouts, training seconds)."""
     from pipeline.config import load_config
     from pipeline.data.held_out import is_held_out
     from pipeline.data.shards import HiddenSample
-    from pipeline.evaluation import speculative
-    from pipeline.evaluation.teacher_forced import estimate_acceptance
     from pipeline.models import target_forward
     from pipeline.models.drafter import fresh_drafter
     from pipeline.sources.simulation import SimulatedRL
@@ -193,11 +194,13 @@ def tau_estimate(torch) -> dict:
     rollouts = sim.generate_rollouts(target, 1, torch.Generator().manual_seed(7))
     held = [r for r in rollouts if is_held_out(r.sample_id, cfg.eval.held_out_fraction)]
     train = [r for r in rollouts if not is_held_out(r.sample_id, cfg.eval.held_out_fraction)]
-    ids = torch.tensor([r.input_ids for r in train])  # (N, T)
-    drafter = fresh_drafter(cfg.drafter, target, torch.bincount(ids.flatten(), minlength=target.config.vocab_size),
+    ids = [torch.tensor(r.input_ids) for r in train]  # (T_i,) each: lognormal response lengths
+    drafter = fresh_drafter(cfg.drafter, target, torch.bincount(torch.cat(ids), minlength=target.config.vocab_size),
                             cfg.train.seed)
     num_layers = target.config.num_hidden_layers
-    layers = target_forward.forward(target, ids, drafter.stored_layer_ids(num_layers)).layers  # (N, T, stored, H)
+    with torch.no_grad():
+        layers = [target_forward.forward(target, x[None], drafter.stored_layer_ids(num_layers)).layers[0]
+                  for x in ids]  # (T_i, stored, H) each
     samples = [drafter.training_sample(HiddenSample(r.sample_id, 1, ids[i], torch.tensor(r.loss_mask), layers[i]),
                                        num_layers) for i, r in enumerate(train)]
     start = time.perf_counter()
@@ -205,6 +208,14 @@ def tau_estimate(torch) -> dict:
                   teacher=drafter.teacher(target))
     train_s = time.perf_counter() - start
     drafter.attach(target)
+    return cfg, target, drafter, held, train_s
+
+
+def tau_estimate(torch) -> dict:
+    from pipeline.evaluation import speculative
+    from pipeline.evaluation.teacher_forced import estimate_acceptance
+
+    cfg, target, drafter, held, train_s = demo_drafter(torch)
     k, max_new = cfg.eval.num_speculative_tokens, cfg.eval.max_new_tokens
     prompts = [torch.tensor(r.input_ids[: r.prompt_len]) for r in held]
     start = time.perf_counter()

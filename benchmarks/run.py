@@ -18,6 +18,7 @@ from benchmarks import (
     policy_loss,
     scale,
     schedule,
+    serving,
     stage_launch,
     target_load,
     training,
@@ -36,6 +37,7 @@ BENCHMARKS = {
     "scale": scale.run,
     "fp8_tau": fp8_tau.run,
     "schedule": schedule.run,
+    "serving": serving.run,
 }
 
 
