@@ -43,6 +43,7 @@ from pipeline.client import (
     publish_step,
 )
 from pipeline.data.rollouts import Rollout
+from pipeline.data.sampling import SamplingParams
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
@@ -119,13 +120,14 @@ class StepPublisher:
     released at (p+1)/P of the window, as its slice of the decoding would end, so a step's head is
     published while its tail is still being generated (what the same-step refresh serves)."""
 
-    def __init__(self, store: ObjectStore, run: str, model_id: str, publish_every: int = 1, parts: int = 1) -> None:
+    def __init__(self, store: ObjectStore, run: str, model_id: str, publish_every: int = 1, parts: int = 1,
+                 sampling: SamplingParams | None = None) -> None:
         if publish_every < 1:
             raise ValueError(f"publish_every must be >= 1, got {publish_every}")
         if parts < 1:
             raise ValueError(f"parts must be >= 1, got {parts}")
         self.store, self.run, self.model_id, self.publish_every = store, run, model_id, publish_every
-        self.parts = parts
+        self.parts, self.sampling = parts, sampling  # how the trainer samples its completions, recorded per step
         self.window_end = 0.0
         self.published: list[PublishedGRPOStep] = []
 
@@ -136,7 +138,7 @@ class StepPublisher:
         written (() when whole)."""
         if self.parts == 1 or not rollouts:
             publish_step(self.store, self.run, step, rollouts, staged, policy_version=policy_version,
-                         model_id=self.model_id, tokenizer_vocab_size=tokenizer_vocab_size)
+                         model_id=self.model_id, sampling=self.sampling, tokenizer_vocab_size=tokenizer_vocab_size)
             return ()
         written = []
         start = time.monotonic()
@@ -146,7 +148,7 @@ class StepPublisher:
             if rows:  # an empty slice of the decoding is no part
                 publish_rollouts_part(self.store, self.run, step, part, rows, staged, policy_version=policy_version,
                                       model_id=self.model_id, expected_rollouts=len(rollouts),
-                                      tokenizer_vocab_size=tokenizer_vocab_size)
+                                      sampling=self.sampling, tokenizer_vocab_size=tokenizer_vocab_size)
                 written.append(part)
         commit_rollouts_parts(self.store, self.run, step)
         return tuple(written)
@@ -246,7 +248,8 @@ class GRPODemo:
         self.steps = steps
         self.tokenizer = build_tokenizer()
         self.policy = build_policy(self.tokenizer, seed=s.seed)
-        self.publisher = StepPublisher(store, run, target_forward.model_id(self.policy), parts=s.parts_per_step)
+        self.publisher = StepPublisher(store, run, target_forward.model_id(self.policy), parts=s.parts_per_step,
+                                       sampling=SamplingParams(temperature=s.temperature))
         self.output_dir = output_dir
         self._resume = threading.Semaphore(0)
         self._published = threading.Semaphore(0)
