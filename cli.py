@@ -397,17 +397,17 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     store, registry = open_store(cfg), open_registry(cfg)
     # The stages' warm workers start now, while the source runs its first step: no step waits for their imports.
     prestart_workers(config_path, overrides, ["extraction", "training", "evaluation"])
+    with_fleet = cfg.fleet.driver != "none"
+    # With a fleet, the fleet generates the rollouts: each step's policy is pushed to every replica first.
+    rollout_fleet = deploy.rollout_fleet(cfg, store) if with_fleet else None
+    engine = rollout_fleet.engine() if rollout_fleet else None
     if source == "trl":  # real GRPO with TRL publishing through the trainer client
         from pipeline.sources.trl import GRPODemo
 
-        rl = GRPODemo(store, cfg.run, steps, cfg.data_path / "demo" / "trl")
+        rl = GRPODemo(store, cfg.run, steps, cfg.data_path / "demo" / "trl", engine=engine)
         kind, what, ready = "TRL GRPO", "a TRL GRPO step and its rollouts", "TRL trainer and policy"
-    with_fleet = cfg.fleet.driver != "none"
-    # With a fleet, the fleet generates the rollouts: each step's policy is pushed to every replica first.
-    rollout_fleet = deploy.rollout_fleet(cfg, store) if with_fleet and source != "trl" else None
-    if source != "trl":
-        rl = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache",
-                         rollout_fleet.engine() if rollout_fleet else None)
+    else:
+        rl = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache", engine)
         kind, what, ready = "simulated RL", "simulating the RL update and rollouts", "pre-trained target"
 
     out(f"Co-training demo: {steps} {kind} steps on {cfg.device}, drafter kind {cfg.drafter.kind}")

@@ -12,6 +12,7 @@ A rollout decoded by any policy but the one pushed last is an error the generato
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -38,3 +39,9 @@ class GeneratedRollout:
 class RolloutEngine:
     push_policy: Callable[[int, str], None]
     generate: Callable[[list[RolloutRequest]], Iterator[tuple[int, GeneratedRollout]]]
+
+
+def request_seed(seed: int, step: int, index: int) -> int:
+    """Rollout `index` of `step`'s request seed: the same rollout on any replica, in any batch, for a source
+    seeded `seed`."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{step}:{index}".encode()).digest()[:7], "big")

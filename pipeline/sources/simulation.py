@@ -53,7 +53,7 @@ from pipeline.data.sampling import SamplingParams
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
-from pipeline.sources.rollout_engine import RolloutEngine, RolloutRequest
+from pipeline.sources.rollout_engine import RolloutEngine, RolloutRequest, request_seed
 
 FAVOURITE_PROB = 0.6
 PHASES = 3
@@ -309,10 +309,6 @@ class SimulatedRL:
         mask = [0] * prompt_len + [1] * (seq.shape[1] - prompt_len)
         return Rollout(f"s{step:06d}-{i:05d}", seq[0].tolist(), mask, reward, step)
 
-    def rollout_seed(self, step: int, i: int) -> int:
-        """Rollout i of `step`'s request seed on the fleet: the same rollouts on any fleet, in any batch."""
-        return int.from_bytes(hashlib.sha256(f"{self.cfg.seed}:{step}:{i}".encode()).digest()[:7], "big")
-
     def generate_rollouts(self, model: LlamaForCausalLM, step: int, g: torch.Generator,
                           on_part: Callable[[int, list[Rollout]], None] | None = None,
                           window_end: float = 0.0) -> list[Rollout]:
@@ -333,7 +329,7 @@ class SimulatedRL:
         cfg = self.cfg
         longest, parts = max(lengths), cfg.parts_per_step
         params = SamplingParams(temperature=cfg.temperature)
-        requests = [RolloutRequest(prompts[i].tolist(), n, params, self.rollout_seed(step, i))
+        requests = [RolloutRequest(prompts[i].tolist(), n, params, request_seed(self.cfg.seed, step, i))
                     for i, n in enumerate(lengths)]
         members = [part_of(n, longest, parts) for n in lengths]
         waiting = [members.count(p) for p in range(parts)]

@@ -71,3 +71,33 @@ def test_a_replica_left_on_the_previous_policy_fails_the_step(fleet: FleetRollou
     with pytest.raises(StalePolicyError, match=r"replica r1: rollout \d+ was decoded by 'policy-step-000001', not "
                                                r"the step's policy 'policy-step-000002'"):
         dict(fleet.generate(_requests(6)))
+
+
+def test_trl_completions_come_from_the_fleet(fleet: FleetRollouts, tmp_path: Path) -> None:
+    """TRL's GRPO with the fleet as its rollout function: the weights TRL holds go to the replicas as the step's
+    policy, and the published step's completions are the fleet's, each from its seed (asked again, the same)."""
+    from pipeline.data.rollouts import read_rollouts
+    from pipeline.sources import trl as trl_source
+    from pipeline.sources.rollout_engine import request_seed
+
+    settings = trl_source.GRPODemoSettings(prompts_per_step=2, num_generations=4, max_completion_length=8,
+                                           parts_per_step=1)
+    fleet.replicas = fleet.replicas[:1]
+    demo = trl_source.GRPODemo(fleet.store, "run", 1, tmp_path / "trl", settings, engine=fleet.engine())
+    published = demo.run_step(1)
+    demo.finish()
+    assert read_fleet_policy(fleet.store, "run").label == "policy-step-000001"
+    rollouts = read_rollouts(fleet.store, "run", 1)
+    assert fleet.windows[1].rollouts == len(rollouts) == 8
+    assert fleet.windows[1].tokens == sum(sum(r.loss_mask) for r in rollouts)
+    eos = demo.tokenizer.eos_token_id
+    by_id = {r.sample_id: r for r in rollouts}
+    for i, rollout in enumerate(published.rollouts):  # TRL's order: prompt-major, one completion per generation
+        stored = by_id[rollout.sample_id]
+        prompt = stored.input_ids[: stored.loss_mask.index(1)]
+        completion = stored.input_ids[len(prompt):]
+        assert completion[-1] == eos or len(completion) == settings.max_completion_length
+        [(_, again)] = fleet.generate([RolloutRequest(prompt, settings.max_completion_length,
+                                                      SamplingParams(temperature=settings.temperature),
+                                                      request_seed(settings.seed, 1, i), (eos,))])
+        assert again.token_ids == completion
