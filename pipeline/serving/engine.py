@@ -55,6 +55,7 @@ class SpeculationThreshold:
     def __init__(self, fixed: int | None = None, explore_every: int = EXPLORE_EVERY,
                  smoothing: float = SMOOTHING) -> None:
         self.fixed, self.explore_every, self.smoothing = fixed, explore_every, smoothing
+        self._lock = threading.Lock()  # the engine records and decides; /metrics reads the threshold
         self.speculative_s: dict[int, float] = {}
         self.plain_s: dict[int, float] = {}
         self.tau: float | None = None
@@ -66,15 +67,17 @@ class SpeculationThreshold:
     def record(self, batch_size: int, speculative: bool, seconds: float, tokens_per_row: float = 1.0) -> None:
         """A round of `batch_size` rows took `seconds` and gave each row `tokens_per_row` tokens on average."""
         b = bucket(batch_size)
-        if speculative:
-            self.speculative_s[b] = self._mean(self.speculative_s.get(b), seconds)
-            self.tau = self._mean(self.tau, tokens_per_row)
-        else:
-            self.plain_s[b] = self._mean(self.plain_s.get(b), seconds)
+        with self._lock:
+            if speculative:
+                self.speculative_s[b] = self._mean(self.speculative_s.get(b), seconds)
+                self.tau = self._mean(self.tau, tokens_per_row)
+            else:
+                self.plain_s[b] = self._mean(self.plain_s.get(b), seconds)
 
     def forget_acceptance(self) -> None:
         """New weights (a drafter or a policy): the tokens a speculative round yields are measured again."""
-        self.tau = None
+        with self._lock:
+            self.tau = None
 
     def pays(self, b: int) -> bool | None:
         """Whether speculation pays at bucket b; None while a side is not measured."""
@@ -88,10 +91,11 @@ class SpeculationThreshold:
         if self.fixed is not None:
             return self.fixed
         threshold = 0
-        for b in sorted(set(self.speculative_s) & set(self.plain_s)):
-            if not self.pays(b):
-                break
-            threshold = b
+        with self._lock:
+            for b in sorted(set(self.speculative_s) & set(self.plain_s)):
+                if not self.pays(b):
+                    break
+                threshold = b
         return threshold
 
     def speculate(self, batch_size: int) -> bool:
@@ -124,8 +128,7 @@ class Completion:
 class _Entry:
     sequence: Sequence
     future: Future = field(default_factory=Future)
-    policy_generation: int = 0  # the engine's policy generation when the request joined
-    straddled: bool = False
+    straddled: bool = False  # it was running when the policy changed
 
 
 class Engine:
@@ -144,7 +147,6 @@ class Engine:
         self._waiting: deque[_Entry] = deque()
         self._running: dict[int, _Entry] = {}  # id(sequence) -> entry
         self._paused = self._in_round = self._closed = False
-        self._policy_generation = 0
         self._thread = threading.Thread(target=self._loop, name="standin-engine", daemon=True)
         self._thread.start()
 
@@ -170,7 +172,6 @@ class Engine:
                 room = self.max_num_seqs - len(self._running)
                 joining = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
                 for entry in joining:
-                    entry.policy_generation = self._policy_generation
                     self._running[id(entry.sequence)] = entry
                 self._in_round = True
             try:
@@ -220,9 +221,8 @@ class Engine:
     def _completion(self, entry: _Entry) -> Completion:
         trace = entry.sequence.trace
         with self._cond:
-            straddled = entry.straddled or entry.policy_generation != self._policy_generation
             return Completion(list(trace.tokens), list(trace.logprobs), entry.sequence.finish_reason or "length",
-                              self.weight_version, self.policy_version, straddled)
+                              self.weight_version, self.policy_version, entry.straddled)
 
     # -- pause, resume and new weights -------------------------------------------------------------------------
 
@@ -253,7 +253,6 @@ class Engine:
         try:
             if policy_changed:
                 with self._cond:
-                    self._policy_generation += 1
                     for entry in self._running.values():
                         entry.straddled = True
             self.batch.reload(model, new_proposer)
