@@ -352,7 +352,8 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
             f"live tau {replica['live_tau']:.2f}")
     for w in fleet_rollouts or []:
         tau = "-" if w["live_tau"] is None else f"{w['live_tau']:.2f}"
-        out(f"fleet rollouts, step {w['step']}: {w['rollouts']} rollouts, {w['tokens']} tokens in {w['seconds']:.1f}s, "
+        out(f"fleet rollouts, step {w['step']}: {w['rollouts']} rollouts, {w['tokens']} tokens in {w['seconds']:.1f}s "
+            f"({w['tokens_per_s'] or 0:.0f} tokens/s), "
             f"live tau {tau}, rounds {int(w['rounds'].get('speculative', 0))} speculative / "
             f"{int(w['rounds'].get('plain', 0))} plain, speculating up to batch "
             f"{max((t for t in w['speculative_batch_threshold'].values() if t is not None), default=0)}")

@@ -67,7 +67,8 @@ class RolloutWindow:
 
     def to_json(self) -> dict:
         return {"step": self.step, "rollouts": self.rollouts, "tokens": self.tokens,
-                "seconds": round(self.seconds, 3), "live_tau": self.counters.mean_acceptance_length,
+                "seconds": round(self.seconds, 3), "tokens_per_s": self.tokens / self.seconds if self.seconds else None,
+                "live_tau": self.counters.mean_acceptance_length,
                 "drafts": self.counters.drafts, "accepted": self.counters.accepted, "rounds": self.rounds,
                 "speculative_batch_threshold": self.thresholds}
 
@@ -140,10 +141,12 @@ class FleetRollouts:
             raise RuntimeError("no policy was pushed to the fleet: push_policy comes before a step's rollouts")
         window = self.windows[self.step] = RolloutWindow(self.step)
         before = self._scrape()
-        started = time.monotonic()
+        started, finished = time.monotonic(), [0.0]
         pool = ThreadPoolExecutor(min(self.concurrency, max(1, len(requests))), thread_name_prefix="rollout")
         try:
             futures = {pool.submit(self._complete, i, r, self.label): i for i, r in enumerate(requests)}
+            for future in futures:  # when the fleet finished each, whenever the caller takes it
+                future.add_done_callback(lambda _: finished.__setitem__(0, max(finished[0], time.monotonic())))
             for future in as_completed(futures):
                 rollout = future.result()
                 window.rollouts += 1
@@ -151,7 +154,7 @@ class FleetRollouts:
                 yield futures[future], rollout
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-        window.seconds = time.monotonic() - started
+        window.seconds = finished[0] - started  # the fleet's time: from the first request to the last completion
         after = self._scrape()
         for name, (counters, threshold, rounds) in after.items():
             earlier = before.get(name)
