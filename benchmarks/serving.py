@@ -3,7 +3,7 @@ batch 1, 8 and 32 with and without speculation, and the batch threshold the engi
 
 The demo's simulated target (pre-trained, cached under the data dir) and the demo's drafter trained on its
 sampled rollouts (`evaluation.demo_drafter`, 6 epochs); requests are the held-out rollouts' prompts, sampled at
-temperature 1 (the rollouts' own), each seeded, 64 tokens each (k = `eval.num_speculative_tokens`, greedy
+temperature 1 (the rollouts' own), each seeded, 128 tokens each (k = `eval.num_speculative_tokens`, greedy
 drafting). A batch is B requests submitted at once to one engine; tokens/s is their tokens over the wall time
 from submission to the last completion. Arms: `plain` (threshold 0: no round speculates), `speculative` (every
 round speculates) and `auto` (the engine measures both kinds of round per batch size and decides per round);
@@ -11,7 +11,9 @@ round speculates) and `auto` (the engine measures both kinds of round per batch 
 long-running replica does (its first round pays for measuring from nothing); its threshold after each round
 is in `thresholds`, the last is `threshold`. The arms take turns within each of `REPEATS` rounds, each
 figure the best of its rounds, so that load from other work on the machine meets every arm alike. Ratios
-are over `plain` at the same batch, measured in the same run. One thread.
+are over `plain` at the same batch, measured in the same run. Beside them, `tau_t1_by_draft_method`: the
+drafter's tau at temperature 1 on the held-out prompts with each of vLLM's draft methods (greedy: its argmax,
+accepted with p; probabilistic: sampled, accepted with min(1, p/q)), the same seeds for both. One thread.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import json
 import time
 
 BATCHES = (1, 8, 32)
-NEW_TOKENS = 64
-REPEATS = 3
+NEW_TOKENS = 128
+REPEATS = 5
 ALWAYS = 1 << 20
 
 
@@ -44,7 +46,8 @@ def run() -> dict:
     import torch
 
     from benchmarks.evaluation import demo_drafter
-    from pipeline.evaluation.speculative import follow_target
+    from pipeline.data.sampling import DRAFT_SAMPLE_METHODS, SamplingParams
+    from pipeline.evaluation.speculative import evaluate, follow_target
     from pipeline.serving.engine import Engine, SpeculationThreshold
 
     threads = torch.get_num_threads()
@@ -71,10 +74,15 @@ def run() -> dict:
         tau = arms["speculative"].counters.mean_acceptance_length
         for e in arms.values():
             e.close()
+        # The draft method's acceptance at the rollouts' temperature, on the same held-out prompts and seeds.
+        drafting = {method: evaluate(target, new_proposer, prompts, NEW_TOKENS, k, params=SamplingParams(1.0),
+                                     draft_method=method).tau for method in DRAFT_SAMPLE_METHODS}
     finally:
         torch.set_num_threads(threads)
     out: dict = {"tau_served": tau, "drafter_train_s": train_s, "new_tokens": NEW_TOKENS, "k": k,
-                 "threshold": thresholds[-1], "thresholds": thresholds}
+                 "threshold": thresholds[-1], "thresholds": thresholds,
+                 "tau_t1_by_draft_method": drafting, "probabilistic_over_greedy_tau_ratio":
+                     drafting["probabilistic"] / drafting["greedy"]}
     for b in BATCHES:
         plain = best["plain", b]
         out[f"batch_{b}"] = {arm: round(best[arm, b], 1) for arm in ("plain", "speculative", "auto")}
