@@ -68,7 +68,7 @@ from pipeline.models.checkpoint import CheckpointError, load_drafter
 from pipeline.models.drafter import Proposer
 from pipeline.serving.engine import Completion, Engine, SpeculationThreshold
 from pipeline.serving.fleet import policy_version
-from pipeline.serving.metrics import render, render_standin
+from pipeline.serving.metrics import SpecCounters, render, render_standin
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -125,7 +125,7 @@ class Replica:
         return self.engine.weight_version
 
     @property
-    def counters(self):  # noqa: ANN201 - the engine's SpecCounters
+    def counters(self) -> SpecCounters:
         return self.engine.counters
 
     def complete(self, request: speculative.Request) -> Completion:
@@ -344,7 +344,12 @@ def make_handler(replica: Replica, api_key: str | None, dev_mode: bool) -> type[
             except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
                 self._json(400, {"error": str(exc)})
                 return
-            self._json(200, completion_response(replica, request, wants, replica.complete(request)))
+            try:
+                done = replica.complete(request)
+            except Exception as exc:  # noqa: BLE001 - the round failed: the client may send it elsewhere
+                self._json(500, {"error": f"decoding failed: {exc}"})
+                return
+            self._json(200, completion_response(replica, request, wants, done))
 
         def log_message(self, *args: object) -> None:
             pass
