@@ -297,7 +297,7 @@ def _tail_summary(goals: dict | None, breakdowns: dict) -> dict | None:
 
 
 def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls: list[float],
-                 fleet_state: tuple[ReplicaDeploy, ...], source: str) -> Path:
+                 fleet_state: tuple[ReplicaDeploy, ...], source: str, fleet_rollouts: list[dict] | None = None) -> Path:
     """The table, the plot and the JSON summary of a demo."""
     from pipeline import report
     from pipeline.data.store import open_store
@@ -318,7 +318,8 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
                                    round_costs=summary_costs, train_tokens_per_s=tokens_per_s,
                                    ledger={"steps": report.ledger_rows(ledger), "spent_s": total.spent_s,
                                            "saved_s": total.saved_s, "spent_by_stage_s": total.by_stage},
-                                   tail=_tail_summary(report.tail_goals(rows), breakdowns))
+                                   tail=_tail_summary(report.tail_goals(rows), breakdowns),
+                                   fleet_rollouts=fleet_rollouts)
     out()
     out(report.format_table(rows))
     out()
@@ -349,6 +350,13 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
     for replica in fleet:
         out(f"fleet: {replica['replica']} (stand-in) runs drafter version {replica['version']}, "
             f"live tau {replica['live_tau']:.2f}")
+    for w in fleet_rollouts or []:
+        tau = "-" if w["live_tau"] is None else f"{w['live_tau']:.2f}"
+        out(f"fleet rollouts, step {w['step']}: {w['rollouts']} rollouts, {w['tokens']} tokens in {w['seconds']:.1f}s "
+            f"({w['tokens_per_s'] or 0:.0f} tokens/s), "
+            f"live tau {tau}, rounds {int(w['rounds'].get('speculative', 0))} speculative / "
+            f"{int(w['rounds'].get('plain', 0))} plain, speculating up to batch "
+            f"{max((t for t in w['speculative_batch_threshold'].values() if t is not None), default=0)}")
     for c in summary_costs:
         out(f"k={c['k']}: tau {c['tau']:.2f}, {c['drafter_forwards_per_round']:.0f} drafter forwards per round "
             f"({c['drafter_forwards_per_token']:.2f} per token), estimated speedup {c['estimated_speedup']:.2f}x "
@@ -390,15 +398,18 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     store, registry = open_store(cfg), open_registry(cfg)
     # The stages' warm workers start now, while the source runs its first step: no step waits for their imports.
     prestart_workers(config_path, overrides, ["extraction", "training", "evaluation"])
+    with_fleet = cfg.fleet.driver != "none"
+    # With a fleet, the fleet generates the rollouts: each step's policy is pushed to every replica first.
+    rollout_fleet = deploy.rollout_fleet(cfg, store) if with_fleet else None
+    engine = rollout_fleet.engine() if rollout_fleet else None
     if source == "trl":  # real GRPO with TRL publishing through the trainer client
         from pipeline.sources.trl import GRPODemo
 
-        rl = GRPODemo(store, cfg.run, steps, cfg.data_path / "demo" / "trl")
+        rl = GRPODemo(store, cfg.run, steps, cfg.data_path / "demo" / "trl", engine=engine)
         kind, what, ready = "TRL GRPO", "a TRL GRPO step and its rollouts", "TRL trainer and policy"
     else:
-        rl = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")
+        rl = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache", engine)
         kind, what, ready = "simulated RL", "simulating the RL update and rollouts", "pre-trained target"
-    with_fleet = cfg.fleet.driver != "none"
 
     out(f"Co-training demo: {steps} {kind} steps on {cfg.device}, drafter kind {cfg.drafter.kind}")
     out(f"  object store {cfg.storage_root}")
@@ -458,7 +469,8 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
         if with_fleet and cfg.fleet.driver == "standin":
             deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the demo's stand-ins end with it
     bar.close()
-    return _demo_report(cfg, rows, time.perf_counter() - start, step_walls, fleet_state, source)
+    return _demo_report(cfg, rows, time.perf_counter() - start, step_walls, fleet_state, source,
+                        [w.to_json() for w in rollout_fleet.windows.values()] if rollout_fleet else None)
 
 
 def compare_schedules(steps: int, config_path: str | None, source: str, kinds: list[str],

@@ -208,14 +208,13 @@ def batched_speedup(torch, sizes: Sizes) -> dict:
             "matmul_bound": times["matmul_alone"] / times["matmul_batched"]}
 
 
-def tau_estimate(torch, sizes: Sizes) -> dict:
+def demo_drafter(torch, sizes: Sizes = FULL) -> tuple:
     """The demo's simulated step (or `sizes.tau_overrides`', pre-trained in a temporary directory): its training
     rollouts' hidden states extracted as the pipeline extracts them (long-tailed lengths, batched and padded by
-    `iter_hidden_states`), a fresh drafter trained on them; exact and estimated tau on its held-out rollouts."""
+    `iter_hidden_states`), a fresh drafter trained on them -> (cfg, target, drafter, held-out rollouts, training
+    seconds, training samples, the training rollouts' shortest and longest length)."""
     from pipeline.config import load_config
     from pipeline.data.held_out import is_held_out
-    from pipeline.evaluation import speculative
-    from pipeline.evaluation.teacher_forced import estimate_acceptance
     from pipeline.models.drafter import fresh_drafter
     from pipeline.models.layers import stored_layer_ids
     from pipeline.sources.extract import iter_hidden_states
@@ -242,6 +241,16 @@ def tau_estimate(torch, sizes: Sizes) -> dict:
                   teacher=drafter.teacher(target))
     train_s = time.perf_counter() - start
     drafter.attach(target)
+    lengths = [min(len(r.input_ids) for r in train), max(len(r.input_ids) for r in train)]
+    return cfg, target, drafter, held, train_s, len(samples), lengths
+
+
+def tau_estimate(torch, sizes: Sizes) -> dict:
+    """Exact and estimated tau of the demo's drafter (`demo_drafter`) on its held-out rollouts."""
+    from pipeline.evaluation import speculative
+    from pipeline.evaluation.teacher_forced import estimate_acceptance
+
+    cfg, target, drafter, held, train_s, train_samples, train_lengths = demo_drafter(torch, sizes)
     k, max_new = cfg.eval.num_speculative_tokens, cfg.eval.max_new_tokens
     prompts = [torch.tensor(r.input_ids[: r.prompt_len]) for r in held]
     start = time.perf_counter()
@@ -253,9 +262,7 @@ def tau_estimate(torch, sizes: Sizes) -> dict:
     estimate_s = time.perf_counter() - start
     return {"exact": {**exact.as_dict(), "prompts": len(prompts), "wall_s": exact_s},
             "estimate": {**estimate.as_dict(), "wall_s": estimate_s}, "train_s": train_s,
-            "train_samples": len(samples), "train_lengths": [min(len(r.input_ids) for r in train),
-                                                             max(len(r.input_ids) for r in train)],
-            "abs_diff": abs(estimate.tau - exact.tau)}
+            "train_samples": train_samples, "train_lengths": train_lengths, "abs_diff": abs(estimate.tau - exact.tau)}
 
 
 def gpu_throughput(prompts: int = 16, prompt_len: int = 128, new_tokens: int = 128) -> dict | None:

@@ -32,6 +32,7 @@ from benchmarks import (
     policy_loss,
     scale,
     schedule,
+    serving,
     stage_launch,
     target_load,
     training,
@@ -81,6 +82,8 @@ SECTIONS = (
                                  "training_cpu_vs_budget_prediction")),
     Section("fp8_tau", fp8_tau.run, ("fp8_tau_max_abs_diff", "fp8_tau_max_loss")),
     Section("schedule", schedule.run, ("training_s_ratio", "rollout_scale"), ("saved_s_ratio",)),
+    Section("serving", serving.run, ("threshold", "probabilistic_over_greedy_tau_ratio",
+                                     "batch_1_speculative_speedup", "batch_1_auto_speedup")),
 )
 
 

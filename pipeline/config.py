@@ -429,6 +429,12 @@ class FleetConfig(_Strict):
         ],
         description="The serving fleet.",
     )
+    speculation_max_batch: Literal["auto"] | int = Field(
+        default="auto", description="The largest batch whose decoding rounds speculate. `auto`: the stand-ins time "
+        "speculative and plain rounds at each batch size and turn speculation off where it does not pay (a vLLM "
+        "replica gets no threshold and speculates at every batch); a number T: speculation up to T requests, for "
+        "vLLM as `num_speculative_tokens_per_batch_size` [[1, T, k], [T+1, ..., 0]] in --speculative-config."
+    )
     canary_requests: int = Field(default=4, ge=1, description="Completions in a replica's canary window.")
     canary_tokens: int = Field(default=24, ge=1, description="Tokens per canary completion.")
     min_live_tau: float = Field(default=1.0, ge=1.0, description="Deploy gate: live tau over the canary window.")
@@ -446,6 +452,8 @@ class FleetConfig(_Strict):
         names = [r.name for r in self.replicas]
         if len(set(names)) != len(names):
             raise ValueError("fleet.replicas names must be unique")
+        if self.speculation_max_batch != "auto" and self.speculation_max_batch < 1:
+            raise ValueError("fleet.speculation_max_batch must be `auto` or a batch size of at least 1")
         return self
 
 

@@ -73,7 +73,12 @@ class PipelineResource(dg.ConfigurableResource):
         cfg = self.config
         if cfg.rollout_source != "simulated":
             raise ValueError(f"rollout_source is {cfg.rollout_source!r}: steps come from an external RL trainer")
-        return SimulatedRL(cfg.simulation, self.store(), cfg.run, cfg.data_path / "cache")
+        engine = None
+        if cfg.fleet.driver != "none":  # the fleet generates the rollouts, each step's policy pushed to it first
+            from pipeline.serving.deploy import rollout_fleet
+
+            engine = rollout_fleet(cfg, self.store()).engine()
+        return SimulatedRL(cfg.simulation, self.store(), cfg.run, cfg.data_path / "cache", engine)
 
 
 def pipeline_resource(config_path: str | None = None, overrides: dict | None = None) -> PipelineResource:

@@ -154,6 +154,11 @@ def fleet_state_key(run: str) -> str:
     return f"{fleet_prefix(run)}/state.json"
 
 
+def fleet_policy_key(run: str) -> str:
+    """The policy the fleet was last pushed to generate a step's rollouts with."""
+    return f"{fleet_prefix(run)}/policy.json"
+
+
 def parts_prefix(run: str, step: int) -> str:
     return f"{rollouts_prefix(run, step)}/parts"
 

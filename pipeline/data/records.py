@@ -27,6 +27,7 @@ from pipeline.data.keys import (
     acceptance_key,
     cost_key,
     drafter_key,
+    fleet_policy_key,
     fleet_state_key,
     placement_key,
     refresh_key,
@@ -393,6 +394,24 @@ class FleetState:
                    tuple(Deployment.from_json(d) for d in doc.get("history", ())), dict(doc.get("live_counters", {})))
 
 
+@dataclass(frozen=True)
+class FleetPolicy:
+    """The policy every replica was pushed to generate step `step`'s rollouts with (when the fleet is the rollout
+    engine): a deploy after it serves this policy or a newer one, never an older one."""
+
+    step: int
+    target: str  # the checkpoint, as a replica loads it
+    label: str  # the weight_version it was committed under
+    at: float  # epoch seconds
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> FleetPolicy:
+        return cls(int(doc["step"]), doc["target"], doc["label"], float(doc["at"]))
+
+
 # --- the cost ledger -------------------------------------------------------------------------------------------
 
 STAGES = ("extraction", "training", "evaluation", "deployment")
@@ -652,6 +671,12 @@ def read_fleet_state(store: ObjectStore, run: str) -> FleetState:
     """The fleet's recorded state; an empty one before the first deploy."""
     key = fleet_state_key(run)
     return read_record(store, key, FleetState) if store.exists(key) else FleetState()
+
+
+def read_fleet_policy(store: ObjectStore, run: str) -> FleetPolicy | None:
+    """The policy last pushed to the fleet for rollouts; None when the fleet generates none."""
+    key = fleet_policy_key(run)
+    return read_record(store, key, FleetPolicy) if store.exists(key) else None
 
 
 def served_at(history: tuple[Deployment, ...], at: float) -> str | None:

@@ -39,6 +39,15 @@ class Proposer(Protocol):
         the drafter's argmax, or the chooser's pick from the drafter's logits."""
         ...
 
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep the decoding state of `rows` (B',) only, in that order: the requests that left a batch drop out."""
+        ...
+
+    def add_rows(self, n: int) -> None:
+        """n more rows after the others, nothing of them held: requests joining a batch, whose pairs (their
+        prompts') come with the next proposal."""
+        ...
+
 
 class Drafter(Protocol):
     """What every drafter kind does, by the same names. Implementations are `torch.nn.Module`s."""

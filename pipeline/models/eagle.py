@@ -154,6 +154,19 @@ class LayerCache:
         if self.key is not None:
             self.key, self.value = self.key[:, :, :length], self.value[:, :, :length]
 
+    def take(self, rows: torch.Tensor, columns: torch.Tensor) -> None:
+        """Keep `rows` (B',) and `columns` (S',), in that order."""
+        if self.key is not None:
+            self.key = self.key[rows][:, :, columns]  # (B', heads, S', D)
+            self.value = self.value[rows][:, :, columns]
+
+    def add_rows(self, n: int) -> None:
+        """n rows of zeros after the others (their columns are masked until they hold keys of their own)."""
+        if self.key is not None:
+            B, heads, S, D = self.key.shape
+            self.key = torch.cat([self.key, self.key.new_zeros(n, heads, S, D)])  # (B + n, heads, S, D)
+            self.value = torch.cat([self.value, self.value.new_zeros(n, heads, S, D)])
+
 
 class Attention(nn.Module):
     def __init__(self, config: EagleConfig) -> None:
@@ -368,6 +381,35 @@ class CommittedPairs:
         """(B,) index of each row's last valid pair: where drafting continues from."""
         return self.valid.sum(dim=1) - 1
 
+    def select(self, rows: torch.Tensor) -> CommittedPairs:
+        """The pairs of `rows` (B',), in that order."""
+        return CommittedPairs(self.features[rows], self.next_tokens[rows], self.positions[rows], self.valid[rows])
+
+    def stack(self, other: CommittedPairs) -> CommittedPairs:
+        """`other`'s rows after these (requests joining a batch); the narrower block padded with invalid pairs."""
+        width = max(self.valid.shape[1], other.valid.shape[1])
+        return CommittedPairs(*(torch.cat([_pad_columns(a, width), _pad_columns(b, width)])
+                                for a, b in zip(self._fields(), other._fields(), strict=True)))
+
+    def then(self, later: CommittedPairs) -> CommittedPairs:
+        """Each row's pairs, then its `later` ones (pairs of the same rows committed since), left-aligned again."""
+        fields = [torch.cat([a, b], dim=1) for a, b in zip(self._fields(), later._fields(), strict=True)]
+        valid = fields[-1]
+        order = (~valid).to(torch.int8).argsort(dim=1, stable=True)  # (B, N1 + N2): valid pairs first, in order
+        width = int(valid.sum(dim=1).max())
+        return CommittedPairs(*(f.gather(1, order.view(*order.shape, *[1] * (f.dim() - 2)).expand_as(f))[:, :width]
+                                for f in fields))
+
+    def _fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.features, self.next_tokens, self.positions, self.valid
+
+
+def _pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x (B, N, ...) padded with zeros (False) to (B, width, ...)."""
+    if x.shape[1] == width:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], width - x.shape[1], *x.shape[2:])], dim=1)
+
 
 class DraftCache:
     """A drafter's decoding state: its layers' key/value columns and which columns each row may attend."""
@@ -395,13 +437,46 @@ class DraftCache:
         if self.valid is not None:
             self.valid = self.valid[:, :length]
 
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep `rows` (B',) of the batch, in that order (requests that leave drop out), and only the columns a
+        kept row may attend: a long-running batch holds no column of a request that left."""
+        if self.valid is None:
+            return
+        valid = self.valid[rows]  # (B', S)
+        columns = valid.any(dim=0).nonzero().flatten()  # (S',) in order: causality by index stays causality
+        for layer in self.layers:
+            layer.take(rows, columns)
+        self.valid = valid[:, columns]
+
+    def add_rows(self, n: int) -> None:
+        """n rows after the others with nothing cached: every column masked for them; their pairs come with the
+        next proposal."""
+        if self.valid is None:
+            return  # nothing cached yet: the next proposal's pairs size every row
+        for layer in self.layers:
+            layer.add_rows(n)
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(n, self.valid.shape[1])])  # (B + n, S)
+
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x (B, N, ...) and index (B,) -> x[b, index[b]] (B, 1, ...)."""
     return x[torch.arange(x.shape[0], device=x.device), index][:, None]
 
 
-class EagleProposer:
+class CachedProposer:
+    """What every drafter kind's proposer shares: its DraftCache over the rows of a running batch, whose
+    requests leave (`select`) and join (`add_rows`) between proposals."""
+
+    cache: DraftCache
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.select(rows)
+
+    def add_rows(self, n: int) -> None:
+        self.cache.add_rows(n)
+
+
+class EagleProposer(CachedProposer):
     """Drafts with an EAGLE-1/2 drafter: the committed pairs (f_t, x_{t+1}) enter its key/value
     cache once; each drafted token is one more pair (its own predicted feature, the token),
     withdrawn from the cache after the proposal."""

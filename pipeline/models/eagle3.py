@@ -29,6 +29,7 @@ from torch import nn
 
 from pipeline.models.eagle import (
     MLP,
+    CachedProposer,
     CommittedPairs,
     DraftCache,
     DraftChooser,
@@ -344,7 +345,7 @@ class Eagle3Drafter(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
 
-class Eagle3Proposer:
+class Eagle3Proposer(CachedProposer):
     """Drafts with an EAGLE-3 drafter: the committed pairs (aux_t, x_{t+1}) enter its key/value cache
     once (TTT step 0's keys); step j then queries at the row's last position with phase t + j,
     attending to every committed column and the earlier steps' (TTT's pattern at decoding time).

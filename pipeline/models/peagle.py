@@ -34,6 +34,7 @@ from torch import nn
 
 from pipeline.models.eagle import (
     MLP,
+    CachedProposer,
     CommittedPairs,
     DraftCache,
     DraftChooser,
@@ -444,7 +445,7 @@ class PEagleDrafter(nn.Module):
         return model
 
 
-class PEagleProposer:
+class PEagleProposer(CachedProposer):
     """Drafts with a P-EAGLE drafter: one forward over the committed pairs (which stay in its key/value
     caches) and k - 1 masked slots after each row's last pair (withdrawn after the proposal); depth d's
     output is the (d+1)-th proposed token."""

@@ -22,6 +22,7 @@ from pipeline.data.records import (
     DeployReport,
     FleetState,
     ReplicaDeploy,
+    read_fleet_policy,
     read_fleet_state,
     write_record,
 )
@@ -33,24 +34,33 @@ from pipeline.serving.fleet import (
     GateError,
     ReplicaDriver,
     ReplicaSpec,
+    Speculation,
     StagedDrafter,
     StandInDriver,
     rolling_deploy,
     scrape,
 )
 from pipeline.serving.metrics import SpecCounters
+from pipeline.serving.rollouts import FleetRollouts
 
 
 def replicas(cfg: PipelineConfig) -> list[ReplicaSpec]:
     return [ReplicaSpec(r.name, r.host, r.port, r.served_model_name, r.api_key_env) for r in cfg.fleet.replicas]
 
 
+def speculation(cfg: PipelineConfig) -> Speculation:
+    f = cfg.fleet
+    return Speculation(f.draft_sample_method, None if f.speculation_max_batch == "auto" else f.speculation_max_batch)
+
+
 def make_driver(cfg: PipelineConfig) -> ReplicaDriver:
     k = cfg.eval.num_speculative_tokens
     if cfg.fleet.driver == "command":
-        return CommandDriver(cfg.fleet.command, cfg.drafter.kind, k, cfg.fleet.weight_transfer_backend)
+        return CommandDriver(cfg.fleet.command, cfg.drafter.kind, k, cfg.fleet.weight_transfer_backend,
+                             speculation(cfg))
     # Stand-ins serve the weight-update routes (as vLLM in dev mode) when the fleet updates hot.
-    return StandInDriver(k, cfg.data_path / "fleet" / "replicas", dev_mode=cfg.fleet.update == "hot")
+    return StandInDriver(k, cfg.data_path / "fleet" / "replicas", dev_mode=cfg.fleet.update == "hot",
+                         speculation=speculation(cfg))
 
 
 def gate_config(cfg: PipelineConfig) -> GateConfig:
@@ -102,6 +112,21 @@ def served_policy(store: ObjectStore, cfg: PipelineConfig) -> ServedPolicy:
                         [p.tolist() for p in held_out_prompts(store, cfg, steps[-1])])
 
 
+def newest_policy(store: ObjectStore, cfg: PipelineConfig, policy: ServedPolicy) -> ServedPolicy:
+    """`policy`, or the policy the fleet was pushed for a newer step's rollouts (fleet as the rollout engine):
+    a deploy never moves a replica back to an older policy while a newer step's rollouts decode."""
+    pushed = read_fleet_policy(store, cfg.run)
+    if pushed is None or pushed.step <= policy.step:
+        return policy
+    return replace(policy, step=pushed.step, target=pushed.target)
+
+
+def rollout_fleet(cfg: PipelineConfig, store: ObjectStore) -> FleetRollouts:
+    """The fleet as the rollout engine of a source that runs beside it (the demo's, the simulate job's)."""
+    return FleetRollouts(replicas(cfg), make_driver(cfg), store, cfg.run, cfg.fleet.ready_timeout_s,
+                         cfg.storage.step_lease_s, max(cfg.storage.step_lease_wait_s, 300.0))
+
+
 def record_live(
     store: ObjectStore, run: str, registry: DrafterRegistry, version: str, policy_step: int, report: DeployReport,
     live_counters: dict[str, dict] | None = None,
@@ -146,7 +171,7 @@ def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, v
         if fence is not None and (why := fence()):
             raise DeploySuperseded(why)
         staged = stage_versions(cfg, registry, version)
-        policy = serving() if serving is not None else served_policy(store, cfg)
+        policy = newest_policy(store, cfg, serving() if serving is not None else served_policy(store, cfg))
         recorded = {r.replica: r for r in read_fleet_state(store, cfg.run).replicas}
         try:
             report = rolling_deploy(replicas(cfg), driver or make_driver(cfg), policy.target, version,

@@ -49,6 +49,7 @@ from typing import Literal, Protocol
 
 from pipeline.config import PROJECT_ROOT
 from pipeline.data.records import DeployReport, ReplicaDeploy, UpdateKind
+from pipeline.data.sampling import DraftSampleMethod
 from pipeline.serving import metrics as serving_metrics
 
 UpdateMode = Literal["hot", "restart"]
@@ -71,25 +72,45 @@ class ReplicaSpec:
         return os.environ.get(self.api_key_env) if self.api_key_env else None
 
 
-def speculative_config(method: str, drafter_dir: str, k: int) -> str:
-    """vLLM's --speculative-config for a drafter kind: P-EAGLE is an EAGLE-3 drafter served with parallel drafting."""
+@dataclass(frozen=True)
+class Speculation:
+    """How replicas speculate, beyond the drafter: vLLM's `draft_sample_method`, and the largest batch whose rounds
+    speculate (None: the stand-ins measure it, a vLLM replica speculates at every batch size)."""
+
+    draft_sample_method: DraftSampleMethod = "greedy"
+    max_batch: int | None = None
+
+
+MAX_BATCH = 1 << 20  # the open end of a batch-size schedule
+
+
+def speculative_config(method: str, drafter_dir: str, k: int, speculation: Speculation = Speculation()) -> str:
+    """vLLM's --speculative-config for a drafter kind: P-EAGLE is an EAGLE-3 drafter served with parallel drafting.
+    A batch threshold T goes as vLLM's batch-size schedule `num_speculative_tokens_per_batch_size`: k drafts up to
+    T requests, none above (vllm/config/speculative.py; 0 drafts is a valid entry there)."""
+    config: dict = {"method": "eagle3" if method == "peagle" else method, "model": drafter_dir,
+                    "num_speculative_tokens": k}
     if method == "peagle":
-        return json.dumps({"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": k,
-                           "parallel_drafting": True})
-    return json.dumps({"method": method, "model": drafter_dir, "num_speculative_tokens": k})
+        config["parallel_drafting"] = True
+    if speculation.draft_sample_method != "greedy":
+        config["draft_sample_method"] = speculation.draft_sample_method
+    if speculation.max_batch is not None:
+        T = speculation.max_batch
+        config["num_speculative_tokens_per_batch_size"] = [[1, T, k], [T + 1, MAX_BATCH, 0]]
+    return json.dumps(config)
 
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM serves its weight-update routes only with this set
 
 
 def vllm_argv(replica: ReplicaSpec, target: str, method: str, drafter_dir: str, k: int,
-              weight_transfer_backend: str = "") -> list[str]:
+              weight_transfer_backend: str = "", speculation: Speculation = Speculation()) -> list[str]:
     """`vllm serve` for one replica. No API key here: argv ends up in process lists and logs, so
     the key goes to vLLM through its VLLM_API_KEY environment variable (`vllm_env`). A weight-transfer
     backend (`disk` for hot drafter updates) adds `--weight-transfer-config`."""
     argv = ["vllm", "serve", target, "--host", replica.host, "--port", str(replica.port),
             "--served-model-name", replica.served_model_name,
-            "--speculative-config", speculative_config(method, drafter_dir, k)]
+            "--speculative-config", speculative_config(method, drafter_dir, k, speculation)]
     if weight_transfer_backend:
         argv += ["--weight-transfer-config", json.dumps({"backend": weight_transfer_backend})]
     return argv
@@ -133,14 +154,18 @@ class StandInDriver:
     `<name>.drafter` names the drafter it serves since. With `dev_mode` (as vLLM with
     VLLM_SERVER_DEV_MODE=1) the replicas serve the weight-update routes."""
 
-    def __init__(self, k: int, state_dir: Path, dev_mode: bool = True) -> None:
-        self.k, self.state_dir, self.dev_mode = k, state_dir, dev_mode
+    def __init__(self, k: int, state_dir: Path, dev_mode: bool = True, speculation: Speculation = Speculation()
+                 ) -> None:
+        self.k, self.state_dir, self.dev_mode, self.speculation = k, state_dir, dev_mode, speculation
         self.processes: dict[str, subprocess.Popen] = {}
 
     def argv(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> list[str]:
+        s = self.speculation
         argv = [sys.executable, "-m", "pipeline.serving.standin_replica", "--host", replica.host,
                 "--port", str(replica.port), "--target", target, "--drafter", drafter_dir,
-                "--num-speculative-tokens", str(self.k), "--served-model-name", replica.served_model_name]
+                "--num-speculative-tokens", str(self.k), "--served-model-name", replica.served_model_name,
+                "--draft-sample-method", s.draft_sample_method,
+                "--speculation-max-batch", "auto" if s.max_batch is None else str(s.max_batch)]
         return argv + (["--api-key-env", replica.api_key_env] if replica.api_key_env else [])
 
     def _pid_file(self, replica: ReplicaSpec) -> Path:
@@ -242,12 +267,14 @@ class CommandDriver:
     `kubectl rollout restart`; `{argv}` is the shell-quoted `vllm serve ...` line. With a weight-transfer
     backend the replica starts in dev mode with it, ready for hot drafter updates."""
 
-    def __init__(self, template: str, method: str, k: int, weight_transfer_backend: str = "") -> None:
+    def __init__(self, template: str, method: str, k: int, weight_transfer_backend: str = "",
+                 speculation: Speculation = Speculation()) -> None:
         self.template, self.method, self.k = template, method, k
-        self.weight_transfer_backend = weight_transfer_backend
+        self.weight_transfer_backend, self.speculation = weight_transfer_backend, speculation
 
     def command(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> str:
-        argv = vllm_argv(replica, target, self.method, drafter_dir, self.k, self.weight_transfer_backend)
+        argv = vllm_argv(replica, target, self.method, drafter_dir, self.k, self.weight_transfer_backend,
+                         self.speculation)
         return self.template.format(argv=shlex.join(argv), name=replica.name, drafter=drafter_dir)
 
     def restart(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> None:
@@ -324,15 +351,16 @@ def check_replica(
         models = [m["id"] for m in json.loads(_request(replica, "/v1/models"))["data"]]
         if replica.served_model_name not in models:
             raise GateError(f"replica {replica.name}: /v1/models lists {models}, not {replica.served_model_name!r}")
+        # Canaries decode greedily (temperature 0): the same window measures the same drafter alike.
         smoke = json.loads(_request(replica, "/v1/completions", {
-            "model": replica.served_model_name, "prompt": canary_prompts[0], "max_tokens": 4}))
+            "model": replica.served_model_name, "prompt": canary_prompts[0], "max_tokens": 4, "temperature": 0}))
         if not smoke["choices"] or not smoke["choices"][0].get("text"):
             raise GateError(f"replica {replica.name}: the smoke completion returned no text")
         before = scrape(replica)
         for i in range(gates.canary_requests):
             _request(replica, "/v1/completions", {"model": replica.served_model_name,
                                                   "prompt": canary_prompts[i % len(canary_prompts)],
-                                                  "max_tokens": gates.canary_tokens})
+                                                  "max_tokens": gates.canary_tokens, "temperature": 0})
         window = scrape(replica) - before
     except (urllib.error.URLError, KeyError, json.JSONDecodeError) as exc:
         raise GateError(f"replica {replica.name}: {exc}") from None
@@ -449,6 +477,28 @@ def hot_update(replica: ReplicaSpec, drafter_dir: str, version: str, policy_dir:
     reported = _dev_call(replica, "/weight_info").get("weight_version")
     if reported != weight_version(version):
         raise HotUpdateFailed(f"/weight_info reports {reported!r} after the update, not {weight_version(version)!r}")
+    return held
+
+
+def send_policy(replica: ReplicaSpec, policy_dir: str) -> float:
+    """The policy in `policy_dir` in place on a running replica, alone (its drafter stays): paused (requests held),
+    sent, resumed; /weight_info must then report the policy's label. Returns the seconds requests were held.
+    HotUpdateUnsupported when it refused before anything changed; HotUpdateFailed otherwise."""
+    try:
+        _dev_call(replica, "/init_weight_transfer_engine", {"init_info": {}})
+        _dev_call(replica, "/pause?mode=keep", {})
+    except HotUpdateFailed as exc:
+        raise HotUpdateUnsupported(str(exc)) from None
+    paused = time.monotonic()
+    try:
+        _send_drafter(replica, policy_dir, policy_version(policy_dir), start="/start_weight_update")
+    finally:
+        _dev_call(replica, "/resume", {})
+    held = time.monotonic() - paused
+    reported = _dev_call(replica, "/weight_info").get("weight_version")
+    if reported != policy_version(policy_dir):
+        raise HotUpdateFailed(f"/weight_info reports {reported!r} after the policy update, not "
+                              f"{policy_version(policy_dir)!r}")
     return held
 
 

@@ -7,6 +7,11 @@
 
 Over a window between two scrapes: mean acceptance length = 1 + accepted / drafts,
 acceptance rate = accepted / draft_tokens.
+
+The stand-in replica adds two metrics of its own (vLLM has neither):
+
+    standin:speculative_batch_threshold                    the largest batch whose rounds speculate now
+    standin:rounds_total{kind="speculative"|"plain"}       rounds run, by kind
 """
 
 from __future__ import annotations
@@ -87,3 +92,29 @@ def render(counters: SpecCounters, model_name: str) -> str:
     lines += [f'{PER_POSITION}_total{{{label},position="{j}"}} {v}'
               for j, v in sorted(counters.accepted_per_position.items())]
     return "\n".join(lines) + "\n"
+
+
+THRESHOLD = "standin:speculative_batch_threshold"
+ROUNDS = "standin:rounds"
+
+
+def render_standin(threshold: int, rounds: dict[str, int], model_name: str) -> str:
+    """The stand-in's own metrics, in the same exposition format."""
+    label = f'engine="0",model_name="{model_name}"'
+    lines = [f"# HELP {THRESHOLD} The largest batch size whose rounds speculate (stand-in, not vLLM).",
+             f"# TYPE {THRESHOLD} gauge", f"{THRESHOLD}{{{label}}} {threshold}",
+             f"# HELP {ROUNDS}_total Decoding rounds by kind (stand-in, not vLLM).", f"# TYPE {ROUNDS}_total counter"]
+    lines += [f'{ROUNDS}_total{{{label},kind="{kind}"}} {n}' for kind, n in sorted(rounds.items())]
+    return "\n".join(lines) + "\n"
+
+
+def read_standin(text: str) -> tuple[int | None, dict[str, float]]:
+    """The stand-in's threshold and rounds by kind from a /metrics page; (None, {}) from a vLLM replica."""
+    threshold, rounds = None, {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == THRESHOLD:
+                threshold = int(sample.value)
+            elif sample.name == f"{ROUNDS}_total":
+                rounds[sample.labels["kind"]] = rounds.get(sample.labels["kind"], 0.0) + sample.value
+    return threshold, rounds

@@ -5,16 +5,19 @@ the endpoints a deploy gates on, with vLLM's paths, fields and metric names:
 
     GET  /health            200 once the models are loaded
     GET  /v1/models         {"data": [{"id": <served model name>, ...}]}
-    POST /v1/completions    {"model", "prompt": [token ids], "max_tokens"} -> greedy text, real
-                            speculative decoding with this project's drafter code
-    GET  /metrics           vllm:spec_decode_* counters (Prometheus text)
+    POST /v1/completions    {"model", "prompt": [token ids], "max_tokens", "temperature", "top_p", "top_k",
+                            "seed", "stop_token_ids", "logprobs", "return_token_ids"} (vLLM's request fields
+                            and defaults: temperature 1.0) -> an OpenAI completion; concurrent requests decode
+                            in one batch, joining and leaving it between speculative rounds (engine.py)
+    GET  /metrics           vllm:spec_decode_* counters (Prometheus text), and the stand-in's own
+                            standin:speculative_batch_threshold and standin:rounds_total
 
 With VLLM_SERVER_DEV_MODE=1 in its environment, as vLLM, it also serves the dev-mode routes a hot
 update of the drafter uses (vLLM's `vllm/entrypoints/serve/dev/rlhf/api_router.py`, with the request
 bodies of its `disk` weight-transfer backend; docs/operating.md names the sources):
 
     POST /init_weight_transfer_engine   {"init_info": {}}
-    POST /pause?mode=keep               the decoding request finishes its decode, queued ones are held
+    POST /pause?mode=keep               the running batch freezes between rounds, queued requests wait
     POST /start_weight_update           a weight update of the target (the policy) begins
     POST /start_draft_weight_update     a weight update of the draft model begins
     POST /update_weights                {"update_info": {"path": DIR}}: the checkpoint in DIR (the policy's
@@ -32,8 +35,12 @@ stand-in's own, for tests (vLLM has neither):
     POST /standin/faults     {"update_weights": N}: the next N /update_weights load the new weights
                              into the drafter, then fail with 500 (a partial update)
 
-Prompts are token ids (the stand-in has no tokenizer). With an API key (read from the
-environment variable named by --api-key-env) /v1/* require `Authorization: Bearer <key>`.
+Prompts are token ids (the stand-in has no tokenizer: a completion's text is its token ids joined by
+spaces, it stops only at `stop_token_ids`, and `logprobs` holds the sampled token's raw logprob alone, so at
+most `"logprobs": 1` is served). Every completion carries the stand-in's own `standin` object (vLLM has none):
+the /weight_info label when it finished, the policy that decoded it, and whether the policy changed while it
+ran (`straddles_policy_update`). With an API key (read from the environment variable named by --api-key-env)
+/v1/* require `Authorization: Bearer <key>`.
 
     python -m pipeline.serving.standin_replica --port 8101 --target file:///.../policy --drafter /.../drafter
 """
@@ -53,11 +60,15 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
+from pipeline.data.sampling import DRAFT_SAMPLE_METHODS, DraftSampleMethod, SamplingError, SamplingParams
 from pipeline.evaluation import speculative
+from pipeline.evaluation.rejection_sampler import RequestSampling
 from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import CheckpointError, load_drafter
 from pipeline.models.drafter import Proposer
-from pipeline.serving.metrics import SpecCounters, render
+from pipeline.serving.engine import Completion, Engine, SpeculationThreshold
+from pipeline.serving.fleet import policy_version
+from pipeline.serving.metrics import SpecCounters, render, render_standin
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -82,19 +93,20 @@ class RequestCounts:
 
 
 class Replica:
-    """The models, counters and weight-update session behind the HTTP handler; one request decodes at a
-    time, and a pause holds that turn until /resume."""
+    """The models, the engine, the counters and the weight-update session behind the HTTP handler. Requests
+    decode in the engine's batch; a pause freezes it between rounds until /resume."""
 
-    def __init__(self, target_uri: str, drafter_dir: str | None, k: int, model_name: str) -> None:
+    def __init__(self, target_uri: str, drafter_dir: str | None, k: int, model_name: str,
+                 draft_method: DraftSampleMethod = "greedy", speculation_max_batch: int | None = None,
+                 max_num_seqs: int = 256) -> None:
         self.model_name, self.k, self.drafter_dir = model_name, k, drafter_dir
         self.target = target_lib.load_checkpoint(target_uri)
-        # One proposer per request (it holds that request's cache), made by the loaded drafter.
+        # The engine makes one proposer per batch (it holds that batch's draft cache) with the loaded drafter.
         self.new_proposer = self._load(drafter_dir) if drafter_dir else None
-        self.counters = SpecCounters(accepted_per_position={j: 0.0 for j in range(k)})
+        self.engine = Engine(self.target, self.new_proposer, k, draft_method,
+                             SpeculationThreshold(speculation_max_batch), policy_version(target_uri), max_num_seqs)
         self.requests = RequestCounts()
-        self.weight_version: str | None = None
         self.faults = {"update_weights": 0}
-        self._decode = threading.Lock()  # the decoding turn; a pause holds it
         self._state = threading.Lock()  # counts, the pause flag and the update session
         self._pausing = threading.Lock()  # one /pause or /resume at a time
         self._paused = False
@@ -108,48 +120,39 @@ class Replica:
 
     # -- serving ---------------------------------------------------------------------------------------------
 
-    def complete(self, prompt: list[int], max_tokens: int) -> list[int]:
-        ids = torch.tensor(prompt, dtype=torch.int64)
+    @property
+    def weight_version(self) -> str | None:
+        return self.engine.weight_version
+
+    @property
+    def counters(self) -> SpecCounters:
+        return self.engine.counters
+
+    def complete(self, request: speculative.Request) -> Completion:
         with self._state:
             self.requests.in_flight += 1
             self.requests.held += self._paused
-        with self._decode:  # counted out before the turn passes on, so a pause sees only the queued ones
-            try:
-                tokens = self._decode_one(ids, max_tokens)
-            except Exception:
-                with self._state:
-                    self.requests.in_flight -= 1
-                    self.requests.failed += 1
-                raise
+        try:
+            completion = self.engine.submit(request).result()
+        except Exception:
             with self._state:
                 self.requests.in_flight -= 1
-                self.requests.completed += 1
-        return tokens
+                self.requests.failed += 1
+            raise
+        with self._state:
+            self.requests.in_flight -= 1
+            self.requests.completed += 1
+        return completion
 
     def request_counts(self) -> RequestCounts:
         with self._state:
             return RequestCounts(**asdict(self.requests))
 
-    def _decode_one(self, ids: torch.Tensor, max_tokens: int) -> list[int]:
-        if self.new_proposer is None:
-            return speculative.greedy_generate(self.target, ids, max_tokens)
-        trace = speculative.speculative_generate(self.target, self.new_proposer, ids, max_tokens, self.k)
-        c = self.counters
-        rounds = trace.accepted_per_round
-        self.counters = SpecCounters(
-            drafts=c.drafts + len(rounds),
-            draft_tokens=c.draft_tokens + len(rounds) * self.k,
-            accepted=c.accepted + sum(rounds),
-            accepted_per_position={j: c.accepted_per_position[j] + sum(a > j for a in rounds)
-                                   for j in range(self.k)},
-        )
-        return trace.tokens
-
     # -- pause and resume ------------------------------------------------------------------------------------
 
     def pause(self, mode: str) -> None:
-        """`keep` and `wait` alike: the request decoding now finishes (the stand-in decodes a request in one
-        turn), the queued ones are held until /resume. `abort` is not implemented: nothing here is dropped."""
+        """`keep` and `wait` alike: the running batch freezes between rounds and queued requests wait until
+        /resume. `abort` is not implemented: nothing here is dropped."""
         if mode not in PAUSE_MODES:
             raise UpdateError(400, f"mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
         if mode == "abort":
@@ -157,10 +160,10 @@ class Replica:
         with self._pausing:
             if self.paused:
                 return
-            self._decode.acquire()
+            self.engine.pause()
             with self._state:
                 self._paused = True
-                # The queued requests are held from now on; arrivals while paused count themselves.
+                # The requests running or queued are held from now on; arrivals while paused count themselves.
                 self.requests.held += self.requests.in_flight
 
     def resume(self) -> None:
@@ -169,7 +172,7 @@ class Replica:
                 return
             with self._state:
                 self._paused = False
-            self._decode.release()
+            self.engine.resume()
 
     @property
     def paused(self) -> bool:
@@ -210,6 +213,7 @@ class Replica:
                 self._load_policy(path)
             else:
                 self.new_proposer, self.drafter_dir = self._load(path), path
+                self.engine.reload(self.target, self.new_proposer, policy_changed=False)
         except (CheckpointError, OSError, ValueError, KeyError, RuntimeError) as exc:
             self._abort()
             raise UpdateError(500, f"loading {path}: {exc}") from None
@@ -232,6 +236,8 @@ class Replica:
             drafter.attach(target)
             proposer = speculative.follow_target(drafter, target)
         self.target, self.new_proposer = target, proposer
+        self.engine.reload(target, proposer, policy_changed=True)
+        self.engine.label(policy_version=policy_version(path))
 
     def finish_weight_update(self, weight_version: str | None) -> None:
         with self._state:
@@ -240,8 +246,8 @@ class Replica:
                 raise UpdateError(500, "No shared-disk weight update is active")
             if session != "loaded":
                 raise UpdateError(500, "No checkpoint was loaded during the shared-disk update session")
-            if weight_version is not None:
-                self.weight_version = weight_version
+        if weight_version is not None:
+            self.engine.label(weight_version=weight_version)
 
     def fail_updates(self, count: int) -> int:
         """The stand-in's fault switch: the next `count` /update_weights load their checkpoint, then fail."""
@@ -286,7 +292,10 @@ def make_handler(replica: Replica, api_key: str | None, dev_mode: bool) -> type[
             if path == "/health":
                 self._send(200, b"", "text/plain")
             elif path == "/metrics":
-                self._send(200, render(replica.counters, replica.model_name).encode(), "text/plain; version=0.0.4")
+                engine = replica.engine
+                page = render(engine.counters, replica.model_name) + render_standin(
+                    engine.threshold.threshold, engine.rounds, replica.model_name)
+                self._send(200, page.encode(), "text/plain; version=0.0.4")
             elif path == "/v1/models":
                 if self._authorized():
                     self._json(200, {"object": "list", "data": [
@@ -331,26 +340,90 @@ def make_handler(replica: Replica, api_key: str | None, dev_mode: bool) -> type[
                 return
             try:
                 body = self._body()
-                prompt, max_tokens = body["prompt"], int(body.get("max_tokens", 16))
-                if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
-                    raise ValueError("prompt must be a non-empty list of token ids (the stand-in has no tokenizer)")
-                if body.get("model") != replica.model_name:
-                    raise ValueError(f"model {body.get('model')!r} is not served here ({replica.model_name!r})")
-            except (ValueError, KeyError, json.JSONDecodeError) as exc:
+                request, wants = completion_request(body, replica)
+            except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
                 self._json(400, {"error": str(exc)})
                 return
-            tokens = replica.complete(prompt, max_tokens)
-            self._json(200, {
-                "id": f"cmpl-{time.time_ns()}", "object": "text_completion", "model": replica.model_name,
-                "choices": [{"index": 0, "text": " ".join(map(str, tokens)), "token_ids": tokens,
-                             "finish_reason": "length"}],
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(tokens)},
-            })
+            try:
+                done = replica.complete(request)
+            except Exception as exc:  # noqa: BLE001 - the round failed: the client may send it elsewhere
+                self._json(500, {"error": f"decoding failed: {exc}"})
+                return
+            self._json(200, completion_response(replica, request, wants, done))
 
         def log_message(self, *args: object) -> None:
             pass
 
     return Handler
+
+
+@dataclass(frozen=True)
+class Wants:
+    """What a completion request asked to see beyond the text."""
+
+    logprobs: bool
+    token_ids: bool
+
+
+def completion_request(body: dict, replica: Replica) -> tuple[speculative.Request, Wants]:
+    """A /v1/completions body (vLLM's fields and defaults) -> the engine's request; ValueError names the field."""
+    prompt = body["prompt"]
+    vocab = replica.target.config.vocab_size
+    if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t < vocab for t in prompt)):
+        raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab}) (the stand-in has no "
+                         "tokenizer)")
+    if body.get("model") != replica.model_name:
+        raise ValueError(f"model {body.get('model')!r} is not served here ({replica.model_name!r})")
+    max_tokens = body.get("max_tokens", 16)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError("max_tokens must be a positive integer")
+    if body.get("n", 1) != 1:
+        raise ValueError("the stand-in serves n = 1 only")
+    sampling = {name: body[name] for name in ("temperature", "top_p", "top_k") if body.get(name) is not None}
+    try:
+        params = SamplingParams.from_json(sampling, "the completion request")
+    except SamplingError as exc:
+        raise ValueError(str(exc)) from None
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError("seed must be an integer")
+    stop = body.get("stop_token_ids") or []
+    if not (isinstance(stop, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in stop)):
+        raise ValueError("stop_token_ids must be a list of token ids")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= 1):
+        raise ValueError("logprobs must be 0 or 1: the stand-in returns the sampled token's logprob alone")
+    device = replica.engine.model.device
+    if seed is None:  # vLLM's unseeded request: a random stream of its own
+        seed = torch.Generator().seed()
+    request = speculative.Request(torch.tensor(prompt, dtype=torch.int64), max_tokens,
+                                  RequestSampling.seeded(params, seed, device), frozenset(stop))
+    return request, Wants(logprobs is not None, bool(body.get("return_token_ids")))
+
+
+def completion_response(replica: Replica, request: speculative.Request, wants: Wants, done: Completion) -> dict:
+    """The OpenAI completion object, with vLLM's `token_ids`/`prompt_token_ids` when asked and the stand-in's own
+    `standin` object."""
+    choice: dict = {"index": 0, "text": " ".join(map(str, done.tokens)), "logprobs": None,
+                    "finish_reason": done.finish_reason, "stop_reason": None}
+    if wants.logprobs:
+        names = [f"token_id:{t}" for t in done.tokens]  # vLLM's names for tokens without text
+        choice["logprobs"] = {"tokens": names, "token_logprobs": done.logprobs,
+                              "top_logprobs": [{n: lp} for n, lp in zip(names, done.logprobs, strict=True)],
+                              "text_offset": [len(" ".join(map(str, done.tokens[:i]))) + (i > 0)
+                                              for i in range(len(done.tokens))]}
+    if wants.token_ids:
+        choice["prompt_token_ids"] = request.prompt.tolist()
+        choice["token_ids"] = done.tokens
+    return {
+        "id": f"cmpl-{time.time_ns()}", "object": "text_completion", "created": int(time.time()),
+        "model": replica.model_name, "choices": [choice],
+        "usage": {"prompt_tokens": request.prompt.shape[0], "completion_tokens": len(done.tokens),
+                  "total_tokens": request.prompt.shape[0] + len(done.tokens)},
+        "standin": {"weight_version": done.weight_version, "policy_version": done.policy_version,
+                    "straddles_policy_update": done.straddles_policy_update},
+    }
 
 
 def _init(replica: Replica, body: dict, query: dict) -> dict:
@@ -414,10 +487,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--served-model-name", default="policy")
     parser.add_argument("--api-key-env", default="", help="environment variable holding the API key")
+    parser.add_argument("--draft-sample-method", choices=DRAFT_SAMPLE_METHODS, default="greedy",
+                        help="how the drafter picks its tokens (vLLM's draft_sample_method)")
+    parser.add_argument("--speculation-max-batch", default="auto",
+                        help="the largest batch whose rounds speculate: `auto` (measured) or a number")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="requests decoding at once at most")
     args = parser.parse_args(argv)
     api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
     dev_mode = os.environ.get(DEV_MODE_ENV, "") not in ("", "0")
-    replica = Replica(args.target, args.drafter or None, args.num_speculative_tokens, args.served_model_name)
+    fixed = None if args.speculation_max_batch == "auto" else int(args.speculation_max_batch)
+    replica = Replica(args.target, args.drafter or None, args.num_speculative_tokens, args.served_model_name,
+                      args.draft_sample_method, fixed, args.max_num_seqs)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(replica, api_key, dev_mode))
     try:
         server.serve_forever()

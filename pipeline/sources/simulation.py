@@ -19,10 +19,14 @@ with the policy checkpoint, in exactly the layout an external trainer uses
 Response lengths are lognormal (`response_len_sigma`; median `response_len_median` of the
 longest, capped at `response_len`), as a reasoning step's are: most rollouts finish early
 and a long tail holds the step. With `parts_per_step` > 1 the step is published in parts as
-its rollouts finish (`pipeline/data/parts.py`): the batch decodes together, one token per
-forward, paced so that the longest rollout ends with the step's rollout window; part i holds
-the rollouts whose last token falls in the i-th slice of the decoding, and is published as the
-decoding passes the slice's end. Then the step is committed.
+its rollouts finish (`pipeline/data/parts.py`): part i holds the rollouts whose length falls in
+the i-th slice of the longest, and goes out once they have finished and the step's rollout window
+has reached the slice's end (the longest rollout ends with the window). Then the step is committed.
+
+Who decodes the rollouts: with a fleet (`engine`, injected where the source is composed: the step's
+policy is pushed to every replica first, then each rollout is a request with its own seed and its
+length as max_tokens), the fleet; without one (`fleet.driver: none`), the source itself, the batch
+together, one token per forward.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from pipeline.data.sampling import SamplingParams
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
+from pipeline.sources.rollout_engine import RolloutEngine, RolloutRequest, request_seed
 
 FAVOURITE_PROB = 0.6
 PHASES = 3
@@ -158,8 +163,9 @@ OnPart = Callable[[GeneratedStep, int, list[Rollout]], None]
 class SimulatedRL:
     """Writes RL steps 1, 2, ... of a simulated run into the store (the external-trainer layout)."""
 
-    def __init__(self, cfg: SimulationConfig, store: ObjectStore, run: str, cache_dir: Path) -> None:
-        self.cfg, self.store, self.run = cfg, store, run
+    def __init__(self, cfg: SimulationConfig, store: ObjectStore, run: str, cache_dir: Path,
+                 engine: RolloutEngine | None = None) -> None:
+        self.cfg, self.store, self.run, self.engine = cfg, store, run, engine
         self.task = Task(cfg)
         self.cache_dir = cache_dir
         self.seq_len = cfg.prompt_len + cfg.response_len
@@ -229,6 +235,8 @@ class SimulatedRL:
             self._prepare(step + 1, copy.deepcopy(model))
         generated = GeneratedStep(step, pointer, [], TargetLimits.of(model.config))
         finished = None if on_part is None else (lambda part, rows: on_part(generated, part, rows))
+        if self.engine is not None:  # every replica serves the step's policy before its first request
+            self.engine.push_policy(step, checkpoint_uri)
         generated.rollouts.extend(self.generate_rollouts(model, step, g, finished, window_end))
         return generated
 
@@ -294,15 +302,61 @@ class SimulatedRL:
         return [max(1, min(cfg.response_len, round(math.exp(median + cfg.response_len_sigma * float(z)))))
                 for z in normal]
 
-    @torch.no_grad()
+    def _rollout(self, step: int, i: int, seq: torch.Tensor) -> Rollout:
+        """Rollout i of `step`: seq (1, P + T) its prompt and response."""
+        prompt_len = self.cfg.prompt_len
+        reward = float(self.task.rewards(step, seq, prompt_len)[0])
+        mask = [0] * prompt_len + [1] * (seq.shape[1] - prompt_len)
+        return Rollout(f"s{step:06d}-{i:05d}", seq[0].tolist(), mask, reward, step)
+
     def generate_rollouts(self, model: LlamaForCausalLM, step: int, g: torch.Generator,
                           on_part: Callable[[int, list[Rollout]], None] | None = None,
                           window_end: float = 0.0) -> list[Rollout]:
-        """The step's rollouts, decoded together; with `on_part`, each part (`finish_parts`) is handed over as
-        soon as the decoding has finished it, the decoding paced to end at `window_end` (time.monotonic())."""
+        """The step's rollouts, by the fleet when the source has one, else decoded here together; with `on_part`,
+        each part (`finish_parts`) is handed over once its rollouts have finished and the rollout window (which
+        ends at `window_end`, time.monotonic()) has reached the part's slice."""
         cfg = self.cfg
         prompts = self.task.sample(step, cfg.rollouts_per_step, cfg.prompt_len, g)  # (N, P)
         lengths = self.response_lengths(cfg.rollouts_per_step, g)
+        if self.engine is not None:
+            return self._fleet_rollouts(step, prompts, lengths, on_part, window_end)
+        return self._decoded_rollouts(model, step, g, prompts, lengths, on_part, window_end)
+
+    def _fleet_rollouts(self, step: int, prompts: torch.Tensor, lengths: list[int],
+                        on_part: Callable[[int, list[Rollout]], None] | None, window_end: float) -> list[Rollout]:
+        """Each rollout one request to the fleet (its length as max_tokens, its own seed); part p goes out once its
+        rollouts have come back and the window has reached its slice, the parts in order."""
+        cfg = self.cfg
+        longest, parts = max(lengths), cfg.parts_per_step
+        params = SamplingParams(temperature=cfg.temperature)
+        requests = [RolloutRequest(prompts[i].tolist(), n, params, request_seed(self.cfg.seed, step, i))
+                    for i, n in enumerate(lengths)]
+        members = [part_of(n, longest, parts) for n in lengths]
+        waiting = [members.count(p) for p in range(parts)]
+        rollouts: list[Rollout | None] = [None] * len(lengths)
+        started, published = time.monotonic(), 0
+        for i, generated in self.engine.generate(requests):
+            if len(generated.token_ids) != lengths[i]:
+                raise RuntimeError(f"the fleet returned {len(generated.token_ids)} tokens for rollout {i} of step "
+                                   f"{step}, asked {lengths[i]}")
+            rollouts[i] = self._rollout(step, i, torch.cat([prompts[i], torch.tensor(generated.token_ids)])[None])
+            waiting[members[i]] -= 1
+            while on_part is not None and published < parts and waiting[published] == 0:
+                wait = started + (published + 1) / parts * max(0.0, window_end - started) - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)  # the rollout engine's pace: the longest rollout ends with the window
+                done = [rollouts[j] for j, p in enumerate(members) if p == published]
+                if done:
+                    on_part(published, done)
+                published += 1
+        return rollouts
+
+    @torch.no_grad()
+    def _decoded_rollouts(self, model: LlamaForCausalLM, step: int, g: torch.Generator, prompts: torch.Tensor,
+                          lengths: list[int], on_part: Callable[[int, list[Rollout]], None] | None,
+                          window_end: float) -> list[Rollout]:
+        """The rollouts decoded here, together, one token per forward, paced to end at `window_end`."""
+        cfg = self.cfg
         longest, parts = max(lengths), cfg.parts_per_step
         closing: dict[int, list[int]] = {}  # decode step -> the parts it closes
         for p in range(parts):
@@ -318,10 +372,7 @@ class SimulatedRL:
             if t < longest:
                 logits = model(input_ids=seqs[:, -1:], cache=cache, use_cache=True).logits[:, -1]  # (N, V)
             for i in [i for i, length in enumerate(lengths) if length == t]:  # each response ends at its length
-                seq = seqs[i : i + 1]  # (1, P + t)
-                reward = float(self.task.rewards(step, seq, cfg.prompt_len)[0])
-                rollouts[i] = Rollout(f"s{step:06d}-{i:05d}", seq[0].tolist(), [0] * cfg.prompt_len + [1] * t,
-                                      reward, step)
+                rollouts[i] = self._rollout(step, i, seqs[i : i + 1])  # (1, P + t)
             if on_part is None or t not in closing:
                 continue
             wait = started + t / longest * max(0.0, window_end - started) - time.monotonic()

@@ -42,11 +42,13 @@ from pipeline.client import (
     publish_rollouts_part,
     publish_step,
 )
+from pipeline.data.keys import fleet_prefix
 from pipeline.data.rollouts import Rollout
 from pipeline.data.sampling import SamplingParams
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
+from pipeline.sources.rollout_engine import GeneratedRollout, RolloutEngine, RolloutRequest, request_seed
 from pipeline.sources.simulation import ROLLOUT_SHARE_OF_PERIOD, finish_parts
 
 LETTERS = "abcdefghijklmnop"
@@ -240,11 +242,18 @@ class GRPODemoSettings:
 class GRPODemo:
     """Real GRPO with TRL on CPU, one step at a time for the demo: `run_step(k)` lets TRL train until
     it has published step k and holds it there, so the pipeline processes each step before the next.
-    TRL runs in its own thread; the two never compute at once."""
+    TRL runs in its own thread; the two never compute at once.
+
+    With an `engine` (the fleet), TRL's completions come from it through TRL's `rollout_func`: the trainer's
+    current weights go to every replica as the step's policy, then each completion is a request with its own
+    seed, ending at EOS or `max_completion_length`. The fleet cannot suppress tokens (TRL's own generation
+    suppresses <pad> and <unk>; vLLM would take `allowed_token_ids`, which the stand-in does not serve), so a
+    completion from the fleet may hold them; TRL masks completions by length, not by pad id."""
 
     def __init__(self, store: ObjectStore, run: str, steps: int, output_dir: Path,
-                 settings: GRPODemoSettings | None = None) -> None:
+                 settings: GRPODemoSettings | None = None, engine: RolloutEngine | None = None) -> None:
         self.settings = s = settings or GRPODemoSettings()
+        self.engine = engine
         self.steps = steps
         self.tokenizer = build_tokenizer()
         self.policy = build_policy(self.tokenizer, seed=s.seed)
@@ -281,9 +290,28 @@ class GRPODemo:
         dataset = Dataset.from_dict({"prompt": prompts(s.prompts_per_step * self.steps, s.seed)})
         self.trainer = publishing_grpo_trainer(
             model=self.policy, reward_funcs=vowel_reward, args=args, train_dataset=dataset,
-            processing_class=self.tokenizer, publisher=self.publisher, on_published=self._hold)
+            processing_class=self.tokenizer, publisher=self.publisher, on_published=self._hold,
+            rollout_func=self._fleet_rollouts if self.engine is not None else None)
         self.trainer.remove_callback(PrinterCallback)  # the demo prints its own line per step
         return self.trainer
+
+    def _fleet_rollouts(self, prompts: list, trainer: Any) -> dict[str, list]:
+        """TRL's `rollout_func` on the fleet: the weights TRL holds now pushed as the step's policy, then one
+        request per completion (TRL repeats each prompt once per generation), tokenized as TRL tokenizes."""
+        s, publisher = self.settings, self.publisher
+        step = trainer.state.global_step + 1  # the optimizer step these completions train
+        policy = target_lib.save_checkpoint(trainer.accelerator.unwrap_model(trainer.model), publisher.store,
+                                            f"{fleet_prefix(publisher.run)}/policies/step-{step:06d}")
+        self.engine.push_policy(step, policy)
+        prompt_ids = [list(ids) for ids in trainer._tokenize_prompts(prompts)[0]]
+        params = SamplingParams(temperature=s.temperature)
+        requests = [RolloutRequest(ids, s.max_completion_length, params, request_seed(s.seed, step, i),
+                                   (self.tokenizer.eos_token_id,)) for i, ids in enumerate(prompt_ids)]
+        done: list[GeneratedRollout | None] = [None] * len(requests)
+        for i, rollout in self.engine.generate(requests):
+            done[i] = rollout
+        return {"prompt_ids": prompt_ids, "completion_ids": [r.token_ids for r in done],
+                "logprobs": [r.logprobs for r in done]}
 
     def pretrained(self) -> LlamaForCausalLM:
         """The step-0 policy (built from a config, untrained) and its trainer."""

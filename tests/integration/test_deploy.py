@@ -43,7 +43,8 @@ def _live(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int) -> None:
-    body = json.dumps({"model": "policy", "prompt": prompt, "max_tokens": max_tokens}).encode()
+    body = json.dumps({"model": "policy", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "return_token_ids": True}).encode()
     request = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:

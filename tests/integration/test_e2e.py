@@ -14,7 +14,8 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.data import shards
-from pipeline.data.records import read_training
+from pipeline.data.records import read_fleet_policy, read_training
+from pipeline.data.rollouts import read_rollouts
 from pipeline.data.store import open_store
 from pipeline.registry import DrafterRegistry
 from tests.support.config import write_config
@@ -73,6 +74,16 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert {r["version"] for r in summary["fleet"]} == {registry.alias_version("champion")}
     assert all(r["live_tau"] >= 1.0 for r in summary["fleet"])
     assert "runs drafter version" in proc.stdout
+    # The fleet generated every step's rollouts, each step's policy pushed to it first; step 1's before any
+    # drafter existed (plain decoding), and the rollouts' tokens are the steps' responses.
+    assert [w["step"] for w in summary["fleet_rollouts"]] == [1, 2, 3]
+    for window in summary["fleet_rollouts"]:
+        rollouts = read_rollouts(store, cfg.run, window["step"])
+        assert window["rollouts"] == len(rollouts) == cfg.simulation.rollouts_per_step
+        assert window["tokens"] == sum(sum(r.loss_mask) for r in rollouts)
+    assert summary["fleet_rollouts"][0]["drafts"] == 0
+    assert read_fleet_policy(store, cfg.run).step == 3
+    assert "fleet rollouts, step 3:" in proc.stdout
     # The last co-trained drafter at k = 4 and 8: an EAGLE-3 drafter spends a forward per drafted token.
     assert [c["k"] for c in summary["round_costs"]] == [4, 8]
     assert all(c["drafter_forwards_per_round"] == c["k"] for c in summary["round_costs"])

@@ -152,6 +152,9 @@ class TableProposer:
             proposal.append(last)
         return torch.stack(proposal, dim=1)
 
+    def select(self, rows: torch.Tensor) -> None:
+        pass  # no state per row: the row's last token is all it reads
+
 
 def exact_distribution(model: LlamaForCausalLM, prompt: torch.Tensor, params: SamplingParams) -> dict[tuple, float]:
     """P(the first NEW_TOKENS tokens) under plain sampling from the target at `params`, by enumeration."""
@@ -254,6 +257,9 @@ def test_sampled_tau_of_a_greedy_oracle_is_the_targets_own_argmax_probability(pe
                         drafted = torch.cat([drafted, peaked_target(input_ids=drafted[None]).logits[0, -1:].argmax(-1)])
                 rows.append(drafted[-k:])
             return torch.stack(rows)
+
+        def select(self, rows: torch.Tensor) -> None:
+            history[:] = [history[b] for b in rows.tolist()]
 
     prompts = [torch.tensor([1, 2]), torch.tensor([3])]
     history: list[torch.Tensor] = []

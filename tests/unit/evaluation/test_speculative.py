@@ -10,8 +10,14 @@ import torch
 from transformers import LlamaForCausalLM
 
 from pipeline.config import DrafterConfig
+from pipeline.data.sampling import DRAFT_SAMPLE_METHODS, GREEDY, SamplingParams
+from pipeline.evaluation import speculative
+from pipeline.evaluation.rejection_sampler import BatchSampling, RequestSampling
 from pipeline.evaluation.speculative import (
+    DecodingBatch,
+    Request,
     RoundTimes,
+    Sequence,
     acceptance_metrics,
     evaluate,
     follow_target,
@@ -72,6 +78,13 @@ class History:
     def __init__(self, prompts: list[torch.Tensor]) -> None:
         self.tokens = [p[:1].clone() for p in prompts]  # row b: x_0, x_1, ... (T,)
         self.features: list[torch.Tensor | None] = [None] * len(prompts)  # row b: f_0 ... f_{T-2} (T-1, D)
+        self.requests = list(range(len(prompts)))  # row b serves prompt requests[b]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Finished requests leave the batch."""
+        rows = rows.tolist()
+        self.tokens, self.features = [self.tokens[b] for b in rows], [self.features[b] for b in rows]
+        self.requests = [self.requests[b] for b in rows]
 
     def add(self, pairs: CommittedPairs) -> None:
         for b in range(pairs.valid.shape[0]):
@@ -92,6 +105,9 @@ class OracleProposer:
     def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
         self.history.add(pairs)
         return torch.stack([self.greedy.continuation(tokens, k) for tokens in self.history.tokens])
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.history.select(rows)
 
 
 class WrongProposer(OracleProposer):
@@ -130,9 +146,12 @@ class RecordingProposer:
 
     def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
         self.history.add(pairs)
-        self.calls.append([(t.clone(), f.clone()) for t, f in zip(self.history.tokens, self.history.features,
-                                                                  strict=True)])
+        self.calls.append([(r, t.clone(), f.clone()) for r, t, f in zip(
+            self.history.requests, self.history.tokens, self.history.features, strict=True)])
         return torch.zeros(pairs.valid.shape[0], k, dtype=torch.int64)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.history.select(rows)
 
 
 def eagle_drafter(model: LlamaForCausalLM) -> EagleDrafter:
@@ -215,7 +234,8 @@ def test_proposer_gets_tokens_and_features_of_all_but_the_newest(
 
     assert proposer.calls
     for call in proposer.calls:
-        for (tokens, features), prompt in zip(call, prompts, strict=True):
+        for request, tokens, features in call:
+            prompt = prompts[request]
             assert torch.equal(tokens[: prompt.shape[0]], prompt)
             assert features.shape == (tokens.shape[0] - 1, H)
             expected = target_forward.forward(model, tokens[None]).features[0, :-1]
@@ -353,6 +373,10 @@ class ShadowProposer:
         self.rounds += 1
         return torch.stack(out)
 
+    def select(self, rows: torch.Tensor) -> None:
+        self.inner.select(rows)
+        self.history.select(rows)
+
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_cached_proposals_equal_the_uncached_reference(
@@ -421,3 +445,128 @@ def test_round_times_measure_the_decoding_cost(model: LlamaForCausalLM, prompts:
     assert cost.target_s_per_token == pytest.approx(times.target_s / times.row_rounds)
     assert cost.draft_cost_ratio == pytest.approx(times.draft_s / (3 * times.target_s))
     assert RoundTimes().decoding_cost(3) is None
+
+
+# -- continuous batching: requests join and leave between rounds -------------------------------------------------
+
+
+class JoiningShadow(ShadowProposer):
+    """A ShadowProposer over a batch that requests join between rounds, their prompts in admission order; the
+    drafter's cached proposals are checked against the uncached reference for every row that has pairs."""
+
+    def __init__(self, drafter: Drafter, greedy: GreedyOracle, first: list[torch.Tensor],
+                 joining: list[torch.Tensor]) -> None:
+        super().__init__(drafter, greedy, first)
+        self.joining = list(joining)
+        self.history.requests = list(range(len(first)))
+
+    def add_rows(self, n: int) -> None:
+        self.inner.add_rows(n)
+        for _ in range(n):
+            self.history.tokens.append(self.joining.pop(0)[:1].clone())
+            self.history.features.append(None)
+            self.history.requests.append(len(self.history.requests))
+
+    def propose(self, pairs: CommittedPairs, k: int) -> torch.Tensor:
+        self.history.add(pairs)
+        drafted = self.inner.propose(pairs, k)
+        out = []
+        for b, (tokens, features) in enumerate(zip(self.history.tokens, self.history.features, strict=True)):
+            if pairs.valid[b].any():  # a row with no new pair drafts from nothing (the batch discards it)
+                assert drafted[b].tolist() == reference_proposal(self.drafter, tokens, features, k), b
+                self.checked += 1
+            proposal = self.greedy.continuation(tokens, k)
+            spoilt = (self.rounds + b) % (k + 1)
+            if spoilt < k:
+                proposal[spoilt] = (proposal[spoilt] + 1) % V
+            out.append(proposal)
+        self.rounds += 1
+        return torch.stack(out)
+
+
+def _greedy_request(prompt: torch.Tensor, max_tokens: int) -> Sequence:
+    return Sequence(Request(prompt, max_tokens, BatchSampling.greedy(1).rows[0]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_requests_joining_and_leaving_between_rounds_get_their_greedy_tokens(
+    deep_model: LlamaForCausalLM, ragged_prompts: list[torch.Tensor], kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows join a running batch (caches merged), leave it when done (caches selected), and rounds alternate
+    between speculative and plain ones, with a run of plain rounds long enough that the drafter takes its pairs
+    in between proposals: every request's tokens are its greedy decoding, and the drafter's cached proposals are
+    the uncached reference's at every round."""
+    monkeypatch.setattr(speculative, "PENDING_PAIRS_LIMIT", 3)
+    k = 3
+    g = torch.Generator().manual_seed(21)
+    extra = [torch.randint(0, V, (n,), generator=g) for n in (6, 2)]
+    prompts = [*ragged_prompts, *extra]  # lengths 1, 4, 9, 13, 6, 2
+    max_tokens = [30, 5, 11, 8, 9, 12]  # the first outlives the others: the batch never empties
+    oracle = GreedyOracle(deep_model, prompts)
+    shadow = JoiningShadow(drafter_of(kind, deep_model), oracle, prompts[:2], prompts[2:])
+    batch = DecodingBatch(deep_model, lambda: shadow, k)
+    sequences = [_greedy_request(p, n) for p, n in zip(prompts, max_tokens, strict=True)]
+    joins = {0: sequences[:2], 2: sequences[2:4], 3: sequences[4:5], 9: sequences[5:]}  # round -> who joins
+    speculate = [True, True, False, True, False, False, False, False, True, True, False]  # then speculative
+    finished, sizes = [], []
+    for r in range(40):
+        finished += batch.admit(joins.get(r, []))
+        sizes.append(len(batch))
+        finished += batch.step(speculate[r] if r < len(speculate) else True)
+        if not batch.rows:
+            break
+    assert sorted(map(id, finished)) == sorted(map(id, sequences))  # each left once, when done
+    assert max(sizes) >= 4  # the batch grew
+    assert sizes[-1] == 1  # and shrank
+    for sequence, prompt, n in zip(sequences, prompts, max_tokens, strict=True):
+        assert sequence.trace.tokens == oracle.generate(prompt, n)
+        assert sequence.finish_reason == "length"
+    assert shadow.checked >= 3 * len(prompts)
+    assert {a for s in sequences for a in s.trace.accepted_per_round} == set(range(k + 1))
+
+
+@pytest.mark.parametrize("draft_method", DRAFT_SAMPLE_METHODS)
+def test_seeded_requests_joining_a_running_batch_decode_as_they_do_alone(
+    deep_model: LlamaForCausalLM, ragged_prompts: list[torch.Tensor], draft_method: str
+) -> None:
+    """Requests with their own sampling parameters and seeds, joining a batch at different rounds: each gets the
+    tokens (and logprobs, and acceptance) it gets decoded alone from its seed; the same seed again, the same."""
+    drafter = drafter_of("eagle", deep_model)
+    rows = [(SamplingParams(temperature=1.0), 3), (GREEDY, 4), (SamplingParams(temperature=0.7, top_p=0.9), 5),
+            (SamplingParams(temperature=1.3, top_k=5), 6)]
+    max_tokens = [12, 9, 15, 10]
+
+    def request(b: int) -> Sequence:
+        params, seed = rows[b]
+        return Sequence(Request(ragged_prompts[b], max_tokens[b], RequestSampling.seeded(params, seed)))
+
+    together = [request(b) for b in range(len(rows))]
+    batch = DecodingBatch(deep_model, follow_target(drafter, deep_model), 3, draft_method)
+    for joining in [together[:1], [], together[1:3], together[3:]]:
+        batch.admit(joining)
+        batch.step(speculate=True)
+    while batch.rows:
+        batch.step(speculate=True)
+    for b, sequence in enumerate(together):
+        alone = request(b)
+        single = DecodingBatch(deep_model, follow_target(drafter, deep_model), 3, draft_method)
+        single.admit([alone])
+        while single.rows:
+            single.step(speculate=True)
+        assert sequence.trace.tokens == alone.trace.tokens
+        assert sequence.trace.logprobs == pytest.approx(alone.trace.logprobs, abs=1e-5)
+        assert sequence.trace.accepted_per_round == alone.trace.accepted_per_round
+    assert len({tuple(s.trace.tokens) for s in together}) == len(rows)
+
+
+def test_a_stop_token_ends_a_request_and_is_kept(model: LlamaForCausalLM, prompts: list[torch.Tensor],
+                                                 greedy: GreedyOracle) -> None:
+    expected = greedy.generate(prompts[1], MAX_NEW)
+    stop = expected[3]
+    sequence = Sequence(Request(prompts[1], MAX_NEW, BatchSampling.greedy(1).rows[0], frozenset({stop})))
+    batch = DecodingBatch(model, lambda: OracleProposer(greedy, [prompts[1]]), 3)
+    batch.admit([sequence])
+    while batch.rows:
+        batch.step(speculate=True)
+    assert sequence.trace.tokens == expected[: expected.index(stop) + 1]
+    assert sequence.finish_reason == "stop"

@@ -13,7 +13,7 @@ from pipeline.config import DrafterConfig
 from pipeline.models.checkpoint import save_drafter
 from pipeline.models.drafter import fresh_drafter
 from pipeline.models.target import build_target, tiny_llama_config
-from pipeline.serving.fleet import ReplicaSpec, StandInDriver
+from pipeline.serving.fleet import ReplicaSpec, Speculation, StandInDriver
 
 
 def free_port() -> int:
@@ -40,8 +40,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return out
 
 
+ALWAYS = Speculation(max_batch=256)  # every round speculates: what a replica counts is what decoding alone counts
+
+
 @pytest.fixture
 def driver(tmp_path: Path) -> Iterator[StandInDriver]:
-    d = StandInDriver(k=3, state_dir=tmp_path / "fleet")
+    d = StandInDriver(k=3, state_dir=tmp_path / "fleet", speculation=ALWAYS)
     yield d
     d.stop_all([ReplicaSpec(name, "", 0) for name in list(d.processes)])

@@ -27,6 +27,7 @@ from pipeline.serving.fleet import (
     GateConfig,
     GateError,
     ReplicaSpec,
+    Speculation,
     StagedDrafter,
     StandInDriver,
     check_replica,
@@ -120,6 +121,22 @@ def test_vllm_argv_serves_peagle_as_eagle3_with_parallel_drafting() -> None:
         "method": "eagle3", "model": "/drafters/v7", "num_speculative_tokens": 6, "parallel_drafting": True}
 
 
+def test_vllm_argv_carries_the_draft_sample_method_and_the_batch_threshold(tmp_path: Path) -> None:
+    """`fleet.draft_sample_method` and `fleet.speculation_max_batch` as vLLM names them in --speculative-config
+    (a threshold of 24 is the batch-size schedule: 4 drafts up to 24 requests, none above), and as the stand-in's
+    flags."""
+    replica = ReplicaSpec("r0", "10.0.0.5", 8000, "policy")
+    speculation = Speculation("probabilistic", 24)
+    argv = vllm_argv(replica, "/models/p", "eagle3", "/drafters/v7", 4, speculation=speculation)
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
+        "method": "eagle3", "model": "/drafters/v7", "num_speculative_tokens": 4,
+        "draft_sample_method": "probabilistic", "num_speculative_tokens_per_batch_size": [[1, 24, 4], [25, 1 << 20, 0]]}
+    standin = StandInDriver(4, tmp_path, speculation=speculation).argv(replica, "file:///p", "/d")
+    assert standin[standin.index("--draft-sample-method") + 1] == "probabilistic"
+    assert standin[standin.index("--speculation-max-batch") + 1] == "24"
+    assert StandInDriver(4, tmp_path).argv(replica, "file:///p", "/d")[-1] == "auto"  # measured by default
+
+
 GATES = GateConfig(ready_timeout_s=90, canary_requests=2, canary_tokens=8, min_live_tau=1.0)
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
 
@@ -150,7 +167,8 @@ def test_standin_replica_serves_vllm_endpoints(
     # The stand-in's output is the target's greedy decoding, token for token.
     request = urllib.request.Request(
         replica.url + "/v1/completions", method="POST",
-        data=json.dumps({"model": "policy", "prompt": [1, 2, 3], "max_tokens": 6}).encode(),
+        data=json.dumps({"model": "policy", "prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0,
+                         "return_token_ids": True}).encode(),
         headers={"Authorization": "Bearer sk-standin", "Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as response:
         tokens = json.loads(response.read())["choices"][0]["token_ids"]

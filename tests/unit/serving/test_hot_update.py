@@ -56,8 +56,8 @@ def _call(replica: ReplicaSpec, path: str, body: dict | None = None) -> dict:
 
 
 def _complete(replica: ReplicaSpec, prompt: list[int], max_tokens: int) -> list[int]:
-    return _call(replica, "/v1/completions", {"model": "policy", "prompt": prompt,
-                                              "max_tokens": max_tokens})["choices"][0]["token_ids"]
+    return _call(replica, "/v1/completions", {"model": "policy", "prompt": prompt, "max_tokens": max_tokens,
+                                              "temperature": 0, "return_token_ids": True})["choices"][0]["token_ids"]
 
 
 def _probe_window(replica: ReplicaSpec) -> tuple[float, float]:
