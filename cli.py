@@ -308,6 +308,8 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
     ledger = read_ledger(open_store(cfg), cfg.run, [r["step"] for r in rows])
     ledger_plot = out_dir / "ledger.png"
     ledger_plot.write_bytes(report.ledger_png(ledger))
+    replay_plot = out_dir / "rollouts.png"
+    replay_plot.write_bytes(report.replay_png(rows))
     fleet = [{"replica": r.replica, "version": r.version, "live_tau": round(r.live_tau, 4)} for r in fleet_state]
     total = ledger.totals
     summary_costs, tokens_per_s = _kind_figures(cfg, rows)
@@ -325,6 +327,11 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
     out()
     out(report.format_ledger(ledger))
     out()
+    if any(r.get("rollout_s_none") is not None for r in rows):
+        out("rollouts replayed after each step, the same requests and seeds per arm (seconds; speedup in tokens/s "
+            "over no speculation, whole step and tail; vs base: served over never-retrained):")
+        out(report.format_replay(rows))
+        out()
     if any(r.get("tail_tau_start") is not None for r in rows):
         goals = report.tail_goals(rows)
         out(report.format_tail(rows))
@@ -364,7 +371,7 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
     if tokens_per_s:
         out(f"training: {tokens_per_s:.0f} tokens/s (mean over the trained steps)")
     out(f"wall time {wall:.1f}s ({wall / steps:.1f}s per step)")
-    out(f"plots:   {plot}, {ledger_plot}")
+    out(f"plots:   {plot}, {ledger_plot}, {replay_plot}")
     out(f"summary: {summary}")
     out("Browse the runs, partitions and checks with `make ui`.")
     return summary

@@ -57,8 +57,9 @@ def run(tiny: bool = False) -> dict:
     from benchmarks import evaluation
     from benchmarks.evaluation import demo_drafter
     from pipeline.data.sampling import DRAFT_SAMPLE_METHODS, SamplingParams
+    from pipeline.evaluation.scheduler import SpeculationThreshold
     from pipeline.evaluation.speculative import evaluate, follow_target
-    from pipeline.serving.engine import Engine, SpeculationThreshold
+    from pipeline.serving.engine import Engine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

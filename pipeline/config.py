@@ -370,6 +370,14 @@ class EvalConfig(StageConfig):
     num_speculative_tokens: int = Field(default=4, ge=1, description="k: tokens the drafter proposes per round.")
     max_new_tokens: int = Field(default=40, ge=1, description="Tokens generated per held-out prompt.")
     num_prompts: int = Field(default=24, ge=1, description="Held-out prompts evaluated per step.")
+    replay: bool = Field(
+        default=True, description="Replay the step's rollouts after it, once without a drafter and once with each of "
+        "the baseline, served and co-trained drafters (the same requests and seeds): the measured rollout speedup; "
+        "the ledger's saving is the served drafter's measured seconds.",
+    )
+    replay_max_requests: int = Field(
+        default=256, ge=1, description="The step's rollouts the replay decodes at most (its first ones).",
+    )
     sampling: SamplingConfig = Field(
         default_factory=SamplingConfig,
         description="The rollouts' sampling parameters where a step's policy.json does not name them: tau is "

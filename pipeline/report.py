@@ -22,6 +22,7 @@ from pipeline.data.records import (
     read_acceptance,
     read_cost,
     read_refresh,
+    read_replay,
     read_tail,
     read_training,
 )
@@ -53,8 +54,77 @@ def step_row(store: ObjectStore, run: str, step: int) -> dict:
         "eval_prompts_cotrained": cotrained.prompts if cotrained else None,
         "eval_rounds_cotrained": cotrained.rounds if cotrained else None,
         "tau_estimate_cotrained": _estimate(cotrained),
+        # the same drafters greedily, and the parameters every tau above is at
+        "tau_greedy_cotrained": _greedy(cotrained), "tau_greedy_served": _greedy(served),
+        "tau_greedy_baseline": _greedy(record.baseline),
+        "sampling": record.sampling.label, "draft_sample_method": record.draft_sample_method,
+        **replay_fields(store, run, step),
         **tail_fields(store, run, step),
     }
+
+
+REPLAY_ARMS = ("none", "baseline", "served", "cotrained")
+
+
+def replay_fields(store: ObjectStore, run: str, step: int) -> dict:
+    """The step's replay: each arm's rollout seconds, and the speedups (whole step and tail) of the served,
+    co-trained and never-retrained drafters over no speculation, and of the served over the never-retrained."""
+    replay = read_replay(store, run, step)
+    fields: dict = {"replay_tokens": replay.tokens if replay else None}
+    for arm in REPLAY_ARMS:
+        a = replay.arms.get(arm) if replay else None
+        fields[f"rollout_s_{arm}"] = round(a.seconds, 3) if a else None
+        fields[f"tail_s_{arm}"] = round(a.tail_seconds, 3) if a else None
+    for arm in ("served", "cotrained", "baseline"):
+        for tail in (False, True):
+            value = replay.speedup(arm, tail=tail) if replay else None
+            fields[f"speedup_{arm}{'_tail' if tail else ''}"] = None if value is None else round(value, 3)
+    value = replay.speedup("served", over="baseline") if replay else None
+    fields["speedup_served_over_baseline"] = None if value is None else round(value, 3)
+    fields["replay_threshold_served"] = replay.arms["served"].threshold if replay and "served" in replay.arms \
+        else None
+    return fields
+
+
+def format_replay(rows: list[dict]) -> str:
+    """Each step's rollouts replayed per arm: seconds without a drafter and with each, and the speedups measured."""
+    head = (f"{'step':>4} {'none s':>7} {'baseline s':>10} {'served s':>8} {'co-tr s':>7} {'served':>7} "
+            f"{'tail':>6} {'vs base':>7} {'co-tr':>6} {'tail':>6}")
+    lines = [head, "-" * len(head)]
+
+    def shown(value: object, spec: str) -> str:
+        width = int(spec.split(".")[0])
+        return f"{'-':>{width}}" if value is None else format(value, spec)
+
+    for r in rows:
+        lines.append(
+            f"{r['step']:>4} {shown(r.get('rollout_s_none'), '7.2f')} {shown(r.get('rollout_s_baseline'), '10.2f')} "
+            f"{shown(r.get('rollout_s_served'), '8.2f')} {shown(r.get('rollout_s_cotrained'), '7.2f')} "
+            f"{shown(r.get('speedup_served'), '6.2f')}x {shown(r.get('speedup_served_tail'), '5.2f')}x "
+            f"{shown(r.get('speedup_served_over_baseline'), '6.2f')}x {shown(r.get('speedup_cotrained'), '5.2f')}x "
+            f"{shown(r.get('speedup_cotrained_tail'), '5.2f')}x")
+    return "\n".join(lines)
+
+
+def replay_png(rows: list[dict], dpi: int = 100) -> bytes:
+    """Measured rollout seconds of each step's replay per arm: what no drafter, the never-retrained, the served and
+    the co-trained drafter take over the same requests."""
+    plt = _pyplot()
+    measured = [r for r in rows if r.get("rollout_s_none") is not None]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=dpi)
+    labels = {"none": "no speculation", "baseline": "never retrained", "served": "served", "cotrained": "co-trained"}
+    for arm, style in zip(REPLAY_ARMS, ("k-", "^:", "s--", "o-"), strict=True):
+        ax.plot([r["step"] for r in measured], [r[f"rollout_s_{arm}"] for r in measured], style, label=labels[arm])
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("rollout seconds (replayed)")
+    ax.set_title("Measured rollout time per drafter: the step's requests replayed")
+    if measured:
+        ax.set_xticks([r["step"] for r in measured])
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _png(fig)
 
 
 TAIL_FIELDS = ("tail_tau_start", "tail_tau_refreshed", "tail_tau_whole_step", "refresh_version", "refresh_deployed",
@@ -142,6 +212,12 @@ def _tau(measured: DrafterTau | None) -> float:
     return round(measured.tau, 4) if measured else NO_DRAFTER_TAU
 
 
+def _greedy(measured: DrafterTau | None) -> float:
+    if measured is None:
+        return NO_DRAFTER_TAU
+    return round(measured.greedy_tau if measured.greedy_tau is not None else measured.tau, 4)
+
+
 def _estimate(measured: DrafterTau | None) -> dict | None:
     estimate = measured.estimate if measured else None
     if not estimate:
@@ -152,14 +228,19 @@ def _estimate(measured: DrafterTau | None) -> dict | None:
 def format_table(rows: list[dict]) -> str:
     reward = any("trl_mean_reward" in r for r in rows)  # the RL trainer's own mean reward, when it reports one
     head = f"{'step':>4} {'samples':>7} {'buffer':>6} {'trained':>7} {'tau co-trained':>14} " \
-           f"{'tau served':>10} {'tau baseline':>12} {'promoted':>8}" + (f" {'TRL reward':>10}" if reward else "")
+           f"{'tau served':>10} {'tau baseline':>12} {'greedy co-tr':>12} {'promoted':>8}" + \
+           (f" {'TRL reward':>10}" if reward else "")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['step']:>4} {r['samples']:>7} {r['buffer_samples']:>6} {'yes' if r['trained'] else 'no':>7} "
             f"{r['tau_cotrained']:>14.2f} {r['tau_served']:>10.2f} {r['tau_baseline']:>12.2f} "
+            f"{r.get('tau_greedy_cotrained', r['tau_cotrained']):>12.2f} "
             f"{'yes' if r['promoted'] else 'no':>8}" + (f" {r['trl_mean_reward']:>10.3f}" if reward else "")
         )
+    if rows and rows[-1].get("sampling"):
+        lines.append(f"(tau at the rollouts' sampling, {rows[-1]['sampling']}, {rows[-1]['draft_sample_method']} "
+                     "drafting, as vLLM verifies drafts; greedy co-tr: the co-trained drafter at temperature 0)")
     return "\n".join(lines)
 
 
@@ -281,6 +362,7 @@ def ledger_rows(ledger: Ledger) -> list[dict]:
         rows.append({"step": cost.step, "served_version": cost.served_version, "lag_steps": lag.lag_steps,
                      "lag_s": lag.lag_s, "seconds": cost.seconds, "rollout_tokens": cost.rollout_tokens,
                      "served_tau": round(cost.served_tau, 4), "saved_s": round(cost.saved_s, 3),
+                     "saving": "measured" if cost.saving_measured else "modeled",
                      "cumulative_spent_s": running.spent_s, "cumulative_saved_s": running.saved_s})
     return rows
 
@@ -297,10 +379,12 @@ def format_ledger(ledger: Ledger) -> str:
             f"{cost.step:>4} {'v' + cost.served_version if cost.served_version else '-':>6} "
             f"{'-' if lag.lag_steps is None else lag.lag_steps:>4} {lag_s:>7} "
             f"{s['extraction']:>9.1f} {s['training']:>8.1f} {s['evaluation']:>7.1f} {s['deployment']:>8.1f} "
-            f"{cost.saved_s:>8.3f}")
+            f"{cost.saved_s:>8.3f}" + ("" if cost.saving_measured else " (modeled)"))
     total = ledger.totals
     lines.append(f"spent {total.spent_s:.1f} device-s ({', '.join(f'{k} {v:.1f}' for k, v in total.by_stage.items())})"
                  f", saved {total.saved_s:.3f} s of rollout time")
+    if all(c.saving_measured for c in ledger.costs):
+        lines.append("(saved: measured, the step's rollouts replayed without a drafter and with the served one)")
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@
     drafter/<run>/step-000123.json                a step's training outcome
     acceptance/<run>/step-000123.json             a step's acceptance record
     cost/<run>/step-000123.json                   a step's entry in the cost ledger
+    replay/<run>/step-000123.json                 the step's rollouts replayed per drafter: the measured speedup
     placement/<run>/step-000123/<stage>.json      where a launched stage ran (process or pod, ranks, memory)
     training/<run>/<input id>/                    resumable checkpoints of one training, origin.json
     fleet/<run>/state.json                        which drafter version the fleet serves
@@ -130,6 +131,10 @@ def acceptance_key(run: str, step: int) -> str:
 
 def cost_key(run: str, step: int) -> str:
     return f"cost/{run}/{step_key(step)}.json"
+
+
+def replay_key(run: str, step: int) -> str:
+    return f"replay/{run}/{step_key(step)}.json"
 
 
 def placement_key(run: str, step: int, stage: str) -> str:

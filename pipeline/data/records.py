@@ -4,6 +4,7 @@
     drafter/<run>/step-000123.json            TrainingRecord     the drafter asset -> acceptance, reports
     acceptance/<run>/step-000123.json         AcceptanceRecord   the acceptance asset -> reports, plots
     cost/<run>/step-000123.json               StepCost           the acceptance asset -> schedules, the ledger
+    replay/<run>/step-000123.json             RolloutReplay      the acceptance asset -> the ledger, reports, plots
     placement/<run>/step-000123/<stage>.json  StagePlacement     a launched stage's worker -> its asset, the ledger
     fleet/<run>/state.json                    FleetState         the fleet asset -> status, the demo, the ledger
     refresh/<run>/step-000123.json            RefreshRecord      the refresh job -> tail tau, reports
@@ -31,6 +32,7 @@ from pipeline.data.keys import (
     fleet_state_key,
     placement_key,
     refresh_key,
+    replay_key,
     tail_key,
 )
 from pipeline.data.sampling import DRAFT_SAMPLE_METHODS, GREEDY, DraftSampleMethod, SamplingParams
@@ -412,6 +414,84 @@ class FleetPolicy:
         return cls(int(doc["step"]), doc["target"], doc["label"], float(doc["at"]))
 
 
+# --- the measured rollout speedup ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArmReplay:
+    """One arm of a step's replay (evaluation/replay.py): the step's requests decoded with one drafter, or none."""
+
+    version: str | None  # the registered drafter; None: no speculation
+    seconds: float  # wall time, from the first request's prefill to the last completion
+    tokens: int  # tokens generated, all requests together
+    speculative_rows: int  # rows of speculative rounds (a request in a round counts once)
+    plain_rows: int  # rows of plain rounds
+    tau: float  # tokens a row got from a speculative round (1.0: none ran)
+    tail_seconds: float  # the rounds with at most the record's tail_batch requests left
+    tail_tokens: int
+    threshold: int  # the batch threshold the arm's scheduler ended with
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tail_tokens_per_s(self) -> float:
+        return self.tail_tokens / self.tail_seconds if self.tail_seconds > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> ArmReplay:
+        return cls(doc["version"], float(doc["seconds"]), int(doc["tokens"]), int(doc["speculative_rows"]),
+                   int(doc["plain_rows"]), float(doc["tau"]), float(doc["tail_seconds"]), int(doc["tail_tokens"]),
+                   int(doc["threshold"]))
+
+
+@dataclass(frozen=True)
+class RolloutReplay:
+    """A step's rollouts replayed after the step on an idle decoder, one arm per drafter role, on the same requests
+    and seeds: the rollout speedup measured. Arms: none (no drafter), baseline, served, cotrained."""
+
+    step: int
+    requests: int
+    tokens: int  # tokens each arm generates
+    tail_batch: int
+    sampling: SamplingParams
+    draft_sample_method: DraftSampleMethod
+    arms: dict[str, ArmReplay]
+
+    def speedup(self, arm: str, over: str = "none", tail: bool = False) -> float | None:
+        """Tokens per second of `arm` over `over`'s, over the whole step or its tail; None when either did not run
+        (no such drafter, or no round in the tail)."""
+        a, b = self.arms.get(arm), self.arms.get(over)
+        if a is None or b is None:
+            return None
+        mine, theirs = (a.tail_tokens_per_s, b.tail_tokens_per_s) if tail else (a.tokens_per_s, b.tokens_per_s)
+        return mine / theirs if mine > 0 and theirs > 0 else None
+
+    @property
+    def saved_s(self) -> float | None:
+        """Rollout seconds the served drafter saved on the step: no speculation's wall time less the served arm's."""
+        served, none = self.arms.get("served"), self.arms.get("none")
+        return None if served is None or none is None else round(none.seconds - served.seconds, 4)
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "requests": self.requests, "tokens": self.tokens, "tail_batch": self.tail_batch,
+                "sampling": self.sampling.to_json(), "draft_sample_method": self.draft_sample_method,
+                "arms": {arm: a.to_json() for arm, a in self.arms.items()}}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> RolloutReplay:
+        method = doc["draft_sample_method"]
+        if method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"draft_sample_method {method!r} is not one of {', '.join(DRAFT_SAMPLE_METHODS)}")
+        return cls(int(doc["step"]), int(doc["requests"]), int(doc["tokens"]), int(doc["tail_batch"]),
+                   SamplingParams.from_json(doc["sampling"], "rollout replay"), method,
+                   {str(arm): ArmReplay.from_json(a) for arm, a in doc["arms"].items()})
+
+
 # --- the cost ledger -------------------------------------------------------------------------------------------
 
 STAGES = ("extraction", "training", "evaluation", "deployment")
@@ -452,7 +532,8 @@ def read_placements(store: ObjectStore, run: str, step: int) -> tuple[StagePlace
 @dataclass(frozen=True)
 class StepCost:
     """A step's entry in the cost ledger (pipeline/ledger.py): device-seconds its stages spent, and the rollout
-    seconds the drafter that served its rollouts saved by the cost model of pipeline/cost.py."""
+    seconds the drafter that served its rollouts saved: measured by the step's replay where it ran, else by the
+    cost model of pipeline/cost.py."""
 
     step: int
     seconds: dict[str, float]  # stage -> device-seconds; deployment is added from the fleet's history
@@ -461,23 +542,31 @@ class StepCost:
     served_tau: float  # 1.0: no drafter served them
     decoding: DecodingCost | None  # timed by the step's evaluation of the served drafter; None: nothing served
     placements: tuple[StagePlacement, ...] = ()  # where its launched stages ran
+    measured_saved_s: float | None = None  # the replay's: no speculation's seconds less the served drafter's
 
     @property
     def saved_s(self) -> float:
+        if self.measured_saved_s is not None:
+            return self.measured_saved_s
         return self.decoding.saved_seconds(self.served_tau, self.rollout_tokens) if self.decoding else 0.0
+
+    @property
+    def saving_measured(self) -> bool:
+        return self.measured_saved_s is not None
 
     def to_json(self) -> dict:
         return {"step": self.step, "seconds": self.seconds, "rollout_tokens": self.rollout_tokens,
                 "served_version": self.served_version, "served_tau": self.served_tau,
                 "decoding": self.decoding.to_json() if self.decoding else None,
-                "placements": [p.to_json() for p in self.placements]}
+                "placements": [p.to_json() for p in self.placements], "measured_saved_s": self.measured_saved_s}
 
     @classmethod
     def from_json(cls, doc: dict) -> StepCost:
-        decoding = doc["decoding"]
+        decoding, measured = doc["decoding"], doc.get("measured_saved_s")
         return cls(doc["step"], {k: float(v) for k, v in doc["seconds"].items()}, doc["rollout_tokens"],
                    doc["served_version"], doc["served_tau"], DecodingCost.from_json(decoding) if decoding else None,
-                   tuple(StagePlacement.from_json(p) for p in doc.get("placements", ())))
+                   tuple(StagePlacement.from_json(p) for p in doc.get("placements", ())),
+                   None if measured is None else float(measured))
 
 
 # --- the same-step refresh ------------------------------------------------------------------------------------
@@ -684,6 +773,11 @@ def served_at(history: tuple[Deployment, ...], at: float) -> str | None:
     None before its first deployment."""
     live = [d.version for d in history if d.live_at <= at]
     return live[-1] if live else None
+
+
+def read_replay(store: ObjectStore, run: str, step: int) -> RolloutReplay | None:
+    key = replay_key(run, step)
+    return read_record(store, key, RolloutReplay) if store.exists(key) else None
 
 
 def read_cost(store: ObjectStore, run: str, step: int) -> StepCost | None:

@@ -25,11 +25,12 @@ from pipeline.config import PipelineConfig, PromotionConfig
 from pipeline.cost import DecodingCost
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.held_out import held_out_prompts, held_out_sequences
-from pipeline.data.keys import acceptance_key, cost_key, placement_key
+from pipeline.data.keys import acceptance_key, cost_key, placement_key, replay_key
 from pipeline.data.records import (
     NO_DRAFTER_TAU,
     AcceptanceRecord,
     DrafterTau,
+    RolloutReplay,
     StepCost,
     TauEstimate,
     read_fleet_state,
@@ -39,7 +40,8 @@ from pipeline.data.records import (
 )
 from pipeline.data.sampling import DraftSampleMethod, SamplingParams
 from pipeline.data.store import ObjectStore
-from pipeline.evaluation import cost, speculative, teacher_forced
+from pipeline.evaluation import cost, replay, speculative, teacher_forced
+from pipeline.evaluation.scheduler import SpeculationThreshold
 from pipeline.models import target as target_lib
 from pipeline.placement import measure_placement
 from pipeline.ranks import SINGLE, Ranks
@@ -201,11 +203,35 @@ def acceptance_record(
         decision.reason, champion_after, m.sampling, m.draft_sample_method)
 
 
+def replay_rollouts(
+    store: ObjectStore, cfg: PipelineConfig, registry: DrafterRegistry, measurement: StepMeasurement
+) -> RolloutReplay:
+    """The step's rollouts replayed with no drafter and with each of its baseline, served and co-trained drafters,
+    on the same requests and seeds, scheduled as the fleet schedules its rounds (replay.py)."""
+    pointer = rollouts_lib.read_policy_pointer(store, cfg.run, measurement.step)
+    target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
+    rollouts = rollouts_lib.read_rollouts(store, cfg.run, measurement.step)[: cfg.eval.replay_max_requests]
+    requests = replay.step_requests(rollouts, measurement.sampling, eval_seed(measurement.step), cfg.device)
+    arms: dict[str, tuple[str | None, object]] = {"none": (None, None)}
+    for role in ("baseline", "served", "cotrained"):
+        version = measurement.roles[role]
+        if version is None:
+            arms[role] = (None, None)  # no such drafter: what the role's rollouts got is plain decoding
+            continue
+        drafter = registry.load(version)
+        drafter.attach(target)
+        arms[role] = (version, speculative.follow_target(drafter, target))
+    fixed = None if cfg.fleet.speculation_max_batch == "auto" else cfg.fleet.speculation_max_batch
+    return replay.replay_step(target, arms, requests, cfg.eval.num_speculative_tokens, measurement.draft_sample_method,
+                              lambda: SpeculationThreshold(fixed), measurement.step, measurement.sampling)
+
+
 def step_cost(
-    store: ObjectStore, cfg: PipelineConfig, measurement: StepMeasurement, seconds: dict[str, float]
+    store: ObjectStore, cfg: PipelineConfig, measurement: StepMeasurement, seconds: dict[str, float],
+    replayed: RolloutReplay | None = None,
 ) -> StepCost:
-    """The step's ledger entry: `seconds` spent by stage, what the served drafter saved on its rollouts, and
-    where the step's launched stages ran (their placement records)."""
+    """The step's ledger entry: `seconds` spent by stage, what the served drafter saved on its rollouts (measured
+    by the replay where one ran), and where the step's launched stages ran (their placement records)."""
     rollouts = rollouts_lib.read_rollouts(store, cfg.run, measurement.step)
     served, decoding = measurement.tau("served"), measurement.served_decoding
     if decoding and cfg.eval.draft_cost_ratio:  # the fleet's price of a drafter forward, not this process's
@@ -213,7 +239,7 @@ def step_cost(
     return StepCost(measurement.step, {stage: round(s, 3) for stage, s in seconds.items()},
                     sum(sum(r.loss_mask) for r in rollouts), measurement.roles["served"],
                     NO_DRAFTER_TAU if served is None else served, decoding,
-                    read_placements(store, cfg.run, measurement.step))
+                    read_placements(store, cfg.run, measurement.step), replayed.saved_s if replayed else None)
 
 
 def evaluate_step(
@@ -221,8 +247,9 @@ def evaluate_step(
     spent_s: dict[str, float] | None = None, ranks: Ranks = SINGLE, where: str = "process",
 ) -> AcceptanceRecord | None:
     """Measure the drafters (on every rank), then on rank 0: decide on promotion, move aliases, write the
-    step's acceptance record, where the evaluation ran (`where`: process or pod) and the step's ledger entry
-    (`spent_s`: device-seconds of the stages before this one, by stage). None on the other ranks."""
+    step's acceptance record, where the evaluation ran (`where`: process or pod), the step's replay (`eval.replay`)
+    and its ledger entry (`spent_s`: device-seconds of the stages before this one, by stage; the replay is
+    measurement, not the drafter's cost, and is not counted). None on the other ranks."""
     started = time.perf_counter()
     measurement = measure_step(store, cfg, step, registry, new_version, ranks)
     device = ranks.device(cfg.device, cfg.target.gpus_per_process)
@@ -236,5 +263,8 @@ def evaluate_step(
     write_record(store, acceptance_key(cfg.run, step), record)
     write_record(store, placement_key(cfg.run, step, "evaluation"), placement)
     seconds = {**(spent_s or {}), "evaluation": (time.perf_counter() - started) * ranks.world_size}
-    write_record(store, cost_key(cfg.run, step), step_cost(store, cfg, measurement, seconds))
+    replayed = replay_rollouts(store, cfg, registry, measurement) if cfg.eval.replay else None
+    if replayed is not None:
+        write_record(store, replay_key(cfg.run, step), replayed)
+    write_record(store, cost_key(cfg.run, step), step_cost(store, cfg, measurement, seconds, replayed))
     return record

@@ -5,10 +5,8 @@ into its caches: `evaluation.speculative.DecodingBatch`), runs one round over ev
 hands back the requests that round finished, which leave at once, as vLLM's scheduler runs its requests.
 Each request samples at its own parameters from its own seeded stream.
 
-A round speculates or not by the batch size (`SpeculationThreshold`): above some batch a speculative round
-costs more than the tokens it yields save (TLT turns speculation on only below a batch of 32). The engine
-times both kinds of round at the batch sizes it runs and measures the tokens a speculative round yields, and
-turns speculation off above the largest batch at which it pays.
+A round speculates or not by the batch size (`evaluation.scheduler`: the threshold it measures as it runs,
+the same rounds a step's replay schedules).
 
 `pause()` freezes the batch between rounds (vLLM's `/pause?mode=keep`); `reload()` swaps the weights of a
 paused engine: the running requests are prefilled again on the new ones and go on, and a request that was
@@ -17,7 +15,6 @@ running when the policy changed is marked as straddling the update.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -27,89 +24,10 @@ from dataclasses import dataclass, field
 from transformers import LlamaForCausalLM
 
 from pipeline.data.sampling import DraftSampleMethod
-from pipeline.evaluation.speculative import DecodingBatch, Request, Sequence, clock
+from pipeline.evaluation.scheduler import SpeculationThreshold, schedule_round
+from pipeline.evaluation.speculative import DecodingBatch, Request, Sequence
 from pipeline.models.drafter import Proposer
 from pipeline.serving.metrics import SpecCounters
-
-EXPLORE_EVERY = 16  # every 16th round at a batch size runs the other kind, so both sides stay measured
-SMOOTHING = 0.3  # weight of the newest measurement in the running means
-
-
-def bucket(batch_size: int) -> int:
-    """The power of two at or above `batch_size`: batches of 5 to 8 rows are timed together as 8."""
-    return 1 << max(0, math.ceil(math.log2(batch_size)))
-
-
-class SpeculationThreshold:
-    """Whether a round at a batch size speculates: the decision and what it is measured from.
-
-    Per batch-size bucket b: s(b), the seconds of a speculative round, and p(b), of a plain round (one token
-    per row); over all speculative rounds tau, the tokens a row gets from one (1 + accepted drafts). A
-    speculative round pays at b when tau / s(b) > 1 / p(b): more tokens per second per row. The threshold is
-    the largest b up to which every measured bucket pays (0: speculation pays at no batch size); a round of
-    B rows speculates when B is at most the threshold. A bucket not yet measured on one side runs that side
-    first, and every EXPLORE_EVERY-th round at a bucket runs the other side, so a changed drafter or batch
-    composition moves the threshold. `fixed`: no measuring, speculate up to `fixed` rows (vLLM's way: a
-    configured threshold)."""
-
-    def __init__(self, fixed: int | None = None, explore_every: int = EXPLORE_EVERY,
-                 smoothing: float = SMOOTHING) -> None:
-        self.fixed, self.explore_every, self.smoothing = fixed, explore_every, smoothing
-        self._lock = threading.Lock()  # the engine records and decides; /metrics reads the threshold
-        self.speculative_s: dict[int, float] = {}
-        self.plain_s: dict[int, float] = {}
-        self.tau: float | None = None
-        self.rounds: dict[int, int] = {}
-
-    def _mean(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
-
-    def record(self, batch_size: int, speculative: bool, seconds: float, tokens_per_row: float = 1.0) -> None:
-        """A round of `batch_size` rows took `seconds` and gave each row `tokens_per_row` tokens on average."""
-        b = bucket(batch_size)
-        with self._lock:
-            if speculative:
-                self.speculative_s[b] = self._mean(self.speculative_s.get(b), seconds)
-                self.tau = self._mean(self.tau, tokens_per_row)
-            else:
-                self.plain_s[b] = self._mean(self.plain_s.get(b), seconds)
-
-    def forget_acceptance(self) -> None:
-        """New weights (a drafter or a policy): the tokens a speculative round yields are measured again."""
-        with self._lock:
-            self.tau = None
-
-    def pays(self, b: int) -> bool | None:
-        """Whether speculation pays at bucket b; None while a side is not measured."""
-        if self.tau is None or b not in self.speculative_s or b not in self.plain_s:
-            return None
-        return self.tau * self.plain_s[b] > self.speculative_s[b]
-
-    @property
-    def threshold(self) -> int:
-        """The largest batch size whose rounds speculate."""
-        if self.fixed is not None:
-            return self.fixed
-        threshold = 0
-        with self._lock:
-            for b in sorted(set(self.speculative_s) & set(self.plain_s)):
-                if not self.pays(b):
-                    break
-                threshold = b
-        return threshold
-
-    def speculate(self, batch_size: int) -> bool:
-        """The decision for a round of `batch_size` rows."""
-        if self.fixed is not None:
-            return batch_size <= self.fixed
-        b = bucket(batch_size)
-        self.rounds[b] = self.rounds.get(b, 0) + 1
-        if self.tau is None or b not in self.speculative_s:
-            return True
-        if b not in self.plain_s:
-            return False
-        on = batch_size <= self.threshold
-        return not on if self.rounds[b] % self.explore_every == 0 else on
 
 
 @dataclass(frozen=True)
@@ -192,21 +110,11 @@ class Engine:
 
     def _round(self, joining: list[Sequence]) -> list[Sequence]:
         """Admit `joining`, then one round over the batch -> the sequences that left."""
-        finished = self.batch.admit(joining)
-        rows = list(self.batch.rows)
-        if not rows:
-            return finished
-        speculate = self.batch.speculative and self.threshold.speculate(len(rows))
-        started = clock(self.batch.model.device)
-        finished += self.batch.step(speculate)
-        seconds = clock(self.batch.model.device) - started
-        if speculate:
-            accepted = [s.trace.accepted_per_round[-1] for s in rows]
-            self.threshold.record(len(rows), True, seconds, 1 + sum(accepted) / len(rows))
-            self._count(accepted)
-        else:
-            self.threshold.record(len(rows), False, seconds)
-        self.rounds["speculative" if speculate else "plain"] += 1
+        finished, record = schedule_round(self.batch, self.threshold, joining)
+        if record is not None:
+            if record.speculative:
+                self._count(list(record.accepted))
+            self.rounds["speculative" if record.speculative else "plain"] += 1
         return finished
 
     def _count(self, accepted: list[int]) -> None:

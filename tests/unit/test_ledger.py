@@ -49,3 +49,15 @@ def test_ledger_adds_up_across_steps():
 def test_step_cost_round_trips():
     cost = StepCost(4, {"extraction": 1.5, "training": 0.0}, 321, "3", 2.75, DecodingCost(0.002, 0.08, 4))
     assert StepCost.from_json(cost.to_json()) == cost
+
+
+def test_a_measured_saving_replaces_the_cost_models():
+    """A step the replay measured saved what the replay says (here less than the model's 25 s, and a loss is a loss);
+    a step without a replay keeps the model's figure."""
+    decoding = DecodingCost(0.01, 0.05, 4)
+    measured = StepCost(2, {"training": 10.0}, 5000, "1", 2.4, decoding, (), measured_saved_s=-0.75)
+    modeled = StepCost(3, {"training": 10.0}, 5000, "1", 2.4, decoding)
+    assert (measured.saved_s, measured.saving_measured) == (-0.75, True)
+    assert (modeled.saved_s, modeled.saving_measured) == (pytest.approx(25.0), False)
+    assert totals([measured, modeled]).saved_s == pytest.approx(24.25)
+    assert StepCost.from_json(measured.to_json()) == measured

@@ -9,16 +9,19 @@ import pytest
 
 from pipeline import report
 from pipeline.data.buffer import write_buffer
-from pipeline.data.keys import acceptance_key, drafter_key
+from pipeline.data.keys import acceptance_key, drafter_key, replay_key
 from pipeline.data.records import (
     AcceptanceRecord,
+    ArmReplay,
     BufferEntry,
     DrafterTau,
+    RolloutReplay,
     TauEstimate,
     TrainingRecord,
     write_record,
 )
 from pipeline.data.rollouts import Rollout, write_rollouts_file
+from pipeline.data.sampling import SamplingParams
 from pipeline.data.store import ObjectStore
 
 RUN = "r"
@@ -57,8 +60,29 @@ def test_step_row_reads_every_stage_of_the_step(store: ObjectStore) -> None:
         "acceptance_rate_cotrained": round((2.123456 - 1) / 4, 4),
         "eval_prompts_cotrained": 6, "eval_rounds_cotrained": 20,
         "tau_estimate_cotrained": {"tau": 2.0, "rollouts": 3, "positions": 40},
+        "tau_greedy_cotrained": 2.1235, "tau_greedy_served": report.NO_DRAFTER_TAU, "tau_greedy_baseline": 2.1235,
+        "sampling": "greedy", "draft_sample_method": "greedy",
+        **report.replay_fields(store, RUN, 3),  # no replay: every figure None
         **dict.fromkeys(report.TAIL_FIELDS),  # a step published whole: no tail, no refresh
     }
+    assert report.replay_fields(store, RUN, 3)["speedup_served"] is None
+
+
+def test_a_replay_gives_each_arms_seconds_and_the_measured_speedups(store: ObjectStore) -> None:
+    """Served 8 s against no drafter's 10 s: 1.25x; in the tail 2 s against 4 s: 2x; the never-retrained drafter
+    took as long as no drafter."""
+    none = ArmReplay(None, 10.0, 1000, 0, 900, 1.0, 4.0, 200, 0)
+    served = ArmReplay("1", 8.0, 1000, 300, 100, 2.5, 2.0, 200, 8)
+    write_record(store, replay_key(RUN, 1), RolloutReplay(1, 5, 1000, 4, SamplingParams(temperature=1.0), "greedy",
+                                                          {"none": none, "baseline": none, "served": served}))
+    fields = report.replay_fields(store, RUN, 1)
+    assert (fields["rollout_s_none"], fields["rollout_s_served"], fields["rollout_s_cotrained"]) == (10.0, 8.0, None)
+    assert (fields["speedup_served"], fields["speedup_served_tail"]) == (1.25, 2.0)
+    assert (fields["speedup_baseline"], fields["speedup_served_over_baseline"]) == (1.0, 1.25)
+    assert fields["speedup_cotrained"] is None
+    table = report.format_replay([{"step": 1, **fields}]).splitlines()
+    assert table[2].split() == ["1", "10.00", "10.00", "8.00", "-", "1.25x", "2.00x", "1.25x", "-x", "-x"]
+    assert report.replay_png([{"step": 1, **fields}]).startswith(b"\x89PNG")
 
 
 def test_tail_goals_average_the_ratios_over_steps_from_two() -> None:
@@ -97,10 +121,12 @@ def test_acceptance_rows_skip_steps_without_a_record(store: ObjectStore) -> None
 def test_format_table(store: ObjectStore) -> None:
     rows = [report.step_row(store, RUN, s) for s in (1, 2)]
     assert report.format_table(rows).splitlines() == [
-        "step samples buffer trained tau co-trained tau served tau baseline promoted",
-        "-" * 75,
-        "   1       5      4     yes           2.12       1.00         2.12      yes",
-        "   2       5      4      no           1.00       1.80         1.80       no",
+        "step samples buffer trained tau co-trained tau served tau baseline greedy co-tr promoted",
+        "-" * 88,
+        "   1       5      4     yes           2.12       1.00         2.12         2.12      yes",
+        "   2       5      4      no           1.00       1.80         1.80         1.00       no",
+        "(tau at the rollouts' sampling, greedy, greedy drafting, as vLLM verifies drafts; greedy co-tr: the "
+        "co-trained drafter at temperature 0)",
     ]
     with_reward = report.format_table([{**rows[0], "trl_mean_reward": 0.25}])
     assert with_reward.splitlines()[0].endswith("TRL reward")

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from pipeline.evaluation import speculative
+from pipeline.evaluation.scheduler import EXPLORE_EVERY, SpeculationThreshold, bucket
 from pipeline.models import target as target_lib
 from pipeline.serving import metrics as serving_metrics
-from pipeline.serving.engine import EXPLORE_EVERY, SpeculationThreshold, bucket
 from pipeline.serving.standin_replica import Replica, make_handler
 
 K = 3

@@ -1,0 +1,99 @@
+"""A step's rollouts replayed arm by arm: the rollout speedup measured, not modeled.
+
+After the step, on an idle decoder (the evaluation's process, running the stand-in fleet's own
+engine loop: `scheduler.schedule_round`), the step's requests are decoded again as the fleet
+decoded them: every rollout's prompt submitted at once, each ending at its rollout's length, each
+sampled at the rollouts' parameters from its own seed, speculation round by round where it pays.
+The same requests and seeds for every arm:
+
+    none       no drafter: plain decoding, the baseline every speedup is over
+    baseline   the first drafter, never retrained
+    served     what the fleet ran when the step was published: what its rollouts got
+    cotrained  the step's newest drafter
+
+Each arm's wall time and tokens, over the whole step (the full batch, shrinking as rollouts
+finish) and over its tail (the rounds with at most `TAIL_BATCH` requests left: the long rollouts
+that hold a reasoning step, at small batch, where speculation pays most). The ledger's saving is
+the served arm's seconds against none's: what the drafter saved on this step's rollouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from transformers import LlamaForCausalLM
+
+from pipeline.data.records import ArmReplay, RolloutReplay
+from pipeline.data.rollouts import Rollout
+from pipeline.data.sampling import DraftSampleMethod, SamplingParams
+from pipeline.evaluation.rejection_sampler import RequestSampling
+from pipeline.evaluation.scheduler import SpeculationThreshold, schedule_round
+from pipeline.evaluation.speculative import DecodingBatch, Request, Sequence, clock
+from pipeline.models.drafter import Proposer
+
+TAIL_BATCH = 4  # the tail: rounds with at most this many requests left
+ARMS = ("none", "baseline", "served", "cotrained")
+
+
+def step_requests(rollouts: list[Rollout], params: SamplingParams, seed: int, device: str) -> list[Request]:
+    """The step's rollouts as requests: each rollout's prompt, decoded to its response's length, seeded."""
+    import torch
+
+    return [Request(torch.tensor(r.input_ids[: max(1, r.prompt_len)]), max(1, sum(r.loss_mask)),
+                    RequestSampling.seeded(params, seed + i, device)) for i, r in enumerate(rollouts)]
+
+
+def replay_arm(model: LlamaForCausalLM, new_proposer: Callable[[], Proposer] | None, requests: list[Request], k: int,
+               draft_method: DraftSampleMethod, threshold: SpeculationThreshold, version: str | None) -> ArmReplay:
+    """Every request submitted at once and decoded to its end, round by round as the fleet's engine schedules
+    them; the seconds and tokens of all the rounds and of the tail's."""
+    batch = DecodingBatch(model, new_proposer, k, draft_method)
+    fresh = [Sequence(Request(r.prompt, r.max_tokens, RequestSampling(r.sampling.params,
+                                                                      _copy(r.sampling.generator))))
+             for r in requests]
+    tail_seconds = 0.0
+    tokens = tail_tokens = speculative = plain = accepted = 0
+    joining = fresh
+    started = clock(model.device)
+    while True:
+        _, record = schedule_round(batch, threshold, joining)  # the prefill joins first, timed with the rest
+        joining = []
+        if record is None:
+            break
+        tokens += record.tokens
+        if record.rows <= TAIL_BATCH:
+            tail_seconds += record.seconds
+            tail_tokens += record.tokens
+        if record.speculative:
+            speculative += record.rows
+            accepted += sum(record.accepted)
+        else:
+            plain += record.rows
+    seconds = clock(model.device) - started
+    first_tokens = len(fresh)  # each request's first token comes from its prefill, outside the rounds
+    return ArmReplay(version, round(seconds, 4), tokens + first_tokens, speculative, plain,
+                     round(1 + accepted / speculative, 4) if speculative else 1.0, round(tail_seconds, 4),
+                     tail_tokens, threshold.threshold)
+
+
+def _copy(generator):  # noqa: ANN001, ANN202 - a torch.Generator at the same point of its stream
+    import torch
+
+    copy = torch.Generator(device=generator.device)
+    copy.set_state(generator.get_state())
+    return copy
+
+
+def replay_step(model: LlamaForCausalLM, arms: dict[str, tuple[str | None, Callable[[], Proposer] | None]],
+                requests: list[Request], k: int, draft_method: DraftSampleMethod,
+                new_threshold: Callable[[], SpeculationThreshold], step: int, params: SamplingParams) -> RolloutReplay:
+    """Each arm (role -> its version and proposer factory; None: no drafter) replayed on the same requests; an arm
+    whose version another arm has is measured once."""
+    measured: dict[str | None, ArmReplay] = {}
+    out = {}
+    for role, (version, new_proposer) in arms.items():
+        if version not in measured:
+            measured[version] = replay_arm(model, new_proposer, requests, k, draft_method, new_threshold(), version)
+        out[role] = measured[version]
+    return RolloutReplay(step, len(requests), sum(r.max_tokens for r in requests), TAIL_BATCH, params, draft_method,
+                         out)

@@ -1,0 +1,128 @@
+"""How a round of a decoding batch is scheduled: speculative or plain, by a batch threshold measured as it runs.
+
+Above some batch size a speculative round costs more than the tokens it yields save (TLT turns
+speculation on only below a batch of 32): verifying k + 1 positions per row stops being free once
+the target's forward is no longer bound by reading its weights, and the drafter's k forwards grow
+with the batch too. `SpeculationThreshold` times both kinds of round at the batch sizes it sees and
+turns speculation off above the largest batch at which it pays. `schedule_round` runs one round of a
+`DecodingBatch` by that decision and says what it did: the stand-in's engine serves with it, and the
+replay of a step's rollouts (`replay.py`) measures with it, so both decide alike.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+from pipeline.evaluation.speculative import DecodingBatch, Sequence, clock
+
+EXPLORE_EVERY = 16  # every 16th round at a batch size runs the other kind, so both sides stay measured
+SMOOTHING = 0.3  # weight of the newest measurement in the running means
+
+
+def bucket(batch_size: int) -> int:
+    """The power of two at or above `batch_size`: batches of 5 to 8 rows are timed together as 8."""
+    return 1 << max(0, math.ceil(math.log2(batch_size)))
+
+
+class SpeculationThreshold:
+    """Whether a round at a batch size speculates: the decision and what it is measured from.
+
+    Per batch-size bucket b: s(b), the seconds of a speculative round, and p(b), of a plain round (one token
+    per row); over all speculative rounds tau, the tokens a row gets from one (1 + accepted drafts). A
+    speculative round pays at b when tau / s(b) > 1 / p(b): more tokens per second per row. The threshold is
+    the largest b up to which every measured bucket pays (0: speculation pays at no batch size); a round of
+    B rows speculates when B is at most the threshold. A bucket not yet measured on one side runs that side
+    first, and every EXPLORE_EVERY-th round at a bucket runs the other side, so a changed drafter or batch
+    composition moves the threshold. `fixed`: no measuring, speculate up to `fixed` rows (vLLM's way: a
+    configured threshold)."""
+
+    def __init__(self, fixed: int | None = None, explore_every: int = EXPLORE_EVERY,
+                 smoothing: float = SMOOTHING) -> None:
+        self.fixed, self.explore_every, self.smoothing = fixed, explore_every, smoothing
+        self._lock = threading.Lock()  # an engine records and decides while /metrics reads the threshold
+        self.speculative_s: dict[int, float] = {}
+        self.plain_s: dict[int, float] = {}
+        self.tau: float | None = None
+        self.rounds: dict[int, int] = {}
+
+    def _mean(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def record(self, batch_size: int, speculative: bool, seconds: float, tokens_per_row: float = 1.0) -> None:
+        """A round of `batch_size` rows took `seconds` and gave each row `tokens_per_row` tokens on average."""
+        b = bucket(batch_size)
+        with self._lock:
+            if speculative:
+                self.speculative_s[b] = self._mean(self.speculative_s.get(b), seconds)
+                self.tau = self._mean(self.tau, tokens_per_row)
+            else:
+                self.plain_s[b] = self._mean(self.plain_s.get(b), seconds)
+
+    def forget_acceptance(self) -> None:
+        """New weights (a drafter or a policy): the tokens a speculative round yields are measured again."""
+        with self._lock:
+            self.tau = None
+
+    def pays(self, b: int) -> bool | None:
+        """Whether speculation pays at bucket b; None while a side is not measured."""
+        if self.tau is None or b not in self.speculative_s or b not in self.plain_s:
+            return None
+        return self.tau * self.plain_s[b] > self.speculative_s[b]
+
+    @property
+    def threshold(self) -> int:
+        """The largest batch size whose rounds speculate."""
+        if self.fixed is not None:
+            return self.fixed
+        threshold = 0
+        with self._lock:
+            for b in sorted(set(self.speculative_s) & set(self.plain_s)):
+                if not self.pays(b):
+                    break
+                threshold = b
+        return threshold
+
+    def speculate(self, batch_size: int) -> bool:
+        """The decision for a round of `batch_size` rows."""
+        if self.fixed is not None:
+            return batch_size <= self.fixed
+        b = bucket(batch_size)
+        self.rounds[b] = self.rounds.get(b, 0) + 1
+        if self.tau is None or b not in self.speculative_s:
+            return True
+        if b not in self.plain_s:
+            return False
+        on = batch_size <= self.threshold
+        return not on if self.rounds[b] % self.explore_every == 0 else on
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """What one scheduled round did."""
+
+    rows: int  # requests it served
+    speculative: bool
+    seconds: float
+    tokens: int  # tokens it gave its rows, all together
+    accepted: tuple[int, ...]  # drafts each row kept (a speculative round; () for a plain one)
+
+
+def schedule_round(batch: DecodingBatch, threshold: SpeculationThreshold,
+                   joining: list[Sequence]) -> tuple[list[Sequence], RoundRecord | None]:
+    """Admit `joining`, then one round over the batch, speculative when a drafter is loaded and the threshold
+    says so -> the sequences that left, and what the round did (None when no row was left to run one)."""
+    finished = batch.admit(joining)
+    rows = list(batch.rows)
+    if not rows:
+        return finished, None
+    before = sum(len(s.trace.tokens) for s in rows)
+    speculate = batch.speculative and threshold.speculate(len(rows))
+    started = clock(batch.model.device)
+    finished += batch.step(speculate)
+    seconds = clock(batch.model.device) - started
+    tokens = sum(len(s.trace.tokens) for s in rows) - before
+    accepted = tuple(s.trace.accepted_per_round[-1] for s in rows) if speculate else ()
+    threshold.record(len(rows), speculate, seconds, 1 + sum(accepted) / len(rows) if speculate else 1.0)
+    return finished, RoundRecord(len(rows), speculate, seconds, tokens, accepted)

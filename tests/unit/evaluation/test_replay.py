@@ -1,0 +1,82 @@
+"""A step's rollouts replayed per drafter: every arm decodes the same requests, the tail is the small-batch rounds, and
+the speedups and the saving are read from the arms' own figures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from pipeline.data.records import ArmReplay, RolloutReplay
+from pipeline.data.rollouts import Rollout
+from pipeline.data.sampling import GREEDY, SamplingParams
+from pipeline.evaluation.replay import TAIL_BATCH, replay_arm, replay_step, step_requests
+from pipeline.evaluation.scheduler import SpeculationThreshold
+from pipeline.evaluation.speculative import follow_target
+from pipeline.models import target as target_lib
+from pipeline.models.eagle import EagleConfig, EagleDrafter
+
+V = 16
+LENGTHS = [2, 3, 3, 4, 9, 12]  # six requests: the batch shrinks to the tail's four after the first round or two
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaForCausalLM:
+    return target_lib.build_target(target_lib.tiny_llama_config(V, 16, 1, 2), seed=0)
+
+
+@pytest.fixture(scope="module")
+def proposer(target):
+    drafter = EagleDrafter(EagleConfig.from_target(target.config))
+    drafter.attach(target)
+    return follow_target(drafter, target)
+
+
+def rollouts() -> list[Rollout]:
+    return [Rollout.from_prompt_and_response(f"s{i}", [1 + i, 2], list(range(n)), 0.0, 1)
+            for i, n in enumerate(LENGTHS)]
+
+
+def test_an_arm_decodes_every_request_to_its_rollouts_length(target, proposer) -> None:
+    requests = step_requests(rollouts(), SamplingParams(temperature=1.0), seed=7, device="cpu")
+    assert [r.max_tokens for r in requests] == LENGTHS
+    plain = replay_arm(target, None, requests, 3, "greedy", SpeculationThreshold(), None)
+    assert plain.tokens == sum(LENGTHS)
+    assert (plain.speculative_rows, plain.tau) == (0, 1.0)
+    # every round serves each running request once: the first token comes from the prefill
+    assert plain.plain_rows == sum(n - 1 for n in LENGTHS)
+    assert 0 < plain.tail_seconds < plain.seconds
+    assert plain.tail_tokens == sum(max(0, n - max(LENGTHS[:-TAIL_BATCH])) for n in LENGTHS[-TAIL_BATCH:])
+    always = replay_arm(target, proposer, requests, 3, "greedy", SpeculationThreshold(fixed=64), "3")
+    assert always.tokens == sum(LENGTHS)  # the same work, in fewer rounds when drafts are kept
+    assert always.plain_rows == 0
+    assert always.speculative_rows <= plain.plain_rows
+    assert always.version == "3"
+
+
+def test_the_arms_share_requests_and_seeds_and_one_version_is_measured_once(target, proposer) -> None:
+    """Replaying leaves the requests' streams where they were: each arm starts from the same seeds; two roles with
+    the same drafter are one measurement."""
+    requests = step_requests(rollouts(), SamplingParams(temperature=1.0), seed=7, device="cpu")
+    states = [r.sampling.generator.get_state() for r in requests]
+    arms = {"none": (None, None), "baseline": ("1", proposer), "served": ("1", proposer), "cotrained": ("2", proposer)}
+    record = replay_step(target, arms, requests, 3, "greedy", lambda: SpeculationThreshold(fixed=64), 5,
+                         SamplingParams(temperature=1.0))
+    assert all(torch.equal(s, r.sampling.generator.get_state()) for s, r in zip(states, requests, strict=True))
+    assert record.arms["baseline"] is record.arms["served"]
+    assert record.arms["cotrained"] is not record.arms["served"]
+    assert {a.tokens for a in record.arms.values()} == {sum(LENGTHS)} == {record.tokens}
+    assert (record.step, record.requests, record.tail_batch) == (5, len(LENGTHS), TAIL_BATCH)
+
+
+def test_speedups_and_the_saving_are_read_from_the_arms() -> None:
+    """tokens/s of an arm over no speculation's, whole or in the tail; the saving is the served arm's seconds less."""
+    none = ArmReplay(None, 10.0, 1000, 0, 900, 1.0, 4.0, 200, 0)
+    served = ArmReplay("3", 8.0, 1000, 300, 100, 2.5, 2.0, 200, 8)
+    record = RolloutReplay(2, 96, 1000, 4, GREEDY, "greedy", {"none": none, "served": served, "baseline": none})
+    assert record.speedup("served") == pytest.approx(1.25)
+    assert record.speedup("served", tail=True) == pytest.approx(2.0)
+    assert record.speedup("served", over="baseline") == pytest.approx(1.25)
+    assert record.speedup("cotrained") is None  # no such arm
+    assert record.saved_s == pytest.approx(2.0)
+    assert RolloutReplay.from_json(record.to_json()) == record
