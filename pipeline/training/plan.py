@@ -13,7 +13,7 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from pipeline.config import PipelineConfig, TrainConfig, parse_config
+from pipeline.config import PipelineConfig, TrainConfig, parse_resolved_config
 from pipeline.cost import DecodingCost
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.buffer import read_buffer
@@ -122,7 +122,9 @@ class TrainJob:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, doc: dict) -> TrainJob:
+    def from_dict(cls, doc: object) -> TrainJob:
+        if not isinstance(doc, dict):
+            raise ValueError(f"no training job: the Pipes extra `job` is a {type(doc).__name__}")
         optional = {"tags", "requested_by", "refresh"}
         missing = sorted({f.name for f in fields(cls) if f.name not in optional} - set(doc))
         if missing:
@@ -134,7 +136,7 @@ class TrainJob:
 
     @property
     def pipeline_config(self) -> PipelineConfig:
-        return parse_config(self.config)
+        return parse_resolved_config(self.config, f"the training job of step {self.step}")
 
 
 @dataclass(frozen=True)
