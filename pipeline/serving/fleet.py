@@ -49,6 +49,7 @@ from typing import Literal, Protocol
 
 from pipeline.config import PROJECT_ROOT
 from pipeline.data.records import DeployReport, ReplicaDeploy, UpdateKind
+from pipeline.rendezvous import private_dir, private_file
 from pipeline.serving import metrics as serving_metrics
 
 UpdateMode = Literal["hot", "restart"]
@@ -151,8 +152,8 @@ class StandInDriver:
 
     def restart(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> None:
         self.stop(replica)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        log = (self.state_dir / f"{replica.name}.log").open("ab")
+        # Its pid file says which process `stop` signals: a folder of this user's alone (rendezvous.private_dir).
+        log = private_file(private_dir(self.state_dir) / f"{replica.name}.log")
         env = {k: v for k, v in os.environ.items() if k != DEV_MODE_ENV}
         if self.dev_mode:
             env[DEV_MODE_ENV] = "1"
