@@ -396,6 +396,12 @@ class FleetConfig(_Strict):
         default="", description="`command` driver: start vLLM in dev mode (VLLM_SERVER_DEV_MODE=1) with "
         "`--weight-transfer-config {\"backend\": ...}`, so its replicas take hot updates; empty: started as before."
     )
+    dev_routes_guarded: bool = Field(
+        default=False, description="`command` with `hot`: the operator's statement that only the orchestrator can "
+        "reach vLLM's dev-mode routes of replicas off loopback (an authenticating proxy or a network policy; vLLM's "
+        "own API key covers /v1/* only, docs/production.md#the-serving-fleets-network-and-keys); without it such a "
+        "deploy is refused."
+    )
     replicas: list[ReplicaConfig] = Field(
         default_factory=lambda: [
             ReplicaConfig(name="standin-0", port=8101), ReplicaConfig(name="standin-1", port=8102),

@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -51,6 +53,51 @@ def make_driver(cfg: PipelineConfig) -> ReplicaDriver:
         return CommandDriver(cfg.fleet.command, cfg.drafter.kind, k, cfg.fleet.weight_transfer_backend)
     # Stand-ins serve the weight-update routes (as vLLM in dev mode) when the fleet updates hot.
     return StandInDriver(k, cfg.data_path / "fleet" / "replicas", dev_mode=cfg.fleet.update == "hot")
+
+
+class ExposedRoutes(ValueError):
+    """The fleet's configuration would leave a replica's control routes (vLLM's dev-mode weight-update routes,
+    which pause serving and load weights) or its key-guarded routes open to whoever reaches its port."""
+
+
+def exposed_routes(cfg: PipelineConfig, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Why each replica's routes would be open (none: the deploy may go). A replica naming a key variable must
+    have the key; with hot updates, a replica off loopback needs a key, and a real vLLM's (whose key covers only
+    /v1/*) needs `fleet.dev_routes_guarded`: the operator's statement that only the orchestrator reaches them."""
+    environ = os.environ if environ is None else environ
+    fleet = cfg.fleet
+    hot = fleet.driver != "none" and fleet.update == "hot"
+    problems = []
+    for r in fleet.replicas:
+        keyed = bool(environ.get(r.api_key_env)) if r.api_key_env else False
+        if r.api_key_env and not keyed:
+            problems.append(f"replica {r.name}: fleet.replicas[].api_key_env names {r.api_key_env}, which is not set "
+                            "here: the replica would serve without its key")
+        elif hot and not _loopback(r.host) and not keyed:
+            problems.append(f"replica {r.name} on {r.host}: hot updates use the dev-mode routes, which pause serving "
+                            "and load weights; off loopback they need an API key (fleet.replicas[].api_key_env)")
+        if hot and fleet.driver == "command" and not _loopback(r.host) and not fleet.dev_routes_guarded:
+            problems.append(f"replica {r.name} on {r.host}: vLLM's API key guards /v1/* only, not its dev-mode "
+                            "routes; put them behind an authenticating proxy or a network policy that admits the "
+                            "orchestrator alone and set fleet.dev_routes_guarded (docs/production.md), or use "
+                            "fleet.update restart")
+    return problems
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost: whatever it resolves to, reachable beyond this machine
+
+
+def check_exposure(cfg: PipelineConfig) -> None:
+    """ExposedRoutes naming every replica whose routes the configuration leaves open."""
+    if problems := exposed_routes(cfg):
+        raise ExposedRoutes("the fleet's configuration exposes control routes; nothing was deployed: "
+                            + "; ".join(problems))
 
 
 def gate_config(cfg: PipelineConfig) -> GateConfig:
@@ -140,7 +187,9 @@ def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, v
     deploy at a time per fleet (the champion's and a refresh's alike hold the fleet's lease); `fence`, asked
     under the lease, names why the version must not go (DeploySuperseded), or None. `serving`, asked under the
     lease, is the policy to serve (a refresh's: its step's, published with its first part); by default the
-    newest committed step's."""
+    newest committed step's. A configuration that exposes a replica's control routes is refused before anything
+    is touched (`exposed_routes`)."""
+    check_exposure(cfg)
     with hold(store, fleet_prefix(cfg.run), f"deploy-v{version}-{uuid.uuid4().hex[:8]}", cfg.storage.step_lease_s,
               cfg.storage.step_lease_wait_s):
         if fence is not None and (why := fence()):
