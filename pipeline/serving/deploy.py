@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.config import PipelineConfig
+from pipeline.data import order
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.held_out import held_out_prompts
 from pipeline.data.keys import fleet_prefix, fleet_state_key, rollouts_root
@@ -141,12 +142,13 @@ class ServedPolicy:
 
 
 def served_policy(store: ObjectStore, cfg: PipelineConfig) -> ServedPolicy:
-    steps = rollouts_lib.committed_steps(store, cfg.run)
-    if not steps:
+    """The policy of the step committed last (by the store's commit time, not the step's number)."""
+    step = order.newest_committed(store, cfg.run)
+    if step is None:
         raise ValueError(f"no committed RL step under {rollouts_root(cfg.run)}/: no policy for the fleet to serve")
-    pointer = rollouts_lib.read_policy_pointer(store, cfg.run, steps[-1])
-    return ServedPolicy(steps[-1], store.resolve(pointer.checkpoint_uri),
-                        [p.tolist() for p in held_out_prompts(store, cfg, steps[-1])])
+    pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
+    return ServedPolicy(step, store.resolve(pointer.checkpoint_uri),
+                        [p.tolist() for p in held_out_prompts(store, cfg, step)])
 
 
 def record_live(
