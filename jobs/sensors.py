@@ -13,8 +13,7 @@ from pipeline import refresh as refresh_lib
 from pipeline.config import PipelineConfig
 from pipeline.data import order
 from pipeline.data.keys import is_step_key, malformed_step_names, parse_step_key, rollouts_root, step_key
-from pipeline.data.records import RecordError
-from pipeline.data.rollouts import RolloutsError, is_committed
+from pipeline.data.rollouts import is_committed
 from pipeline.serving import deploy
 from pipeline.serving.fleet import scrape
 from pipeline.serving.metrics import SpecCounters
@@ -141,7 +140,7 @@ def refresh_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResour
     for first_seen, step in sorted(open_steps):
         try:
             q = refresh_lib.qualified_parts(store, cfg, step)
-        except (RolloutsError, RecordError) as exc:  # one step's bad files stop no other step's refresh
+        except (ValueError, OSError) as exc:  # one step's bad files (RolloutsError, LayoutError) stop no other step
             context.log.warning(f"{step_key(step)} is not refreshed: {exc}")
             passed.append(f"{step_key(step)} refused ({exc.__class__.__name__})")
             continue

@@ -37,7 +37,7 @@ import time
 from dataclasses import replace
 
 from pipeline.config import PipelineConfig
-from pipeline.data import order
+from pipeline.data import order, run_layout
 from pipeline.data import parts as parts_lib
 from pipeline.data.held_out import held_out_rollouts
 from pipeline.data.keys import refresh_data_run, refresh_key
@@ -54,12 +54,20 @@ REFRESH_WARMUP_STEPS = 2  # a refresh is a few dozen iterations: most of them at
 
 def qualified_parts(store: ObjectStore, cfg: PipelineConfig, step: int) -> Qualified | None:
     """The step's qualifying parts as its stored manifests say (manifests never change: the same answer on
-    every read); None before the share is reached or for a step published whole."""
+    every read), each then checked against its rollouts (digest, rows, response tokens) under the limits of the
+    policy the step names (its config.json, not the limits the step's record claims); None before the share is
+    reached or for a step published whole. RolloutsError or LayoutError naming the file that does not hold."""
     step_parts = parts_lib.read_step_parts(store, cfg.run, step)
     if step_parts is None:
         return None
-    return qualify(parts_lib.published_parts(store, cfg.run, step), step_parts, cfg.refresh.min_share,
-                   cfg.refresh.min_tokens)
+    step_parts = replace(step_parts, limits=run_layout.checkpoint_limits(store, step_parts.pointer.checkpoint_uri))
+    manifests = parts_lib.published_parts(store, cfg.run, step)
+    q = qualify(manifests, step_parts, cfg.refresh.min_share, cfg.refresh.min_tokens)
+    if q is not None:
+        by_part = {m.part: m for m in manifests}
+        for part in q.parts:
+            parts_lib.read_part(store, cfg.run, step, by_part[part], step_parts.limits)
+    return q
 
 
 def part_rollouts(store: ObjectStore, run: str, step: int, parts: tuple[int, ...],

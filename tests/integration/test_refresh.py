@@ -21,7 +21,7 @@ from jobs.sensors import REFRESH_SENSOR_NAME, refresh_sensor
 from pipeline.client import publish_rollouts_part
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data import parts as parts_lib
-from pipeline.data.keys import parts_step_key, step_key
+from pipeline.data.keys import part_manifest_key, parts_prefix, parts_step_key, step_key
 from pipeline.data.records import read_fleet_state, read_refresh, read_tail
 from pipeline.data.rollouts import is_committed
 from pipeline.data.store import ObjectStore, open_store
@@ -260,3 +260,21 @@ def test_a_refresh_of_a_step_numbered_ten_to_the_twelve_holds_no_later_step_back
         steps.first_half(2, 500.0)  # seen before the step refreshed last: its tail is out already
         assert isinstance(_refresh_tick(steps.defs, instance, json.dumps(
             {"first_seen_at": 2000.0, "step": 3})), dg.SkipReason)
+
+
+@pytest.mark.reliability("bad_input", "an open step whose part manifest lies (1,000 rows over 4) and a file named "
+                                      "part-².json: the refresh sensor refreshes the other steps, never raises")
+def test_one_steps_bad_part_files_hold_no_other_refresh_back(tmp_path: Path) -> None:
+    steps = _open_steps(tmp_path)
+    store, run = steps.store, steps.cfg.run
+    steps.first_half(3, 1000.0)
+    store.write_bytes(f"{parts_prefix(run, 3)}/part-².json", b"{}")
+    publish_rollouts_part(store, run, 4, 0, [ok("s4-0")], steps.checkpoint, policy_version=4, model_id="tiny",
+                          expected_rollouts=8)
+    manifest = part_manifest_key(run, 4, 0)
+    store.write_json(manifest, {**store.read_json(manifest), "rows": 1000, "response_tokens": 2000})
+    os.utime(store.local_path(parts_step_key(run, 4)), (2000.0, 2000.0))
+    with dg.instance_for_test() as instance:
+        tick = _refresh_tick(steps.defs, instance, None)
+        assert [r.run_key for r in tick.run_requests] == ["refresh:step-000003"]
+    assert read_refresh(store, run, 3) is None  # requested, not recorded as skipped behind step 4
