@@ -151,6 +151,21 @@ def served_policy(store: ObjectStore, cfg: PipelineConfig) -> ServedPolicy:
                         [p.tolist() for p in held_out_prompts(store, cfg, step)])
 
 
+def recorded_replicas(store: ObjectStore, cfg: PipelineConfig, replicas: tuple[ReplicaDeploy, ...],
+                      serving: str) -> dict[str, ReplicaDeploy]:
+    """What the fleet's state says each replica runs, read as untrusted input: a recorded policy is kept only if
+    it is one this run committed (a step's policy pointer, resolved) or the one being served; any other path is
+    dropped (the replica's policy then counts as unknown, and it restarts), so no path written into
+    state.json reaches /update_weights or a `vllm serve` command line."""
+    known = {serving}
+    for step in rollouts_lib.committed_steps(store, cfg.run):
+        try:
+            known.add(store.resolve(rollouts_lib.read_policy_pointer(store, cfg.run, step).checkpoint_uri))
+        except ValueError:  # a step refused at its commit point was never served
+            continue
+    return {r.replica: r if r.target in known else replace(r, target="") for r in replicas}
+
+
 def record_live(
     store: ObjectStore, run: str, registry: DrafterRegistry, version: str, policy_step: int, report: DeployReport,
     live_counters: dict[str, dict] | None = None,
@@ -198,7 +213,7 @@ def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, v
             raise DeploySuperseded(why)
         staged = stage_versions(cfg, registry, version)
         policy = serving() if serving is not None else served_policy(store, cfg)
-        recorded = {r.replica: r for r in read_fleet_state(store, cfg.run).replicas}
+        recorded = recorded_replicas(store, cfg, read_fleet_state(store, cfg.run).replicas, policy.target)
         try:
             report = rolling_deploy(replicas(cfg), driver or make_driver(cfg), policy.target, version,
                                     str(staged.directory), staged.previous, gate_config(cfg), policy.canary_prompts,

@@ -10,6 +10,7 @@ import json
 import re
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ import torch
 
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data.keys import fleet_state_key
-from pipeline.data.records import FleetState, write_record
+from pipeline.data.records import FleetState, ReplicaDeploy, read_fleet_state, write_record
+from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
 from pipeline.data.store import open_store
 from pipeline.evaluation import speculative
 from pipeline.models.target import build_target, tiny_llama_config
@@ -327,3 +329,23 @@ def test_live_tau_is_read_from_the_replicas_metrics_where_the_fleet_runs_the_ver
     assert deploy.live_tau(cfg, store, "1") == pytest.approx(served.mean_acceptance_length)
     driver.stop(replicas[1])  # an unreachable replica has no say
     assert deploy.live_tau(cfg, store, "1") is None
+
+
+@pytest.mark.parametrize("planted", ["/etc", "file:///home/someone/their-policy", "s3://elsewhere/p", "; rm -rf ~"])
+def test_a_recorded_policy_the_run_never_committed_is_not_trusted(planted: str, tmp_path: Path, reliability) -> None:
+    """fleet/<run>/state.json is read as untrusted input: a replica's recorded policy is used (for a hot update's
+    /update_weights, a restart's `vllm serve` line) only if it is one of the run's committed policies."""
+    reliability.bad_input(f"fleet/<run>/state.json naming a policy the run never committed ({planted}): not sent "
+                          "to a replica, the replica restarts on the served policy")
+    cfg = load_config(overrides={"data_dir": str(tmp_path)})
+    store = open_store(cfg)
+    rows = [Rollout(f"s{i}", [1, 2, 3, 4], [0, 0, 1, 1], 0.5, 1) for i in range(3)]
+    write_rollouts(store, cfg.run, 1, rows, PolicyPointer(1, f"policies/{cfg.run}/step-000001", "m"))
+    committed = store.resolve(f"policies/{cfg.run}/step-000001")
+    entry = ReplicaDeploy("standin-0", "3", 2.0, 1.0, False, "hot", "", 0.0, committed)
+    write_record(store, fleet_state_key(cfg.run), FleetState("3", 1, 1.0, (entry, replace(
+        entry, replica="standin-1", target=planted))))
+
+    recorded = deploy.recorded_replicas(store, cfg, read_fleet_state(store, cfg.run).replicas, committed)
+    assert recorded["standin-0"].target == committed
+    assert recorded["standin-1"].target == ""  # unknown: `rolling_deploy` restarts it on the served policy
