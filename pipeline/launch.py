@@ -58,7 +58,8 @@ class StageJob:
                            "never defaults")
         step, part, spent, tags = doc["step"], doc["part"], doc["spent_s"], doc["tags"]
         problems = [
-            *([] if doc["stage"] in WORKERS else [f"stage {doc['stage']!r} is not one of {', '.join(WORKERS)}"]),
+            *([] if isinstance(doc["stage"], str) and doc["stage"] in WORKERS else
+              [f"stage {doc['stage']!r} is not one of {', '.join(WORKERS)}"]),
             *([] if stage is None or doc["stage"] == stage else [f"it is a {doc['stage']} job, sent to {stage}"]),
             *([] if _is_int(step) and step >= 0 else ["step must be an integer >= 0"]),
             *([] if isinstance(doc["config"], dict) else ["config must be a mapping"]),
