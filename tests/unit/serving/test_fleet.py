@@ -229,7 +229,8 @@ def _fleet(driver: str, host: str, key_env: str = "", **fleet: object) -> Pipeli
     pytest.param(_fleet("command", "::1", weight_transfer_backend="disk"), {}, None, id="vllm-loopback"),
 ])
 def test_a_fleet_configuration_exposing_control_routes_is_refused(
-    cfg: PipelineConfig, environ: dict, refused: str | None, monkeypatch: pytest.MonkeyPatch, reliability
+    cfg: PipelineConfig, environ: dict, refused: str | None, monkeypatch: pytest.MonkeyPatch, reliability,
+    request: pytest.FixtureRequest,
 ) -> None:
     """Hot updates rely on routes that pause serving and load weights: off loopback a replica must ask for a key,
     and a real vLLM (whose key guards /v1/* only) must have those routes guarded by the deployment. The deploy
@@ -238,8 +239,8 @@ def test_a_fleet_configuration_exposing_control_routes_is_refused(
     if refused is None:
         assert problems == []
         return
-    reliability.security(f"a fleet configuration exposing control routes ({refused.replace(chr(92), '')}): deploy "
-                         "refused")
+    reliability.security(f"a fleet configuration exposing control routes ({request.node.callspec.id}: "
+                         f"{refused.replace(chr(92), '')}): deploy refused")
     assert len(problems) == 1
     assert re.search(refused, problems[0])
     assert problems[0].startswith("replica r0")
