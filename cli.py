@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # imported where used: `cli.py --help` starts without them
     import dagster as dg
 
     from pipeline.data.records import ReplicaDeploy
+    from pipeline.data.store import ObjectStore
     from pipeline.registry import DrafterRegistry
 
 ROOT = Path(__file__).resolve().parent
@@ -212,14 +213,15 @@ class _RefreshProcess:
         if self.process.poll() is not None:
             raise RuntimeError(f"the refresh process exited with {self.process.returncode}; see {self.log}")
 
-    def wait_for_champion(self, registry: DrafterRegistry, timeout_s: float = FLEET_WAIT_S) -> None:
+    def wait_for_champion(self, store: ObjectStore, run: str, registry: DrafterRegistry,
+                          timeout_s: float = FLEET_WAIT_S) -> None:
         """Until the fleet runs the champion (its deploy is this process's) or a refreshed drafter newer than it
         (which the champion does not replace), or the process has failed."""
         from pipeline.refresh import newer_live_refresh
 
         deadline = time.monotonic() + timeout_s
         while (champion := registry.alias_version("champion")) and champion != registry.alias_version("live") \
-                and not newer_live_refresh(registry, champion):
+                and not newer_live_refresh(store, run, registry, champion):
             self.raise_if_failed()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the fleet did not run the champion within {timeout_s:.0f} s; see {self.log}")
@@ -463,7 +465,7 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
                 time.sleep(PIPELINE_TICK_S)  # nothing new committed: wait for the source
         paced.stop()
         if refreshes:
-            refreshes.wait_for_champion(registry)  # the last step's drafter reaches the fleet
+            refreshes.wait_for_champion(store, cfg.run, registry)  # the last step's drafter reaches the fleet
         if source == "trl":
             rl.finish()  # TRL's last optimizer step
         fleet_state = read_fleet_state(store, cfg.run).replicas if with_fleet else ()

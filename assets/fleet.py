@@ -34,11 +34,11 @@ class DeployConfig(dg.Config):
 )
 def fleet(context: dg.AssetExecutionContext, config: DeployConfig, pipeline: PipelineResource) -> dg.MaterializeResult:
     """Rolling update to `config.version`; the registry's `live` alias follows only a full success."""
-    cfg, registry = pipeline.config, pipeline.registry()
+    cfg, registry, store = pipeline.config, pipeline.registry(), pipeline.store()
     # A refreshed drafter of a newer step than the version is not replaced by it (the refresh serves that step).
     try:
-        report = deploy.deploy(cfg, pipeline.store(), registry, config.version,
-                               fence=lambda: refresh_lib.newer_live_refresh(registry, config.version))
+        report = deploy.deploy(cfg, store, registry, config.version,
+                               fence=lambda: refresh_lib.newer_live_refresh(store, cfg.run, registry, config.version))
     except deploy.DeploySuperseded as exc:  # nothing was touched: the fleet keeps the newer drafter
         context.log.info(f"version {config.version} not deployed: {exc}")
         return dg.MaterializeResult(metadata={"version": registry.alias_version("live") or "none",

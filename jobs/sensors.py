@@ -11,8 +11,9 @@ from assets.partitions import RETRAIN_TAG, rl_step
 from jobs import deploy_job, refresh_job, rl_step_job
 from pipeline import refresh as refresh_lib
 from pipeline.config import PipelineConfig
+from pipeline.data import order
 from pipeline.data.keys import is_step_key, malformed_step_names, parse_step_key, rollouts_root, step_key
-from pipeline.data.rollouts import committed_steps, is_committed
+from pipeline.data.rollouts import is_committed
 from pipeline.serving import deploy
 from pipeline.serving.fleet import scrape
 from pipeline.serving.metrics import SpecCounters
@@ -36,26 +37,39 @@ IN_PROGRESS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.D
 )
 def rl_step_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResource) -> dg.SensorResult | dg.SkipReason:
     cfg = pipeline.config
-    last_seen = int(context.cursor) if context.cursor else 0
-    # Past the cursor, or behind it but never added (a trainer that committed steps out of order):
-    # none is skipped, and run_key = the step keeps any from being requested twice.
+    seen, _ = _cursor_rank(context.cursor, "committed_at")
+    # Every committed step whose partition is not added yet (a trainer that committed steps out of order, or
+    # late), and those committed since the last tick, in the order the store saw their commits: never by the
+    # step numbers, which the trainer chose. run_key = the step keeps any from being requested twice.
     known = set(context.instance.get_dynamic_partitions(rl_step.name))
     store = pipeline.store()
-    new = [s for s in committed_steps(store, cfg.run) if s > last_seen or step_key(s) not in known]
+    committed = [(order.committed_at(store, cfg.run, s), s) for s in order.commit_order(store, cfg.run)]
+    new = [s for at, s in committed if at > seen or step_key(s) not in known]
     malformed = malformed_step_names(store.list_dirs(rollouts_root(cfg.run)))
     ignored = (f"; ignored {len(malformed)} step director(ies) whose name is not 'step-' and the step in six "
                f"digits, up to int64 (e.g. step-000001): {', '.join(malformed[:10])}") if malformed else ""
     if ignored:
         context.log.warning(f"{rollouts_root(cfg.run)}/{ignored[1:]}")
     if not new:
-        return dg.SkipReason(f"no committed RL step after {step_key(last_seen)} under {rollouts_root(cfg.run)}/"
-                             f"{ignored}")
+        return dg.SkipReason(f"no RL step committed under {rollouts_root(cfg.run)}/ since the last one seen "
+                             f"({step_key(committed[-1][1]) if committed else 'none'}){ignored}")
     keys = [step_key(s) for s in new]
     return dg.SensorResult(
         run_requests=[dg.RunRequest(partition_key=k, run_key=k) for k in keys],
         dynamic_partitions_requests=[rl_step.build_add_request(keys)],
-        cursor=str(max(new[-1], last_seen)),
+        cursor=json.dumps({"committed_at": max(seen, committed[-1][0]), "step": committed[-1][1]}),
     )
+
+
+def _cursor_rank(cursor: str | None, at: str) -> tuple[float, int]:
+    """(store time, step) a sensor's cursor holds (`{at: seconds, "step": n}`); (0, -1) for none, or a cursor
+    of another form (one written before the cursors held times: every step is considered again, and run keys
+    drop repeats)."""
+    try:
+        doc = json.loads(cursor) if cursor else {}
+        return float(doc[at]), int(doc.get("step", -1))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return 0.0, -1
 
 
 @dg.sensor(
@@ -76,7 +90,8 @@ def champion_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResou
         return dg.SkipReason(f"{registry.model_name} has no `champion` alias yet")
     if champion == context.cursor:
         return dg.SkipReason(f"champion {registry.model_name} version {champion} already requested")
-    if newer := refresh_lib.newer_live_refresh(registry, champion):  # the cursor stays: a later champion goes
+    # The cursor stays: a later champion goes.
+    if newer := refresh_lib.newer_live_refresh(pipeline.store(), cfg.run, registry, champion):
         return dg.SkipReason(f"champion version {champion} waits: {newer}")
     return dg.SensorResult(
         run_requests=[
@@ -106,7 +121,7 @@ def refresh_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResour
     if cfg.fleet.driver == "none" or not cfg.train.enable_drafter_training:
         return dg.SkipReason("refresh.enabled, but there is no fleet to refresh (fleet.driver none) or drafter "
                              "training is off (train.enable_drafter_training false)")
-    last = int(context.cursor) if context.cursor else 0
+    seen = _cursor_rank(context.cursor, "first_seen_at")
     # One refresh at a time per run: while one is queued or running, the next waits for it (its request comes
     # on a later tick, for the newest step that qualifies by then).
     running = context.instance.get_runs(dg.RunsFilter(job_name=refresh_job.name, statuses=IN_PROGRESS), limit=1)
@@ -114,26 +129,37 @@ def refresh_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResour
         return dg.SkipReason(f"a refresh run is in progress ({running[0].tags.get('refresh_step', '?')}, run "
                              f"{running[0].run_id[:8]}): one refresh at a time; the newest qualifying step goes next")
     store = pipeline.store()
-    # Only steps still generating: once committed, the step's own run trains on all of it.
-    open_steps = [parse_step_key(n) for n in store.list_dirs(rollouts_root(cfg.run)) if is_step_key(n)]
-    open_steps = [s for s in sorted(open_steps) if s > last and not is_committed(store, cfg.run, s)]
-    qualified, seen = [], []
-    for step in open_steps:
-        q = refresh_lib.qualified_parts(store, cfg, step)
+    # Only steps still generating (once committed, the step's own run trains on all of it), first seen by the
+    # store after the step refreshed last, oldest first: the store's order, never the steps' numbers.
+    open_steps = []
+    for step in (parse_step_key(n) for n in store.list_dirs(rollouts_root(cfg.run)) if is_step_key(n)):
+        first_seen = order.first_seen_at(store, cfg.run, step)
+        if first_seen is not None and (first_seen, step) > seen and not is_committed(store, cfg.run, step):
+            open_steps.append((first_seen, step))
+    qualified, passed = [], []
+    for first_seen, step in sorted(open_steps):
+        try:
+            q = refresh_lib.qualified_parts(store, cfg, step)
+        except (ValueError, OSError) as exc:  # one step's bad files (RolloutsError, LayoutError) stop no other step
+            context.log.warning(f"{step_key(step)} is not refreshed: {exc}")
+            passed.append(f"{step_key(step)} refused ({exc.__class__.__name__})")
+            continue
         if q is None:
-            seen.append(f"{step_key(step)} below refresh.min_share")
+            passed.append(f"{step_key(step)} below refresh.min_share")
         else:
-            qualified.append(q)
+            qualified.append((first_seen, q))
     if not qualified:
-        return dg.SkipReason(f"no step to refresh after {step_key(last)}: {', '.join(seen) or 'no open step'}")
+        return dg.SkipReason(f"no step to refresh first seen since the last refreshed one: "
+                             f"{', '.join(passed) or 'no open step'}")
     # Only the newest: an older open step's tail is out before a refresh of it could serve it.
-    q = qualified[-1]
-    for older in qualified[:-1]:
+    first_seen, q = qualified[-1]
+    for _, older in qualified[:-1]:
         refresh_lib.record_skipped(store, cfg, older, f"skipped: {step_key(q.step)} qualified as well; one refresh "
                                    f"at a time, the newest open step's")
     return dg.SensorResult(run_requests=[dg.RunRequest(
         run_key=f"refresh:{step_key(q.step)}", tags={"refresh_step": step_key(q.step), "refresh_part": str(q.part)},
-        run_config={"ops": {"refreshed_drafter": {"config": {"step": q.step, "part": q.part}}}})], cursor=str(q.step))
+        run_config={"ops": {"refreshed_drafter": {"config": {"step": q.step, "part": q.part}}}})],
+        cursor=json.dumps({"first_seen_at": first_seen, "step": q.step}))
 
 
 @dg.sensor(
@@ -153,13 +179,14 @@ def live_tau_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResou
     events = [dg.AssetObservation(asset_key="fleet", metadata=scraped.metadata)] if scraped.metadata else []
     requests = []
     floor = cfg.fleet.live_tau_floor
-    steps = committed_steps(pipeline.store(), cfg.run) if taus and floor and sum(taus) / len(taus) < floor else []
-    if steps:
+    newest = order.newest_committed(pipeline.store(), cfg.run) if taus and floor and sum(taus) / len(taus) < floor \
+        else None
+    if newest is not None:
         requests.append(dg.RunRequest(
             # One retraining per step: the daemon drops repeats of a run_key. The reason tag makes the
             # drafter asset train (it is part of the training's input identity) and says why.
-            partition_key=step_key(steps[-1]),
-            run_key=f"retrain:{step_key(steps[-1])}",
+            partition_key=step_key(newest),
+            run_key=f"retrain:{step_key(newest)}",
             asset_selection=[dg.AssetKey("drafter"), dg.AssetKey("acceptance")],
             tags={RETRAIN_TAG: f"live tau {sum(taus) / len(taus):.2f} < fleet.live_tau_floor {floor}"},
         ))

@@ -431,6 +431,12 @@ class FleetConfig(_Strict):
         default="", description="`command` driver: start vLLM in dev mode (VLLM_SERVER_DEV_MODE=1) with "
         "`--weight-transfer-config {\"backend\": ...}`, so its replicas take hot updates; empty: started as before."
     )
+    dev_routes_guarded: bool = Field(
+        default=False, description="`command` with `hot`: the operator's statement that only the orchestrator can "
+        "reach vLLM's dev-mode routes of replicas off loopback (an authenticating proxy or a network policy; vLLM's "
+        "own API key covers /v1/* only, docs/production.md#the-serving-fleets-network-and-keys); without it such a "
+        "deploy is refused."
+    )
     replicas: list[ReplicaConfig] = Field(
         default_factory=lambda: [
             ReplicaConfig(name="standin-0", port=8101), ReplicaConfig(name="standin-1", port=8102),
@@ -757,6 +763,40 @@ def parse_config(data: dict[str, Any]) -> PipelineConfig:
             key = ".".join(str(part) for part in err["loc"]) or "<root>"
             problems.append(f"{key}: {err['msg']}")
         raise ConfigError("invalid pipeline config: " + "; ".join(problems)) from None
+
+
+def missing_keys(model: type[BaseModel], data: Any, where: str = "") -> list[str]:
+    """The dotted keys of `model` (and of every model nested in it, in lists too) that `data` leaves out."""
+    if not isinstance(data, dict):
+        return []
+    missing = []
+    for name, field in model.model_fields.items():
+        key = f"{where}{name}"
+        if name not in data:
+            missing.append(key)
+            continue
+        nested = field.annotation
+        item = getattr(nested, "__args__", (None,))[0] if getattr(nested, "__origin__", None) is list else None
+        if isinstance(nested, type) and issubclass(nested, BaseModel):
+            missing += missing_keys(nested, data[name], f"{key}.")
+        elif isinstance(item, type) and issubclass(item, BaseModel) and isinstance(data[name], list):
+            for i, entry in enumerate(data[name]):
+                missing += missing_keys(item, entry, f"{key}[{i}].")
+    return missing
+
+
+def parse_resolved_config(data: Any, where: str) -> PipelineConfig:
+    """A resolved configuration handed to a stage (a job's `config`): every key present, as
+    `PipelineConfig.model_dump` writes them. A key left out would become its default (the data dir of the
+    stage's working directory, the default run, MLflow store and fleet), so it is refused, naming the keys."""
+    if not isinstance(data, dict) or not data:
+        raise ConfigError(f"{where}: no configuration (a resolved pipeline config is a mapping of every key)")
+    missing = missing_keys(PipelineConfig, data)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ConfigError(f"{where}: the configuration leaves out {shown}; a stage runs on the configuration it "
+                          "was given, never on defaults")
+    return parse_config(data)
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:

@@ -20,9 +20,9 @@ Training's several-node Job is `pipeline.training.launch`'s.
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
-from pipeline.config import PipelineConfig, parse_config
+from pipeline.config import PipelineConfig, parse_resolved_config
 
 WORKERS = {"extraction": "pipeline.sources.worker", "training": "pipeline.training.worker",
            "evaluation": "pipeline.evaluation.worker", "refresh": "pipeline.refresh_worker"}
@@ -47,14 +47,47 @@ class StageJob:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, doc: dict) -> StageJob:
-        return cls(str(doc["stage"]), int(doc["step"]), dict(doc["config"]), str(doc["where"]),
-                   doc.get("new_version"), {k: float(v) for k, v in (doc.get("spent_s") or {}).items()},
-                   doc.get("part"), {str(k): str(v) for k, v in (doc.get("tags") or {}).items()})
+    def from_dict(cls, doc: object, stage: str | None = None) -> StageJob:
+        """The job as `to_dict` wrote it, every field present and of its type (a field left out is refused,
+        never taken as a default); `stage`: the stage the reader runs, which the job must name."""
+        if not isinstance(doc, dict):
+            raise JobError(f"no job: the Pipes extra `job` is a {type(doc).__name__}, not a stage job")
+        missing = [f.name for f in fields(cls) if f.name not in doc]
+        if missing:
+            raise JobError(f"the stage job leaves out {', '.join(missing)}: a stage runs the job it was given, "
+                           "never defaults")
+        step, part, spent, tags = doc["step"], doc["part"], doc["spent_s"], doc["tags"]
+        problems = [
+            *([] if isinstance(doc["stage"], str) and doc["stage"] in WORKERS else
+              [f"stage {doc['stage']!r} is not one of {', '.join(WORKERS)}"]),
+            *([] if stage is None or doc["stage"] == stage else [f"it is a {doc['stage']} job, sent to {stage}"]),
+            *([] if _is_int(step) and step >= 0 else ["step must be an integer >= 0"]),
+            *([] if isinstance(doc["config"], dict) else ["config must be a mapping"]),
+            *([] if doc["where"] in ("process", "pod") else ["where must be process or pod"]),
+            *([] if doc["new_version"] is None or isinstance(doc["new_version"], str) else
+              ["new_version must be a string or null"]),
+            *([] if isinstance(spent, dict) and all(isinstance(v, (int, float)) for v in spent.values()) else
+              ["spent_s must map stages to seconds"]),
+            *([] if part is None or (_is_int(part) and part >= 0) else ["part must be an integer >= 0 or null"]),
+            *([] if isinstance(tags, dict) and all(isinstance(v, str) for v in tags.values()) else
+              ["tags must map names to strings"]),
+        ]
+        if problems:
+            raise JobError(f"the stage job is malformed: {'; '.join(problems)}")
+        return cls(doc["stage"], step, dict(doc["config"]), doc["where"], doc["new_version"],
+                   {str(k): float(v) for k, v in spent.items()}, part, {str(k): v for k, v in tags.items()})
 
     @property
     def pipeline_config(self) -> PipelineConfig:
-        return parse_config(self.config)
+        return parse_resolved_config(self.config, f"the {self.stage} job of step {self.step}")
+
+
+class JobError(ValueError):
+    """A stage's job that is not one (no job, a field left out or mistyped): refused before any work."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def stage_ranks(cfg: PipelineConfig, stage: str) -> int:

@@ -44,7 +44,7 @@ from pipeline.registry import DrafterRegistry, open_registry
 from pipeline.sources.extract import iter_hidden_states
 from pipeline.training.cotrain import run_training
 from pipeline.training.distributed import DistContext
-from pipeline.workers import exit_with_launcher, is_pipes_process
+from pipeline.workers import exit_with_launcher, is_pipes_process, stage_job
 
 
 def extract(store: ObjectStore, cfg: PipelineConfig, q: Qualified) -> int:
@@ -143,7 +143,7 @@ def run_refresh(job: StageJob, progress: Callable[[str], None]) -> tuple[Refresh
 def run_pipes(pipes: PipesContext) -> None:
     """The refresh over an open Pipes channel, and its report (a launched process's and a warm worker's,
     `pipeline.stage_server`)."""
-    job = StageJob.from_dict(pipes.get_extra("job"))
+    job = stage_job(pipes, "refresh")
     record, samples, where = run_refresh(job, pipes.log.info)
     pipes.log.info(f"{step_key(record.step)} refresh on parts {list(record.parts)}: {record.decision}")
     pipes.report_asset_materialization(metadata={

@@ -3,16 +3,21 @@
 
     python -m pipeline.stage_server --stage extraction --socket S --lock L --idle-s 90
 
-It listens on the Unix socket S and serves one connection at a time (others wait in the backlog):
+It listens on the Unix socket S (in the run's private stages folder, `pipeline.rendezvous`) and runs one
+job at a time; the others' requests wait, read as they arrive:
 
     request   one JSON line {"pipes": {...}}: the Pipes bootstrap variables the launcher's session gives
-              (what a launched process finds in its environment)
+              (what a launched process finds in its environment), the context and the message channel both
     job       the stage worker's own rank-0 body, `run_pipes`, over that Pipes channel, as in a fresh
               process: the same messages, materialization, checks and logs reach Dagster
     answer    one JSON line {"ok": bool, "error": str | null, "pid": int, "jobs": int}
 
 A connection closed before its request line is a probe (`resources.warm.prestart`: a launcher that
-started the worker ahead of its first job, or checked that one listens): no job, no answer.
+started the worker ahead of its first job, or checked that one listens): no job, no answer. A request
+that carries no job (not JSON, no Pipes context or message channel) is answered as a failure and runs
+nothing: a stage never falls back to the configuration its working directory implies. A client that
+sends no request line within REQUEST_TIMEOUT_S is dropped, so an idle one holds no job up, and a
+process of another user is refused as it connects (its credentials, SO_PEERCRED).
 
 A job leaves the process as a fresh one finds it: torch's RNG state, default dtype, thread count,
 grad mode and deterministic flag, the environment and the working directory are restored, an
@@ -47,6 +52,11 @@ import torch
 from dagster_pipes import PipesContext, PipesMappingParamsLoader, open_dagster_pipes
 
 from pipeline.launch import WORKERS
+from pipeline.rendezvous import Peer, unix_address
+
+REQUEST_TIMEOUT_S = 30.0  # a launcher sends its request as it connects; a client silent this long is dropped
+REQUEST_MAX_BYTES = 1 << 20  # the Pipes bootstrap parameters are a few hundred bytes
+PIPES_KEYS = ("DAGSTER_PIPES_CONTEXT", "DAGSTER_PIPES_MESSAGES")
 
 
 @dataclass(frozen=True)
@@ -125,16 +135,39 @@ def _exit_when_client_leaves(conn: socket.socket, done: threading.Event) -> None
         os._exit(1)
 
 
+def parse_request(line: bytes) -> dict[str, str]:
+    """The request's Pipes bootstrap parameters; RequestError when the line is not a request that carries a
+    job: not JSON, not {"pipes": {...}}, or without the context and message channel a launcher's session gives."""
+    try:
+        request = json.loads(line)
+    except (UnicodeDecodeError, ValueError):
+        raise RequestError("the request is not a JSON line") from None
+    pipes = request.get("pipes") if isinstance(request, dict) else None
+    if not isinstance(pipes, dict):
+        raise RequestError("the request carries no Pipes bootstrap parameters (`pipes`)")
+    missing = [k for k in PIPES_KEYS if not isinstance(pipes.get(k), str) or not pipes[k]]
+    if missing:
+        raise RequestError(f"the request's Pipes bootstrap parameters leave out {', '.join(missing)}: no job to run "
+                           "(a stage never falls back to the configuration its working directory implies)")
+    return pipes
+
+
+class RequestError(ValueError):
+    """A request that carries no job: answered as a failure, nothing run."""
+
+
 def run_job(worker, conn: socket.socket, line: bytes, jobs: int) -> Answer:
-    """One request (its JSON `line`): the stage's rank-0 body over the request's Pipes channel."""
-    request = json.loads(line)
-    if not isinstance(request, dict) or not isinstance(request.get("pipes"), dict):
-        return Answer(False, "the request carries no Pipes bootstrap variables", os.getpid(), jobs)
+    """One request (its JSON `line`): the stage's rank-0 body over the request's Pipes channel. A request
+    without a job is answered as a failure without running anything."""
+    try:
+        params = parse_request(line)
+    except RequestError as exc:
+        return Answer(False, str(exc), os.getpid(), jobs)
     done = threading.Event()
     threading.Thread(target=_exit_when_client_leaves, args=(conn, done), name="launcher-watch", daemon=True).start()
     started = time.perf_counter()
     try:
-        with open_dagster_pipes(params_loader=PipesMappingParamsLoader(request["pipes"])) as pipes:
+        with open_dagster_pipes(params_loader=PipesMappingParamsLoader(params)) as pipes:
             worker.run_pipes(pipes)
         answer = Answer(True, None, os.getpid(), jobs + 1)
     except Exception as e:  # noqa: BLE001  the Pipes channel carries it to Dagster; the answer says the job failed
@@ -147,6 +180,15 @@ def run_job(worker, conn: socket.socket, line: bytes, jobs: int) -> Answer:
     return answer
 
 
+@dataclass
+class _Pending:
+    """A connection whose request line is still on its way."""
+
+    conn: socket.socket
+    deadline: float
+    received: bytearray
+
+
 def serve(stage: str, socket_path: Path, lock_path: Path, idle_s: float) -> None:
     worker = importlib.import_module(WORKERS[stage])  # the imports a fresh process pays for every job
     gc.freeze()  # the imports' objects are never garbage: no collection scans them again (a full one takes 0.5 s)
@@ -154,31 +196,96 @@ def serve(stage: str, socket_path: Path, lock_path: Path, idle_s: float) -> None
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o077)  # only this user may send jobs
     try:
-        listener.bind(str(socket_path))
+        with unix_address(socket_path) as address:
+            listener.bind(address)
     finally:
         os.umask(old_umask)
     listener.listen(16)
     bound = _identity(socket_path)
-    sys.stderr.write(f"stage server {stage} pid {os.getpid()} listening on {socket_path}\n")
-    sys.stderr.flush()
-    jobs = 0
+    _log(f"stage server {stage} pid {os.getpid()} listening on {socket_path}")
+    jobs, pending, last_activity = 0, {}, time.monotonic()
     while True:
-        if not select.select([listener], [], [], idle_s)[0] and _leave_if_idle(listener, socket_path, bound, lock_path):
-            sys.stderr.write(f"idle for {idle_s} s after {jobs} job(s): exiting\n")
-            return
-        conn, _ = listener.accept()
-        with conn:
-            line = conn.makefile("rb").readline()
-            if not line:  # a probe: the connection closed without a request
+        now = time.monotonic()
+        wait = max(0.0, min([last_activity + idle_s - now, *(p.deadline - now for p in pending.values())]))
+        readable = select.select([listener, *pending], [], [], wait)[0]
+        if not readable and not pending and time.monotonic() >= last_activity + idle_s:
+            if _leave_if_idle(listener, socket_path, bound, lock_path):
+                _log(f"idle for {idle_s} s after {jobs} job(s): exiting")
+                return
+            continue
+        if listener in readable:
+            _accept(listener, pending)
+        for conn in [c for c in readable if c in pending]:
+            line = _receive(pending, conn)
+            if line is None:
                 continue
-            answer = run_job(worker, conn, line, jobs)
-            jobs = answer.jobs
-            try:
-                conn.sendall(answer.to_line())
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # the launcher left after the job's end: nothing more to tell it
-        fresh.restore()  # after the answer, before the next job: off the step's time
+            last_activity = time.monotonic()
+            with conn:
+                if not line:  # a probe: the connection closed without a request
+                    continue
+                answer = run_job(worker, conn, line, jobs)
+                ran, jobs = answer.jobs > jobs, answer.jobs
+                try:
+                    conn.sendall(answer.to_line())
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # the launcher left after the job's end: nothing more to tell it
+            if not ran:
+                _log(f"refused a request: {answer.error}")
+                continue
+            fresh.restore()  # after the answer, before the next job: off the step's time
+            last_activity = time.monotonic()
+            for waiting in pending.values():  # they waited for the job, not idly: their time starts now
+                waiting.deadline = last_activity + REQUEST_TIMEOUT_S
+        _expire(pending)
+
+
+def _log(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _accept(listener: socket.socket, pending: dict[socket.socket, _Pending]) -> None:
+    """The new connection waits for its request line, unless another user's process holds its other end."""
+    conn, _ = listener.accept()
+    peer = Peer.of(conn)
+    if not peer.is_this_user:
+        _log(f"refused a connection from pid {peer.pid} of uid {peer.uid}: only this user's launchers send jobs")
+        conn.close()
+        return
+    conn.setblocking(False)
+    pending[conn] = _Pending(conn, time.monotonic() + REQUEST_TIMEOUT_S, bytearray())
+
+
+def _receive(pending: dict[socket.socket, _Pending], conn: socket.socket) -> bytes | None:
+    """The connection's request line once it is whole (b"" for a probe, closed before a request); None while it
+    is on its way. A line longer than REQUEST_MAX_BYTES is cut there (it then fails to parse, and is answered)."""
+    waiting = pending[conn]
+    try:
+        chunk = conn.recv(REQUEST_MAX_BYTES)
+    except BlockingIOError:
+        return None
+    except OSError:
+        chunk = b""
+    waiting.received += chunk
+    end = waiting.received.find(b"\n")
+    if chunk and end < 0 and len(waiting.received) < REQUEST_MAX_BYTES:
+        return None
+    del pending[conn]
+    conn.setblocking(True)
+    if not chunk and end < 0:
+        return bytes(waiting.received)  # closed: a probe (b""), or a request cut short (fails to parse)
+    return bytes(waiting.received[: end + 1] if end >= 0 else waiting.received)
+
+
+def _expire(pending: dict[socket.socket, _Pending]) -> None:
+    """Connections that sent no whole request line within REQUEST_TIMEOUT_S are closed: an idle client holds
+    no later job up."""
+    now = time.monotonic()
+    for conn in [c for c, p in pending.items() if p.deadline <= now]:
+        del pending[conn]
+        _log(f"a client sent no request within {REQUEST_TIMEOUT_S:.0f} s: closed")
+        conn.close()
 
 
 def _identity(path: Path) -> tuple[int, int] | None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from dagster_pipes import PipesContext, PipesDefaultContextLoader, PipesEnvVarParamsLoader, open_dagster_pipes
 
-from pipeline.launch import StageJob
+from pipeline.launch import JobError, StageJob
 from pipeline.ranks import Ranks, ranks_from_env
 
 
@@ -37,6 +37,23 @@ def is_pipes_process() -> bool:
     return PipesEnvVarParamsLoader().is_dagster_pipes_process()
 
 
+def job_extra(pipes: PipesContext, name: str = "job") -> object:
+    """The Pipes extra `name` of an open channel; JobError when there is no channel (`open_dagster_pipes`
+    without its bootstrap parameters hands back a stand-in that accepts everything) or no such extra: a stage
+    never runs on a job it was not given."""
+    if not isinstance(pipes, PipesContext):
+        raise JobError("no Dagster Pipes context: the request carried no job (a launcher's Pipes bootstrap "
+                       "parameters), so there is nothing to run")
+    if name not in pipes.extras:
+        raise JobError(f"the Pipes context carries no `{name}`: there is nothing to run")
+    return pipes.extras[name]
+
+
+def stage_job(pipes: PipesContext, stage: str) -> StageJob:
+    """The `stage` job the channel carries, every field present (StageJob.from_dict); JobError otherwise."""
+    return StageJob.from_dict(job_extra(pipes), stage)
+
+
 def pipes_extras() -> dict:
     """The Pipes context's extras, read without opening the message channel (ranks other than 0)."""
     params = PipesEnvVarParamsLoader().load_context_params()
@@ -53,7 +70,7 @@ def run_stage_worker(module: str, asset: str, run_share: Callable[[StageJob, Ran
     if not is_pipes_process():
         raise SystemExit(f"{module}: no job; launch it from the {asset} asset (Dagster Pipes)")
     if not ranks.is_main:
-        run_share(StageJob.from_dict(pipes_extras()["job"]), ranks)
+        run_share(StageJob.from_dict(pipes_extras().get("job")), ranks)
         return
     with open_dagster_pipes() as pipes:
         run_pipes(pipes, ranks)

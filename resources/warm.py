@@ -2,10 +2,16 @@
 client that hands a one-rank stage's job to its stage's long-lived worker over a Unix socket, starting
 the worker when none is listening.
 
-    <data_dir>/stages/<stage>-<key>.sock   the worker's socket (a short path under the temp dir when that
-                                          one is too long for a Unix socket)
+    <data_dir>/stages/                     mode 0700, this user's (`pipeline.rendezvous`): no other local user
+                                          can listen, plant a file or read a log there
+    <data_dir>/stages/<stage>-<key>.sock   the worker's socket (reached through the folder's descriptor when its
+                                          path is too long for a Unix socket: it never moves elsewhere)
     <data_dir>/stages/<stage>-<key>.lock   taken to connect or start, so two steps never start two workers
-    <data_dir>/stages/<stage>-<key>.log    the worker's output: its tail is in every error this client raises
+    <data_dir>/stages/<stage>-<key>.log    the worker's output (mode 0600): its tail is in every error this
+                                          client raises
+
+The job goes only to a worker of this user: the process at the socket's other end is checked by its
+credentials (SO_PEERCRED) before the job's Pipes parameters are sent.
 
 `prestart` starts a stage's worker ahead of its first job (the demo does, at its start, so that no step
 pays for a worker's imports): it connects as a job would and closes before sending a request, which the
@@ -25,10 +31,8 @@ import hashlib
 import json
 import os
 import socket
-import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -37,10 +41,10 @@ from pathlib import Path
 import dagster as dg
 from dagster._core.errors import DagsterPipesExecutionError  # what PipesSubprocessClient raises
 
+from pipeline.rendezvous import Peer, private_dir, private_file, unix_address
 from resources.pipes_messages import PipesWholeLineTempFileMessageReader
 
 START_TIMEOUT_S = 600  # a cold worker's imports on a loaded machine
-SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes
 # Change within one process (a test's name; MLflow's telemetry session, set at its first use), read by no stage.
 VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "_MLFLOW_TELEMETRY_SESSION_ID")
 LOG_TAIL_LINES = 30
@@ -67,11 +71,7 @@ def server_files(data_dir: Path, stage: str, working_dir: Path, environ: dict[st
     identity = json.dumps([sys.executable, str(working_dir), sorted(env.items())])
     key = hashlib.sha256(identity.encode()).hexdigest()[:12]
     folder = data_dir / "stages"
-    sock = folder / f"{stage}-{key}.sock"
-    if len(os.fsencode(sock)) > SOCKET_PATH_MAX:
-        digest = hashlib.sha256(os.fsencode(sock)).hexdigest()[:16]
-        sock = Path(tempfile.gettempdir()) / f"drafter-stage-{digest}.sock"
-    return ServerFiles(sock, folder / f"{stage}-{key}.lock", folder / f"{stage}-{key}.log")
+    return ServerFiles(folder / f"{stage}-{key}.sock", folder / f"{stage}-{key}.lock", folder / f"{stage}-{key}.log")
 
 
 class PipesWarmClient(dg.PipesClient):
@@ -87,11 +87,12 @@ class PipesWarmClient(dg.PipesClient):
         with dg.open_pipes_session(context=context, context_injector=dg.PipesTempFileContextInjector(),
                                    message_reader=PipesWholeLineTempFileMessageReader(), extras=extras) as session:
             with self._connect() as conn:
+                peer = self._check_peer(conn)
                 conn.sendall((json.dumps({"pipes": session.get_bootstrap_env_vars()}) + "\n").encode())
                 # Logged while the worker works: an event written before the hand-off or after the answer
                 # would lengthen the step.
                 context.log.info(f"{announce + ': ' if announce else ''}job handed to the warm {self.stage} worker "
-                                 f"(pid {_peer_pid(conn)}; its log {self.files.log})")
+                                 f"(pid {peer.pid}; its log {self.files.log})")
                 line = conn.makefile("rb").readline()  # the job's length: the worker answers when it is done
             if not line:
                 raise DagsterPipesExecutionError(
@@ -104,10 +105,20 @@ class PipesWarmClient(dg.PipesClient):
                     f"its log {self.files.log} ends:\n{self.files.log_tail()}")
         return dg.PipesClientCompletedInvocation(session)
 
+    def _check_peer(self, conn: socket.socket) -> Peer:
+        """The worker at the socket's other end, if it is this user's process; the job goes to no other."""
+        peer = Peer.of(conn)
+        if not peer.is_this_user:
+            conn.close()
+            raise DagsterPipesExecutionError(
+                f"the process listening on {self.files.socket} (pid {peer.pid}) runs as uid {peer.uid}, not as this "
+                f"user (uid {os.getuid()}): the {self.stage} job is not handed to it")
+        return peer
+
     def _connect(self) -> socket.socket:
         """A connection to the stage's worker, started first if none listens (under the lock, so once)."""
-        self.files.lock.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.files.lock, "a") as lock:
+        private_dir(self.files.lock.parent)
+        with private_file(self.files.lock) as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             conn = _try_connect(self.files.socket)
             if conn is None:
@@ -117,7 +128,7 @@ class PipesWarmClient(dg.PipesClient):
     def _start(self) -> socket.socket:
         self.files.socket.unlink(missing_ok=True)  # a dead worker's, or none: nothing listens on it
         env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES_")}
-        with open(self.files.log, "ab") as log:
+        with private_file(self.files.log) as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.stage_server", "--stage", self.stage, "--socket",
                  str(self.files.socket), "--lock", str(self.files.lock), "--idle-s", str(self.idle_s)],
@@ -143,21 +154,16 @@ class PipesWarmClient(dg.PipesClient):
 def prestart(stage: str, data_dir: Path, working_dir: Path, idle_s: float) -> None:
     """The stage's warm worker started now, unless one listens already: the worker a job of this process
     (same environment, same working directory) would get."""
-    PipesWarmClient(stage, data_dir, working_dir, idle_s)._connect().close()
-
-
-def _peer_pid(conn: socket.socket) -> int | str:
-    """The pid of the process on the socket's other end (Linux's SO_PEERCRED), known before it answers."""
-    if not hasattr(socket, "SO_PEERCRED"):
-        return "unknown"
-    pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return pid
+    client = PipesWarmClient(stage, data_dir, working_dir, idle_s)
+    with client._connect() as conn:
+        client._check_peer(conn)
 
 
 def _try_connect(path: Path) -> socket.socket | None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn.connect(str(path))
+        with unix_address(path) as address:
+            conn.connect(address)
     except (FileNotFoundError, ConnectionRefusedError):
         conn.close()
         return None

@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
+from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import run_layout, shards
-from pipeline.data.keys import buffer_key
+from pipeline.data.keys import buffer_key, rollouts_prefix, step_key
 from pipeline.data.records import BufferEntry, BufferRecord, read_record, write_record
 from pipeline.data.shards import HiddenSample, Manifest
 from pipeline.data.store import ObjectStore
@@ -106,9 +107,25 @@ def _current(entries: list[BufferEntry], manifests: dict[int, Manifest],
     return out
 
 
+class StaleHiddenStates(ValueError):
+    """A step's hidden states extracted from rollouts (or a policy) that its commit no longer holds."""
+
+
+def check_extracted_from(store: ObjectStore, run: str, manifest: Manifest) -> None:
+    """StaleHiddenStates when the step was republished after its hidden states were extracted: the digest their
+    manifest recorded (`rollouts_digest`) is not the committed step's now. A manifest written before the digest
+    was recorded is not checked."""
+    recorded = manifest.target.get("rollouts_digest")
+    if recorded is not None and recorded != rollouts_lib.committed_digest(store, run, manifest.step):
+        raise StaleHiddenStates(
+            f"{store.uri(rollouts_prefix(run, manifest.step))}: the step's rollouts.parquet or policy.json changed "
+            f"after its hidden states were extracted: re-materialize hidden_states of {step_key(manifest.step)}")
+
+
 def build_buffer(store: ObjectStore, run: str, step: int, buffer_steps: int, max_samples: int) -> BufferRecord:
     """Select from the committed hidden states of the last `buffer_steps` steps and write the manifest;
-    LayoutError when one of them is not of the run's target layout."""
+    LayoutError when one of them is not of the run's target layout, StaleHiddenStates when one was extracted from
+    rollouts its step no longer holds."""
     if not shards.has_manifest(store, run, step):
         raise FileNotFoundError(f"hidden states of step {step} are not committed (no manifest)")
     manifests = [
@@ -118,4 +135,5 @@ def build_buffer(store: ObjectStore, run: str, step: int, buffer_steps: int, max
     ]
     for m in manifests:  # one drafter trains on all of them: one target layout (run_layout.py)
         run_layout.check_stored(store, run, m.step, m.hidden_size, m.layer_ids, m.layout)
+        check_extracted_from(store, run, m)
     return write_buffer(store, run, step, select_buffer(manifests, step, buffer_steps, max_samples))

@@ -22,9 +22,12 @@ does, so everything downstream of the commit reads the step as it reads any othe
 from __future__ import annotations
 
 import hashlib
+import json
+import math
+import re
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyarrow.parquet as pq
 
@@ -38,6 +41,7 @@ from pipeline.data.keys import (
     step_key,
 )
 from pipeline.data.rollouts import (
+    INT64_MAX,
     SCHEMA_VERSION,
     PolicyPointer,
     Rollout,
@@ -73,11 +77,25 @@ class StepParts:
                 "max_positions": self.limits.max_positions, "started_at": self.started_at}
 
     @classmethod
-    def from_json(cls, doc: dict, where: str) -> StepParts:
+    def from_json(cls, doc: object, where: str, step: int) -> StepParts:
+        """The record of step `step` as the trainer's client wrote it; every field checked again here (a reader
+        trusts nothing only the writer checked): RolloutsError naming the field."""
         if not isinstance(doc, dict) or doc.get("schema_version") != SCHEMA_VERSION:
             raise RolloutsError(where, f"not a step record of schema_version {SCHEMA_VERSION}")
-        return cls(int(doc["step"]), validate_pointer(doc["pointer"], where), int(doc["expected_rollouts"]),
-                   TargetLimits(int(doc["vocab_size"]), doc.get("max_positions")), float(doc["started_at"]))
+        missing = [k for k in ("step", "pointer", "expected_rollouts", "vocab_size", "started_at") if k not in doc]
+        if missing:
+            raise RolloutsError(where, f"missing key(s) {', '.join(missing)}")
+        _require(doc["step"] == step and _is_int(doc["step"]), where, "step", f"is not this step's ({step})")
+        _require(_is_int(doc["expected_rollouts"]) and 1 <= doc["expected_rollouts"] <= INT64_MAX, where,
+                 "expected_rollouts", "must be a positive integer")
+        _require(_is_int(doc["vocab_size"]) and 1 <= doc["vocab_size"] <= INT64_MAX, where, "vocab_size",
+                 "must be a positive integer")
+        positions = doc.get("max_positions")
+        _require(positions is None or (_is_int(positions) and 1 <= positions <= INT64_MAX), where, "max_positions",
+                 "must be a positive integer or null")
+        _require(_is_time(doc["started_at"]), where, "started_at", "must be a time in epoch seconds")
+        return cls(step, validate_pointer(doc["pointer"], where), doc["expected_rollouts"],
+                   TargetLimits(doc["vocab_size"], positions), float(doc["started_at"]))
 
 
 @dataclass(frozen=True)
@@ -89,18 +107,31 @@ class PartManifest:
     rows: int
     response_tokens: int
     digest: str  # sha256 of the rollouts' content (ids, masks, float32 rewards, versions), in order
-    published_at: float
+    published_at: float  # read back: when the store saw the manifest (its modification time)
 
     def to_json(self) -> dict:
         return {"schema_version": SCHEMA_VERSION, "step": self.step, "part": self.part, "rows": self.rows,
                 "response_tokens": self.response_tokens, "digest": self.digest, "published_at": self.published_at}
 
     @classmethod
-    def from_json(cls, doc: dict, where: str) -> PartManifest:
+    def from_json(cls, doc: object, where: str, step: int, part: int) -> PartManifest:
+        """The manifest of (step, part) as the trainer's client wrote it, checked again: its step and part are
+        the ones its name says, its counts are counts, its digest a digest (its rows and tokens against the
+        rollouts themselves in `read_part`). RolloutsError naming the field."""
         if not isinstance(doc, dict) or doc.get("schema_version") != SCHEMA_VERSION:
             raise RolloutsError(where, f"not a part manifest of schema_version {SCHEMA_VERSION}")
-        return cls(int(doc["step"]), int(doc["part"]), int(doc["rows"]), int(doc["response_tokens"]),
-                   str(doc["digest"]), float(doc["published_at"]))
+        missing = [k for k in ("step", "part", "rows", "response_tokens", "digest", "published_at") if k not in doc]
+        if missing:
+            raise RolloutsError(where, f"missing key(s) {', '.join(missing)}")
+        _require(_is_int(doc["step"]) and doc["step"] == step, where, "step", f"is not this step's ({step})")
+        _require(_is_int(doc["part"]) and doc["part"] == part, where, "part", f"is not the part its name says ({part})")
+        _require(_is_int(doc["rows"]) and 1 <= doc["rows"] <= INT64_MAX, where, "rows", "must be a positive integer")
+        _require(_is_int(doc["response_tokens"]) and doc["rows"] <= doc["response_tokens"] <= INT64_MAX, where,
+                 "response_tokens", "must be an integer of at least one per row")
+        _require(isinstance(doc["digest"], str) and _DIGEST.fullmatch(doc["digest"]) is not None, where, "digest",
+                 "must be a sha256 in hex")
+        _require(_is_time(doc["published_at"]), where, "published_at", "must be a time in epoch seconds")
+        return cls(step, part, doc["rows"], doc["response_tokens"], doc["digest"], float(doc["published_at"]))
 
 
 @dataclass(frozen=True)
@@ -131,36 +162,71 @@ def _check_part(part: object, where: str) -> int:
 
 def read_step_parts(store: ObjectStore, run: str, step: int) -> StepParts | None:
     key = parts_step_key(run, step)
-    return StepParts.from_json(store.read_json(key), store.uri(key)) if store.exists(key) else None
+    return StepParts.from_json(_read_json(store, key), store.uri(key), step) if store.exists(key) else None
 
 
 def read_part_manifest(store: ObjectStore, run: str, step: int, part: int) -> PartManifest | None:
+    """The part's manifest, its `published_at` the time the store saw it written (the order parts qualify in is
+    the store's, not a time the writer put in the file)."""
     key = part_manifest_key(run, step, part)
-    return PartManifest.from_json(store.read_json(key), store.uri(key)) if store.exists(key) else None
+    if not store.exists(key):
+        return None
+    return replace(PartManifest.from_json(_read_json(store, key), store.uri(key), step, part),
+                   published_at=store.modified(key))
 
 
 def published_parts(store: ObjectStore, run: str, step: int) -> list[PartManifest]:
-    """The step's parts whose manifest is written, by part number."""
-    names = [name for name, _, _ in store.list_files(parts_prefix(run, step))]
-    manifests = []
-    for name in names:
-        base = name.rsplit("/", 1)[-1]
-        if base.startswith("part-") and base.endswith(".json") and base[5:-5].isdigit():
-            found = read_part_manifest(store, run, step, int(base[5:-5]))
-            if found is not None:
-                manifests.append(found)
-    return sorted(manifests, key=lambda m: m.part)
+    """The step's parts whose manifest is written, by part number: only manifests under a part's one name
+    (`part-0001.json`; `part-1.json`, `part-01.json` or `part-².json` name no part and are not read, so no part
+    counts twice); of a committed step, only the parts its commit lists (a manifest written after the commit
+    is not one of the step's parts)."""
+    numbers = sorted({int(m[1]) for name, _, _ in store.list_files(parts_prefix(run, step))
+                      if (m := _PART_MANIFEST.fullmatch(name.rsplit("/", 1)[-1]))})
+    if is_committed(store, run, step):
+        listed = set(committed_part_numbers(store, run, step))
+        numbers = [n for n in numbers if n in listed]
+    return [m for n in numbers if (m := read_part_manifest(store, run, step, n)) is not None]
 
 
 def read_part(store: ObjectStore, run: str, step: int, manifest: PartManifest,
               limits: TargetLimits | None = None) -> list[Rollout]:
-    """A part's rollouts, validated, and checked against its manifest's digest."""
+    """A part's rollouts, validated, and checked against its manifest: the digest, the rows and the response
+    tokens it claims (what qualifies a step for a refresh)."""
     key = part_rollouts_key(run, step, manifest.part)
     where = store.uri(key)
     rollouts = parse_rollouts(store.read_bytes(key), where, limits)
     if content_digest(rollouts) != manifest.digest:
         raise RolloutsError(where, "its rollouts do not match the digest of its manifest", None, "digest")
+    tokens = sum(sum(r.loss_mask) for r in rollouts)
+    if (len(rollouts), tokens) != (manifest.rows, manifest.response_tokens):
+        raise RolloutsError(where, f"holds {len(rollouts)} rollouts of {tokens} response tokens; its manifest claims "
+                                   f"{manifest.rows} of {manifest.response_tokens}", None, "rows")
     return rollouts
+
+
+_PART_MANIFEST = re.compile(r"part-([0-9]{4})\.json")  # part_key's one spelling, ASCII digits only
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def _require(ok: bool, where: str, field: str, problem: str) -> None:
+    if not ok:
+        raise RolloutsError(where, problem, None, field)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_time(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _read_json(store: ObjectStore, key: str) -> object:
+    """A trainer's JSON file; RolloutsError naming it when it is not JSON."""
+    try:
+        return json.loads(store.read_bytes(key))
+    except (UnicodeDecodeError, ValueError):
+        raise RolloutsError(store.uri(key), "not JSON this pipeline reads") from None
 
 
 def write_part(
@@ -205,7 +271,7 @@ def write_part(
         pq.write_table(rollouts_table(rollouts), f)
     manifest = PartManifest(step, part, len(rollouts), sum(sum(r.loss_mask) for r in rollouts), digest, now)
     store.write_json(part_manifest_key(run, step, part), manifest.to_json())
-    return PublishedPart(manifest, written=True)
+    return PublishedPart(read_part_manifest(store, run, step, part) or manifest, written=True)
 
 
 def _after_commit(where: str, step: int, part: int) -> RolloutsError:

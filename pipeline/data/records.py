@@ -55,6 +55,20 @@ class _Record(Protocol):
 R = TypeVar("R", bound=_Record)
 
 
+def _typed(value: Any, kind: type, field: str) -> Any:
+    """`value` if it is a `kind` (a bool is no int here); TypeError naming the field otherwise: a stored record is
+    read as untrusted input (parse_record names the key)."""
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"field {field} must be a {kind.__name__}, not {type(value).__name__}")
+    return value
+
+
+def _number(value: Any, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"field {field} must be a number, not {type(value).__name__}")
+    return float(value)
+
+
 def write_record(store: ObjectStore, key: str, record: _Record) -> None:
     store.write_json(key, {"schema_version": SCHEMA_VERSION, **record.to_json()})
 
@@ -333,9 +347,12 @@ class ReplicaDeploy:
     @classmethod
     def from_json(cls, doc: dict) -> ReplicaDeploy:
         # Fields after `restarted` are absent from states written before hot updates: those restarted or gated.
-        return cls(doc["replica"], doc["version"], doc["live_tau"], doc["deploy_s"], doc["restarted"],
-                   doc.get("update", "restart" if doc["restarted"] else "none"), doc.get("note", ""),
-                   doc.get("paused_s", 0.0), doc.get("target", ""))
+        return cls(_typed(doc["replica"], str, "replica"), _typed(doc["version"], str, "version"),
+                   _number(doc["live_tau"], "live_tau"), _number(doc["deploy_s"], "deploy_s"),
+                   _typed(doc["restarted"], bool, "restarted"),
+                   doc.get("update", "restart" if doc["restarted"] else "none"),
+                   _typed(doc.get("note", ""), str, "note"), _number(doc.get("paused_s", 0.0), "paused_s"),
+                   _typed(doc.get("target", ""), str, "target"))
 
 
 @dataclass(frozen=True)
@@ -366,7 +383,8 @@ class Deployment:
 
     @classmethod
     def from_json(cls, doc: dict) -> Deployment:
-        return cls(doc["version"], doc["live_at"], doc["deploy_s"])
+        return cls(_typed(doc["version"], str, "version"), _number(doc["live_at"], "live_at"),
+                   _number(doc["deploy_s"], "deploy_s"))
 
 
 @dataclass(frozen=True)
@@ -391,9 +409,13 @@ class FleetState:
 
     @classmethod
     def from_json(cls, doc: dict) -> FleetState:
-        return cls(doc["version"], doc.get("policy_step"), doc.get("since"),
-                   tuple(ReplicaDeploy.from_json(r) for r in doc["replicas"]),
-                   tuple(Deployment.from_json(d) for d in doc.get("history", ())), dict(doc.get("live_counters", {})))
+        version, step, since = doc["version"], doc.get("policy_step"), doc.get("since")
+        return cls(None if version is None else _typed(version, str, "version"),
+                   None if step is None else _typed(step, int, "policy_step"),
+                   None if since is None else _number(since, "since"),
+                   tuple(ReplicaDeploy.from_json(r) for r in _typed(doc["replicas"], list, "replicas")),
+                   tuple(Deployment.from_json(d) for d in _typed(doc.get("history", []), list, "history")),
+                   dict(_typed(doc.get("live_counters", {}), dict, "live_counters")))
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,11 @@ sample and the field; values a trainer sent are echoed only where they cannot be
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -258,6 +260,17 @@ def is_committed(store: ObjectStore, run: str, step: int) -> bool:
 def published_at(store: ObjectStore, run: str, step: int) -> float:
     """When the trainer committed the step (its policy pointer's write), as epoch seconds."""
     return store.modified(policy_pointer_key(run, step))
+
+
+def committed_digest(store: ObjectStore, run: str, step: int) -> str:
+    """sha256 of the committed step as stored, its rollouts.parquet and its policy.json: what the hidden states
+    extracted from it record (`rollouts_digest` in their manifest's target), so a step republished since is seen."""
+    h = hashlib.sha256()
+    for key in (rollouts_key(run, step), policy_pointer_key(run, step)):
+        data = store.read_bytes(key)
+        h.update(struct.pack("<q", len(data)))
+        h.update(data)
+    return h.hexdigest()
 
 
 def committed_steps(store: ObjectStore, run: str) -> list[int]:

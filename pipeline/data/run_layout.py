@@ -20,6 +20,7 @@ import fsspec
 
 from pipeline.data.keys import layout_key
 from pipeline.data.local_files import LocalPathError, open_regular
+from pipeline.data.rollouts import TargetLimits
 from pipeline.data.store import ObjectStore
 from pipeline.data.uris import redact
 
@@ -67,6 +68,28 @@ def checkpoint_layout(store: ObjectStore, checkpoint_uri: str,
                       layer_ids_of: Callable[[int], list[int]]) -> TargetLayout:
     """The layout of a policy checkpoint from its config.json alone (no weights are read);
     `layer_ids_of(num_layers)` gives the layer ids stored for a target of that depth."""
+    config = _checkpoint_config(store, checkpoint_uri)
+    try:
+        return TargetLayout.from_config(config, layer_ids_of(_int(config, "num_hidden_layers")))
+    except LayoutError as exc:
+        raise LayoutError(f"{checkpoint_uri}/{exc}") from None
+
+
+def checkpoint_limits(store: ObjectStore, checkpoint_uri: str) -> TargetLimits:
+    """What the policy checkpoint accepts (its vocabulary, its positions), from its config.json alone: the limits
+    a reader enforces on rollouts for it, never the ones a trainer's record claims."""
+    config = _checkpoint_config(store, checkpoint_uri)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    try:
+        vocab = _int(text, "vocab_size")
+    except LayoutError as exc:
+        raise LayoutError(f"{redact(checkpoint_uri)}/{exc}") from None
+    positions = text.get("max_position_embeddings")
+    return TargetLimits(vocab, positions if isinstance(positions, int) and not isinstance(positions, bool)
+                        and positions > 0 else None)
+
+
+def _checkpoint_config(store: ObjectStore, checkpoint_uri: str) -> dict:
     fs, path = store.filesystem(store.resolve(checkpoint_uri))
     with _open_config(fs, f"{path}/config.json", f"{redact(checkpoint_uri)}/config.json") as f:
         try:
@@ -74,11 +97,8 @@ def checkpoint_layout(store: ObjectStore, checkpoint_uri: str,
         except ValueError as exc:
             raise LayoutError(f"{redact(checkpoint_uri)}/config.json is not JSON ({exc})") from None
     if not isinstance(config, dict):
-        raise LayoutError(f"{checkpoint_uri}/config.json is not a JSON object")
-    try:
-        return TargetLayout.from_config(config, layer_ids_of(_int(config, "num_hidden_layers")))
-    except LayoutError as exc:
-        raise LayoutError(f"{checkpoint_uri}/{exc}") from None
+        raise LayoutError(f"{redact(checkpoint_uri)}/config.json is not a JSON object")
+    return config
 
 
 def _open_config(fs: fsspec.AbstractFileSystem, path: str, where: str) -> BinaryIO:

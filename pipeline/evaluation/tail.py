@@ -15,11 +15,14 @@ tail's rollouts, against the step's policy:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from pipeline.config import PipelineConfig
 from pipeline.data import parts as parts_lib
 from pipeline.data import rollouts as rollouts_lib
+from pipeline.data import run_layout
 from pipeline.data.held_out import held_out_rollouts
 from pipeline.data.keys import drafter_key, tail_key
 from pipeline.data.records import (
@@ -80,7 +83,10 @@ def measure_tail(store: ObjectStore, cfg: PipelineConfig, step: int, registry: D
     step_parts = parts_lib.read_step_parts(store, cfg.run, step)
     if step_parts is None or not rollouts_lib.is_committed(store, cfg.run, step):
         return None
-    manifests = parts_lib.published_parts(store, cfg.run, step)
+    pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
+    # The committed policy's own limits, never the ones the step's record claims.
+    step_parts = replace(step_parts, limits=run_layout.checkpoint_limits(store, pointer.checkpoint_uri))
+    manifests = parts_lib.published_parts(store, cfg.run, step)  # the parts its commit lists
     tail = tail_parts(manifests, step_parts, cfg.refresh.min_share, cfg.refresh.min_tokens)
     by_part = {m.part: m for m in manifests}
     rows = [r for p in tail for r in parts_lib.read_part(store, cfg.run, step, by_part[p], step_parts.limits)]
@@ -91,7 +97,6 @@ def measure_tail(store: ObjectStore, cfg: PipelineConfig, step: int, registry: D
     training = read_training(store, cfg.run, step) if store.exists(drafter_key(cfg.run, step)) else None
     versions = tail_versions(read_fleet_state(store, cfg.run), step_parts.started_at, refresh, training, step)
     prompts = [torch.tensor(r.input_ids[: max(1, r.prompt_len)]) for r in held_out]
-    pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
     measured = measure_taus(store, cfg, pointer, registry, list(versions.values()), prompts, seed=step)
     taus: dict[str, float | None] = {role: measured[v] if v else None for role, v in versions.items()}
     if taus["start"] is None:

@@ -26,7 +26,7 @@ from pipeline.evaluation import tail as tail_lib
 from pipeline.launch import StageJob
 from pipeline.ranks import SINGLE, Ranks, join, leave
 from pipeline.registry import open_registry
-from pipeline.workers import run_stage_worker
+from pipeline.workers import run_stage_worker, stage_job
 
 
 def run_evaluation(job: StageJob, ranks: Ranks) -> AcceptanceRecord | None:
@@ -60,7 +60,7 @@ def run_pipes(pipes: PipesContext, ranks: Ranks = SINGLE) -> None:
     """Rank 0's work over an open Pipes channel: the measurements, the promotion, the tail, the report (a
     launched process's and a warm worker's, `pipeline.stage_server`)."""
     started = time.perf_counter()
-    job = StageJob.from_dict(pipes.get_extra("job"))
+    job = stage_job(pipes, "evaluation")
     pipes.log.info(f"measuring the drafters of RL step {job.step} on {ranks.world_size} rank(s) ({job.where})")
     record = run_evaluation(job, ranks)
     cfg = job.pipeline_config

@@ -55,6 +55,7 @@ from pipeline.models.weights import (
     layout_file,
     parse_index,
 )
+from pipeline.rendezvous import private_dir
 
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
@@ -80,7 +81,7 @@ class LoadSettings:
     layers are split across the devices from the process's own (layer_split)."""
 
     dtype: str = "auto"
-    cache_dir: Path | None = None  # a directory under the system temp dir when None
+    cache_dir: Path | None = None  # this user's cache directory (XDG's) when None: never a shared temp dir
     cache_max_bytes: int = 64 * 2**30
     cached_policies: int = 1
     split: layer_split.SplitMode = "auto"
@@ -92,8 +93,10 @@ class LoadSettings:
         return DTYPES[self.dtype]
 
     def cache(self) -> CheckpointCache:
-        root = self.cache_dir or Path(tempfile.gettempdir()) / "drafter-target-cache"
-        return CheckpointCache(root, self.cache_max_bytes)
+        # Policies are loaded from these copies: a folder another local user could create or write first
+        # would hand this process their weights, so it is this user's alone (rendezvous.private_dir).
+        home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        return CheckpointCache(private_dir(self.cache_dir or home / "drafter-target-cache"), self.cache_max_bytes)
 
 
 def load_settings(cfg: PipelineConfig) -> LoadSettings:

@@ -6,16 +6,19 @@
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.config import PipelineConfig
+from pipeline.data import order
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.held_out import held_out_prompts
-from pipeline.data.keys import fleet_prefix, fleet_state_key, rollouts_root
+from pipeline.data.keys import fleet_policy_key, fleet_prefix, fleet_state_key, rollouts_root
 from pipeline.data.lease import hold
 from pipeline.data.records import (
     Deployment,
@@ -63,6 +66,51 @@ def make_driver(cfg: PipelineConfig) -> ReplicaDriver:
                          speculation=speculation(cfg))
 
 
+class ExposedRoutes(ValueError):
+    """The fleet's configuration would leave a replica's control routes (vLLM's dev-mode weight-update routes,
+    which pause serving and load weights) or its key-guarded routes open to whoever reaches its port."""
+
+
+def exposed_routes(cfg: PipelineConfig, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Why each replica's routes would be open (none: the deploy may go). A replica naming a key variable must
+    have the key; with hot updates, a replica off loopback needs a key, and a real vLLM's (whose key covers only
+    /v1/*) needs `fleet.dev_routes_guarded`: the operator's statement that only the orchestrator reaches them."""
+    environ = os.environ if environ is None else environ
+    fleet = cfg.fleet
+    hot = fleet.driver != "none" and fleet.update == "hot"
+    problems = []
+    for r in fleet.replicas:
+        keyed = bool(environ.get(r.api_key_env)) if r.api_key_env else False
+        if r.api_key_env and not keyed:
+            problems.append(f"replica {r.name}: fleet.replicas[].api_key_env names {r.api_key_env}, which is not set "
+                            "here: the replica would serve without its key")
+        elif hot and not _loopback(r.host) and not keyed:
+            problems.append(f"replica {r.name} on {r.host}: hot updates use the dev-mode routes, which pause serving "
+                            "and load weights; off loopback they need an API key (fleet.replicas[].api_key_env)")
+        if hot and fleet.driver == "command" and not _loopback(r.host) and not fleet.dev_routes_guarded:
+            problems.append(f"replica {r.name} on {r.host}: vLLM's API key guards /v1/* only, not its dev-mode "
+                            "routes; put them behind an authenticating proxy or a network policy that admits the "
+                            "orchestrator alone and set fleet.dev_routes_guarded (docs/production.md), or use "
+                            "fleet.update restart")
+    return problems
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost: whatever it resolves to, reachable beyond this machine
+
+
+def check_exposure(cfg: PipelineConfig) -> None:
+    """ExposedRoutes naming every replica whose routes the configuration leaves open."""
+    if problems := exposed_routes(cfg):
+        raise ExposedRoutes("the fleet's configuration exposes control routes; nothing was deployed: "
+                            + "; ".join(problems))
+
+
 def gate_config(cfg: PipelineConfig) -> GateConfig:
     f = cfg.fleet
     return GateConfig(f.ready_timeout_s, f.canary_requests, f.canary_tokens, f.min_live_tau)
@@ -104,19 +152,38 @@ class ServedPolicy:
 
 
 def served_policy(store: ObjectStore, cfg: PipelineConfig) -> ServedPolicy:
-    steps = rollouts_lib.committed_steps(store, cfg.run)
-    if not steps:
+    """The policy of the step committed last (by the store's commit time, not the step's number)."""
+    step = order.newest_committed(store, cfg.run)
+    if step is None:
         raise ValueError(f"no committed RL step under {rollouts_root(cfg.run)}/: no policy for the fleet to serve")
-    pointer = rollouts_lib.read_policy_pointer(store, cfg.run, steps[-1])
-    return ServedPolicy(steps[-1], store.resolve(pointer.checkpoint_uri),
-                        [p.tolist() for p in held_out_prompts(store, cfg, steps[-1])])
+    pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
+    return ServedPolicy(step, store.resolve(pointer.checkpoint_uri),
+                        [p.tolist() for p in held_out_prompts(store, cfg, step)])
+
+
+def recorded_replicas(store: ObjectStore, cfg: PipelineConfig, replicas: tuple[ReplicaDeploy, ...],
+                      serving: str) -> dict[str, ReplicaDeploy]:
+    """What the fleet's state says each replica runs, read as untrusted input: a recorded policy is kept only if
+    it is one this run committed (a step's policy pointer, resolved) or the one being served; any other path is
+    dropped (the replica's policy then counts as unknown, and it restarts), so no path written into
+    state.json reaches /update_weights or a `vllm serve` command line."""
+    known = {serving}
+    for step in rollouts_lib.committed_steps(store, cfg.run):
+        try:
+            known.add(store.resolve(rollouts_lib.read_policy_pointer(store, cfg.run, step).checkpoint_uri))
+        except ValueError:  # a step refused at its commit point was never served
+            continue
+    return {r.replica: r if r.target in known else replace(r, target="") for r in replicas}
 
 
 def newest_policy(store: ObjectStore, cfg: PipelineConfig, policy: ServedPolicy) -> ServedPolicy:
     """`policy`, or the policy the fleet was pushed for a newer step's rollouts (fleet as the rollout engine):
     a deploy never moves a replica back to an older policy while a newer step's rollouts decode."""
     pushed = read_fleet_policy(store, cfg.run)
-    if pushed is None or pushed.step <= policy.step:
+    if pushed is None or pushed.target == policy.target:
+        return policy
+    # newer by when the store saw the push and the served step's commit, never by the step numbers
+    if store.modified(fleet_policy_key(cfg.run)) <= order.committed_at(store, cfg.run, policy.step):
         return policy
     return replace(policy, step=pushed.step, target=pushed.target)
 
@@ -165,14 +232,16 @@ def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, v
     deploy at a time per fleet (the champion's and a refresh's alike hold the fleet's lease); `fence`, asked
     under the lease, names why the version must not go (DeploySuperseded), or None. `serving`, asked under the
     lease, is the policy to serve (a refresh's: its step's, published with its first part); by default the
-    newest committed step's."""
+    newest committed step's. A configuration that exposes a replica's control routes is refused before anything
+    is touched (`exposed_routes`)."""
+    check_exposure(cfg)
     with hold(store, fleet_prefix(cfg.run), f"deploy-v{version}-{uuid.uuid4().hex[:8]}", cfg.storage.step_lease_s,
               cfg.storage.step_lease_wait_s):
         if fence is not None and (why := fence()):
             raise DeploySuperseded(why)
         staged = stage_versions(cfg, registry, version)
         policy = newest_policy(store, cfg, serving() if serving is not None else served_policy(store, cfg))
-        recorded = {r.replica: r for r in read_fleet_state(store, cfg.run).replicas}
+        recorded = recorded_replicas(store, cfg, read_fleet_state(store, cfg.run).replicas, policy.target)
         try:
             report = rolling_deploy(replicas(cfg), driver or make_driver(cfg), policy.target, version,
                                     str(staged.directory), staged.previous, gate_config(cfg), policy.canary_prompts,

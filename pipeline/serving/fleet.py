@@ -14,14 +14,15 @@ sources):
     POST /start_draft_weight_update        the update targets the speculative draft model
     POST /update_weights {"update_info": {"path": DIR}}     the `disk` backend loads DIR
     POST /finish_weight_update {"weight_version": "drafter-v<version>"}
+    GET  /weight_info                      must now report "drafter-v<version>", still paused
     POST /resume
-    GET  /weight_info                      must now report "drafter-v<version>"
 
 A replica without those routes (404/405: not in dev mode, an older vLLM), or on a policy that is
 not a local directory, is restarted with the new `--speculative-config` instead (the one way that
-works on every vLLM version), never more than one down. A hot update that fails once weights may have changed is
-rolled back first (the previous drafter sent again, or, failing that, a restart with it), then the
-replica takes the restart path. A replica the driver knows runs that very drafter and policy
+works on every vLLM version), never more than one down. A hot update that fails once weights may have
+changed never resumes on them: the previous drafter (and policy) go back in the same pause and the
+replica resumes on those, or, failing that, it is restarted with them while still paused; then it
+takes the restart path. A replica the driver knows runs that very drafter and policy
 already (a rerun of a deploy stopped midway, the same version again) is not touched, only gated. A
 replica passes when, in order: GET /health answers 200, GET /v1/models lists the served
 model, a smoke completion returns tokens, and over a canary window of completions its
@@ -50,6 +51,7 @@ from typing import Literal, Protocol
 from pipeline.config import PROJECT_ROOT
 from pipeline.data.records import DeployReport, ReplicaDeploy, UpdateKind
 from pipeline.data.sampling import DraftSampleMethod
+from pipeline.rendezvous import private_dir, private_file
 from pipeline.serving import metrics as serving_metrics
 
 UpdateMode = Literal["hot", "restart"]
@@ -176,8 +178,8 @@ class StandInDriver:
 
     def restart(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> None:
         self.stop(replica)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        log = (self.state_dir / f"{replica.name}.log").open("ab")
+        # Its pid file says which process `stop` signals: a folder of this user's alone (rendezvous.private_dir).
+        log = private_file(private_dir(self.state_dir) / f"{replica.name}.log")
         env = {k: v for k, v in os.environ.items() if k != DEV_MODE_ENV}
         if self.dev_mode:
             env[DEV_MODE_ENV] = "1"
@@ -387,11 +389,26 @@ class HotUpdateUnsupported(RuntimeError):
 
 
 class HotUpdateFailed(RuntimeError):
-    """A weight-update call failed after the replica was paused: its weights may have changed."""
+    """A weight-update call failed after the replica was paused: its weights may have changed. The replica was
+    not resumed on them: `rolled_back` when the weights it had are back in place and it serves again, else it is
+    still paused, for its caller to restart."""
+
+    def __init__(self, message: str, rolled_back: bool = False) -> None:
+        super().__init__(message)
+        self.rolled_back = rolled_back
 
 
 class _Unchanged(RuntimeError):
     """Inside a paused update: refused before any weight was sent."""
+
+
+@dataclass(frozen=True)
+class Weights:
+    """What a paused session sends: a drafter version's checkpoint, after the policy in `policy_dir` if given."""
+
+    drafter_dir: str
+    version: str
+    policy_dir: str | None = None
 
 
 def weight_version(version: str) -> str:
@@ -439,45 +456,68 @@ def policy_version(policy_dir: str) -> str:
     return f"policy-{Path(policy_dir).name}"
 
 
-def hot_update(replica: ReplicaSpec, drafter_dir: str, version: str, policy_dir: str | None = None) -> float:
+def _send_paused(replica: ReplicaSpec, weights: Weights) -> None:
+    """`weights` to a paused replica, then its /weight_info checked, still paused: the replica is resumed only on
+    weights it reports. _Unchanged when it has no route for a policy update (nothing sent), HotUpdateFailed when
+    anything failed once a weight may have been sent."""
+    try:
+        if weights.policy_dir is not None:
+            try:
+                _dev_call(replica, "/start_weight_update", {})
+            except HotUpdateUnsupported as exc:  # nothing sent yet: unchanged, it takes the restart
+                raise _Unchanged(f"{exc}: the policy cannot be sent in place") from None
+            _dev_call(replica, "/update_weights", {"update_info": {"path": str(Path(weights.policy_dir).resolve())}})
+            _dev_call(replica, "/finish_weight_update", {"weight_version": policy_version(weights.policy_dir)})
+        _send_drafter(replica, weights.drafter_dir, weight_version(weights.version))
+        reported = _dev_call(replica, "/weight_info").get("weight_version")
+    except HotUpdateUnsupported as exc:
+        raise HotUpdateFailed(f"{exc} after /pause succeeded") from None
+    if reported != weight_version(weights.version):
+        raise HotUpdateFailed(f"/weight_info reports {reported!r} after the update, not "
+                              f"{weight_version(weights.version)!r}")
+
+
+def hot_update(replica: ReplicaSpec, drafter_dir: str, version: str, policy_dir: str | None = None,
+               restore: Weights | None = None) -> float:
     """Pause the replica (requests held, not dropped), send it the policy in `policy_dir` (when given) and the
-    drafter in `drafter_dir`, resume, and check it reports `version`; returns the seconds its requests were held.
-    HotUpdateUnsupported when it refused before anything changed (a policy update it has no route for included);
-    HotUpdateFailed (resumed, but its weights unknown) otherwise."""
+    drafter in `drafter_dir`, check it reports `version`, resume; returns the seconds its requests were held.
+
+    A held request never decodes on a failed update: once a weight may have been sent, a failure puts `restore`
+    (the weights the replica had) back while it is still paused and resumes it on them (HotUpdateFailed with
+    `rolled_back`); with no `restore`, or when that fails too, the replica stays paused (HotUpdateFailed) for the
+    caller to restart. HotUpdateUnsupported when it refused before anything changed (resumed, unchanged)."""
     try:
         _dev_call(replica, "/init_weight_transfer_engine", {"init_info": {}})
         _dev_call(replica, "/pause?mode=keep", {})
     except HotUpdateFailed as exc:
         raise HotUpdateUnsupported(str(exc)) from None
     paused = time.monotonic()
-    failure: HotUpdateFailed | HotUpdateUnsupported | None = None
     try:
-        if policy_dir is not None:
-            try:
-                _dev_call(replica, "/start_weight_update", {})
-            except HotUpdateUnsupported as exc:  # nothing sent yet: unchanged, it takes the restart
-                raise _Unchanged(f"{exc}: the policy cannot be sent in place") from None
-            _dev_call(replica, "/update_weights", {"update_info": {"path": str(Path(policy_dir).resolve())}})
-            _dev_call(replica, "/finish_weight_update", {"weight_version": policy_version(policy_dir)})
-        _send_drafter(replica, drafter_dir, weight_version(version))
+        _send_paused(replica, Weights(drafter_dir, version, policy_dir))
     except _Unchanged as exc:
-        failure = HotUpdateUnsupported(str(exc))
-    except HotUpdateUnsupported as exc:
-        failure = HotUpdateFailed(f"{exc} after /pause succeeded")
+        _resume(replica, str(exc))
+        raise HotUpdateUnsupported(str(exc)) from None
     except HotUpdateFailed as exc:
-        failure = exc
-    try:  # resumed whatever happened: held requests go on, on whichever weights it has
+        if restore is None:
+            raise HotUpdateFailed(f"{exc}; the replica stays paused") from None
+        try:
+            _send_paused(replica, restore)
+        except (HotUpdateFailed, _Unchanged) as again:
+            raise HotUpdateFailed(f"{exc}; putting version {restore.version} back failed too ({again}): the replica "
+                                  "stays paused") from None
+        _resume(replica, str(exc))
+        raise HotUpdateFailed(f"{exc}; version {restore.version} put back before the replica resumed",
+                              rolled_back=True) from None
+    _resume(replica)
+    return time.monotonic() - paused
+
+
+def _resume(replica: ReplicaSpec, failure: str = "") -> None:
+    try:
         _dev_call(replica, "/resume", {})
     except (HotUpdateFailed, HotUpdateUnsupported) as exc:
         raise HotUpdateFailed(f"{f'{failure}; ' if failure else ''}/resume failed, the replica may hold its "
                               f"requests: {exc}") from None
-    if failure is not None:
-        raise failure
-    held = time.monotonic() - paused
-    reported = _dev_call(replica, "/weight_info").get("weight_version")
-    if reported != weight_version(version):
-        raise HotUpdateFailed(f"/weight_info reports {reported!r} after the update, not {weight_version(version)!r}")
-    return held
 
 
 def send_policy(replica: ReplicaSpec, policy_dir: str) -> float:
@@ -504,8 +544,8 @@ def send_policy(replica: ReplicaSpec, policy_dir: str) -> float:
 
 def roll_back(replica: ReplicaSpec, driver: ReplicaDriver, target: str, previous: StagedDrafter,
               gates: GateConfig, alive: Callable[[], bool], policy_dir: str | None = None) -> str:
-    """After a failed hot update: the previous drafter again (on the policy in `policy_dir`, the one `target`
-    names, when the update sent a policy too), hot if the replica takes it, else by a restart on `target`.
+    """The previous drafter again (on the policy in `policy_dir`, the one `target` names, when the update sent a
+    policy too), hot if the replica takes it, else by a restart on `target` (a replica left paused included).
     Returns how ("hot" or "restart")."""
     try:
         hot_update(replica, previous.directory, previous.version, policy_dir)
@@ -535,12 +575,19 @@ def _try_hot(replica: ReplicaSpec, driver: ReplicaDriver, target: str, version: 
     new_policy = local_directory(target) if served != target else None
     old_policy = local_directory(served) if new_policy else None
     try:
-        attempt.paused_s = hot_update(replica, drafter_dir, version, new_policy)
+        attempt.paused_s = hot_update(replica, drafter_dir, version, new_policy,
+                                      Weights(previous.directory, previous.version, old_policy))
     except HotUpdateUnsupported as exc:
         attempt.note = f"no hot update ({exc}); restarted"
         return None
     except HotUpdateFailed as exc:
-        how = roll_back(replica, driver, served, previous, gates, alive, old_policy)
+        how = "hot"
+        if exc.rolled_back:
+            driver.updated(replica, previous.directory, served if old_policy else None)
+        else:  # still paused on weights it may have half: restarted on what it had
+            driver.restart(replica, served, previous.directory)
+            wait_healthy(replica, gates.ready_timeout_s, alive)
+            how = "restart"
         attempt.note = f"hot update failed ({exc}); rolled back to version {previous.version} by {how}; restarted"
         return None
     driver.updated(replica, drafter_dir, target if new_policy else None)

@@ -40,7 +40,9 @@ spaces, it stops only at `stop_token_ids`, and `logprobs` holds the sampled toke
 most `"logprobs": 1` is served). Every completion carries the stand-in's own `standin` object (vLLM has none):
 the /weight_info label when it finished, the policy that decoded it, and whether the policy changed while it
 ran (`straddles_policy_update`). With an API key (read from the environment variable named by --api-key-env)
-/v1/* require `Authorization: Bearer <key>`.
+every route but /health and /metrics requires `Authorization: Bearer <key>`: the control routes above and the
+stand-in's own included (vLLM's own key check covers /v1/* only; docs/production.md says what the fleet
+requires of it).
 
     python -m pipeline.serving.standin_replica --port 8101 --target file:///.../policy --drafter /.../drafter
 """
@@ -48,6 +50,7 @@ ran (`straddles_policy_update`). With an API key (read from the environment vari
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import os
 import threading
@@ -72,6 +75,7 @@ from pipeline.serving.fleet import policy_version
 from pipeline.serving.metrics import SpecCounters, render, render_standin
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+PUBLIC_ROUTES = ("/health", "/metrics")  # with an API key, every other route asks for it
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
@@ -276,10 +280,14 @@ def make_handler(replica: Replica, api_key: str | None, dev_mode: bool) -> type[
             self._send(status, json.dumps(obj).encode())
 
         def _authorized(self) -> bool:
-            if api_key and self.headers.get("Authorization") != f"Bearer {api_key}":
-                self._json(401, {"error": "Unauthorized"})
-                return False
-            return True
+            """Every route but PUBLIC_ROUTES needs the key: the control routes pause serving and load weights."""
+            if urlsplit(self.path).path in PUBLIC_ROUTES or not api_key:
+                return True
+            given = self.headers.get("Authorization", "").encode()
+            if hmac.compare_digest(given, f"Bearer {api_key}".encode()):
+                return True
+            self._json(401, {"error": "Unauthorized"})
+            return False
 
         def _body(self) -> dict:
             raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
@@ -290,6 +298,8 @@ def make_handler(replica: Replica, api_key: str | None, dev_mode: bool) -> type[
 
         def do_GET(self) -> None:
             path = urlsplit(self.path).path
+            if not self._authorized():
+                return
             if path == "/health":
                 self._send(200, b"", "text/plain")
             elif path == "/metrics":
@@ -298,9 +308,8 @@ def make_handler(replica: Replica, api_key: str | None, dev_mode: bool) -> type[
                     engine.threshold.threshold, engine.rounds, replica.model_name)
                 self._send(200, page.encode(), "text/plain; version=0.0.4")
             elif path == "/v1/models":
-                if self._authorized():
-                    self._json(200, {"object": "list", "data": [
-                        {"id": replica.model_name, "object": "model", "owned_by": "stand-in replica (not vLLM)"}]})
+                self._json(200, {"object": "list", "data": [
+                    {"id": replica.model_name, "object": "model", "owned_by": "stand-in replica (not vLLM)"}]})
             elif path == "/standin/requests":
                 self._json(200, asdict(replica.request_counts()))
             elif dev_mode and path == "/is_paused":
@@ -312,6 +321,8 @@ def make_handler(replica: Replica, api_key: str | None, dev_mode: bool) -> type[
 
         def do_POST(self) -> None:
             url = urlsplit(self.path)
+            if not self._authorized():
+                return
             if url.path == "/v1/completions":
                 self._completion()
             elif url.path == "/standin/faults":
@@ -337,8 +348,6 @@ def make_handler(replica: Replica, api_key: str | None, dev_mode: bool) -> type[
                 self._json(404, {"detail": "Not Found"})
 
         def _completion(self) -> None:
-            if not self._authorized():
-                return
             try:
                 body = self._body()
                 request, wants = completion_request(body, replica)

@@ -182,6 +182,7 @@ def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int, ra
     manifest. A shard's batches are cut from its own samples, so its bytes are the same whichever rank
     and however many ranks compute it."""
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
+    digest = rollouts_lib.committed_digest(store, cfg.run, step)  # before the read: a republish later is seen
     device = ranks.device(cfg.device, cfg.target.gpus_per_process)
     model = target_lib.load_policy(store, pointer.checkpoint_uri, device, target_lib.load_settings(cfg))
     # Token ids and lengths are checked against the policy that reads them, before its forward pass.
@@ -199,7 +200,7 @@ def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int, ra
     # `eagle` method hands its drafter); EAGLE-3 reads raw residual streams.
     target = {"model_id": pointer.model_id, "policy_version": str(pointer.policy_version),
               "checkpoint_uri": pointer.checkpoint_uri, "source": cfg.hidden_states.source,
-              "final_norm": "applied" if layer_ids is None else "not applied"}
+              "final_norm": "applied" if layer_ids is None else "not applied", "rollouts_digest": digest}
     layout = TargetLayout.from_config(model.config.to_dict(), stored)
     lease_s, lease_wait_s = cfg.storage.step_lease_s, cfg.storage.step_lease_wait_s
     if cfg.hidden_states.source == "vllm":  # one rank (config.py): the connector's files are read here

@@ -26,7 +26,7 @@ from pipeline.launch import StageJob
 from pipeline.placement import measure_placement
 from pipeline.ranks import SINGLE, Ranks, join, leave
 from pipeline.sources import extract
-from pipeline.workers import run_stage_worker
+from pipeline.workers import run_stage_worker, stage_job
 
 
 def run_extraction(job: StageJob, ranks: Ranks) -> tuple[Manifest | None, StagePlacement]:
@@ -89,7 +89,7 @@ def _metadata(store: ObjectStore, job: StageJob, manifest: Manifest, where: Stag
 def run_pipes(pipes: PipesContext, ranks: Ranks = SINGLE) -> None:
     """Rank 0's work over an open Pipes channel: the extraction, its commit, check and report (a launched
     process's and a warm worker's, `pipeline.stage_server`)."""
-    job = StageJob.from_dict(pipes.get_extra("job"))
+    job = stage_job(pipes, "extraction")
     pipes.log.info(f"extracting hidden states of RL step {job.step} on {ranks.world_size} rank(s) "
                    f"({job.where})")
     manifest, where = run_extraction(job, ranks)

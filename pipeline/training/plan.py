@@ -13,8 +13,9 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from pipeline.config import PipelineConfig, TrainConfig, parse_config
+from pipeline.config import PipelineConfig, TrainConfig, parse_resolved_config
 from pipeline.cost import DecodingCost
+from pipeline.data import order
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.buffer import read_buffer
 from pipeline.data.keys import acceptance_key, drafter_key
@@ -122,7 +123,9 @@ class TrainJob:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, doc: dict) -> TrainJob:
+    def from_dict(cls, doc: object) -> TrainJob:
+        if not isinstance(doc, dict):
+            raise ValueError(f"no training job: the Pipes extra `job` is a {type(doc).__name__}")
         optional = {"tags", "requested_by", "refresh"}
         missing = sorted({f.name for f in fields(cls) if f.name not in optional} - set(doc))
         if missing:
@@ -134,7 +137,7 @@ class TrainJob:
 
     @property
     def pipeline_config(self) -> PipelineConfig:
-        return parse_config(self.config)
+        return parse_resolved_config(self.config, f"the training job of step {self.step}")
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,7 @@ def plan_training(
     `coalesce` (a run the sensor asked for, not a backfill) a newer committed step supersedes this one's training.
     `live`: the fleet's live tau, which the `acceptance` and `cost` schedules take for the champion's tau now."""
     entries = list(read_buffer(store, cfg.run, step).entries)
-    newer = [s for s in rollouts_lib.committed_steps(store, cfg.run) if s > step] if coalesce else []
+    newer = order.committed_after(store, cfg.run, step) if coalesce else []  # by commit time, not number
     inputs = None if cfg.train.schedule.kind == "interval" else schedule_inputs(store, cfg, step, registry, live)
     decision = training_decision(step, len(entries), cfg.train, requested_by, inputs, newer[-1] if newer else None)
     if not decision.train:
@@ -200,7 +203,7 @@ def schedule_inputs(
     the fleet's live tau when the fleet runs it, else its evaluation on the newest measured step), how fast drafters
     went stale on the last steps, the step's rollout tokens, and the costs earlier steps measured (their StepCost
     records)."""
-    earlier = [s for s in rollouts_lib.committed_steps(store, cfg.run) if s < step][-SCHEDULE_HISTORY_STEPS:]
+    earlier = order.committed_before(store, cfg.run, step)[-SCHEDULE_HISTORY_STEPS:]
     costs = [c for c in (read_cost(store, cfg.run, s) for s in earlier) if c is not None]
     trainings = [c.seconds["training"] for c in costs if c.seconds.get("training", 0) > 0][-RECENT_TRAININGS:]
     decoding = median_decoding([c.decoding for c in costs if c.decoding][-RECENT_TIMINGS:])

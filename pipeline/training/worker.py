@@ -44,7 +44,7 @@ from pipeline.training.distributed import (
 )
 from pipeline.training.outcome import TrainOutcome, outcome_metadata
 from pipeline.training.plan import TrainJob
-from pipeline.workers import exit_with_launcher, is_pipes_process, pipes_extras
+from pipeline.workers import exit_with_launcher, is_pipes_process, job_extra, pipes_extras
 
 
 def _train(
@@ -65,13 +65,13 @@ def _train(
 def run_pipes(pipes: PipesContext, ctx: DistContext = SINGLE) -> None:
     """Rank 0's work over an open Pipes channel: the training, its placement record and the materialization
     (a launched process's and a warm worker's, `pipeline.stage_server`)."""
-    job = TrainJob.from_dict(pipes.get_extra("job"))
+    job = TrainJob.from_dict(job_extra(pipes))
     continued = f", continuing MLflow run {job.run_id}" if job.run_id else ""
     pipes.log.info(f"training RL step {job.step} on {ctx.world_size} rank(s){continued}")
-    outcome, where = _train(job, ctx, pipes.log.info, pipes.extras.get("where", "process"))
+    outcome, where = _train(job, ctx, pipes.log.info, str(job_extra(pipes, "where")))
     cfg = job.pipeline_config
     write_record(open_store(cfg), placement_key(cfg.run, job.step, "training"), where)
-    metadata = _materialization(job, outcome, ctx, pipes.extras.get("mlflow_ui_url"))
+    metadata = _materialization(job, outcome, ctx, str(job_extra(pipes, "mlflow_ui_url")))
     pipes.report_asset_materialization(metadata={**metadata, **where.metadata()})
 
 

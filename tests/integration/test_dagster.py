@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import dagster as dg
@@ -14,7 +16,7 @@ from definitions import build_definitions
 from jobs.sensors import SENSOR_NAME, rl_step_sensor
 from pipeline.config import PROJECT_ROOT, load_config
 from pipeline.data import shards
-from pipeline.data.keys import hidden_states_prefix, rollouts_prefix
+from pipeline.data.keys import hidden_states_prefix, policy_pointer_key, rollouts_prefix, step_key
 from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.registry import DrafterRegistry
@@ -57,7 +59,7 @@ def test_sensor_adds_committed_steps_once(tiny_config_path: Path) -> None:
         assert [r.run_key for r in result.run_requests] == ["step-000001", "step-000002"]
         assert [r.partition_key for r in result.run_requests] == ["step-000001", "step-000002"]
         assert list(result.dynamic_partitions_requests[0].partition_keys) == ["step-000001", "step-000002"]
-        assert result.cursor == "2"
+        assert json.loads(result.cursor)["step"] == 2
         instance.add_dynamic_partitions("rl_step", ["step-000001", "step-000002"])  # as the daemon does
 
         again = rl_step_sensor(dg.build_sensor_context(instance=instance, cursor=result.cursor, definitions=defs,
@@ -79,12 +81,35 @@ def test_sensor_requests_a_step_committed_behind_its_cursor(tiny_config_path: Pa
         _fake_step(store, cfg.run, step)
     defs = build_definitions(str(tiny_config_path))
     with dg.instance_for_test() as instance:
+        first = rl_step_sensor(dg.build_sensor_context(instance=instance, definitions=defs,
+                                                       sensor_name=SENSOR_NAME, resources=defs.resources))
         instance.add_dynamic_partitions("rl_step", ["step-000001", "step-000002", "step-000004"])
         _fake_step(store, cfg.run, 3)  # step 3's commit point lands after step 4's
-        tick = rl_step_sensor(dg.build_sensor_context(instance=instance, cursor="4", definitions=defs,
+        tick = rl_step_sensor(dg.build_sensor_context(instance=instance, cursor=first.cursor, definitions=defs,
                                                       sensor_name=SENSOR_NAME, resources=defs.resources))
         assert [r.run_key for r in tick.run_requests] == ["step-000003"]
-        assert tick.cursor == "4"
+        assert json.loads(tick.cursor)["step"] == 3  # the newest commit the store saw, whatever its number
+
+
+@pytest.mark.reliability("bad_input", "a step numbered 10**12 committed first: the sensor requests steps in the "
+                                      "order the store saw their commits, and every later step")
+def test_the_sensor_orders_steps_by_their_commits_not_their_numbers(tiny_config_path: Path) -> None:
+    cfg = load_config(tiny_config_path)
+    store = open_store(cfg)
+    huge = 10**12
+    for number, at in ((huge, 1000.0), (1, 2000.0), (2, 3000.0)):
+        _fake_step(store, cfg.run, number)
+        os.utime(store.local_path(policy_pointer_key(cfg.run, number)), (at, at))
+    defs = build_definitions(str(tiny_config_path))
+    with dg.instance_for_test() as instance:
+        tick = rl_step_sensor(dg.build_sensor_context(instance=instance, definitions=defs,
+                                                      sensor_name=SENSOR_NAME, resources=defs.resources))
+        assert [r.run_key for r in tick.run_requests] == [step_key(huge), "step-000001", "step-000002"]
+        instance.add_dynamic_partitions("rl_step", [r.partition_key for r in tick.run_requests])
+        _fake_step(store, cfg.run, 3)
+        later = rl_step_sensor(dg.build_sensor_context(instance=instance, cursor=tick.cursor, definitions=defs,
+                                                       sensor_name=SENSOR_NAME, resources=defs.resources))
+        assert [r.run_key for r in later.run_requests] == ["step-000003"]
 
 
 def _run_step(defs: dg.Definitions, instance: dg.DagsterInstance, key: str) -> dg.ExecuteInProcessResult:

@@ -5,6 +5,7 @@ step's own training then supersedes it. The replicas are stand-in processes (not
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from jobs.sensors import REFRESH_SENSOR_NAME, refresh_sensor
 from pipeline.client import publish_rollouts_part
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data import parts as parts_lib
+from pipeline.data.keys import part_manifest_key, parts_prefix, parts_step_key, step_key
 from pipeline.data.records import read_fleet_state, read_refresh, read_tail
 from pipeline.data.rollouts import is_committed
 from pipeline.data.store import ObjectStore, open_store
@@ -186,9 +188,24 @@ def _split_at_share(generated, slices: list[int], share: float, parts: int) -> t
     raise AssertionError("the parts never reach the share")
 
 
-def test_one_refresh_at_a_time_for_the_newest_qualifying_step(tmp_path: Path) -> None:
-    """Steps 3 and 4 qualify at once (an asynchronous trainer): only 4 is refreshed, 3 is recorded as skipped;
-    while a refresh run is in progress the sensor waits, then requests the newest step qualifying by then."""
+@dataclass(frozen=True)
+class OpenSteps:
+    """A run with a champion whose trainer publishes the first half of steps (`first_half`), then stops."""
+
+    cfg: PipelineConfig
+    store: ObjectStore
+    defs: dg.Definitions
+    checkpoint: Path
+
+    def first_half(self, step: int, seen_at: float | None = None) -> None:
+        """Half of the step's rollouts in one part, the store seeing its first part at `seen_at` when given."""
+        publish_rollouts_part(self.store, self.cfg.run, step, 0, [ok(f"s{step}-{i}") for i in range(4)],
+                              self.checkpoint, policy_version=step % 1000, model_id="tiny", expected_rollouts=8)
+        if seen_at is not None:
+            os.utime(self.store.local_path(parts_step_key(self.cfg.run, step)), (seen_at, seen_at))
+
+
+def _open_steps(tmp_path: Path) -> OpenSteps:
     path = write_config(tmp_path, {"refresh": {"enabled": True, "min_share": 0.5}}, pretrained=False)
     cfg = load_config(path)
     store, registry = open_store(cfg), open_registry(cfg)
@@ -198,18 +215,20 @@ def test_one_refresh_at_a_time_for_the_newest_qualifying_step(tmp_path: Path) ->
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text(json.dumps({"vocab_size": 50, "max_position_embeddings": 8}))
     save_file({"w": np.zeros((2, 3), dtype=np.float32)}, str(checkpoint / "model.safetensors"))
+    return OpenSteps(cfg, store, build_definitions(str(path)), checkpoint)
 
-    def first_half(step: int) -> None:
-        publish_rollouts_part(store, cfg.run, step, 0, [ok(f"s{step}-{i}") for i in range(4)], checkpoint,
-                              policy_version=step, model_id="tiny", expected_rollouts=8)
 
-    first_half(3)
-    first_half(4)
-    defs = build_definitions(str(path))
+def test_one_refresh_at_a_time_for_the_newest_qualifying_step(tmp_path: Path) -> None:
+    """Steps 3 and 4 qualify at once (an asynchronous trainer): only 4 is refreshed, 3 is recorded as skipped;
+    while a refresh run is in progress the sensor waits, then requests the newest step qualifying by then."""
+    steps = _open_steps(tmp_path)
+    cfg, store, defs, first_half = steps.cfg, steps.store, steps.defs, steps.first_half
+    first_half(3, 1000.0)
+    first_half(4, 2000.0)
     with dg.instance_for_test() as instance:
         tick = _refresh_tick(defs, instance, None)
         [request] = tick.run_requests
-        assert (request.run_key, tick.cursor) == ("refresh:step-000004", "4")
+        assert (request.run_key, json.loads(tick.cursor)["step"]) == ("refresh:step-000004", 4)
         skipped = read_refresh(store, cfg.run, 3)
         assert (skipped.version, skipped.deployed, skipped.part) == (None, False, 0)
         assert skipped.decision == "skipped: step-000004 qualified as well; one refresh at a time, the newest " \
@@ -225,3 +244,37 @@ def test_one_refresh_at_a_time_for_the_newest_qualifying_step(tmp_path: Path) ->
         [after] = _refresh_tick(defs, instance, tick.cursor).run_requests
         assert after.run_key == "refresh:step-000005"
         assert read_refresh(store, cfg.run, 5) is None  # requested, not skipped
+
+
+@pytest.mark.reliability("bad_input", "a step numbered 10**12 refreshed first: later open steps are still refreshed "
+                                      "(the sensor follows the order the store saw steps in)")
+def test_a_refresh_of_a_step_numbered_ten_to_the_twelve_holds_no_later_step_back(tmp_path: Path) -> None:
+    steps = _open_steps(tmp_path)
+    steps.first_half(10**12, 1000.0)
+    with dg.instance_for_test() as instance:
+        tick = _refresh_tick(steps.defs, instance, None)
+        assert [r.run_key for r in tick.run_requests] == [f"refresh:{step_key(10**12)}"]
+        steps.first_half(3, 2000.0)  # the trainer's next step, numbered as usual
+        [later] = _refresh_tick(steps.defs, instance, tick.cursor).run_requests
+        assert later.run_key == "refresh:step-000003"
+        steps.first_half(2, 500.0)  # seen before the step refreshed last: its tail is out already
+        assert isinstance(_refresh_tick(steps.defs, instance, json.dumps(
+            {"first_seen_at": 2000.0, "step": 3})), dg.SkipReason)
+
+
+@pytest.mark.reliability("bad_input", "an open step whose part manifest lies (1,000 rows over 4) and a file named "
+                                      "part-².json: the refresh sensor refreshes the other steps, never raises")
+def test_one_steps_bad_part_files_hold_no_other_refresh_back(tmp_path: Path) -> None:
+    steps = _open_steps(tmp_path)
+    store, run = steps.store, steps.cfg.run
+    steps.first_half(3, 1000.0)
+    store.write_bytes(f"{parts_prefix(run, 3)}/part-².json", b"{}")
+    publish_rollouts_part(store, run, 4, 0, [ok("s4-0")], steps.checkpoint, policy_version=4, model_id="tiny",
+                          expected_rollouts=8)
+    manifest = part_manifest_key(run, 4, 0)
+    store.write_json(manifest, {**store.read_json(manifest), "rows": 1000, "response_tokens": 2000})
+    os.utime(store.local_path(parts_step_key(run, 4)), (2000.0, 2000.0))
+    with dg.instance_for_test() as instance:
+        tick = _refresh_tick(steps.defs, instance, None)
+        assert [r.run_key for r in tick.run_requests] == ["refresh:step-000003"]
+    assert read_refresh(store, run, 3) is None  # requested, not recorded as skipped behind step 4

@@ -132,6 +132,11 @@ TRUST_CLASSES = [
     ("6. two writers of one step", "tests/integration/test_writers.py"),
     ("7. corrupt shards during training", "tests/unit/training/test_dataset.py, "
      "tests/integration/test_untrusted_trainer.py"),
+    ("8. a step published in parts (part manifests, _step.json) written past the client: read again by the readers",
+     "tests/unit/data/test_parts.py, tests/integration/test_refresh.py (sensor)"),
+    ("9. step numbers: newer is when the store saw a commit, never the number the trainer chose",
+     "tests/unit/training/test_plan.py, tests/integration/test_dagster.py, tests/integration/test_refresh.py"),
+    ("10. a step republished after its hidden states were extracted", "tests/unit/sources/test_extract.py"),
 ]
 
 

@@ -5,17 +5,21 @@ back as a step published whole."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from safetensors.numpy import save_file
 
 from pipeline.client import Rollout, RolloutsError, commit_rollouts_parts, publish_rollouts_part, publish_step
+from pipeline.config import load_config
 from pipeline.data import parts as parts_lib
-from pipeline.data.keys import part_manifest_key, part_rollouts_key, policy_prefix
-from pipeline.data.rollouts import is_committed, read_policy_pointer, read_rollouts
+from pipeline.data.keys import part_manifest_key, part_rollouts_key, parts_prefix, parts_step_key, policy_prefix
+from pipeline.data.rollouts import is_committed, read_policy_pointer, read_rollouts, rollouts_table
 from pipeline.data.store import ObjectStore
+from pipeline.refresh import qualified_parts
 from tests.support.contract_cases import BAD, BAD_ROLLOUTS, LIMITS, ok
 
 RUN, STEP = "r", 3
@@ -164,4 +168,111 @@ def test_progress_is_the_share_of_the_expected_rollouts(store: ObjectStore, chec
     manifests = parts_lib.published_parts(store, RUN, STEP)
     assert parts_lib.step_progress(manifests, 6) == pytest.approx(4 / 6)
     assert [m.response_tokens for m in manifests] == [6, 2]
-    assert [m.published_at for m in manifests] == [100.0, 101.0]
+    # When the store saw each manifest, not the time its writer put in it (100.0, 101.0).
+    assert [m.published_at for m in manifests] == [store.modified(part_manifest_key(RUN, STEP, p)) for p in (0, 1)]
+
+
+# --- the readers check again what only the trainer's client checked ---------------------------------------------
+
+
+def _qualified(store: ObjectStore) -> parts_lib.Qualified | None:
+    """What the refresh sensor and the refresh read of the step (refresh.qualified_parts)."""
+    refresh = {"min_share": 0.5, "min_tokens": 100}  # 3 of the 6 rollouts expected, or 100 response tokens
+    return qualified_parts(store, load_config(overrides={"run": RUN, "refresh": refresh}), STEP)
+
+
+def _rewrite(store: ObjectStore, key: str, **changes: object) -> None:
+    store.write_json(key, {**store.read_json(key), **changes})
+
+
+@pytest.mark.reliability("bad_input", "part manifests under alias names (part-1.json, part-01.json, part-².json) "
+                                      "beside part-0001.json: not read, progress counted once, no reader raises")
+def test_a_manifest_under_another_name_counts_no_part_twice(store: ObjectStore, checkpoint: Path) -> None:
+    publish(store, checkpoint, 0, rows(0))
+    publish(store, checkpoint, 1, rows(1))
+    manifest = store.read_bytes(part_manifest_key(RUN, STEP, 1))
+    for alias in ("part-1.json", "part-01.json", "part-00001.json", "part-².json", "part-١.json"):
+        store.write_bytes(f"{parts_prefix(RUN, STEP)}/{alias}", manifest)
+
+    assert [m.part for m in parts_lib.published_parts(store, RUN, STEP)] == [0, 1]
+    assert parts_lib.step_progress(parts_lib.published_parts(store, RUN, STEP), 6) == pytest.approx(4 / 6)
+    assert _qualified(store).parts == (0, 1)
+
+
+@pytest.mark.parametrize(("field", "value", "problem"), [
+    ("rows", 1000, "holds 2 rollouts of 4 response tokens; its manifest claims 1000 of 2000"),
+    ("response_tokens", 400, "holds 2 rollouts of 4 response tokens; its manifest claims 2 of 400"),
+    ("rows", 0, "must be a positive integer"),
+    ("rows", True, "must be a positive integer"),
+    ("part", 7, "is not the part its name says"),
+    ("step", 4, "is not this step's"),
+    ("digest", "../x", "must be a sha256 in hex"),
+    ("published_at", "soon", "must be a time"),
+])
+def test_a_manifest_claiming_what_its_rollouts_do_not_hold_qualifies_nothing(
+    store: ObjectStore, checkpoint: Path, field: str, value: object, problem: str, reliability
+) -> None:
+    """A manifest that claims 1,000 rows over 2 rollouts would qualify the step for a refresh on its own: the
+    readers count the rollouts themselves, and refuse the part naming its file and the field."""
+    reliability.bad_input(f"a part manifest whose {field} is {value!r}: refused by the readers, nothing qualifies")
+    publish(store, checkpoint, 0, rows(0))
+    changes = {field: value}
+    if field == "rows" and value == 1000:
+        changes["response_tokens"] = 2000
+    _rewrite(store, part_manifest_key(RUN, STEP, 0), **changes)
+
+    with pytest.raises(RolloutsError, match=f"part-0000.*{re.escape(problem)}"):
+        _qualified(store)
+
+
+@pytest.mark.parametrize(("field", "value", "problem"), [
+    ("expected_rollouts", 0, "must be a positive integer"),
+    ("expected_rollouts", -5, "must be a positive integer"),
+    ("expected_rollouts", "8", "must be a positive integer"),
+    ("expected_rollouts", 2**64, "must be a positive integer"),
+    ("vocab_size", 0, "must be a positive integer"),
+    ("max_positions", -1, "must be a positive integer or null"),
+    ("step", 4, "is not this step's"),
+    ("started_at", float("nan"), "must be a time"),
+])
+def test_a_step_record_out_of_its_range_is_refused_by_its_readers(
+    store: ObjectStore, checkpoint: Path, field: str, value: object, problem: str, reliability
+) -> None:
+    """`expected_rollouts` of 0 or -5 qualified a step at once and then divided by zero."""
+    reliability.bad_input(f"a step record (parts/_step.json) whose {field} is {value!r}: refused by its readers")
+    publish(store, checkpoint, 0, rows(0))
+    _rewrite(store, parts_step_key(RUN, STEP), **{field: value})
+
+    with pytest.raises(RolloutsError, match=f"_step.json: field {field}: {re.escape(problem)}"):
+        _qualified(store)
+
+
+@pytest.mark.reliability("bad_input", "a step record claiming vocab_size 10**6 over a policy of 50: readers enforce "
+                                      "the policy's own limits, a token id of 999 is refused")
+def test_readers_enforce_the_policys_limits_not_the_ones_the_record_claims(store: ObjectStore,
+                                                                           checkpoint: Path) -> None:
+    publish(store, checkpoint, 0, rows(0))
+    publish(store, checkpoint, 1, rows(1))
+    _rewrite(store, parts_step_key(RUN, STEP), vocab_size=10**6)
+    outside = [ok("p0-0", input_ids=[1, 999, 3]), ok("p0-1")]  # written past the client, manifest to match
+    with store.open_write(part_rollouts_key(RUN, STEP, 0)) as f:
+        pq.write_table(rollouts_table(outside), f)
+    _rewrite(store, part_manifest_key(RUN, STEP, 0), digest=parts_lib.content_digest(outside))
+
+    with pytest.raises(RolloutsError, match="part-0000.parquet: sample 'p0-0': field input_ids: .*50"):
+        _qualified(store)
+
+
+@pytest.mark.reliability("bad_input", "a part written after its step's commit, past the client: not one of the "
+                                      "step's parts for any reader")
+def test_a_part_written_after_the_commit_is_not_one_of_the_steps_parts(store: ObjectStore, checkpoint: Path) -> None:
+    publish(store, checkpoint, 0, rows(0))
+    publish(store, checkpoint, 1, rows(1))
+    commit_rollouts_parts(store, RUN, STEP)
+    late = rows(9)
+    with store.open_write(part_rollouts_key(RUN, STEP, 9)) as f:
+        pq.write_table(rollouts_table(late), f)
+    store.write_json(part_manifest_key(RUN, STEP, 9), parts_lib.PartManifest(
+        STEP, 9, 2, 4, parts_lib.content_digest(late), 200.0).to_json())
+
+    assert [m.part for m in parts_lib.published_parts(store, RUN, STEP)] == [0, 1]

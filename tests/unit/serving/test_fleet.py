@@ -7,16 +7,19 @@ stand-in processes (`pipeline.serving.standin_replica`, not vLLM) on loopback po
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from pipeline.config import load_config
+from pipeline.config import PipelineConfig, load_config
 from pipeline.data.keys import fleet_state_key
-from pipeline.data.records import FleetState, write_record
+from pipeline.data.records import FleetState, ReplicaDeploy, read_fleet_state, write_record
+from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
 from pipeline.data.store import open_store
 from pipeline.evaluation import speculative
 from pipeline.models.target import build_target, tiny_llama_config
@@ -31,6 +34,7 @@ from pipeline.serving.fleet import (
     StagedDrafter,
     StandInDriver,
     check_replica,
+    hot_update,
     rolling_deploy,
     vllm_argv,
     vllm_env,
@@ -176,6 +180,95 @@ def test_standin_replica_serves_vllm_endpoints(
     assert tokens == speculative.greedy_generate(target, torch.tensor([1, 2, 3]), 6)
 
 
+CONTROL_ROUTES = [("POST", "/init_weight_transfer_engine", {"init_info": {}}), ("POST", "/pause?mode=keep", {}),
+                  ("POST", "/resume", {}), ("POST", "/start_weight_update", {}), ("POST", "/start_draft_weight_update", {}),
+                  ("POST", "/update_weights", {"update_info": {"path": "/etc"}}),
+                  ("POST", "/finish_weight_update", {"weight_version": "drafter-v9"}),
+                  ("POST", "/standin/faults", {"update_weights": 5}), ("GET", "/is_paused", None),
+                  ("GET", "/weight_info", None), ("GET", "/standin/requests", None), ("GET", "/v1/models", None),
+                  ("POST", "/v1/completions", {"model": "policy", "prompt": [1], "max_tokens": 1})]
+
+
+def _call(replica: ReplicaSpec, method: str, path: str, body: dict | None, key: str | None = None) -> dict:
+    request = urllib.request.Request(replica.url + path, method=method,
+                                     data=json.dumps(body).encode() if body is not None else None,
+                                     headers={"Content-Type": "application/json"})
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read() or b"{}")
+
+
+@pytest.mark.reliability("security", "a stand-in replica started with an API key: every route but /health and "
+                                     "/metrics (pause, weight updates, faults, weight info) refuses a caller "
+                                     "without it")
+def test_a_keyed_standin_asks_for_its_key_on_every_control_route(
+    models: dict[str, str], driver: StandInDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller without the key can neither pause the replica, load a directory, commit a label nor probe for
+    directories; the replica is as it was, and the fleet (which has the key) still updates it in place."""
+    monkeypatch.setenv("STANDIN_KEY", "sk-standin")
+    replica = ReplicaSpec("r0", "127.0.0.1", _free_port(), "policy", api_key_env="STANDIN_KEY")
+    driver.restart(replica, models["target"], models["v1"])
+    check_replica(replica, GATES, PROMPTS)
+    for method, path, body in CONTROL_ROUTES:
+        for key in (None, "sk-wrong", "sk-standin-and-more"):
+            with pytest.raises(urllib.error.HTTPError, match="401"):
+                _call(replica, method, path, body, key)
+    assert _get(replica, "/health") == b""
+    assert serving_metrics.parse(_get(replica, "/metrics").decode()).drafts > 0
+    assert _call(replica, "GET", "/weight_info", None, "sk-standin") == {"weight_version": None}
+    assert _call(replica, "GET", "/is_paused", None, "sk-standin") == {"is_paused": False}
+    assert _call(replica, "GET", "/standin/requests", None, "sk-standin")["failed"] == 0
+    held = hot_update(replica, models["v2"], "2")  # the fleet's calls carry the key
+    assert held >= 0
+    assert _call(replica, "GET", "/weight_info", None, "sk-standin") == {"weight_version": "drafter-v2"}
+
+
+def _fleet(driver: str, host: str, key_env: str = "", **fleet: object) -> PipelineConfig:
+    replica = {"name": "r0", "host": host, "port": 8000, "api_key_env": key_env}
+    command = {"command": "supervisor restart {name} -- {argv}"} if driver == "command" else {}
+    return load_config(overrides={"fleet": {"driver": driver, "replicas": [replica], **command, **fleet}})
+
+
+@pytest.mark.parametrize(("cfg", "environ", "refused"), [
+    pytest.param(_fleet("standin", "10.0.0.5"), {}, "off loopback they need an API key", id="standin-open"),
+    pytest.param(_fleet("standin", "10.0.0.5", "K"), {"K": "sk"}, None, id="standin-keyed"),
+    pytest.param(_fleet("standin", "10.0.0.5", "K"), {}, "names K, which is not set here", id="key-unset"),
+    pytest.param(_fleet("standin", "127.0.0.1"), {}, None, id="standin-loopback"),
+    pytest.param(_fleet("standin", "replica-0.internal", update="restart"), {}, None, id="restart-only"),
+    pytest.param(_fleet("command", "10.0.0.5", "K", weight_transfer_backend="disk"), {"K": "sk"},
+                 "vLLM's API key guards /v1/\\* only", id="vllm-dev-mode"),
+    pytest.param(_fleet("command", "vllm-0.svc", "K"), {"K": "sk"}, "vLLM's API key guards", id="vllm-hot"),
+    pytest.param(_fleet("command", "10.0.0.5", "K", weight_transfer_backend="disk", dev_routes_guarded=True),
+                 {"K": "sk"}, None, id="vllm-guarded"),
+    pytest.param(_fleet("command", "10.0.0.5", weight_transfer_backend="disk", dev_routes_guarded=True), {},
+                 "need an API key", id="vllm-guarded-no-key"),
+    pytest.param(_fleet("command", "::1", weight_transfer_backend="disk"), {}, None, id="vllm-loopback"),
+])
+def test_a_fleet_configuration_exposing_control_routes_is_refused(
+    cfg: PipelineConfig, environ: dict, refused: str | None, monkeypatch: pytest.MonkeyPatch, reliability,
+    request: pytest.FixtureRequest,
+) -> None:
+    """Hot updates rely on routes that pause serving and load weights: off loopback a replica must ask for a key,
+    and a real vLLM (whose key guards /v1/* only) must have those routes guarded by the deployment. The deploy
+    refuses anything else before it touches the fleet, the registry or the store."""
+    problems = deploy.exposed_routes(cfg, environ)
+    if refused is None:
+        assert problems == []
+        return
+    reliability.security(f"a fleet configuration exposing control routes ({request.node.callspec.id}: "
+                         f"{refused.replace(chr(92), '')}): deploy refused")
+    assert len(problems) == 1
+    assert re.search(refused, problems[0])
+    assert problems[0].startswith("replica r0")
+    monkeypatch.delenv("K", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(deploy.ExposedRoutes, match="exposes control routes; nothing was deployed"):
+        deploy.deploy(cfg, None, None, "7")  # refused before the store or the registry is read
+
+
 def test_rolling_deploy_and_rollback(models: dict[str, str], driver: StandInDriver) -> None:
     replicas = [ReplicaSpec(f"r{i}", "127.0.0.1", _free_port()) for i in range(2)]
     first = rolling_deploy(replicas, driver, models["target"], "1", models["v1"], None, GATES, PROMPTS)
@@ -255,3 +348,23 @@ def test_live_tau_is_read_from_the_replicas_metrics_where_the_fleet_runs_the_ver
     assert deploy.live_tau(cfg, store, "1") == pytest.approx(served.mean_acceptance_length)
     driver.stop(replicas[1])  # an unreachable replica has no say
     assert deploy.live_tau(cfg, store, "1") is None
+
+
+@pytest.mark.parametrize("planted", ["/etc", "file:///home/someone/their-policy", "s3://elsewhere/p", "; rm -rf ~"])
+def test_a_recorded_policy_the_run_never_committed_is_not_trusted(planted: str, tmp_path: Path, reliability) -> None:
+    """fleet/<run>/state.json is read as untrusted input: a replica's recorded policy is used (for a hot update's
+    /update_weights, a restart's `vllm serve` line) only if it is one of the run's committed policies."""
+    reliability.bad_input(f"fleet/<run>/state.json naming a policy the run never committed ({planted}): not sent "
+                          "to a replica, the replica restarts on the served policy")
+    cfg = load_config(overrides={"data_dir": str(tmp_path)})
+    store = open_store(cfg)
+    rows = [Rollout(f"s{i}", [1, 2, 3, 4], [0, 0, 1, 1], 0.5, 1) for i in range(3)]
+    write_rollouts(store, cfg.run, 1, rows, PolicyPointer(1, f"policies/{cfg.run}/step-000001", "m"))
+    committed = store.resolve(f"policies/{cfg.run}/step-000001")
+    entry = ReplicaDeploy("standin-0", "3", 2.0, 1.0, False, "hot", "", 0.0, committed)
+    write_record(store, fleet_state_key(cfg.run), FleetState("3", 1, 1.0, (entry, replace(
+        entry, replica="standin-1", target=planted))))
+
+    recorded = deploy.recorded_replicas(store, cfg, read_fleet_state(store, cfg.run).replicas, committed)
+    assert recorded["standin-0"].target == committed
+    assert recorded["standin-1"].target == ""  # unknown: `rolling_deploy` restarts it on the served policy

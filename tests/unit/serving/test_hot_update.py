@@ -34,7 +34,9 @@ from pipeline.serving.fleet import (
     ReplicaSpec,
     StagedDrafter,
     StandInDriver,
+    Weights,
     hot_update,
+    local_directory,
     roll_back,
     rolling_deploy,
 )
@@ -191,14 +193,24 @@ def test_failing_update_weights_rolls_back_then_restarts(
     previous = StagedDrafter("1", models["v1"])
     rolling_deploy([replica], driver, models["target"], "1", models["v1"], None, GATES, PROMPTS)
 
-    # A partial update: the stand-in loads the new weights, then /update_weights fails.
+    # A partial update: the stand-in loads the new weights, then /update_weights fails. With nothing to put back
+    # the replica stays paused (never resumed on half-loaded weights); the rollback sends version 1 and resumes.
     assert _call(replica, "/standin/faults", {"update_weights": 1}) == {"update_weights": 1}
-    with pytest.raises(HotUpdateFailed, match=r"/update_weights answered HTTP 500: .*stand-in fault"):
+    with pytest.raises(HotUpdateFailed, match=r"/update_weights answered HTTP 500: .*stand-in fault.*stays paused"):
         hot_update(replica, models["v2"], "2")
-    assert _call(replica, "/is_paused") == {"is_paused": False}  # resumed even so
-    assert _probe_window(replica) == expected["v2"]  # half-updated: what the rollback is for
+    assert _call(replica, "/is_paused") == {"is_paused": True}
     assert roll_back(replica, driver, models["target"], previous, GATES, lambda: True) == "hot"
     assert _call(replica, "/weight_info") == {"weight_version": "drafter-v1"}
+    assert _call(replica, "/is_paused") == {"is_paused": False}
+    assert _probe_window(replica) == expected["v1"]
+
+    # With the weights it had to put back: back in place while paused, then resumed on them.
+    _call(replica, "/standin/faults", {"update_weights": 1})
+    with pytest.raises(HotUpdateFailed, match="version 1 put back before the replica resumed") as failed:
+        hot_update(replica, models["v2"], "2", restore=Weights(models["v1"], "1"))
+    assert failed.value.rolled_back
+    assert (_call(replica, "/is_paused"), _call(replica, "/weight_info")) == (
+        {"is_paused": False}, {"weight_version": "drafter-v1"})
     assert _probe_window(replica) == expected["v1"]
 
     # Within a deploy: rolled back in place, then the restart path of every vLLM version brings version 2.
@@ -301,3 +313,33 @@ def test_a_new_policy_goes_in_place_with_the_drafter_and_a_failed_one_rolls_back
     assert failed.note.endswith("rolled back to version 2 by hot; restarted")
     assert driver.serving(replica) == (models["target"], models["v1"])
     assert _complete(replica, PROBE, PROBE_TOKENS) == _decoded_here(models["target"], models["v1"])[0]
+
+
+@pytest.mark.reliability("fault", "a policy update failing halfway while a request is held: the request decodes on "
+                                  "the policy put back, never on the half-loaded one")
+def test_a_request_held_across_a_failed_update_decodes_on_the_weights_put_back(
+    models: dict[str, str], driver: StandInDriver
+) -> None:
+    """The replica serves `target` with v1; the deploy's hot update (`_try_hot` hands it the weights to put back)
+    sends `target2` and v2 in place, and the policy's /update_weights fails once `target2` is loaded. A request
+    held by the pause meanwhile is answered with `target`'s greedy tokens: the replica resumed only once `target`
+    and v1 were back."""
+    replica = ReplicaSpec("r0", "127.0.0.1", free_port())
+    rolling_deploy([replica], driver, models["target"], "1", models["v1"], None, GATES, PROMPTS)
+    old, new = (_decoded_here(models[t], models[v])[0] for t, v in (("target", "v1"), ("target2", "v2")))
+    assert old != new, "the probe must tell the two policies apart"
+    _call(replica, "/standin/faults", {"update_weights": 1})
+    _call(replica, "/pause?mode=keep", {})  # the request arrives while the replica is paused, as one mid-update
+    held: list[list[int]] = []
+    client = threading.Thread(target=lambda: held.append(_complete(replica, PROBE, PROBE_TOKENS)))
+    client.start()
+    deadline = time.monotonic() + 30
+    while _call(replica, "/standin/requests")["in_flight"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    policy, policy2 = (local_directory(models[t]) for t in ("target", "target2"))
+    with pytest.raises(HotUpdateFailed, match="/update_weights answered HTTP 500.*version 1 put back"):
+        hot_update(replica, models["v2"], "2", policy2, restore=Weights(models["v1"], "1", policy))
+    client.join(timeout=60)
+    assert held == [old]
+    assert _call(replica, "/weight_info") == {"weight_version": "drafter-v1"}
+    assert _complete(replica, PROBE, PROBE_TOKENS) == old

@@ -6,7 +6,7 @@ import json
 import random
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -14,8 +14,14 @@ import torch
 
 from benchmarks.extraction import Setup
 from pipeline.config import load_config
-from pipeline.data import shards
-from pipeline.data.rollouts import Rollout, read_policy_pointer, read_rollouts
+from pipeline.data import buffer, shards
+from pipeline.data.rollouts import (
+    Rollout,
+    committed_digest,
+    read_policy_pointer,
+    read_rollouts,
+    write_rollouts_file,
+)
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
@@ -227,3 +233,21 @@ def test_extracted_step_stores_the_last_layer_once_and_trains_on_aux_and_last(tm
     torch.testing.assert_close(features, expected.to(torch.bfloat16).flatten(1), rtol=0, atol=0.02)
     with pytest.raises(ValueError, match="needs"):
         drafters.check_layers(drafter, [0, 1, 2, 2], 2, "step 1")
+
+
+@pytest.mark.reliability("bad_input", "a step's rollouts republished after its hidden states were extracted: the "
+                                      "buffer refuses the stale hidden states, naming the step")
+def test_hidden_states_record_what_they_were_extracted_from(tmp_path: Path) -> None:
+    """The manifest records the digest of the committed step it was extracted from; a step republished since
+    (its rollouts.parquet rewritten under the same commit) is refused where the buffer reads the hidden states."""
+    cfg = load_config(write_config(tmp_path, {"hidden_states": {"tokens_per_batch": 64}}))
+    store = open_store(cfg)
+    SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(1)
+    manifest = extract.extract_hidden_states(store, cfg, 1)
+    assert manifest.target["rollouts_digest"] == committed_digest(store, cfg.run, 1)
+    assert buffer.build_buffer(store, cfg.run, 1, 2, 1000).num_samples > 0
+
+    rollouts = read_rollouts(store, cfg.run, 1)
+    write_rollouts_file(store, cfg.run, 1, [replace(rollouts[0], reward=-rollouts[0].reward), *rollouts[1:]])
+    with pytest.raises(buffer.StaleHiddenStates, match="step-000001.*changed after its hidden states were extracted"):
+        buffer.build_buffer(store, cfg.run, 1, 2, 1000)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from pipeline.config import PipelineConfig, load_config
 from pipeline.cost import DecodingCost
+from pipeline.data import order
 from pipeline.data.buffer import write_buffer
-from pipeline.data.keys import acceptance_key, cost_key, drafter_key, refresh_key
+from pipeline.data.keys import acceptance_key, cost_key, drafter_key, policy_pointer_key, refresh_key
 from pipeline.data.records import (
     AcceptanceRecord,
     BufferEntry,
@@ -235,3 +237,26 @@ def test_one_timing_on_a_loaded_machine_does_not_move_the_price() -> None:
     timings = [DecodingCost(3e-4, 0.45, 4), DecodingCost(8e-3, 0.45, 4), DecodingCost(2.3e-4, 0.37, 4)]
     assert median_decoding(timings) == DecodingCost(3e-4, 0.45, 4)
     assert median_decoding([]) is None
+
+
+def _commit_at(store: ObjectStore, cfg: PipelineConfig, step: int, at: float) -> None:
+    """Step `step` committed, its commit point seen by the store at `at` (epoch seconds)."""
+    _committed(store, cfg, step)
+    os.utime(store.local_path(policy_pointer_key(cfg.run, step)), (at, at))
+
+
+@pytest.mark.reliability("bad_input", "a step numbered 10**12 committed first: later ordinary steps are neither "
+                                      "superseded by it nor served behind it (order by commit time)")
+def test_a_step_number_chosen_by_the_trainer_orders_nothing(step) -> None:
+    """Step 10**12 is committed first, then steps 2 and 3: the store's commit times decide which is newer, so
+    step 2 waits for step 3 (not for 10**12), step 3 trains, and the fleet serves step 3's policy."""
+    cfg, store, registry = step
+    huge = 10**12
+    for number, at in ((STEP, 1000.0), (huge, 2000.0), (2, 3000.0), (3, 4000.0)):
+        _commit_at(store, cfg, number, at)
+    assert order.commit_order(store, cfg.run) == [STEP, huge, 2, 3]
+
+    assert plan_training(store, cfg, 3, registry, coalesce=True).train
+    assert plan_training(store, cfg, 2, registry, coalesce=True).reason.startswith("superseded: step 3 was committed")
+    assert plan_training(store, cfg, huge, registry, coalesce=True).reason.startswith("superseded: step 3 was")
+    assert order.newest_committed(store, cfg.run) == 3  # the policy the fleet serves (deploy.served_policy)
