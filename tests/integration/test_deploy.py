@@ -53,8 +53,10 @@ def _complete(url: str, prompt: list[int], max_tokens: int) -> None:
 
 def check_promotions_reach_the_fleet_once_each(tmp_path: Path, instance: dg.DagsterInstance, overrides: dict) -> None:
     """Promotions on `instance` with the config's MLflow server and object store given by `overrides`."""
-    # A floor above any reachable tau, so that the live-tau sensor's retraining request shows.
-    path = write_config(tmp_path, {"promotion": {"policy": "manual"}, "fleet": {"live_tau_floor": 4.9}, **overrides,
+    # A floor above any reachable tau, so that the live-tau sensor's retraining request shows; every round speculates
+    # (a measured threshold may turn speculation off on a tiny target, and live tau counts speculative rounds only).
+    path = write_config(tmp_path, {"promotion": {"policy": "manual"},
+                                   "fleet": {"live_tau_floor": 4.9, "speculation_max_batch": 64}, **overrides,
                                    "mlflow": {**overrides["mlflow"], "model_name": "deploy-test-drafter"}})
     cfg = load_config(path)
     store = open_store(cfg)
