@@ -323,6 +323,7 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
                                    ledger={"steps": report.ledger_rows(ledger), "spent_s": total.spent_s,
                                            "saved_s": total.saved_s, "spent_by_stage_s": total.by_stage},
                                    tail=_tail_summary(report.tail_goals(rows), breakdowns),
+                                   rollout_speedup=report.speedup_goals(rows),
                                    fleet_rollouts=fleet_rollouts)
     out()
     out(report.format_table(rows))
@@ -333,6 +334,15 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
         out("rollouts replayed after each step, the same requests and seeds per arm (seconds; speedup in tokens/s "
             "over no speculation, whole step and tail; vs base: served over never-retrained):")
         out(report.format_replay(rows))
+        goals = report.speedup_goals(rows)
+        if goals:
+            def spread(name: str) -> str:
+                value = goals[name]
+                return "-" if value is None else f"{value['min']:.2f}x (mean {value['mean']:.2f}x)"
+
+            out(f"served over no speculation, steps {goals['steps']}: tail at least {spread('served_tail')}, "
+                f"whole step {spread('served_whole')}, at its worst batch size {spread('served_worst_batch')}; "
+                f"over the never-retrained drafter {spread('served_over_baseline')}")
         out()
     if any(r.get("tail_tau_start") is not None for r in rows):
         goals = report.tail_goals(rows)

@@ -81,9 +81,28 @@ def replay_fields(store: ObjectStore, run: str, step: int) -> dict:
             fields[f"speedup_{arm}{'_tail' if tail else ''}"] = None if value is None else round(value, 3)
     value = replay.speedup("served", over="baseline") if replay else None
     fields["speedup_served_over_baseline"] = None if value is None else round(value, 3)
+    by_batch = replay.batch_speedups("served") if replay else {}
+    fields["speedup_served_by_batch"] = {str(b): round(v, 3) for b, v in by_batch.items()} or None
+    fields["speedup_served_min_batch"] = round(min(by_batch.values()), 3) if by_batch else None
     fields["replay_threshold_served"] = replay.arms["served"].threshold if replay and "served" in replay.arms \
         else None
     return fields
+
+
+def speedup_goals(rows: list[dict], first_step: int = 3) -> dict | None:
+    """The served drafter's measured speedup over no speculation on the steps from `first_step` that replayed: in
+    the tail and over the whole step (least and mean), at its worst batch size, and over the never-retrained one."""
+    steps = [r for r in rows if r["step"] >= first_step and r.get("speedup_served") is not None]
+    if not steps:
+        return None
+
+    def spread(key: str) -> dict | None:
+        values = [r[key] for r in steps if r.get(key) is not None]
+        return {"min": round(min(values), 3), "mean": round(sum(values) / len(values), 3)} if values else None
+
+    return {"steps": [r["step"] for r in steps], "served_tail": spread("speedup_served_tail"),
+            "served_whole": spread("speedup_served"), "served_worst_batch": spread("speedup_served_min_batch"),
+            "served_over_baseline": spread("speedup_served_over_baseline")}
 
 
 def format_replay(rows: list[dict]) -> str:

@@ -452,6 +452,7 @@ class ArmReplay:
     tail_seconds: float  # the rounds with at most the record's tail_batch requests left
     tail_tokens: int
     threshold: int  # the batch threshold the arm's scheduler ended with
+    by_batch: dict[int, tuple[float, int]] = field(default_factory=dict)  # batch bucket -> its rounds' seconds, tokens
 
     @property
     def tokens_per_s(self) -> float:
@@ -462,13 +463,14 @@ class ArmReplay:
         return self.tail_tokens / self.tail_seconds if self.tail_seconds > 0 else 0.0
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "by_batch": {str(b): list(v) for b, v in self.by_batch.items()}}
 
     @classmethod
     def from_json(cls, doc: dict) -> ArmReplay:
         return cls(doc["version"], float(doc["seconds"]), int(doc["tokens"]), int(doc["speculative_rows"]),
                    int(doc["plain_rows"]), float(doc["tau"]), float(doc["tail_seconds"]), int(doc["tail_tokens"]),
-                   int(doc["threshold"]))
+                   int(doc["threshold"]),
+                   {int(b): (float(s), int(t)) for b, (s, t) in doc.get("by_batch", {}).items()})
 
 
 @dataclass(frozen=True)
@@ -483,6 +485,18 @@ class RolloutReplay:
     sampling: SamplingParams
     draft_sample_method: DraftSampleMethod
     arms: dict[str, ArmReplay]
+
+    def batch_speedups(self, arm: str, over: str = "none") -> dict[int, float]:
+        """Per batch bucket both arms ran rounds at (batch-size buckets, scheduler.bucket): tokens/s of `arm` over
+        `over`'s there."""
+        a, b = self.arms.get(arm), self.arms.get(over)
+        if a is None or b is None:
+            return {}
+        def rates(replay: ArmReplay) -> dict[int, float]:
+            return {batch: tokens / seconds for batch, (seconds, tokens) in replay.by_batch.items() if seconds > 0}
+
+        mine, theirs = rates(a), rates(b)
+        return {batch: mine[batch] / theirs[batch] for batch in sorted(mine.keys() & theirs.keys()) if theirs[batch]}
 
     def speedup(self, arm: str, over: str = "none", tail: bool = False) -> float | None:
         """Tokens per second of `arm` over `over`'s, over the whole step or its tail; None when either did not run

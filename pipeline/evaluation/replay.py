@@ -27,7 +27,7 @@ from pipeline.data.records import ArmReplay, RolloutReplay
 from pipeline.data.rollouts import Rollout
 from pipeline.data.sampling import DraftSampleMethod, SamplingParams
 from pipeline.evaluation.rejection_sampler import RequestSampling
-from pipeline.evaluation.scheduler import SpeculationThreshold, schedule_round
+from pipeline.evaluation.scheduler import SpeculationThreshold, bucket, schedule_round
 from pipeline.evaluation.speculative import DecodingBatch, Request, Sequence, clock
 from pipeline.models.drafter import Proposer
 
@@ -53,6 +53,7 @@ def replay_arm(model: LlamaForCausalLM, new_proposer: Callable[[], Proposer] | N
              for r in requests]
     tail_seconds = 0.0
     tokens = tail_tokens = speculative = plain = accepted = 0
+    by_batch: dict[int, tuple[float, int]] = {}
     joining = fresh
     started = clock(model.device)
     while True:
@@ -61,6 +62,8 @@ def replay_arm(model: LlamaForCausalLM, new_proposer: Callable[[], Proposer] | N
         if record is None:
             break
         tokens += record.tokens
+        seconds_at, tokens_at = by_batch.get(bucket(record.rows), (0.0, 0))
+        by_batch[bucket(record.rows)] = (seconds_at + record.seconds, tokens_at + record.tokens)
         if record.rows <= TAIL_BATCH:
             tail_seconds += record.seconds
             tail_tokens += record.tokens
@@ -73,7 +76,8 @@ def replay_arm(model: LlamaForCausalLM, new_proposer: Callable[[], Proposer] | N
     first_tokens = len(fresh)  # each request's first token comes from its prefill, outside the rounds
     return ArmReplay(version, round(seconds, 4), tokens + first_tokens, speculative, plain,
                      round(1 + accepted / speculative, 4) if speculative else 1.0, round(tail_seconds, 4),
-                     tail_tokens, threshold.threshold)
+                     tail_tokens, threshold.threshold,
+                     {b: (round(s, 4), t) for b, (s, t) in sorted(by_batch.items())})
 
 
 def _copy(generator):  # noqa: ANN001, ANN202 - a torch.Generator at the same point of its stream

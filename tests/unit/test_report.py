@@ -174,3 +174,17 @@ def test_schedules_side_by_side_are_priced_alike() -> None:
     assert "cost: trained steps [1, 2], training 20.0 s (refresh 0.0 s), saved 2.00 s of rollout time" in table
     assert "   3 skipped: keeping champion v2 loses 0.1 s <= 5.0 s per chance" in table
     assert report.common_price({"interval": runs["interval"][:1]}) is None
+
+
+def test_speedup_goals_summarise_the_served_drafter_from_step_three() -> None:
+    rows = [{"step": 2, "speedup_served": 0.5, "speedup_served_tail": 0.5, "speedup_served_min_batch": 0.5,
+             "speedup_served_over_baseline": 0.5},
+            {"step": 3, "speedup_served": 1.2, "speedup_served_tail": 1.6, "speedup_served_min_batch": 0.98,
+             "speedup_served_over_baseline": 1.1},
+            {"step": 4, "speedup_served": 1.4, "speedup_served_tail": 2.0, "speedup_served_min_batch": 1.0,
+             "speedup_served_over_baseline": None},
+            {"step": 5, "speedup_served": None}]
+    assert report.speedup_goals(rows) == {
+        "steps": [3, 4], "served_tail": {"min": 1.6, "mean": 1.8}, "served_whole": {"min": 1.2, "mean": 1.3},
+        "served_worst_batch": {"min": 0.98, "mean": 0.99}, "served_over_baseline": {"min": 1.1, "mean": 1.1}}
+    assert report.speedup_goals(rows[:1]) is None
