@@ -22,7 +22,7 @@ from pipeline.client import publish_rollouts_part
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data import parts as parts_lib
 from pipeline.data.keys import part_manifest_key, parts_prefix, parts_step_key, step_key
-from pipeline.data.records import read_fleet_state, read_refresh, read_tail
+from pipeline.data.records import read_acceptance, read_fleet_state, read_refresh, read_tail
 from pipeline.data.rollouts import is_committed
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.registry import DrafterRegistry, open_registry
@@ -133,7 +133,7 @@ def test_a_refresh_changes_the_fleets_drafter_mid_step(refreshing: Refreshing) -
 @pytest.mark.slow
 def test_the_first_steps_refresh_trains_a_fresh_drafter_until_the_steps_own_replaces_it(refreshing: Refreshing) -> None:
     """No champion yet: step 1's head trains a fresh drafter at the step's own budget (not the fine-tune's), the
-    replicas start with it and serve it; step 1's own training, promoted, replaces it."""
+    replicas start with it and serve it; step 1's own training replaces it where it measures higher."""
     r = refreshing
     cfg, store, registry, source, defs = r.cfg, r.store, r.registry, r.source, r.defs
     with dg.instance_for_test() as instance:
@@ -163,10 +163,17 @@ def test_the_first_steps_refresh_trains_a_fresh_drafter_until_the_steps_own_repl
         source.publish_parts(generated, only=set(tail))
         parts_lib.commit_parts(store, cfg.run, 1)
         assert _pipeline_tick(_SensorTicks(instance, defs), True, lambda _: None)
-        champion = registry.alias_version("champion")
-        assert champion not in (None, record.version)
-        assert registry.version_tags(champion)["warm_start_version"] == "none"  # the step's own starts fresh too
-        assert read_fleet_state(store, cfg.run).version == champion
+        # The step's own drafter must beat what the fleet runs, the refresh, on the step's held-out prompts: promoted
+        # and deployed when it measures higher, else the refresh keeps serving.
+        acceptance = read_acceptance(store, cfg.run, 1)
+        own = acceptance.cotrained
+        assert own.version != record.version
+        assert acceptance.incumbent.version == record.version
+        assert registry.version_tags(own.version)["warm_start_version"] == "none"  # the step's own starts fresh too
+        beats = own.tau > acceptance.incumbent.tau + cfg.promotion.margin
+        assert acceptance.promoted == beats, acceptance.decision
+        assert registry.alias_version("champion") == (own.version if beats else None)
+        assert read_fleet_state(store, cfg.run).version == (own.version if beats else record.version)
 
 
 def parts_lib_finish(generated, parts: int):

@@ -170,7 +170,7 @@ def test_one_rl_step_on_s3(s3_endpoint: str, tmp_path: Path) -> None:
         uri = instance.get_latest_materialization_event(
             dg.AssetKey("hidden_states")).asset_materialization.metadata["uri"].value
     assert uri.startswith("s3://")
-    assert read_acceptance(store, cfg.run, 1).drafters["cotrained"].version == "1"
+    assert read_acceptance(store, cfg.run, 1).cotrained.version == "1"
 
 
 def test_training_checkpoints_commit_and_restore(store: ObjectStore) -> None:

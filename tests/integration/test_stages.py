@@ -177,7 +177,7 @@ def test_evaluation_on_two_ranks_measures_the_tau_of_one_process(tmp_path: Path)
             metadata = result.asset_materializations_for_node("acceptance")[0].metadata
             assert (metadata["ranks"].value, metadata["ran_in"].value) == ({"two": 2, "one": 1}[name], "process")
             assert [c.passed for c in result.get_asset_check_evaluations()] == [True]
-            measured[name] = read_acceptance(store, cfg.run, STEP).drafters["cotrained"]
+            measured[name] = read_acceptance(store, cfg.run, STEP).cotrained
             placements = read_cost(store, cfg.run, STEP).placements
             assert [(p.stage, p.ranks) for p in placements] == [("evaluation", {"two": 2, "one": 1}[name])]
     in_process = acceptance_lib.measure_step(store, cfg, STEP, open_registry(cfg), version).measured[version]
@@ -214,7 +214,7 @@ def test_warm_workers_write_the_shards_and_measure_the_tau_of_fresh_processes(tm
             evaluated = _materialize(acceptance, path, instance)
             assert evaluated.success, name
             assert [c.passed for c in evaluated.get_asset_check_evaluations()] == [True]
-            measured[name] = read_acceptance(store, cfg.run, STEP).drafters["cotrained"]
+            measured[name] = read_acceptance(store, cfg.run, STEP).cotrained
 
     assert [len(_server_pids(cfg, stage)) for stage in ("extraction", "evaluation")] == [1, 1]  # one worker each
     assert digests["fresh"] == digests["warm-1"] == digests["warm-2"]
