@@ -2,19 +2,25 @@
 
 The "task" is a synthetic language whose preferences drift over RL steps:
 
-* Each context (the current token plus a phase computed from the tokens before it)
-  has a fixed set of `candidates` plausible next tokens. At step s one of them is the
-  favourite (probability 0.6), the others share the rest.
+* Each context (the current token; with `context_order` > 1, plus a phase computed from
+  the tokens before it) has a fixed set of `candidates` plausible next tokens. At step s one of them is the
+  favourite, the others share the rest of the probability, each `tail_decay` of the one
+  before (a real model's long tail of plausible tokens).
+* Contexts are of two kinds, as a real model's answers are: most are near-deterministic
+  (the favourite at `closed_top1`), a share `open_share` is open (the favourite at a
+  probability drawn once per context from `open_top1`). The per-token entropy and top-1
+  probability that result are what bound a drafter's acceptance under sampling.
 * Every RL step, a share `drift` of the contexts gets a new favourite: what the
   reward asks for changes, so the policy changes, so a drafter trained on early steps
   goes stale (the effect this product exists to fix).
 
-The policy is a tiny Llama built from a config and pre-trained on step 0's task (cached
-on disk; its next-token distributions are peaked). Each RL step applies
-reward-weighted regression (RWR: NLL weighted by exp(reward / beta)) on sequences
-from the step's task, then samples rollouts from the updated policy and writes them,
-with the policy checkpoint, in exactly the layout an external trainer uses
-(see `pipeline/data/rollouts.py`).
+The policy is a tiny Llama built from a config, deep and narrow so that a drafter forward
+costs a small share of its forward (as a drafter layer does of a deployment's policy), and
+pre-trained on step 0's task (cached on disk; its next-token distributions follow the task's).
+Each RL step applies reward-weighted regression (RWR: each sequence's loss weighted by
+exp(reward / beta)) on sequences from the step's task, then samples rollouts from the updated
+policy and writes them, with the policy checkpoint, in exactly the layout an external trainer
+uses (see `pipeline/data/rollouts.py`).
 
 Response lengths are lognormal (`response_len_sigma`; median `response_len_median` of the
 longest, capped at `response_len`), as a reasoning step's are: most rollouts finish early
@@ -49,9 +55,11 @@ from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 
-FAVOURITE_PROB = 0.6
 PHASES = 3
 RWR_BETA = 0.1
+BATCH = 6  # sequences per pre-training and RL iteration
+PRETRAIN_LR = 1e-2
+RL_LR = 5e-3
 
 
 class Task:
@@ -65,8 +73,7 @@ class Task:
         self.candidates = torch.stack(
             [torch.randperm(cfg.vocab_size, generator=g)[: cfg.candidates] for _ in range(self.num_contexts)]
         )
-        rest = (1 - FAVOURITE_PROB) * torch.tensor([0.5**i for i in range(cfg.candidates - 1)])
-        self._rest_probs = rest / rest.sum() * (1 - FAVOURITE_PROB)
+        self.probs = candidate_probs(cfg, g)  # (C, K) favourite first
         self._favourites = [torch.zeros(self.num_contexts, dtype=torch.int64)]
         self._drift_gen = torch.Generator().manual_seed(cfg.seed + 1)
 
@@ -83,9 +90,8 @@ class Task:
         """(C, V) next-token distribution of every context at `step`."""
         fav = self.favourite(step)
         order = (fav[:, None] + torch.arange(self.cfg.candidates)) % self.cfg.candidates  # favourite first
-        probs = torch.cat([torch.tensor([FAVOURITE_PROB]), self._rest_probs])
         table = torch.zeros(self.num_contexts, self.cfg.vocab_size)
-        table.scatter_(1, torch.gather(self.candidates, 1, order), probs.expand(self.num_contexts, -1).clone())
+        table.scatter_(1, torch.gather(self.candidates, 1, order), self.probs)
         return table
 
     def context_ids(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -98,13 +104,19 @@ class Task:
         return tokens * PHASES + phase % PHASES
 
     def sample(self, step: int, n: int, length: int, g: torch.Generator) -> torch.Tensor:
-        """(n, length) sequences drawn from the step's task."""
+        """(n, length) sequences drawn from the step's task, all n a token at a time."""
         table = self.next_token_probs(step)
-        seqs = torch.randint(self.cfg.vocab_size, (n, 1), generator=g)
-        for _ in range(length - 1):
-            ctx = self.context_ids(seqs[:, -self.cfg.context_order:])[:, -1]  # the last token's context alone
-            seqs = torch.cat([seqs, torch.multinomial(table[ctx], 1, generator=g)], dim=1)
+        seqs = torch.empty(n, length, dtype=torch.int64)
+        seqs[:, 0] = torch.randint(self.cfg.vocab_size, (n,), generator=g)
+        for t in range(1, length):
+            window = seqs[:, max(0, t - self.cfg.context_order) : t]
+            ctx = self.context_ids(window)[:, -1]  # the last token's context alone
+            seqs[:, t] = torch.multinomial(table[ctx], 1, generator=g)[:, 0]
         return seqs
+
+    def targets(self, step: int, seqs: torch.Tensor) -> torch.Tensor:
+        """(n, T) sequences -> (n, T-1, V) the step's next-token distribution after each position but the last."""
+        return self.next_token_probs(step)[self.context_ids(seqs)[:, :-1]]
 
     def rewards(self, step: int, seqs: torch.Tensor, prompt_len: int) -> torch.Tensor:
         """(n,) share of response tokens that are the step's favourite for their context."""
@@ -114,21 +126,61 @@ class Task:
         return hits.float().mean(dim=1)
 
 
-def _finetune(
-    model: LlamaForCausalLM, batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]], iters: int, lr: float
-) -> None:
-    """Weighted next-token NLL; `batches(i)` gives (tokens (B, T), weights (B,))."""
+def candidate_probs(cfg: SimulationConfig, g: torch.Generator) -> torch.Tensor:
+    """(C, K) each context's next-token probabilities over its candidates, favourite first: `closed_top1` for a
+    near-deterministic context, a draw from `open_top1` for an open one (a share `open_share`, drawn with `g`);
+    each candidate after the favourite takes `tail_decay` of the one before."""
+    num_contexts = cfg.vocab_size * PHASES
+    low, high = cfg.open_top1
+    is_open = torch.rand(num_contexts, generator=g) < cfg.open_share  # (C,)
+    top1 = torch.where(is_open, low + (high - low) * torch.rand(num_contexts, generator=g),
+                       torch.full((num_contexts,), cfg.closed_top1))  # (C,)
+    rest = cfg.tail_decay ** torch.arange(cfg.candidates - 1, dtype=torch.float32)
+    rest = rest / rest.sum()  # (K-1,)
+    return torch.cat([top1[:, None], (1 - top1)[:, None] * rest], dim=1)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """A batch of the policy's fine-tuning: sequences of the task, the task's next-token distribution after each of
+    their positions, and each sequence's weight."""
+
+    tokens: torch.Tensor  # (B, T)
+    targets: torch.Tensor  # (B, T-1, V)
+    weights: torch.Tensor  # (B,)
+
+
+def _finetune(model: LlamaForCausalLM, batches: Callable[[int], _Batch], iters: int, lr: float) -> None:
+    """Weighted cross-entropy against the task's next-token distributions: the expected NLL of the next token
+    given each position's context, which the sampled token's NLL estimates with far more noise. The learning rate
+    warms up over the first tenth of the iterations, then decays to zero (cosine): few iterations at a high rate."""
     model.train()
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    warmup = max(1, iters // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * i / iters)))
     for i in range(iters):
-        tokens, weights = batches(i)
-        logits = model(input_ids=tokens).logits[:, :-1]  # (B, T-1, V)
-        nll = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none").mean(dim=1)  # (B,)
-        loss = (weights * nll).sum() / weights.sum()
+        batch = batches(i)
+        logp = model(input_ids=batch.tokens).logits[:, :-1].log_softmax(dim=-1)  # (B, T-1, V)
+        ce = -(batch.targets * logp).sum(dim=-1).mean(dim=1)  # (B,)
+        loss = (batch.weights * ce).sum() / batch.weights.sum()
         optim.zero_grad()
         loss.backward()
         optim.step()
+        schedule.step()
     model.eval()
+
+
+def pretrain(model: LlamaForCausalLM, task: Task, iters: int, seq_len: int, g: torch.Generator) -> None:
+    """`model` fitted to step 0's language in `iters` iterations of BATCH sequences; every iteration's sequences
+    are drawn at once, so the task's per-token loop runs once, over all of them."""
+    pool = task.sample(0, iters * BATCH, seq_len, g)  # (iters * B, T)
+
+    def batch(i: int) -> _Batch:
+        seqs = pool[i * BATCH : (i + 1) * BATCH]
+        return _Batch(seqs, task.targets(0, seqs), torch.ones(BATCH))
+
+    _finetune(model, batch, iters, lr=PRETRAIN_LR)
 
 
 @dataclass
@@ -181,9 +233,7 @@ class SimulatedRL:
         model = target_lib.build_target(
             target_lib.tiny_llama_config(cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads), cfg.seed
         )
-        g = torch.Generator().manual_seed(cfg.seed)
-        _finetune(model, lambda i: (self.task.sample(0, 32, self.seq_len, g), torch.ones(32)),
-                  cfg.pretrain_iters, lr=3e-3)
+        pretrain(model, self.task, cfg.pretrain_iters, self.seq_len, torch.Generator().manual_seed(cfg.seed))
         path.parent.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(path, safe_serialization=True)
         return model
@@ -236,12 +286,14 @@ class SimulatedRL:
         cfg = self.cfg
         g = torch.Generator().manual_seed(cfg.seed * 1000 + step)
 
-        def rwr_batch(_: int) -> tuple[torch.Tensor, torch.Tensor]:
-            seqs = self.task.sample(step, 32, self.seq_len, g)
-            reward = self.task.rewards(step, seqs, cfg.prompt_len)
-            return seqs, torch.exp((reward - reward.max()) / RWR_BETA)
+        pool = self.task.sample(step, cfg.rl_iters * BATCH, self.seq_len, g)  # (iters * B, T)
 
-        _finetune(model, rwr_batch, cfg.rl_iters, lr=2e-3)
+        def rwr_batch(i: int) -> _Batch:
+            seqs = pool[i * BATCH : (i + 1) * BATCH]
+            reward = self.task.rewards(step, seqs, cfg.prompt_len)
+            return _Batch(seqs, self.task.targets(step, seqs), torch.exp((reward - reward.max()) / RWR_BETA))
+
+        _finetune(model, rwr_batch, cfg.rl_iters, lr=RL_LR)
         return model, g
 
     def _prepare(self, step: int, model: LlamaForCausalLM) -> None:
