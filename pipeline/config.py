@@ -515,16 +515,16 @@ class SimulationConfig(_Strict):
     candidates: int = Field(default=32, ge=2, description="Plausible next tokens per context.")
     drift: float = Field(default=0.15, ge=0, le=1, description="Share of contexts whose favourite changes per step.")
     open_share: float = Field(
-        default=0.85, ge=0, le=1,
-        description="Share of contexts whose next token is open (the favourite drawn from `open_top1`); the others "
-                    "are near-deterministic (`closed_top1`), as most tokens of a real model's answers are.")
-    closed_top1: float = Field(default=0.97, gt=0, lt=1,
-                               description="The favourite's probability in a near-deterministic context.")
+        default=0.86, ge=0, le=1,
+        description="Share of the tokens whose next token is open (the favourite at a level of `open_top1`); the "
+                    "others' is near-certain (`closed_top1`) and an open token.")
+    closed_top1: float = Field(default=0.98, gt=0, lt=1,
+                               description="The favourite's probability after a near-deterministic token.")
     open_top1: tuple[float, float] = Field(
-        default=(0.14, 0.95),
-        description="The favourite's probability in an open context: uniform in this range, drawn once per context.")
+        default=(0.08, 0.85),
+        description="The favourite's probability after an open token: levels evenly spaced over this range.")
     tail_decay: float = Field(
-        default=0.9, gt=0, le=1,
+        default=0.94, gt=0, le=1,
         description="Each candidate after the favourite takes this share of the one before: the closer to 1, the "
                     "flatter the tail and the higher the per-token entropy.")
     pretrain_iters: int = Field(default=100, ge=0, description="Pre-training iterations of the target (cached).")

@@ -60,6 +60,7 @@ RWR_BETA = 0.1
 BATCH = 6  # sequences per pre-training and RL iteration
 PRETRAIN_LR = 1e-2
 RL_LR = 5e-3
+LANGUAGE = 3  # the version of the language and its pre-training, in the pre-trained target's cache key
 
 
 class Task:
@@ -68,14 +69,23 @@ class Task:
     def __init__(self, cfg: SimulationConfig) -> None:
         self.cfg = cfg
         g = torch.Generator().manual_seed(cfg.seed)
-        self.num_contexts = cfg.vocab_size * PHASES
-        # (C, K) distinct candidate tokens per context
-        self.candidates = torch.stack(
-            [torch.randperm(cfg.vocab_size, generator=g)[: cfg.candidates] for _ in range(self.num_contexts)]
-        )
-        self.probs = candidate_probs(cfg, g)  # (C, K) favourite first
+        self.phases = PHASES if cfg.context_order > 1 else 1
+        self.num_contexts = cfg.vocab_size * self.phases
+        self.open_tokens = torch.zeros(cfg.vocab_size, dtype=torch.bool)  # (V,) the tokens whose contexts are open
+        self.open_tokens[torch.randperm(cfg.vocab_size, generator=g)[: round(cfg.open_share * cfg.vocab_size)]] = True
+        self.candidates = torch.stack([self._candidates(c, g) for c in range(self.num_contexts)])  # (C, K)
+        self.probs = candidate_probs(cfg, self.open_tokens.repeat_interleave(self.phases), g)  # (C, K) favourite first
         self._favourites = [torch.zeros(self.num_contexts, dtype=torch.int64)]
         self._drift_gen = torch.Generator().manual_seed(cfg.seed + 1)
+
+    def _candidates(self, context: int, g: torch.Generator) -> torch.Tensor:
+        """(K,) distinct candidate tokens of a context. A near-deterministic context's are open tokens while there are
+        enough of them: a near-certain token leads to an open choice, as in text, never into a loop of near-certain
+        tokens that would hold a sequence for dozens of tokens whatever favourites the drift gives them."""
+        order = torch.randperm(self.cfg.vocab_size, generator=g)
+        if not self.open_tokens[context // self.phases]:
+            order = torch.cat([order[self.open_tokens[order]], order[~self.open_tokens[order]]])
+        return order[: self.cfg.candidates]
 
     def favourite(self, step: int) -> torch.Tensor:
         """(C,) index into `candidates` of each context's favourite at `step`."""
@@ -101,7 +111,7 @@ class Task:
         phase = torch.zeros_like(tokens)
         for lag in range(1, order):
             phase = phase + padded[:, order - 1 - lag : padded.shape[1] - lag]
-        return tokens * PHASES + phase % PHASES
+        return tokens * self.phases + phase % self.phases
 
     def sample(self, step: int, n: int, length: int, g: torch.Generator) -> torch.Tensor:
         """(n, length) sequences drawn from the step's task, all n a token at a time."""
@@ -126,15 +136,17 @@ class Task:
         return hits.float().mean(dim=1)
 
 
-def candidate_probs(cfg: SimulationConfig, g: torch.Generator) -> torch.Tensor:
+def candidate_probs(cfg: SimulationConfig, is_open: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """(C, K) each context's next-token probabilities over its candidates, favourite first: `closed_top1` for a
-    near-deterministic context, a draw from `open_top1` for an open one (a share `open_share`, drawn with `g`);
-    each candidate after the favourite takes `tail_decay` of the one before."""
-    num_contexts = cfg.vocab_size * PHASES
+    near-deterministic context, for an open one (is_open (C,)) a level of `open_top1`'s range; each candidate after
+    the favourite takes `tail_decay` of the one before. The levels are evenly spaced over the range (strata, not
+    independent draws), so that a few dozen contexts already spread over it as the range says; which context gets
+    which is drawn with `g`."""
     low, high = cfg.open_top1
-    is_open = torch.rand(num_contexts, generator=g) < cfg.open_share  # (C,)
-    top1 = torch.where(is_open, low + (high - low) * torch.rand(num_contexts, generator=g),
-                       torch.full((num_contexts,), cfg.closed_top1))  # (C,)
+    num_open = int(is_open.sum())
+    top1 = torch.full(is_open.shape, cfg.closed_top1)  # (C,)
+    levels = low + (high - low) * (torch.arange(num_open) + 0.5) / max(1, num_open)  # (open,)
+    top1[is_open] = levels[torch.randperm(num_open, generator=g)]
     rest = cfg.tail_decay ** torch.arange(cfg.candidates - 1, dtype=torch.float32)
     rest = rest / rest.sum()  # (K-1,)
     return torch.cat([top1[:, None], (1 - top1)[:, None] * rest], dim=1)
@@ -217,10 +229,11 @@ class SimulatedRL:
         self._prepared: _Prepared | None = None
 
     def _cache_path(self) -> Path:
-        # Only what shapes pre-training goes into the key: tuning RL knobs keeps the cache.
+        # Only what shapes pre-training goes into the key: tuning RL knobs keeps the cache. LANGUAGE names how the
+        # config becomes a language and a pre-training: a change to either gives the cache a new key.
         pretrain = self.cfg.model_dump(
             exclude={"drift", "rl_iters", "rollouts_per_step", "temperature", "step_period_s", "response_len_median",
-                     "response_len_sigma", "parts_per_step"})
+                     "response_len_sigma", "parts_per_step"}) | {"language": LANGUAGE}
         digest = hashlib.sha256(json.dumps(pretrain, sort_keys=True).encode()).hexdigest()[:12]
         return self.cache_dir / f"pretrained-target-{digest}"
 
