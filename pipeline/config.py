@@ -103,7 +103,7 @@ class TrainConfig(_Strict):
     ploss_weight: float = Field(default=0.5, ge=0, description="Weight of the soft cross-entropy token loss.")
     epochs: int = Field(default=20, ge=1, description="Most passes over the buffer per training run.")
     warm_start_epochs: int = Field(
-        default=12, ge=0,
+        default=4, ge=0,
         description="Most passes over the buffer of a training that starts from a drafter (the champion, or "
                     "drafter.warm_start): it knows the policy of the steps before and catches up on the newest; "
                     "0 = train.epochs. A fresh drafter trains train.epochs.",
@@ -547,7 +547,7 @@ class SimulationConfig(_Strict):
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature of rollouts.")
     seed: int = Field(default=1234, description="Seed of the task family and the target.")
     step_period_s: float = Field(
-        default=20.0, ge=0,
+        default=18.0, ge=0,
         description="The demo's source publishes one RL step per this many seconds at most (0: as fast as it runs), "
                     "without waiting for the pipeline: its rollouts over the first 85% of the period, then the "
                     "update.",
