@@ -11,6 +11,7 @@ from pathlib import Path
 
 from benchmarks import (
     batch_prep,
+    demo_economics,
     evaluation,
     extraction,
     fp8_tau,
@@ -36,6 +37,7 @@ BENCHMARKS = {
     "scale": scale.run,
     "fp8_tau": fp8_tau.run,
     "schedule": schedule.run,
+    "demo_economics": demo_economics.run,
 }
 
 

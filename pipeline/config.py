@@ -509,7 +509,7 @@ class SimulationConfig(_Strict):
 
     vocab_size: int = Field(default=64, ge=8, description="Target vocabulary size.")
     hidden_size: int = Field(default=32, ge=8, description="Target hidden size.")
-    num_layers: int = Field(default=16, ge=1, description="Target decoder layers.")
+    num_layers: int = Field(default=24, ge=1, description="Target decoder layers.")
     num_heads: int = Field(default=4, ge=1, description="Target attention heads.")
     context_order: int = Field(default=1, ge=1, description="Tokens of context the task's rule reads.")
     candidates: int = Field(default=32, ge=2, description="Plausible next tokens per context.")
@@ -518,10 +518,10 @@ class SimulationConfig(_Strict):
         default=0.86, ge=0, le=1,
         description="Share of the tokens whose next token is open (the favourite at a level of `open_top1`); the "
                     "others' is near-certain (`closed_top1`) and an open token.")
-    closed_top1: float = Field(default=0.98, gt=0, lt=1,
+    closed_top1: float = Field(default=0.99, gt=0, lt=1,
                                description="The favourite's probability after a near-deterministic token.")
-    open_top1: tuple[float, float] = Field(
-        default=(0.08, 0.85),
+    open_top1: list[float] = Field(
+        default=[0.08, 0.85], min_length=2, max_length=2,
         description="The favourite's probability after an open token: levels evenly spaced over this range.")
     tail_decay: float = Field(
         default=0.94, gt=0, le=1,

@@ -9,7 +9,7 @@ from pipeline.models import target as target_lib
 from pipeline.sources import simulation
 from pipeline.sources.simulation import Task
 
-LANGUAGE = SimulationConfig(vocab_size=32, candidates=16, open_share=0.5, closed_top1=0.95, open_top1=(0.2, 0.6),
+LANGUAGE = SimulationConfig(vocab_size=32, candidates=16, open_share=0.5, closed_top1=0.95, open_top1=[0.2, 0.6],
                             tail_decay=0.8, drift=0.25)
 
 

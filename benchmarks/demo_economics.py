@@ -1,0 +1,226 @@
+"""The demo's economics against a deployment's: what a drafter forward costs next to a target forward, how
+predictable the policy's tokens are at the rollouts' temperature, and what speculative decoding buys its rollouts.
+
+* cost: c, one EAGLE-3 drafter forward over one target forward, on the demo's target (the `simulation` shape,
+  fresh weights: a forward's cost does not depend on them), by the weights each reads
+  (`pipeline/evaluation/cost.py`) and in seconds (`speculative.RoundTimes`, the rounds of speculative decoding at
+  batch 1, 2, 4 and the step's full batch, one thread). Goal: at most 0.2 both ways at every batch.
+* language: the per-token entropy (nats) and top-1 probability of the demo's policy, pre-trained and then through
+  RL steps 1-6, on its own answers sampled at the rollouts' temperature (48 answers of 64 tokens a step), beside
+  SmolLM2-135M-Instruct's on its own sampled answers (REFERENCE).
+* speedup: on a finished demo's last step (`python -m benchmarks.demo_economics speedup [data_dir]`; `make bench`
+  measures `.data` when a demo left one there): wall time of plain decoding over speculative decoding
+  (k = eval.num_speculative_tokens) with the step's co-trained, served and never-retrained drafters, every row
+  sampled at the rollouts' parameters from its own seed, on the step's rollout prompts, batch 1, 2, 4 (12 prompts
+  each, in batches) and the full batch; greedy and probabilistic drafting (vLLM's `draft_sample_method`). Goal: at
+  least 1.5x at batch <= 4 for a drafter trained on the step's policy; a stale drafter buys nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+K = 4
+NEW_TOKENS = 64
+REPEATS = 2
+BATCHES = (1, 2, 4)
+TAIL_PROMPTS = 12  # prompts decoded at each batch <= 4, in batches
+
+# SmolLM2-135M-Instruct (GGUF Q4_1 de-quantized to float32) on 48 of its own answers sampled at T=1 (top_k 0, top_p 1;
+# two thirds arithmetic questions, one third short-answer chat questions; 2234 answer tokens), per answer token.
+REFERENCE = {
+    "model": "SmolLM2-135M-Instruct, 48 own answers at T=1",
+    "entropy_mean": 2.237, "entropy_median": 2.142,
+    "entropy_deciles": [0.23, 0.74, 1.21, 1.68, 2.14, 2.55, 3.06, 3.57, 4.33],
+    "top1_mean": 0.522, "top1_median": 0.479,
+    "top1_deciles": [0.16, 0.24, 0.31, 0.39, 0.48, 0.58, 0.71, 0.85, 0.97],
+    "top1_share_above": {"0.5": 0.479, "0.8": 0.237, "0.95": 0.123},
+}
+
+
+def _thread_one() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def cost() -> dict:
+    """c by weights read and in seconds at each decoding batch, on the demo's target shape."""
+    import torch
+
+    from pipeline.config import DrafterConfig, load_config
+    from pipeline.evaluation import cost as cost_lib
+    from pipeline.evaluation import speculative
+    from pipeline.models import target as target_lib
+    from pipeline.models.drafter import fresh_drafter
+
+    sim = load_config().simulation
+    target = target_lib.build_target(
+        target_lib.tiny_llama_config(sim.vocab_size, sim.hidden_size, sim.num_layers, sim.num_heads), sim.seed)
+    drafter = fresh_drafter(DrafterConfig(), target, torch.ones(sim.vocab_size), seed=0)
+    g = torch.Generator().manual_seed(0)
+    out: dict = {"target": f"{sim.num_layers} layers, hidden {sim.hidden_size}, vocab {sim.vocab_size}",
+                 "weights_ratio": round(cost_lib.drafter_cost_ratio(drafter, target), 4)}
+    for batch in (*BATCHES, sim.rollouts_per_step):
+        prompts = [torch.randint(sim.vocab_size, (sim.prompt_len,), generator=g) for _ in range(batch)]
+        ratios = []
+        for _ in range(REPEATS):
+            times = speculative.RoundTimes()
+            speculative.generate_batch(target, speculative.follow_target(drafter, target), prompts, NEW_TOKENS, K,
+                                       times)
+            ratios.append(times.draft_s / (times.target_s * K))
+        out[f"seconds_ratio_b{batch}"] = round(min(ratios), 4)
+    return out
+
+
+def _token_stats(model, task, step: int, temperature: float, prompt_len: int, seed: int):  # noqa: ANN001, ANN202
+    """(N,) entropy and (N,) top-1 probability of every token of 48 answers the policy samples itself."""
+    import torch
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(seed + step)
+    tokens = task.sample(step, 48, prompt_len, g)  # (48, P) prompts of the step's task
+    cache, entropy, top1 = DynamicCache(), [], []
+    with torch.no_grad():
+        logits = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits[:, -1]  # (48, V)
+        for _ in range(NEW_TOKENS):
+            probs = (logits / temperature).softmax(dim=-1)
+            entropy.append(-(probs * probs.clamp_min(1e-12).log()).sum(dim=-1))
+            top1.append(probs.max(dim=-1).values)
+            tokens = torch.multinomial(probs, 1, generator=g)  # (48, 1)
+            logits = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits[:, -1]
+    return torch.stack(entropy, 1).flatten(), torch.stack(top1, 1).flatten()
+
+
+def _summary(entropy, top1) -> dict:  # noqa: ANN001
+    import torch
+
+    def deciles(x: torch.Tensor) -> list[float]:
+        return [round(float(v), 2) for v in torch.quantile(x, torch.linspace(0.1, 0.9, 9))]
+
+    return {"entropy_mean": round(float(entropy.mean()), 3), "entropy_median": round(float(entropy.median()), 3),
+            "entropy_deciles": deciles(entropy), "top1_mean": round(float(top1.mean()), 3),
+            "top1_median": round(float(top1.median()), 3), "top1_deciles": deciles(top1),
+            "top1_share_above": {str(t): round(float((top1 > t).float().mean()), 3) for t in (0.5, 0.8, 0.95)},
+            "tokens": int(top1.numel())}
+
+
+def language() -> dict:
+    """The demo policy's per-token statistics on its own answers, steps 1-6 pooled, beside REFERENCE."""
+    import torch
+
+    from pipeline.config import load_config
+    from pipeline.sources.simulation import SimulatedRL
+
+    sim = load_config().simulation
+    with tempfile.TemporaryDirectory() as cache:
+        rl = SimulatedRL(sim, None, "bench", Path(cache))
+        started = time.perf_counter()
+        model = rl.pretrained()
+        pretrain_s = time.perf_counter() - started
+        entropy, top1 = [], []
+        for step in range(1, 7):
+            model, _ = rl._rl_update(step, model)
+            e, p = _token_stats(model, rl.task, step, sim.temperature, sim.prompt_len, seed=5)
+            entropy.append(e)
+            top1.append(p)
+    demo = _summary(torch.cat(entropy), torch.cat(top1))
+    return {"demo": demo, "reference": REFERENCE, "pretrain_s": round(pretrain_s, 1),
+            "top1_mean_vs_reference": round(demo["top1_mean"] / REFERENCE["top1_mean"], 3),
+            "entropy_mean_vs_reference": round(demo["entropy_mean"] / REFERENCE["entropy_mean"], 3)}
+
+
+def speedup(data_dir: str = ".data") -> dict:
+    """Plain decoding's wall time over speculative decoding's per drafter and drafting method, on the last step of
+    the demo whose data is in `data_dir`."""
+    import torch
+    from transformers import DynamicCache
+
+    from pipeline.config import load_config
+    from pipeline.data import rollouts as rollouts_lib
+    from pipeline.data.keys import acceptance_key
+    from pipeline.data.records import read_acceptance
+    from pipeline.data.sampling import SamplingParams
+    from pipeline.data.store import open_store
+    from pipeline.evaluation import speculative
+    from pipeline.models import target as target_lib
+    from pipeline.registry import open_registry
+
+    cfg = load_config(overrides={"data_dir": str(Path(data_dir).resolve())})
+    store, registry = open_store(cfg), open_registry(cfg)
+    steps = [s for s in rollouts_lib.committed_steps(store, cfg.run) if store.exists(acceptance_key(cfg.run, s))]
+    if not steps:
+        return {"skipped": f"no finished demo under {data_dir} (run `make demo` first)"}
+    step = steps[-1]
+    pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
+    target = target_lib.load_policy(store, pointer.checkpoint_uri, "cpu", target_lib.load_settings(cfg))
+    versions = {role: d.version for role, d in read_acceptance(store, cfg.run, step).drafters.items()
+                if d is not None and role in ("cotrained", "served", "baseline")}
+    proposers = {}
+    for version in set(versions.values()):
+        drafter = registry.load(version)
+        drafter.attach(target)
+        proposers[version] = speculative.follow_target(drafter, target)
+    prompts = [torch.tensor(r.input_ids[: r.prompt_len]) for r in rollouts_lib.read_rollouts(store, cfg.run, step)]
+    params = SamplingParams(temperature=cfg.simulation.temperature)
+
+    @torch.no_grad()
+    def plain(batch: list[torch.Tensor], seeds: list[int]) -> None:
+        """A token per row per target forward, sampled as speculative decoding samples (equal-length prompts)."""
+        sampling = speculative.request_sampling(params, seeds, "cpu")
+        cache = DynamicCache()
+        logits = target(input_ids=torch.stack(batch), past_key_values=cache, use_cache=True).logits[:, -1:]
+        for _ in range(NEW_TOKENS - 1):
+            token = sampling.sample(sampling.probs(logits)[:, 0])  # (B,)
+            logits = target(input_ids=token[:, None], past_key_values=cache, use_cache=True).logits[:, -1:]
+        sampling.sample(sampling.probs(logits)[:, 0])
+
+    out: dict = {"step": step, "drafters": versions, "k": K, "new_tokens": NEW_TOKENS,
+                 "temperature": params.temperature, "load_average": round(os.getloadavg()[0], 1)}
+    for batch in (*BATCHES, len(prompts)):
+        groups = [prompts[i : i + batch] for i in range(0, min(len(prompts), max(batch, TAIL_PROMPTS)), batch)]
+        arms = ["plain"] + [f"{role}_{method}" for role in versions for method in ("greedy", "probabilistic")]
+        seconds = {arm: [0.0] * REPEATS for arm in arms}
+        accepted: dict[str, list[int]] = {arm: [] for arm in arms[1:]}
+        for repeat in range(REPEATS):  # the arms alternate, so that a change of load meets them all
+            for g, group in enumerate(groups):
+                seeds = [1000 * g + j for j in range(len(group))]
+                for arm in arms:
+                    started = time.perf_counter()
+                    if arm == "plain":
+                        plain(group, seeds)
+                    else:
+                        role, method = arm.rsplit("_", 1)
+                        traces = speculative.generate_batch(
+                            target, proposers[versions[role]], group, NEW_TOKENS, K,
+                            sampling=speculative.request_sampling(params, seeds, "cpu"), draft_method=method)
+                        if repeat == 0:
+                            accepted[arm] += [a for t in traces for a in t.accepted_per_round]
+                    seconds[arm][repeat] += time.perf_counter() - started
+        for arm, rounds in accepted.items():
+            out[f"b{batch}_{arm}_tau"] = round(1 + sum(rounds) / len(rounds), 2)
+            out[f"b{batch}_{arm}_speedup"] = round(min(seconds["plain"]) / min(seconds[arm]), 3)
+    return out
+
+
+def run() -> dict:
+    _thread_one()
+    lang = language()
+    out = {f"drafter_cost_{key}": value for key, value in cost().items()}
+    out |= {"language": lang, "language_top1_mean_ratio": lang["top1_mean_vs_reference"],
+            "language_entropy_mean_ratio": lang["entropy_mean_vs_reference"]}
+    return out | {f"rollout_{key}": value
+                  for key, value in speedup(str(Path(__file__).resolve().parent.parent / ".data")).items()}
+
+
+if __name__ == "__main__":
+    _thread_one()
+    what = sys.argv[1] if len(sys.argv) > 1 else "all"
+    parts = {"cost": cost, "language": language, "speedup": lambda: speedup(*sys.argv[2:3])}
+    result = {name: fn() for name, fn in parts.items() if what in (name, "all")}
+    sys.stdout.write(json.dumps(result, indent=2) + "\n")
