@@ -49,8 +49,8 @@ def _thread_one() -> None:
     torch.set_num_threads(1)
 
 
-def cost() -> dict:
-    """c by weights read and in seconds at each decoding batch, on the demo's target shape."""
+def cost(tiny: bool = False) -> dict:
+    """c by weights read and in seconds at each decoding batch, on the demo's target shape (`tiny`: batch 1 alone)."""
     import torch
 
     from pipeline.config import DrafterConfig, load_config
@@ -66,7 +66,7 @@ def cost() -> dict:
     g = torch.Generator().manual_seed(0)
     out: dict = {"target": f"{sim.num_layers} layers, hidden {sim.hidden_size}, vocab {sim.vocab_size}",
                  "weights_ratio": round(cost_lib.drafter_cost_ratio(drafter, target), 4)}
-    for batch in (*BATCHES, sim.rollouts_per_step):
+    for batch in (1,) if tiny else (*BATCHES, sim.rollouts_per_step):
         prompts = [torch.randint(sim.vocab_size, (sim.prompt_len,), generator=g) for _ in range(batch)]
         ratios = []
         for _ in range(REPEATS):
@@ -110,21 +110,24 @@ def _summary(entropy, top1) -> dict:  # noqa: ANN001
             "tokens": int(top1.numel())}
 
 
-def language() -> dict:
-    """The demo policy's per-token statistics on its own answers, steps 1-6 pooled, beside REFERENCE."""
+def language(tiny: bool = False) -> dict:
+    """The demo policy's per-token statistics on its own answers, steps 1-6 pooled (`tiny`: the target pre-trained
+    10 iterations, steps 1-2), beside REFERENCE."""
     import torch
 
     from pipeline.config import load_config
     from pipeline.sources.simulation import SimulatedRL
 
     sim = load_config().simulation
+    if tiny:
+        sim = sim.model_copy(update={"pretrain_iters": 10, "rl_iters": 2})
     with tempfile.TemporaryDirectory() as cache:
         rl = SimulatedRL(sim, None, "bench", Path(cache))
         started = time.perf_counter()
         model = rl.pretrained()
         pretrain_s = time.perf_counter() - started
         entropy, top1 = [], []
-        for step in range(1, 7):
+        for step in range(1, 3 if tiny else 7):
             model, _ = rl._rl_update(step, model)
             e, p = _token_stats(model, rl.task, step, sim.temperature, sim.prompt_len, seed=5)
             entropy.append(e)
@@ -208,12 +211,16 @@ def speedup(data_dir: str = ".data") -> dict:
     return out
 
 
-def run() -> dict:
+def run(tiny: bool = False) -> dict:
+    """Every figure, flat: the drafter's cost, the language's ratios to SmolLM2's (its statistics in `language`) and,
+    when a demo left its data under `.data`, the rollout speedups (`rollout_*`; not at `tiny` sizes)."""
     _thread_one()
-    lang = language()
-    out = {f"drafter_cost_{key}": value for key, value in cost().items()}
+    lang = language(tiny)
+    out = {f"drafter_cost_{key}": value for key, value in cost(tiny).items()}
     out |= {"language": lang, "language_top1_mean_ratio": lang["top1_mean_vs_reference"],
             "language_entropy_mean_ratio": lang["entropy_mean_vs_reference"]}
+    if tiny:
+        return out
     return out | {f"rollout_{key}": value
                   for key, value in speedup(str(Path(__file__).resolve().parent.parent / ".data")).items()}
 

@@ -2,14 +2,15 @@
 
 The "task" is a synthetic language whose preferences drift over RL steps:
 
-* Each context (the current token; with `context_order` > 1, plus a phase computed from
-  the tokens before it) has a fixed set of `candidates` plausible next tokens. At step s one of them is the
-  favourite, the others share the rest of the probability, each `tail_decay` of the one
+* Each context (the current token; with `context_order` > 1, plus a phase computed from the
+  tokens before it) has a fixed set of `candidates` plausible next tokens. At step s one of them
+  is the favourite, the others share the rest of the probability, each `tail_decay` of the one
   before (a real model's long tail of plausible tokens).
-* Contexts are of two kinds, as a real model's answers are: most are near-deterministic
-  (the favourite at `closed_top1`), a share `open_share` is open (the favourite at a
-  probability drawn once per context from `open_top1`). The per-token entropy and top-1
-  probability that result are what bound a drafter's acceptance under sampling.
+* Tokens are of two kinds, as in a real model's answers: after a near-certain one (a share
+  1 - `open_share` of the vocabulary) the favourite has `closed_top1` and every candidate is an
+  open token; after an open one the favourite has a level of `open_top1`. The per-token entropy
+  and top-1 probability that result bound a drafter's acceptance under sampling; the defaults are
+  a real model's (docs/operating.md, the demo's target and language).
 * Every RL step, a share `drift` of the contexts gets a new favourite: what the
   reward asks for changes, so the policy changes, so a drafter trained on early steps
   goes stale (the effect this product exists to fix).
