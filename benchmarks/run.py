@@ -25,6 +25,7 @@ from pathlib import Path
 
 from benchmarks import (
     batch_prep,
+    demo_economics,
     evaluation,
     extraction,
     fp8_tau,
@@ -84,6 +85,8 @@ SECTIONS = (
     Section("schedule", schedule.run, ("training_s_ratio", "rollout_scale"), ("saved_s_ratio",)),
     Section("serving", serving.run, ("threshold", "probabilistic_over_greedy_tau_ratio",
                                      "batch_1_speculative_speedup", "batch_1_auto_speedup")),
+    Section("demo_economics", demo_economics.run, ("drafter_cost_weights_ratio", "language_top1_mean_ratio",
+                                                   "language_entropy_mean_ratio")),
 )
 
 

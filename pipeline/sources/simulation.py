@@ -2,19 +2,26 @@
 
 The "task" is a synthetic language whose preferences drift over RL steps:
 
-* Each context (the current token plus a phase computed from the tokens before it)
-  has a fixed set of `candidates` plausible next tokens. At step s one of them is the
-  favourite (probability 0.6), the others share the rest.
+* Each context (the current token; with `context_order` > 1, plus a phase computed from the
+  tokens before it) has a fixed set of `candidates` plausible next tokens. At step s one of them
+  is the favourite, the others share the rest of the probability, each `tail_decay` of the one
+  before (a real model's long tail of plausible tokens).
+* Tokens are of two kinds, as in a real model's answers: after a near-certain one (a share
+  1 - `open_share` of the vocabulary) the favourite has `closed_top1` and every candidate is an
+  open token; after an open one the favourite has a level of `open_top1`. The per-token entropy
+  and top-1 probability that result bound a drafter's acceptance under sampling; the defaults are
+  a real model's (docs/operating.md, the demo's target and language).
 * Every RL step, a share `drift` of the contexts gets a new favourite: what the
   reward asks for changes, so the policy changes, so a drafter trained on early steps
   goes stale (the effect this product exists to fix).
 
-The policy is a tiny Llama built from a config and pre-trained on step 0's task (cached
-on disk; its next-token distributions are peaked). Each RL step applies
-reward-weighted regression (RWR: NLL weighted by exp(reward / beta)) on sequences
-from the step's task, then samples rollouts from the updated policy and writes them,
-with the policy checkpoint, in exactly the layout an external trainer uses
-(see `pipeline/data/rollouts.py`).
+The policy is a tiny Llama built from a config, deep and narrow so that a drafter forward
+costs a small share of its forward (as a drafter layer does of a deployment's policy), and
+pre-trained on step 0's task (cached on disk; its next-token distributions follow the task's).
+Each RL step applies reward-weighted regression (RWR: each sequence's loss weighted by
+exp(reward / beta)) on sequences from the step's task, then samples rollouts from the updated
+policy and writes them, with the policy checkpoint, in exactly the layout an external trainer
+uses (see `pipeline/data/rollouts.py`).
 
 Response lengths are lognormal (`response_len_sigma`; median `response_len_median` of the
 longest, capped at `response_len`), as a reasoning step's are: most rollouts finish early
@@ -55,9 +62,12 @@ from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.sources.rollout_engine import RolloutEngine, RolloutRequest, request_seed
 
-FAVOURITE_PROB = 0.6
 PHASES = 3
 RWR_BETA = 0.1
+BATCH = 6  # sequences per pre-training and RL iteration
+PRETRAIN_LR = 1e-2
+RL_LR = 5e-3
+LANGUAGE = 3  # the version of the language and its pre-training, in the pre-trained target's cache key
 
 
 class Task:
@@ -66,15 +76,23 @@ class Task:
     def __init__(self, cfg: SimulationConfig) -> None:
         self.cfg = cfg
         g = torch.Generator().manual_seed(cfg.seed)
-        self.num_contexts = cfg.vocab_size * PHASES
-        # (C, K) distinct candidate tokens per context
-        self.candidates = torch.stack(
-            [torch.randperm(cfg.vocab_size, generator=g)[: cfg.candidates] for _ in range(self.num_contexts)]
-        )
-        rest = (1 - FAVOURITE_PROB) * torch.tensor([0.5**i for i in range(cfg.candidates - 1)])
-        self._rest_probs = rest / rest.sum() * (1 - FAVOURITE_PROB)
+        self.phases = PHASES if cfg.context_order > 1 else 1
+        self.num_contexts = cfg.vocab_size * self.phases
+        self.open_tokens = torch.zeros(cfg.vocab_size, dtype=torch.bool)  # (V,) the tokens whose contexts are open
+        self.open_tokens[torch.randperm(cfg.vocab_size, generator=g)[: round(cfg.open_share * cfg.vocab_size)]] = True
+        self.candidates = torch.stack([self._candidates(c, g) for c in range(self.num_contexts)])  # (C, K)
+        self.probs = candidate_probs(cfg, self.open_tokens.repeat_interleave(self.phases), g)  # (C, K) favourite first
         self._favourites = [torch.zeros(self.num_contexts, dtype=torch.int64)]
         self._drift_gen = torch.Generator().manual_seed(cfg.seed + 1)
+
+    def _candidates(self, context: int, g: torch.Generator) -> torch.Tensor:
+        """(K,) distinct candidate tokens of a context. A near-deterministic context's are open tokens while there are
+        enough of them: a near-certain token leads to an open choice, as in text, never into a loop of near-certain
+        tokens that would hold a sequence for dozens of tokens whatever favourites the drift gives them."""
+        order = torch.randperm(self.cfg.vocab_size, generator=g)
+        if not self.open_tokens[context // self.phases]:
+            order = torch.cat([order[self.open_tokens[order]], order[~self.open_tokens[order]]])
+        return order[: self.cfg.candidates]
 
     def favourite(self, step: int) -> torch.Tensor:
         """(C,) index into `candidates` of each context's favourite at `step`."""
@@ -89,9 +107,8 @@ class Task:
         """(C, V) next-token distribution of every context at `step`."""
         fav = self.favourite(step)
         order = (fav[:, None] + torch.arange(self.cfg.candidates)) % self.cfg.candidates  # favourite first
-        probs = torch.cat([torch.tensor([FAVOURITE_PROB]), self._rest_probs])
         table = torch.zeros(self.num_contexts, self.cfg.vocab_size)
-        table.scatter_(1, torch.gather(self.candidates, 1, order), probs.expand(self.num_contexts, -1).clone())
+        table.scatter_(1, torch.gather(self.candidates, 1, order), self.probs)
         return table
 
     def context_ids(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -101,16 +118,22 @@ class Task:
         phase = torch.zeros_like(tokens)
         for lag in range(1, order):
             phase = phase + padded[:, order - 1 - lag : padded.shape[1] - lag]
-        return tokens * PHASES + phase % PHASES
+        return tokens * self.phases + phase % self.phases
 
     def sample(self, step: int, n: int, length: int, g: torch.Generator) -> torch.Tensor:
-        """(n, length) sequences drawn from the step's task."""
+        """(n, length) sequences drawn from the step's task, all n a token at a time."""
         table = self.next_token_probs(step)
-        seqs = torch.randint(self.cfg.vocab_size, (n, 1), generator=g)
-        for _ in range(length - 1):
-            ctx = self.context_ids(seqs[:, -self.cfg.context_order:])[:, -1]  # the last token's context alone
-            seqs = torch.cat([seqs, torch.multinomial(table[ctx], 1, generator=g)], dim=1)
+        seqs = torch.empty(n, length, dtype=torch.int64)
+        seqs[:, 0] = torch.randint(self.cfg.vocab_size, (n,), generator=g)
+        for t in range(1, length):
+            window = seqs[:, max(0, t - self.cfg.context_order) : t]
+            ctx = self.context_ids(window)[:, -1]  # the last token's context alone
+            seqs[:, t] = torch.multinomial(table[ctx], 1, generator=g)[:, 0]
         return seqs
+
+    def targets(self, step: int, seqs: torch.Tensor) -> torch.Tensor:
+        """(n, T) sequences -> (n, T-1, V) the step's next-token distribution after each position but the last."""
+        return self.next_token_probs(step)[self.context_ids(seqs)[:, :-1]]
 
     def rewards(self, step: int, seqs: torch.Tensor, prompt_len: int) -> torch.Tensor:
         """(n,) share of response tokens that are the step's favourite for their context."""
@@ -120,21 +143,63 @@ class Task:
         return hits.float().mean(dim=1)
 
 
-def _finetune(
-    model: LlamaForCausalLM, batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]], iters: int, lr: float
-) -> None:
-    """Weighted next-token NLL; `batches(i)` gives (tokens (B, T), weights (B,))."""
+def candidate_probs(cfg: SimulationConfig, is_open: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """(C, K) each context's next-token probabilities over its candidates, favourite first: `closed_top1` for a
+    near-deterministic context, for an open one (is_open (C,)) a level of `open_top1`'s range; each candidate after
+    the favourite takes `tail_decay` of the one before. The levels are evenly spaced over the range (strata, not
+    independent draws), so that a few dozen contexts already spread over it as the range says; which context gets
+    which is drawn with `g`."""
+    low, high = cfg.open_top1
+    num_open = int(is_open.sum())
+    top1 = torch.full(is_open.shape, cfg.closed_top1)  # (C,)
+    levels = low + (high - low) * (torch.arange(num_open) + 0.5) / max(1, num_open)  # (open,)
+    top1[is_open] = levels[torch.randperm(num_open, generator=g)]
+    rest = cfg.tail_decay ** torch.arange(cfg.candidates - 1, dtype=torch.float32)
+    rest = rest / rest.sum()  # (K-1,)
+    return torch.cat([top1[:, None], (1 - top1)[:, None] * rest], dim=1)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """A batch of the policy's fine-tuning: sequences of the task, the task's next-token distribution after each of
+    their positions, and each sequence's weight."""
+
+    tokens: torch.Tensor  # (B, T)
+    targets: torch.Tensor  # (B, T-1, V)
+    weights: torch.Tensor  # (B,)
+
+
+def _finetune(model: LlamaForCausalLM, batches: Callable[[int], _Batch], iters: int, lr: float) -> None:
+    """Weighted cross-entropy against the task's next-token distributions: the expected NLL of the next token
+    given each position's context, which the sampled token's NLL estimates with far more noise. The learning rate
+    warms up over the first tenth of the iterations, then decays to zero (cosine): few iterations at a high rate."""
     model.train()
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    warmup = max(1, iters // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * i / iters)))
     for i in range(iters):
-        tokens, weights = batches(i)
-        logits = model(input_ids=tokens).logits[:, :-1]  # (B, T-1, V)
-        nll = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none").mean(dim=1)  # (B,)
-        loss = (weights * nll).sum() / weights.sum()
+        batch = batches(i)
+        logp = model(input_ids=batch.tokens).logits[:, :-1].log_softmax(dim=-1)  # (B, T-1, V)
+        ce = -(batch.targets * logp).sum(dim=-1).mean(dim=1)  # (B,)
+        loss = (batch.weights * ce).sum() / batch.weights.sum()
         optim.zero_grad()
         loss.backward()
         optim.step()
+        schedule.step()
     model.eval()
+
+
+def pretrain(model: LlamaForCausalLM, task: Task, iters: int, seq_len: int, g: torch.Generator) -> None:
+    """`model` fitted to step 0's language in `iters` iterations of BATCH sequences; every iteration's sequences
+    are drawn at once, so the task's per-token loop runs once, over all of them."""
+    pool = task.sample(0, iters * BATCH, seq_len, g)  # (iters * B, T)
+
+    def batch(i: int) -> _Batch:
+        seqs = pool[i * BATCH : (i + 1) * BATCH]
+        return _Batch(seqs, task.targets(0, seqs), torch.ones(BATCH))
+
+    _finetune(model, batch, iters, lr=PRETRAIN_LR)
 
 
 @dataclass
@@ -172,10 +237,11 @@ class SimulatedRL:
         self._prepared: _Prepared | None = None
 
     def _cache_path(self) -> Path:
-        # Only what shapes pre-training goes into the key: tuning RL knobs keeps the cache.
+        # Only what shapes pre-training goes into the key: tuning RL knobs keeps the cache. LANGUAGE names how the
+        # config becomes a language and a pre-training: a change to either gives the cache a new key.
         pretrain = self.cfg.model_dump(
             exclude={"drift", "rl_iters", "rollouts_per_step", "temperature", "step_period_s", "response_len_median",
-                     "response_len_sigma", "parts_per_step"})
+                     "response_len_sigma", "parts_per_step"}) | {"language": LANGUAGE}
         digest = hashlib.sha256(json.dumps(pretrain, sort_keys=True).encode()).hexdigest()[:12]
         return self.cache_dir / f"pretrained-target-{digest}"
 
@@ -188,9 +254,7 @@ class SimulatedRL:
         model = target_lib.build_target(
             target_lib.tiny_llama_config(cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads), cfg.seed
         )
-        g = torch.Generator().manual_seed(cfg.seed)
-        _finetune(model, lambda i: (self.task.sample(0, 32, self.seq_len, g), torch.ones(32)),
-                  cfg.pretrain_iters, lr=3e-3)
+        pretrain(model, self.task, cfg.pretrain_iters, self.seq_len, torch.Generator().manual_seed(cfg.seed))
         path.parent.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(path, safe_serialization=True)
         return model
@@ -246,12 +310,14 @@ class SimulatedRL:
         cfg = self.cfg
         g = torch.Generator().manual_seed(cfg.seed * 1000 + step)
 
-        def rwr_batch(_: int) -> tuple[torch.Tensor, torch.Tensor]:
-            seqs = self.task.sample(step, 32, self.seq_len, g)
-            reward = self.task.rewards(step, seqs, cfg.prompt_len)
-            return seqs, torch.exp((reward - reward.max()) / RWR_BETA)
+        pool = self.task.sample(step, cfg.rl_iters * BATCH, self.seq_len, g)  # (iters * B, T)
 
-        _finetune(model, rwr_batch, cfg.rl_iters, lr=2e-3)
+        def rwr_batch(i: int) -> _Batch:
+            seqs = pool[i * BATCH : (i + 1) * BATCH]
+            reward = self.task.rewards(step, seqs, cfg.prompt_len)
+            return _Batch(seqs, self.task.targets(step, seqs), torch.exp((reward - reward.max()) / RWR_BETA))
+
+        _finetune(model, rwr_batch, cfg.rl_iters, lr=RL_LR)
         return model, g
 
     def _prepare(self, step: int, model: LlamaForCausalLM) -> None:

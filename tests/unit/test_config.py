@@ -89,6 +89,8 @@ def test_config_is_frozen() -> None:
         pytest.param({"train": {"vloss_weight": 0, "ploss_weight": 0}}, "train.vloss_weight", id="no-loss"),
         pytest.param({"simulation": {"hidden_size": 30, "num_heads": 4}}, "simulation.hidden_size", id="heads"),
         pytest.param({"simulation": {"vocab_size": 8, "candidates": 9}}, "simulation.candidates", id="candidates"),
+        pytest.param({"simulation": {"open_top1": [0.02, 0.9]}}, "simulation.open_top1", id="favourite-not-likeliest"),
+        pytest.param({"simulation": {"open_top1": [0.9, 0.5]}}, "simulation.open_top1", id="open-top1-reversed"),
         pytest.param({"refresh": {"min_share": 0}}, "refresh.min_share", id="refresh-share-zero"),
         pytest.param({"refresh": {"min_share": 1.5}}, "refresh.min_share", id="refresh-share-above-one"),
         pytest.param({"refresh": {"max_tokens": 10}}, "refresh.max_tokens", id="refresh-budget-tiny"),
