@@ -423,9 +423,11 @@ class FleetConfig(_Strict):
         "first); `restart`: every replica is restarted with the new --speculative-config."
     )
     draft_sample_method: DraftSampleMethod = Field(
-        default="greedy", description="How the replicas' drafter picks its tokens (vLLM's `draft_sample_method`): "
-        "`greedy` proposes its argmax, `probabilistic` samples its distribution at the request's parameters; "
-        "evaluation measures tau the same way."
+        default="probabilistic",
+        description="How the replicas' drafter picks its tokens (vLLM's `draft_sample_method`): `probabilistic` "
+        "samples its distribution at the request's parameters (rollouts sampled at temperature keep more drafts), "
+        "`greedy` "
+        "proposes its argmax; evaluation measures tau the same way."
     )
     weight_transfer_backend: Literal["", "disk"] = Field(
         default="", description="`command` driver: start vLLM in dev mode (VLLM_SERVER_DEV_MODE=1) with "

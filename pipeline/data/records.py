@@ -452,7 +452,7 @@ class ArmReplay:
     tail_seconds: float  # the rounds with at most the record's tail_batch requests left
     tail_tokens: int
     threshold: int  # the batch threshold the arm's scheduler ended with
-    by_batch: dict[int, tuple[float, int]] = field(default_factory=dict)  # batch bucket -> its rounds' seconds, tokens
+    by_batch: dict[int, tuple[float, int, int]] = field(default_factory=dict)  # batch bucket -> seconds, tokens, rounds
 
     @property
     def tokens_per_s(self) -> float:
@@ -470,7 +470,7 @@ class ArmReplay:
         return cls(doc["version"], float(doc["seconds"]), int(doc["tokens"]), int(doc["speculative_rows"]),
                    int(doc["plain_rows"]), float(doc["tau"]), float(doc["tail_seconds"]), int(doc["tail_tokens"]),
                    int(doc["threshold"]),
-                   {int(b): (float(s), int(t)) for b, (s, t) in doc.get("by_batch", {}).items()})
+                   {int(b): (float(s), int(t), int(n)) for b, (s, t, n) in doc.get("by_batch", {}).items()})
 
 
 @dataclass(frozen=True)
@@ -493,7 +493,7 @@ class RolloutReplay:
         if a is None or b is None:
             return {}
         def rates(replay: ArmReplay) -> dict[int, float]:
-            return {batch: tokens / seconds for batch, (seconds, tokens) in replay.by_batch.items() if seconds > 0}
+            return {batch: tokens / seconds for batch, (seconds, tokens, _) in replay.by_batch.items() if seconds > 0}
 
         mine, theirs = rates(a), rates(b)
         return {batch: mine[batch] / theirs[batch] for batch in sorted(mine.keys() & theirs.keys()) if theirs[batch]}

@@ -53,7 +53,7 @@ def replay_arm(model: LlamaForCausalLM, new_proposer: Callable[[], Proposer] | N
              for r in requests]
     tail_seconds = 0.0
     tokens = tail_tokens = speculative = plain = accepted = 0
-    by_batch: dict[int, tuple[float, int]] = {}
+    by_batch: dict[int, tuple[float, int, int]] = {}
     joining = fresh
     started = clock(model.device)
     while True:
@@ -62,8 +62,8 @@ def replay_arm(model: LlamaForCausalLM, new_proposer: Callable[[], Proposer] | N
         if record is None:
             break
         tokens += record.tokens
-        seconds_at, tokens_at = by_batch.get(bucket(record.rows), (0.0, 0))
-        by_batch[bucket(record.rows)] = (seconds_at + record.seconds, tokens_at + record.tokens)
+        seconds_at, tokens_at, rounds_at = by_batch.get(bucket(record.rows), (0.0, 0, 0))
+        by_batch[bucket(record.rows)] = (seconds_at + record.seconds, tokens_at + record.tokens, rounds_at + 1)
         if record.rows <= TAIL_BATCH:
             tail_seconds += record.seconds
             tail_tokens += record.tokens
@@ -77,7 +77,7 @@ def replay_arm(model: LlamaForCausalLM, new_proposer: Callable[[], Proposer] | N
     return ArmReplay(version, round(seconds, 4), tokens + first_tokens, speculative, plain,
                      round(1 + accepted / speculative, 4) if speculative else 1.0, round(tail_seconds, 4),
                      tail_tokens, threshold.threshold,
-                     {b: (round(s, 4), t) for b, (s, t) in sorted(by_batch.items())})
+                     {b: (round(s, 4), t, n) for b, (s, t, n) in sorted(by_batch.items())})
 
 
 def _copy(generator):  # noqa: ANN001, ANN202 - a torch.Generator at the same point of its stream
@@ -92,12 +92,18 @@ def replay_step(model: LlamaForCausalLM, arms: dict[str, tuple[str | None, Calla
                 requests: list[Request], k: int, draft_method: DraftSampleMethod,
                 new_threshold: Callable[[], SpeculationThreshold], step: int, params: SamplingParams) -> RolloutReplay:
     """Each arm (role -> its version and proposer factory; None: no drafter) replayed on the same requests; an arm
-    whose version another arm has is measured once."""
-    measured: dict[str | None, ArmReplay] = {}
+    whose version another arm has is measured once. No speculation first: its plain rounds' seconds per batch size
+    are what a replica serving for a while knows already, so a drafter's arm starts with them (it measures its own
+    speculative rounds as it goes), not from nothing."""
+    measured: dict[str | None, ArmReplay] = {None: replay_arm(model, None, requests, k, draft_method, new_threshold(),
+                                                              None)}
+    plain_s = {b: seconds / rounds for b, (seconds, _, rounds) in measured[None].by_batch.items() if rounds}
     out = {}
     for role, (version, new_proposer) in arms.items():
         if version not in measured:
-            measured[version] = replay_arm(model, new_proposer, requests, k, draft_method, new_threshold(), version)
+            threshold = new_threshold()
+            threshold.know_plain(plain_s)
+            measured[version] = replay_arm(model, new_proposer, requests, k, draft_method, threshold, version)
         out[role] = measured[version]
     return RolloutReplay(step, len(requests), sum(r.max_tokens for r in requests), TAIL_BATCH, params, draft_method,
                          out)

@@ -60,6 +60,11 @@ class SpeculationThreshold:
             else:
                 self.plain_s[b] = self._mean(self.plain_s.get(b), seconds)
 
+    def know_plain(self, seconds: dict[int, float]) -> None:
+        """Plain rounds' seconds per batch bucket measured elsewhere (the same decoder, without a drafter)."""
+        with self._lock:
+            self.plain_s.update(seconds)
+
     def forget_acceptance(self) -> None:
         """New weights (a drafter or a policy): the tokens a speculative round yields are measured again."""
         with self._lock:
