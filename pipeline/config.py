@@ -376,7 +376,8 @@ class EvalConfig(StageConfig):
         "the ledger's saving is the served drafter's measured seconds.",
     )
     replay_max_requests: int = Field(
-        default=256, ge=1, description="The step's rollouts the replay decodes at most (its first ones).",
+        default=256, ge=1, description="The replay decodes the step's first rollouts, one replica's share of them "
+        "(the batch each replica decoded), at most this many.",
     )
     sampling: SamplingConfig = Field(
         default_factory=SamplingConfig,

@@ -203,6 +203,12 @@ def acceptance_record(
         decision.reason, champion_after, m.sampling, m.draft_sample_method)
 
 
+def replay_batch(rollouts: int, replicas: int, max_requests: int) -> int:
+    """The requests a replay decodes: one replica's share of the step (the batch each replica decoded; the whole step
+    without a fleet), at most `max_requests`."""
+    return min(max_requests, -(-rollouts // max(1, replicas)))
+
+
 def replay_rollouts(
     store: ObjectStore, cfg: PipelineConfig, registry: DrafterRegistry, measurement: StepMeasurement
 ) -> RolloutReplay:
@@ -210,7 +216,8 @@ def replay_rollouts(
     on the same requests and seeds, scheduled as the fleet schedules its rounds (replay.py)."""
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, measurement.step)
     target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
-    rollouts = rollouts_lib.read_rollouts(store, cfg.run, measurement.step)[: cfg.eval.replay_max_requests]
+    rollouts = rollouts_lib.read_rollouts(store, cfg.run, measurement.step)
+    rollouts = rollouts[: replay_batch(len(rollouts), len(cfg.fleet.replicas), cfg.eval.replay_max_requests)]
     requests = replay.step_requests(rollouts, measurement.sampling, eval_seed(measurement.step), cfg.device)
     arms: dict[str, tuple[str | None, object]] = {"none": (None, None)}
     for role in ("baseline", "served", "cotrained"):

@@ -1,9 +1,10 @@
 """A step's rollouts replayed arm by arm: the rollout speedup measured, not modeled.
 
 After the step, on an idle decoder (the evaluation's process, running the stand-in fleet's own
-engine loop: `scheduler.schedule_round`), the step's requests are decoded again as the fleet
-decoded them: every rollout's prompt submitted at once, each ending at its rollout's length, each
-sampled at the rollouts' parameters from its own seed, speculation round by round where it pays.
+engine loop: `scheduler.schedule_round`), the step's requests are decoded again as a replica
+decoded them: one replica's share of the step's rollouts (acceptance.replay_batch) submitted at
+once, each ending at its rollout's length, each sampled at the rollouts' parameters from its own
+seed, speculation round by round where it pays.
 The same requests and seeds for every arm:
 
     none       no drafter: plain decoding, the baseline every speedup is over

@@ -10,7 +10,7 @@ from pipeline.cost import DecodingCost
 from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
 from pipeline.data.sampling import GREEDY
 from pipeline.data.store import open_store
-from pipeline.evaluation.acceptance import Decision, StepMeasurement, promotion_decision, step_cost
+from pipeline.evaluation.acceptance import Decision, StepMeasurement, promotion_decision, replay_batch, step_cost
 
 AUTO = PromotionConfig(policy="auto", margin=0.05)
 
@@ -59,3 +59,13 @@ def test_the_ledger_prices_a_drafter_forward_as_the_fleet_does(tmp_path) -> None
         cost = step_cost(store, cfg, measurement, {"training": 10.0})
         assert cost.decoding == expected
         assert cost.rollout_tokens == 2
+
+
+@pytest.mark.parametrize(("rollouts", "replicas", "max_requests", "batch"), [
+    (96, 2, 256, 48),  # the demo: each of two replicas decoded half the step
+    (97, 2, 256, 49),
+    (96, 0, 256, 96),  # no fleet: the whole step
+    (5000, 8, 256, 256),  # a production step: bounded
+])
+def test_the_replay_decodes_one_replicas_share_of_the_step(rollouts, replicas, max_requests, batch) -> None:
+    assert replay_batch(rollouts, replicas, max_requests) == batch
