@@ -15,10 +15,10 @@ teacher-forced estimate against exact tau.
   many rows only a few times faster per row, so batching a round cannot gain much more than this.
 * tau_estimate_abs_diff: the demo's simulated target (pre-trained, cached under the data dir) and
   its sampled rollouts (temperature 1); an EAGLE-3 drafter trained on them (the demo's settings,
-  6 epochs); exact tau over the held-out prompts against the teacher-forced estimate over the
-  same held-out rollouts. The estimate counts a draft step only where the rollout's tokens are
-  what decoding would have fed it, yet still reads low: the earlier context is sampled text,
-  decoding's the target's greedy text, on which the drafter does better.
+  6 epochs); at the rollouts' temperature with greedy drafts, exact tau (the held-out prompts decoded
+  by vLLM's rejection rule) against the teacher-forced estimate over the same held-out rollouts
+  (a draft kept where it is the rollout's token: with greedy drafts, accepted with the target's
+  probability of it, the same expectation).
 
 * drafter_kinds: the drafter's share of a round per kind at k = 4 and 8 (EAGLE-3 drafts a token per
   forward, P-EAGLE all k in one): per kind, the median seconds of a round (verification + proposal)
@@ -246,21 +246,29 @@ def demo_drafter(torch, sizes: Sizes = FULL) -> tuple:
 
 
 def tau_estimate(torch, sizes: Sizes) -> dict:
-    """Exact and estimated tau of the demo's drafter (`demo_drafter`) on its held-out rollouts."""
+    """Exact and estimated tau of the demo's drafter (`demo_drafter`) on its held-out rollouts, at the rollouts'
+    own temperature with greedy drafts: decoding the held-out prompts by vLLM's rule against the teacher-forced
+    estimate on the rollouts themselves (drafts kept where they draw the rollout's token)."""
+    from pipeline.data.sampling import SamplingParams
     from pipeline.evaluation import speculative
     from pipeline.evaluation.teacher_forced import estimate_acceptance
 
     cfg, target, drafter, held, train_s, train_samples, train_lengths = demo_drafter(torch, sizes)
     k, max_new = cfg.eval.num_speculative_tokens, cfg.eval.max_new_tokens
+    params = SamplingParams(temperature=cfg.simulation.temperature)
     prompts = [torch.tensor(r.input_ids[: r.prompt_len]) for r in held]
     start = time.perf_counter()
-    exact = speculative.evaluate(target, speculative.follow_target(drafter, target), prompts, max_new, k)
+    exact = speculative.evaluate(target, speculative.follow_target(drafter, target), prompts, max_new, k,
+                                 params=params)
     exact_s = time.perf_counter() - start
     start = time.perf_counter()
     estimate = estimate_acceptance(target, drafter, [torch.tensor(r.input_ids) for r in held],
-                                   [r.prompt_len for r in held], k)
+                                   [r.prompt_len for r in held], k, sampled=True)
     estimate_s = time.perf_counter() - start
-    return {"exact": {**exact.as_dict(), "prompts": len(prompts), "wall_s": exact_s},
+    if estimate is None:
+        raise RuntimeError(f"no held-out rollout has {k} response tokens: nothing to estimate on")
+    return {"temperature": params.temperature,
+            "exact": {**exact.as_dict(), "prompts": len(prompts), "wall_s": exact_s},
             "estimate": {**estimate.as_dict(), "wall_s": estimate_s}, "train_s": train_s,
             "train_samples": train_samples, "train_lengths": train_lengths, "abs_diff": abs(estimate.tau - exact.tau)}
 

@@ -36,13 +36,18 @@ def test_the_sensor_names_malformed_step_directories(tiny_config_path: Path, nam
     cfg = load_config(tiny_config_path)
     store = open_store(cfg)
     _fake_step(store, cfg.run, 1)
-    store.write_bytes(f"rollouts/{cfg.run}/{name}/policy.json", b"{}")
-    store.write_bytes(f"rollouts/{cfg.run}/notes/readme.txt", b"not a step: not reported")
     defs = build_definitions(str(tiny_config_path))
     with dg.instance_for_test() as instance:
-        instance.add_dynamic_partitions("rl_step", ["step-000001"])
-        tick = rl_step_sensor(dg.build_sensor_context(instance=instance, cursor="1", definitions=defs,
-                                                      sensor_name=SENSOR_NAME, resources=defs.resources))
+        def tick(cursor: str | None) -> dg.SensorResult | dg.SkipReason:
+            return rl_step_sensor(dg.build_sensor_context(instance=instance, cursor=cursor, definitions=defs,
+                                                          sensor_name=SENSOR_NAME, resources=defs.resources))
+
+        first = tick(None)  # step 1 launched: the cursor holds its store time
+        assert [r.run_key for r in first.run_requests] == ["step-000001"]
+        instance.add_dynamic_partitions("rl_step", ["step-000001"])  # as the daemon applies the tick's request
+        store.write_bytes(f"rollouts/{cfg.run}/{name}/policy.json", b"{}")
+        store.write_bytes(f"rollouts/{cfg.run}/notes/readme.txt", b"not a step: not reported")
+        tick = tick(first.cursor)
     assert isinstance(tick, dg.SkipReason)
     assert "ignored 1 step director(ies) whose name is not 'step-' and the step in six digits" in tick.skip_message
     assert tick.skip_message.endswith(f": {name}")

@@ -169,7 +169,8 @@ def test_the_launcher_hands_no_job_to_another_users_listener(tmp_path: Path) -> 
     client = PipesWarmClient("evaluation", tmp_path / "data", PROJECT_ROOT, 60.0)
     private_dir(client.files.socket.parent)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(client.files.socket))
+    with unix_address(client.files.socket) as address:  # a long tmp path (as in CI) goes through the folder
+        listener.bind(address)
     script = (f"import socket, time; s = socket.socket(fileno={listener.fileno()}); s.listen(); "
               "print('up', flush=True); c, _ = s.accept(); print(repr(c.recv(4096)), flush=True); time.sleep(5)")
     theirs = subprocess.Popen([SYSTEM_PYTHON, "-c", script], pass_fds=(listener.fileno(),), user=NOBODY,
