@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.evaluation.expected_acceptance import target_argmax_chain
+from pipeline.evaluation.expected_acceptance import round_starts, target_argmax_chain
 from pipeline.models import target as target_lib
 from pipeline.sources import arithmetic, smollm2
 
@@ -63,11 +63,14 @@ def token_stats(temperature: float, answers: int = 48, max_new_tokens: int = 96,
     per_position = torch.zeros(K, dtype=torch.float64)
     for answer in sampled:
         sequence = torch.tensor(answer.ids)  # (N,)
-        starts = torch.arange(len(answer.prompt_ids), len(sequence))  # (S,) every answer token's context
-        logits = model(sequence[None]).logits[0, starts - 1].float() / temperature  # (S, V)
+        tokens = torch.arange(len(answer.prompt_ids), len(sequence))  # (A,) every answer token's position
+        logits = model(sequence[None]).logits[0, tokens - 1].float() / temperature  # (A, V)
         logprobs = torch.log_softmax(logits, dim=-1)
         entropy += (-(logprobs.exp() * logprobs).sum(-1)).tolist()
         top1 += logprobs.max(-1).values.exp().tolist()
+        starts = round_starts(len(answer.prompt_ids), len(sequence))
+        if not len(starts):
+            continue
         chain = target_argmax_chain(model, sequence, starts, K, temperature)
         oracle_tau += chain.tau().tolist()
         per_position += torch.cumprod(chain.accept.double(), dim=1).sum(0)
@@ -88,9 +91,10 @@ def token_stats(temperature: float, answers: int = 48, max_new_tokens: int = 96,
         "top1_histogram": {"bins": [f"{i / 10:.1f}-{(i + 1) / 10:.1f}" for i in range(10)], "counts": counts},
         "oracle_greedy_drafter_k4": {
             "rule": "vLLM rejection sampler, greedy drafts: draft d accepted with p_T(d), chained; "
-                    "tau = 1 + sum_j prod_{i<=j} p_i, exact per answer position",
+                    "tau = 1 + sum_j prod_{i<=j} p_i, exact per round start (after each answer token but the last)",
             "tau": _summary(oracle_tau),
-            "per_position": (per_position / len(top1)).tolist(),
+            "per_position": (per_position / len(oracle_tau)).tolist(),
+            "rounds": len(oracle_tau),
         },
         "generation_s": generation_s,
         "wall_s": time.perf_counter() - start,

@@ -26,6 +26,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from pipeline.evaluation.speculative import features_for
+from pipeline.models import target_forward
+from pipeline.models.drafter import Drafter
+
 
 @dataclass(frozen=True)
 class ChainProbabilities:
@@ -96,3 +100,34 @@ def target_argmax_chain(model: PreTrainedModel, sequence: torch.Tensor, starts: 
         logprobs = _logits(model, sequence, starts, drafts, temperature)  # (S, j+1, V)
         drafts = torch.cat([drafts, logprobs[:, -1].argmax(-1, keepdim=True)], dim=1)
     return chain_probabilities(model, sequence, starts, drafts, temperature)
+
+
+def round_starts(prompt_len: int, length: int) -> torch.Tensor:
+    """(S,) the context lengths a speculative round can start from in a sequence of `length` tokens
+    whose answer begins at `prompt_len`: after each answer token but the last (the target emits the
+    first answer token itself, and after the last no round runs)."""
+    return torch.arange(prompt_len + 1, length)
+
+
+@torch.no_grad()
+def drafter_chain(model: PreTrainedModel, drafter: Drafter, sequence: torch.Tensor, starts: torch.Tensor, k: int,
+                  temperature: float) -> ChainProbabilities:
+    """A drafter's greedy proposals at each start of `sequence` (N,), as decoding makes them (step j
+    reads the drafter's own drafts 1..j, not the sequence's tokens), and the target's acceptance
+    probability of each: one target forward for the drafter's features, k unrolled drafter passes
+    (pass j recomputes steps 0..j-1, so the drafter's TTT path serves unchanged), one forward for
+    the probabilities."""
+    device = sequence.device
+    out = target_forward.forward(model, sequence[None], drafter.decode_layer_ids)
+    n = sequence.shape[0] - 1  # pairs (f_t, x_{t+1}), t < N - 1
+    features = features_for(out, drafter.decode_layer_ids)[:, :n]  # (1, n, D)
+    mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None, None]  # (1, 1, n, n)
+    positions = torch.arange(n, device=device)[None]  # (1, n)
+    step_ids = [sequence[1:][None]]  # step 0 at t reads x_{t+1}
+    for j in range(k):
+        drafts = drafter.draft_unrolled(features, step_ids, positions, mask)  # (j+1, 1, n): step j at t drafts t+2+j
+        if j + 1 < k:
+            step_ids.append(drafts[j])
+    pairs = starts - 2  # the round after context x_0 .. x_{s-1} drafts from the pair (f_{s-2}, x_{s-1})
+    proposals = drafts[:, 0, pairs].T.contiguous()  # (S, k)
+    return chain_probabilities(model, sequence, starts, proposals, temperature)
