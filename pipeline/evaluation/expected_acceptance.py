@@ -111,7 +111,7 @@ def round_starts(prompt_len: int, length: int) -> torch.Tensor:
 
 @torch.no_grad()
 def drafter_chain(model: PreTrainedModel, drafter: Drafter, sequence: torch.Tensor, starts: torch.Tensor, k: int,
-                  temperature: float) -> ChainProbabilities:
+                  temperature: float, features: torch.Tensor | None = None) -> ChainProbabilities:
     """A drafter's greedy proposals at each start of `sequence` (N,), as decoding makes them (step j
     reads the drafter's own drafts 1..j, not the sequence's tokens), and the target's acceptance
     probability of each: one target forward for the drafter's features, k unrolled drafter passes
