@@ -21,6 +21,7 @@ of each start are appended after the sequence as a block that sees only the sequ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,39 +46,40 @@ class ChainProbabilities:
         return torch.cumprod(self.accept, dim=1).mean(dim=0)
 
 
-def _tree_inputs(sequence: torch.Tensor, starts: torch.Tensor, drafts: torch.Tensor, dtype: torch.dtype):
-    """The sequence with each start's first `drafts.shape[1]` drafts appended, their positions and
-    the additive mask (1, 1, C, C) of the layout above."""
-    n, (s, d) = sequence.shape[0], drafts.shape
-    device = sequence.device
-    ids = torch.cat([sequence, drafts.reshape(-1)])  # (C,)
-    offsets = torch.arange(d, device=device)
-    positions = torch.cat([torch.arange(n, device=device), (starts[:, None] + offsets).reshape(-1)])  # (C,)
-    c = n + s * d
-    allowed = torch.zeros(c, c, dtype=torch.bool, device=device)
-    allowed[:n, :n] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    rows = n + torch.arange(s * d, device=device)  # (S*d,)
-    owner = torch.arange(s, device=device).repeat_interleave(d)  # (S*d,)
-    allowed[rows, :n] = torch.arange(n, device=device)[None, :] < starts[owner][:, None]
-    block = offsets[None, :] <= offsets[:, None]  # (d, d) lower triangle
-    for i in range(s):
-        lo = n + i * d
-        allowed[lo:lo + d, lo:lo + d] = block
-    mask = torch.zeros(c, c, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    return ids[None], positions[None], mask[None, None]
+def _step_mask(n: int, starts: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """(1, 1, S, n + step * S) additive mask of the step-th drafts' queries (step >= 1), one per start,
+    over the sequence's n columns and the drafts fed so far (step-major: column n + i * S + r holds
+    start r's draft i + 1)."""
+    s, device = starts.shape[0], starts.device
+    base = torch.arange(n, device=device)[None, :] < starts[:, None]  # (S, n)
+    own = torch.eye(s, dtype=torch.bool, device=device).repeat(1, step)  # (S, step * S): the start's own drafts
+    allowed = torch.cat([base, own], dim=1)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[
+        None, None]
 
 
 @torch.no_grad()
-def _logits(model: PreTrainedModel, sequence: torch.Tensor, starts: torch.Tensor, drafts: torch.Tensor,
-            temperature: float) -> torch.Tensor:
-    """(S, d+1, V) log-probabilities at temperature T of the token at start + j, given the sequence's
-    first `start` tokens and drafts 1..j (j = 0..d)."""
-    n, (s, d) = sequence.shape[0], drafts.shape
-    ids, positions, mask = _tree_inputs(sequence, starts, drafts, model.dtype)
-    hidden = model.model(input_ids=ids, position_ids=positions, attention_mask=mask).last_hidden_state[0]  # (C, H)
-    columns = torch.cat([(starts - 1)[:, None], n + torch.arange(s * d, device=sequence.device).reshape(s, d)], 1)
-    logits = model.lm_head(hidden[columns]).float()  # (S, d+1, V)
-    return torch.log_softmax(logits / temperature, dim=-1)
+def _chain(model: PreTrainedModel, sequence: torch.Tensor, starts: torch.Tensor, k: int, temperature: float,
+           choose: Callable[[int, torch.Tensor], torch.Tensor]) -> ChainProbabilities:
+    """Drafts d_1..d_k at every start, d_j = choose(j, log p_T(. | context, d_1..d_{j-1})) (S,), and the
+    target's probability of each. The sequence runs forward once into a key/value cache; each draft
+    step then feeds one column per start, at its decoding position, seeing its start's context and
+    its own earlier drafts (the layout above, the drafts' columns in the cache)."""
+    n = sequence.shape[0]
+    out = model.model(input_ids=sequence[None], use_cache=True)
+    cache = out.past_key_values
+    hidden = out.last_hidden_state[0, starts - 1]  # (S, H): the state that predicts each start's first draft
+    drafts, accept = [], []
+    for j in range(k):
+        logprobs = torch.log_softmax(model.lm_head(hidden).float() / temperature, dim=-1)  # (S, V)
+        draft = choose(j, logprobs)  # (S,)
+        drafts.append(draft)
+        accept.append(logprobs.gather(-1, draft[:, None]).squeeze(-1).exp())
+        if j + 1 < k:
+            out = model.model(input_ids=draft[None], position_ids=(starts + j)[None], past_key_values=cache,
+                              attention_mask=_step_mask(n, starts, j + 1, model.dtype), use_cache=True)
+            hidden = out.last_hidden_state[0]  # (S, H)
+    return ChainProbabilities(torch.stack(drafts, dim=1), torch.stack(accept, dim=1))
 
 
 @torch.no_grad()
@@ -85,21 +87,14 @@ def chain_probabilities(model: PreTrainedModel, sequence: torch.Tensor, starts: 
                         temperature: float) -> ChainProbabilities:
     """The target's acceptance probability of each start's drafts (S, k) along `sequence` (N,);
     `starts` (S,) are the numbers of context tokens, each at least 1."""
-    logprobs = _logits(model, sequence, starts, drafts[:, :-1], temperature)  # (S, k, V)
-    accept = logprobs.gather(-1, drafts[..., None]).squeeze(-1).exp()  # (S, k)
-    return ChainProbabilities(drafts, accept)
+    return _chain(model, sequence, starts, drafts.shape[1], temperature, lambda j, _: drafts[:, j])
 
 
 @torch.no_grad()
 def target_argmax_chain(model: PreTrainedModel, sequence: torch.Tensor, starts: torch.Tensor, k: int,
                         temperature: float) -> ChainProbabilities:
-    """The oracle greedy drafter: at each start it proposes the target's own argmax k times in a row
-    (k target forwards, each with one more draft per start)."""
-    drafts = torch.empty(starts.shape[0], 0, dtype=sequence.dtype, device=sequence.device)
-    for _ in range(k):
-        logprobs = _logits(model, sequence, starts, drafts, temperature)  # (S, j+1, V)
-        drafts = torch.cat([drafts, logprobs[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return chain_probabilities(model, sequence, starts, drafts, temperature)
+    """The oracle greedy drafter: at each start it proposes the target's own argmax k times in a row."""
+    return _chain(model, sequence, starts, k, temperature, lambda _, logprobs: logprobs.argmax(-1))
 
 
 def round_starts(prompt_len: int, length: int) -> torch.Tensor:
