@@ -137,7 +137,7 @@ class AnswerCache:
         <directory>/<key>/chunk-00000.json   {"questions": [...], "answers": [{"prompt_ids", "answer_ids"}]}
 
     The key names everything the answers depend on: the checkpoint's source file, the temperature,
-    the length limit, the seed and the chunk size (a chunk's sampling is seeded by its index)."""
+    the length limit, the seed and the chunk size (a chunk is sampled as one batch, seeded by its index)."""
 
     directory: Path
     source_sha256: str
@@ -183,7 +183,7 @@ class AnswerCache:
             answers = self._read(index, part)
             if answers is None:
                 answers = sample_answers(model, tokenizer, part, self.temperature, self.max_new_tokens,
-                                         self.seed * 100_003 + index)
+                                         self.seed * 100_003 + index, batch_size=self.chunk)
                 self._write(index, part, answers)
             out += answers
             if on_chunk:
