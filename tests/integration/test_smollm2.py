@@ -14,13 +14,15 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.capacity import PolicyShape
 from pipeline.config import DrafterConfig
-from pipeline.data.rollouts import Rollout
+from pipeline.data import rollouts as rollouts_lib
+from pipeline.data.rollouts import Rollout, TargetLimits
+from pipeline.data.store import ObjectStore
 from pipeline.models import drafter as drafters
 from pipeline.models import gguf_import, target_forward
 from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import load_drafter, save_drafter
 from pipeline.models.eagle import CommittedPairs
-from pipeline.sources import smollm2
+from pipeline.sources import arithmetic, arithmetic_grpo, smollm2
 from pipeline.sources.extract import iter_hidden_states
 
 pytestmark = [
@@ -146,3 +148,44 @@ def test_capacity_plan_reads_the_tied_config(converted: Path) -> None:
     assert shape.tie_word_embeddings
     # Norm weights (35,136 of them) are left out of the plan's count.
     assert shape.params == pytest.approx(134_515_008, rel=1e-3)
+
+
+def test_a_grpo_step_moves_the_policy_and_is_published(tmp_path: Path, converted: Path) -> None:
+    """One GRPO step whose rollouts come from a swapped-in rollout function: each prompt's group holds a right and
+    a wrong answer, so the step raises the right one's log-probability, and the step is published whole."""
+    tokenizer = smollm2.load_tokenizer(converted)
+    settings = arithmetic_grpo.GRPOSettings(prompts_per_step=1, num_generations=2, max_completion_length=8,
+                                            learning_rate=1e-5)
+    question = arithmetic.questions(1, settings.seed)[0]
+    right = tokenizer(str(question.answer), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    wrong = tokenizer(str(question.answer + 1), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    seen: list[list] = []
+
+    def fixed_rollouts(prompts: list, trainer) -> dict:
+        seen.append(prompts)
+        prompt_ids = [smollm2.chat_prompt_ids(tokenizer, p[-1]["content"]) for p in prompts]
+        return {"prompt_ids": prompt_ids, "completion_ids": [right, wrong],
+                "logprobs": [[0.0] * len(right), [0.0] * len(wrong)]}
+
+    store = ObjectStore((tmp_path / "store").as_uri())
+    trainer = arithmetic_grpo.build_trainer(converted, store, "grpo", 1, tmp_path / "trl", settings, fixed_rollouts)
+
+    def logprob(ids: list[int]) -> float:
+        prompt = smollm2.chat_prompt_ids(tokenizer, question.text)
+        with torch.no_grad():
+            logits = trainer.model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+        return float(torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None]).sum())
+
+    before = logprob(right) - logprob(wrong)
+    trainer.train()
+    assert seen == [[[{"role": "user", "content": question.text}]] * 2]  # TRL repeats a prompt per generation
+    assert logprob(right) - logprob(wrong) > before
+    step = trainer.publisher.published[0]
+    assert step.step == 1
+    assert [r.reward for r in step.rollouts] == [1.0, 0.0]
+    assert step.mean_reward == 0.5
+    pointer = rollouts_lib.read_policy_pointer(store, "grpo", 1)
+    assert pointer.model_id == smollm2.MODEL_ID
+    published = target_lib.load_checkpoint(store.resolve(pointer.checkpoint_uri))
+    stored = rollouts_lib.read_rollouts(store, "grpo", 1, TargetLimits.of(published.config))
+    assert [r.input_ids[-len(right):] for r in stored] == [right, wrong]
