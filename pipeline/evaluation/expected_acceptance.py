@@ -25,11 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from pipeline.evaluation.speculative import features_for
 from pipeline.models import target_forward
 from pipeline.models.drafter import Drafter
+from pipeline.models.eagle3 import Eagle3Drafter, TTTCache
 
 
 @dataclass(frozen=True)
@@ -66,19 +67,18 @@ def _chain(model: PreTrainedModel, sequence: torch.Tensor, starts: torch.Tensor,
     step then feeds one column per start, at its decoding position, seeing its start's context and
     its own earlier drafts (the layout above, the drafts' columns in the cache)."""
     n = sequence.shape[0]
-    out = model.model(input_ids=sequence[None], use_cache=True)
-    cache = out.past_key_values
-    hidden = out.last_hidden_state[0, starts - 1]  # (S, H): the state that predicts each start's first draft
+    cache = DynamicCache()
+    out = target_forward.forward(model, sequence[None], past_key_values=cache)
+    logits = out.logits[0, starts - 1]  # (S, V): what predicts each start's first draft
     drafts, accept = [], []
     for j in range(k):
-        logprobs = torch.log_softmax(model.lm_head(hidden).float() / temperature, dim=-1)  # (S, V)
+        logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)  # (S, V)
         draft = choose(j, logprobs)  # (S,)
         drafts.append(draft)
         accept.append(logprobs.gather(-1, draft[:, None]).squeeze(-1).exp())
         if j + 1 < k:
-            out = model.model(input_ids=draft[None], position_ids=(starts + j)[None], past_key_values=cache,
-                              attention_mask=_step_mask(n, starts, j + 1, model.dtype), use_cache=True)
-            hidden = out.last_hidden_state[0]  # (S, H)
+            logits = target_forward.forward(model, draft[None], position_ids=(starts + j)[None], past_key_values=cache,
+                                            attention_mask=_step_mask(n, starts, j + 1, model.dtype)).logits[0]
     return ChainProbabilities(torch.stack(drafts, dim=1), torch.stack(accept, dim=1))
 
 
@@ -126,3 +126,38 @@ def drafter_chain(model: PreTrainedModel, drafter: Drafter, sequence: torch.Tens
     pairs = starts - 2  # the round after context x_0 .. x_{s-1} drafts from the pair (f_{s-2}, x_{s-1})
     proposals = drafts[:, 0, pairs].T.contiguous()  # (S, k)
     return chain_probabilities(model, sequence, starts, proposals, temperature)
+
+
+@torch.no_grad()
+def eagle3_sampled_chain(model: PreTrainedModel, drafter: Eagle3Drafter, sequence: torch.Tensor, starts: torch.Tensor,
+                         k: int, temperature: float, generator: torch.Generator,
+                         features: torch.Tensor | None = None) -> ChainProbabilities:
+    """vLLM's probabilistic drafting: at each start the drafter samples d_j from its own distribution q at
+    `temperature` (over its draft vocabulary), step j reading its own sample d_{j-1}, and the target accepts
+    d_j with min(1, p_T(d_j) / q(d_j)). One sampled chain per start: the product of its acceptance
+    probabilities is an unbiased estimate of the chance that drafts 1..j are all accepted, so the mean
+    over many starts estimates tau without the noise of sampled accept/reject decisions."""
+    device = sequence.device
+    n = sequence.shape[0] - 1
+    if features is None:
+        out = target_forward.forward(model, sequence[None], drafter.decode_layer_ids)
+        features = features_for(out, drafter.decode_layer_ids)[:, :n]  # (1, n, D)
+    mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None, None]  # (1, 1, n, n)
+    positions = torch.arange(n, device=device)[None]  # (1, n)
+    cache = TTTCache()
+    state = drafter.project_aux(features)  # (1, n, H)
+    ids = sequence[1:][None]  # (1, n): step 0 at t reads x_{t+1}
+    drafts, draft_probs = [], []
+    for _ in range(k):
+        state = drafter.step(ids, state, positions, mask, cache)  # (1, n, H)
+        logits = drafter.lm_head(drafter.logits_input(state))[0].float() / temperature  # (n, Vd)
+        probs = torch.softmax(logits, dim=-1)
+        sampled = torch.multinomial(probs, 1, generator=generator)  # (n, 1) draft ids
+        draft_probs.append(probs.gather(-1, sampled)[:, 0])
+        ids = drafter.draft_to_target[sampled[:, 0]][None]  # (1, n) target ids
+        drafts.append(ids[0])
+    pairs = starts - 2  # the round after context x_0 .. x_{s-1} drafts from the pair (f_{s-2}, x_{s-1})
+    proposals = torch.stack(drafts, dim=1)[pairs]  # (S, k)
+    q = torch.stack(draft_probs, dim=1)[pairs]  # (S, k)
+    p = chain_probabilities(model, sequence, starts, proposals, temperature).accept  # (S, k)
+    return ChainProbabilities(proposals, torch.clamp(p / q, max=1.0))

@@ -10,11 +10,13 @@ from transformers import LlamaForCausalLM
 from pipeline.evaluation.expected_acceptance import (
     chain_probabilities,
     drafter_chain,
+    eagle3_sampled_chain,
     round_starts,
     target_argmax_chain,
 )
 from pipeline.models import target_forward
 from pipeline.models.eagle import CommittedPairs
+from pipeline.models.eagle3 import TTTCache
 from tests.support.eagle3 import V, drafter_for, tiny_target
 
 K = 4
@@ -85,3 +87,30 @@ def test_drafter_chain_drafts_what_its_proposer_drafts(target, sequence) -> None
         assert chain.drafts[i].tolist() == proposal[0].tolist()
     expected = chain_probabilities(target, sequence, starts, chain.drafts, 1.0)
     assert torch.equal(chain.accept, expected.accept)
+
+
+@torch.no_grad()
+def test_probabilistic_drafting_estimates_the_overlap_of_the_two_distributions(target, sequence) -> None:
+    """vLLM's probabilistic drafting accepts a sampled draft d with min(1, p(d) / q(d)); over the drafter's own
+    samples the first position's acceptance averages to sum_d min(p(d), q(d)), computed here exactly."""
+    drafter = drafter_for(target, seed=2)
+    with torch.no_grad():
+        drafter.lm_head.weight.mul_(4.0)  # a peaked q, far from a random target's p
+    starts = torch.tensor([7])
+    temperature = 0.8
+    layer_ids = drafter.decode_layer_ids
+    out = target_forward.forward(target, sequence[None], layer_ids)
+    features = out.layers.flatten(2)[:, :-1]
+    # q at the start's pair: the drafter's first step over the sequence, read at t = start - 2
+    state = drafter.step(sequence[1:][None], drafter.project_aux(features), torch.arange(13)[None],
+                         torch.ones(13, 13, dtype=torch.bool).tril()[None, None], TTTCache())
+    q_draft = torch.softmax(drafter.lm_head(drafter.logits_input(state))[0, 5].double() / temperature, -1)
+    q = torch.zeros(V, dtype=torch.float64).index_add_(0, drafter.draft_to_target, q_draft)
+    p = torch.softmax(out.logits[0, 6].double() / temperature, -1)
+    exact = float(torch.minimum(p, q).sum())
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([eagle3_sampled_chain(target, drafter, sequence, starts, 2, temperature, generator,
+                                              features=features).accept[0] for _ in range(400)])  # (400, 2)
+    assert draws[:, 0].mean().item() == pytest.approx(exact, abs=4 * draws[:, 0].std().item() / 20)
+    assert (draws <= 1).all()
+    assert exact < 0.9  # far from a drafter that would always be accepted
