@@ -43,8 +43,13 @@ import torch
 
 from pipeline.config import DrafterConfig, OptimConfig, TrainConfig
 from pipeline.data.rollouts import Rollout
-from pipeline.evaluation.expected_acceptance import drafter_chain, round_starts
-from pipeline.evaluation.speculative import features_for
+from pipeline.evaluation.expected_acceptance import (
+    TargetPrefix,
+    drafter_chain,
+    eagle3_sampled_chain,
+    round_starts,
+    target_prefix,
+)
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
@@ -89,8 +94,9 @@ class CurvePoint:
     tokens: int  # answer and prompt positions trained so far
     train_s: float  # training seconds so far, evaluations excluded
     loss: float
-    tau: float  # expected tokens per target forward at k=4, T=TEMPERATURE
+    tau: float  # expected tokens per target forward at k=4, T=TEMPERATURE, greedy drafts
     per_position: list[float]
+    tau_probabilistic: float  # the same with vLLM's probabilistic drafting
 
 
 @dataclass
@@ -108,11 +114,11 @@ class Curve:
 @dataclass(frozen=True)
 class HeldOut:
     """The held-out answers with what evaluation reuses: each one's token ids, its round starts and the
-    target's features (they do not change while the drafter trains)."""
+    target's forward over it (they do not change while the drafter trains)."""
 
     sequences: list[torch.Tensor]  # (N,) each
     starts: list[torch.Tensor]  # (S,) each
-    features: list[torch.Tensor]  # (1, N - 1, D) each
+    prefixes: list[TargetPrefix]
 
     @property
     def rounds(self) -> int:
@@ -165,27 +171,31 @@ def training_samples(target, drafter: Eagle3Drafter, answers: list[smollm2.Answe
 
 @torch.no_grad()
 def held_out_set(target, layer_ids: list[int], answers: list[smollm2.Answer]) -> HeldOut:
-    sequences, starts, features = [], [], []
+    sequences, starts, prefixes = [], [], []
     for a in answers:
         sequence = torch.tensor(a.ids)
         s = round_starts(len(a.prompt_ids), len(sequence))
-        if not len(s):
-            continue
-        out = target_forward.forward(target, sequence[None], layer_ids)
-        sequences.append(sequence)
-        starts.append(s)
-        features.append(features_for(out, layer_ids)[:, :-1])
-    return HeldOut(sequences, starts, features)
+        if len(s):
+            sequences.append(sequence)
+            starts.append(s)
+            prefixes.append(target_prefix(target, sequence, layer_ids))
+    return HeldOut(sequences, starts, prefixes)
 
 
 @torch.no_grad()
-def expected_tau(target, drafter, held_out: HeldOut, temperature: float = TEMPERATURE) -> tuple[float, list[float]]:
-    """Mean over every round start of the held-out answers: tau and the per-position acceptance."""
+def expected_tau(target, drafter, held_out: HeldOut, method: Literal["greedy", "probabilistic"] = "greedy",
+                 temperature: float = TEMPERATURE) -> tuple[float, list[float]]:
+    """Mean over every round start of the held-out answers: tau and the per-position acceptance, with
+    vLLM's greedy drafting (exact) or its probabilistic drafting (one sampled chain per start, seeded)."""
     was_training = drafter.training
     drafter.eval()
+    generator = torch.Generator().manual_seed(0)
     cumulative = torch.zeros(K, dtype=torch.float64)
-    for sequence, starts, features in zip(held_out.sequences, held_out.starts, held_out.features, strict=True):
-        chain = drafter_chain(target, drafter, sequence, starts, K, temperature, features=features)
+    for sequence, starts, prefix in zip(held_out.sequences, held_out.starts, held_out.prefixes, strict=True):
+        if method == "greedy":
+            chain = drafter_chain(target, drafter, sequence, starts, K, temperature, prefix=prefix)
+        else:
+            chain = eagle3_sampled_chain(target, drafter, sequence, starts, K, temperature, generator, prefix=prefix)
         cumulative += torch.cumprod(chain.accept.double(), dim=1).sum(0)
     drafter.train(was_training)
     per_position = (cumulative / held_out.rounds).tolist()
@@ -198,9 +208,9 @@ def train_arm(arm: Arm, target, train: list[smollm2.Answer], held_out: HeldOut, 
     drafter = build_drafter(arm, target, counts)
     samples = training_samples(target, drafter, train)
     curve = Curve(arm, drafter.config.draft_vocab_size, len(train), held_out.rounds)
-    tau, per_position = expected_tau(target, drafter, held_out)
-    curve.points.append(CurvePoint(0, 0.0, float("nan"), tau, per_position))
-    log(f"{arm.name}: draft vocab {curve.draft_vocab_size}, {len(samples)} answers, tau at 0 tokens {tau:.3f}")
+    curve.points.append(_point(target, drafter, held_out, 0, 0.0, float("nan")))
+    log(f"{arm.name}: draft vocab {curve.draft_vocab_size}, {len(samples)} answers, tau at 0 tokens "
+        f"{curve.points[0].tau:.3f}")
     cfg = TrainConfig(epochs=1000, max_tokens=max_tokens, log_every=1, batch_size_per_gpu=16, window_tokens=512,
                       optim=OptimConfig(lr=arm.lr, lr_warmup_steps=10), dtype="fp32", seed=0)
     evaluated = {"tokens": 0, "eval_s": 0.0}
@@ -211,29 +221,35 @@ def train_arm(arm: Arm, target, train: list[smollm2.Answer], held_out: HeldOut, 
             return
         train_s = time.perf_counter() - start - evaluated["eval_s"]
         eval_start = time.perf_counter()
-        tau, per_position = expected_tau(target, drafter, held_out)
+        point = _point(target, drafter, held_out, tokens, train_s, metrics.loss)
         evaluated["eval_s"] += time.perf_counter() - eval_start
         evaluated["tokens"] = tokens
-        curve.points.append(CurvePoint(tokens, train_s, metrics.loss, tau, per_position))
-        log(f"{arm.name}: {tokens} tokens, {train_s:.0f} s: loss {metrics.loss:.3f}, tau {tau:.3f} "
-            f"({' '.join(f'{p:.2f}' for p in per_position)})")
+        curve.points.append(point)
+        log(f"{arm.name}: {tokens} tokens, {train_s:.0f} s: loss {metrics.loss:.3f}, tau {point.tau:.3f} "
+            f"({' '.join(f'{p:.2f}' for p in point.per_position)}), probabilistic {point.tau_probabilistic:.3f}")
         (out / arm.name).mkdir(parents=True, exist_ok=True)
         (out / arm.name / "curve.json").write_text(curve.to_json())
         if train_s > minutes * 60:
             raise _TimeUp
 
     try:
-        train_drafter(drafter, InMemoryDataset(samples), cfg, teacher=drafter.teacher(target), on_logged=on_logged)
+        result = train_drafter(drafter, InMemoryDataset(samples), cfg, teacher=drafter.teacher(target),
+                               on_logged=on_logged)
+        if curve.points[-1].tokens < result.tokens:  # the schedule ended between two evaluations
+            curve.points.append(_point(target, drafter, held_out, result.tokens,
+                                       time.perf_counter() - start - evaluated["eval_s"], result.loss))
     except _TimeUp:
         pass
-    last = curve.points[-1]
-    if last.tokens != evaluated["tokens"] or last.tokens == 0:
-        tau, per_position = expected_tau(target, drafter, held_out)
-        curve.points.append(CurvePoint(evaluated["tokens"], time.perf_counter() - start - evaluated["eval_s"],
-                                       float("nan"), tau, per_position))
+    drafter.eval()
     save_drafter(drafter, out / arm.name / "drafter", target_forward.TargetMetadata.of(target.config))
     (out / arm.name / "curve.json").write_text(curve.to_json())
     return curve
+
+
+def _point(target, drafter, held_out: HeldOut, tokens: int, train_s: float, loss: float) -> CurvePoint:
+    tau, per_position = expected_tau(target, drafter, held_out, "greedy")
+    sampled, _ = expected_tau(target, drafter, held_out, "probabilistic")
+    return CurvePoint(tokens, train_s, loss, tau, per_position, sampled)
 
 
 class _TimeUp(Exception):

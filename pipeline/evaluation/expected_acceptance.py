@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from pipeline.evaluation.speculative import features_for
 from pipeline.models import target_forward
 from pipeline.models.drafter import Drafter
 from pipeline.models.eagle3 import Eagle3Drafter, TTTCache
@@ -47,6 +46,24 @@ class ChainProbabilities:
         return torch.cumprod(self.accept, dim=1).mean(dim=0)
 
 
+@dataclass(frozen=True)
+class TargetPrefix:
+    """A sequence's forward through the target, kept to score drafts along it again and again (a drafter
+    evaluated as it trains): its key/value cache (each use crops its draft columns off again), its
+    post-norm states and the layers a drafter reads."""
+
+    cache: DynamicCache
+    features: torch.Tensor  # (N, H)
+    layers: torch.Tensor | None  # (N, n_layers * H): `layer_ids`' states, concatenated; None without layer_ids
+
+
+@torch.no_grad()
+def target_prefix(model: PreTrainedModel, sequence: torch.Tensor, layer_ids: list[int] | None = None) -> TargetPrefix:
+    cache = DynamicCache()
+    out = target_forward.forward(model, sequence[None], layer_ids, past_key_values=cache)
+    return TargetPrefix(cache, out.features[0], None if layer_ids is None else out.layers[0].flatten(1))
+
+
 def _step_mask(n: int, starts: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
     """(1, 1, S, n + step * S) additive mask of the step-th drafts' queries (step >= 1), one per start,
     over the sequence's n columns and the drafts fed so far (step-major: column n + i * S + r holds
@@ -61,15 +78,15 @@ def _step_mask(n: int, starts: torch.Tensor, step: int, dtype: torch.dtype) -> t
 
 @torch.no_grad()
 def _chain(model: PreTrainedModel, sequence: torch.Tensor, starts: torch.Tensor, k: int, temperature: float,
-           choose: Callable[[int, torch.Tensor], torch.Tensor]) -> ChainProbabilities:
+           choose: Callable[[int, torch.Tensor], torch.Tensor], prefix: TargetPrefix | None) -> ChainProbabilities:
     """Drafts d_1..d_k at every start, d_j = choose(j, log p_T(. | context, d_1..d_{j-1})) (S,), and the
     target's probability of each. The sequence runs forward once into a key/value cache; each draft
     step then feeds one column per start, at its decoding position, seeing its start's context and
     its own earlier drafts (the layout above, the drafts' columns in the cache)."""
     n = sequence.shape[0]
-    cache = DynamicCache()
-    out = target_forward.forward(model, sequence[None], past_key_values=cache)
-    logits = out.logits[0, starts - 1]  # (S, V): what predicts each start's first draft
+    prefix = prefix or target_prefix(model, sequence)
+    cache = prefix.cache
+    logits = model.lm_head(prefix.features[starts - 1])  # (S, V): what predicts each start's first draft
     drafts, accept = [], []
     for j in range(k):
         logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)  # (S, V)
@@ -79,22 +96,34 @@ def _chain(model: PreTrainedModel, sequence: torch.Tensor, starts: torch.Tensor,
         if j + 1 < k:
             logits = target_forward.forward(model, draft[None], position_ids=(starts + j)[None], past_key_values=cache,
                                             attention_mask=_step_mask(n, starts, j + 1, model.dtype)).logits[0]
+    if cache.get_seq_length() > n:
+        cache.crop(n - cache.get_seq_length())  # a negative count: the draft columns off the end
     return ChainProbabilities(torch.stack(drafts, dim=1), torch.stack(accept, dim=1))
 
 
 @torch.no_grad()
 def chain_probabilities(model: PreTrainedModel, sequence: torch.Tensor, starts: torch.Tensor, drafts: torch.Tensor,
-                        temperature: float) -> ChainProbabilities:
+                        temperature: float, prefix: TargetPrefix | None = None) -> ChainProbabilities:
     """The target's acceptance probability of each start's drafts (S, k) along `sequence` (N,);
-    `starts` (S,) are the numbers of context tokens, each at least 1."""
-    return _chain(model, sequence, starts, drafts.shape[1], temperature, lambda j, _: drafts[:, j])
+    `starts` (S,) are the numbers of context tokens, each at least 1; `prefix`: the sequence's forward,
+    when the caller keeps it."""
+    return _chain(model, sequence, starts, drafts.shape[1], temperature, lambda j, _: drafts[:, j], prefix)
 
 
 @torch.no_grad()
 def target_argmax_chain(model: PreTrainedModel, sequence: torch.Tensor, starts: torch.Tensor, k: int,
                         temperature: float) -> ChainProbabilities:
     """The oracle greedy drafter: at each start it proposes the target's own argmax k times in a row."""
-    return _chain(model, sequence, starts, k, temperature, lambda _, logprobs: logprobs.argmax(-1))
+    return _chain(model, sequence, starts, k, temperature, lambda _, logprobs: logprobs.argmax(-1), None)
+
+
+def _drafter_features(prefix: TargetPrefix, drafter: Drafter) -> torch.Tensor:
+    """(N, D) what the drafter reads at each position: its layers, or the post-norm state."""
+    if drafter.decode_layer_ids is None:
+        return prefix.features
+    if prefix.layers is None:
+        raise ValueError("the target prefix holds no layers; build it with the drafter's decode_layer_ids")
+    return prefix.layers
 
 
 def round_starts(prompt_len: int, length: int) -> torch.Tensor:
@@ -106,16 +135,16 @@ def round_starts(prompt_len: int, length: int) -> torch.Tensor:
 
 @torch.no_grad()
 def drafter_chain(model: PreTrainedModel, drafter: Drafter, sequence: torch.Tensor, starts: torch.Tensor, k: int,
-                  temperature: float, features: torch.Tensor | None = None) -> ChainProbabilities:
+                  temperature: float, prefix: TargetPrefix | None = None) -> ChainProbabilities:
     """A drafter's greedy proposals at each start of `sequence` (N,), as decoding makes them (step j
     reads the drafter's own drafts 1..j, not the sequence's tokens), and the target's acceptance
-    probability of each: one target forward for the drafter's features, k unrolled drafter passes
-    (pass j recomputes steps 0..j-1, so the drafter's TTT path serves unchanged), one forward for
-    the probabilities."""
+    probability of each: the target's forward over the sequence (`prefix`, when the caller keeps it:
+    it depends on the target and the sequence only), k unrolled drafter passes (pass j recomputes
+    steps 0..j-1, so the drafter's TTT path serves unchanged), k - 1 small target forwards."""
     device = sequence.device
-    out = target_forward.forward(model, sequence[None], drafter.decode_layer_ids)
     n = sequence.shape[0] - 1  # pairs (f_t, x_{t+1}), t < N - 1
-    features = features_for(out, drafter.decode_layer_ids)[:, :n]  # (1, n, D)
+    prefix = prefix or target_prefix(model, sequence, drafter.decode_layer_ids)
+    features = _drafter_features(prefix, drafter)[None, :n]  # (1, n, D)
     mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None, None]  # (1, 1, n, n)
     positions = torch.arange(n, device=device)[None]  # (1, n)
     step_ids = [sequence[1:][None]]  # step 0 at t reads x_{t+1}
@@ -125,13 +154,13 @@ def drafter_chain(model: PreTrainedModel, drafter: Drafter, sequence: torch.Tens
             step_ids.append(drafts[j])
     pairs = starts - 2  # the round after context x_0 .. x_{s-1} drafts from the pair (f_{s-2}, x_{s-1})
     proposals = drafts[:, 0, pairs].T.contiguous()  # (S, k)
-    return chain_probabilities(model, sequence, starts, proposals, temperature)
+    return chain_probabilities(model, sequence, starts, proposals, temperature, prefix)
 
 
 @torch.no_grad()
 def eagle3_sampled_chain(model: PreTrainedModel, drafter: Eagle3Drafter, sequence: torch.Tensor, starts: torch.Tensor,
                          k: int, temperature: float, generator: torch.Generator,
-                         features: torch.Tensor | None = None) -> ChainProbabilities:
+                         prefix: TargetPrefix | None = None) -> ChainProbabilities:
     """vLLM's probabilistic drafting: at each start the drafter samples d_j from its own distribution q at
     `temperature` (over its draft vocabulary), step j reading its own sample d_{j-1}, and the target accepts
     d_j with min(1, p_T(d_j) / q(d_j)). One sampled chain per start: the product of its acceptance
@@ -139,9 +168,8 @@ def eagle3_sampled_chain(model: PreTrainedModel, drafter: Eagle3Drafter, sequenc
     over many starts estimates tau without the noise of sampled accept/reject decisions."""
     device = sequence.device
     n = sequence.shape[0] - 1
-    if features is None:
-        out = target_forward.forward(model, sequence[None], drafter.decode_layer_ids)
-        features = features_for(out, drafter.decode_layer_ids)[:, :n]  # (1, n, D)
+    prefix = prefix or target_prefix(model, sequence, drafter.decode_layer_ids)
+    features = _drafter_features(prefix, drafter)[None, :n]  # (1, n, D)
     mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None, None]  # (1, 1, n, n)
     positions = torch.arange(n, device=device)[None]  # (1, n)
     cache = TTTCache()
@@ -159,5 +187,5 @@ def eagle3_sampled_chain(model: PreTrainedModel, drafter: Eagle3Drafter, sequenc
     pairs = starts - 2  # the round after context x_0 .. x_{s-1} drafts from the pair (f_{s-2}, x_{s-1})
     proposals = torch.stack(drafts, dim=1)[pairs]  # (S, k)
     q = torch.stack(draft_probs, dim=1)[pairs]  # (S, k)
-    p = chain_probabilities(model, sequence, starts, proposals, temperature).accept  # (S, k)
+    p = chain_probabilities(model, sequence, starts, proposals, temperature, prefix).accept  # (S, k)
     return ChainProbabilities(proposals, torch.clamp(p / q, max=1.0))

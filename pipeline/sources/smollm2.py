@@ -159,9 +159,11 @@ class AnswerCache:
         if not path.is_file():
             return None
         doc = json.loads(path.read_text())
-        if doc.get("questions") != questions:  # a shorter last chunk of an earlier, smaller sampling
+        cached = doc.get("questions", [])
+        if cached[:len(questions)] != questions:  # fewer questions: a shorter last chunk of a smaller sampling
             return None
-        return [Answer([int(t) for t in a["prompt_ids"]], [int(t) for t in a["answer_ids"]]) for a in doc["answers"]]
+        return [Answer([int(t) for t in a["prompt_ids"]], [int(t) for t in a["answer_ids"]])
+                for a in doc["answers"][:len(questions)]]
 
     def _write(self, index: int, questions: list[str], answers: list[Answer]) -> None:
         path = self._path(index)

@@ -13,6 +13,7 @@ from pipeline.evaluation.expected_acceptance import (
     eagle3_sampled_chain,
     round_starts,
     target_argmax_chain,
+    target_prefix,
 )
 from pipeline.models import target_forward
 from pipeline.models.eagle import CommittedPairs
@@ -87,6 +88,11 @@ def test_drafter_chain_drafts_what_its_proposer_drafts(target, sequence) -> None
         assert chain.drafts[i].tolist() == proposal[0].tolist()
     expected = chain_probabilities(target, sequence, starts, chain.drafts, 1.0)
     assert torch.equal(chain.accept, expected.accept)
+    prefix = target_prefix(target, sequence, layer_ids)  # kept and reused: each use crops its drafts off again
+    for _ in range(2):
+        again = drafter_chain(target, drafter, sequence, starts, K, 1.0, prefix=prefix)
+        assert torch.equal(again.drafts, chain.drafts)
+        assert torch.allclose(again.accept, chain.accept, atol=1e-6)
 
 
 @torch.no_grad()
@@ -99,6 +105,7 @@ def test_probabilistic_drafting_estimates_the_overlap_of_the_two_distributions(t
     starts = torch.tensor([7])
     temperature = 0.8
     layer_ids = drafter.decode_layer_ids
+    prefix = target_prefix(target, sequence, layer_ids)
     out = target_forward.forward(target, sequence[None], layer_ids)
     features = out.layers.flatten(2)[:, :-1]
     # q at the start's pair: the drafter's first step over the sequence, read at t = start - 2
@@ -110,7 +117,7 @@ def test_probabilistic_drafting_estimates_the_overlap_of_the_two_distributions(t
     exact = float(torch.minimum(p, q).sum())
     generator = torch.Generator().manual_seed(0)
     draws = torch.stack([eagle3_sampled_chain(target, drafter, sequence, starts, 2, temperature, generator,
-                                              features=features).accept[0] for _ in range(400)])  # (400, 2)
+                                              prefix=prefix).accept[0] for _ in range(400)])  # (400, 2)
     assert draws[:, 0].mean().item() == pytest.approx(exact, abs=4 * draws[:, 0].std().item() / 20)
     assert (draws <= 1).all()
     assert exact < 0.9  # far from a drafter that would always be accepted
