@@ -106,6 +106,17 @@ def token_stats(temperature: float, answers: int = 48, max_new_tokens: int = 96,
     return report
 
 
+def run(answers: int = 16) -> dict:
+    """`make bench`'s section: the statistics at the rollouts' temperature on a few answers (the full
+    figures: `python -m benchmarks.real_model token-stats`); skipped without the wheel."""
+    if smollm2.gguf_path() is None:
+        return {"skipped": f"the wheel {smollm2.WHEEL} is not installed"}
+    stats = token_stats(1.0, answers)
+    return {"entropy_nats_mean": stats["entropy_nats"]["mean"], "top1_prob_mean": stats["top1_prob"]["mean"],
+            "oracle_greedy_tau_k4_t1": stats["oracle_greedy_drafter_k4"]["tau"]["mean"],
+            "answer_tokens": stats["answer_tokens"]}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.real_model")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -16,6 +16,7 @@ from benchmarks import (
     fp8_tau,
     hidden_states_io,
     policy_loss,
+    real_model,
     scale,
     schedule,
     stage_launch,
@@ -36,6 +37,7 @@ BENCHMARKS = {
     "scale": scale.run,
     "fp8_tau": fp8_tau.run,
     "schedule": schedule.run,
+    "real_model": real_model.run,
 }
 
 
