@@ -5,7 +5,10 @@ trainer client (pipeline/sources/arithmetic_grpo.py):
 
 Per step: the wall time, its rollout generation, its publication (checkpoint and rollouts written
 through the client) and the rest (rewards, log-probabilities, the policy update), the mean reward,
-TRL's entropy, and how far the weights have moved from the base policy. `--update lora-proxy`
+TRL's entropy, and how far the weights have moved from the base policy. A step's mean reward is
+over its own few prompts, so it swings with their difficulty; the held-out reward (the same
+questions, `--eval-samples` answers each at the rollouts' temperature, before the first step and
+after the last) says whether the policy got better at the task. `--update lora-proxy`
 freezes every weight matrix and trains only the norms: the backward still runs through every layer
 for the input gradients, as LoRA's does, so its update time bounds what LoRA could save.
 
@@ -26,9 +29,10 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from pipeline.data.store import ObjectStore
-from pipeline.sources import arithmetic_grpo, smollm2
+from pipeline.sources import arithmetic, arithmetic_grpo, smollm2
 
 DEFAULT_OUT = smollm2.DEFAULT_DATA / "grpo-smollm2"
+HELD_OUT_SEED = 1  # the training prompts are arithmetic.questions(..., settings.seed)
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,19 @@ class _StepClock(TrainerCallback):
         self.end.append(time.perf_counter())
 
 
-def run(steps: int, update: str, out: Path, settings: arithmetic_grpo.GRPOSettings) -> list[StepFigures]:
+def held_out_reward(model, tokenizer, questions: list[arithmetic.Question], samples: int, seed: int,
+                    settings: arithmetic_grpo.GRPOSettings) -> float:
+    """Mean exact-answer reward of `samples` answers per question, sampled at the rollouts' temperature."""
+    repeated = [q for q in questions for _ in range(samples)]
+    answers = smollm2.sample_answers(model, tokenizer, [q.text for q in repeated], settings.temperature,
+                                     settings.max_completion_length, seed, batch_size=len(repeated))
+    rewards = [arithmetic.reward(tokenizer.decode(a.answer_ids, skip_special_tokens=True), q.answer)
+               for a, q in zip(answers, repeated, strict=True)]
+    return sum(rewards) / len(rewards)
+
+
+def run(steps: int, update: str, out: Path, settings: arithmetic_grpo.GRPOSettings, eval_questions: int,
+        eval_samples: int) -> tuple[list[StepFigures], tuple[float, float]]:
     checkpoint = smollm2.prepare()
     out = out / update
     shutil.rmtree(out, ignore_errors=True)
@@ -89,7 +105,11 @@ def run(steps: int, update: str, out: Path, settings: arithmetic_grpo.GRPOSettin
 
     trainer.add_callback(clock)
     trainer.add_callback(_Drift())
+    questions = arithmetic.questions(eval_questions, seed=HELD_OUT_SEED)
+    tokenizer = trainer.processing_class
+    before = held_out_reward(model, tokenizer, questions, eval_samples, 0, settings) if eval_questions else float("nan")
     trainer.train()
+    after = held_out_reward(model, tokenizer, questions, eval_samples, 0, settings) if eval_questions else float("nan")
     logs = [entry for entry in trainer.state.log_history if "reward" in entry]
     figures = []
     for i in range(steps):
@@ -97,9 +117,11 @@ def run(steps: int, update: str, out: Path, settings: arithmetic_grpo.GRPOSettin
         figures.append(StepFigures(i + 1, wall, timer.seconds[i], publish_s[i], wall - timer.seconds[i] - publish_s[i],
                                    logs[i]["reward"], logs[i].get("entropy", float("nan")),
                                    logs[i].get("completions/mean_length", float("nan")), drift[i]))
-    (out / "steps.json").write_text(json.dumps({"settings": asdict(settings), "update": update,
-                                                 "steps": [asdict(f) for f in figures]}, indent=2))
-    return figures
+    (out / "steps.json").write_text(json.dumps({
+        "settings": asdict(settings), "update": update, "steps": [asdict(f) for f in figures],
+        "held_out_reward": {"questions": eval_questions, "samples": eval_samples, "before": before, "after": after},
+    }, indent=2))
+    return figures, (before, after)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,15 +131,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=2, help="prompts per step")
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt")
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--eval-questions", type=int, default=8, help="held-out questions (0: no held-out reward)")
+    parser.add_argument("--eval-samples", type=int, default=4, help="answers per held-out question")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     settings = arithmetic_grpo.GRPOSettings(prompts_per_step=args.prompts, num_generations=args.generations,
                                             learning_rate=args.lr)
-    figures = run(args.steps, args.update, args.out, settings)
+    figures, (before, after) = run(args.steps, args.update, args.out, settings, args.eval_questions,
+                                   args.eval_samples)
     sys.stdout.write("step  wall s  gen s  publish s  update s  reward  entropy  tokens  drift\n")
     for f in figures:
         sys.stdout.write(f"{f.step:4d} {f.wall_s:7.1f} {f.generation_s:6.1f} {f.publish_s:10.1f} {f.update_s:9.1f} "
                          f"{f.reward:7.3f} {f.entropy:8.3f} {f.completion_tokens:7.1f} {f.drift:.2e}\n")
+    sys.stdout.write(f"held-out reward: {before:.3f} before the first step, {after:.3f} after the last\n")
 
 
 if __name__ == "__main__":
