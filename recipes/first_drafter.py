@@ -23,7 +23,9 @@ measures its learning curve:
 An arm is one way to start and train the drafter; `ARMS` holds the ablation's: the draft vocabulary
 (32,000 as the default config, or sized from the answers' token counts), the decoder layer (random,
 or the target's last layer: `Eagle3Drafter.init_layer_from_target`), the head (the target's rows of
-the draft vocabulary, or random) and the learning rate.
+the draft vocabulary, or random), the learning rate, and the window (all of a sample, or its last
+64 positions: the answer and the end of its prompt, so that fewer positions are spent on the
+system prompt every answer shares).
 
     .data/first-drafter/<arm>/curve.json     the arm's points and settings
     .data/first-drafter/<arm>/drafter/       the trained drafter, as vLLM loads it
@@ -76,6 +78,7 @@ class Arm:
     layer: Literal["random", "target"] = "target"
     head: Literal["target", "random"] = "target"
     lr: float = 3e-3
+    window: int = 512  # train.window_tokens: a sample's last positions trained on (the answer's end first)
 
 
 ARMS = {arm.name: arm for arm in (
@@ -86,6 +89,7 @@ ARMS = {arm.name: arm for arm in (
     Arm("lr-1e-3", lr=1e-3),
     Arm("lr-1e-2", lr=1e-2),
     Arm("product-default", vocab="default", layer="random"),
+    Arm("window-64", window=64),
 )}
 
 
@@ -211,7 +215,7 @@ def train_arm(arm: Arm, target, train: list[smollm2.Answer], held_out: HeldOut, 
     curve.points.append(_point(target, drafter, held_out, 0, 0.0, float("nan")))
     log(f"{arm.name}: draft vocab {curve.draft_vocab_size}, {len(samples)} answers, tau at 0 tokens "
         f"{curve.points[0].tau:.3f}")
-    cfg = TrainConfig(epochs=1000, max_tokens=max_tokens, log_every=1, batch_size_per_gpu=16, window_tokens=512,
+    cfg = TrainConfig(epochs=1000, max_tokens=max_tokens, log_every=1, batch_size_per_gpu=16, window_tokens=arm.window,
                       optim=OptimConfig(lr=arm.lr, lr_warmup_steps=10), dtype="fp32", seed=0)
     evaluated = {"tokens": 0, "eval_s": 0.0}
     start = time.perf_counter()
