@@ -8,6 +8,7 @@ target's probabilities along its own argmax chain at every answer position
 (evaluation.expected_acceptance).
 
     python -m benchmarks.real_model token-stats [--answers 48] [--out FILE.json]
+    python -m benchmarks.real_model update-cost     full fine-tuning's update against LoRA's floor
 """
 
 from __future__ import annotations
@@ -106,6 +107,28 @@ def token_stats(temperature: float, answers: int = 48, max_new_tokens: int = 96,
     return report
 
 
+def update_cost(batch: int = 16, tokens: int = 110, repeats: int = 2) -> dict:
+    """CPU seconds of one policy update (forward, backward, AdamW) on `batch` sequences of `tokens`: full
+    fine-tuning against every weight matrix frozen (only the norms train). The frozen run still
+    back-propagates through every layer for the input gradients, as LoRA does, so it is the floor of
+    what LoRA's update costs; alternated in one process, so both see the same machine."""
+    model = target_lib.load_checkpoint(str(smollm2.prepare())).train()
+    ids = torch.randint(0, model.config.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(0))
+    seconds: dict[str, list[float]] = {"full": [], "frozen_weights": []}
+    for _ in range(repeats):
+        for name in seconds:
+            for param_name, p in model.named_parameters():
+                p.requires_grad_(name == "full" or param_name.endswith("norm.weight"))
+            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+            start = time.process_time()
+            torch.log_softmax(model(ids).logits.float(), -1)[..., 0].mean().backward()
+            optimizer.step()
+            seconds[name].append(time.process_time() - start)
+            optimizer.zero_grad(set_to_none=True)
+    full, frozen = statistics.fmean(seconds["full"]), statistics.fmean(seconds["frozen_weights"])
+    return {"batch": batch, "tokens": tokens, "cpu_s": seconds, "frozen_vs_full_ratio": frozen / full}
+
+
 def run(answers: int = 16) -> dict:
     """`make bench`'s section: the statistics at the rollouts' temperature on a few answers (the full
     figures: `python -m benchmarks.real_model token-stats`); skipped without the wheel."""
@@ -125,7 +148,11 @@ def main(argv: list[str] | None = None) -> None:
     stats.add_argument("--max-new-tokens", type=int, default=96)
     stats.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
     stats.add_argument("--out", type=Path, default=None)
+    commands.add_parser("update-cost", help="CPU seconds of a policy update: full fine-tuning against frozen weights")
     args = parser.parse_args(argv)
+    if args.command == "update-cost":
+        sys.stdout.write(json.dumps(update_cost(), indent=2) + "\n")
+        return
     report: dict = {}
     for oracle in (False, True):  # the per-token figures first: they come out in a fraction of the time
         for t in args.temperatures:
