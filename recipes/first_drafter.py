@@ -206,12 +206,11 @@ def expected_tau(target, drafter, held_out: HeldOut, method: Literal["greedy", "
     return 1 + sum(per_position), per_position
 
 
-def train_arm(arm: Arm, target, train: list[smollm2.Answer], held_out: HeldOut, max_tokens: int, eval_every: int,
-              minutes: float, out: Path, log) -> Curve:
-    counts = token_counts(train, target.config.vocab_size)
+def train_arm(arm: Arm, target, samples: list[Sample], counts: torch.Tensor, held_out: HeldOut, max_tokens: int,
+              eval_every: int, minutes: float, out: Path, log) -> Curve:
+    """Train one arm's drafter on `samples` (every arm reads the same target layers), measuring as it goes."""
     drafter = build_drafter(arm, target, counts)
-    samples = training_samples(target, drafter, train)
-    curve = Curve(arm, drafter.config.draft_vocab_size, len(train), held_out.rounds)
+    curve = Curve(arm, drafter.config.draft_vocab_size, len(samples), held_out.rounds)
     curve.points.append(_point(target, drafter, held_out, 0, 0.0, float("nan")))
     log(f"{arm.name}: draft vocab {curve.draft_vocab_size}, {len(samples)} answers, tau at 0 tokens "
         f"{curve.points[0].tau:.3f}")
@@ -289,9 +288,14 @@ def main(argv: list[str] | None = None) -> None:
     log(f"{len(train)} training answers ({tokens} answer tokens), {len(held_out)} held out")
     if args.command == "sample":
         return
+    names = args.arm or ["first"]
+    counts = token_counts(train, target.config.vocab_size)
+    samples = training_samples(target, build_drafter(ARMS[names[0]], target, counts), train)
     evaluation = held_out_set(target, _decode_layer_ids(target), held_out)
-    for name in args.arm or ["first"]:
-        train_arm(ARMS[name], target, train, evaluation, args.max_tokens, args.eval_every, args.minutes, args.out, log)
+    log(f"features of {len(samples)} answers and {len(evaluation.sequences)} held out")
+    for name in names:
+        train_arm(ARMS[name], target, samples, counts, evaluation, args.max_tokens, args.eval_every, args.minutes,
+                  args.out, log)
 
 
 def _decode_layer_ids(target) -> list[int]:
