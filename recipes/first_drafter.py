@@ -16,9 +16,10 @@ measures its learning curve:
 * **Training**: the pipeline's loop (training/loop.py) with the soft labels of the target's head.
 * **The curve**: every `--eval-every` trained positions, tau at k=4 at the rollouts' temperature by
   vLLM's rule for greedy drafts (a draft is accepted with the target's probability of it, chained),
-  computed exactly from the target's probabilities at every round start of the held-out answers
-  (evaluation/expected_acceptance.py), against the positions trained and the training seconds
-  (evaluations excluded).
+  computed exactly from the target's probabilities at every round start of the held-out answers,
+  and for vLLM's probabilistic drafting (sampled drafts accepted with min(1, p/q), one sampled
+  chain per start) (evaluation/expected_acceptance.py), against the positions trained and the
+  training seconds (evaluations excluded).
 
 An arm is one way to start and train the drafter; `ARMS` holds the ablation's: the draft vocabulary
 (32,000 as the default config, or sized from the answers' token counts), the decoder layer (random,
