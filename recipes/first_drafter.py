@@ -51,6 +51,7 @@ from pipeline.evaluation.expected_acceptance import (
     drafter_chain,
     eagle3_sampled_chain,
     round_starts,
+    target_argmax_chain,
     target_prefix,
 )
 from pipeline.models import drafter as drafters
@@ -110,6 +111,7 @@ class Curve:
     draft_vocab_size: int
     train_answers: int
     held_out_rounds: int
+    oracle_tau: float  # on the same held-out rounds
     points: list[CurvePoint] = field(default_factory=list)
 
     def to_json(self) -> str:
@@ -124,6 +126,7 @@ class HeldOut:
     sequences: list[torch.Tensor]  # (N,) each
     starts: list[torch.Tensor]  # (S,) each
     prefixes: list[TargetPrefix]
+    oracle_tau: float  # the oracle greedy drafter's (the target's own argmax chain): what greedy drafts can reach
 
     @property
     def rounds(self) -> int:
@@ -176,7 +179,7 @@ def training_samples(target, drafter: Eagle3Drafter, answers: list[smollm2.Answe
 
 @torch.no_grad()
 def held_out_set(target, layer_ids: list[int], answers: list[smollm2.Answer]) -> HeldOut:
-    sequences, starts, prefixes = [], [], []
+    sequences, starts, prefixes, oracle = [], [], [], []
     for a in answers:
         sequence = torch.tensor(a.ids)
         s = round_starts(len(a.prompt_ids), len(sequence))
@@ -184,7 +187,8 @@ def held_out_set(target, layer_ids: list[int], answers: list[smollm2.Answer]) ->
             sequences.append(sequence)
             starts.append(s)
             prefixes.append(target_prefix(target, sequence, layer_ids))
-    return HeldOut(sequences, starts, prefixes)
+            oracle += target_argmax_chain(target, sequence, s, K, TEMPERATURE).tau().tolist()
+    return HeldOut(sequences, starts, prefixes, sum(oracle) / len(oracle))
 
 
 @torch.no_grad()
@@ -211,7 +215,7 @@ def train_arm(arm: Arm, target, samples: list[Sample], counts: torch.Tensor, hel
               eval_every: int, minutes: float, out: Path, log) -> Curve:
     """Train one arm's drafter on `samples` (every arm reads the same target layers), measuring as it goes."""
     drafter = build_drafter(arm, target, counts)
-    curve = Curve(arm, drafter.config.draft_vocab_size, len(samples), held_out.rounds)
+    curve = Curve(arm, drafter.config.draft_vocab_size, len(samples), held_out.rounds, held_out.oracle_tau)
     curve.points.append(_point(target, drafter, held_out, 0, 0.0, float("nan")))
     log(f"{arm.name}: draft vocab {curve.draft_vocab_size}, {len(samples)} answers, tau at 0 tokens "
         f"{curve.points[0].tau:.3f}")
@@ -293,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     counts = token_counts(train, target.config.vocab_size)
     samples = training_samples(target, build_drafter(ARMS[names[0]], target, counts), train)
     evaluation = held_out_set(target, _decode_layer_ids(target), held_out)
-    log(f"features of {len(samples)} answers and {len(evaluation.sequences)} held out")
+    log(f"features of {len(samples)} answers and {len(evaluation.sequences)} held out "
+        f"({evaluation.rounds} rounds; the oracle greedy drafter's tau there {evaluation.oracle_tau:.3f})")
     for name in names:
         train_arm(ARMS[name], target, samples, counts, evaluation, args.max_tokens, args.eval_every, args.minutes,
                   args.out, log)
