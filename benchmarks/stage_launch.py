@@ -8,7 +8,7 @@ extraction takes minutes). For each:
 
 * `warm_vs_in_process_ratio` (goal >= 0.9): tokens/s of the `hidden_states` Dagster step with
   `train.launcher: warm`, which hands the job to the extraction stage's warm worker
-  (`pipeline.stage_server`: imports loaded, then the policy load, the forward and the shard writes,
+  (`pipeline.launch.warm`: imports loaded, then the policy load, the forward and the shard writes,
   the committed shards read back and checked, reported over Pipes), over tokens/s of
   `extract.extract_hidden_states` called in the process, the function the worker runs (the same load,
   forward and writes). The worker's first job, which starts it, is `warm_cold_s`; the ratio is on its

@@ -35,16 +35,16 @@ from pipeline.data.records import RefreshRecord, RefreshTimes, StagePlacement, w
 from pipeline.data.run_layout import TargetLayout
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.evaluation import tail as tail_lib
-from pipeline.launch import StageJob
+from pipeline.launch.placement import measure_placement
+from pipeline.launch.process import StageJob
+from pipeline.launch.worker import exit_with_launcher, is_pipes_process, stage_job
 from pipeline.models import target as target_lib
 from pipeline.models.layers import stored_layer_ids
-from pipeline.placement import measure_placement
 from pipeline.ranks import Ranks
 from pipeline.registry import DrafterRegistry, open_registry
 from pipeline.sources.extract import iter_hidden_states
 from pipeline.training.cotrain import run_training
 from pipeline.training.distributed import DistContext
-from pipeline.workers import exit_with_launcher, is_pipes_process, stage_job
 
 
 def extract(store: ObjectStore, cfg: PipelineConfig, q: Qualified) -> int:
@@ -142,7 +142,7 @@ def run_refresh(job: StageJob, progress: Callable[[str], None]) -> tuple[Refresh
 
 def run_pipes(pipes: PipesContext) -> None:
     """The refresh over an open Pipes channel, and its report (a launched process's and a warm worker's,
-    `pipeline.stage_server`)."""
+    `pipeline.launch.warm`)."""
     job = stage_job(pipes, "refresh")
     record, samples, where = run_refresh(job, pipes.log.info)
     pipes.log.info(f"{step_key(record.step)} refresh on parts {list(record.parts)}: {record.decision}")

@@ -1,5 +1,5 @@
 """Starting a model stage (extraction, training, evaluation, refresh) as its own process(es) through Dagster
-Pipes: the commands and pods come from `pipeline.launch` (and `pipeline.training.launch` for several nodes),
+Pipes: the commands and pods come from `pipeline.launch.process` (and `pipeline.launch.multinode` for several nodes),
 a one-rank stage's warm worker from `resources.warm`."""
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from pathlib import Path
 import dagster as dg
 
 from pipeline.config import PipelineConfig
-from pipeline.launch import StageJob, pod_labels, stage_command, stage_pod_spec, stage_ranks
-from pipeline.training.launch import (
+from pipeline.launch.multinode import (
     NODE_INDEX_ANNOTATION,
     train_command,
     training_job_name,
@@ -23,6 +22,7 @@ from pipeline.training.launch import (
     training_pod_spec,
     training_service_spec,
 )
+from pipeline.launch.process import StageJob, pod_labels, stage_command, stage_pod_spec, stage_ranks
 from pipeline.training.plan import TrainJob
 from resources.pipes_messages import PipesWholeLineTempFileMessageReader
 from resources.warm import PipesWarmClient, prestart
@@ -114,7 +114,7 @@ def _quiet_preview() -> Iterator[None]:
 def _run_indexed_job(
     context: dg.AssetExecutionContext, cfg: PipelineConfig, job: TrainJob, extras: dict
 ) -> dg.PipesClientCompletedInvocation:
-    """A training on several nodes: the headless Service and the indexed Job of `pipeline.training.launch`,
+    """A training on several nodes: the headless Service and the indexed Job of `pipeline.launch.multinode`,
     Pipes' context in every pod's environment and its messages read from node 0's log (rank 0's),
     as `PipesK8sClient` reads its one pod's. The Job and Service are deleted however it ends."""
     import kubernetes

@@ -1,4 +1,4 @@
-"""The launcher's side of a warm stage worker (`train.launcher: warm`, `pipeline.stage_server`): a Pipes
+"""The launcher's side of a warm stage worker (`train.launcher: warm`, `pipeline.launch.warm`): a Pipes
 client that hands a one-rank stage's job to its stage's long-lived worker over a Unix socket, starting
 the worker when none is listening.
 
@@ -130,7 +130,7 @@ class PipesWarmClient(dg.PipesClient):
         env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES_")}
         with private_file(self.files.log) as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "pipeline.stage_server", "--stage", self.stage, "--socket",
+                [sys.executable, "-m", "pipeline.launch.warm", "--stage", self.stage, "--socket",
                  str(self.files.socket), "--lock", str(self.files.lock), "--idle-s", str(self.idle_s)],
                 cwd=self.working_dir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # outlives this step; the Dagster run's signals are not its

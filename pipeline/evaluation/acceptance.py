@@ -42,8 +42,8 @@ from pipeline.data.sampling import DraftSampleMethod, SamplingParams
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import cost, replay, speculative, teacher_forced
 from pipeline.evaluation.scheduler import SpeculationThreshold
+from pipeline.launch.placement import measure_placement
 from pipeline.models import target as target_lib
-from pipeline.placement import measure_placement
 from pipeline.ranks import SINGLE, Ranks
 from pipeline.registry import DrafterRegistry
 

@@ -3,7 +3,7 @@
     python -m pipeline.sources.worker                                       one rank
     torchrun --standalone --nproc-per-node=N -m pipeline.sources.worker     N ranks (gloo on CPU, NCCL on GPUs)
 
-The job (`pipeline.launch.StageJob`: config, RL step) arrives as the Pipes extra `job`. Every
+The job (`pipeline.launch.process.StageJob`: config, RL step) arrives as the Pipes extra `job`. Every
 rank loads the step's policy and forwards its share of the step's shards (`extract.extract_hidden_states`);
 rank 0 commits the manifest, checks the committed shards as a reader sees them, records where the
 stage ran, and reports the materialization, the `shards_valid` check and its logs over Pipes.
@@ -22,11 +22,11 @@ from pipeline.data.keys import hidden_states_prefix, placement_key
 from pipeline.data.records import StagePlacement, write_record
 from pipeline.data.shards import Manifest
 from pipeline.data.store import ObjectStore, open_store
-from pipeline.launch import StageJob
-from pipeline.placement import measure_placement
+from pipeline.launch.placement import measure_placement
+from pipeline.launch.process import StageJob
+from pipeline.launch.worker import run_stage_worker, stage_job
 from pipeline.ranks import SINGLE, Ranks, join, leave
 from pipeline.sources import extract
-from pipeline.workers import run_stage_worker, stage_job
 
 
 def run_extraction(job: StageJob, ranks: Ranks) -> tuple[Manifest | None, StagePlacement]:
@@ -88,7 +88,7 @@ def _metadata(store: ObjectStore, job: StageJob, manifest: Manifest, where: Stag
 
 def run_pipes(pipes: PipesContext, ranks: Ranks = SINGLE) -> None:
     """Rank 0's work over an open Pipes channel: the extraction, its commit, check and report (a launched
-    process's and a warm worker's, `pipeline.stage_server`)."""
+    process's and a warm worker's, `pipeline.launch.warm`)."""
     job = stage_job(pipes, "extraction")
     pipes.log.info(f"extracting hidden states of RL step {job.step} on {ranks.world_size} rank(s) "
                    f"({job.where})")

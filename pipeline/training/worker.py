@@ -12,7 +12,7 @@ is the only rank that writes to MLflow (one run) and to the store. On several no
 on node 0, whose log is the Pipes channel of an indexed Job.
 
 The launched workers (this one, `pipeline.sources.worker`, `pipeline.evaluation.worker`, with
-`pipeline.workers`) are the only places in `pipeline/` that know Dagster Pipes (`dagster_pipes`, a
+`pipeline.launch.worker`) are the only places in `pipeline/` that know Dagster Pipes (`dagster_pipes`, a
 dependency-free protocol library); the training itself is `cotrain.run_training`.
 """
 
@@ -31,7 +31,8 @@ from pipeline import report
 from pipeline.data.keys import placement_key
 from pipeline.data.records import StagePlacement, write_record
 from pipeline.data.store import open_store
-from pipeline.placement import measure_placement
+from pipeline.launch.placement import measure_placement
+from pipeline.launch.worker import exit_with_launcher, is_pipes_process, job_extra, pipes_extras
 from pipeline.ranks import SINGLE
 from pipeline.registry import open_registry
 from pipeline.training.cotrain import run_training
@@ -44,7 +45,6 @@ from pipeline.training.distributed import (
 )
 from pipeline.training.outcome import TrainOutcome, outcome_metadata
 from pipeline.training.plan import TrainJob
-from pipeline.workers import exit_with_launcher, is_pipes_process, job_extra, pipes_extras
 
 
 def _train(
@@ -64,7 +64,7 @@ def _train(
 
 def run_pipes(pipes: PipesContext, ctx: DistContext = SINGLE) -> None:
     """Rank 0's work over an open Pipes channel: the training, its placement record and the materialization
-    (a launched process's and a warm worker's, `pipeline.stage_server`)."""
+    (a launched process's and a warm worker's, `pipeline.launch.warm`)."""
     job = TrainJob.from_dict(job_extra(pipes))
     continued = f", continuing MLflow run {job.run_id}" if job.run_id else ""
     pipes.log.info(f"training RL step {job.step} on {ctx.world_size} rank(s){continued}")

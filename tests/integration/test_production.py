@@ -20,7 +20,7 @@ from dagster_k8s.pipes import build_pod_body
 
 from definitions import build_definitions
 from pipeline.config import ConfigError, load_config
-from pipeline.training.launch import (
+from pipeline.launch.multinode import (
     LAUNCH_MODULE,
     TRAIN_MODULE,
     pod_labels,

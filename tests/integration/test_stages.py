@@ -19,7 +19,6 @@ import yaml
 from dagster_k8s.pipes import build_pod_body
 
 from assets.cotraining import acceptance, hidden_states
-from pipeline import launch
 from pipeline.config import PROJECT_ROOT, load_config
 from pipeline.data import shards
 from pipeline.data.keys import drafter_key, hidden_states_prefix, placement_key
@@ -28,6 +27,7 @@ from pipeline.data.records import TrainingRecord, read_acceptance, read_cost, wr
 from pipeline.data.rollouts import read_policy_pointer
 from pipeline.data.store import open_store
 from pipeline.evaluation import acceptance as acceptance_lib
+from pipeline.launch import process as launch
 from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import save_drafter
 from pipeline.models.drafter import fresh_drafter
@@ -342,9 +342,9 @@ def test_the_run_process_imports_no_model_code_for_the_stages() -> None:
                  "pipeline.models.drafter", "pipeline.models.eagle", "pipeline.models.eagle3",
                  "pipeline.models.peagle", "pipeline.models.checkpoint", "pipeline.sources.simulation",
                  "pipeline.training.loop", "transformers.models.llama.modeling_llama",
-                 "pipeline.stage_server", *launch.WORKERS.values()}  # a warm worker is a process of its own too
+                 "pipeline.launch.warm", *launch.WORKERS.values()}  # a warm worker is a process of its own too
     assert loaded & forbidden == set()
-    assert "pipeline.launch" in loaded  # the stages are launched from there
+    assert "pipeline.launch.process" in loaded  # the stages are launched from there
 
 
 @pytest.mark.parametrize("stage", ["extraction", "evaluation"])

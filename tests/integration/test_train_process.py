@@ -20,11 +20,11 @@ from pipeline.config import load_config
 from pipeline.data import buffer as buffer_lib
 from pipeline.data.records import read_training
 from pipeline.data.store import open_store
+from pipeline.launch.multinode import TRAIN_MODULE
 from pipeline.registry import DrafterRegistry
 from pipeline.sources import extract
 from pipeline.sources.simulation import SimulatedRL
 from pipeline.training import plan as plan_lib
-from pipeline.training.launch import TRAIN_MODULE
 from resources import pipeline_resource
 from tests.support.config import write_config
 
@@ -117,7 +117,7 @@ def _training_ranks(data_dir: Path | None = None) -> list[int]:
             continue
         if TRAIN_MODULE.encode() in argv and b"torch.distributed.run" not in argv:
             ranks.append(pid)
-        warm = b"pipeline.stage_server" in argv and b"training" in argv
+        warm = b"pipeline.launch.warm" in argv and b"training" in argv
         if warm and data_dir and any(a.startswith(str(data_dir).encode()) for a in argv):  # its lock file
             ranks.append(pid)
     return ranks

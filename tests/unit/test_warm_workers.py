@@ -1,5 +1,5 @@
 """A warm stage worker's rendezvous and requests: it meets only this user's launchers in a folder of this user's,
-runs only the job it is given, and no client holds it up or brings it down (`pipeline.stage_server`,
+runs only the job it is given, and no client holds it up or brings it down (`pipeline.launch.warm`,
 `resources.warm`, `pipeline.rendezvous`)."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 from dagster._core.errors import DagsterPipesExecutionError
 from dagster_pipes import PipesContext, PipesMappingParamsLoader, open_dagster_pipes
 
-from pipeline import stage_server
 from pipeline.config import PROJECT_ROOT, ConfigError, load_config
-from pipeline.launch import JobError, StageJob
+from pipeline.launch import warm
+from pipeline.launch.process import JobError, StageJob
 from pipeline.rendezvous import RendezvousError, private_dir, unix_address
 from resources.warm import PipesWarmClient, prestart, server_files
 
@@ -28,13 +28,13 @@ as_root = pytest.mark.skipif(os.geteuid() != 0 or not Path(SYSTEM_PYTHON).exists
                              reason="acts as another local user (needs root to switch users, and a system Python)")
 
 
-def _answer(line: bytes) -> stage_server.Answer:
+def _answer(line: bytes) -> warm.Answer:
     """`line` through the worker's request handling, with a stage body that records whether it ran."""
     ran: list[object] = []
     worker = SimpleNamespace(run_pipes=ran.append)
     ours, theirs = socket.socketpair()
     try:
-        answer = stage_server.run_job(worker, ours, line, 3)
+        answer = warm.run_job(worker, ours, line, 3)
     finally:
         ours.close()
         theirs.close()
@@ -62,7 +62,7 @@ def test_a_request_without_its_job_runs_nothing(line: bytes, why: str, label: st
 
 @pytest.mark.filterwarnings("ignore:This process was not launched by a Dagster orchestration process")
 def test_a_stage_body_refuses_a_channel_without_a_job(reliability) -> None:
-    """Every stage body reads its job through `pipeline.workers`: a Pipes channel opened without bootstrap
+    """Every stage body reads its job through `pipeline.launch.worker`: a Pipes channel opened without bootstrap
     parameters (dagster_pipes then hands back a stand-in that accepts everything) has no job, and is refused
     before anything is read or written."""
     reliability.bad_input("a stage body run on a Pipes channel without its job: refused before any work")
@@ -148,7 +148,7 @@ def test_an_idle_client_and_a_line_that_is_not_json_hold_up_no_later_request(wor
         answers = []
         for line in (b"not json\n", b'{"pipes": {}}\n'):
             with _connect(files.socket) as conn:
-                conn.settimeout(stage_server.REQUEST_TIMEOUT_S / 2)
+                conn.settimeout(warm.REQUEST_TIMEOUT_S / 2)
                 conn.sendall(line)
                 answers.append(json.loads(conn.makefile("rb").readline()))
     finally:

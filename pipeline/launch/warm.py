@@ -1,7 +1,7 @@
 """A warm stage worker (`train.launcher: warm`): one long-lived process per stage that keeps its imports
 (torch, transformers, MLflow, the stage's own modules) loaded and runs the stage's jobs one at a time.
 
-    python -m pipeline.stage_server --stage extraction --socket S --lock L --idle-s 90
+    python -m pipeline.launch.warm --stage extraction --socket S --lock L --idle-s 90
 
 It listens on the Unix socket S (in the run's private stages folder, `pipeline.rendezvous`) and runs one
 job at a time; the others' requests wait, read as they arrive:
@@ -26,7 +26,7 @@ Nothing else is kept between jobs: every job loads its policy and drafters from 
 output is bit for bit a fresh process's.
 
 The launcher's side closing the connection mid-job (its Dagster step killed) ends this process at
-once, as `pipeline.workers.exit_with_launcher` ends a launched worker: nothing is written after its
+once, as `pipeline.launch.worker.exit_with_launcher` ends a launched worker: nothing is written after its
 launcher is gone. With no request for `--idle-s` seconds it removes its socket and exits; it checks
 the backlog under the launcher's lock L first, so a launcher never connects to a server about to leave.
 """
@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from dagster_pipes import PipesContext, PipesMappingParamsLoader, open_dagster_pipes
 
-from pipeline.launch import WORKERS
+from pipeline.launch.process import WORKERS
 from pipeline.rendezvous import Peer, unix_address
 
 REQUEST_TIMEOUT_S = 30.0  # a launcher sends its request as it connects; a client silent this long is dropped
@@ -315,7 +315,7 @@ def _leave_if_idle(listener: socket.socket, socket_path: Path, bound: tuple[int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.stage_server", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pipeline.launch.warm", description=__doc__.split("\n")[0])
     parser.add_argument("--stage", choices=sorted(WORKERS), required=True)
     parser.add_argument("--socket", type=Path, required=True)
     parser.add_argument("--lock", type=Path, required=True, help="the lock launchers take to connect or start one")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from dagster_pipes import PipesContext, PipesDefaultContextLoader, PipesEnvVarParamsLoader, open_dagster_pipes
 
-from pipeline.launch import JobError, StageJob
+from pipeline.launch.process import JobError, StageJob
 from pipeline.ranks import Ranks, ranks_from_env
 
 

@@ -14,7 +14,7 @@ Several nodes (`train.nnodes` = N > 1): one torchrun agent per node, joined by t
 rendezvous on node 0 (`--rdzv-backend=c10d`), N x M ranks in all. In production the nodes are
 the pods of an indexed Kubernetes Job, found through a headless Service (`training_job_spec`,
 `training_service_spec`); on one machine (`train.launcher: subprocess`) they are N agents on
-loopback, started by `python -m pipeline.training.launch` (`run_local_nodes`), for tests and
+loopback, started by `python -m pipeline.launch.multinode` (`run_local_nodes`), for tests and
 trials. `--max-restarts=0`: a node or rank that dies fails the whole training at once, and
 Dagster's retry resumes it from its last checkpoint on a fresh set of nodes.
 """
@@ -29,11 +29,11 @@ import sys
 import time
 import uuid
 
-from pipeline import launch as stage_launch
 from pipeline.config import PipelineConfig
+from pipeline.launch import process as stage_launch
 
 TRAIN_MODULE = stage_launch.WORKERS["training"]
-LAUNCH_MODULE = "pipeline.training.launch"
+LAUNCH_MODULE = "pipeline.launch.multinode"
 CONTAINER_NAME = stage_launch.CONTAINERS["training"]
 
 
@@ -114,7 +114,7 @@ def pod_labels(cfg: PipelineConfig, step: int) -> dict[str, str]:
 
 
 def training_pod_spec(cfg: PipelineConfig) -> dict:
-    """The PodSpec of one training pod (`pipeline.launch.pod_spec`): `nproc_per_node` GPUs, `train.k8s`'s
+    """The PodSpec of one training pod (`pipeline.launch.process.pod_spec`): `nproc_per_node` GPUs, `train.k8s`'s
     CPU and memory, torchrun as the command (`train_command`; a Job's pods: `training_job_spec`)."""
     return stage_launch.pod_spec(cfg, "training", train_command(cfg.train.nproc_per_node, python="python"))
 

@@ -14,7 +14,7 @@ stage with its own ranks and resources.
 One rank is started as `python -m <worker>` (rank 0 of 1, no torchrun agent: its start-up would
 only add a torch import); several as `torchrun --standalone --nproc-per-node=N -m <worker>`.
 All are pure functions of the config, so the Dagster layer and the tests build the same thing.
-Training's several-node Job is `pipeline.training.launch`'s.
+Training's several-node Job is `pipeline.launch.multinode`'s.
 """
 
 from __future__ import annotations
