@@ -217,7 +217,7 @@ class _RefreshProcess:
                           timeout_s: float = FLEET_WAIT_S) -> None:
         """Until the fleet runs the champion (its deploy is this process's) or a refreshed drafter newer than it
         (which the champion does not replace), or the process has failed."""
-        from pipeline.refresh import newer_live_refresh
+        from pipeline.refresh.plan import newer_live_refresh
 
         deadline = time.monotonic() + timeout_s
         while (champion := registry.alias_version("champion")) and champion != registry.alias_version("live") \
@@ -301,9 +301,9 @@ def _tail_summary(goals: dict | None, breakdowns: dict) -> dict | None:
 def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls: list[float],
                  fleet_state: tuple[ReplicaDeploy, ...], source: str, fleet_rollouts: list[dict] | None = None) -> Path:
     """The table, the plot and the JSON summary of a demo."""
-    from pipeline import report
+    from pipeline.accounting import report
+    from pipeline.accounting.ledger import read_ledger
     from pipeline.data.store import open_store
-    from pipeline.ledger import read_ledger
 
     out_dir, k, steps = cfg.data_path / "demo", cfg.eval.num_speculative_tokens, len(rows)
     plot = report.plot(rows, k, out_dir / "acceptance.png", cfg.drafter.kind)
@@ -393,7 +393,7 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     from tqdm import tqdm
 
     from definitions import build_definitions
-    from pipeline import report
+    from pipeline.accounting import report
     from pipeline.data.keys import acceptance_key
     from pipeline.data.records import read_fleet_state
     from pipeline.data.store import open_store
@@ -492,7 +492,7 @@ def compare_schedules(steps: int, config_path: str | None, source: str, kinds: l
     workers beside it): a run never meets the state of the one before it, not an MLflow connection to a deleted
     database in a warm worker, not a champion of the other registry. Without `fleet` no replica (and no refresh)
     runs: the champion serves, as the fleet would a step later."""
-    from pipeline import report
+    from pipeline.accounting import report
     from pipeline.data.store import open_store
 
     runs: dict[str, list[report.ScheduleStep]] = {}
@@ -576,8 +576,8 @@ def ui_on_postgres(config_path: str | None) -> None:
     Kubernetes), MLflow on PostgreSQL with its artifacts on S3, the object store on S3 (moto's server)."""
     import dagster as dg
 
-    from pipeline.database import DatabaseError, PostgresTarget, check_database
-    from pipeline.local_stack import postgres_stack
+    from ops.database import DatabaseError, PostgresTarget, check_database
+    from ops.local_stack import postgres_stack
 
     cfg = load_config(config_path)
     bin_dir = Path(sys.executable).parent
@@ -707,7 +707,7 @@ def capacity_plan(args: argparse.Namespace) -> None:
     """The drafter side of one RL step of the shape given, under the pipeline config, as a table or JSON."""
     import json
 
-    from pipeline.capacity import CapacityError, PolicyShape, StepShape, Throughput, plan_capacity
+    from pipeline.accounting.capacity import CapacityError, PolicyShape, StepShape, Throughput, plan_capacity
 
     try:
         policy_doc = json.loads(Path(args.policy).read_text())
@@ -745,7 +745,7 @@ def schema_scripts(kind: str):
 def check_databases() -> list[str]:
     """Dagster's storage (DAGSTER_PG_*) and MLflow's backend store (MLFLOW_BACKEND_STORE_URI, PGPASSWORD), where
     set: reachable, the credentials accepted, the schema this version needs. What each database is, or why not."""
-    from pipeline.database import PostgresTarget, check_database, check_schema
+    from ops.database import PostgresTarget, check_database, check_schema
 
     targets = []
     if os.environ.get("DAGSTER_PG_HOST"):
@@ -826,7 +826,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "refresh-ticks":
         refresh_ticks(args.config, json.loads(args.overrides) if args.overrides else None, deploys=args.deploys)
     elif args.command == "check-db":
-        from pipeline.database import DatabaseError
+        from ops.database import DatabaseError
 
         try:
             checked = check_databases()

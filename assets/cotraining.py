@@ -9,8 +9,8 @@ object store by that code and the assets return metadata only (no pickling IO ma
 import dagster as dg
 
 from assets.partitions import BACKFILL_TAG, RETRAIN_TAG, rl_step, step_of
-from pipeline import ledger as ledger_lib
-from pipeline import report
+from pipeline.accounting import ledger as ledger_lib
+from pipeline.accounting import report
 from pipeline.config import PipelineConfig
 from pipeline.data import buffer as buffer_lib
 from pipeline.data import rollouts as rollouts_lib

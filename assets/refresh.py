@@ -7,11 +7,11 @@ from dataclasses import replace
 import dagster as dg
 from pydantic import Field
 
-from pipeline import refresh as refresh_lib
 from pipeline.data.keys import refresh_key, refresh_lock_prefix, step_key
 from pipeline.data.lease import hold
 from pipeline.data.parts import Qualified
 from pipeline.data.records import read_refresh
+from pipeline.refresh import plan as refresh_lib
 from resources import PipelineResource
 
 

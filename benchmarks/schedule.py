@@ -123,7 +123,7 @@ def _config(data_dir: Path, kind: str, draft_cost_ratio: float | None, drift: fl
 
 def _priced(decoding, factor: float):
     """The decoding cost with t `factor` times as dear (c and f as they are)."""
-    from pipeline.cost import DecodingCost
+    from pipeline.accounting.cost import DecodingCost
 
     return DecodingCost(decoding.target_s_per_token * factor, decoding.draft_cost_ratio,
                         decoding.drafter_forwards_per_round)
@@ -246,7 +246,7 @@ def age_profile(store, cfg, registry, step: int, ages: dict[str, int]) -> dict:
 def rollout_scale_for(rows: list[dict], rollout_to_training: float) -> float:
     """The factor on the toy's t that makes the median step's rollouts (tokens x t, CPU-seconds) cost
     `rollout_to_training` times the mean of the rows' trainings."""
-    from pipeline.cost import DecodingCost
+    from pipeline.accounting.cost import DecodingCost
 
     trainings = [r["training_s"] for r in rows if r["trained"]]
     rollouts = [r["rollout_tokens"] * DecodingCost.from_json(r["decoding"]).target_s_per_token
@@ -260,7 +260,7 @@ def common_price(runs: list[list[dict]]):
     """One decoding price for both runs: the median t and c of every step's timing in either. Each run decides on
     its own timings, as the pipeline does, but t timed on a shared machine varies twofold between runs, and a
     saving compared at two prices would measure the machine's load rather than the schedule."""
-    from pipeline.cost import DecodingCost
+    from pipeline.accounting.cost import DecodingCost
 
     timings = [DecodingCost.from_json(r["decoding"]) for rows in runs for r in rows if r["decoding"]]
     return DecodingCost(statistics.median(d.target_s_per_token for d in timings),
@@ -314,7 +314,7 @@ def replay(keep: float, tau_fresh: float, rollout_to_training: float, draft_cost
            steps: int = 40) -> dict:
     """Both schedules on the staleness model `cost` decides with (the same functions): a drafter trained at step
     j serves step s at fresh(s - j); a step's rollouts take `rollout_to_training` trainings' seconds."""
-    from pipeline.cost import DecodingCost
+    from pipeline.accounting.cost import DecodingCost
     from pipeline.training.schedule import ChampionTrack, ScheduleInputs, Staleness, cost_decision
 
     tokens, training_s = 1000, 10.0

@@ -9,11 +9,11 @@ import dagster as dg
 
 from assets.partitions import RETRAIN_TAG, rl_step
 from jobs import deploy_job, refresh_job, rl_step_job
-from pipeline import refresh as refresh_lib
 from pipeline.config import PipelineConfig
 from pipeline.data import order
 from pipeline.data.keys import is_step_key, malformed_step_names, parse_step_key, rollouts_root, step_key
 from pipeline.data.rollouts import is_committed
+from pipeline.refresh import plan as refresh_lib
 from pipeline.serving import deploy
 from pipeline.serving.fleet import scrape
 from pipeline.serving.metrics import SpecCounters

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, Protocol, TypeVar, get_args
 
-from pipeline.cost import DecodingCost
+from pipeline.accounting.cost import DecodingCost
 from pipeline.data.keys import (
     acceptance_key,
     cost_key,
@@ -553,9 +553,9 @@ def read_placements(store: ObjectStore, run: str, step: int) -> tuple[StagePlace
 
 @dataclass(frozen=True)
 class StepCost:
-    """A step's entry in the cost ledger (pipeline/ledger.py): device-seconds its stages spent, and the rollout
-    seconds the drafter that served its rollouts saved: measured by the step's replay where it ran, else by the
-    cost model of pipeline/cost.py."""
+    """A step's entry in the cost ledger (pipeline/accounting/ledger.py): device-seconds its stages spent, and the
+    rollout seconds the drafter that served its rollouts saved: measured by the step's replay where it ran, else by
+    the cost model of pipeline/accounting/cost.py."""
 
     step: int
     seconds: dict[str, float]  # stage -> device-seconds; deployment is added from the fleet's history

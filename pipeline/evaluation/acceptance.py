@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+from pipeline.accounting.cost import DecodingCost
 from pipeline.config import PipelineConfig, PromotionConfig
-from pipeline.cost import DecodingCost
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.held_out import held_out_prompts, held_out_sequences
 from pipeline.data.keys import acceptance_key, cost_key, placement_key, replay_key
@@ -40,7 +40,7 @@ from pipeline.data.records import (
 )
 from pipeline.data.sampling import DraftSampleMethod, SamplingParams
 from pipeline.data.store import ObjectStore
-from pipeline.evaluation import cost, replay, speculative, teacher_forced
+from pipeline.evaluation import replay, round_cost, speculative, teacher_forced
 from pipeline.evaluation.scheduler import SpeculationThreshold
 from pipeline.launch.placement import measure_placement
 from pipeline.models import target as target_lib
@@ -153,15 +153,15 @@ def served_version(store: ObjectStore, run: str, step: int, champion: str | None
 
 def round_costs_at_step(
     store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, version: str, ks: list[int]
-) -> list[cost.RoundCost]:
+) -> list[round_cost.RoundCost]:
     """A registered drafter's tau, drafter forwards per round and estimated speedup at each k, on the step's
-    held-out prompts and policy (the cost model of `pipeline.evaluation.cost`)."""
+    held-out prompts and policy (the cost model of `pipeline.evaluation.round_cost`)."""
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
     target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
     prompts = held_out_prompts(store, cfg, step, rollouts_lib.TargetLimits.of(target.config))
     drafter = registry.load(version)
     drafter.attach(target)
-    return cost.round_costs(target, drafter, speculative.follow_target(drafter, target), prompts,
+    return round_cost.round_costs(target, drafter, speculative.follow_target(drafter, target), prompts,
                             cfg.eval.max_new_tokens, ks, cfg.eval.rollout_sampling(pointer.sampling),
                             cfg.fleet.draft_sample_method, eval_seed(step))
 

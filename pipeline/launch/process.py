@@ -9,7 +9,7 @@ stage with its own ranks and resources.
     extraction   hidden_states   pipeline.sources.worker         extract.nproc        extract.cpu / .memory
     training     drafter         pipeline.training.worker        train.nproc_per_node train.k8s.cpu / .memory
     evaluation   acceptance      pipeline.evaluation.worker      eval.nproc           eval.cpu / .memory
-    refresh      refreshed_drafter pipeline.refresh_worker       1                    train.k8s.cpu / .memory
+    refresh      refreshed_drafter pipeline.refresh.worker      1                    train.k8s.cpu / .memory
 
 One rank is started as `python -m <worker>` (rank 0 of 1, no torchrun agent: its start-up would
 only add a torch import); several as `torchrun --standalone --nproc-per-node=N -m <worker>`.
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pipeline.config import PipelineConfig, parse_resolved_config
 
 WORKERS = {"extraction": "pipeline.sources.worker", "training": "pipeline.training.worker",
-           "evaluation": "pipeline.evaluation.worker", "refresh": "pipeline.refresh_worker"}
+           "evaluation": "pipeline.evaluation.worker", "refresh": "pipeline.refresh.worker"}
 CONTAINERS = {"extraction": "extractor", "training": "trainer", "evaluation": "evaluator", "refresh": "refresher"}
 SHM_VOLUME = "dshm"
 

@@ -13,8 +13,8 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from pipeline.accounting.cost import DecodingCost
 from pipeline.config import PipelineConfig, TrainConfig, parse_resolved_config
-from pipeline.cost import DecodingCost
 from pipeline.data import order
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.buffer import read_buffer

@@ -13,7 +13,7 @@ device-seconds. A drafter's age is the RL steps since the newest step it trained
 lag); it serves from age 1 on. With
 
     S(tau)    = N * t * (1 - (1 + c*f) / tau)       the seconds a drafter at tau saves on a step's N
-                                                    rollout tokens (pipeline/cost.py)
+                                                    rollout tokens (pipeline/accounting/cost.py)
     fresh(a)  = 1 + (tau_0 - 1) * keep^a            tau of a drafter trained now, at age a
     champ(a)  = 1 + (tau_m - 1) * keep^(a - a_m)    the champion, from its latest tau tau_m at age a_m
                                                     (evaluated, or the fleet's live tau)
@@ -58,7 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeline.cost import DecodingCost
+from pipeline.accounting.cost import DecodingCost
 
 MAX_CYCLE_CHANCES = 50  # the longest retraining interval `cost` weighs, in chances
 

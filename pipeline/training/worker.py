@@ -27,7 +27,7 @@ from pathlib import Path
 
 from dagster_pipes import PipesContext, open_dagster_pipes
 
-from pipeline import report
+from pipeline.accounting import report
 from pipeline.data.keys import placement_key
 from pipeline.data.records import StagePlacement, write_record
 from pipeline.data.store import open_store

@@ -11,11 +11,11 @@ import pytest
 from cli import _pipeline_tick, _SensorTicks
 from definitions import build_definitions
 from jobs.sensors import champion_sensor
+from pipeline.accounting.ledger import read_ledger
 from pipeline.config import load_config
 from pipeline.data.records import read_cost, read_fleet_state, read_training
 from pipeline.data.rollouts import published_at
 from pipeline.data.store import open_store
-from pipeline.ledger import read_ledger
 from pipeline.registry import DrafterRegistry
 from pipeline.serving import deploy
 from pipeline.sources.simulation import SimulatedRL

@@ -2,9 +2,9 @@
 
 import pytest
 
-from pipeline.cost import DecodingCost
+from pipeline.accounting.cost import DecodingCost
+from pipeline.accounting.ledger import cumulative, step_lags, totals, with_deployments
 from pipeline.data.records import Deployment, StepCost
-from pipeline.ledger import cumulative, step_lags, totals, with_deployments
 
 # Steps published every 10 s from t=100; the fleet ran v1 (trained on step 1) from 105, v2 (trained on
 # steps 1-3, so it has seen step 3) from 142, v3 (has seen step 4) from 160.

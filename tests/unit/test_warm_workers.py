@@ -66,12 +66,12 @@ def test_a_stage_body_refuses_a_channel_without_a_job(reliability) -> None:
     parameters (dagster_pipes then hands back a stand-in that accepts everything) has no job, and is refused
     before anything is read or written."""
     reliability.bad_input("a stage body run on a Pipes channel without its job: refused before any work")
-    from pipeline import refresh_worker
     from pipeline.evaluation import worker as evaluation
+    from pipeline.refresh import worker as refresh
     from pipeline.sources import worker as extraction
     from pipeline.training import worker as training
 
-    for module in (extraction, training, evaluation, refresh_worker):
+    for module in (extraction, training, evaluation, refresh):
         pipes = open_dagster_pipes(params_loader=PipesMappingParamsLoader({}))
         try:
             with pytest.raises(JobError, match="no Dagster Pipes context"):

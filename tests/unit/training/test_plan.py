@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.accounting.cost import DecodingCost
 from pipeline.config import PipelineConfig, load_config
-from pipeline.cost import DecodingCost
 from pipeline.data import order
 from pipeline.data.buffer import write_buffer
 from pipeline.data.keys import acceptance_key, cost_key, drafter_key, policy_pointer_key, refresh_key

@@ -10,7 +10,8 @@ import textwrap
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipeline.cost import DecodingCost
+from pipeline.accounting.cost import DecodingCost
+from pipeline.accounting.ledger import Ledger, cumulative
 from pipeline.data import buffer as buffer_lib
 from pipeline.data import capture, shards
 from pipeline.data import rollouts as rollouts_lib
@@ -27,7 +28,6 @@ from pipeline.data.records import (
     read_training,
 )
 from pipeline.data.store import ObjectStore
-from pipeline.ledger import Ledger, cumulative
 
 
 def step_row(store: ObjectStore, run: str, step: int) -> dict:

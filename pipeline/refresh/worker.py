@@ -1,8 +1,8 @@
 """The same-step refresh's process, launched by the `refreshed_drafter` asset through Dagster Pipes.
 
-    python -m pipeline.refresh_worker
+    python -m pipeline.refresh.worker
 
-One process does a refresh's model work, in order (`pipeline.refresh` says what a refresh is):
+One process does a refresh's model work, in order (`pipeline.refresh.plan` says what a refresh is):
 
     extract   the qualifying parts' captured rollouts through the step's policy, into the refresh's
               own namespace (keys.refresh_data_run)
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 from dagster_pipes import PipesContext, open_dagster_pipes
 
-from pipeline import refresh as refresh_lib
 from pipeline.config import PipelineConfig
 from pipeline.data import capture, shards
 from pipeline.data.buffer import select_buffer, write_buffer
@@ -41,6 +40,7 @@ from pipeline.launch.worker import exit_with_launcher, is_pipes_process, stage_j
 from pipeline.models import target as target_lib
 from pipeline.models.layers import stored_layer_ids
 from pipeline.ranks import Ranks
+from pipeline.refresh import plan as refresh_lib
 from pipeline.registry import DrafterRegistry, open_registry
 from pipeline.sources.extract import iter_hidden_states
 from pipeline.training.cotrain import run_training
@@ -156,7 +156,7 @@ def run_pipes(pipes: PipesContext) -> None:
 def main() -> None:
     exit_with_launcher()
     if not is_pipes_process():
-        raise SystemExit("pipeline.refresh_worker: no job; launch it from the refreshed_drafter asset (Dagster Pipes)")
+        raise SystemExit("pipeline.refresh.worker: no job; launch it from the refreshed_drafter asset (Dagster Pipes)")
     with open_dagster_pipes() as pipes:
         run_pipes(pipes)
 
