@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.config import CONFIG_ENV, PipelineConfig, load_config
 from pipeline.data.keys import step_key
+from pipeline.stages import EVALUATION, EXTRACTION, REFRESH, TRAINING, Stage
 
 if TYPE_CHECKING:  # imported where used: `cli.py --help` starts without them
     import dagster as dg
@@ -156,7 +157,7 @@ PIPELINE_TICK_S = 0.5  # the demo's step sensor interval when nothing is new (a 
 FLEET_WAIT_S = 300.0  # the last champion's deploy, at the demo's end
 
 
-def prestart_workers(config_path: str | None, overrides: dict | None, stages: list[str]) -> threading.Thread:
+def prestart_workers(config_path: str | None, overrides: dict | None, stages: list[Stage]) -> threading.Thread:
     """The warm workers of `stages` started in a background thread, one after the other, off any step's clock:
     what this process's runs launch then finds them listening. A worker that fails to start is started again
     by its stage's first job, whose error then says why."""
@@ -188,7 +189,7 @@ def refresh_ticks(config_path: str | None, overrides: dict | None, every_s: floa
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), name="stdin-watch", daemon=True).start()
     instance = dg.DagsterInstance.get()
     ticks = _SensorTicks(instance, build_definitions(config_path, overrides))
-    prestart_workers(config_path, overrides, ["refresh"])
+    prestart_workers(config_path, overrides, [REFRESH])
     while not stop.is_set():
         if deploys:
             ticks.tick(champion_sensor, "deploy_job", lambda line: out(f"deploy, {line}"))
@@ -321,7 +322,8 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
                                    source=source, step_period_s=cfg.simulation.step_period_s,
                                    round_costs=summary_costs, train_tokens_per_s=tokens_per_s,
                                    ledger={"steps": report.ledger_rows(ledger), "spent_s": total.spent_s,
-                                           "saved_s": total.saved_s, "spent_by_stage_s": total.by_stage},
+                                           "saved_s": total.saved_s,
+                                           "spent_by_stage_s": {s.name: v for s, v in total.by_stage.items()}},
                                    tail=_tail_summary(report.tail_goals(rows), breakdowns),
                                    fleet_rollouts=fleet_rollouts)
     out()
@@ -406,7 +408,7 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     ticks = _SensorTicks(instance, build_definitions(config_path, overrides))
     store, registry = open_store(cfg), open_registry(cfg)
     # The stages' warm workers start now, while the source runs its first step: no step waits for their imports.
-    prestart_workers(config_path, overrides, ["extraction", "training", "evaluation"])
+    prestart_workers(config_path, overrides, [EXTRACTION, TRAINING, EVALUATION])
     with_fleet = cfg.fleet.driver != "none"
     # With a fleet, the fleet generates the rollouts: each step's policy is pushed to every replica first.
     rollout_fleet = deploy.rollout_fleet(cfg, store) if with_fleet else None

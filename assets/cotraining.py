@@ -22,6 +22,7 @@ from pipeline.data.rollouts import committed_steps
 from pipeline.data.store import ObjectStore
 from pipeline.models.layers import stored_layer_ids
 from pipeline.serving import deploy
+from pipeline.stages import EVALUATION, EXTRACTION, TRAINING, Stage
 from pipeline.training import outcome as outcome_lib
 from pipeline.training import plan as plan_lib
 from pipeline.training.schedule import LiveTau
@@ -95,7 +96,7 @@ def hidden_states(
     in the extraction worker's own process (`extract.nproc` ranks; a GPU pod in production), which reports
     the materialization, where it ran and the `shards_valid` check over Pipes."""
     launcher, step = pipeline.launcher(), step_of(context)
-    return launcher.run_stage(context, launcher.stage_job("extraction", step)).get_materialize_result()
+    return launcher.run_stage(context, launcher.stage_job(EXTRACTION, step)).get_materialize_result()
 
 
 @dg.asset(
@@ -205,9 +206,9 @@ def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) ->
     plots and the ledger are added here from the records it wrote."""
     cfg, store, launcher, step = pipeline.config, pipeline.store(), pipeline.launcher(), step_of(context)
     training = read_training(store, cfg.run, step)
-    spent = _stage_seconds(context, {"extraction": cfg.extract.nproc,
-                                     "training": cfg.train.nproc_per_node if training.figures else 0})
-    job = launcher.stage_job("evaluation", step, new_version=training.version, spent_s=spent)
+    spent = _stage_seconds(context, {EXTRACTION: cfg.extract.nproc,
+                                     TRAINING: cfg.train.nproc_per_node if training.figures else 0})
+    job = launcher.stage_job(EVALUATION, step, new_version=training.version, spent_s=spent)
     measured = launcher.run_stage(context, job).get_materialize_result()
     record = read_acceptance(store, cfg.run, step)
     metadata = dict(measured.metadata or {})
@@ -223,15 +224,12 @@ def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) ->
     return dg.MaterializeResult(metadata=metadata, check_results=measured.check_results)
 
 
-STAGE_OF_STEP = {"hidden_states": "extraction", "drafter": "training"}
-
-
-def _stage_seconds(context: dg.AssetExecutionContext, devices: dict[str, int]) -> dict[str, float]:
+def _stage_seconds(context: dg.AssetExecutionContext, devices: dict[Stage, int]) -> dict[Stage, float]:
     """Device-seconds of this run's extraction and training steps, from Dagster's own step timings: a
     step's wall time counts once per rank it launched (`devices`; 0 when it launched none)."""
     seconds = {}
     for stats in context.instance.get_run_step_stats(context.run_id):
-        stage = STAGE_OF_STEP.get(stats.step_key)
+        stage = next((s for s in devices if s.asset == stats.step_key), None)
         if stage and stats.start_time and stats.end_time:
             seconds[stage] = (stats.end_time - stats.start_time) * devices[stage]
     return seconds

@@ -137,8 +137,9 @@ def _cpu_decoding(store, run: str, step: int, cpu_share: float, rollout_scale: f
     than they are."""
     from dataclasses import replace
 
+    from pipeline.accounting.cost import read_cost
     from pipeline.data.keys import cost_key
-    from pipeline.data.records import read_cost, write_record
+    from pipeline.data.records import write_record
 
     cost = read_cost(store, run, step)
     if cost.decoding is None:  # no drafter served the step
@@ -159,6 +160,7 @@ def _run(kind: str, warmup: int, steps: int, data_dir: Path, draft_cost_ratio: f
     from pipeline.registry import open_registry
     from pipeline.sources import extract
     from pipeline.sources.simulation import SimulatedRL
+    from pipeline.stages import EXTRACTION, TRAINING
     from pipeline.training.cotrain import train_step
     from pipeline.training.plan import STALENESS_STEPS, aged_taus
     from pipeline.training.schedule import measure_staleness
@@ -189,7 +191,7 @@ def _run(kind: str, warmup: int, steps: int, data_dir: Path, draft_cost_ratio: f
             training_s = time.process_time() - started if trained else 0.0
         started, wall = time.process_time(), time.perf_counter()
         record = evaluate_step(store, cfg, step, registry, version,
-                               {"extraction": extraction_s, "training": training_s})
+                               {EXTRACTION: extraction_s, TRAINING: training_s})
         cpu_share = min(1.0, (time.process_time() - started) / (time.perf_counter() - wall))
         tokens, decoding = _cpu_decoding(store, RUN, step, cpu_share, rollout_scale or 1.0)
         history = list(range(1, step + 1))

@@ -94,6 +94,7 @@ def _in_process_asset():
     from assets.partitions import rl_step, step_of
     from pipeline.ranks import SINGLE
     from pipeline.sources import worker
+    from pipeline.stages import EXTRACTION
 
     def as_reported(metadata: dict) -> dict:
         """What Dagster makes of metadata a worker reports over Pipes."""
@@ -105,7 +106,7 @@ def _in_process_asset():
               required_resource_keys={"pipeline"},
               check_specs=[dg.AssetCheckSpec("shards_valid", asset="hidden_states", blocking=True)])
     def hidden_states(context):  # annotations would be strings naming this function's imports
-        job = context.resources.pipeline.launcher().stage_job("extraction", step_of(context))
+        job = context.resources.pipeline.launcher().stage_job(EXTRACTION, step_of(context))
         manifest, where = worker.run_extraction(job, SINGLE)
         report = worker.report_extraction(job, manifest, where)
         return dg.MaterializeResult(

@@ -23,6 +23,7 @@ from pipeline.launch.multinode import (
     training_service_spec,
 )
 from pipeline.launch.process import StageJob, pod_labels, stage_command, stage_pod_spec, stage_ranks
+from pipeline.stages import TRAINING, Stage
 from pipeline.training.plan import TrainJob
 from resources.pipes_messages import PipesWholeLineTempFileMessageReader
 from resources.warm import PipesWarmClient, prestart
@@ -45,10 +46,10 @@ class StageLauncher:
         """Where a stage runs: `pod` or `process` (a subprocess of the Dagster run)."""
         return "pod" if self.cfg.train.launcher == "k8s" else "process"
 
-    def stage_job(self, stage: str, step: int, **fields: object) -> StageJob:
+    def stage_job(self, stage: Stage, step: int, **fields: object) -> StageJob:
         return StageJob(stage, step, self.cfg.model_dump(mode="json"), self.where, **fields)
 
-    def prestart(self, stages: list[str]) -> list[str]:
+    def prestart(self, stages: list[Stage]) -> list[Stage]:
         """Start the warm workers of `stages` now, one after the other (those that run on one, under
         `train.launcher: warm`), so their first jobs find them listening; returns the stages started or found."""
         if self.cfg.train.launcher != "warm":
@@ -58,9 +59,9 @@ class StageLauncher:
             prestart(stage, self.cfg.data_path, self.working_dir, self.cfg.train.warm_idle_s)
         return started
 
-    def _ranks(self, stage: str) -> int:
+    def _ranks(self, stage: Stage) -> int:
         """The ranks a stage's job runs on: training's on every node."""
-        return stage_ranks(self.cfg, stage) * (self.cfg.train.nnodes if stage == "training" else 1)
+        return stage_ranks(self.cfg, stage) * (self.cfg.train.nnodes if stage == TRAINING else 1)
 
     def run_stage(self, context: dg.AssetExecutionContext, job: StageJob) -> dg.PipesClientCompletedInvocation:
         """Extraction or evaluation: the stage's worker with its ranks, reporting back over Pipes."""
@@ -75,11 +76,11 @@ class StageLauncher:
         if cfg.train.launcher == "k8s" and cfg.train.nnodes > 1:
             with _quiet_preview():
                 return _run_indexed_job(context, cfg, job, extras)
-        return self._run(context, "training", self._ranks("training"), extras,
-                         pod_labels(cfg, "training", job.step), lambda: training_pod_spec(cfg),
+        return self._run(context, TRAINING, self._ranks(TRAINING), extras,
+                         pod_labels(cfg, TRAINING, job.step), lambda: training_pod_spec(cfg),
                          train_command(cfg.train.nproc_per_node, nnodes=cfg.train.nnodes))
 
-    def _run(self, context: dg.AssetExecutionContext, stage: str, ranks: int, extras: dict, labels: dict[str, str],
+    def _run(self, context: dg.AssetExecutionContext, stage: Stage, ranks: int, extras: dict, labels: dict[str, str],
              pod_spec: Callable[[], dict], command: list[str], announce: str = "") -> dg.PipesClientCompletedInvocation:
         """`announce`, a line for the run's log, is logged before the launch, or on a warm worker once the job
         is handed over (while it works, not on the step's time)."""

@@ -42,6 +42,7 @@ import dagster as dg
 from dagster._core.errors import DagsterPipesExecutionError  # what PipesSubprocessClient raises
 
 from pipeline.rendezvous import Peer, private_dir, private_file, unix_address
+from pipeline.stages import Stage
 from resources.pipes_messages import PipesWholeLineTempFileMessageReader
 
 START_TIMEOUT_S = 600  # a cold worker's imports on a loaded machine
@@ -66,18 +67,19 @@ class ServerFiles:
         return "\n".join(lines[-LOG_TAIL_LINES:])
 
 
-def server_files(data_dir: Path, stage: str, working_dir: Path, environ: dict[str, str] | None = None) -> ServerFiles:
+def server_files(data_dir: Path, stage: Stage, working_dir: Path, environ: dict[str, str] | None = None) -> ServerFiles:
     env = {k: v for k, v in (os.environ if environ is None else environ).items() if k not in VOLATILE_ENV}
     identity = json.dumps([sys.executable, str(working_dir), sorted(env.items())])
     key = hashlib.sha256(identity.encode()).hexdigest()[:12]
     folder = data_dir / "stages"
-    return ServerFiles(folder / f"{stage}-{key}.sock", folder / f"{stage}-{key}.lock", folder / f"{stage}-{key}.log")
+    return ServerFiles(folder / f"{stage.name}-{key}.sock", folder / f"{stage.name}-{key}.lock",
+                       folder / f"{stage.name}-{key}.log")
 
 
 class PipesWarmClient(dg.PipesClient):
     """One job on the stage's warm worker: its Pipes session, the request, the worker's answer."""
 
-    def __init__(self, stage: str, data_dir: Path, working_dir: Path, idle_s: float) -> None:
+    def __init__(self, stage: Stage, data_dir: Path, working_dir: Path, idle_s: float) -> None:
         self.stage, self.working_dir, self.idle_s = stage, working_dir, idle_s
         self.files = server_files(data_dir, stage, working_dir)
 
@@ -130,7 +132,7 @@ class PipesWarmClient(dg.PipesClient):
         env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES_")}
         with private_file(self.files.log) as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "pipeline.launch.warm", "--stage", self.stage, "--socket",
+                [sys.executable, "-m", "pipeline.launch.warm", "--stage", self.stage.name, "--socket",
                  str(self.files.socket), "--lock", str(self.files.lock), "--idle-s", str(self.idle_s)],
                 cwd=self.working_dir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # outlives this step; the Dagster run's signals are not its
@@ -151,7 +153,7 @@ class PipesWarmClient(dg.PipesClient):
             f"ends:\n{self.files.log_tail()}")
 
 
-def prestart(stage: str, data_dir: Path, working_dir: Path, idle_s: float) -> None:
+def prestart(stage: Stage, data_dir: Path, working_dir: Path, idle_s: float) -> None:
     """The stage's warm worker started now, unless one listens already: the worker a job of this process
     (same environment, same working directory) would get."""
     client = PipesWarmClient(stage, data_dir, working_dir, idle_s)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import re
 
+from pipeline.stages import Stage
+
 _STEP_KEY = re.compile(r"step-([0-9]{6,})")
 MAX_STEP = 2**63 - 1  # steps are int64 wherever they are stored (Parquet, Dagster, MLflow tags)
 
@@ -137,8 +139,8 @@ def replay_key(run: str, step: int) -> str:
     return f"replay/{run}/{step_key(step)}.json"
 
 
-def placement_key(run: str, step: int, stage: str) -> str:
-    return f"placement/{run}/{step_key(step)}/{stage}.json"
+def placement_key(run: str, step: int, stage: Stage) -> str:
+    return f"placement/{run}/{step_key(step)}/{stage.name}.json"
 
 
 def drafter_key(run: str, step: int) -> str:

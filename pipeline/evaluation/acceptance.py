@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from pipeline.accounting.cost import DecodingCost
+from pipeline.accounting.cost import DecodingCost, StepCost
 from pipeline.config import PipelineConfig, PromotionConfig
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.held_out import held_out_prompts, held_out_sequences
@@ -31,7 +31,6 @@ from pipeline.data.records import (
     AcceptanceRecord,
     DrafterTau,
     RolloutReplay,
-    StepCost,
     TauEstimate,
     read_fleet_state,
     read_placements,
@@ -46,6 +45,7 @@ from pipeline.launch.placement import measure_placement
 from pipeline.models import target as target_lib
 from pipeline.ranks import SINGLE, Ranks
 from pipeline.registry import DrafterRegistry
+from pipeline.stages import EVALUATION, Stage
 
 
 @dataclass(frozen=True)
@@ -227,7 +227,7 @@ def replay_rollouts(
 
 
 def step_cost(
-    store: ObjectStore, cfg: PipelineConfig, measurement: StepMeasurement, seconds: dict[str, float],
+    store: ObjectStore, cfg: PipelineConfig, measurement: StepMeasurement, seconds: dict[Stage, float],
     replayed: RolloutReplay | None = None,
 ) -> StepCost:
     """The step's ledger entry: `seconds` spent by stage, what the served drafter saved on its rollouts (measured
@@ -244,7 +244,7 @@ def step_cost(
 
 def evaluate_step(
     store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, new_version: str | None,
-    spent_s: dict[str, float] | None = None, ranks: Ranks = SINGLE, where: str = "process",
+    spent_s: dict[Stage, float] | None = None, ranks: Ranks = SINGLE, where: str = "process",
 ) -> AcceptanceRecord | None:
     """Measure the drafters (on every rank), then on rank 0: decide on promotion, move aliases, write the
     step's acceptance record, where the evaluation ran (`where`: process or pod), the step's replay (`eval.replay`)
@@ -253,7 +253,7 @@ def evaluate_step(
     started = time.perf_counter()
     measurement = measure_step(store, cfg, step, registry, new_version, ranks)
     device = ranks.device(cfg.device, cfg.target.gpus_per_process)
-    placement = measure_placement("evaluation", where, ranks, device, started)
+    placement = measure_placement(EVALUATION, where, ranks, device, started)
     if not ranks.is_main:
         return None
     new_tau = measurement.measured[new_version].tau if new_version else None
@@ -261,8 +261,8 @@ def evaluate_step(
     apply_promotion(registry, measurement, new_version, decision)
     record = acceptance_record(cfg, measurement, decision, registry.alias_version("champion"))
     write_record(store, acceptance_key(cfg.run, step), record)
-    write_record(store, placement_key(cfg.run, step, "evaluation"), placement)
-    seconds = {**(spent_s or {}), "evaluation": (time.perf_counter() - started) * ranks.world_size}
+    write_record(store, placement_key(cfg.run, step, EVALUATION), placement)
+    seconds = {**(spent_s or {}), EVALUATION: (time.perf_counter() - started) * ranks.world_size}
     replayed = replay_rollouts(store, cfg, registry, measurement) if cfg.eval.replay else None
     if replayed is not None:
         write_record(store, replay_key(cfg.run, step), replayed)

@@ -27,6 +27,7 @@ from pipeline.launch.process import StageJob
 from pipeline.launch.worker import run_stage_worker, stage_job
 from pipeline.ranks import SINGLE, Ranks, join, leave
 from pipeline.registry import open_registry
+from pipeline.stages import EVALUATION
 
 
 def run_evaluation(job: StageJob, ranks: Ranks) -> AcceptanceRecord | None:
@@ -60,11 +61,11 @@ def run_pipes(pipes: PipesContext, ranks: Ranks = SINGLE) -> None:
     """Rank 0's work over an open Pipes channel: the measurements, the promotion, the tail, the report (a
     launched process's and a warm worker's, `pipeline.launch.warm`)."""
     started = time.perf_counter()
-    job = stage_job(pipes, "evaluation")
+    job = stage_job(pipes, EVALUATION)
     pipes.log.info(f"measuring the drafters of RL step {job.step} on {ranks.world_size} rank(s) ({job.where})")
     record = run_evaluation(job, ranks)
     cfg = job.pipeline_config
-    where = read_record(open_store(cfg), placement_key(cfg.run, job.step, "evaluation"), StagePlacement)
+    where = read_record(open_store(cfg), placement_key(cfg.run, job.step, EVALUATION), StagePlacement)
     pipes.log.info(f"evaluation done in {time.perf_counter() - started:.1f} s: {record.decision}")
     ceiling = cfg.eval.num_speculative_tokens + 1
     metadata = {**acceptance_metadata(record), **where.metadata()}
@@ -79,7 +80,7 @@ def run_pipes(pipes: PipesContext, ranks: Ranks = SINGLE) -> None:
 
 
 def main() -> None:
-    run_stage_worker("pipeline.evaluation.worker", "acceptance", run_evaluation, run_pipes)
+    run_stage_worker(EVALUATION, run_evaluation, run_pipes)
 
 
 if __name__ == "__main__":

@@ -31,10 +31,10 @@ import uuid
 
 from pipeline.config import PipelineConfig
 from pipeline.launch import process as stage_launch
+from pipeline.stages import TRAINING
 
-TRAIN_MODULE = stage_launch.WORKERS["training"]
+TRAIN_MODULE = TRAINING.worker
 LAUNCH_MODULE = "pipeline.launch.multinode"
-CONTAINER_NAME = stage_launch.CONTAINERS["training"]
 
 
 RDZV_TIMEOUT_S = 1200  # pods of one Job may start minutes apart while GPU nodes scale up (as the run monitor waits)
@@ -110,13 +110,13 @@ def run_local_nodes(nnodes: int, nproc_per_node: int, python: str = sys.executab
 
 
 def pod_labels(cfg: PipelineConfig, step: int) -> dict[str, str]:
-    return stage_launch.pod_labels(cfg, "training", step)
+    return stage_launch.pod_labels(cfg, TRAINING, step)
 
 
 def training_pod_spec(cfg: PipelineConfig) -> dict:
     """The PodSpec of one training pod (`pipeline.launch.process.pod_spec`): `nproc_per_node` GPUs, `train.k8s`'s
     CPU and memory, torchrun as the command (`train_command`; a Job's pods: `training_job_spec`)."""
-    return stage_launch.pod_spec(cfg, "training", train_command(cfg.train.nproc_per_node, python="python"))
+    return stage_launch.pod_spec(cfg, TRAINING, train_command(cfg.train.nproc_per_node, python="python"))
 
 
 # -- several nodes: an indexed Job and its headless Service

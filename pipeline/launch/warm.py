@@ -51,8 +51,8 @@ from pathlib import Path
 import torch
 from dagster_pipes import PipesContext, PipesMappingParamsLoader, open_dagster_pipes
 
-from pipeline.launch.process import WORKERS
 from pipeline.rendezvous import Peer, unix_address
+from pipeline.stages import LAUNCHED, Stage, stage_named
 
 REQUEST_TIMEOUT_S = 30.0  # a launcher sends its request as it connects; a client silent this long is dropped
 REQUEST_MAX_BYTES = 1 << 20  # the Pipes bootstrap parameters are a few hundred bytes
@@ -189,8 +189,8 @@ class _Pending:
     received: bytearray
 
 
-def serve(stage: str, socket_path: Path, lock_path: Path, idle_s: float) -> None:
-    worker = importlib.import_module(WORKERS[stage])  # the imports a fresh process pays for every job
+def serve(stage: Stage, socket_path: Path, lock_path: Path, idle_s: float) -> None:
+    worker = importlib.import_module(stage.worker)  # the imports a fresh process pays for every job
     gc.freeze()  # the imports' objects are never garbage: no collection scans them again (a full one takes 0.5 s)
     fresh = ProcessState.capture()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -316,12 +316,12 @@ def _leave_if_idle(listener: socket.socket, socket_path: Path, bound: tuple[int,
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipeline.launch.warm", description=__doc__.split("\n")[0])
-    parser.add_argument("--stage", choices=sorted(WORKERS), required=True)
+    parser.add_argument("--stage", choices=sorted(s.name for s in LAUNCHED), required=True)
     parser.add_argument("--socket", type=Path, required=True)
     parser.add_argument("--lock", type=Path, required=True, help="the lock launchers take to connect or start one")
     parser.add_argument("--idle-s", type=float, required=True, help="exit after this many seconds without a job")
     args = parser.parse_args(argv)
-    serve(args.stage, args.socket, args.lock, args.idle_s)
+    serve(stage_named(args.stage), args.socket, args.lock, args.idle_s)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from dagster_pipes import PipesContext, PipesDefaultContextLoader, PipesEnvVarPa
 
 from pipeline.launch.process import JobError, StageJob
 from pipeline.ranks import Ranks, ranks_from_env
+from pipeline.stages import Stage
 
 
 def exit_with_launcher(poll_s: float = 1.0) -> None:
@@ -49,7 +50,7 @@ def job_extra(pipes: PipesContext, name: str = "job") -> object:
     return pipes.extras[name]
 
 
-def stage_job(pipes: PipesContext, stage: str) -> StageJob:
+def stage_job(pipes: PipesContext, stage: Stage) -> StageJob:
     """The `stage` job the channel carries, every field present (StageJob.from_dict); JobError otherwise."""
     return StageJob.from_dict(job_extra(pipes), stage)
 
@@ -61,16 +62,16 @@ def pipes_extras() -> dict:
         return dict(data["extras"])
 
 
-def run_stage_worker(module: str, asset: str, run_share: Callable[[StageJob, Ranks], object],
+def run_stage_worker(stage: Stage, run_share: Callable[[StageJob, Ranks], object],
                      run_pipes: Callable[[PipesContext, Ranks], None]) -> None:
     """A launched extraction or evaluation: ranks other than 0 do their share of the job from the Pipes
     context; rank 0 runs the stage's body (`run_pipes`, also a warm worker's) over Pipes' channel."""
     ranks = ranks_from_env()
     exit_with_launcher()
     if not is_pipes_process():
-        raise SystemExit(f"{module}: no job; launch it from the {asset} asset (Dagster Pipes)")
+        raise SystemExit(f"{stage.worker}: no job; launch it from the {stage.asset} asset (Dagster Pipes)")
     if not ranks.is_main:
-        run_share(StageJob.from_dict(pipes_extras().get("job")), ranks)
+        run_share(StageJob.from_dict(pipes_extras().get("job"), stage), ranks)
         return
     with open_dagster_pipes() as pipes:
         run_pipes(pipes, ranks)

@@ -43,6 +43,7 @@ from pipeline.ranks import Ranks
 from pipeline.refresh import plan as refresh_lib
 from pipeline.registry import DrafterRegistry, open_registry
 from pipeline.sources.extract import iter_hidden_states
+from pipeline.stages import REFRESH
 from pipeline.training.cotrain import run_training
 from pipeline.training.distributed import DistContext
 
@@ -137,13 +138,13 @@ def run_refresh(job: StageJob, progress: Callable[[str], None]) -> tuple[Refresh
     registry.log_metrics(run_id, {"refresh_tau": checked.tau_refreshed, **(
         {"refresh_champion_tau": checked.tau_champion} if checked.tau_champion is not None else {})}, step=q.step)
     registry.set_version_tags(version, {"refresh_tau": f"{checked.tau_refreshed:.4f}", "refresh_deployed": "false"})
-    return record, samples, measure_placement("refresh", job.where, Ranks(), cfg.device, started)
+    return record, samples, measure_placement(REFRESH, job.where, Ranks(), cfg.device, started)
 
 
 def run_pipes(pipes: PipesContext) -> None:
     """The refresh over an open Pipes channel, and its report (a launched process's and a warm worker's,
     `pipeline.launch.warm`)."""
-    job = stage_job(pipes, "refresh")
+    job = stage_job(pipes, REFRESH)
     record, samples, where = run_refresh(job, pipes.log.info)
     pipes.log.info(f"{step_key(record.step)} refresh on parts {list(record.parts)}: {record.decision}")
     pipes.report_asset_materialization(metadata={

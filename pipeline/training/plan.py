@@ -13,7 +13,7 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from pipeline.accounting.cost import DecodingCost
+from pipeline.accounting.cost import DecodingCost, read_cost
 from pipeline.config import PipelineConfig, TrainConfig, parse_resolved_config
 from pipeline.data import order
 from pipeline.data import rollouts as rollouts_lib
@@ -23,12 +23,12 @@ from pipeline.data.records import (
     BufferEntry,
     composition,
     read_acceptance,
-    read_cost,
     read_refresh,
     read_training,
 )
 from pipeline.data.store import ObjectStore
 from pipeline.registry import DrafterRegistry
+from pipeline.stages import TRAINING
 from pipeline.training.outcome import TrainOutcome
 from pipeline.training.schedule import (
     AgedTau,
@@ -205,7 +205,7 @@ def schedule_inputs(
     records)."""
     earlier = order.committed_before(store, cfg.run, step)[-SCHEDULE_HISTORY_STEPS:]
     costs = [c for c in (read_cost(store, cfg.run, s) for s in earlier) if c is not None]
-    trainings = [c.seconds["training"] for c in costs if c.seconds.get("training", 0) > 0][-RECENT_TRAININGS:]
+    trainings = [c.spent(TRAINING) for c in costs if c.spent(TRAINING) > 0][-RECENT_TRAININGS:]
     decoding = median_decoding([c.decoding for c in costs if c.decoding][-RECENT_TIMINGS:])
     tokens = sum(sum(r.loss_mask) for r in rollouts_lib.read_rollouts(store, cfg.run, step))
     track = champion_track(store, cfg.run, earlier, registry.alias_version("champion"))

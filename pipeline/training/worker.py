@@ -35,6 +35,7 @@ from pipeline.launch.placement import measure_placement
 from pipeline.launch.worker import exit_with_launcher, is_pipes_process, job_extra, pipes_extras
 from pipeline.ranks import SINGLE
 from pipeline.registry import open_registry
+from pipeline.stages import TRAINING
 from pipeline.training.cotrain import run_training
 from pipeline.training.distributed import (
     DistContext,
@@ -57,7 +58,7 @@ def _train(
     init_process_group(ctx, device)
     try:
         outcome = run_training(job, ctx, progress)
-        return outcome, measure_placement("training", where, ctx, device, started)
+        return outcome, measure_placement(TRAINING, where, ctx, device, started)
     finally:
         destroy_process_group()
 
@@ -70,7 +71,7 @@ def run_pipes(pipes: PipesContext, ctx: DistContext = SINGLE) -> None:
     pipes.log.info(f"training RL step {job.step} on {ctx.world_size} rank(s){continued}")
     outcome, where = _train(job, ctx, pipes.log.info, str(job_extra(pipes, "where")))
     cfg = job.pipeline_config
-    write_record(open_store(cfg), placement_key(cfg.run, job.step, "training"), where)
+    write_record(open_store(cfg), placement_key(cfg.run, job.step, TRAINING), where)
     metadata = _materialization(job, outcome, ctx, str(job_extra(pipes, "mlflow_ui_url")))
     pipes.report_asset_materialization(metadata={**metadata, **where.metadata()})
 

@@ -20,6 +20,7 @@ from pipeline.config import PROJECT_ROOT, ConfigError, load_config
 from pipeline.launch import warm
 from pipeline.launch.process import JobError, StageJob
 from pipeline.rendezvous import RendezvousError, private_dir, unix_address
+from pipeline.stages import EVALUATION, EXTRACTION
 from resources.warm import PipesWarmClient, prestart, server_files
 
 NOBODY = 65534
@@ -82,13 +83,13 @@ def test_a_stage_body_refuses_a_channel_without_a_job(reliability) -> None:
 
 def test_a_stage_job_leaving_out_a_field_or_a_key_is_refused(reliability) -> None:
     reliability.bad_input("a stage job leaving out a field, or its config leaving out a key: refused, no default")
-    full = StageJob("evaluation", 4, load_config().model_dump(mode="json"), "process").to_dict()
-    assert StageJob.from_dict(full, "evaluation").pipeline_config == load_config()
+    full = StageJob(EVALUATION, 4, load_config().model_dump(mode="json"), "process").to_dict()
+    assert StageJob.from_dict(full, EVALUATION).pipeline_config == load_config()
     for name in full:
         with pytest.raises(JobError, match=f"leaves out {name}"):
             StageJob.from_dict({k: v for k, v in full.items() if k != name})
     with pytest.raises(JobError, match="it is a evaluation job, sent to extraction"):
-        StageJob.from_dict(full, "extraction")
+        StageJob.from_dict(full, EXTRACTION)
     with pytest.raises(JobError, match="step must be an integer"):
         StageJob.from_dict({**full, "step": "4"})
     with pytest.raises(JobError, match="no job"):
@@ -105,9 +106,9 @@ def test_a_stage_job_leaving_out_a_field_or_a_key_is_refused(reliability) -> Non
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A warm evaluation worker of a data dir whose socket path is too long for a Unix socket's address."""
     data_dir = tmp_path_factory.mktemp("warm") / ("a-long-data-directory-name-" * 4)
-    prestart("evaluation", data_dir, PROJECT_ROOT, 300.0)
+    prestart(EVALUATION, data_dir, PROJECT_ROOT, 300.0)
     yield data_dir
-    files = server_files(data_dir, "evaluation", PROJECT_ROOT)
+    files = server_files(data_dir, EVALUATION, PROJECT_ROOT)
     pid = _worker_pid(files.log)
     if pid:
         os.kill(pid, 9)
@@ -130,7 +131,7 @@ def _connect(path: Path) -> socket.socket:
 @pytest.mark.reliability("security", "a warm worker's socket, lock and log stay in the run's stages folder (mode "
                                      "0700, files 0600), however long its path: no rendezvous in /tmp")
 def test_the_worker_meets_in_a_folder_of_this_users_alone(worker: Path) -> None:
-    files = server_files(worker, "evaluation", PROJECT_ROOT)
+    files = server_files(worker, EVALUATION, PROJECT_ROOT)
     assert len(os.fsencode(files.socket)) > 108  # beyond sun_path: reached through the folder's descriptor
     assert files.socket.parent == worker / "stages"
     assert stat.S_ISSOCK(files.socket.stat().st_mode)
@@ -142,7 +143,7 @@ def test_the_worker_meets_in_a_folder_of_this_users_alone(worker: Path) -> None:
 @pytest.mark.reliability("fault", "an idle client on a warm worker's socket and a request that is not JSON: later "
                                   "requests are answered, the worker stays up")
 def test_an_idle_client_and_a_line_that_is_not_json_hold_up_no_later_request(worker: Path) -> None:
-    files = server_files(worker, "evaluation", PROJECT_ROOT)
+    files = server_files(worker, EVALUATION, PROJECT_ROOT)
     idle = _connect(files.socket)  # connects, never sends its request
     try:
         answers = []
@@ -166,7 +167,7 @@ def test_an_idle_client_and_a_line_that_is_not_json_hold_up_no_later_request(wor
 def test_the_launcher_hands_no_job_to_another_users_listener(tmp_path: Path) -> None:
     """A listener of another user at the worker's address (bound there, then listening as uid 65534): the
     launcher's connection reaches it, its credentials are checked, and the job is not sent."""
-    client = PipesWarmClient("evaluation", tmp_path / "data", PROJECT_ROOT, 60.0)
+    client = PipesWarmClient(EVALUATION, tmp_path / "data", PROJECT_ROOT, 60.0)
     private_dir(client.files.socket.parent)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(client.files.socket))
@@ -194,12 +195,12 @@ def test_a_stages_folder_of_another_user_is_refused(tmp_path: Path) -> None:
     theirs.mkdir(parents=True)
     os.chown(theirs, NOBODY, NOBODY)
     with pytest.raises(RendezvousError, match=f"belongs to uid {NOBODY}, not to this user"):
-        prestart("evaluation", tmp_path / "data", PROJECT_ROOT, 60.0)
+        prestart(EVALUATION, tmp_path / "data", PROJECT_ROOT, 60.0)
     linked = tmp_path / "linked"
     linked.mkdir()
     (linked / "stages").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(RendezvousError, match="not a directory of its own"):
-        prestart("evaluation", linked, PROJECT_ROOT, 60.0)
+        prestart(EVALUATION, linked, PROJECT_ROOT, 60.0)
     assert not (tmp_path / "elsewhere").exists()
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.accounting.cost import DecodingCost
+from pipeline.accounting.cost import DecodingCost, StepCost
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data import order
 from pipeline.data.buffer import write_buffer
@@ -17,13 +17,13 @@ from pipeline.data.records import (
     BufferEntry,
     DrafterTau,
     RefreshRecord,
-    StepCost,
     TrainingRecord,
     write_record,
 )
 from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.registry import DrafterRegistry, open_registry
+from pipeline.stages import EVALUATION, EXTRACTION, TRAINING
 from pipeline.training.outcome import TrainOutcome, outcome_metadata
 from pipeline.training.plan import TrainJob, aged_taus, median_decoding, plan_training, settle_plan
 from pipeline.training.schedule import AgedTau, LiveTau
@@ -119,7 +119,7 @@ def _measured(store: ObjectStore, cfg: PipelineConfig, step: int, served: tuple[
         step, step, 3, 4, 8, tau(cotrained), tau(served), None, tau(served), promoted, "",
         cotrained[0] if promoted else None))
     write_record(store, cost_key(cfg.run, step), StepCost(
-        step, {"extraction": 1.0, "training": 30.0 if cotrained else 0.0, "evaluation": 2.0}, 6,
+        step, {EXTRACTION: 1.0, TRAINING: 30.0 if cotrained else 0.0, EVALUATION: 2.0}, 6,
         served[0] if served else None, served[1] if served else 1.0, DecodingCost(0.01, 0.05, 4)))
 
 
