@@ -93,7 +93,7 @@ def rollouts(
 def hidden_states(
     context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     """Source B (default): the step's policy runs forward over its rollouts; source A: vLLM's files. Either
-    in the extraction worker's own process (`extract.nproc` ranks; a GPU pod in production), which reports
+    in the extraction worker's own process (`launch.extraction.nproc` ranks; a GPU pod in production), which reports
     the materialization, where it ran and the `shards_valid` check over Pipes."""
     launcher, step = pipeline.launcher(), step_of(context)
     return launcher.run_stage(context, launcher.stage_job(EXTRACTION, step)).get_materialize_result()
@@ -168,7 +168,7 @@ def drafter(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg
     if isinstance(planned, outcome_lib.TrainOutcome):  # skipped, or a version trained on identical inputs exists
         outcome_lib.write_outcome(store, cfg.run, step, planned)
         return dg.MaterializeResult(metadata=outcome_lib.outcome_metadata(planned))
-    context.log.info(f"launching training ({cfg.train.launcher}, {cfg.train.nproc_per_node} process(es) per node)"
+    context.log.info(f"launching training ({cfg.launch.launcher}, {cfg.launch.training.nproc} process(es) per node)"
                      + (f", continuing MLflow run {planned.run_id}" if planned.run_id else "")
                      + (f", requested: {requested_by}" if requested_by else ""))
     # Rank 0 of the training process reports the materialization (and writes the step's outcome).
@@ -201,13 +201,13 @@ def _champion_live_tau(pipeline: PipelineResource, champion: str | None) -> Live
 )
 def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     """Real speculative decoding with greedy verification against the step's target, in the evaluation
-    worker's own process (`eval.nproc` ranks; a GPU pod in production), which measures every drafter of the
+    worker's own process (`launch.evaluation.nproc` ranks; a GPU pod in production), which measures every drafter of the
     step, decides the promotion and reports tau, where it ran and the `tau_in_range` check over Pipes; the
     plots and the ledger are added here from the records it wrote."""
     cfg, store, launcher, step = pipeline.config, pipeline.store(), pipeline.launcher(), step_of(context)
     training = read_training(store, cfg.run, step)
-    spent = _stage_seconds(context, {EXTRACTION: cfg.extract.nproc,
-                                     TRAINING: cfg.train.nproc_per_node if training.figures else 0})
+    spent = _stage_seconds(context, {EXTRACTION: cfg.launch.extraction.nproc,
+                                     TRAINING: cfg.launch.training.nproc if training.figures else 0})
     job = launcher.stage_job(EVALUATION, step, new_version=training.version, spent_s=spent)
     measured = launcher.run_stage(context, job).get_materialize_result()
     record = read_acceptance(store, cfg.run, step)

@@ -1,4 +1,4 @@
-"""The launcher's side of a warm stage worker (`train.launcher: warm`, `pipeline.launch.warm`): a Pipes
+"""The launcher's side of a warm stage worker (`launch.launcher: warm`, `pipeline.launch.warm`): a Pipes
 client that hands a one-rank stage's job to its stage's long-lived worker over a Unix socket, starting
 the worker when none is listening.
 

@@ -1,22 +1,19 @@
-"""How a drafter training process is started: its command line and, in production, its pod or job.
+"""A drafter training on several nodes: torchrun's c10d rendezvous, in production an indexed Job of pods behind a
+headless Service, on one machine that many torchrun agents on loopback.
 
-All are pure functions of the pipeline config, so the Dagster layer (which hands them to
-`PipesSubprocessClient`, `PipesK8sClient` or the indexed Job of `resources/launcher.py`) and
-the tests build exactly the same thing.
+    orchestrator (Dagster step)                 training process(es), on each of N nodes
+    drafter asset ── Pipes ──> torchrun --nnodes=N --nproc-per-node=M --rdzv-backend=c10d -m pipeline.training.worker
+                                 ├── rank 0 (node 0): trains its share, reports back through Pipes, registers
+                                 └── rank 1..NxM-1: train their shares
 
-    orchestrator (Dagster step)                 training process(es)
-    drafter asset ── Pipes ──> torchrun --nproc-per-node=M -m pipeline.training.worker
-                                 ├── rank 0: trains its share, reports back through Pipes, registers
-                                 └── rank 1..M-1: train their shares
-    (M = 1 on one node: `python -m pipeline.training.worker`, no torchrun agent in between)
-
-Several nodes (`train.nnodes` = N > 1): one torchrun agent per node, joined by torchrun's c10d
-rendezvous on node 0 (`--rdzv-backend=c10d`), N x M ranks in all. In production the nodes are
-the pods of an indexed Kubernetes Job, found through a headless Service (`training_job_spec`,
-`training_service_spec`); on one machine (`train.launcher: subprocess`) they are N agents on
-loopback, started by `python -m pipeline.launch.multinode` (`run_local_nodes`), for tests and
-trials. `--max-restarts=0`: a node or rank that dies fails the whole training at once, and
-Dagster's retry resumes it from its last checkpoint on a fresh set of nodes.
+`launch.training.nnodes` = N > 1: one torchrun agent per node, joined by the c10d rendezvous on node 0, N x M
+ranks in all (one node is `pipeline.launch.process`'s: its worker, or torchrun `--standalone`). In production the
+nodes are the pods of an indexed Kubernetes Job, found through a headless Service (`training_job_spec`,
+`training_service_spec`); on one machine (`launch.launcher: subprocess`) they are N agents on loopback, started
+by `python -m pipeline.launch.multinode` (`run_local_nodes`), for tests and trials. `--max-restarts=0`: a node
+or rank that dies fails the whole training at once, and Dagster's retry resumes it from its last checkpoint on
+a fresh set of nodes. All are pure functions of the pipeline config, so the Dagster layer (the indexed Job of
+`resources/launcher.py`) and the tests build exactly the same thing.
 """
 
 from __future__ import annotations
@@ -30,50 +27,26 @@ import time
 import uuid
 
 from pipeline.config import PipelineConfig
-from pipeline.launch import process as stage_launch
+from pipeline.launch.process import LOOPBACK_NODES_MODULE, pod_labels, stage_pod_spec
 from pipeline.stages import TRAINING
-
-TRAIN_MODULE = TRAINING.worker
-LAUNCH_MODULE = "pipeline.launch.multinode"
-
 
 RDZV_TIMEOUT_S = 1200  # pods of one Job may start minutes apart while GPU nodes scale up (as the run monitor waits)
 NODE_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 
 
-def torchrun_command(
-    nproc_per_node: int, python: str = sys.executable, nnodes: int = 1, rdzv_endpoint: str = "", rdzv_id: str = "",
-    local_addr: str = "",
-) -> list[str]:
-    """torchrun with one worker process per GPU. One node: `--standalone`, a rendezvous on a free
-    local port (so parallel trainings on one machine never collide). Several: the c10d rendezvous
-    at `rdzv_endpoint` (node 0 serves it), `rdzv_id` naming this training; `local_addr` is how the
-    others reach this node, and orders the nodes (ranks go to nodes sorted by it: node 0 gets rank 0)."""
-    if nproc_per_node < 1:
-        raise ValueError(f"train.nproc_per_node must be >= 1, got {nproc_per_node}")
-    if nnodes < 1:
-        raise ValueError(f"train.nnodes must be >= 1, got {nnodes}")
-    if nnodes == 1:
-        return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
-                "-m", TRAIN_MODULE]  # stage_launch.worker_command's, also for one rank
+def torchrun_command(nproc_per_node: int, python: str, nnodes: int, rdzv_endpoint: str, rdzv_id: str,
+                     local_addr: str = "") -> list[str]:
+    """torchrun on one of `nnodes` nodes, one worker process per GPU: the c10d rendezvous at `rdzv_endpoint` (node 0
+    serves it), `rdzv_id` naming this training; `local_addr` is how the others reach this node, and orders the
+    nodes (ranks go to nodes sorted by it: node 0 gets rank 0)."""
+    if nproc_per_node < 1 or nnodes < 2:
+        raise ValueError(f"several nodes of at least one rank each, got {nnodes} x {nproc_per_node}")
     if not (rdzv_endpoint and rdzv_id):
         raise ValueError("several nodes need a rendezvous endpoint and id")
     return [python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}",
             f"--rdzv-conf=join_timeout={RDZV_TIMEOUT_S},read_timeout={RDZV_TIMEOUT_S}", "--max-restarts=0",
-            *([f"--local-addr={local_addr}"] if local_addr else []), "-m", TRAIN_MODULE]
-
-
-def train_command(nproc_per_node: int, python: str = sys.executable, nnodes: int = 1) -> list[str]:
-    """The training process's command line on this machine: torchrun for several ranks; one process
-    is started directly, as rank 0 of 1, because torchrun's agent would only add its own start-up
-    (about 3.5 CPU seconds importing torch) and a process between Dagster and the training.
-    Several nodes: their loopback stand-ins (`run_local_nodes`)."""
-    if nnodes > 1:
-        return [python, "-m", LAUNCH_MODULE, f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}"]
-    if nproc_per_node < 1:
-        raise ValueError(f"train.nproc_per_node must be >= 1, got {nproc_per_node}")
-    return stage_launch.worker_command(TRAIN_MODULE, nproc_per_node, python)
+            *([f"--local-addr={local_addr}"] if local_addr else []), "-m", TRAINING.worker]
 
 
 def run_local_nodes(nnodes: int, nproc_per_node: int, python: str = sys.executable, poll_s: float = 0.2) -> int:
@@ -109,17 +82,7 @@ def run_local_nodes(nnodes: int, nproc_per_node: int, python: str = sys.executab
         time.sleep(poll_s)
 
 
-def pod_labels(cfg: PipelineConfig, step: int) -> dict[str, str]:
-    return stage_launch.pod_labels(cfg, TRAINING, step)
-
-
-def training_pod_spec(cfg: PipelineConfig) -> dict:
-    """The PodSpec of one training pod (`pipeline.launch.process.pod_spec`): `nproc_per_node` GPUs, `train.k8s`'s
-    CPU and memory, torchrun as the command (`train_command`; a Job's pods: `training_job_spec`)."""
-    return stage_launch.pod_spec(cfg, TRAINING, train_command(cfg.train.nproc_per_node, python="python"))
-
-
-# -- several nodes: an indexed Job and its headless Service
+# -- an indexed Job and its headless Service
 
 
 def training_job_name(run_id: str) -> str:
@@ -129,33 +92,35 @@ def training_job_name(run_id: str) -> str:
 
 
 def _job_labels(cfg: PipelineConfig, step: int, name: str) -> dict[str, str]:
-    return {**pod_labels(cfg, step), "drafter-cotraining/training-job": name}
+    return {**pod_labels(cfg, TRAINING, step), "drafter-cotraining/training-job": name}
 
 
 def training_service_spec(cfg: PipelineConfig, name: str, step: int) -> dict:
     """The headless Service that gives each pod of the Job a DNS name, `<name>-<index>.<name>`:
     node 0's is the rendezvous endpoint. Addresses are published before the pods are ready, so
     the rendezvous can form while the pods start."""
+    port = cfg.launch.training.rdzv_port
     return {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": name, "labels": pod_labels(cfg, step)},
+        "metadata": {"name": name, "labels": pod_labels(cfg, TRAINING, step)},
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
                  "selector": {"drafter-cotraining/training-job": name},
-                 "ports": [{"name": "c10d", "port": cfg.train.rdzv_port, "targetPort": cfg.train.rdzv_port}]},
+                 "ports": [{"name": "c10d", "port": port, "targetPort": port}]},
     }
 
 
 def training_job_spec(cfg: PipelineConfig, name: str, step: int, env: dict[str, str]) -> dict:
-    """The indexed Job of a training on `train.nnodes` nodes: one pod per node (`training_pod_spec`'s,
-    with `nproc_per_node` GPUs), torchrun's c10d rendezvous at node 0, `env` (Dagster Pipes'
+    """The indexed Job of a training on `launch.training.nnodes` nodes: one pod per node (the training's pod,
+    with `launch.training.nproc` GPUs), torchrun's c10d rendezvous at node 0, `env` (Dagster Pipes'
     bootstrap variables) in every pod. Rank 0 runs on node 0, whose log carries the Pipes messages.
     `backoffLimit: 0`: one failed pod fails the Job, whose other pods Kubernetes then stops; the
     retry is Dagster's, and resumes from the last checkpoint."""
-    nnodes, port = cfg.train.nnodes, cfg.train.rdzv_port
-    pod = training_pod_spec(cfg)
+    training = cfg.launch.training
+    nnodes, port = training.nnodes, training.rdzv_port
+    pod = stage_pod_spec(cfg, TRAINING)
     container = pod["containers"][0]
-    container["command"] = torchrun_command(cfg.train.nproc_per_node, "python", nnodes, f"{name}-0.{name}:{port}",
-                                            name, local_addr="$(NODE_ADDR)")
+    container["command"] = torchrun_command(training.nproc, "python", nnodes, f"{name}-0.{name}:{port}", name,
+                                            local_addr="$(NODE_ADDR)")
     container["env"] = [
         {"name": "NODE_INDEX",
          "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{NODE_INDEX_ANNOTATION}']"}}},
@@ -176,7 +141,7 @@ def training_job_spec(cfg: PipelineConfig, name: str, step: int, env: dict[str, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog=f"python -m {LAUNCH_MODULE}",
+    parser = argparse.ArgumentParser(prog=f"python -m {LOOPBACK_NODES_MODULE}",
                                      description="Several torchrun nodes on this machine (loopback rendezvous).")
     parser.add_argument("--nnodes", type=int, required=True)
     parser.add_argument("--nproc-per-node", type=int, default=1)

@@ -1,20 +1,14 @@
 """How a model stage's process is started: its job, its command line and, in production, its pod.
 
 Every stage that runs a model (extraction, training, evaluation, refresh: `pipeline.stages`) runs in a process
-of its own, launched through Dagster Pipes with the same settings (`train.launcher`, `train.k8s`): a
-subprocess of the Dagster run here, a GPU pod through `PipesK8sClient` in production, each
-stage with its own ranks and resources.
-
-    stage        ranks                resources
-    extraction   extract.nproc        extract.cpu / .memory
-    training     train.nproc_per_node train.k8s.cpu / .memory
-    evaluation   eval.nproc           eval.cpu / .memory
-    refresh      1                    train.k8s.cpu / .memory
+of its own, launched through Dagster Pipes as `launch.launcher` says: a subprocess of the Dagster run (or the
+stage's warm worker) here, a GPU pod through `PipesK8sClient` in production, each stage with the ranks and
+resources of its `launch.<stage>` (what the pods share: `launch.k8s`).
 
 One rank is started as `python -m <worker>` (rank 0 of 1, no torchrun agent: its start-up would
-only add a torch import); several as `torchrun --standalone --nproc-per-node=N -m <worker>`.
-All are pure functions of the config, so the Dagster layer and the tests build the same thing.
-Training's several-node Job is `pipeline.launch.multinode`'s.
+only add a torch import); several as `torchrun --standalone --nproc-per-node=N -m <worker>`; a training on
+several nodes as that many torchrun agents on loopback here (`pipeline.launch.multinode`), or as an indexed
+Job of pods. All are pure functions of the config, so the Dagster layer and the tests build the same thing.
 """
 
 from __future__ import annotations
@@ -23,9 +17,10 @@ import sys
 from dataclasses import dataclass, field, fields
 
 from pipeline.config import PipelineConfig, parse_resolved_config
-from pipeline.stages import EXTRACTION, LAUNCHED, Stage
+from pipeline.stages import EXTRACTION, LAUNCHED, TRAINING, Stage
 
 SHM_VOLUME = "dshm"
+LOOPBACK_NODES_MODULE = "pipeline.launch.multinode"  # a training's nodes as torchrun agents on this machine
 
 
 @dataclass(frozen=True)
@@ -97,8 +92,8 @@ def _is_int(value: object) -> bool:
 
 
 def stage_ranks(cfg: PipelineConfig, stage: Stage) -> int:
-    return {"extraction": cfg.extract.nproc, "training": cfg.train.nproc_per_node,
-            "evaluation": cfg.eval.nproc, "refresh": 1}[stage.name]
+    """The ranks of a stage on one node (a training's: on each of its `launch.training.nnodes`)."""
+    return cfg.launch.of(stage).nproc
 
 
 def worker_command(module: str, nproc: int, python: str = sys.executable) -> list[str]:
@@ -111,7 +106,12 @@ def worker_command(module: str, nproc: int, python: str = sys.executable) -> lis
 
 
 def stage_command(cfg: PipelineConfig, stage: Stage, python: str = sys.executable) -> list[str]:
-    return worker_command(stage.worker, stage_ranks(cfg, stage), python)
+    """The stage's command on this machine; a training on several nodes: their loopback stand-ins."""
+    nproc = stage_ranks(cfg, stage)
+    if stage == TRAINING and cfg.launch.training.nnodes > 1:
+        return [python, "-m", LOOPBACK_NODES_MODULE, f"--nnodes={cfg.launch.training.nnodes}",
+                f"--nproc-per-node={nproc}"]
+    return worker_command(stage.worker, nproc, python)
 
 
 def pod_labels(cfg: PipelineConfig, stage: Stage, step: int) -> dict[str, str]:
@@ -123,14 +123,12 @@ def pod_spec(cfg: PipelineConfig, stage: Stage, command: list[str]) -> dict:
     """The PodSpec (camelCase, as in a manifest) of one stage's pod: one GPU per rank (extraction and
     evaluation: `target.split_devices` per rank for a split policy), the stage's CPU and
     memory, `command`, /dev/shm in memory (NCCL's shared-memory transport needs more than the container
-    runtime's 64 MB), secrets from the Secret `train.k8s.env_secret` by reference, never inline."""
-    k8s = cfg.train.k8s
+    runtime's 64 MB), secrets from the Secret `launch.k8s.env_secret` by reference, never inline."""
+    k8s, settings = cfg.launch.k8s, cfg.launch.of(stage)
     if not k8s.image:
-        raise ValueError(f"train.k8s.image is empty: the {stage} pod needs an image with this project installed")
-    cpu, memory = (k8s.cpu, k8s.memory) if stage.name in ("training", "refresh") else \
-        {"extraction": (cfg.extract.cpu, cfg.extract.memory), "evaluation": (cfg.eval.cpu, cfg.eval.memory)}[stage.name]
+        raise ValueError(f"launch.k8s.image is empty: the {stage} pod needs an image with this project installed")
     per_rank = cfg.target.gpus_per_process if stage.policy_per_rank else 1  # a split policy: a block per rank
-    amounts = {"cpu": cpu, "memory": memory, k8s.gpu_resource: str(stage_ranks(cfg, stage) * per_rank)}
+    amounts = {"cpu": settings.cpu, "memory": settings.memory, k8s.gpu_resource: str(settings.nproc * per_rank)}
     container: dict = {
         "name": stage.container,
         "image": k8s.image,
@@ -143,8 +141,8 @@ def pod_spec(cfg: PipelineConfig, stage: Stage, command: list[str]) -> dict:
         container["envFrom"] = [{"secretRef": {"name": k8s.env_secret}}]
     volumes = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size}}]
     if stage == EXTRACTION:  # e.g. the shared volume vLLM's connector writes its files to
-        container["volumeMounts"] += [dict(m) for m in cfg.extract.volume_mounts]
-        volumes += [dict(v) for v in cfg.extract.volumes]
+        container["volumeMounts"] += [dict(m) for m in cfg.launch.extraction.volume_mounts]
+        volumes += [dict(v) for v in cfg.launch.extraction.volumes]
     spec: dict = {
         "restartPolicy": "Never",  # a failed stage is retried by Dagster
         "containers": [container],
@@ -160,5 +158,5 @@ def pod_spec(cfg: PipelineConfig, stage: Stage, command: list[str]) -> dict:
 
 
 def stage_pod_spec(cfg: PipelineConfig, stage: Stage) -> dict:
-    """The pod of extraction or evaluation (`pod_spec` with the stage's worker command)."""
-    return pod_spec(cfg, stage, stage_command(cfg, stage, python="python"))
+    """The pod of one node of a stage: `pod_spec` with the stage's worker command."""
+    return pod_spec(cfg, stage, worker_command(stage.worker, stage_ranks(cfg, stage), python="python"))

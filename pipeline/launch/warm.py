@@ -1,4 +1,4 @@
-"""A warm stage worker (`train.launcher: warm`): one long-lived process per stage that keeps its imports
+"""A warm stage worker (`launch.launcher: warm`): one long-lived process per stage that keeps its imports
 (torch, transformers, MLflow, the stage's own modules) loaded and runs the stage's jobs one at a time.
 
     python -m pipeline.launch.warm --stage extraction --socket S --lock L --idle-s 90

@@ -68,8 +68,18 @@ def training_decision(
 
 # Where a training runs, whether its ranks shard the drafter (the same steps, up to float rounding),
 # how often and how it saves and how often it reports do not change what it learns: kept out of its identity.
-_PLACEMENT_KEYS = {"launcher", "k8s", "checkpoint_every", "log_every", "checkpoint_background", "parallelism",
-                   "fsdp_memory_share", "fsdp_units", "gpu_memory_gb", "rdzv_port"}
+_PLACEMENT_KEYS = {"checkpoint_every", "log_every", "checkpoint_background", "parallelism", "fsdp_memory_share",
+                   "fsdp_units", "gpu_memory_gb"}
+
+
+def _identity_settings(cfg: PipelineConfig) -> dict:
+    """The training settings an identity digests: `train` less placement, and the world the training runs on
+    (its ranks per node and nodes split every batch into the ranks' shares), under the names the identities in
+    the registry give them. Those identities digest `launch.warm_idle_s` too: without it every trained step
+    would get a new identity, and its rerun would train again instead of finding its version."""
+    launch = cfg.launch
+    return {**cfg.train.model_dump(exclude=_PLACEMENT_KEYS), "nproc_per_node": launch.training.nproc,
+            "nnodes": launch.training.nnodes, "warm_idle_s": launch.warm_idle_s}
 
 
 def input_identity(
@@ -80,7 +90,7 @@ def input_identity(
     The warm start is left out on purpose: a rerun of a step finds the champion that step itself
     promoted, yet trains on the same data."""
     doc = {
-        "run": cfg.run, "train": cfg.train.model_dump(exclude=_PLACEMENT_KEYS), "drafter": cfg.drafter.model_dump(),
+        "run": cfg.run, "train": _identity_settings(cfg), "drafter": cfg.drafter.model_dump(),
         # Samples by id, not by shard file: rewriting a step's shards gives new file names.
         "samples": [(e.step, e.sample_id) for e in entries], "policy": policy_uri,
     }

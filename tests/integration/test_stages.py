@@ -105,7 +105,7 @@ def test_extraction_on_two_ranks_writes_one_process_shards_and_a_killed_rank_com
     commits byte-identical shards and the same content digest; the killed rank's shard is swept."""
     base = write_config(tmp_path, {"simulation": {"rollouts_per_step": 48},
                                    "hidden_states": {"samples_per_shard": 5, "tokens_per_batch": 64}})
-    two = _variant(base, "two.yaml", {"extract": {"nproc": 2}})
+    two = _variant(base, "two.yaml", {"launch": {"extraction": {"nproc": 2}}})
     cfg = load_config(base)
     store = open_store(cfg)
     SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
@@ -165,7 +165,7 @@ def test_evaluation_on_two_ranks_measures_the_tau_of_one_process(tmp_path: Path)
     step's cost record carries where the evaluation ran."""
     base = write_config(tmp_path, {"simulation": {"rollouts_per_step": 96},
                                    "eval": {"num_prompts": 34, "held_out_fraction": 0.4, "max_new_tokens": 6}})
-    two = _variant(base, "two.yaml", {"eval": {"nproc": 2}})
+    two = _variant(base, "two.yaml", {"launch": {"evaluation": {"nproc": 2}}})
     cfg = load_config(base)
     store = open_store(cfg)
     SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
@@ -196,8 +196,8 @@ def test_warm_workers_write_the_shards_and_measure_the_tau_of_fresh_processes(tm
     warm = write_config(tmp_path, {"simulation": {"rollouts_per_step": 48},
                                    "hidden_states": {"samples_per_shard": 5, "tokens_per_batch": 64},
                                    "eval": {"num_prompts": 6, "held_out_fraction": 0.3, "max_new_tokens": 6},
-                                   "train": {"launcher": "warm", "warm_idle_s": 120.0}})
-    fresh = _variant(warm, "fresh.yaml", {"train": {"launcher": "subprocess"}})
+                                   "launch": {"launcher": "warm", "warm_idle_s": 120.0}})
+    fresh = _variant(warm, "fresh.yaml", {"launch": {"launcher": "subprocess"}})
     cfg = load_config(warm)
     store = open_store(cfg)
     SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
@@ -233,7 +233,7 @@ def test_a_warm_worker_killed_mid_job_fails_its_step_and_commits_nothing(
     worker and commits the content digest of this process's extraction."""
     path = write_config(tmp_path, {"simulation": {"rollouts_per_step": 48},
                                    "hidden_states": {"samples_per_shard": 5, "tokens_per_batch": 64},
-                                   "train": {"launcher": "warm"}})
+                                   "launch": {"launcher": "warm"}})
     cfg = load_config(path)
     store = open_store(cfg)
     SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
@@ -262,7 +262,7 @@ def test_a_warm_worker_killed_mid_job_fails_its_step_and_commits_nothing(
 def test_a_worker_started_ahead_takes_the_first_job_and_its_probe_is_no_job(tmp_path: Path) -> None:
     """`StageLauncher.prestart` starts the extraction worker before any step (and finds it listening when asked
     again); the step's job then runs on that worker as its job 1: the prestart's connections were probes."""
-    path = write_config(tmp_path, {"train": {"launcher": "warm", "warm_idle_s": 60.0}})
+    path = write_config(tmp_path, {"launch": {"launcher": "warm", "warm_idle_s": 60.0}})
     cfg = load_config(path)
     SimulatedRL(cfg.simulation, open_store(cfg), cfg.run, cfg.data_path / "cache").run_step(STEP)
     launcher = pipeline_resource(str(path)).launcher()
@@ -277,7 +277,7 @@ def test_a_worker_started_ahead_takes_the_first_job_and_its_probe_is_no_job(tmp_
     jobs = [line for line in files.log.read_text().splitlines() if line.startswith("job ")]
     assert len(jobs) == 1
     assert jobs[0].startswith("job 1: ok")
-    subprocess_launcher = pipeline_resource(str(_variant(path, "fresh.yaml", {"train": {"launcher": "subprocess"}})))
+    subprocess_launcher = pipeline_resource(str(_variant(path, "fresh.yaml", {"launch": {"launcher": "subprocess"}})))
     assert subprocess_launcher.launcher().prestart([EXTRACTION]) == []  # a process per step: nothing to start
 
 
@@ -298,10 +298,10 @@ with dg.instance_for_test() as instance:
 def test_a_warm_worker_stops_with_its_killed_step_and_leaves_when_idle(tmp_path: Path) -> None:
     """A Dagster step in a process of its own, SIGKILLed once the first shard is written: its warm worker exits
     at once and nothing more is written (no shard, no manifest, no placement record). A worker idle for
-    `train.warm_idle_s` exits by itself and removes its socket."""
+    `launch.warm_idle_s` exits by itself and removes its socket."""
     path = write_config(tmp_path, {"simulation": {"rollouts_per_step": 48},
                                    "hidden_states": {"samples_per_shard": 5, "tokens_per_batch": 64},
-                                   "train": {"launcher": "warm", "warm_idle_s": 3.0}})
+                                   "launch": {"launcher": "warm", "warm_idle_s": 3.0}})
     cfg = load_config(path)
     store = open_store(cfg)
     SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
@@ -354,21 +354,21 @@ def test_each_stage_pod_is_the_stage_worker_with_its_own_resources(stage: Stage)
     """deploy/pipeline.yaml's pod of each stage, as data: the project's image, the stage's worker under torchrun,
     one GPU per rank and the stage's own memory, secrets only by reference."""
     cfg = load_config(DEPLOY / "pipeline.yaml", {"hidden_states": {"source": "forward"},
-                                                 "extract": {"nproc": 2, "memory": "200Gi"},
-                                                 "eval": {"nproc": 4, "memory": "300Gi"}})
+                                                 "launch": {"extraction": {"nproc": 2, "memory": "200Gi"},
+                                                            "evaluation": {"nproc": 4, "memory": "300Gi"}}})
     spec = launch.stage_pod_spec(cfg, stage)
     (container,) = spec["containers"]
     ranks, memory = {EXTRACTION: (2, "200Gi"), EVALUATION: (4, "300Gi")}[stage]
-    assert container["image"] == cfg.train.k8s.image
+    assert container["image"] == cfg.launch.k8s.image
     assert container["command"] == ["python", "-m", "torch.distributed.run", "--standalone",
                                     f"--nproc-per-node={ranks}", "-m", stage.worker]
     assert container["resources"]["limits"] == container["resources"]["requests"] == {
-        "cpu": {EXTRACTION: cfg.extract.cpu, EVALUATION: cfg.eval.cpu}[stage], "memory": memory,
-        cfg.train.k8s.gpu_resource: str(ranks)}
-    assert container["envFrom"] == [{"secretRef": {"name": cfg.train.k8s.env_secret}}]
+        "cpu": cfg.launch.of(stage).cpu, "memory": memory,
+        cfg.launch.k8s.gpu_resource: str(ranks)}
+    assert container["envFrom"] == [{"secretRef": {"name": cfg.launch.k8s.env_secret}}]
     assert "env" not in container  # no value inline: PipesK8sClient adds only its bootstrap variables
     assert spec["restartPolicy"] == "Never"
-    assert spec["nodeSelector"] == cfg.train.k8s.node_selector
+    assert spec["nodeSelector"] == cfg.launch.k8s.node_selector
     assert launch.pod_labels(cfg, stage, 7)["drafter-cotraining/stage"] == stage.name
     # What PipesK8sClient.run submits: dagster-k8s merges the spec with the Pipes bootstrap environment into the
     # kubernetes client's V1Pod (unknown fields are refused).
@@ -383,15 +383,15 @@ def test_each_stage_pod_is_the_stage_worker_with_its_own_resources(stage: Stage)
     assert launch.stage_pod_spec(one, stage)["containers"][0]["command"] == ["python", "-m", stage.worker]
     split = load_config(DEPLOY / "pipeline.yaml", {"target": {"split": "layers", "split_devices": 4}})
     limits = launch.stage_pod_spec(split, stage)["containers"][0]["resources"]["limits"]
-    assert limits[cfg.train.k8s.gpu_resource] == "4"  # one rank, its policy split over a block of 4 GPUs
+    assert limits[cfg.launch.k8s.gpu_resource] == "4"  # one rank, its policy split over a block of 4 GPUs
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    ({"extract": {"nproc": 0}}, "extract.nproc"),
-    ({"eval": {"memory": "lots"}}, "eval.memory"),
-    ({"extract": {"nproc": 2}, "hidden_states": {"source": "vllm", "vllm_path": "/x", "vllm_layer_ids": [1]}},
-     "extract.nproc is 2"),
-    ({"eval": {"nproc": 2}, "device": "mps"}, "eval.nproc above 1"),
+    ({"launch": {"extraction": {"nproc": 0}}}, "launch.extraction.nproc"),
+    ({"launch": {"evaluation": {"memory": "lots"}}}, "launch.evaluation.memory"),
+    ({"launch": {"extraction": {"nproc": 2}},
+      "hidden_states": {"source": "vllm", "vllm_path": "/x", "vllm_layer_ids": [1]}}, "launch.extraction.nproc is 2"),
+    ({"launch": {"evaluation": {"nproc": 2}}, "device": "mps"}, "launch.extraction.nproc / launch.evaluation.nproc"),
 ])
 def test_stage_ranks_are_validated_with_the_key_named(overrides: dict, message: str) -> None:
     from pipeline.config import ConfigError
