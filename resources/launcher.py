@@ -21,10 +21,11 @@ from pipeline.launch.multinode import (
     training_service_spec,
 )
 from pipeline.launch.process import StageJob, pod_labels, stage_command, stage_pod_spec, stage_ranks
+from pipeline.launch.warm import WarmWorker
 from pipeline.stages import TRAINING, Stage
 from pipeline.training.plan import TrainJob
 from resources.pipes_messages import PipesWholeLineTempFileMessageReader
-from resources.warm import PipesWarmClient, prestart
+from resources.warm import PipesWarmClient
 
 POD_START_TIMEOUT_S = 1800  # node 0's pod: a GPU node scaling up from zero, then a multi-GB image pull
 
@@ -55,7 +56,7 @@ class StageLauncher:
             return []
         started = [stage for stage in stages if self.ranks(stage) == 1]
         for stage in started:
-            prestart(stage, self.cfg.data_path, self.working_dir, self.launch.warm_idle_s)
+            WarmWorker(stage, self.cfg.data_path, self.working_dir, self.launch.warm_idle_s).prestart()
         return started
 
     def ranks(self, stage: Stage) -> int:

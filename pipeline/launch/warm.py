@@ -1,118 +1,111 @@
-"""A warm stage worker (`launch.launcher: warm`): one long-lived process per stage that keeps its imports
-(torch, transformers, MLflow, the stage's own modules) loaded and runs the stage's jobs one at a time.
+"""A stage's warm worker (`launch.launcher: warm`): one long-lived process per stage that keeps its imports (torch,
+transformers, MLflow, the stage's own modules) loaded and runs the stage's one-rank jobs one at a time, and the
+protocol between it and its launcher, both ends.
 
     python -m pipeline.launch.warm --stage extraction --socket S --lock L --idle-s 90
 
-It listens on the Unix socket S (in the run's private stages folder, `pipeline.rendezvous`) and runs one
-job at a time; the others' requests wait, read as they arrive:
+    <data_dir>/stages/                     mode 0700, this user's (`pipeline.rendezvous`): no other local user
+                                          can listen, plant a file or read a log there
+    <data_dir>/stages/<stage>-<key>.sock   the worker's socket (reached through the folder's descriptor when its
+                                          path is too long for a Unix socket: it never moves elsewhere)
+    <data_dir>/stages/<stage>-<key>.lock   taken to connect or start, so two launchers never start two workers
+    <data_dir>/stages/<stage>-<key>.log    the worker's output (mode 0600): its tail is in every error the
+                                          launcher's side raises
+
+The key digests what a worker inherits at its start and a fresh process would too: the Python executable, the
+working directory and the environment. A launcher with another environment (a test's fault injection, another
+PYTHONPATH) gets a worker of its own. Over the socket, one job per connection:
 
     request   one JSON line {"pipes": {...}}: the Pipes bootstrap variables the launcher's session gives
               (what a launched process finds in its environment), the context and the message channel both
     job       the stage worker's own rank-0 body, `run_pipes`, over that Pipes channel, as in a fresh
-              process: the same messages, materialization, checks and logs reach Dagster
-    answer    one JSON line {"ok": bool, "error": str | null, "pid": int, "jobs": int}
+              process (`pipeline.launch.worker.WarmJobs`): the same messages, materialization, checks and logs
+              reach Dagster
+    answer    one JSON line {"ok": bool, "error": str | null, "pid": int, "jobs": int}, once the job is done
 
-A connection closed before its request line is a probe (`resources.warm.prestart`: a launcher that
-started the worker ahead of its first job, or checked that one listens): no job, no answer. A request
-that carries no job (not JSON, no Pipes context or message channel) is answered as a failure and runs
-nothing: a stage never falls back to the configuration its working directory implies. A client that
-sends no request line within REQUEST_TIMEOUT_S is dropped, so an idle one holds no job up, and a
-process of another user is refused as it connects (its credentials, SO_PEERCRED).
+The job goes only to a worker of this user, and a worker takes jobs only from this user's launchers: each end
+checks the other's credentials (SO_PEERCRED). A connection closed before its request line is a probe (`prestart`:
+a launcher that starts the worker ahead of its first job, or checks that one listens): no job, no answer. A
+request that carries no job (not JSON, no Pipes context or message channel) is answered as a failure and runs
+nothing: a stage never falls back to the configuration its working directory implies. A client that sends no
+request line within REQUEST_TIMEOUT_S is dropped, so an idle one holds no job up; the others' requests wait,
+read as they arrive.
 
-A job leaves the process as a fresh one finds it: torch's RNG state, default dtype, thread count,
-grad mode and deterministic flag, the environment and the working directory are restored, an
-MLflow run left active is ended, and the peak memory (the next job's placement record) is reset.
-Nothing else is kept between jobs: every job loads its policy and drafters from the store, so its
-output is bit for bit a fresh process's.
-
-The launcher's side closing the connection mid-job (its Dagster step killed) ends this process at
-once, as `pipeline.launch.worker.exit_with_launcher` ends a launched worker: nothing is written after its
-launcher is gone. With no request for `--idle-s` seconds it removes its socket and exits; it checks
-the backlog under the launcher's lock L first, so a launcher never connects to a server about to leave.
+The launcher's side closing the connection mid-job (its Dagster step killed) ends the worker at once, as
+`pipeline.launch.worker.exit_with_launcher` ends a launched worker: nothing is written after its launcher is
+gone. With no request for `--idle-s` seconds the worker removes its socket and exits; it checks the backlog
+under the launchers' lock first, so a launcher never connects to a worker about to leave.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
-import gc
-import importlib
+import hashlib
 import json
 import os
 import select
 import socket
+import subprocess
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
-import torch
-from dagster_pipes import PipesContext, PipesMappingParamsLoader, open_dagster_pipes
-
-from pipeline.rendezvous import Peer, unix_address
+from pipeline.rendezvous import Peer, private_dir, private_file, unix_address
 from pipeline.stages import LAUNCHED, Stage, stage_named
 
+START_TIMEOUT_S = 600  # a cold worker's imports on a loaded machine
 REQUEST_TIMEOUT_S = 30.0  # a launcher sends its request as it connects; a client silent this long is dropped
 REQUEST_MAX_BYTES = 1 << 20  # the Pipes bootstrap parameters are a few hundred bytes
 PIPES_KEYS = ("DAGSTER_PIPES_CONTEXT", "DAGSTER_PIPES_MESSAGES")
+# Change within one process (a test's name; MLflow's telemetry session, set at its first use), read by no stage.
+VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "_MLFLOW_TELEMETRY_SESSION_ID")
+LOG_TAIL_LINES = 30
+
+
+# --- the messages ----------------------------------------------------------------------------------------------
+
+
+class RequestError(ValueError):
+    """A request that carries no job: answered as a failure, nothing run."""
 
 
 @dataclass(frozen=True)
-class ProcessState:
-    """The process-wide state a job may change, as the server found it at start (a fresh process's)."""
+class Request:
+    """A job for the worker: the Pipes bootstrap parameters of the launcher's session."""
 
-    rng: torch.Tensor
-    seed: int
-    dtype: torch.dtype
-    threads: int
-    grad: bool
-    deterministic: bool
-    environ: dict[str, str]
-    cwd: Path
+    pipes: dict[str, str]
+
+    def to_line(self) -> bytes:
+        return (json.dumps({"pipes": self.pipes}) + "\n").encode()
 
     @classmethod
-    def capture(cls) -> ProcessState:
-        return cls(torch.get_rng_state(), torch.initial_seed(), torch.get_default_dtype(), torch.get_num_threads(),
-                   torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(), dict(os.environ),
-                   Path.cwd())
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.rng)
-        if torch.cuda.is_initialized():  # a fresh process's CUDA generators start from the default seed
-            torch.cuda.manual_seed_all(self.seed)
-            torch.cuda.empty_cache()
-            for device in range(torch.cuda.device_count()):
-                torch.cuda.reset_peak_memory_stats(device)
-        torch.set_default_dtype(self.dtype)
-        torch.set_num_threads(self.threads)
-        torch.set_grad_enabled(self.grad)
-        torch.use_deterministic_algorithms(self.deterministic)
-        os.environ.clear()
-        os.environ.update(self.environ)
-        os.chdir(self.cwd)
-        if "mlflow" in sys.modules:  # the registry uses MlflowClient; a fluent run left open would leak on
-            import mlflow
-
-            while mlflow.active_run():
-                mlflow.end_run()
-        PipesContext._instance = None  # noqa: SLF001  open_dagster_pipes returns an open singleton otherwise
-        gc.collect()
-        _reset_peak_rss()
-
-
-def _reset_peak_rss() -> None:
-    """The next job's peak resident set (its placement record) is its own, from what the process holds now, as
-    a fresh process's counts from its imports (Linux: the high-water mark reset through /proc)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass  # elsewhere the peak stays the worker's: an upper bound
+    def from_line(cls, line: bytes) -> Request:
+        """RequestError when the line is not a request that carries a job: not JSON, not {"pipes": {...}}, or
+        without the context and message channel a launcher's session gives."""
+        try:
+            request = json.loads(line)
+        except (UnicodeDecodeError, ValueError):
+            raise RequestError("the request is not a JSON line") from None
+        pipes = request.get("pipes") if isinstance(request, dict) else None
+        if not isinstance(pipes, dict):
+            raise RequestError("the request carries no Pipes bootstrap parameters (`pipes`)")
+        missing = [k for k in PIPES_KEYS if not isinstance(pipes.get(k), str) or not pipes[k]]
+        if missing:
+            raise RequestError(f"the request's Pipes bootstrap parameters leave out {', '.join(missing)}: no job to "
+                               "run (a stage never falls back to the configuration its working directory implies)")
+        return cls(pipes)
 
 
 @dataclass(frozen=True)
 class Answer:
+    """How the job went: `jobs` counts the worker's jobs so far, this one included."""
+
     ok: bool
     error: str | None
     pid: int
@@ -120,6 +113,164 @@ class Answer:
 
     def to_line(self) -> bytes:
         return (json.dumps({"ok": self.ok, "error": self.error, "pid": self.pid, "jobs": self.jobs}) + "\n").encode()
+
+    @classmethod
+    def from_line(cls, line: bytes) -> Answer:
+        doc = json.loads(line)
+        return cls(bool(doc["ok"]), doc["error"], int(doc["pid"]), int(doc["jobs"]))
+
+
+@dataclass(frozen=True)
+class ServerFiles:
+    """Where one stage's warm worker listens, locks and logs."""
+
+    socket: Path
+    lock: Path
+    log: Path
+
+    def log_tail(self) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+def server_files(data_dir: Path, stage: Stage, working_dir: Path, environ: dict[str, str] | None = None) -> ServerFiles:
+    env = {k: v for k, v in (os.environ if environ is None else environ).items() if k not in VOLATILE_ENV}
+    identity = json.dumps([sys.executable, str(working_dir), sorted(env.items())])
+    key = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    folder = data_dir / "stages"
+    return ServerFiles(folder / f"{stage.name}-{key}.sock", folder / f"{stage.name}-{key}.lock",
+                       folder / f"{stage.name}-{key}.log")
+
+
+# --- the launcher's end ----------------------------------------------------------------------------------------
+
+
+class WarmWorkerError(RuntimeError):
+    """The worker did not run the job: it failed to start, died mid-job, failed it, or is not this user's; the
+    message names the stage and ends with the tail of the worker's log."""
+
+
+class WarmWorker:
+    """The launcher's end: one stage's warm worker, started when none listens."""
+
+    def __init__(self, stage: Stage, data_dir: Path, working_dir: Path, idle_s: float) -> None:
+        self.stage, self.working_dir, self.idle_s = stage, working_dir, idle_s
+        self.files = server_files(data_dir, stage, working_dir)
+
+    def run(self, request: Request, handed: Callable[[Peer], None] = lambda peer: None) -> Answer:
+        """The job on the worker, its answer once the job is done; `handed` is called with the worker once it has
+        the request. WarmWorkerError when the worker died mid-job or failed the job."""
+        with self.connect() as conn:
+            peer = self.check_peer(conn)
+            conn.sendall(request.to_line())
+            handed(peer)
+            line = conn.makefile("rb").readline()  # the job's length: the worker answers when it is done
+        if not line:
+            raise WarmWorkerError(f"the warm {self.stage} worker died mid-job (nothing of it is committed unless it "
+                                  f"reported so); its log {self.files.log} ends:\n{self.files.log_tail()}")
+        answer = Answer.from_line(line)
+        if not answer.ok:
+            raise WarmWorkerError(f"the warm {self.stage} worker (pid {answer.pid}) failed its job: {answer.error}; "
+                                  f"its log {self.files.log} ends:\n{self.files.log_tail()}")
+        return answer
+
+    def prestart(self) -> None:
+        """The worker started now, unless one listens already: connected as a job would, closed before a request
+        (a probe)."""
+        with self.connect() as conn:
+            self.check_peer(conn)
+
+    def check_peer(self, conn: socket.socket) -> Peer:
+        """The worker at the socket's other end, if it is this user's process; the job goes to no other."""
+        peer = Peer.of(conn)
+        if not peer.is_this_user:
+            conn.close()
+            raise WarmWorkerError(
+                f"the process listening on {self.files.socket} (pid {peer.pid}) runs as uid {peer.uid}, not as this "
+                f"user (uid {os.getuid()}): the {self.stage} job is not handed to it")
+        return peer
+
+    def connect(self) -> socket.socket:
+        """A connection to the stage's worker, started first if none listens (under the lock, so once)."""
+        private_dir(self.files.lock.parent)
+        with private_file(self.files.lock) as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            conn = _try_connect(self.files.socket)
+            if conn is None:
+                conn = self._start()
+            return conn
+
+    def _start(self) -> socket.socket:
+        self.files.socket.unlink(missing_ok=True)  # a dead worker's, or none: nothing listens on it
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES_")}
+        with private_file(self.files.log) as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.launch.warm", "--stage", self.stage.name, "--socket",
+                 str(self.files.socket), "--lock", str(self.files.lock), "--idle-s", str(self.idle_s)],
+                cwd=self.working_dir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)  # outlives this step; the Dagster run's signals are not its
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if (conn := _try_connect(self.files.socket)) is not None:
+                # A launcher that outlives its worker (a process launching many steps) reaps it: no zombie.
+                threading.Thread(target=process.wait, name=f"reap-{self.stage}-worker", daemon=True).start()
+                return conn
+            if process.poll() is not None:
+                raise WarmWorkerError(
+                    f"the warm {self.stage} worker exited with code {process.returncode} at start; its log "
+                    f"{self.files.log} ends:\n{self.files.log_tail()}")
+            time.sleep(0.1)
+        process.kill()
+        raise WarmWorkerError(
+            f"the warm {self.stage} worker did not listen within {START_TIMEOUT_S} s; its log {self.files.log} "
+            f"ends:\n{self.files.log_tail()}")
+
+
+def _try_connect(path: Path) -> socket.socket | None:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with unix_address(path) as address:
+            conn.connect(address)
+    except (FileNotFoundError, ConnectionRefusedError):
+        conn.close()
+        return None
+    return conn
+
+
+# --- the worker's end ------------------------------------------------------------------------------------------
+
+
+class Jobs(Protocol):
+    """What the worker runs: a job over the Pipes channel a request names, then the process reset for the next."""
+
+    def run(self, pipes: dict[str, str]) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+def run_job(jobs: Jobs, conn: socket.socket, line: bytes, done_jobs: int) -> Answer:
+    """One request (its JSON `line`) run, and its answer. A request without a job is answered as a failure without
+    running anything."""
+    try:
+        request = Request.from_line(line)
+    except RequestError as exc:
+        return Answer(False, str(exc), os.getpid(), done_jobs)
+    done = threading.Event()
+    threading.Thread(target=_exit_when_client_leaves, args=(conn, done), name="launcher-watch", daemon=True).start()
+    started = time.perf_counter()
+    try:
+        jobs.run(request.pipes)
+        answer = Answer(True, None, os.getpid(), done_jobs + 1)
+    except Exception as e:  # noqa: BLE001  the Pipes channel carries it to Dagster; the answer says the job failed
+        traceback.print_exc()
+        answer = Answer(False, f"{type(e).__name__}: {e}", os.getpid(), done_jobs + 1)
+    finally:
+        done.set()
+    _log(f"job {done_jobs + 1}: {'ok' if answer.ok else 'failed'} in {time.perf_counter() - started:.1f} s")
+    return answer
 
 
 def _exit_when_client_leaves(conn: socket.socket, done: threading.Event) -> None:
@@ -130,54 +281,8 @@ def _exit_when_client_leaves(conn: socket.socket, done: threading.Event) -> None
     except OSError:
         pass
     if not done.is_set():
-        sys.stderr.write("the launcher disconnected mid-job: exiting\n")
-        sys.stderr.flush()
+        _log("the launcher disconnected mid-job: exiting")
         os._exit(1)
-
-
-def parse_request(line: bytes) -> dict[str, str]:
-    """The request's Pipes bootstrap parameters; RequestError when the line is not a request that carries a
-    job: not JSON, not {"pipes": {...}}, or without the context and message channel a launcher's session gives."""
-    try:
-        request = json.loads(line)
-    except (UnicodeDecodeError, ValueError):
-        raise RequestError("the request is not a JSON line") from None
-    pipes = request.get("pipes") if isinstance(request, dict) else None
-    if not isinstance(pipes, dict):
-        raise RequestError("the request carries no Pipes bootstrap parameters (`pipes`)")
-    missing = [k for k in PIPES_KEYS if not isinstance(pipes.get(k), str) or not pipes[k]]
-    if missing:
-        raise RequestError(f"the request's Pipes bootstrap parameters leave out {', '.join(missing)}: no job to run "
-                           "(a stage never falls back to the configuration its working directory implies)")
-    return pipes
-
-
-class RequestError(ValueError):
-    """A request that carries no job: answered as a failure, nothing run."""
-
-
-def run_job(worker, conn: socket.socket, line: bytes, jobs: int) -> Answer:
-    """One request (its JSON `line`): the stage's rank-0 body over the request's Pipes channel. A request
-    without a job is answered as a failure without running anything."""
-    try:
-        params = parse_request(line)
-    except RequestError as exc:
-        return Answer(False, str(exc), os.getpid(), jobs)
-    done = threading.Event()
-    threading.Thread(target=_exit_when_client_leaves, args=(conn, done), name="launcher-watch", daemon=True).start()
-    started = time.perf_counter()
-    try:
-        with open_dagster_pipes(params_loader=PipesMappingParamsLoader(params)) as pipes:
-            worker.run_pipes(pipes)
-        answer = Answer(True, None, os.getpid(), jobs + 1)
-    except Exception as e:  # noqa: BLE001  the Pipes channel carries it to Dagster; the answer says the job failed
-        traceback.print_exc()
-        answer = Answer(False, f"{type(e).__name__}: {e}", os.getpid(), jobs + 1)
-    finally:
-        done.set()
-    sys.stderr.write(f"job {jobs + 1}: {'ok' if answer.ok else 'failed'} in {time.perf_counter() - started:.1f} s\n")
-    sys.stderr.flush()
-    return answer
 
 
 @dataclass
@@ -189,10 +294,7 @@ class _Pending:
     received: bytearray
 
 
-def serve(stage: Stage, socket_path: Path, lock_path: Path, idle_s: float) -> None:
-    worker = importlib.import_module(stage.worker)  # the imports a fresh process pays for every job
-    gc.freeze()  # the imports' objects are never garbage: no collection scans them again (a full one takes 0.5 s)
-    fresh = ProcessState.capture()
+def serve(stage: Stage, socket_path: Path, lock_path: Path, idle_s: float, jobs: Jobs) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o077)  # only this user may send jobs
     try:
@@ -203,14 +305,14 @@ def serve(stage: Stage, socket_path: Path, lock_path: Path, idle_s: float) -> No
     listener.listen(16)
     bound = _identity(socket_path)
     _log(f"stage server {stage} pid {os.getpid()} listening on {socket_path}")
-    jobs, pending, last_activity = 0, {}, time.monotonic()
+    done_jobs, pending, last_activity = 0, {}, time.monotonic()
     while True:
         now = time.monotonic()
         wait = max(0.0, min([last_activity + idle_s - now, *(p.deadline - now for p in pending.values())]))
         readable = select.select([listener, *pending], [], [], wait)[0]
         if not readable and not pending and time.monotonic() >= last_activity + idle_s:
             if _leave_if_idle(listener, socket_path, bound, lock_path):
-                _log(f"idle for {idle_s} s after {jobs} job(s): exiting")
+                _log(f"idle for {idle_s} s after {done_jobs} job(s): exiting")
                 return
             continue
         if listener in readable:
@@ -223,8 +325,8 @@ def serve(stage: Stage, socket_path: Path, lock_path: Path, idle_s: float) -> No
             with conn:
                 if not line:  # a probe: the connection closed without a request
                     continue
-                answer = run_job(worker, conn, line, jobs)
-                ran, jobs = answer.jobs > jobs, answer.jobs
+                answer = run_job(jobs, conn, line, done_jobs)
+                ran, done_jobs = answer.jobs > done_jobs, answer.jobs
                 try:
                     conn.sendall(answer.to_line())
                     conn.shutdown(socket.SHUT_RDWR)
@@ -233,7 +335,7 @@ def serve(stage: Stage, socket_path: Path, lock_path: Path, idle_s: float) -> No
             if not ran:
                 _log(f"refused a request: {answer.error}")
                 continue
-            fresh.restore()  # after the answer, before the next job: off the step's time
+            jobs.reset()  # after the answer, before the next job: off the step's time
             last_activity = time.monotonic()
             for waiting in pending.values():  # they waited for the job, not idly: their time starts now
                 waiting.deadline = last_activity + REQUEST_TIMEOUT_S
@@ -321,7 +423,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lock", type=Path, required=True, help="the lock launchers take to connect or start one")
     parser.add_argument("--idle-s", type=float, required=True, help="exit after this many seconds without a job")
     args = parser.parse_args(argv)
-    serve(stage_named(args.stage), args.socket, args.lock, args.idle_s)
+    from pipeline.launch.worker import WarmJobs  # the worker's process: torch, Dagster Pipes, the stage's imports
+
+    stage = stage_named(args.stage)
+    serve(stage, args.socket, args.lock, args.idle_s, WarmJobs(stage))
 
 
 if __name__ == "__main__":

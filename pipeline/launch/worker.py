@@ -1,5 +1,6 @@
-"""What every launched stage worker shares (`pipeline.{sources,training,evaluation}.worker`): staying no
-longer than its launcher, the Pipes extras on ranks other than 0, and the entry of extraction and evaluation.
+"""What every launched stage worker shares (`pipeline.{sources,training,evaluation,refresh}.worker`): staying no
+longer than its launcher, the Pipes extras on ranks other than 0, the entry of extraction and evaluation, and a
+warm worker's jobs (`pipeline.launch.warm`), each run as a fresh process runs it.
 
 Only rank 0 opens Dagster Pipes' message channel, so Dagster sees one process per stage; the
 other ranks read the job from the Pipes context alone. Only workers import this module and
@@ -8,12 +9,24 @@ other ranks read the job from the Pipes context alone. Only workers import this 
 
 from __future__ import annotations
 
+import gc
+import importlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
-from dagster_pipes import PipesContext, PipesDefaultContextLoader, PipesEnvVarParamsLoader, open_dagster_pipes
+import torch
+from dagster_pipes import (
+    PipesContext,
+    PipesDefaultContextLoader,
+    PipesEnvVarParamsLoader,
+    PipesMappingParamsLoader,
+    open_dagster_pipes,
+)
 
 from pipeline.launch.process import JobError, StageJob
 from pipeline.ranks import Ranks, ranks_from_env
@@ -75,3 +88,78 @@ def run_stage_worker(stage: Stage, run_share: Callable[[StageJob, Ranks], object
         return
     with open_dagster_pipes() as pipes:
         run_pipes(pipes, ranks)
+
+
+# --- a warm worker's jobs --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcessState:
+    """The process-wide state a job may change, as the worker found it at start (a fresh process's)."""
+
+    rng: torch.Tensor
+    seed: int
+    dtype: torch.dtype
+    threads: int
+    grad: bool
+    deterministic: bool
+    environ: dict[str, str]
+    cwd: Path
+
+    @classmethod
+    def capture(cls) -> ProcessState:
+        return cls(torch.get_rng_state(), torch.initial_seed(), torch.get_default_dtype(), torch.get_num_threads(),
+                   torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(), dict(os.environ),
+                   Path.cwd())
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.rng)
+        if torch.cuda.is_initialized():  # a fresh process's CUDA generators start from the default seed
+            torch.cuda.manual_seed_all(self.seed)
+            torch.cuda.empty_cache()
+            for device in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(device)
+        torch.set_default_dtype(self.dtype)
+        torch.set_num_threads(self.threads)
+        torch.set_grad_enabled(self.grad)
+        torch.use_deterministic_algorithms(self.deterministic)
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        if "mlflow" in sys.modules:  # the registry uses MlflowClient; a fluent run left open would leak on
+            import mlflow
+
+            while mlflow.active_run():
+                mlflow.end_run()
+        PipesContext._instance = None  # noqa: SLF001  open_dagster_pipes returns an open singleton otherwise
+        gc.collect()
+        _reset_peak_rss()
+
+
+def _reset_peak_rss() -> None:
+    """The next job's peak resident set (its placement record) is its own, from what the process holds now, as
+    a fresh process's counts from its imports (Linux: the high-water mark reset through /proc)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # elsewhere the peak stays the worker's: an upper bound
+
+
+class WarmJobs:
+    """A warm worker's jobs: the stage's rank-0 body over each request's Pipes channel, and between jobs the
+    process as a fresh one finds it: torch's RNG state, default dtype, thread count, grad mode and deterministic
+    flag, the environment and the working directory restored, an MLflow run left active ended, the peak memory
+    (the next job's placement record) reset. Nothing else is kept between jobs: every job loads its policy and
+    drafters from the store, so its output is bit for bit a fresh process's."""
+
+    def __init__(self, stage: Stage) -> None:
+        self.body = importlib.import_module(stage.worker)  # the imports a fresh process pays for every job
+        gc.freeze()  # the imports' objects are never garbage: no collection scans them again (a full one takes 0.5 s)
+        self.fresh = ProcessState.capture()
+
+    def run(self, pipes: dict[str, str]) -> None:
+        with open_dagster_pipes(params_loader=PipesMappingParamsLoader(pipes)) as context:
+            self.body.run_pipes(context)
+
+    def reset(self) -> None:
+        self.fresh.restore()

@@ -29,6 +29,7 @@ from pipeline.data.rollouts import read_policy_pointer
 from pipeline.data.store import open_store
 from pipeline.evaluation import acceptance as acceptance_lib
 from pipeline.launch import process as launch
+from pipeline.launch.warm import server_files
 from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import save_drafter
 from pipeline.models.drafter import fresh_drafter
@@ -37,7 +38,6 @@ from pipeline.sources import extract
 from pipeline.sources.simulation import SimulatedRL
 from pipeline.stages import EVALUATION, EXTRACTION, LAUNCHED, Stage
 from resources import pipeline_resource
-from resources.warm import server_files
 from tests.support.config import write_config
 
 STEP, KEY = 1, "step-000001"
@@ -332,9 +332,9 @@ def test_a_warm_worker_stops_with_its_killed_step_and_leaves_when_idle(tmp_path:
 
 
 def test_the_run_process_imports_no_model_code_for_the_stages() -> None:
-    """The code location and the assets' run-side modules (the warm launcher's client too), imported in a fresh
-    interpreter: no policy forward, drafter, decoding or extraction module, no stage worker or warm worker comes
-    in (those run in the stages' own processes only)."""
+    """The code location and the assets' run-side modules (the warm protocol's launcher end too), imported in a
+    fresh interpreter: no policy forward, drafter, decoding or extraction module, no stage worker and no warm
+    worker's job runner comes in (those run in the stages' own processes only)."""
     probe = ("import sys, definitions, assets.cotraining, assets.fleet, resources.launcher, resources.warm; "
              "print('\\n'.join(sorted(sys.modules)))")
     loaded = set(subprocess.run([sys.executable, "-c", probe], cwd=PROJECT_ROOT, check=True, capture_output=True,
@@ -344,7 +344,7 @@ def test_the_run_process_imports_no_model_code_for_the_stages() -> None:
                  "pipeline.models.drafter", "pipeline.models.eagle", "pipeline.models.eagle3",
                  "pipeline.models.peagle", "pipeline.models.checkpoint", "pipeline.sources.simulation",
                  "pipeline.training.loop", "transformers.models.llama.modeling_llama",
-                 "pipeline.launch.warm", *(s.worker for s in LAUNCHED)}  # a warm worker is a process of its own too
+                 "pipeline.launch.worker", *(s.worker for s in LAUNCHED)}  # a warm worker's jobs: its own process too
     assert loaded & forbidden == set()
     assert "pipeline.launch.process" in loaded  # the stages are launched from there
 

@@ -13,15 +13,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from dagster._core.errors import DagsterPipesExecutionError
 from dagster_pipes import PipesContext, PipesMappingParamsLoader, open_dagster_pipes
 
 from pipeline.config import PROJECT_ROOT, ConfigError, load_config
 from pipeline.launch import warm
 from pipeline.launch.process import JobError, StageJob
+from pipeline.launch.warm import WarmWorker, WarmWorkerError, server_files
 from pipeline.rendezvous import RendezvousError, private_dir, unix_address
 from pipeline.stages import EVALUATION, EXTRACTION
-from resources.warm import PipesWarmClient, prestart, server_files
 
 NOBODY = 65534
 SYSTEM_PYTHON = "/usr/bin/python3"  # another user runs it: the project's venv may lie where only its owner reads
@@ -30,16 +29,15 @@ as_root = pytest.mark.skipif(os.geteuid() != 0 or not Path(SYSTEM_PYTHON).exists
 
 
 def _answer(line: bytes) -> warm.Answer:
-    """`line` through the worker's request handling, with a stage body that records whether it ran."""
+    """`line` through the worker's request handling, with jobs that record whether one ran."""
     ran: list[object] = []
-    worker = SimpleNamespace(run_pipes=ran.append)
+    jobs = SimpleNamespace(run=ran.append, reset=lambda: None)
     ours, theirs = socket.socketpair()
     try:
-        answer = warm.run_job(worker, ours, line, 3)
+        answer = warm.run_job(jobs, ours, line, 3)
     finally:
         ours.close()
         theirs.close()
-        PipesContext._instance = None  # noqa: SLF001  what the worker's restore does between jobs
     assert ran == [], "the stage body ran on a request that carried no job"
     return answer
 
@@ -106,7 +104,7 @@ def test_a_stage_job_leaving_out_a_field_or_a_key_is_refused(reliability) -> Non
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A warm evaluation worker of a data dir whose socket path is too long for a Unix socket's address."""
     data_dir = tmp_path_factory.mktemp("warm") / ("a-long-data-directory-name-" * 4)
-    prestart(EVALUATION, data_dir, PROJECT_ROOT, 300.0)
+    WarmWorker(EVALUATION, data_dir, PROJECT_ROOT, 300.0).prestart()
     yield data_dir
     files = server_files(data_dir, EVALUATION, PROJECT_ROOT)
     pid = _worker_pid(files.log)
@@ -167,7 +165,7 @@ def test_an_idle_client_and_a_line_that_is_not_json_hold_up_no_later_request(wor
 def test_the_launcher_hands_no_job_to_another_users_listener(tmp_path: Path) -> None:
     """A listener of another user at the worker's address (bound there, then listening as uid 65534): the
     launcher's connection reaches it, its credentials are checked, and the job is not sent."""
-    client = PipesWarmClient(EVALUATION, tmp_path / "data", PROJECT_ROOT, 60.0)
+    client = WarmWorker(EVALUATION, tmp_path / "data", PROJECT_ROOT, 60.0)
     private_dir(client.files.socket.parent)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(client.files.socket))
@@ -177,9 +175,9 @@ def test_the_launcher_hands_no_job_to_another_users_listener(tmp_path: Path) -> 
                               stdout=subprocess.PIPE, text=True, cwd="/")
     try:
         assert theirs.stdout.readline() == "up\n"
-        with client._connect() as conn, pytest.raises(DagsterPipesExecutionError,
-                                                      match=f"runs as uid {NOBODY}, not as this user"):
-            client._check_peer(conn)
+        with client.connect() as conn, pytest.raises(WarmWorkerError,
+                                                     match=f"runs as uid {NOBODY}, not as this user"):
+            client.check_peer(conn)
         assert theirs.stdout.readline() == "b''\n"  # it got a connection, closed, and not a byte of the job
     finally:
         theirs.kill()
@@ -195,12 +193,12 @@ def test_a_stages_folder_of_another_user_is_refused(tmp_path: Path) -> None:
     theirs.mkdir(parents=True)
     os.chown(theirs, NOBODY, NOBODY)
     with pytest.raises(RendezvousError, match=f"belongs to uid {NOBODY}, not to this user"):
-        prestart(EVALUATION, tmp_path / "data", PROJECT_ROOT, 60.0)
+        WarmWorker(EVALUATION, tmp_path / "data", PROJECT_ROOT, 60.0).prestart()
     linked = tmp_path / "linked"
     linked.mkdir()
     (linked / "stages").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(RendezvousError, match="not a directory of its own"):
-        prestart(EVALUATION, linked, PROJECT_ROOT, 60.0)
+        WarmWorker(EVALUATION, linked, PROJECT_ROOT, 60.0).prestart()
     assert not (tmp_path / "elsewhere").exists()
 
 
