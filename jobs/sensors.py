@@ -15,8 +15,7 @@ from pipeline.data.keys import is_step_key, malformed_step_names, parse_step_key
 from pipeline.data.rollouts import is_committed
 from pipeline.refresh import plan as refresh_lib
 from pipeline.serving import deploy
-from pipeline.serving.fleet import scrape
-from pipeline.serving.metrics import SpecCounters
+from pipeline.serving.metrics import SpecCounters, scrape
 from resources import PipelineResource
 
 SENSOR_NAME = "rl_step_sensor"

@@ -31,19 +31,10 @@ from pipeline.data.records import (
 )
 from pipeline.data.store import ObjectStore
 from pipeline.registry import DrafterRegistry
-from pipeline.serving.fleet import (
-    CommandDriver,
-    GateConfig,
-    GateError,
-    ReplicaDriver,
-    ReplicaSpec,
-    Speculation,
-    StagedDrafter,
-    StandInDriver,
-    rolling_deploy,
-    scrape,
-)
-from pipeline.serving.metrics import SpecCounters
+from pipeline.serving.drivers import CommandDriver, ReplicaDriver, ReplicaSpec, Speculation, StandInDriver
+from pipeline.serving.fleet import StagedDrafter, rolling_deploy
+from pipeline.serving.gates import GateConfig, GateError
+from pipeline.serving.metrics import SpecCounters, scrape
 from pipeline.serving.rollouts import FleetRollouts
 
 

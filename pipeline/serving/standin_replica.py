@@ -71,7 +71,7 @@ from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import CheckpointError, load_drafter
 from pipeline.models.drafter import Proposer
 from pipeline.serving.engine import Completion, Engine
-from pipeline.serving.fleet import policy_version
+from pipeline.serving.hot_update import policy_version
 from pipeline.serving.metrics import SpecCounters, render, render_standin
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
