@@ -13,6 +13,7 @@ Job of pods. All are pure functions of the config, so the Dagster layer and the 
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass, field, fields
 
@@ -75,8 +76,9 @@ class StageJob:
                    {LAUNCHED_NAMES[k]: float(v) for k, v in spent.items()}, part,
                    {str(k): v for k, v in tags.items()})
 
-    @property
+    @functools.cached_property
     def pipeline_config(self) -> PipelineConfig:
+        """The job's configuration, parsed at its first use and kept with the job."""
         return parse_resolved_config(self.config, f"the {self.stage} job of step {self.step}")
 
 

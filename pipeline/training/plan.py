@@ -8,6 +8,7 @@ reopens the run an unfinished attempt left behind.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import statistics
@@ -145,8 +146,9 @@ class TrainJob:
             values["refresh"] = RefreshSpec(**values["refresh"])
         return cls(**values)
 
-    @property
+    @functools.cached_property
     def pipeline_config(self) -> PipelineConfig:
+        """The job's configuration, parsed at its first use and kept with the job."""
         return parse_resolved_config(self.config, f"the training job of step {self.step}")
 
 

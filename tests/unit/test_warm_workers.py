@@ -82,7 +82,9 @@ def test_a_stage_body_refuses_a_channel_without_a_job(reliability) -> None:
 def test_a_stage_job_leaving_out_a_field_or_a_key_is_refused(reliability) -> None:
     reliability.bad_input("a stage job leaving out a field, or its config leaving out a key: refused, no default")
     full = StageJob(EVALUATION, 4, load_config().model_dump(mode="json"), "process").to_dict()
-    assert StageJob.from_dict(full, EVALUATION).pipeline_config == load_config()
+    job = StageJob.from_dict(full, EVALUATION)
+    assert job.pipeline_config == load_config()
+    assert job.pipeline_config is job.pipeline_config  # parsed once, at its first use
     for name in full:
         with pytest.raises(JobError, match=f"leaves out {name}"):
             StageJob.from_dict({k: v for k, v in full.items() if k != name})

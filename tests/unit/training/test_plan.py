@@ -71,6 +71,8 @@ def test_a_requested_retraining_trains_where_a_rerun_reuses(step, tmp_path: Path
     assert job.requested_by == RETRAIN
     assert job.reason == f"requested ({RETRAIN}); buffer holds 3 samples"
     assert TrainJob.from_dict(job.to_dict()) == job
+    assert job.pipeline_config == cfg
+    assert job.pipeline_config is job.pipeline_config  # parsed once, at its first use: the worker reads it often
 
 
 def test_planning_writes_nothing_settling_finishes_a_killed_attempt(step, tmp_path: Path) -> None:
