@@ -162,8 +162,8 @@ def _run(kind: str, warmup: int, steps: int, data_dir: Path, draft_cost_ratio: f
     from pipeline.sources.simulation import SimulatedRL
     from pipeline.stages import EXTRACTION, TRAINING
     from pipeline.training.cotrain import train_step
-    from pipeline.training.plan import STALENESS_STEPS, aged_taus
-    from pipeline.training.schedule import measure_staleness
+    from pipeline.training.plan import read_history
+    from pipeline.training.schedule import STALENESS_STEPS, aged_taus, measure_staleness
 
     began = time.perf_counter()
     warm, own = (_config(data_dir, k, draft_cost_ratio, drift, seed, tiny) for k in ("interval", kind))
@@ -195,7 +195,7 @@ def _run(kind: str, warmup: int, steps: int, data_dir: Path, draft_cost_ratio: f
         cpu_share = min(1.0, (time.process_time() - started) / (time.perf_counter() - wall))
         tokens, decoding = _cpu_decoding(store, RUN, step, cpu_share, rollout_scale or 1.0)
         history = list(range(1, step + 1))
-        staleness = measure_staleness(aged_taus(store, RUN, history, history[-STALENESS_STEPS:]))
+        staleness = measure_staleness(aged_taus(read_history(store, RUN, history), history[-STALENESS_STEPS:]))
         served, cotrained = record.served, record.cotrained
         rows.append({"step": step, "phase": phase, "trained": trained, "reason": reason,
                      "training_s": round(training_s, 2), "tau_served": round(served.tau, 3) if served else 1.0,

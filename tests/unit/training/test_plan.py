@@ -25,8 +25,8 @@ from pipeline.data.store import ObjectStore, open_store
 from pipeline.registry import DrafterRegistry, open_registry
 from pipeline.stages import EVALUATION, EXTRACTION, TRAINING
 from pipeline.training.outcome import TrainOutcome, outcome_metadata
-from pipeline.training.plan import TrainJob, aged_taus, median_decoding, plan_training, settle_plan
-from pipeline.training.schedule import AgedTau, LiveTau
+from pipeline.training.plan import TrainJob, plan_training, read_history, settle_plan
+from pipeline.training.schedule import AgedTau, LiveTau, aged_taus, median_decoding
 
 STEP = 1
 RETRAIN = "live tau 1.20 < fleet.live_tau_floor 1.5"
@@ -228,7 +228,7 @@ def test_drafters_are_aged_from_the_step_they_trained_on(tmp_path: Path) -> None
     # no training at step 3: the co-trained drafter is still v2, measured once
     _drafters(store, cfg, 3, cotrained=("2", 2.7), served=("2", 2.7), baseline=("1", 1.9), champion=("2", 2.7))
     _drafters(store, cfg, 4, cotrained=("2", 2.4), served=("3", 2.8), baseline=("1", 1.7), champion=("2", 2.4))
-    taus = aged_taus(store, cfg.run, [1, 2, 3, 4], [2, 3, 4])
+    taus = aged_taus(read_history(store, cfg.run, [1, 2, 3, 4]), [2, 3, 4])
     assert sorted(taus, key=lambda t: (t.step, t.version)) == [
         AgedTau("1", 2, 1, 2.4), AgedTau("2", 2, 0, 3.2),
         AgedTau("1", 3, 2, 1.9), AgedTau("2", 3, 1, 2.7),  # in three roles, one measurement
