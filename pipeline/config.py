@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from pipeline.data.sampling import DraftSampleMethod, SamplingParams
+from pipeline.sampling import DraftSampleMethod, SamplingParams
 from pipeline.stages import Stage
 
 DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")

@@ -34,8 +34,8 @@ from pipeline.data.keys import (
     replay_key,
     tail_key,
 )
-from pipeline.data.sampling import DRAFT_SAMPLE_METHODS, GREEDY, DraftSampleMethod, SamplingParams
 from pipeline.data.store import ObjectStore
+from pipeline.sampling import DRAFT_SAMPLE_METHODS, GREEDY, DraftSampleMethod, SamplingParams
 from pipeline.stages import STEP_STAGES, Stage, stage_named
 
 SCHEMA_VERSION = 1

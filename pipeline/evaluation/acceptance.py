@@ -37,7 +37,6 @@ from pipeline.data.records import (
     served_at,
     write_record,
 )
-from pipeline.data.sampling import DraftSampleMethod, SamplingParams
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import replay, round_cost, speculative, teacher_forced
 from pipeline.evaluation.scheduler import SpeculationThreshold
@@ -45,6 +44,7 @@ from pipeline.launch.placement import measure_placement
 from pipeline.models import target as target_lib
 from pipeline.ranks import SINGLE, Ranks
 from pipeline.registry import DrafterRegistry
+from pipeline.sampling import DraftSampleMethod, SamplingParams
 from pipeline.stages import EVALUATION, Stage
 
 

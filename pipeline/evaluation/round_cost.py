@@ -24,9 +24,9 @@ from torch import nn
 from transformers import LlamaForCausalLM
 
 from pipeline.accounting.cost import DecodingCost
-from pipeline.data.sampling import GREEDY, DraftSampleMethod, SamplingParams
 from pipeline.evaluation import speculative
 from pipeline.models.drafter import Proposer
+from pipeline.sampling import GREEDY, DraftSampleMethod, SamplingParams
 
 
 @dataclass(frozen=True)

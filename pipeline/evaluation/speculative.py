@@ -31,12 +31,12 @@ import torch
 from transformers import DynamicCache, LlamaForCausalLM
 
 from pipeline.accounting.cost import DecodingCost
-from pipeline.data.sampling import GREEDY, DraftSampleMethod, SamplingParams
 from pipeline.evaluation.rejection_sampler import BatchSampling, DraftSampler, RequestSampling, verify
 from pipeline.models import target_forward
 from pipeline.models.drafter import CommittedPairs, DraftChooser, Drafter, Proposer
 from pipeline.models.eagle import gather_rows
 from pipeline.ranks import SINGLE, Ranks
+from pipeline.sampling import GREEDY, DraftSampleMethod, SamplingParams
 
 
 def features_for(out: target_forward.TargetOutput, layer_ids: list[int] | None) -> torch.Tensor:

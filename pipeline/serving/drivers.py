@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Protocol
 
 from pipeline.config import PROJECT_ROOT
-from pipeline.data.sampling import DraftSampleMethod
 from pipeline.rendezvous import private_dir, private_file
+from pipeline.sampling import DraftSampleMethod
 
 
 @dataclass(frozen=True)

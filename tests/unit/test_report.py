@@ -21,8 +21,8 @@ from pipeline.data.records import (
     write_record,
 )
 from pipeline.data.rollouts import Rollout, write_rollouts_file
-from pipeline.data.sampling import SamplingParams
 from pipeline.data.store import ObjectStore
+from pipeline.sampling import SamplingParams
 
 RUN = "r"
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from pipeline.data.records import read_fleet_policy
-from pipeline.data.sampling import GREEDY, SamplingParams
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import speculative
 from pipeline.models import target as target_lib
+from pipeline.sampling import GREEDY, SamplingParams
 from pipeline.serving.drivers import ReplicaSpec, StandInDriver, call
 from pipeline.serving.hot_update import send_policy
 from pipeline.serving.rollouts import FleetRollouts, StalePolicyError
