@@ -6,6 +6,8 @@ Each asset coordinates and calls into `pipeline/`; the heavy data is written to 
 object store by that code and the assets return metadata only (no pickling IO manager).
 """
 
+import functools
+
 import dagster as dg
 
 from assets.partitions import BACKFILL_TAG, RETRAIN_TAG, rl_step, step_of
@@ -25,7 +27,6 @@ from pipeline.serving import deploy
 from pipeline.stages import EVALUATION, EXTRACTION, TRAINING, Stage
 from pipeline.training import outcome as outcome_lib
 from pipeline.training import plan as plan_lib
-from pipeline.training.schedule import LiveTau
 from resources import PipelineResource
 
 GROUP = "cotraining"
@@ -158,10 +159,10 @@ def drafter(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg
     from its last checkpoint when a rerun finds one."""
     cfg, store, registry, step = pipeline.config, pipeline.store(), pipeline.registry(), step_of(context)
     requested_by = context.run.tags.get(RETRAIN_TAG)
-    live = _champion_live_tau(pipeline, registry.alias_version("champion"))
-    # A run the sensor asked for trains on the newest buffer; a backfill trains every step, in order.
+    # A run the sensor asked for trains on the newest buffer; a backfill trains every step, in order. The
+    # `acceptance` and `cost` schedules read the champion's live tau from the fleet's replicas.
     plan = plan_lib.plan_training(store, cfg, step, registry, requested_by, BACKFILL_TAG not in context.run.tags,
-                                  live)
+                                  functools.partial(deploy.live_tau, cfg, store))
     tags = {"dagster_run_id": context.run.run_id, "dagster_asset": "drafter", "rl_step": context.partition_key,
             "pipeline_run": cfg.run}
     planned = plan_lib.settle_plan(plan, cfg, registry, tags)
@@ -173,16 +174,6 @@ def drafter(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg
                      + (f", requested: {requested_by}" if requested_by else ""))
     # Rank 0 of the training process reports the materialization (and writes the step's outcome).
     return pipeline.launcher().train(context, planned).get_materialize_result()
-
-
-def _champion_live_tau(pipeline: PipelineResource, champion: str | None) -> LiveTau | None:
-    """The fleet's live tau of the champion, which the `acceptance` and `cost` schedules decide on (read
-    from the replicas' /metrics only for them)."""
-    cfg = pipeline.config
-    if cfg.train.schedule.kind == "interval" or champion is None:
-        return None
-    tau = deploy.live_tau(cfg, pipeline.store(), champion)
-    return LiveTau(champion, tau) if tau is not None else None
 
 
 @dg.asset(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from pipeline.accounting.cost import read_cost
@@ -174,14 +175,15 @@ class TrainingPlan:
 
 def plan_training(
     store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, requested_by: str | None = None,
-    coalesce: bool = False, live: LiveTau | None = None,
+    coalesce: bool = False, live_tau: Callable[[str], float | None] | None = None,
 ) -> TrainingPlan:
     """Skip (with the reason), reuse a version trained on identical inputs, or train; reads only. With
     `coalesce` (a run the sensor asked for, not a backfill) a newer committed step supersedes this one's training.
-    `live`: the fleet's live tau, which the `acceptance` and `cost` schedules take for the champion's tau now."""
+    `live_tau`: the fleet's live tau of a version (None: the fleet does not run it), which the `acceptance` and
+    `cost` schedules take for the champion's tau now."""
     entries = list(read_buffer(store, cfg.run, step).entries)
     newer = order.committed_after(store, cfg.run, step) if coalesce else []  # by commit time, not number
-    inputs = None if cfg.train.schedule.kind == "interval" else schedule_inputs(store, cfg, step, registry, live)
+    inputs = None if cfg.train.schedule.kind == "interval" else schedule_inputs(store, cfg, step, registry, live_tau)
     decision = training_decision(step, len(entries), cfg.train, requested_by, inputs, newer[-1] if newer else None)
     if not decision.train:
         return TrainingPlan(step, False, decision.reason, len(entries), requested_by)
@@ -203,14 +205,19 @@ SCHEDULE_HISTORY_STEPS = 100  # records a decision reads: a champion promoted ea
 
 
 def schedule_inputs(
-    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, live: LiveTau | None = None
+    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry,
+    live_tau: Callable[[str], float | None] | None = None,
 ) -> ScheduleInputs:
     """What the `acceptance` and `cost` schedules read, gathered in one pass: the earlier steps' records (each read
-    once), the step's rollout tokens and the champion; `schedule.gather_inputs` makes the inputs of them."""
+    once), the step's rollout tokens, the champion and its live tau; `schedule.gather_inputs` makes the inputs of
+    them."""
     earlier = order.committed_before(store, cfg.run, step)[-SCHEDULE_HISTORY_STEPS:]
     tokens = sum(sum(r.loss_mask) for r in rollouts_lib.read_rollouts(store, cfg.run, step))
-    return gather_inputs(read_history(store, cfg.run, earlier), step, tokens, registry.alias_version("champion"),
-                         live, cfg.train.schedule.kind, cfg.fleet.live_tau_floor)
+    champion = registry.alias_version("champion")
+    tau = live_tau(champion) if live_tau is not None and champion is not None else None
+    return gather_inputs(read_history(store, cfg.run, earlier), step, tokens, champion,
+                         None if tau is None else LiveTau(champion, tau), cfg.train.schedule.kind,
+                         cfg.fleet.live_tau_floor)
 
 
 def read_history(store: ObjectStore, run: str, steps: list[int]) -> list[StepHistory]:

@@ -26,7 +26,7 @@ from pipeline.registry import DrafterRegistry, open_registry
 from pipeline.stages import EVALUATION, EXTRACTION, TRAINING
 from pipeline.training.outcome import TrainOutcome, outcome_metadata
 from pipeline.training.plan import TrainJob, plan_training, read_history, settle_plan
-from pipeline.training.schedule import AgedTau, LiveTau, aged_taus, median_decoding
+from pipeline.training.schedule import AgedTau, aged_taus, median_decoding
 
 STEP = 1
 RETRAIN = "live tau 1.20 < fleet.live_tau_floor 1.5"
@@ -160,12 +160,12 @@ def test_the_acceptance_schedule_takes_the_fleets_live_tau_when_it_runs_the_cham
     _measured(store, cfg, 2, (version, 3.3))
     _committed(store, cfg, 3)
     assert not plan_training(store, cfg, 3, registry).train  # evaluated: 3.3
-    assert not plan_training(store, cfg, 3, registry, live=LiveTau("99", 2.0)).train  # not the champion's
-    live = plan_training(store, cfg, 3, registry, live=LiveTau(version, 2.9))
+    assert not plan_training(store, cfg, 3, registry, live_tau={"99": 2.0}.get).train  # not the champion's
+    live = plan_training(store, cfg, 3, registry, live_tau={version: 2.9}.get)
     assert live.train
     assert live.reason.startswith(f"champion v{version} live tau 2.900 at step 3 fell 0.500 since its promotion")
     floor = cfg.model_copy(update={"fleet": cfg.fleet.model_copy(update={"live_tau_floor": 3.35})})
-    below = plan_training(store, floor, 3, registry, live=LiveTau(version, 3.3))
+    below = plan_training(store, floor, 3, registry, live_tau={version: 3.3}.get)
     assert below.train  # a fall of 0.1, within tau_drop, but under the floor
     assert "below fleet.live_tau_floor=3.35" in below.reason
 
