@@ -8,7 +8,7 @@ Lag of step s:
     lag_s            from step s's publication until the fleet first ran a version that had seen s
                      (None: not yet)
 
-A step's refreshed drafter (refresh.py) counts as a version that has seen the step: it trained on
+A step's refreshed drafter (refresh/plan.py) counts as a version that has seen the step: it trained on
 the step's first parts.
 
 Cost of step s, in device-seconds (GPU-seconds in production; one process's seconds here):

@@ -14,7 +14,7 @@
     placement/<run>/step-000123/<stage>.json      where a launched stage ran (process or pod, ranks, memory)
     training/<run>/<input id>/                    resumable checkpoints of one training, origin.json
     fleet/<run>/state.json                        which drafter version the fleet serves
-    refresh/<run>/step-000123.json                a step's same-step refresh (refresh.py)
+    refresh/<run>/step-000123.json                a step's same-step refresh (refresh/plan.py)
     refresh_data/<run>/step-000123-part-0004/     the refresh's hidden states and buffer (its own writer)
     tail/<run>/step-000123.json                   tau of the step's tail (its last parts) per drafter
 """
