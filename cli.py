@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.config import CONFIG_ENV, PipelineConfig, load_config
 from pipeline.data.keys import step_key
+from pipeline.stages import EVALUATION, EXTRACTION, REFRESH, TRAINING, Stage
 
 if TYPE_CHECKING:  # imported where used: `cli.py --help` starts without them
     import dagster as dg
@@ -156,7 +157,7 @@ PIPELINE_TICK_S = 0.5  # the demo's step sensor interval when nothing is new (a 
 FLEET_WAIT_S = 300.0  # the last champion's deploy, at the demo's end
 
 
-def prestart_workers(config_path: str | None, overrides: dict | None, stages: list[str]) -> threading.Thread:
+def prestart_workers(config_path: str | None, overrides: dict | None, stages: list[Stage]) -> threading.Thread:
     """The warm workers of `stages` started in a background thread, one after the other, off any step's clock:
     what this process's runs launch then finds them listening. A worker that fails to start is started again
     by its stage's first job, whose error then says why."""
@@ -188,7 +189,7 @@ def refresh_ticks(config_path: str | None, overrides: dict | None, every_s: floa
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), name="stdin-watch", daemon=True).start()
     instance = dg.DagsterInstance.get()
     ticks = _SensorTicks(instance, build_definitions(config_path, overrides))
-    prestart_workers(config_path, overrides, ["refresh"])
+    prestart_workers(config_path, overrides, [REFRESH])
     while not stop.is_set():
         if deploys:
             ticks.tick(champion_sensor, "deploy_job", lambda line: out(f"deploy, {line}"))
@@ -217,7 +218,7 @@ class _RefreshProcess:
                           timeout_s: float = FLEET_WAIT_S) -> None:
         """Until the fleet runs the champion (its deploy is this process's) or a refreshed drafter newer than it
         (which the champion does not replace), or the process has failed."""
-        from pipeline.refresh import newer_live_refresh
+        from pipeline.refresh.plan import newer_live_refresh
 
         deadline = time.monotonic() + timeout_s
         while (champion := registry.alias_version("champion")) and champion != registry.alias_version("live") \
@@ -301,9 +302,9 @@ def _tail_summary(goals: dict | None, breakdowns: dict) -> dict | None:
 def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls: list[float],
                  fleet_state: tuple[ReplicaDeploy, ...], source: str, fleet_rollouts: list[dict] | None = None) -> Path:
     """The table, the plot and the JSON summary of a demo."""
-    from pipeline import report
+    from pipeline.accounting import report
+    from pipeline.accounting.ledger import read_ledger
     from pipeline.data.store import open_store
-    from pipeline.ledger import read_ledger
 
     out_dir, k, steps = cfg.data_path / "demo", cfg.eval.num_speculative_tokens, len(rows)
     plot = report.plot(rows, k, out_dir / "acceptance.png", cfg.drafter.kind)
@@ -321,7 +322,8 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
                                    source=source, step_period_s=cfg.simulation.step_period_s,
                                    round_costs=summary_costs, train_tokens_per_s=tokens_per_s,
                                    ledger={"steps": report.ledger_rows(ledger), "spent_s": total.spent_s,
-                                           "saved_s": total.saved_s, "spent_by_stage_s": total.by_stage},
+                                           "saved_s": total.saved_s,
+                                           "spent_by_stage_s": {s.name: v for s, v in total.by_stage.items()}},
                                    tail=_tail_summary(report.tail_goals(rows), breakdowns),
                                    rollout_speedup=report.speedup_goals(rows),
                                    fleet_rollouts=fleet_rollouts)
@@ -403,7 +405,7 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     from tqdm import tqdm
 
     from definitions import build_definitions
-    from pipeline import report
+    from pipeline.accounting import report
     from pipeline.data.keys import acceptance_key
     from pipeline.data.records import read_fleet_state
     from pipeline.data.store import open_store
@@ -416,7 +418,7 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     ticks = _SensorTicks(instance, build_definitions(config_path, overrides))
     store, registry = open_store(cfg), open_registry(cfg)
     # The stages' warm workers start now, while the source runs its first step: no step waits for their imports.
-    prestart_workers(config_path, overrides, ["extraction", "training", "evaluation"])
+    prestart_workers(config_path, overrides, [EXTRACTION, TRAINING, EVALUATION])
     with_fleet = cfg.fleet.driver != "none"
     # With a fleet, the fleet generates the rollouts: each step's policy is pushed to every replica first.
     rollout_fleet = deploy.rollout_fleet(cfg, store) if with_fleet else None
@@ -502,7 +504,7 @@ def compare_schedules(steps: int, config_path: str | None, source: str, kinds: l
     workers beside it): a run never meets the state of the one before it, not an MLflow connection to a deleted
     database in a warm worker, not a champion of the other registry. Without `fleet` no replica (and no refresh)
     runs: the champion serves, as the fleet would a step later."""
-    from pipeline import report
+    from pipeline.accounting import report
     from pipeline.data.store import open_store
 
     runs: dict[str, list[report.ScheduleStep]] = {}
@@ -586,8 +588,8 @@ def ui_on_postgres(config_path: str | None) -> None:
     Kubernetes), MLflow on PostgreSQL with its artifacts on S3, the object store on S3 (moto's server)."""
     import dagster as dg
 
-    from pipeline.database import DatabaseError, PostgresTarget, check_database
-    from pipeline.local_stack import postgres_stack
+    from ops.database import DatabaseError, PostgresTarget, check_database
+    from ops.local_stack import postgres_stack
 
     cfg = load_config(config_path)
     bin_dir = Path(sys.executable).parent
@@ -717,7 +719,7 @@ def capacity_plan(args: argparse.Namespace) -> None:
     """The drafter side of one RL step of the shape given, under the pipeline config, as a table or JSON."""
     import json
 
-    from pipeline.capacity import CapacityError, PolicyShape, StepShape, Throughput, plan_capacity
+    from pipeline.accounting.capacity import CapacityError, PolicyShape, StepShape, Throughput, plan_capacity
 
     try:
         policy_doc = json.loads(Path(args.policy).read_text())
@@ -755,7 +757,7 @@ def schema_scripts(kind: str):
 def check_databases() -> list[str]:
     """Dagster's storage (DAGSTER_PG_*) and MLflow's backend store (MLFLOW_BACKEND_STORE_URI, PGPASSWORD), where
     set: reachable, the credentials accepted, the schema this version needs. What each database is, or why not."""
-    from pipeline.database import PostgresTarget, check_database, check_schema
+    from ops.database import PostgresTarget, check_database, check_schema
 
     targets = []
     if os.environ.get("DAGSTER_PG_HOST"):
@@ -836,7 +838,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "refresh-ticks":
         refresh_ticks(args.config, json.loads(args.overrides) if args.overrides else None, deploys=args.deploys)
     elif args.command == "check-db":
-        from pipeline.database import DatabaseError
+        from ops.database import DatabaseError
 
         try:
             checked = check_databases()

@@ -6,11 +6,13 @@ Each asset coordinates and calls into `pipeline/`; the heavy data is written to 
 object store by that code and the assets return metadata only (no pickling IO manager).
 """
 
+import functools
+
 import dagster as dg
 
 from assets.partitions import BACKFILL_TAG, RETRAIN_TAG, rl_step, step_of
-from pipeline import ledger as ledger_lib
-from pipeline import report
+from pipeline.accounting import ledger as ledger_lib
+from pipeline.accounting import report
 from pipeline.config import PipelineConfig
 from pipeline.data import buffer as buffer_lib
 from pipeline.data import rollouts as rollouts_lib
@@ -22,9 +24,9 @@ from pipeline.data.rollouts import committed_steps
 from pipeline.data.store import ObjectStore
 from pipeline.models.layers import stored_layer_ids
 from pipeline.serving import deploy
+from pipeline.stages import EVALUATION, EXTRACTION, TRAINING, Stage
 from pipeline.training import outcome as outcome_lib
 from pipeline.training import plan as plan_lib
-from pipeline.training.schedule import LiveTau
 from resources import PipelineResource
 
 GROUP = "cotraining"
@@ -92,10 +94,10 @@ def rollouts(
 def hidden_states(
     context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     """Source B (default): the step's policy runs forward over its rollouts; source A: vLLM's files. Either
-    in the extraction worker's own process (`extract.nproc` ranks; a GPU pod in production), which reports
+    in the extraction worker's own process (`launch.extraction.nproc` ranks; a GPU pod in production), which reports
     the materialization, where it ran and the `shards_valid` check over Pipes."""
     launcher, step = pipeline.launcher(), step_of(context)
-    return launcher.run_stage(context, launcher.stage_job("extraction", step)).get_materialize_result()
+    return launcher.run_stage(context, launcher.stage_job(EXTRACTION, step)).get_materialize_result()
 
 
 @dg.asset(
@@ -157,31 +159,21 @@ def drafter(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg
     from its last checkpoint when a rerun finds one."""
     cfg, store, registry, step = pipeline.config, pipeline.store(), pipeline.registry(), step_of(context)
     requested_by = context.run.tags.get(RETRAIN_TAG)
-    live = _champion_live_tau(pipeline, registry.alias_version("champion"))
-    # A run the sensor asked for trains on the newest buffer; a backfill trains every step, in order.
+    # A run the sensor asked for trains on the newest buffer; a backfill trains every step, in order. The
+    # `acceptance` and `cost` schedules read the champion's live tau from the fleet's replicas.
     plan = plan_lib.plan_training(store, cfg, step, registry, requested_by, BACKFILL_TAG not in context.run.tags,
-                                  live)
+                                  functools.partial(deploy.live_tau, cfg, store))
     tags = {"dagster_run_id": context.run.run_id, "dagster_asset": "drafter", "rl_step": context.partition_key,
             "pipeline_run": cfg.run}
     planned = plan_lib.settle_plan(plan, cfg, registry, tags)
     if isinstance(planned, outcome_lib.TrainOutcome):  # skipped, or a version trained on identical inputs exists
         outcome_lib.write_outcome(store, cfg.run, step, planned)
         return dg.MaterializeResult(metadata=outcome_lib.outcome_metadata(planned))
-    context.log.info(f"launching training ({cfg.train.launcher}, {cfg.train.nproc_per_node} process(es) per node)"
+    context.log.info(f"launching training ({cfg.launch.launcher}, {cfg.launch.training.nproc} process(es) per node)"
                      + (f", continuing MLflow run {planned.run_id}" if planned.run_id else "")
                      + (f", requested: {requested_by}" if requested_by else ""))
     # Rank 0 of the training process reports the materialization (and writes the step's outcome).
     return pipeline.launcher().train(context, planned).get_materialize_result()
-
-
-def _champion_live_tau(pipeline: PipelineResource, champion: str | None) -> LiveTau | None:
-    """The fleet's live tau of the champion, which the `acceptance` and `cost` schedules decide on (read
-    from the replicas' /metrics only for them)."""
-    cfg = pipeline.config
-    if cfg.train.schedule.kind == "interval" or champion is None:
-        return None
-    tau = deploy.live_tau(cfg, pipeline.store(), champion)
-    return LiveTau(champion, tau) if tau is not None else None
 
 
 @dg.asset(
@@ -200,14 +192,14 @@ def _champion_live_tau(pipeline: PipelineResource, champion: str | None) -> Live
 )
 def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     """Real speculative decoding with greedy verification against the step's target, in the evaluation
-    worker's own process (`eval.nproc` ranks; a GPU pod in production), which measures every drafter of the
+    worker's own process (`launch.evaluation.nproc` ranks; a GPU pod in production), which measures every drafter of the
     step, decides the promotion and reports tau, where it ran and the `tau_in_range` check over Pipes; the
     plots and the ledger are added here from the records it wrote."""
     cfg, store, launcher, step = pipeline.config, pipeline.store(), pipeline.launcher(), step_of(context)
     training = read_training(store, cfg.run, step)
-    spent = _stage_seconds(context, {"extraction": cfg.extract.nproc,
-                                     "training": cfg.train.nproc_per_node if training.figures else 0})
-    job = launcher.stage_job("evaluation", step, new_version=training.version, spent_s=spent)
+    spent = _stage_seconds(context, {EXTRACTION: cfg.launch.extraction.nproc,
+                                     TRAINING: cfg.launch.training.nproc if training.figures else 0})
+    job = launcher.stage_job(EVALUATION, step, new_version=training.version, spent_s=spent)
     measured = launcher.run_stage(context, job).get_materialize_result()
     record = read_acceptance(store, cfg.run, step)
     metadata = dict(measured.metadata or {})
@@ -223,15 +215,12 @@ def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) ->
     return dg.MaterializeResult(metadata=metadata, check_results=measured.check_results)
 
 
-STAGE_OF_STEP = {"hidden_states": "extraction", "drafter": "training"}
-
-
-def _stage_seconds(context: dg.AssetExecutionContext, devices: dict[str, int]) -> dict[str, float]:
+def _stage_seconds(context: dg.AssetExecutionContext, devices: dict[Stage, int]) -> dict[Stage, float]:
     """Device-seconds of this run's extraction and training steps, from Dagster's own step timings: a
     step's wall time counts once per rank it launched (`devices`; 0 when it launched none)."""
     seconds = {}
     for stats in context.instance.get_run_step_stats(context.run_id):
-        stage = STAGE_OF_STEP.get(stats.step_key)
+        stage = next((s for s in devices if s.asset == stats.step_key), None)
         if stage and stats.start_time and stats.end_time:
             seconds[stage] = (stats.end_time - stats.start_time) * devices[stage]
     return seconds

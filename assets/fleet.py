@@ -5,7 +5,7 @@ import time
 import dagster as dg
 from pydantic import Field
 
-from pipeline import refresh as refresh_lib
+from pipeline.refresh import plan as refresh_lib
 from pipeline.serving import deploy
 from resources import PipelineResource
 

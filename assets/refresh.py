@@ -7,11 +7,12 @@ from dataclasses import replace
 import dagster as dg
 from pydantic import Field
 
-from pipeline import refresh as refresh_lib
 from pipeline.data.keys import refresh_key, refresh_lock_prefix, step_key
 from pipeline.data.lease import hold
 from pipeline.data.parts import Qualified
 from pipeline.data.records import read_refresh
+from pipeline.refresh import plan as refresh_lib
+from pipeline.stages import REFRESH
 from resources import PipelineResource
 
 
@@ -50,7 +51,7 @@ def _refresh(context: dg.AssetExecutionContext, pipeline: PipelineResource, q: Q
     tags = {"dagster_run_id": context.run.run_id, "dagster_asset": "refreshed_drafter",
             "rl_step": step_key(q.step), "refresh_part": str(q.part), "pipeline_run": cfg.run}
     launcher = pipeline.launcher()
-    checked = launcher.run_stage(context, launcher.stage_job("refresh", q.step, part=q.part, tags=tags))
+    checked = launcher.run_stage(context, launcher.stage_job(REFRESH, q.step, part=q.part, tags=tags))
     record = read_refresh(store, cfg.run, q.step)
     if record.times is not None:  # the run's own start: the wait before it and the process's launch after it
         record = replace(record, times=replace(record.times, run_started_at=run_started_at))

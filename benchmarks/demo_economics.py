@@ -4,7 +4,7 @@ measured by every step's replay: `pipeline/evaluation/replay.py`, the demo's sum
 
 * cost: c, one EAGLE-3 drafter forward over one target forward, on the demo's target (the `simulation` shape,
   fresh weights: a forward's cost does not depend on them), by the weights each reads
-  (`pipeline/evaluation/cost.py`) and in seconds (`speculative.RoundTimes`, the rounds of speculative decoding at
+  (`pipeline/evaluation/round_cost.py`) and in seconds (`speculative.RoundTimes`, the rounds of speculative decoding at
   batch 1, 2, 4 and the step's full batch, one thread). Goal: at most 0.2 both ways at every batch.
 * language: the per-token entropy (nats) and top-1 probability of the demo's policy, pre-trained and then through
   RL steps 1-6, on its own answers sampled at the rollouts' temperature (48 answers of 64 tokens a step), beside
@@ -47,8 +47,8 @@ def cost(tiny: bool = False) -> dict:
     import torch
 
     from pipeline.config import DrafterConfig, load_config
-    from pipeline.evaluation import cost as cost_lib
     from pipeline.evaluation import speculative
+    from pipeline.evaluation.round_cost import drafter_cost_ratio
     from pipeline.models import target as target_lib
     from pipeline.models.drafter import fresh_drafter
 
@@ -58,7 +58,7 @@ def cost(tiny: bool = False) -> dict:
     drafter = fresh_drafter(DrafterConfig(), target, torch.ones(sim.vocab_size), seed=0)
     g = torch.Generator().manual_seed(0)
     out: dict = {"target": f"{sim.num_layers} layers, hidden {sim.hidden_size}, vocab {sim.vocab_size}",
-                 "weights_ratio": round(cost_lib.drafter_cost_ratio(drafter, target), 4)}
+                 "weights_ratio": round(drafter_cost_ratio(drafter, target), 4)}
     for batch in (1,) if tiny else (*BATCHES, sim.rollouts_per_step):
         prompts = [torch.randint(sim.vocab_size, (sim.prompt_len,), generator=g) for _ in range(batch)]
         ratios = []

@@ -5,7 +5,7 @@ Each kind is trained fresh on the step's buffer (the demo's training settings), 
 P-EAGLE once more warm-started from that EAGLE-3 drafter; each is measured on the step's held-out
 prompts against its policy at k = 4 and 8: exact tau, drafter forwards per round and per generated
 token, training tokens/s (one process, the machine's threads), and the estimated rollout speedup
-of the cost model (`pipeline/evaluation/cost.py`) with c the drafter's weights over the demo
+of the cost model (`pipeline/evaluation/round_cost.py`) with c the drafter's weights over the demo
 target's, and with c as a drafter of the same shape would have next to Llama-3.1-8B (hidden 4096,
 32 layers, MLP 14336, draft vocab 32000), where the drafter is a smaller share of the target.
 The last line is the path of the JSON with every figure.
@@ -24,7 +24,7 @@ from pipeline.config import load_config
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.buffer import iter_buffer_samples, read_buffer
 from pipeline.data.store import open_store
-from pipeline.evaluation import cost, speculative
+from pipeline.evaluation import round_cost, speculative
 from pipeline.evaluation.acceptance import held_out_prompts
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
@@ -74,7 +74,7 @@ def main() -> None:
         new = speculative.follow_target(drafter, target)
         layers = getattr(drafter.config, "num_hidden_layers", 1)
         rows = []
-        for c in cost.round_costs(target, drafter, new, prompts, cfg.eval.max_new_tokens, list(KS)):
+        for c in round_cost.round_costs(target, drafter, new, prompts, cfg.eval.max_new_tokens, list(KS)):
             rows.append({**c.to_json(), "estimated_speedup_llama8b": round(
                 replace(c, drafter_cost_ratio=_llama8b_weights(layers)).speedup, 4)})
         out[name] = {"train_tokens_per_s": round(result.tokens_per_s, 1), "train_wall_s": round(result.wall_s, 1),

@@ -23,7 +23,7 @@ teacher-forced estimate against exact tau.
 * drafter_kinds: the drafter's share of a round per kind at k = 4 and 8 (EAGLE-3 drafts a token per
   forward, P-EAGLE all k in one): per kind, the median seconds of a round (verification + proposal)
   and of its proposal alone, the drafter forwards per round, and c, the cost model's drafter
-  forward in target forwards (`pipeline/evaluation/cost.py`). Target: the cost ratio's, 8 layers
+  forward in target forwards (`pipeline/evaluation/round_cost.py`). Target: the cost ratio's, 8 layers
   deep so that a drafter is a realistic fraction of it (c about 0.2 for EAGLE-3, 0.3 for a
   two-layer P-EAGLE). peagle_eagle3_per_token_k{4,8}_ratio: P-EAGLE's evaluation time per
   generated token over EAGLE-3's at equal tau, i.e. the ratio of their round times (tau divides
@@ -156,7 +156,7 @@ class _ProposalClock(TimedProposer):
 def drafter_kinds(torch, sizes: Sizes) -> dict:
     import statistics
 
-    from pipeline.evaluation.cost import drafter_cost_ratio
+    from pipeline.evaluation.round_cost import drafter_cost_ratio
     from pipeline.evaluation.speculative import generate_batch
 
     target = _target(torch, sizes, layers=sizes.kinds_layers)
@@ -249,9 +249,9 @@ def tau_estimate(torch, sizes: Sizes) -> dict:
     """Exact and estimated tau of the demo's drafter (`demo_drafter`) on its held-out rollouts, at the rollouts'
     own temperature with greedy drafts: decoding the held-out prompts by vLLM's rule against the teacher-forced
     estimate on the rollouts themselves (drafts kept where they draw the rollout's token)."""
-    from pipeline.data.sampling import SamplingParams
     from pipeline.evaluation import speculative
     from pipeline.evaluation.teacher_forced import estimate_acceptance
+    from pipeline.sampling import SamplingParams
 
     cfg, target, drafter, held, train_s, train_samples, train_lengths = demo_drafter(torch, sizes)
     k, max_new = cfg.eval.num_speculative_tokens, cfg.eval.max_new_tokens

@@ -79,7 +79,7 @@ def _rss_bytes(field: str) -> int:
 def _rollouts(sizes: Sizes, count: int, seed: int) -> list:
     import numpy as np
 
-    from pipeline.capacity import StepShape
+    from pipeline.accounting.capacity import StepShape
     from pipeline.data.rollouts import Rollout
 
     lengths = StepShape(count, sizes.mean_tokens, sizes.p99_tokens, 1, "", 1).lengths()
@@ -188,7 +188,7 @@ def _in_subprocess(count: int, train: bool, tiny: bool) -> dict:
 def projection() -> dict:
     """`cli.py plan` for the reference step, before (every token of every training rollout, epochs over the
     buffer) and after (windows of a capture plan, a token budget per training)."""
-    from pipeline.capacity import PolicyShape, StepShape, Throughput, plan_capacity
+    from pipeline.accounting.capacity import PolicyShape, StepShape, Throughput, plan_capacity
     from pipeline.config import load_config
 
     cfg = load_config()

@@ -123,7 +123,7 @@ def _config(data_dir: Path, kind: str, draft_cost_ratio: float | None, drift: fl
 
 def _priced(decoding, factor: float):
     """The decoding cost with t `factor` times as dear (c and f as they are)."""
-    from pipeline.cost import DecodingCost
+    from pipeline.accounting.cost import DecodingCost
 
     return DecodingCost(decoding.target_s_per_token * factor, decoding.draft_cost_ratio,
                         decoding.drafter_forwards_per_round)
@@ -137,8 +137,9 @@ def _cpu_decoding(store, run: str, step: int, cpu_share: float, rollout_scale: f
     than they are."""
     from dataclasses import replace
 
+    from pipeline.accounting.cost import read_cost
     from pipeline.data.keys import cost_key
-    from pipeline.data.records import read_cost, write_record
+    from pipeline.data.records import write_record
 
     cost = read_cost(store, run, step)
     if cost.decoding is None:  # no drafter served the step
@@ -159,9 +160,10 @@ def _run(kind: str, warmup: int, steps: int, data_dir: Path, draft_cost_ratio: f
     from pipeline.registry import open_registry
     from pipeline.sources import extract
     from pipeline.sources.simulation import SimulatedRL
+    from pipeline.stages import EXTRACTION, TRAINING
     from pipeline.training.cotrain import train_step
-    from pipeline.training.plan import STALENESS_STEPS, aged_taus
-    from pipeline.training.schedule import measure_staleness
+    from pipeline.training.plan import read_history
+    from pipeline.training.schedule import STALENESS_STEPS, aged_taus, measure_staleness
 
     began = time.perf_counter()
     warm, own = (_config(data_dir, k, draft_cost_ratio, drift, seed, tiny) for k in ("interval", kind))
@@ -189,11 +191,11 @@ def _run(kind: str, warmup: int, steps: int, data_dir: Path, draft_cost_ratio: f
             training_s = time.process_time() - started if trained else 0.0
         started, wall = time.process_time(), time.perf_counter()
         record = evaluate_step(store, cfg, step, registry, version,
-                               {"extraction": extraction_s, "training": training_s})
+                               {EXTRACTION: extraction_s, TRAINING: training_s})
         cpu_share = min(1.0, (time.process_time() - started) / (time.perf_counter() - wall))
         tokens, decoding = _cpu_decoding(store, RUN, step, cpu_share, rollout_scale or 1.0)
         history = list(range(1, step + 1))
-        staleness = measure_staleness(aged_taus(store, RUN, history, history[-STALENESS_STEPS:]))
+        staleness = measure_staleness(aged_taus(read_history(store, RUN, history), history[-STALENESS_STEPS:]))
         served, cotrained = record.served, record.cotrained
         rows.append({"step": step, "phase": phase, "trained": trained, "reason": reason,
                      "training_s": round(training_s, 2), "tau_served": round(served.tau, 3) if served else 1.0,
@@ -246,7 +248,7 @@ def age_profile(store, cfg, registry, step: int, ages: dict[str, int]) -> dict:
 def rollout_scale_for(rows: list[dict], rollout_to_training: float) -> float:
     """The factor on the toy's t that makes the median step's rollouts (tokens x t, CPU-seconds) cost
     `rollout_to_training` times the mean of the rows' trainings."""
-    from pipeline.cost import DecodingCost
+    from pipeline.accounting.cost import DecodingCost
 
     trainings = [r["training_s"] for r in rows if r["trained"]]
     rollouts = [r["rollout_tokens"] * DecodingCost.from_json(r["decoding"]).target_s_per_token
@@ -260,7 +262,7 @@ def common_price(runs: list[list[dict]]):
     """One decoding price for both runs: the median t and c of every step's timing in either. Each run decides on
     its own timings, as the pipeline does, but t timed on a shared machine varies twofold between runs, and a
     saving compared at two prices would measure the machine's load rather than the schedule."""
-    from pipeline.cost import DecodingCost
+    from pipeline.accounting.cost import DecodingCost
 
     timings = [DecodingCost.from_json(r["decoding"]) for rows in runs for r in rows if r["decoding"]]
     return DecodingCost(statistics.median(d.target_s_per_token for d in timings),
@@ -314,7 +316,7 @@ def replay(keep: float, tau_fresh: float, rollout_to_training: float, draft_cost
            steps: int = 40) -> dict:
     """Both schedules on the staleness model `cost` decides with (the same functions): a drafter trained at step
     j serves step s at fresh(s - j); a step's rollouts take `rollout_to_training` trainings' seconds."""
-    from pipeline.cost import DecodingCost
+    from pipeline.accounting.cost import DecodingCost
     from pipeline.training.schedule import ChampionTrack, ScheduleInputs, Staleness, cost_decision
 
     tokens, training_s = 1000, 10.0

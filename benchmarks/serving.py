@@ -38,9 +38,9 @@ TINY = Sizes(batches=(1, 4), new_tokens=8, repeats=1)
 
 def _tokens_per_s(engine, prompts: list, batch: int, new_tokens: int, seed: int) -> float:
     """`batch` requests submitted at once -> their tokens per second."""
-    from pipeline.data.sampling import SamplingParams
     from pipeline.evaluation.rejection_sampler import RequestSampling
     from pipeline.evaluation.speculative import Request
+    from pipeline.sampling import SamplingParams
 
     params = SamplingParams(temperature=1.0)
     requests = [Request(prompts[i % len(prompts)], new_tokens, RequestSampling.seeded(params, seed + i))
@@ -56,9 +56,9 @@ def run(tiny: bool = False) -> dict:
 
     from benchmarks import evaluation
     from benchmarks.evaluation import demo_drafter
-    from pipeline.data.sampling import DRAFT_SAMPLE_METHODS, SamplingParams
     from pipeline.evaluation.scheduler import SpeculationThreshold
     from pipeline.evaluation.speculative import evaluate, follow_target
+    from pipeline.sampling import DRAFT_SAMPLE_METHODS, SamplingParams
     from pipeline.serving.engine import Engine
 
     threads = torch.get_num_threads()

@@ -7,13 +7,13 @@ stored, about 5 s of extraction on 2 cores: nearer the share the fixed cost has 
 extraction takes minutes). For each:
 
 * `warm_vs_in_process_ratio` (goal >= 0.9): tokens/s of the `hidden_states` Dagster step with
-  `train.launcher: warm`, which hands the job to the extraction stage's warm worker
-  (`pipeline.stage_server`: imports loaded, then the policy load, the forward and the shard writes,
+  `launch.launcher: warm`, which hands the job to the extraction stage's warm worker
+  (`pipeline.launch.warm`: imports loaded, then the policy load, the forward and the shard writes,
   the committed shards read back and checked, reported over Pipes), over tokens/s of
   `extract.extract_hidden_states` called in the process, the function the worker runs (the same load,
   forward and writes). The worker's first job, which starts it, is `warm_cold_s`; the ratio is on its
   later jobs.
-* `launched_vs_in_process_ratio`: the same with `train.launcher: subprocess`, a fresh process per step
+* `launched_vs_in_process_ratio`: the same with `launch.launcher: subprocess`, a fresh process per step
   (`python -m pipeline.sources.worker`: process start, torch import, then the same work).
 * `in_process_step_s`: the path the launcher replaced, a `hidden_states` step that does the worker's work
   in the Dagster run process (extraction, placement record, `shards_valid` read-back check, the same
@@ -94,6 +94,7 @@ def _in_process_asset():
     from assets.partitions import rl_step, step_of
     from pipeline.ranks import SINGLE
     from pipeline.sources import worker
+    from pipeline.stages import EXTRACTION
 
     def as_reported(metadata: dict) -> dict:
         """What Dagster makes of metadata a worker reports over Pipes."""
@@ -105,7 +106,7 @@ def _in_process_asset():
               required_resource_keys={"pipeline"},
               check_specs=[dg.AssetCheckSpec("shards_valid", asset="hidden_states", blocking=True)])
     def hidden_states(context):  # annotations would be strings naming this function's imports
-        job = context.resources.pipeline.launcher().stage_job("extraction", step_of(context))
+        job = context.resources.pipeline.launcher().stage_job(EXTRACTION, step_of(context))
         manifest, where = worker.run_extraction(job, SINGLE)
         report = worker.report_extraction(job, manifest, where)
         return dg.MaterializeResult(
@@ -174,9 +175,9 @@ def _measure(sizes: Sizes) -> dict:
         simulation = {**SIMULATION, "rollouts_per_step": sizes.rollouts, "response_len": sizes.response_len}
         base = {"run": "bench", "data_dir": str(Path(tmp) / "data"), "simulation": simulation,
                 "capture": {"max_samples": 0}}
-        path.write_text(yaml.safe_dump({**base, "train": {"launcher": "subprocess"}}))
+        path.write_text(yaml.safe_dump({**base, "launch": {"launcher": "subprocess"}}))
         warm_path = Path(tmp) / "warm.yaml"
-        warm_path.write_text(yaml.safe_dump({**base, "train": {"launcher": "warm", "warm_idle_s": 60.0}}))
+        warm_path.write_text(yaml.safe_dump({**base, "launch": {"launcher": "warm", "warm_idle_s": 60.0}}))
         cfg = load_config(path)
         store = open_store(cfg)
         SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)

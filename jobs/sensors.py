@@ -3,20 +3,16 @@ promoted champion out to the fleet, and a retraining when the fleet's live accep
 its floor."""
 
 import json
-from dataclasses import dataclass
 
 import dagster as dg
 
 from assets.partitions import RETRAIN_TAG, rl_step
 from jobs import deploy_job, refresh_job, rl_step_job
-from pipeline import refresh as refresh_lib
-from pipeline.config import PipelineConfig
 from pipeline.data import order
 from pipeline.data.keys import is_step_key, malformed_step_names, parse_step_key, rollouts_root, step_key
 from pipeline.data.rollouts import is_committed
-from pipeline.serving import deploy
-from pipeline.serving.fleet import scrape
-from pipeline.serving.metrics import SpecCounters
+from pipeline.refresh import plan as refresh_lib
+from pipeline.serving import deploy, live_tau
 from resources import PipelineResource
 
 SENSOR_NAME = "rl_step_sensor"
@@ -174,9 +170,17 @@ def live_tau_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResou
     cfg = pipeline.config
     if cfg.fleet.driver == "none" or not cfg.fleet.replicas:
         return dg.SkipReason("no fleet configured")
-    scraped = _scrape_live_tau(cfg, json.loads(context.cursor) if context.cursor else {})
-    taus = scraped.taus
-    events = [dg.AssetObservation(asset_key="fleet", metadata=scraped.metadata)] if scraped.metadata else []
+    fleet = deploy.replicas(cfg)
+    reading = live_tau.read_counters(fleet)
+    by_replica = live_tau.since_last(reading, json.loads(context.cursor) if context.cursor else {})
+    taus = list(by_replica.values())
+    metadata = {}  # live tau, or why a replica was not read
+    for replica in fleet:
+        if replica.name in reading.unreachable:
+            metadata[f"{replica.name}_status"] = f"unreachable: {reading.unreachable[replica.name]}"
+        elif replica.name in by_replica:
+            metadata[f"{replica.name}_live_tau"] = by_replica[replica.name]
+    events = [dg.AssetObservation(asset_key="fleet", metadata=metadata)] if metadata else []
     requests = []
     floor = cfg.fleet.live_tau_floor
     newest = order.newest_committed(pipeline.store(), cfg.run) if taus and floor and sum(taus) / len(taus) < floor \
@@ -190,29 +194,5 @@ def live_tau_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineResou
             asset_selection=[dg.AssetKey("drafter"), dg.AssetKey("acceptance")],
             tags={RETRAIN_TAG: f"live tau {sum(taus) / len(taus):.2f} < fleet.live_tau_floor {floor}"},
         ))
-    return dg.SensorResult(asset_events=events, run_requests=requests, cursor=json.dumps(scraped.counters))
+    return dg.SensorResult(asset_events=events, run_requests=requests, cursor=json.dumps(reading.to_json()))
 
-
-@dataclass(frozen=True)
-class LiveTauScrape:
-    counters: dict  # replica -> its counters now, as JSON: the next tick's cursor
-    metadata: dict  # the fleet observation's metadata: live tau, or why a replica was not read
-    taus: list[float]  # the live tau of each replica over the window since the last tick
-
-
-def _scrape_live_tau(cfg: PipelineConfig, earlier: dict) -> LiveTauScrape:
-    """Scrape every replica; live tau over the window since `earlier` (the last tick's counters)."""
-    now, metadata, taus = {}, {}, []
-    for replica in deploy.replicas(cfg):
-        try:
-            counters = scrape(replica)
-        except OSError as exc:
-            metadata[f"{replica.name}_status"] = f"unreachable: {exc}"
-            continue
-        now[replica.name] = counters.to_json()
-        if replica.name in earlier:
-            window = counters - SpecCounters.from_json(earlier[replica.name])
-            if window.mean_acceptance_length is not None:
-                metadata[f"{replica.name}_live_tau"] = window.mean_acceptance_length
-                taus.append(window.mean_acceptance_length)
-    return LiveTauScrape(now, metadata, taus)

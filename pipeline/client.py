@@ -54,8 +54,8 @@ from pipeline.data.rollouts import (
     validate_rollouts,
     write_rollouts_file,
 )
-from pipeline.data.sampling import SamplingParams
 from pipeline.data.store import ObjectStore
+from pipeline.sampling import SamplingParams
 
 __all__ = ["PublishedStep", "Rollout", "RolloutsError", "StagedCheckpoint", "commit_rollouts_parts",
            "publish_checkpoint", "publish_rollouts_part", "publish_step", "stage_checkpoint"]

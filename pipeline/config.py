@@ -19,7 +19,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from pipeline.data.sampling import DraftSampleMethod, SamplingParams
+from pipeline.sampling import DraftSampleMethod, SamplingParams
+from pipeline.stages import Stage
 
 DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
 CONFIG_ENV = "DRAFTER_PIPELINE_CONFIG"
@@ -46,33 +47,112 @@ _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
 
 
 class K8sConfig(_Strict):
-    """The training pod `train.launcher: k8s` starts through Dagster Pipes (one pod, `nproc_per_node` GPUs)."""
+    """What every stage's pod shares under `launch.launcher: k8s` (its CPU and memory are the stage's own)."""
 
     image: str = Field(default="", description="Container image with this project installed (required for k8s).")
-    namespace: str = Field(default="", description="Namespace of the pod; the orchestrator's own when empty.")
-    service_account: str = Field(default="", description="Service account of the pod (e.g. one with S3 access).")
+    namespace: str = Field(default="", description="Namespace of the pods; the orchestrator's own when empty.")
+    service_account: str = Field(default="", description="Service account of the pods (e.g. one with S3 access).")
     gpu_resource: str = Field(default="nvidia.com/gpu", description="Extended resource name of one GPU.")
-    cpu: str = Field(default="8", description="CPU request (and limit) of the pod.")
-    memory: str = Field(default="64Gi", description="Memory request (and limit) of the pod.")
     shm_size: str = Field(default="16Gi", description="Size of /dev/shm (NCCL and data loading need more than 64M).")
     node_selector: dict[str, str] = Field(
-        default_factory=dict, description="Node labels the pod must match (e.g. the GPU node pool)."
+        default_factory=dict, description="Node labels the pods must match (e.g. the GPU node pool)."
     )
     tolerations: list[dict[str, str]] = Field(
         default_factory=list, description="Pod tolerations, e.g. for the nvidia.com/gpu taint of GPU nodes."
     )
     env_secret: str = Field(
-        default="", description="Secret whose keys become the pod's environment (AWS_*, MLFLOW_TRACKING_TOKEN)."
+        default="", description="Secret whose keys become the pods' environment (AWS_*, MLFLOW_TRACKING_TOKEN)."
     )
 
-    @model_validator(mode="after")
-    def _quantities(self) -> K8sConfig:
-        for key in ("cpu", "memory", "shm_size"):
-            if not _QUANTITY.fullmatch(getattr(self, key)):
-                raise ValueError(
-                    f"train.k8s.{key} {getattr(self, key)!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)"
-                )
-        return self
+    @field_validator("shm_size")
+    @classmethod
+    def _quantity(cls, value: str) -> str:
+        return _quantity(value, "launch.k8s.shm_size")
+
+
+def _quantity(value: str, key: str) -> str:
+    if not _QUANTITY.fullmatch(value):
+        raise ValueError(f"{key} {value!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)")
+    return value
+
+
+class PodConfig(_Strict):
+    """A launched stage's pod: its CPU and memory (requests = limits: a Guaranteed pod)."""
+
+    cpu: str = Field(default="8", description="CPU request (and limit) of the stage's pod.")
+    memory: str = Field(default="64Gi", description="Memory request (and limit) of the stage's pod: the policy is "
+                                                    "loaded there (its weights, in `target.dtype`, plus batches).")
+
+    @field_validator("cpu", "memory")
+    @classmethod
+    def _quantity(cls, value: str, info: ValidationInfo) -> str:
+        return _quantity(value, info.field_name)
+
+
+class StageLaunchConfig(PodConfig):
+    """A model stage's ranks and its pod."""
+
+    nproc: int = Field(default=1, ge=1, description="Ranks of the stage (torchrun --nproc-per-node); in a pod, "
+                                                    "one GPU each.")
+
+
+class ExtractionLaunchConfig(StageLaunchConfig):
+    """The `hidden_states` stage's process (or pod): the step's policy runs forward there."""
+
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list, description="Volumes of the extraction pod (Kubernetes objects), e.g. the "
+                                          "shared volume vLLM's connector writes `hidden_states.vllm_path` to.")
+    volume_mounts: list[dict[str, Any]] = Field(
+        default_factory=list, description="Where the extraction pod's container mounts `launch.extraction.volumes`.")
+
+
+class TrainingLaunchConfig(StageLaunchConfig):
+    """The drafter training's processes: `nproc` per node (one per GPU) on `nnodes` nodes."""
+
+    nnodes: int = Field(
+        default=1, ge=1,
+        description="Nodes of the training (torchrun --nnodes, c10d rendezvous); world size = nnodes x nproc.",
+    )
+    rdzv_port: int = Field(
+        default=29400, ge=1, le=65535, description="Port of the c10d rendezvous on node 0 when nnodes > 1."
+    )
+
+
+class RefreshLaunchConfig(PodConfig):
+    """The same-step refresh's process: one rank."""
+
+    @property
+    def nproc(self) -> int:
+        return 1
+
+
+class LaunchConfig(_Strict):
+    """How every model stage's process starts, through Dagster Pipes (pipeline/launch/)."""
+
+    launcher: Literal["subprocess", "warm", "k8s"] = Field(
+        default="warm",
+        description="`subprocess`: a process per stage (torchrun for several ranks) on the orchestrator's machine; "
+                    "`warm`: a one-rank stage on its stage's long-lived worker there, several ranks as `subprocess`; "
+                    "`k8s`: a GPU pod (Dagster Pipes all three).",
+    )
+    warm_idle_s: float = Field(
+        default=300.0, gt=0,
+        description="`launcher: warm`: a stage's worker exits after this many seconds without a job.",
+    )
+    k8s: K8sConfig = Field(default_factory=K8sConfig, description="What the stages' pods share (`launcher: k8s`).")
+    extraction: ExtractionLaunchConfig = Field(default_factory=ExtractionLaunchConfig,
+                                               description="The extraction stage's ranks and pod.")
+    training: TrainingLaunchConfig = Field(default_factory=TrainingLaunchConfig,
+                                           description="The training's ranks per node, nodes and pods.")
+    evaluation: StageLaunchConfig = Field(default_factory=StageLaunchConfig,
+                                          description="The evaluation stage's ranks and pod.")
+    refresh: RefreshLaunchConfig = Field(default_factory=RefreshLaunchConfig, description="The refresh's pod.")
+
+    def of(self, stage: Stage) -> StageLaunchConfig | RefreshLaunchConfig:
+        """The launch settings of a launched stage."""
+        if not stage.launched:
+            raise ValueError(f"the {stage} stage runs in the Dagster run: it has no launch settings")
+        return getattr(self, stage.name)
 
 
 class ScheduleConfig(_Strict):
@@ -118,16 +198,6 @@ class TrainConfig(_Strict):
     ttt_steps: int = Field(default=3, ge=1, description="EAGLE-3 training-time-test steps unrolled.")
     ttt_decay: float = Field(default=0.8, gt=0, le=1, description="EAGLE-3 loss weight of TTT step k is decay**k.")
     seed: int = Field(default=0, description="Seed for data order and initialisation.")
-    nproc_per_node: int = Field(
-        default=1, ge=1, description="Data-parallel training processes (one per GPU): torchrun --nproc-per-node."
-    )
-    nnodes: int = Field(
-        default=1, ge=1,
-        description="Nodes of the training (torchrun --nnodes, c10d rendezvous); world size = nnodes x nproc_per_node.",
-    )
-    rdzv_port: int = Field(
-        default=29400, ge=1, le=65535, description="Port of the c10d rendezvous on node 0 when nnodes > 1."
-    )
     parallelism: Literal["ddp", "fsdp", "auto"] = Field(
         default="auto",
         description="Several ranks: replicate the drafter (ddp), shard it with FSDP2 (fsdp), or shard only when "
@@ -160,17 +230,6 @@ class TrainConfig(_Strict):
     dtype: Literal["bf16", "fp32"] = Field(
         default="bf16", description="GPU compute: bf16 autocast over fp32 weights, or fp32; a CPU trains in fp32."
     )
-    launcher: Literal["subprocess", "warm", "k8s"] = Field(
-        default="warm",
-        description="`subprocess`: a process per stage (torchrun for several ranks) on the orchestrator's machine; "
-                    "`warm`: a one-rank stage on its stage's long-lived worker there, several ranks as `subprocess`; "
-                    "`k8s`: a GPU pod (Dagster Pipes all three).",
-    )
-    warm_idle_s: float = Field(
-        default=300.0, gt=0,
-        description="`launcher: warm`: a stage's worker exits after this many seconds without a job.",
-    )
-    k8s: K8sConfig = Field(default_factory=K8sConfig, description="The training pod of `launcher: k8s`.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer settings.")
 
     @model_validator(mode="after")
@@ -325,34 +384,6 @@ class TargetConfig(_Strict):
         return self
 
 
-class StageConfig(_Strict):
-    """A model stage launched like training (`train.launcher`): its ranks and the resources of its pod. The
-    image, namespace, service account, node selector, tolerations, /dev/shm and Secret are `train.k8s`'s."""
-
-    nproc: int = Field(default=1, ge=1, description="Ranks of the stage (torchrun --nproc-per-node); in a pod, "
-                                                    "one GPU each.")
-    cpu: str = Field(default="8", description="CPU request (and limit) of the stage's pod.")
-    memory: str = Field(default="64Gi", description="Memory request (and limit) of the stage's pod: the policy "
-                                                    "is loaded there (its weights, in `target.dtype`, plus batches).")
-
-    @field_validator("cpu", "memory")
-    @classmethod
-    def _quantity(cls, value: str, info: ValidationInfo) -> str:
-        if not _QUANTITY.fullmatch(value):
-            raise ValueError(f"{info.field_name} {value!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)")
-        return value
-
-
-class ExtractConfig(StageConfig):
-    """The `hidden_states` stage's process (or pod): the step's policy runs forward there."""
-
-    volumes: list[dict[str, Any]] = Field(
-        default_factory=list, description="Volumes of the extraction pod (Kubernetes objects), e.g. the "
-                                          "shared volume vLLM's connector writes `hidden_states.vllm_path` to.")
-    volume_mounts: list[dict[str, Any]] = Field(
-        default_factory=list, description="Where the extraction pod's container mounts `extract.volumes`.")
-
-
 class SamplingConfig(_Strict):
     """Sampling parameters as vLLM's requests name them."""
 
@@ -364,8 +395,8 @@ class SamplingConfig(_Strict):
         return SamplingParams(self.temperature, self.top_p, self.top_k)
 
 
-class EvalConfig(StageConfig):
-    """The `acceptance` stage's process (or pod): every drafter of the step is measured there, one process."""
+class EvalConfig(_Strict):
+    """How the `acceptance` stage measures the step's drafters (its ranks and pod: `launch.evaluation`)."""
 
     num_speculative_tokens: int = Field(default=4, ge=1, description="k: tokens the drafter proposes per round.")
     max_new_tokens: int = Field(default=40, ge=1, description="Tokens generated per held-out prompt.")
@@ -667,13 +698,14 @@ class PipelineConfig(_Strict):
     capture: CaptureConfig = Field(
         default_factory=CaptureConfig, description="Which rollouts and tokens of a step are stored."
     )
-    extract: ExtractConfig = Field(default_factory=ExtractConfig, description="The extraction stage's ranks and pod.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Acceptance evaluation.")
     promotion: PromotionConfig = Field(default_factory=PromotionConfig, description="Champion promotion.")
     fleet: FleetConfig = Field(default_factory=FleetConfig, description="The serving fleet the champion goes to.")
     simulation: SimulationConfig = Field(default_factory=SimulationConfig, description="Simulated RL source.")
     refresh: RefreshConfig = Field(default_factory=RefreshConfig,
                                    description="Same-step refresh of the fleet's drafter from a step's first parts.")
+    launch: LaunchConfig = Field(default_factory=LaunchConfig,
+                                 description="How the model stages' processes start: launcher, ranks, pods.")
 
     @model_validator(mode="after")
     def _parallel_depths(self) -> PipelineConfig:
@@ -683,14 +715,15 @@ class PipelineConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _extract_ranks(self) -> PipelineConfig:
-        if self.extract.nproc > 1 and self.hidden_states.source != "forward":
-            raise ValueError(f"extract.nproc is {self.extract.nproc}, but hidden_states.source "
-                             f"{self.hidden_states.source!r} reads vLLM's files in one process: set extract.nproc "
-                             "to 1, or hidden_states.source to forward")
-        if max(self.extract.nproc, self.eval.nproc) > 1 and self.device not in ("cpu", "cuda"):
-            raise ValueError(f"extract.nproc / eval.nproc above 1 need device cpu or cuda (one GPU per rank), "
-                             f"not {self.device!r}")
+    def _stage_ranks(self) -> PipelineConfig:
+        extraction, evaluation = self.launch.extraction.nproc, self.launch.evaluation.nproc
+        if extraction > 1 and self.hidden_states.source != "forward":
+            raise ValueError(f"launch.extraction.nproc is {extraction}, but hidden_states.source "
+                             f"{self.hidden_states.source!r} reads vLLM's files in one process: set "
+                             "launch.extraction.nproc to 1, or hidden_states.source to forward")
+        if max(extraction, evaluation) > 1 and self.device not in ("cpu", "cuda"):
+            raise ValueError(f"launch.extraction.nproc / launch.evaluation.nproc above 1 need device cpu or cuda "
+                             f"(one GPU per rank), not {self.device!r}")
         return self
 
     @model_validator(mode="after")
@@ -707,14 +740,14 @@ class PipelineConfig(_Strict):
 
     @model_validator(mode="after")
     def _k8s_reaches_storage(self) -> PipelineConfig:
-        if self.train.launcher != "k8s":
+        if self.launch.launcher != "k8s":
             return self
-        if not self.train.k8s.image:
-            raise ValueError("train.launcher k8s needs train.k8s.image")
+        if not self.launch.k8s.image:
+            raise ValueError("launch.launcher k8s needs launch.k8s.image")
         if not self.storage.root.startswith("s3://"):
-            raise ValueError("train.launcher k8s needs storage.root on s3://: the training pod cannot read local files")
+            raise ValueError("launch.launcher k8s needs storage.root on s3://: a stage's pod cannot read local files")
         if not self.mlflow.tracking_uri.startswith(("http://", "https://")):
-            raise ValueError("train.launcher k8s needs mlflow.tracking_uri of a tracking server (http:// or https://)")
+            raise ValueError("launch.launcher k8s needs mlflow.tracking_uri of a tracking server (http:// or https://)")
         return self
 
     @property
@@ -778,8 +811,38 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"not YAML: {where}{problem or type(exc).__name__}"
 
 
+# Keys that moved: a file that still sets one is refused with the key that replaced it, never read as a default.
+MOVED_KEYS = {
+    "train.launcher": "launch.launcher",
+    "train.warm_idle_s": "launch.warm_idle_s",
+    "train.k8s": "launch.k8s (its cpu and memory: launch.training.cpu / .memory and launch.refresh.cpu / .memory)",
+    "train.nproc_per_node": "launch.training.nproc",
+    "train.nnodes": "launch.training.nnodes",
+    "train.rdzv_port": "launch.training.rdzv_port",
+    "extract": "launch.extraction (nproc, cpu, memory, volumes, volume_mounts)",
+    "eval.nproc": "launch.evaluation.nproc",
+    "eval.cpu": "launch.evaluation.cpu",
+    "eval.memory": "launch.evaluation.memory",
+}
+
+
+def moved_keys(data: dict[str, Any]) -> list[str]:
+    """`data`'s keys that moved, each with the key that replaced it."""
+    found = []
+    for old, new in MOVED_KEYS.items():
+        *parents, leaf = old.split(".")
+        section = data
+        for parent in parents:
+            section = section.get(parent) if isinstance(section, dict) else None
+        if isinstance(section, dict) and leaf in section:
+            found.append(f"{old} is now {new}")
+    return found
+
+
 def parse_config(data: dict[str, Any]) -> PipelineConfig:
-    """Validate a config mapping; errors name the dotted key that is wrong."""
+    """Validate a config mapping; errors name the dotted key that is wrong (a key that moved: its new name)."""
+    if moved := moved_keys(data):
+        raise ConfigError("invalid pipeline config: " + "; ".join(moved))
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as exc:

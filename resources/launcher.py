@@ -1,106 +1,103 @@
 """Starting a model stage (extraction, training, evaluation, refresh) as its own process(es) through Dagster
-Pipes: the commands and pods come from `pipeline.launch` (and `pipeline.training.launch` for several nodes),
-a one-rank stage's warm worker from `resources.warm`."""
+Pipes: the commands and pods come from `pipeline.launch.process` (and `pipeline.launch.multinode` for several
+nodes), a one-rank stage's warm worker from `resources.warm`."""
 
 from __future__ import annotations
 
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
 
 from pipeline.config import PipelineConfig
-from pipeline.launch import StageJob, pod_labels, stage_command, stage_pod_spec, stage_ranks
-from pipeline.training.launch import (
+from pipeline.launch.multinode import (
     NODE_INDEX_ANNOTATION,
-    train_command,
     training_job_name,
     training_job_spec,
-    training_pod_spec,
     training_service_spec,
 )
+from pipeline.launch.process import StageJob, pod_labels, stage_command, stage_pod_spec, stage_ranks
+from pipeline.launch.warm import WarmWorker
+from pipeline.stages import TRAINING, Stage
 from pipeline.training.plan import TrainJob
 from resources.pipes_messages import PipesWholeLineTempFileMessageReader
-from resources.warm import PipesWarmClient, prestart
+from resources.warm import PipesWarmClient
 
 POD_START_TIMEOUT_S = 1800  # node 0's pod: a GPU node scaling up from zero, then a multi-GB image pull
 
 
 class StageLauncher:
-    """Every model stage through one launcher (`train.launcher`): a subprocess of this run (`subprocess`:
-    the worker itself for one rank, torchrun for several; `train.nnodes` trainings as loopback nodes), the
+    """Every model stage through one launcher (`launch.launcher`): a subprocess of this run (`subprocess`:
+    the worker itself for one rank, torchrun for several; a training on several nodes as loopback nodes), the
     stage's warm worker for one rank and a subprocess for several (`warm`), a GPU pod (`k8s`, through
-    `PipesK8sClient`), or for a training on several nodes an indexed Job of `train.nnodes` GPU pods
+    `PipesK8sClient`), or for a training on several nodes an indexed Job of `launch.training.nnodes` GPU pods
     (`k8s`); the last two need dagster-k8s."""
 
     def __init__(self, cfg: PipelineConfig, working_dir: Path, mlflow_ui_url: str) -> None:
         self.cfg, self.working_dir, self.mlflow_ui_url = cfg, working_dir, mlflow_ui_url
+        self.launch = cfg.launch
 
     @property
     def where(self) -> str:
         """Where a stage runs: `pod` or `process` (a subprocess of the Dagster run)."""
-        return "pod" if self.cfg.train.launcher == "k8s" else "process"
+        return "pod" if self.launch.launcher == "k8s" else "process"
 
-    def stage_job(self, stage: str, step: int, **fields: object) -> StageJob:
+    def stage_job(self, stage: Stage, step: int, **fields: object) -> StageJob:
         return StageJob(stage, step, self.cfg.model_dump(mode="json"), self.where, **fields)
 
-    def prestart(self, stages: list[str]) -> list[str]:
+    def prestart(self, stages: list[Stage]) -> list[Stage]:
         """Start the warm workers of `stages` now, one after the other (those that run on one, under
-        `train.launcher: warm`), so their first jobs find them listening; returns the stages started or found."""
-        if self.cfg.train.launcher != "warm":
+        `launch.launcher: warm`), so their first jobs find them listening; returns the stages started or found."""
+        if self.launch.launcher != "warm":
             return []
-        started = [stage for stage in stages if self._ranks(stage) == 1]
+        started = [stage for stage in stages if self.ranks(stage) == 1]
         for stage in started:
-            prestart(stage, self.cfg.data_path, self.working_dir, self.cfg.train.warm_idle_s)
+            WarmWorker(stage, self.cfg.data_path, self.working_dir, self.launch.warm_idle_s).prestart()
         return started
 
-    def _ranks(self, stage: str) -> int:
-        """The ranks a stage's job runs on: training's on every node."""
-        return stage_ranks(self.cfg, stage) * (self.cfg.train.nnodes if stage == "training" else 1)
+    def ranks(self, stage: Stage) -> int:
+        """The ranks a stage's job runs on: a training's on every node."""
+        return stage_ranks(self.cfg, stage) * (self.launch.training.nnodes if stage == TRAINING else 1)
 
     def run_stage(self, context: dg.AssetExecutionContext, job: StageJob) -> dg.PipesClientCompletedInvocation:
-        """Extraction or evaluation: the stage's worker with its ranks, reporting back over Pipes."""
-        ranks = self._ranks(job.stage)
-        return self._run(context, job.stage, ranks, {"job": job.to_dict()}, pod_labels(self.cfg, job.stage, job.step),
-                         lambda: stage_pod_spec(self.cfg, job.stage), stage_command(self.cfg, job.stage),
-                         f"launching {job.stage} ({self.where}, {ranks} rank(s))")
+        """Extraction, evaluation or refresh: the stage's worker with its ranks, reporting back over Pipes."""
+        return self._run(context, job.stage, job.step, {"job": job.to_dict()},
+                         f"launching {job.stage} ({self.where}, {self.ranks(job.stage)} rank(s))")
 
     def train(self, context: dg.AssetExecutionContext, job: TrainJob) -> dg.PipesClientCompletedInvocation:
-        cfg = self.cfg
         extras = {"job": job.to_dict(), "mlflow_ui_url": self.mlflow_ui_url, "where": self.where}
-        if cfg.train.launcher == "k8s" and cfg.train.nnodes > 1:
+        if self.launch.launcher == "k8s" and self.launch.training.nnodes > 1:
             with _quiet_preview():
-                return _run_indexed_job(context, cfg, job, extras)
-        return self._run(context, "training", self._ranks("training"), extras,
-                         pod_labels(cfg, "training", job.step), lambda: training_pod_spec(cfg),
-                         train_command(cfg.train.nproc_per_node, nnodes=cfg.train.nnodes))
+                return _run_indexed_job(context, self.cfg, job, extras)
+        return self._run(context, TRAINING, job.step, extras)
 
-    def _run(self, context: dg.AssetExecutionContext, stage: str, ranks: int, extras: dict, labels: dict[str, str],
-             pod_spec: Callable[[], dict], command: list[str], announce: str = "") -> dg.PipesClientCompletedInvocation:
+    def _run(self, context: dg.AssetExecutionContext, stage: Stage, step: int, extras: dict,
+             announce: str = "") -> dg.PipesClientCompletedInvocation:
         """`announce`, a line for the run's log, is logged before the launch, or on a warm worker once the job
         is handed over (while it works, not on the step's time)."""
-        warm = self.cfg.train.launcher == "warm" and ranks == 1
+        warm = self.launch.launcher == "warm" and self.ranks(stage) == 1
         if announce and not warm:
             context.log.info(announce)
         with _quiet_preview():
-            if self.cfg.train.launcher == "k8s":
+            if self.launch.launcher == "k8s":
                 from dagster_k8s import PipesK8sClient  # only deployments that launch pods install dagster-k8s
 
                 return PipesK8sClient().run(
-                    context=context, extras=extras, namespace=self.cfg.train.k8s.namespace or None,
-                    base_pod_meta={"labels": labels}, base_pod_spec=pod_spec(),
+                    context=context, extras=extras, namespace=self.launch.k8s.namespace or None,
+                    base_pod_meta={"labels": pod_labels(self.cfg, stage, step)},
+                    base_pod_spec=stage_pod_spec(self.cfg, stage),
                 )
             if warm:
                 return PipesWarmClient(stage, self.cfg.data_path, self.working_dir,
-                                       self.cfg.train.warm_idle_s).run(context=context, extras=extras,
-                                                                       announce=announce)
+                                       self.launch.warm_idle_s).run(context=context, extras=extras,
+                                                                    announce=announce)
             return dg.PipesSubprocessClient(cwd=str(self.working_dir),
                                             message_reader=PipesWholeLineTempFileMessageReader()).run(
-                context=context, extras=extras, command=command)
+                context=context, extras=extras, command=stage_command(self.cfg, stage))
 
 
 @contextmanager
@@ -114,7 +111,7 @@ def _quiet_preview() -> Iterator[None]:
 def _run_indexed_job(
     context: dg.AssetExecutionContext, cfg: PipelineConfig, job: TrainJob, extras: dict
 ) -> dg.PipesClientCompletedInvocation:
-    """A training on several nodes: the headless Service and the indexed Job of `pipeline.training.launch`,
+    """A training on several nodes: the headless Service and the indexed Job of `pipeline.launch.multinode`,
     Pipes' context in every pod's environment and its messages read from node 0's log (rank 0's),
     as `PipesK8sClient` reads its one pod's. The Job and Service are deleted however it ends."""
     import kubernetes
@@ -125,7 +122,7 @@ def _run_indexed_job(
     kubernetes.config.load_incluster_config() if _in_cluster() else kubernetes.config.load_kube_config()
     client = DagsterKubernetesClient.production_client()
     reader = PipesK8sPodLogsMessageReader()
-    namespace = cfg.train.k8s.namespace or detect_current_namespace(None) or "default"
+    namespace = cfg.launch.k8s.namespace or detect_current_namespace(None) or "default"
     name = training_job_name(context.run_id)
     with dg.open_pipes_session(context=context, extras=extras, context_injector=dg.PipesEnvContextInjector(),
                                message_reader=reader) as session:
@@ -137,7 +134,8 @@ def _run_indexed_job(
             client.wait_for_pod(node0, namespace, wait_for_state=WaitForPodState.Ready,
                                 wait_timeout=POD_START_TIMEOUT_S)
             reader.consume_pod_logs(context=context, core_api=client.core_api, pod_name=node0, namespace=namespace)
-            client.wait_for_job_success(name, namespace, num_pods_to_wait_for=cfg.train.nnodes)  # raises on failure
+            # raises on failure
+            client.wait_for_job_success(name, namespace, num_pods_to_wait_for=cfg.launch.training.nnodes)
         finally:
             client.batch_api.delete_namespaced_job(name, namespace, propagation_policy="Foreground")
             client.core_api.delete_namespaced_service(name, namespace)

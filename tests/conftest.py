@@ -28,7 +28,7 @@ from tests.support.reliability import (  # noqa: F401  (the report's fixture and
 )
 
 if TYPE_CHECKING:
-    from pipeline.local_stack import PostgresServer
+    from ops.local_stack import PostgresServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")

@@ -14,7 +14,7 @@
     placement/<run>/step-000123/<stage>.json      where a launched stage ran (process or pod, ranks, memory)
     training/<run>/<input id>/                    resumable checkpoints of one training, origin.json
     fleet/<run>/state.json                        which drafter version the fleet serves
-    refresh/<run>/step-000123.json                a step's same-step refresh (refresh.py)
+    refresh/<run>/step-000123.json                a step's same-step refresh (refresh/plan.py)
     refresh_data/<run>/step-000123-part-0004/     the refresh's hidden states and buffer (its own writer)
     tail/<run>/step-000123.json                   tau of the step's tail (its last parts) per drafter
 """
@@ -22,6 +22,8 @@
 from __future__ import annotations
 
 import re
+
+from pipeline.stages import Stage
 
 _STEP_KEY = re.compile(r"step-([0-9]{6,})")
 MAX_STEP = 2**63 - 1  # steps are int64 wherever they are stored (Parquet, Dagster, MLflow tags)
@@ -137,8 +139,8 @@ def replay_key(run: str, step: int) -> str:
     return f"replay/{run}/{step_key(step)}.json"
 
 
-def placement_key(run: str, step: int, stage: str) -> str:
-    return f"placement/{run}/{step_key(step)}/{stage}.json"
+def placement_key(run: str, step: int, stage: Stage) -> str:
+    return f"placement/{run}/{step_key(step)}/{stage.name}.json"
 
 
 def drafter_key(run: str, step: int) -> str:

@@ -3,7 +3,8 @@
     buffer/<run>/step-000123/_manifest.json   BufferRecord       the drafter_buffer asset -> training
     drafter/<run>/step-000123.json            TrainingRecord     the drafter asset -> acceptance, reports
     acceptance/<run>/step-000123.json         AcceptanceRecord   the acceptance asset -> reports, plots
-    cost/<run>/step-000123.json               StepCost           the acceptance asset -> schedules, the ledger
+    cost/<run>/step-000123.json               StepCost           (pipeline/accounting/cost.py) the acceptance asset
+                                                                 -> schedules, the ledger
     replay/<run>/step-000123.json             RolloutReplay      the acceptance asset -> the ledger, reports, plots
     placement/<run>/step-000123/<stage>.json  StagePlacement     a launched stage's worker -> its asset, the ledger
     fleet/<run>/state.json                    FleetState         the fleet asset -> status, the demo, the ledger
@@ -23,10 +24,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, Protocol, TypeVar, get_args
 
-from pipeline.cost import DecodingCost
 from pipeline.data.keys import (
     acceptance_key,
-    cost_key,
     drafter_key,
     fleet_policy_key,
     fleet_state_key,
@@ -35,8 +34,9 @@ from pipeline.data.keys import (
     replay_key,
     tail_key,
 )
-from pipeline.data.sampling import DRAFT_SAMPLE_METHODS, GREEDY, DraftSampleMethod, SamplingParams
 from pipeline.data.store import ObjectStore
+from pipeline.sampling import DRAFT_SAMPLE_METHODS, GREEDY, DraftSampleMethod, SamplingParams
+from pipeline.stages import STEP_STAGES, Stage, stage_named
 
 SCHEMA_VERSION = 1
 
@@ -528,17 +528,14 @@ class RolloutReplay:
                    {str(arm): ArmReplay.from_json(a) for arm, a in doc["arms"].items()})
 
 
-# --- the cost ledger -------------------------------------------------------------------------------------------
-
-STAGES = ("extraction", "training", "evaluation", "deployment")
-LAUNCHED_STAGES = ("extraction", "training", "evaluation")  # the stages that run in a launched process
+# --- where a launched stage ran -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class StagePlacement:
     """Where a launched stage of a step ran, as its worker measured it."""
 
-    stage: str  # extraction | training | evaluation
+    stage: Stage  # stored by its name
     where: str  # process (a subprocess of the Dagster run) | pod (a Kubernetes pod through PipesK8sClient)
     ranks: int
     device: str  # the torch device of rank 0, with the GPU's name on CUDA
@@ -551,58 +548,19 @@ class StagePlacement:
                 "peak_memory_gb": round(self.peak_memory_bytes / 1e9, 3), "stage_seconds": round(self.seconds, 2)}
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {"stage": self.stage.name, "where": self.where, "ranks": self.ranks, "device": self.device,
+                "peak_memory_bytes": self.peak_memory_bytes, "seconds": self.seconds}
 
     @classmethod
     def from_json(cls, doc: dict) -> StagePlacement:
-        return cls(str(doc["stage"]), str(doc["where"]), int(doc["ranks"]), str(doc["device"]),
-                   int(doc["peak_memory_bytes"]), float(doc["seconds"]))
+        return cls(stage_named(doc["stage"], "stage placement"), str(doc["where"]), int(doc["ranks"]),
+                   str(doc["device"]), int(doc["peak_memory_bytes"]), float(doc["seconds"]))
 
 
 def read_placements(store: ObjectStore, run: str, step: int) -> tuple[StagePlacement, ...]:
     """The placements the step's launched stages recorded, in stage order."""
-    keys = [placement_key(run, step, stage) for stage in LAUNCHED_STAGES]
+    keys = [placement_key(run, step, stage) for stage in STEP_STAGES if stage.launched]
     return tuple(read_record(store, key, StagePlacement) for key in keys if store.exists(key))
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """A step's entry in the cost ledger (pipeline/ledger.py): device-seconds its stages spent, and the rollout
-    seconds the drafter that served its rollouts saved: measured by the step's replay where it ran, else by the
-    cost model of pipeline/cost.py."""
-
-    step: int
-    seconds: dict[str, float]  # stage -> device-seconds; deployment is added from the fleet's history
-    rollout_tokens: int  # response tokens of the step's rollouts
-    served_version: str | None  # the drafter the fleet ran while the rollouts were generated
-    served_tau: float  # 1.0: no drafter served them
-    decoding: DecodingCost | None  # timed by the step's evaluation of the served drafter; None: nothing served
-    placements: tuple[StagePlacement, ...] = ()  # where its launched stages ran
-    measured_saved_s: float | None = None  # the replay's: no speculation's seconds less the served drafter's
-
-    @property
-    def saved_s(self) -> float:
-        if self.measured_saved_s is not None:
-            return self.measured_saved_s
-        return self.decoding.saved_seconds(self.served_tau, self.rollout_tokens) if self.decoding else 0.0
-
-    @property
-    def saving_measured(self) -> bool:
-        return self.measured_saved_s is not None
-
-    def to_json(self) -> dict:
-        return {"step": self.step, "seconds": self.seconds, "rollout_tokens": self.rollout_tokens,
-                "served_version": self.served_version, "served_tau": self.served_tau,
-                "decoding": self.decoding.to_json() if self.decoding else None,
-                "placements": [p.to_json() for p in self.placements], "measured_saved_s": self.measured_saved_s}
-
-    @classmethod
-    def from_json(cls, doc: dict) -> StepCost:
-        decoding, measured = doc["decoding"], doc.get("measured_saved_s")
-        return cls(doc["step"], {k: float(v) for k, v in doc["seconds"].items()}, doc["rollout_tokens"],
-                   doc["served_version"], doc["served_tau"], DecodingCost.from_json(decoding) if decoding else None,
-                   tuple(StagePlacement.from_json(p) for p in doc.get("placements", ())),
-                   None if measured is None else float(measured))
 
 
 # --- the same-step refresh ------------------------------------------------------------------------------------
@@ -815,7 +773,3 @@ def read_replay(store: ObjectStore, run: str, step: int) -> RolloutReplay | None
     key = replay_key(run, step)
     return read_record(store, key, RolloutReplay) if store.exists(key) else None
 
-
-def read_cost(store: ObjectStore, run: str, step: int) -> StepCost | None:
-    key = cost_key(run, step)
-    return read_record(store, key, StepCost) if store.exists(key) else None

@@ -16,7 +16,7 @@ policy.json:
      "checkpoint_uri": "s3://.../step-000123"  (or a key relative to the store root),
      "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0}}
     The checkpoint is a transformers directory: config.json + safetensors weights. `sampling`
-    (optional: pipeline/data/sampling.py) is how the rollouts were sampled; every tau of the
+    (optional: pipeline/sampling.py) is how the rollouts were sampled; every tau of the
     step is measured at it (without it, at `eval.sampling`).
 
 The validators below are the contract: the pipeline runs them on what it reads and the
@@ -41,8 +41,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.data.keys import MAX_STEP, parse_step_key, policy_pointer_key, rollouts_key, rollouts_root
-from pipeline.data.sampling import SamplingError, SamplingParams
 from pipeline.data.store import ObjectStore
+from pipeline.sampling import SamplingError, SamplingParams
 
 SCHEMA_VERSION = 1
 INT64_MAX = MAX_STEP

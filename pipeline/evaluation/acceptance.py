@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+from pipeline.accounting.cost import DecodingCost, StepCost
 from pipeline.config import PipelineConfig, PromotionConfig
-from pipeline.cost import DecodingCost
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.held_out import held_out_prompts, held_out_sequences
 from pipeline.data.keys import acceptance_key, cost_key, placement_key, replay_key
@@ -31,21 +31,21 @@ from pipeline.data.records import (
     AcceptanceRecord,
     DrafterTau,
     RolloutReplay,
-    StepCost,
     TauEstimate,
     read_fleet_state,
     read_placements,
     served_at,
     write_record,
 )
-from pipeline.data.sampling import DraftSampleMethod, SamplingParams
 from pipeline.data.store import ObjectStore
-from pipeline.evaluation import cost, replay, speculative, teacher_forced
+from pipeline.evaluation import replay, round_cost, speculative, teacher_forced
 from pipeline.evaluation.scheduler import SpeculationThreshold
+from pipeline.launch.placement import measure_placement
 from pipeline.models import target as target_lib
-from pipeline.placement import measure_placement
 from pipeline.ranks import SINGLE, Ranks
 from pipeline.registry import DrafterRegistry
+from pipeline.sampling import DraftSampleMethod, SamplingParams
+from pipeline.stages import EVALUATION, Stage
 
 
 @dataclass(frozen=True)
@@ -153,15 +153,15 @@ def served_version(store: ObjectStore, run: str, step: int, champion: str | None
 
 def round_costs_at_step(
     store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, version: str, ks: list[int]
-) -> list[cost.RoundCost]:
+) -> list[round_cost.RoundCost]:
     """A registered drafter's tau, drafter forwards per round and estimated speedup at each k, on the step's
-    held-out prompts and policy (the cost model of `pipeline.evaluation.cost`)."""
+    held-out prompts and policy (the cost model of `pipeline.evaluation.round_cost`)."""
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)
     target = target_lib.load_policy(store, pointer.checkpoint_uri, cfg.device, target_lib.load_settings(cfg))
     prompts = held_out_prompts(store, cfg, step, rollouts_lib.TargetLimits.of(target.config))
     drafter = registry.load(version)
     drafter.attach(target)
-    return cost.round_costs(target, drafter, speculative.follow_target(drafter, target), prompts,
+    return round_cost.round_costs(target, drafter, speculative.follow_target(drafter, target), prompts,
                             cfg.eval.max_new_tokens, ks, cfg.eval.rollout_sampling(pointer.sampling),
                             cfg.fleet.draft_sample_method, eval_seed(step))
 
@@ -234,7 +234,7 @@ def replay_rollouts(
 
 
 def step_cost(
-    store: ObjectStore, cfg: PipelineConfig, measurement: StepMeasurement, seconds: dict[str, float],
+    store: ObjectStore, cfg: PipelineConfig, measurement: StepMeasurement, seconds: dict[Stage, float],
     replayed: RolloutReplay | None = None,
 ) -> StepCost:
     """The step's ledger entry: `seconds` spent by stage, what the served drafter saved on its rollouts (measured
@@ -251,7 +251,7 @@ def step_cost(
 
 def evaluate_step(
     store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, new_version: str | None,
-    spent_s: dict[str, float] | None = None, ranks: Ranks = SINGLE, where: str = "process",
+    spent_s: dict[Stage, float] | None = None, ranks: Ranks = SINGLE, where: str = "process",
 ) -> AcceptanceRecord | None:
     """Measure the drafters (on every rank), then on rank 0: decide on promotion, move aliases, write the
     step's acceptance record, where the evaluation ran (`where`: process or pod), the step's replay (`eval.replay`)
@@ -260,7 +260,7 @@ def evaluate_step(
     started = time.perf_counter()
     measurement = measure_step(store, cfg, step, registry, new_version, ranks)
     device = ranks.device(cfg.device, cfg.target.gpus_per_process)
-    placement = measure_placement("evaluation", where, ranks, device, started)
+    placement = measure_placement(EVALUATION, where, ranks, device, started)
     if not ranks.is_main:
         return None
     new_tau = measurement.measured[new_version].tau if new_version else None
@@ -268,8 +268,8 @@ def evaluate_step(
     apply_promotion(registry, measurement, new_version, decision)
     record = acceptance_record(cfg, measurement, decision, registry.alias_version("champion"))
     write_record(store, acceptance_key(cfg.run, step), record)
-    write_record(store, placement_key(cfg.run, step, "evaluation"), placement)
-    seconds = {**(spent_s or {}), "evaluation": (time.perf_counter() - started) * ranks.world_size}
+    write_record(store, placement_key(cfg.run, step, EVALUATION), placement)
+    seconds = {**(spent_s or {}), EVALUATION: (time.perf_counter() - started) * ranks.world_size}
     replayed = replay_rollouts(store, cfg, registry, measurement) if cfg.eval.replay else None
     if replayed is not None:
         write_record(store, replay_key(cfg.run, step), replayed)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.data.sampling import DraftSampleMethod, SamplingParams
+from pipeline.sampling import DraftSampleMethod, SamplingParams
 
 
 @dataclass

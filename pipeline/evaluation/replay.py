@@ -26,11 +26,11 @@ from transformers import LlamaForCausalLM
 
 from pipeline.data.records import ArmReplay, RolloutReplay
 from pipeline.data.rollouts import Rollout
-from pipeline.data.sampling import DraftSampleMethod, SamplingParams
 from pipeline.evaluation.rejection_sampler import RequestSampling
 from pipeline.evaluation.scheduler import SpeculationThreshold, bucket, schedule_round
 from pipeline.evaluation.speculative import DecodingBatch, Request, Sequence, clock
 from pipeline.models.drafter import Proposer
+from pipeline.sampling import DraftSampleMethod, SamplingParams
 
 TAIL_BATCH = 4  # the tail: rounds with at most this many requests left
 ARMS = ("none", "baseline", "served", "cotrained")

@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, LlamaForCausalLM
 
-from pipeline.cost import DecodingCost
-from pipeline.data.sampling import GREEDY, DraftSampleMethod, SamplingParams
+from pipeline.accounting.cost import DecodingCost
 from pipeline.evaluation.rejection_sampler import BatchSampling, DraftSampler, RequestSampling, verify
 from pipeline.models import target_forward
 from pipeline.models.drafter import CommittedPairs, DraftChooser, Drafter, Proposer
 from pipeline.models.eagle import gather_rows
 from pipeline.ranks import SINGLE, Ranks
+from pipeline.sampling import GREEDY, DraftSampleMethod, SamplingParams
 
 
 def features_for(out: target_forward.TargetOutput, layer_ids: list[int] | None) -> torch.Tensor:
@@ -130,7 +130,8 @@ def _pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
 @dataclass
 class RoundTimes:
     """Seconds spent in the rounds' target forwards and drafter proposals, and the rows they served: what the
-    cost model's t and c are measured from (pipeline/cost.py). The prefill is not a round and is not counted."""
+    cost model's t and c are measured from (pipeline/accounting/cost.py). The prefill is not a round and is not
+    counted."""
 
     target_s: float = 0.0
     draft_s: float = 0.0

@@ -3,7 +3,7 @@
     python -m pipeline.evaluation.worker                                      one rank
     torchrun --standalone --nproc-per-node=N -m pipeline.evaluation.worker    N ranks (gloo on CPU, NCCL on GPUs)
 
-The job (`pipeline.launch.StageJob`: config, RL step, the step's new drafter version, the
+The job (`pipeline.launch.process.StageJob`: config, RL step, the step's new drafter version, the
 device-seconds of the stages before) arrives as the Pipes extra `job`. One process (or one set of
 ranks) measures every drafter of the step, so the policy is loaded once per step; the ranks share
 the prompt batches and sum their counts (`acceptance.measure_step`). Rank 0 decides the promotion,
@@ -23,10 +23,11 @@ from pipeline.data.records import AcceptanceRecord, StagePlacement, read_record
 from pipeline.data.store import open_store
 from pipeline.evaluation import acceptance
 from pipeline.evaluation import tail as tail_lib
-from pipeline.launch import StageJob
+from pipeline.launch.process import StageJob
+from pipeline.launch.worker import run_stage_worker, stage_job
 from pipeline.ranks import SINGLE, Ranks, join, leave
 from pipeline.registry import open_registry
-from pipeline.workers import run_stage_worker, stage_job
+from pipeline.stages import EVALUATION
 
 
 def run_evaluation(job: StageJob, ranks: Ranks) -> AcceptanceRecord | None:
@@ -58,13 +59,13 @@ def acceptance_metadata(record: AcceptanceRecord) -> dict:
 
 def run_pipes(pipes: PipesContext, ranks: Ranks = SINGLE) -> None:
     """Rank 0's work over an open Pipes channel: the measurements, the promotion, the tail, the report (a
-    launched process's and a warm worker's, `pipeline.stage_server`)."""
+    launched process's and a warm worker's, `pipeline.launch.warm`)."""
     started = time.perf_counter()
-    job = stage_job(pipes, "evaluation")
+    job = stage_job(pipes, EVALUATION)
     pipes.log.info(f"measuring the drafters of RL step {job.step} on {ranks.world_size} rank(s) ({job.where})")
     record = run_evaluation(job, ranks)
     cfg = job.pipeline_config
-    where = read_record(open_store(cfg), placement_key(cfg.run, job.step, "evaluation"), StagePlacement)
+    where = read_record(open_store(cfg), placement_key(cfg.run, job.step, EVALUATION), StagePlacement)
     pipes.log.info(f"evaluation done in {time.perf_counter() - started:.1f} s: {record.decision}")
     ceiling = cfg.eval.num_speculative_tokens + 1
     metadata = {**acceptance_metadata(record), **where.metadata()}
@@ -79,7 +80,7 @@ def run_pipes(pipes: PipesContext, ranks: Ranks = SINGLE) -> None:
 
 
 def main() -> None:
-    run_stage_worker("pipeline.evaluation.worker", "acceptance", run_evaluation, run_pipes)
+    run_stage_worker(EVALUATION, run_evaluation, run_pipes)
 
 
 if __name__ == "__main__":

@@ -31,19 +31,10 @@ from pipeline.data.records import (
 )
 from pipeline.data.store import ObjectStore
 from pipeline.registry import DrafterRegistry
-from pipeline.serving.fleet import (
-    CommandDriver,
-    GateConfig,
-    GateError,
-    ReplicaDriver,
-    ReplicaSpec,
-    Speculation,
-    StagedDrafter,
-    StandInDriver,
-    rolling_deploy,
-    scrape,
-)
-from pipeline.serving.metrics import SpecCounters
+from pipeline.serving import live_tau as live_tau_lib
+from pipeline.serving.drivers import CommandDriver, ReplicaDriver, ReplicaSpec, Speculation, StandInDriver
+from pipeline.serving.fleet import StagedDrafter, rolling_deploy
+from pipeline.serving.gates import GateConfig, GateError
 from pipeline.serving.rollouts import FleetRollouts
 
 
@@ -250,41 +241,18 @@ def deploy(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry, v
             if exc.replicas:
                 record_stopped(store, cfg.run, exc.replicas)
             raise
-        record_live(store, cfg.run, registry, version, policy.step, report, _counters_now(replicas(cfg)))
+        # the gates passed moments ago: a replica gone since has no baseline, and no say later
+        counters = live_tau_lib.read_counters(replicas(cfg)).to_json()
+        record_live(store, cfg.run, registry, version, policy.step, report, counters)
     return report
 
 
-def _counters_now(fleet: list[ReplicaSpec]) -> dict[str, dict]:
-    """Each reachable replica's spec-decode counters, as JSON."""
-    counters = {}
-    for replica in fleet:
-        try:
-            counters[replica.name] = scrape(replica).to_json()
-        except OSError:  # the gates passed moments ago: a replica gone since has no baseline, and no say later
-            continue
-    return counters
-
-
 def live_tau(cfg: PipelineConfig, store: ObjectStore, version: str | None) -> float | None:
-    """The fleet's live tau of `version`: the mean acceptance length its replicas counted (vLLM's spec-decode
-    counters on /metrics) since `version` went live on them, summed over the replicas that run it. A replica
-    restarted since counts from its start. None when the fleet does not run `version`, or no replica has counted
-    a draft of it."""
+    """The fleet's live tau of `version` since it went live on its replicas (`live_tau.since_live`); None when the
+    fleet does not run `version`, or no replica has counted a draft of it."""
     state = read_fleet_state(store, cfg.run)
     if version is None or cfg.fleet.driver == "none" or state.version != version:
         return None
     running = {r.replica for r in state.replicas if r.version == version}
-    window = SpecCounters()
-    for replica in replicas(cfg):
-        if replica.name not in running:
-            continue
-        try:
-            counters = scrape(replica)
-        except OSError:  # an unreachable replica has no say; the deploy gates and the sensor report it
-            continue
-        start = state.live_counters.get(replica.name)
-        if start is not None and counters.drafts >= start["drafts"]:
-            counters = counters - SpecCounters.from_json(start)
-        window = SpecCounters(window.drafts + counters.drafts, window.draft_tokens + counters.draft_tokens,
-                              window.accepted + counters.accepted)
-    return window.mean_acceptance_length
+    reading = live_tau_lib.read_counters([r for r in replicas(cfg) if r.name in running])
+    return live_tau_lib.since_live(state, reading, version)

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 from transformers import LlamaForCausalLM
 
-from pipeline.data.sampling import DraftSampleMethod
 from pipeline.evaluation.scheduler import SpeculationThreshold, schedule_round
 from pipeline.evaluation.speculative import DecodingBatch, Request, Sequence
 from pipeline.models.drafter import Proposer
+from pipeline.sampling import DraftSampleMethod
 from pipeline.serving.metrics import SpecCounters
 
 

@@ -1,4 +1,5 @@
-"""vLLM's speculative-decoding counters: render them (stand-in replica) and read them (deploy gates).
+"""vLLM's speculative-decoding counters: render them (stand-in replica) and read them from a replica's /metrics
+(deploy gates, live tau).
 
     vllm:spec_decode_num_drafts_total                      draft rounds
     vllm:spec_decode_num_draft_tokens_total                tokens proposed
@@ -19,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from pipeline.serving.drivers import ReplicaSpec, call
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -118,3 +121,8 @@ def read_standin(text: str) -> tuple[int | None, dict[str, float]]:
             elif sample.name == f"{ROUNDS}_total":
                 rounds[sample.labels["kind"]] = rounds.get(sample.labels["kind"], 0.0) + sample.value
     return threshold, rounds
+
+
+def scrape(replica: ReplicaSpec, timeout: float = 10.0) -> SpecCounters:
+    """The replica's speculative-decoding counters now."""
+    return parse(call(replica, "/metrics", timeout=timeout).decode())

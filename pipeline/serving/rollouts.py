@@ -2,7 +2,7 @@
 
 As an asynchronous trainer beside vLLM in server mode (PipelineRL, prime-rl, SkyRL, AReaL) does, each step:
 
-1. `push_policy`: every replica gets the step's policy through the weight-update routes (`fleet.send_policy`:
+1. `push_policy`: every replica gets the step's policy through the weight-update routes (`hot_update.send_policy`:
    /pause?mode=keep, /start_weight_update, /update_weights, /finish_weight_update "policy-<dir>", /resume),
    and /weight_info must report it, before the step's first request. A replica not running starts on it
    (before step 1 the fleet starts with no drafter: plain decoding until the first deploy); a policy not on
@@ -32,16 +32,14 @@ from pipeline.data.lease import hold
 from pipeline.data.records import FleetPolicy, write_record
 from pipeline.data.store import ObjectStore
 from pipeline.serving import metrics as serving_metrics
-from pipeline.serving.fleet import (
+from pipeline.serving.drivers import ReplicaDriver, ReplicaSpec, call
+from pipeline.serving.gates import wait_healthy
+from pipeline.serving.hot_update import (
     HotUpdateFailed,
     HotUpdateUnsupported,
-    ReplicaDriver,
-    ReplicaSpec,
-    _request,
     local_directory,
     policy_version,
     send_policy,
-    wait_healthy,
 )
 from pipeline.sources.rollout_engine import GeneratedRollout, RolloutEngine, RolloutRequest
 
@@ -128,7 +126,7 @@ class FleetRollouts:
     @staticmethod
     def _answers(replica: ReplicaSpec) -> bool:
         try:
-            _request(replica, "/health", timeout=5)
+            call(replica, "/health", timeout=5)
             return True
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
@@ -172,7 +170,7 @@ class FleetRollouts:
         out = {}
         for replica in self.replicas:
             try:
-                text = _request(replica, "/metrics", timeout=10).decode()
+                text = call(replica, "/metrics", timeout=10).decode()
             except OSError:
                 continue  # a replica down now has no say in the window
             threshold, rounds = serving_metrics.read_standin(text)
@@ -187,8 +185,8 @@ class FleetRollouts:
         for attempt in range(ATTEMPTS_PER_REPLICA * len(self.replicas)):
             replica = self.replicas[(index + attempt) % len(self.replicas)]
             try:
-                doc = json.loads(_request(replica, "/v1/completions", {"model": replica.served_model_name, **body},
-                                          timeout=REQUEST_TIMEOUT_S))
+                doc = json.loads(call(replica, "/v1/completions", {"model": replica.served_model_name, **body},
+                                      timeout=REQUEST_TIMEOUT_S))
             except urllib.error.HTTPError as exc:
                 if exc.code < 500:
                     raise RuntimeError(f"replica {replica.name} refused rollout {index}: HTTP {exc.code} "

@@ -63,15 +63,15 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
-from pipeline.data.sampling import DRAFT_SAMPLE_METHODS, DraftSampleMethod, SamplingError, SamplingParams
 from pipeline.evaluation import speculative
 from pipeline.evaluation.rejection_sampler import RequestSampling
 from pipeline.evaluation.scheduler import SpeculationThreshold
 from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import CheckpointError, load_drafter
 from pipeline.models.drafter import Proposer
+from pipeline.sampling import DRAFT_SAMPLE_METHODS, DraftSampleMethod, SamplingError, SamplingParams
 from pipeline.serving.engine import Completion, Engine
-from pipeline.serving.fleet import policy_version
+from pipeline.serving.hot_update import policy_version
 from pipeline.serving.metrics import SpecCounters, render, render_standin
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"

@@ -16,7 +16,7 @@ import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from pipeline.data.sampling import SamplingParams
+from pipeline.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

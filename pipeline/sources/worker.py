@@ -3,7 +3,7 @@
     python -m pipeline.sources.worker                                       one rank
     torchrun --standalone --nproc-per-node=N -m pipeline.sources.worker     N ranks (gloo on CPU, NCCL on GPUs)
 
-The job (`pipeline.launch.StageJob`: config, RL step) arrives as the Pipes extra `job`. Every
+The job (`pipeline.launch.process.StageJob`: config, RL step) arrives as the Pipes extra `job`. Every
 rank loads the step's policy and forwards its share of the step's shards (`extract.extract_hidden_states`);
 rank 0 commits the manifest, checks the committed shards as a reader sees them, records where the
 stage ran, and reports the materialization, the `shards_valid` check and its logs over Pipes.
@@ -22,11 +22,12 @@ from pipeline.data.keys import hidden_states_prefix, placement_key
 from pipeline.data.records import StagePlacement, write_record
 from pipeline.data.shards import Manifest
 from pipeline.data.store import ObjectStore, open_store
-from pipeline.launch import StageJob
-from pipeline.placement import measure_placement
+from pipeline.launch.placement import measure_placement
+from pipeline.launch.process import StageJob
+from pipeline.launch.worker import run_stage_worker, stage_job
 from pipeline.ranks import SINGLE, Ranks, join, leave
 from pipeline.sources import extract
-from pipeline.workers import run_stage_worker, stage_job
+from pipeline.stages import EXTRACTION
 
 
 def run_extraction(job: StageJob, ranks: Ranks) -> tuple[Manifest | None, StagePlacement]:
@@ -37,7 +38,7 @@ def run_extraction(job: StageJob, ranks: Ranks) -> tuple[Manifest | None, StageP
     join(ranks, device)
     try:
         manifest = extract.extract_hidden_states(open_store(cfg), cfg, job.step, ranks)
-        return manifest, measure_placement("extraction", job.where, ranks, device, started)
+        return manifest, measure_placement(EXTRACTION, job.where, ranks, device, started)
     finally:
         leave()
 
@@ -60,7 +61,7 @@ def report_extraction(job: StageJob, manifest: Manifest, where: StagePlacement) 
     sees them, the materialization's metadata."""
     cfg = job.pipeline_config
     store = open_store(cfg)
-    write_record(store, placement_key(cfg.run, job.step, "extraction"), where)
+    write_record(store, placement_key(cfg.run, job.step, EXTRACTION), where)
     problems = checks.check_shards(store, cfg.run, job.step)
     return ExtractionReport(_metadata(store, job, manifest, where), problems)
 
@@ -88,8 +89,8 @@ def _metadata(store: ObjectStore, job: StageJob, manifest: Manifest, where: Stag
 
 def run_pipes(pipes: PipesContext, ranks: Ranks = SINGLE) -> None:
     """Rank 0's work over an open Pipes channel: the extraction, its commit, check and report (a launched
-    process's and a warm worker's, `pipeline.stage_server`)."""
-    job = stage_job(pipes, "extraction")
+    process's and a warm worker's, `pipeline.launch.warm`)."""
+    job = stage_job(pipes, EXTRACTION)
     pipes.log.info(f"extracting hidden states of RL step {job.step} on {ranks.world_size} rank(s) "
                    f"({job.where})")
     manifest, where = run_extraction(job, ranks)
@@ -100,7 +101,7 @@ def run_pipes(pipes: PipesContext, ranks: Ranks = SINGLE) -> None:
 
 
 def main() -> None:
-    run_stage_worker("pipeline.sources.worker", "hidden_states", run_extraction, run_pipes)
+    run_stage_worker(EXTRACTION, run_extraction, run_pipes)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,14 @@ reopens the run an unfinished attempt left behind.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from pipeline.accounting.cost import read_cost
 from pipeline.config import PipelineConfig, TrainConfig, parse_resolved_config
-from pipeline.cost import DecodingCost
 from pipeline.data import order
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.buffer import read_buffer
@@ -23,7 +24,6 @@ from pipeline.data.records import (
     BufferEntry,
     composition,
     read_acceptance,
-    read_cost,
     read_refresh,
     read_training,
 )
@@ -31,12 +31,11 @@ from pipeline.data.store import ObjectStore
 from pipeline.registry import DrafterRegistry
 from pipeline.training.outcome import TrainOutcome
 from pipeline.training.schedule import (
-    AgedTau,
-    ChampionTrack,
     LiveTau,
     ScheduleInputs,
+    StepHistory,
     TrainingDecision,
-    measure_staleness,
+    gather_inputs,
     schedule_decision,
 )
 
@@ -68,8 +67,18 @@ def training_decision(
 
 # Where a training runs, whether its ranks shard the drafter (the same steps, up to float rounding),
 # how often and how it saves and how often it reports do not change what it learns: kept out of its identity.
-_PLACEMENT_KEYS = {"launcher", "k8s", "checkpoint_every", "log_every", "checkpoint_background", "parallelism",
-                   "fsdp_memory_share", "fsdp_units", "gpu_memory_gb", "rdzv_port"}
+_PLACEMENT_KEYS = {"checkpoint_every", "log_every", "checkpoint_background", "parallelism", "fsdp_memory_share",
+                   "fsdp_units", "gpu_memory_gb"}
+
+
+def _identity_settings(cfg: PipelineConfig) -> dict:
+    """The training settings an identity digests: `train` less placement, and the world the training runs on
+    (its ranks per node and nodes split every batch into the ranks' shares), under the names the identities in
+    the registry give them. Those identities digest `launch.warm_idle_s` too: without it every trained step
+    would get a new identity, and its rerun would train again instead of finding its version."""
+    launch = cfg.launch
+    return {**cfg.train.model_dump(exclude=_PLACEMENT_KEYS), "nproc_per_node": launch.training.nproc,
+            "nnodes": launch.training.nnodes, "warm_idle_s": launch.warm_idle_s}
 
 
 def input_identity(
@@ -80,7 +89,7 @@ def input_identity(
     The warm start is left out on purpose: a rerun of a step finds the champion that step itself
     promoted, yet trains on the same data."""
     doc = {
-        "run": cfg.run, "train": cfg.train.model_dump(exclude=_PLACEMENT_KEYS), "drafter": cfg.drafter.model_dump(),
+        "run": cfg.run, "train": _identity_settings(cfg), "drafter": cfg.drafter.model_dump(),
         # Samples by id, not by shard file: rewriting a step's shards gives new file names.
         "samples": [(e.step, e.sample_id) for e in entries], "policy": policy_uri,
     }
@@ -135,8 +144,9 @@ class TrainJob:
             values["refresh"] = RefreshSpec(**values["refresh"])
         return cls(**values)
 
-    @property
+    @functools.cached_property
     def pipeline_config(self) -> PipelineConfig:
+        """The job's configuration, parsed at its first use and kept with the job."""
         return parse_resolved_config(self.config, f"the training job of step {self.step}")
 
 
@@ -165,14 +175,15 @@ class TrainingPlan:
 
 def plan_training(
     store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, requested_by: str | None = None,
-    coalesce: bool = False, live: LiveTau | None = None,
+    coalesce: bool = False, live_tau: Callable[[str], float | None] | None = None,
 ) -> TrainingPlan:
     """Skip (with the reason), reuse a version trained on identical inputs, or train; reads only. With
     `coalesce` (a run the sensor asked for, not a backfill) a newer committed step supersedes this one's training.
-    `live`: the fleet's live tau, which the `acceptance` and `cost` schedules take for the champion's tau now."""
+    `live_tau`: the fleet's live tau of a version (None: the fleet does not run it), which the `acceptance` and
+    `cost` schedules take for the champion's tau now."""
     entries = list(read_buffer(store, cfg.run, step).entries)
     newer = order.committed_after(store, cfg.run, step) if coalesce else []  # by commit time, not number
-    inputs = None if cfg.train.schedule.kind == "interval" else schedule_inputs(store, cfg, step, registry, live)
+    inputs = None if cfg.train.schedule.kind == "interval" else schedule_inputs(store, cfg, step, registry, live_tau)
     decision = training_decision(step, len(entries), cfg.train, requested_by, inputs, newer[-1] if newer else None)
     if not decision.train:
         return TrainingPlan(step, False, decision.reason, len(entries), requested_by)
@@ -190,83 +201,32 @@ def plan_training(
     )
 
 
-RECENT_TRAININGS = 3  # the expected cost of a training: the mean of the last few
-RECENT_TIMINGS = 3  # t and c: the median of the last few steps' timings of the served drafter
-STALENESS_STEPS = 4  # `keep`: drafters measured on the last few steps' policies
 SCHEDULE_HISTORY_STEPS = 100  # records a decision reads: a champion promoted earlier counts as unknown (train)
 
 
 def schedule_inputs(
-    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry, live: LiveTau | None = None
+    store: ObjectStore, cfg: PipelineConfig, step: int, registry: DrafterRegistry,
+    live_tau: Callable[[str], float | None] | None = None,
 ) -> ScheduleInputs:
-    """What the `acceptance` and `cost` schedules read: the champion's acceptance since its promotion (its tau now:
-    the fleet's live tau when the fleet runs it, else its evaluation on the newest measured step), how fast drafters
-    went stale on the last steps, the step's rollout tokens, and the costs earlier steps measured (their StepCost
-    records)."""
+    """What the `acceptance` and `cost` schedules read, gathered in one pass: the earlier steps' records (each read
+    once), the step's rollout tokens, the champion and its live tau; `schedule.gather_inputs` makes the inputs of
+    them."""
     earlier = order.committed_before(store, cfg.run, step)[-SCHEDULE_HISTORY_STEPS:]
-    costs = [c for c in (read_cost(store, cfg.run, s) for s in earlier) if c is not None]
-    trainings = [c.seconds["training"] for c in costs if c.seconds.get("training", 0) > 0][-RECENT_TRAININGS:]
-    decoding = median_decoding([c.decoding for c in costs if c.decoding][-RECENT_TIMINGS:])
     tokens = sum(sum(r.loss_mask) for r in rollouts_lib.read_rollouts(store, cfg.run, step))
-    track = champion_track(store, cfg.run, earlier, registry.alias_version("champion"))
-    if track and live and live.version == track.version:  # the fleet serves the step's policy: measured now
-        track = replace(track, tau_now=live.tau, measured_at_step=step, live=True)
-    staleness = None
-    if cfg.train.schedule.kind == "cost":
-        staleness = measure_staleness(aged_taus(store, cfg.run, earlier, earlier[-STALENESS_STEPS:]))
-    return ScheduleInputs(track, tokens, sum(trainings) / len(trainings) if trainings else None, decoding,
-                          cfg.fleet.live_tau_floor, staleness)
+    champion = registry.alias_version("champion")
+    tau = live_tau(champion) if live_tau is not None and champion is not None else None
+    return gather_inputs(read_history(store, cfg.run, earlier), step, tokens, champion,
+                         None if tau is None else LiveTau(champion, tau), cfg.train.schedule.kind,
+                         cfg.fleet.live_tau_floor)
 
 
-def median_decoding(timings: list[DecodingCost]) -> DecodingCost | None:
-    """t and c, each the median of `timings` (f of the newest): a timing taken on a loaded machine moves neither."""
-    if not timings:
-        return None
-    return DecodingCost(statistics.median(d.target_s_per_token for d in timings),
-                        statistics.median(d.draft_cost_ratio for d in timings),
-                        timings[-1].drafter_forwards_per_round)
-
-
-def aged_taus(store: ObjectStore, run: str, history: list[int], recent: list[int]) -> list[AgedTau]:
-    """Every drafter measured on the `recent` steps' policies, with its age there: the step minus the newest step
-    it trained on (its training record's, a refresh's own step, else the step it was first measured as the
-    co-trained drafter). `history`: the steps whose records say when each drafter trained."""
-    seen: dict[str, int] = {}
-    for s in history:
-        if store.exists(drafter_key(run, s)):
-            training = read_training(store, run, s)
-            if training.version and training.trained:
-                seen.setdefault(training.version, max(training.trained_on_steps, default=s))
-        refresh = read_refresh(store, run, s)
-        if refresh is not None and refresh.version:
-            seen.setdefault(refresh.version, s)
-        if store.exists(acceptance_key(run, s)):
-            cotrained = read_acceptance(store, run, s).cotrained
-            if cotrained is not None:
-                seen.setdefault(cotrained.version, s)
-    taus = []
-    for s in recent:
-        if not store.exists(acceptance_key(run, s)):
-            continue
-        measured = {d.version: d.tau for d in read_acceptance(store, run, s).measured().values()}
-        taus.extend(AgedTau(v, s, s - seen[v], tau) for v, tau in measured.items() if seen.get(v, s + 1) <= s)
-    return taus
-
-
-def champion_track(store: ObjectStore, run: str, steps: list[int], champion: str | None) -> ChampionTrack | None:
-    """The champion's tau when it was promoted (as the step's co-trained drafter) and on the newest step that
-    measured it since (as the served drafter); None without a champion or the record of its promotion."""
-    track = None
-    for step in steps:
-        if champion is None or not store.exists(acceptance_key(run, step)):
-            continue
-        record = read_acceptance(store, run, step)
-        cotrained, served = record.cotrained, record.served
-        if record.promoted and cotrained and cotrained.version == champion:
-            track = ChampionTrack(champion, step, cotrained.tau, cotrained.tau, step)
-        elif track and served and served.version == champion:
-            track = replace(track, tau_now=served.tau, measured_at_step=step)
-    return track
+def read_history(store: ObjectStore, run: str, steps: list[int]) -> list[StepHistory]:
+    """What each of `steps` recorded (its training, refresh, acceptance and cost), each record read once."""
+    return [StepHistory(s, read_training(store, run, s) if store.exists(drafter_key(run, s)) else None,
+                        read_refresh(store, run, s),
+                        read_acceptance(store, run, s) if store.exists(acceptance_key(run, s)) else None,
+                        read_cost(store, run, s))
+            for s in steps]
 
 
 def settle_plan(

@@ -13,7 +13,7 @@ device-seconds. A drafter's age is the RL steps since the newest step it trained
 lag); it serves from age 1 on. With
 
     S(tau)    = N * t * (1 - (1 + c*f) / tau)       the seconds a drafter at tau saves on a step's N
-                                                    rollout tokens (pipeline/cost.py)
+                                                    rollout tokens (pipeline/accounting/cost.py)
     fresh(a)  = 1 + (tau_0 - 1) * keep^a            tau of a drafter trained now, at age a
     champ(a)  = 1 + (tau_m - 1) * keep^(a - a_m)    the champion, from its latest tau tau_m at age a_m
                                                     (evaluated, or the fleet's live tau)
@@ -47,7 +47,7 @@ staleness a skipped training lets in, which is a difference between two drafters
 The decision reads only what earlier steps measured (the step's own acceptance is measured after
 its training), and the fleet's live tau where the fleet runs the champion: the mean acceptance
 length its vLLM replicas count on the rollouts they serve, read from their /metrics when the
-step is decided (`serving.deploy.champion_live_tau`). Live tau, when present, is the champion's
+step is decided (`serving.deploy.live_tau`). Live tau, when present, is the champion's
 tau now; the evaluated tau of the newest measured step otherwise. Without a champion, before
 anything was timed, or before some step measured two drafters of different ages, a drafter is
 trained.
@@ -55,12 +55,18 @@ trained.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, replace
 from typing import Literal
 
-from pipeline.cost import DecodingCost
+from pipeline.accounting.cost import DecodingCost, StepCost
+from pipeline.data.records import AcceptanceRecord, RefreshRecord, TrainingRecord
+from pipeline.stages import TRAINING
 
 MAX_CYCLE_CHANCES = 50  # the longest retraining interval `cost` weighs, in chances
+RECENT_TRAININGS = 3  # the expected cost of a training: the mean of the last few
+RECENT_TIMINGS = 3  # t and c: the median of the last few steps' timings of the served drafter
+STALENESS_STEPS = 4  # `keep`: drafters measured on the last few steps' policies
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,84 @@ class ScheduleInputs:
     decoding: DecodingCost | None  # t, c, f; None: no evaluation timed yet
     live_tau_floor: float = 0.0  # `acceptance`: live tau below it retrains (fleet.live_tau_floor; 0 = never)
     staleness: Staleness | None = None  # None: no step measured two drafters of different ages yet
+
+
+@dataclass(frozen=True)
+class StepHistory:
+    """What an earlier step's stages recorded, as a decision reads it (None: the step has no such record)."""
+
+    step: int
+    training: TrainingRecord | None
+    refresh: RefreshRecord | None
+    acceptance: AcceptanceRecord | None
+    cost: StepCost | None
+
+
+def gather_inputs(
+    history: list[StepHistory], step: int, step_tokens: int, champion: str | None, live: LiveTau | None,
+    schedule: Schedule, live_tau_floor: float,
+) -> ScheduleInputs:
+    """The schedules' inputs from the earlier steps' records: the champion's acceptance since its promotion (its tau
+    now: the fleet's live tau when the fleet runs it, else its evaluation on the newest measured step), how fast
+    drafters went stale on the last steps (`cost` only), and the costs earlier steps measured."""
+    costs = [h.cost for h in history if h.cost is not None]
+    trainings = [c.spent(TRAINING) for c in costs if c.spent(TRAINING) > 0][-RECENT_TRAININGS:]
+    decoding = median_decoding([c.decoding for c in costs if c.decoding][-RECENT_TIMINGS:])
+    track = champion_track(history, champion)
+    if track and live and live.version == track.version:  # the fleet serves the step's policy: measured now
+        track = replace(track, tau_now=live.tau, measured_at_step=step, live=True)
+    staleness = None
+    if schedule == "cost":
+        staleness = measure_staleness(aged_taus(history, [h.step for h in history[-STALENESS_STEPS:]]))
+    return ScheduleInputs(track, step_tokens, sum(trainings) / len(trainings) if trainings else None, decoding,
+                          live_tau_floor, staleness)
+
+
+def median_decoding(timings: list[DecodingCost]) -> DecodingCost | None:
+    """t and c, each the median of `timings` (f of the newest): a timing taken on a loaded machine moves neither."""
+    if not timings:
+        return None
+    return DecodingCost(statistics.median(d.target_s_per_token for d in timings),
+                        statistics.median(d.draft_cost_ratio for d in timings),
+                        timings[-1].drafter_forwards_per_round)
+
+
+def aged_taus(history: list[StepHistory], recent: list[int]) -> list[AgedTau]:
+    """Every drafter measured on the `recent` steps' policies, with its age there: the step minus the newest step
+    it trained on (its training record's, a refresh's own step, else the step it was first measured as the
+    co-trained drafter). `history`: the steps whose records say when each drafter trained, `recent` among them."""
+    seen: dict[str, int] = {}
+    for h in history:
+        if h.training is not None and h.training.version and h.training.trained:
+            seen.setdefault(h.training.version, max(h.training.trained_on_steps, default=h.step))
+        if h.refresh is not None and h.refresh.version:
+            seen.setdefault(h.refresh.version, h.step)
+        if h.acceptance is not None and h.acceptance.cotrained is not None:
+            seen.setdefault(h.acceptance.cotrained.version, h.step)
+    taus = []
+    for h in history:
+        if h.step not in recent or h.acceptance is None:
+            continue
+        s = h.step
+        measured = {d.version: d.tau for d in h.acceptance.measured().values()}
+        taus.extend(AgedTau(v, s, s - seen[v], tau) for v, tau in measured.items() if seen.get(v, s + 1) <= s)
+    return taus
+
+
+def champion_track(history: list[StepHistory], champion: str | None) -> ChampionTrack | None:
+    """The champion's tau when it was promoted (as the step's co-trained drafter) and on the newest step that
+    measured it since (as the served drafter); None without a champion or the record of its promotion."""
+    track = None
+    for h in history:
+        if champion is None or h.acceptance is None:
+            continue
+        record = h.acceptance
+        cotrained, served = record.cotrained, record.served
+        if record.promoted and cotrained and cotrained.version == champion:
+            track = ChampionTrack(champion, h.step, cotrained.tau, cotrained.tau, h.step)
+        elif track and served and served.version == champion:
+            track = replace(track, tau_now=served.tau, measured_at_step=h.step)
+    return track
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ is the only rank that writes to MLflow (one run) and to the store. On several no
 on node 0, whose log is the Pipes channel of an indexed Job.
 
 The launched workers (this one, `pipeline.sources.worker`, `pipeline.evaluation.worker`, with
-`pipeline.workers`) are the only places in `pipeline/` that know Dagster Pipes (`dagster_pipes`, a
+`pipeline.launch.worker`) are the only places in `pipeline/` that know Dagster Pipes (`dagster_pipes`, a
 dependency-free protocol library); the training itself is `cotrain.run_training`.
 """
 
@@ -27,13 +27,15 @@ from pathlib import Path
 
 from dagster_pipes import PipesContext, open_dagster_pipes
 
-from pipeline import report
+from pipeline.accounting import report
 from pipeline.data.keys import placement_key
 from pipeline.data.records import StagePlacement, write_record
 from pipeline.data.store import open_store
-from pipeline.placement import measure_placement
+from pipeline.launch.placement import measure_placement
+from pipeline.launch.worker import exit_with_launcher, is_pipes_process, job_extra, pipes_extras
 from pipeline.ranks import SINGLE
 from pipeline.registry import open_registry
+from pipeline.stages import TRAINING
 from pipeline.training.cotrain import run_training
 from pipeline.training.distributed import (
     DistContext,
@@ -44,7 +46,6 @@ from pipeline.training.distributed import (
 )
 from pipeline.training.outcome import TrainOutcome, outcome_metadata
 from pipeline.training.plan import TrainJob
-from pipeline.workers import exit_with_launcher, is_pipes_process, job_extra, pipes_extras
 
 
 def _train(
@@ -57,20 +58,20 @@ def _train(
     init_process_group(ctx, device)
     try:
         outcome = run_training(job, ctx, progress)
-        return outcome, measure_placement("training", where, ctx, device, started)
+        return outcome, measure_placement(TRAINING, where, ctx, device, started)
     finally:
         destroy_process_group()
 
 
 def run_pipes(pipes: PipesContext, ctx: DistContext = SINGLE) -> None:
     """Rank 0's work over an open Pipes channel: the training, its placement record and the materialization
-    (a launched process's and a warm worker's, `pipeline.stage_server`)."""
+    (a launched process's and a warm worker's, `pipeline.launch.warm`)."""
     job = TrainJob.from_dict(job_extra(pipes))
     continued = f", continuing MLflow run {job.run_id}" if job.run_id else ""
     pipes.log.info(f"training RL step {job.step} on {ctx.world_size} rank(s){continued}")
     outcome, where = _train(job, ctx, pipes.log.info, str(job_extra(pipes, "where")))
     cfg = job.pipeline_config
-    write_record(open_store(cfg), placement_key(cfg.run, job.step, "training"), where)
+    write_record(open_store(cfg), placement_key(cfg.run, job.step, TRAINING), where)
     metadata = _materialization(job, outcome, ctx, str(job_extra(pipes, "mlflow_ui_url")))
     pipes.report_asset_materialization(metadata={**metadata, **where.metadata()})
 

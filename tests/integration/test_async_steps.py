@@ -11,14 +11,16 @@ import pytest
 from cli import _pipeline_tick, _SensorTicks
 from definitions import build_definitions
 from jobs.sensors import champion_sensor
+from pipeline.accounting.cost import read_cost
+from pipeline.accounting.ledger import read_ledger
 from pipeline.config import load_config
-from pipeline.data.records import read_cost, read_fleet_state, read_training
+from pipeline.data.records import read_fleet_state, read_training
 from pipeline.data.rollouts import published_at
 from pipeline.data.store import open_store
-from pipeline.ledger import read_ledger
 from pipeline.registry import DrafterRegistry
 from pipeline.serving import deploy
 from pipeline.sources.simulation import SimulatedRL
+from pipeline.stages import DEPLOYMENT, EVALUATION, EXTRACTION, TRAINING
 from tests.support.config import write_config
 
 
@@ -66,12 +68,12 @@ def test_steps_published_faster_than_training_are_coalesced(tmp_path: Path) -> N
 
             # The ledger: training seconds only where a training ran, deployments on the step that trained
             costs = {c.step: c for c in ledger.costs}
-            assert costs[1].seconds["training"] > 0
-            assert costs[3].seconds["training"] > 0
-            assert costs[2].seconds["training"] == 0
-            assert costs[1].seconds["deployment"] == pytest.approx(history[0].deploy_s)
-            assert costs[3].seconds["deployment"] == pytest.approx(history[1].deploy_s)
-            assert all(c.seconds["extraction"] > 0 and c.seconds["evaluation"] > 0 for c in costs.values())
+            assert costs[1].seconds[TRAINING] > 0
+            assert costs[3].seconds[TRAINING] > 0
+            assert costs[2].seconds[TRAINING] == 0
+            assert costs[1].seconds[DEPLOYMENT] == pytest.approx(history[0].deploy_s)
+            assert costs[3].seconds[DEPLOYMENT] == pytest.approx(history[1].deploy_s)
+            assert all(c.seconds[EXTRACTION] > 0 and c.seconds[EVALUATION] > 0 for c in costs.values())
             assert costs[1].saved_s == 0.0  # nothing served step 1
             assert costs[2].served_version == "1"
             assert read_cost(store, cfg.run, 2).decoding is not None

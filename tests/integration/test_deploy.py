@@ -17,13 +17,13 @@ import pytest
 
 from definitions import build_definitions
 from jobs.sensors import DEPLOY_SENSOR_NAME, champion_sensor, live_tau_sensor
+from ops.local_stack import write_dagster_home
 from pipeline.config import load_config
 from pipeline.data.records import read_fleet_state
 from pipeline.data.store import open_store
-from pipeline.local_stack import write_dagster_home
 from pipeline.registry import DrafterRegistry
 from pipeline.serving import deploy
-from pipeline.serving.fleet import StandInDriver
+from pipeline.serving.drivers import StandInDriver
 from pipeline.sources.simulation import SimulatedRL
 from tests.integration.test_postgres import Stack, _environ, stack  # noqa: F401  (the production stack fixture)
 from tests.integration.test_s3 import s3_endpoint  # noqa: F401  (the moto server fixture)

@@ -22,10 +22,10 @@ import dagster as dg
 import pytest
 import s3fs
 
+from ops.local_stack import PostgresServer, write_dagster_home
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data.keys import step_key
 from pipeline.data.store import open_store
-from pipeline.local_stack import PostgresServer, write_dagster_home
 from pipeline.registry import DrafterRegistry
 from pipeline.sources.simulation import SimulatedRL
 from tests.integration.test_s3 import BUCKET, s3_endpoint  # noqa: F401  (the moto server fixture)

@@ -20,10 +20,10 @@ import yaml
 
 import cli
 from cli import check_databases, schema_scripts
+from ops.database import DatabaseError
+from ops.local_stack import PostgresServer, free_port, write_dagster_home
 from pipeline.config import load_config
 from pipeline.data.store import open_store
-from pipeline.database import DatabaseError
-from pipeline.local_stack import PostgresServer, free_port, write_dagster_home
 from pipeline.sources.simulation import SimulatedRL
 from tests.integration.test_dagster import _fake_step
 from tests.integration.test_production import gpu_step

@@ -20,17 +20,15 @@ from dagster_k8s.pipes import build_pod_body
 
 from definitions import build_definitions
 from pipeline.config import ConfigError, load_config
-from pipeline.training.launch import (
-    LAUNCH_MODULE,
-    TRAIN_MODULE,
+from pipeline.launch.multinode import torchrun_command, training_job_name, training_job_spec, training_service_spec
+from pipeline.launch.process import (
+    LOOPBACK_NODES_MODULE,
     pod_labels,
-    torchrun_command,
-    train_command,
-    training_job_name,
-    training_job_spec,
-    training_pod_spec,
-    training_service_spec,
+    stage_command,
+    stage_pod_spec,
+    worker_command,
 )
+from pipeline.stages import TRAINING
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -54,22 +52,22 @@ def test_production_instance_config_is_valid(tmp_path: Path) -> None:
 
 def test_training_pod_from_the_production_config_is_a_valid_pod() -> None:
     cfg = load_config(DEPLOY / "pipeline.yaml")
-    spec = training_pod_spec(cfg)
+    spec = stage_pod_spec(cfg, TRAINING)
     # What PipesK8sClient.run submits: dagster-k8s merges our spec with the Pipes bootstrap
     # environment and builds the kubernetes client's V1Pod (unknown fields are refused).
     pod = build_pod_body(
         pod_name="dagster-drafter-abc123", image=None, command=None,
         env_vars={"DAGSTER_PIPES_CONTEXT": "ctx", "DAGSTER_PIPES_MESSAGES": "msg"},
-        base_pod_meta={"labels": pod_labels(cfg, 42)}, base_pod_spec=spec,
+        base_pod_meta={"labels": pod_labels(cfg, TRAINING, 42)}, base_pod_spec=spec,
     )
     assert isinstance(pod, kubernetes.client.V1Pod)
     (container,) = pod.spec.containers
-    gpus = str(cfg.train.nproc_per_node)
+    gpus = str(cfg.launch.training.nproc)
     assert container.resources.limits["nvidia.com/gpu"] == gpus == container.resources.requests["nvidia.com/gpu"]
-    assert container.command == torchrun_command(8, python="python")
-    assert container.command[-2:] == ["-m", TRAIN_MODULE]
+    assert container.command == worker_command(TRAINING.worker, 8, python="python")
+    assert container.command[-2:] == ["-m", "pipeline.training.worker"]
     assert "--nproc-per-node=8" in container.command
-    assert container.image == cfg.train.k8s.image
+    assert container.image == cfg.launch.k8s.image
     assert pod.spec.node_selector == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
     assert pod.spec.tolerations[0].key == "nvidia.com/gpu"
     assert pod.spec.restart_policy == "Never"
@@ -84,13 +82,14 @@ def test_training_pod_from_the_production_config_is_a_valid_pod() -> None:
 
 
 def test_one_rank_starts_the_worker_itself_and_several_go_through_torchrun() -> None:
-    assert train_command(1, python="python") == ["python", "-m", TRAIN_MODULE]
-    assert train_command(2, python="python") == torchrun_command(2, python="python")
-    assert "--standalone" in train_command(2, python="python")
-    with pytest.raises(ValueError, match="nproc_per_node must be >= 1, got 0"):
-        train_command(0)
-    single = training_pod_spec(load_config(DEPLOY / "pipeline.yaml", {"train": {"nproc_per_node": 1}}))
-    assert single["containers"][0]["command"] == ["python", "-m", TRAIN_MODULE]
+    one, two = (load_config(None, {"launch": {"training": {"nproc": n}}}) for n in (1, 2))
+    assert stage_command(one, TRAINING, python="python") == ["python", "-m", "pipeline.training.worker"]
+    assert stage_command(two, TRAINING, python="python") == [
+        "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "pipeline.training.worker"]
+    with pytest.raises(ValueError, match="at least one rank, got 0"):
+        worker_command(TRAINING.worker, 0)
+    single = stage_pod_spec(load_config(DEPLOY / "pipeline.yaml", {"launch": {"training": {"nproc": 1}}}), TRAINING)
+    assert single["containers"][0]["command"] == ["python", "-m", "pipeline.training.worker"]
 
 
 def _model(model_class: type, manifest: dict):
@@ -100,9 +99,9 @@ def _model(model_class: type, manifest: dict):
 
 @pytest.mark.parametrize("nnodes", [2, 4])
 def test_training_on_several_nodes_is_an_indexed_job_behind_a_headless_service(nnodes: int) -> None:
-    """The Job and Service of `train.nnodes` nodes x 8 GPUs, checked as the kubernetes client's models
+    """The Job and Service of `launch.training.nnodes` nodes x 8 GPUs, checked as the kubernetes client's models
     (unknown fields refused) and as data: one pod per node, the rendezvous at node 0's DNS name."""
-    cfg = load_config(DEPLOY / "pipeline.yaml", {"train": {"nnodes": nnodes}})
+    cfg = load_config(DEPLOY / "pipeline.yaml", {"launch": {"training": {"nnodes": nnodes}}})
     name = training_job_name("0f3c2a9e-5b1d-4c55-9a8e-77d0c1e2f3a4")
     env = {"DAGSTER_PIPES_CONTEXT": "ctx", "DAGSTER_PIPES_MESSAGES": "msg"}
     job = _model(kubernetes.client.V1Job, training_job_spec(cfg, name, 42, env))
@@ -118,7 +117,7 @@ def test_training_on_several_nodes_is_an_indexed_job_behind_a_headless_service(n
     assert service.spec.cluster_ip == "None"  # headless: DNS names of the pods, no virtual IP
     assert service.spec.publish_not_ready_addresses is True
     assert service.spec.selector.items() <= spec.template.metadata.labels.items()
-    assert [p.port for p in service.spec.ports] == [cfg.train.rdzv_port]
+    assert [p.port for p in service.spec.ports] == [cfg.launch.training.rdzv_port]
     (container,) = pod.containers
     assert container.resources.limits["nvidia.com/gpu"] == "8" == container.resources.requests["nvidia.com/gpu"]
     assert container.command == torchrun_command(8, "python", nnodes, f"{name}-0.{name}:29400", name,
@@ -138,11 +137,13 @@ def test_training_on_several_nodes_is_an_indexed_job_behind_a_headless_service(n
 
 
 def test_loopback_nodes_and_their_rendezvous() -> None:
-    assert train_command(1, "python", nnodes=2) == ["python", "-m", LAUNCH_MODULE, "--nnodes=2", "--nproc-per-node=1"]
+    nodes = load_config(None, {"launch": {"training": {"nnodes": 2}}})
+    assert stage_command(nodes, TRAINING, "python") == ["python", "-m", LOOPBACK_NODES_MODULE, "--nnodes=2",
+                                                        "--nproc-per-node=1"]
     with pytest.raises(ValueError, match="rendezvous endpoint and id"):
-        torchrun_command(1, "python", nnodes=2)
+        torchrun_command(1, "python", 2, "", "")
     single_node = load_config(DEPLOY / "pipeline.yaml")
-    assert "--standalone" in training_pod_spec(single_node)["containers"][0]["command"]
+    assert "--standalone" in stage_pod_spec(single_node, TRAINING)["containers"][0]["command"]
 
 
 def test_k8s_launcher_needs_storage_and_mlflow_the_pod_can_reach(tmp_path: Path) -> None:
@@ -150,8 +151,8 @@ def test_k8s_launcher_needs_storage_and_mlflow_the_pod_can_reach(tmp_path: Path)
     for override, key in (
         ({"storage": {"root": ""}}, "storage.root on s3://"),
         ({"mlflow": {"tracking_uri": ""}}, "mlflow.tracking_uri of a tracking server"),
-        ({"train": {**data["train"], "k8s": {**data["train"]["k8s"], "image": ""}}}, "train.k8s.image"),
-        ({"train": {**data["train"], "k8s": {**data["train"]["k8s"], "memory": "lots"}}}, "train.k8s.memory"),
+        ({"launch": {**data["launch"], "k8s": {**data["launch"]["k8s"], "image": ""}}}, "launch.k8s.image"),
+        ({"launch": {**data["launch"], "training": {"memory": "lots"}}}, "memory 'lots' is not a Kubernetes quantity"),
     ):
         path = tmp_path / "pipeline.yaml"
         path.write_text(yaml.safe_dump({**data, **override}))

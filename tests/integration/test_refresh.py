@@ -27,7 +27,7 @@ from pipeline.data.rollouts import is_committed
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.registry import DrafterRegistry, open_registry
 from pipeline.serving import deploy
-from pipeline.serving.fleet import StandInDriver
+from pipeline.serving.drivers import StandInDriver
 from pipeline.sources.simulation import SimulatedRL
 from tests.support.config import write_config
 from tests.support.contract_cases import ok

@@ -38,7 +38,7 @@ from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import save_drafter
 from pipeline.registry import DrafterRegistry
 from pipeline.serving import deploy
-from pipeline.serving.fleet import StandInDriver
+from pipeline.serving.drivers import StandInDriver
 from pipeline.sources import extract
 from pipeline.sources.simulation import SimulatedRL
 from pipeline.training import cotrain
@@ -602,7 +602,8 @@ def test_secrets_stay_out_of_logs_metadata_and_errors(
 
     from definitions import build_definitions
     from jobs.sensors import LIVE_TAU_SENSOR_NAME, live_tau_sensor
-    from pipeline.serving.fleet import GateError, ReplicaSpec, check_replica
+    from pipeline.serving.drivers import ReplicaSpec
+    from pipeline.serving.gates import GateError, check_replica
     from tests.support.config import free_port
 
     reliability.security("S3 secret key, MLflow token, replica API key: none in logs, metadata, MLflow, errors")

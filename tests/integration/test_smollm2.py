@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from pipeline.capacity import PolicyShape
+from pipeline.accounting.capacity import PolicyShape
 from pipeline.config import DrafterConfig
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.rollouts import Rollout, TargetLimits

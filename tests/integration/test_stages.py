@@ -19,23 +19,25 @@ import yaml
 from dagster_k8s.pipes import build_pod_body
 
 from assets.cotraining import acceptance, hidden_states
-from pipeline import launch
+from pipeline.accounting.cost import read_cost
 from pipeline.config import PROJECT_ROOT, load_config
 from pipeline.data import shards
 from pipeline.data.keys import drafter_key, hidden_states_prefix, placement_key
 from pipeline.data.lease import LEASE_FILE
-from pipeline.data.records import TrainingRecord, read_acceptance, read_cost, write_record
+from pipeline.data.records import TrainingRecord, read_acceptance, write_record
 from pipeline.data.rollouts import read_policy_pointer
 from pipeline.data.store import open_store
 from pipeline.evaluation import acceptance as acceptance_lib
+from pipeline.launch import process as launch
+from pipeline.launch.warm import server_files
 from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import save_drafter
 from pipeline.models.drafter import fresh_drafter
 from pipeline.registry import open_registry
 from pipeline.sources import extract
 from pipeline.sources.simulation import SimulatedRL
+from pipeline.stages import EVALUATION, EXTRACTION, LAUNCHED, Stage
 from resources import pipeline_resource
-from resources.warm import server_files
 from tests.support.config import write_config
 
 STEP, KEY = 1, "step-000001"
@@ -103,7 +105,7 @@ def test_extraction_on_two_ranks_writes_one_process_shards_and_a_killed_rank_com
     commits byte-identical shards and the same content digest; the killed rank's shard is swept."""
     base = write_config(tmp_path, {"simulation": {"rollouts_per_step": 48},
                                    "hidden_states": {"samples_per_shard": 5, "tokens_per_batch": 64}})
-    two = _variant(base, "two.yaml", {"extract": {"nproc": 2}})
+    two = _variant(base, "two.yaml", {"launch": {"extraction": {"nproc": 2}}})
     cfg = load_config(base)
     store = open_store(cfg)
     SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
@@ -163,7 +165,7 @@ def test_evaluation_on_two_ranks_measures_the_tau_of_one_process(tmp_path: Path)
     step's cost record carries where the evaluation ran."""
     base = write_config(tmp_path, {"simulation": {"rollouts_per_step": 96},
                                    "eval": {"num_prompts": 34, "held_out_fraction": 0.4, "max_new_tokens": 6}})
-    two = _variant(base, "two.yaml", {"eval": {"nproc": 2}})
+    two = _variant(base, "two.yaml", {"launch": {"evaluation": {"nproc": 2}}})
     cfg = load_config(base)
     store = open_store(cfg)
     SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
@@ -179,7 +181,7 @@ def test_evaluation_on_two_ranks_measures_the_tau_of_one_process(tmp_path: Path)
             assert [c.passed for c in result.get_asset_check_evaluations()] == [True]
             measured[name] = read_acceptance(store, cfg.run, STEP).cotrained
             placements = read_cost(store, cfg.run, STEP).placements
-            assert [(p.stage, p.ranks) for p in placements] == [("evaluation", {"two": 2, "one": 1}[name])]
+            assert [(p.stage, p.ranks) for p in placements] == [(EVALUATION, {"two": 2, "one": 1}[name])]
     in_process = acceptance_lib.measure_step(store, cfg, STEP, open_registry(cfg), version).measured[version]
 
     assert measured["two"].prompts == 34
@@ -194,8 +196,8 @@ def test_warm_workers_write_the_shards_and_measure_the_tau_of_fresh_processes(tm
     warm = write_config(tmp_path, {"simulation": {"rollouts_per_step": 48},
                                    "hidden_states": {"samples_per_shard": 5, "tokens_per_batch": 64},
                                    "eval": {"num_prompts": 6, "held_out_fraction": 0.3, "max_new_tokens": 6},
-                                   "train": {"launcher": "warm", "warm_idle_s": 120.0}})
-    fresh = _variant(warm, "fresh.yaml", {"train": {"launcher": "subprocess"}})
+                                   "launch": {"launcher": "warm", "warm_idle_s": 120.0}})
+    fresh = _variant(warm, "fresh.yaml", {"launch": {"launcher": "subprocess"}})
     cfg = load_config(warm)
     store = open_store(cfg)
     SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
@@ -231,7 +233,7 @@ def test_a_warm_worker_killed_mid_job_fails_its_step_and_commits_nothing(
     worker and commits the content digest of this process's extraction."""
     path = write_config(tmp_path, {"simulation": {"rollouts_per_step": 48},
                                    "hidden_states": {"samples_per_shard": 5, "tokens_per_batch": 64},
-                                   "train": {"launcher": "warm"}})
+                                   "launch": {"launcher": "warm"}})
     cfg = load_config(path)
     store = open_store(cfg)
     SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
@@ -246,7 +248,7 @@ def test_a_warm_worker_killed_mid_job_fails_its_step_and_commits_nothing(
         assert "the warm extraction worker died mid-job" in error
         assert "stage server extraction pid" in error  # the tail of its log
         assert not shards.has_manifest(store, cfg.run, STEP)
-        assert not store.exists(placement_key(cfg.run, STEP, "extraction"))
+        assert not store.exists(placement_key(cfg.run, STEP, EXTRACTION))
         rerun = _materialize(hidden_states, path, instance)
         assert rerun.success
     (dead, new) = _server_pids(cfg, "extraction")
@@ -260,23 +262,23 @@ def test_a_warm_worker_killed_mid_job_fails_its_step_and_commits_nothing(
 def test_a_worker_started_ahead_takes_the_first_job_and_its_probe_is_no_job(tmp_path: Path) -> None:
     """`StageLauncher.prestart` starts the extraction worker before any step (and finds it listening when asked
     again); the step's job then runs on that worker as its job 1: the prestart's connections were probes."""
-    path = write_config(tmp_path, {"train": {"launcher": "warm", "warm_idle_s": 60.0}})
+    path = write_config(tmp_path, {"launch": {"launcher": "warm", "warm_idle_s": 60.0}})
     cfg = load_config(path)
     SimulatedRL(cfg.simulation, open_store(cfg), cfg.run, cfg.data_path / "cache").run_step(STEP)
     launcher = pipeline_resource(str(path)).launcher()
     with dg.instance_for_test() as instance:  # the environment the step's launcher will have (DAGSTER_HOME)
-        assert launcher.prestart(["extraction"]) == ["extraction"]
+        assert launcher.prestart([EXTRACTION]) == [EXTRACTION]
         (worker,) = _server_pids(cfg, "extraction")
-        assert launcher.prestart(["extraction"]) == ["extraction"]  # listening already: probed, not started again
+        assert launcher.prestart([EXTRACTION]) == [EXTRACTION]  # listening already: probed, not started again
         instance.add_dynamic_partitions("rl_step", [KEY])
         assert _materialize(hidden_states, path, instance).success
-        files = server_files(cfg.data_path, "extraction", PROJECT_ROOT)
+        files = server_files(cfg.data_path, EXTRACTION, PROJECT_ROOT)
     assert _server_pids(cfg, "extraction") == [worker]
     jobs = [line for line in files.log.read_text().splitlines() if line.startswith("job ")]
     assert len(jobs) == 1
     assert jobs[0].startswith("job 1: ok")
-    subprocess_launcher = pipeline_resource(str(_variant(path, "fresh.yaml", {"train": {"launcher": "subprocess"}})))
-    assert subprocess_launcher.launcher().prestart(["extraction"]) == []  # a process per step: nothing to start
+    subprocess_launcher = pipeline_resource(str(_variant(path, "fresh.yaml", {"launch": {"launcher": "subprocess"}})))
+    assert subprocess_launcher.launcher().prestart([EXTRACTION]) == []  # a process per step: nothing to start
 
 
 STEP_PROCESS = """
@@ -296,10 +298,10 @@ with dg.instance_for_test() as instance:
 def test_a_warm_worker_stops_with_its_killed_step_and_leaves_when_idle(tmp_path: Path) -> None:
     """A Dagster step in a process of its own, SIGKILLed once the first shard is written: its warm worker exits
     at once and nothing more is written (no shard, no manifest, no placement record). A worker idle for
-    `train.warm_idle_s` exits by itself and removes its socket."""
+    `launch.warm_idle_s` exits by itself and removes its socket."""
     path = write_config(tmp_path, {"simulation": {"rollouts_per_step": 48},
                                    "hidden_states": {"samples_per_shard": 5, "tokens_per_batch": 64},
-                                   "train": {"launcher": "warm", "warm_idle_s": 3.0}})
+                                   "launch": {"launcher": "warm", "warm_idle_s": 3.0}})
     cfg = load_config(path)
     store = open_store(cfg)
     SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
@@ -317,12 +319,12 @@ def test_a_warm_worker_stops_with_its_killed_step_and_leaves_when_idle(tmp_path:
     time.sleep(4)  # longer than a shard's write
     assert _step_files(store, cfg) == left
     assert not shards.has_manifest(store, cfg.run, STEP)
-    assert not store.exists(placement_key(cfg.run, STEP, "extraction"))
+    assert not store.exists(placement_key(cfg.run, STEP, EXTRACTION))
 
     with dg.instance_for_test() as instance:  # a job on a new worker (this process's environment), then idle
         instance.add_dynamic_partitions("rl_step", [KEY])
         assert _materialize(hidden_states, path, instance).success
-        files = server_files(cfg.data_path, "extraction", PROJECT_ROOT)  # the environment the step had
+        files = server_files(cfg.data_path, EXTRACTION, PROJECT_ROOT)  # the environment the step had
     (_, idle) = _server_pids(cfg, "extraction")
     _wait_until(lambda: not _alive(idle), 3 + 30, "the idle worker's exit")
     assert not files.socket.exists()
@@ -330,9 +332,9 @@ def test_a_warm_worker_stops_with_its_killed_step_and_leaves_when_idle(tmp_path:
 
 
 def test_the_run_process_imports_no_model_code_for_the_stages() -> None:
-    """The code location and the assets' run-side modules (the warm launcher's client too), imported in a fresh
-    interpreter: no policy forward, drafter, decoding or extraction module, no stage worker or warm worker comes
-    in (those run in the stages' own processes only)."""
+    """The code location and the assets' run-side modules (the warm protocol's launcher end too), imported in a
+    fresh interpreter: no policy forward, drafter, decoding or extraction module, no stage worker and no warm
+    worker's job runner comes in (those run in the stages' own processes only)."""
     probe = ("import sys, definitions, assets.cotraining, assets.fleet, resources.launcher, resources.warm; "
              "print('\\n'.join(sorted(sys.modules)))")
     loaded = set(subprocess.run([sys.executable, "-c", probe], cwd=PROJECT_ROOT, check=True, capture_output=True,
@@ -342,32 +344,32 @@ def test_the_run_process_imports_no_model_code_for_the_stages() -> None:
                  "pipeline.models.drafter", "pipeline.models.eagle", "pipeline.models.eagle3",
                  "pipeline.models.peagle", "pipeline.models.checkpoint", "pipeline.sources.simulation",
                  "pipeline.training.loop", "transformers.models.llama.modeling_llama",
-                 "pipeline.stage_server", *launch.WORKERS.values()}  # a warm worker is a process of its own too
+                 "pipeline.launch.worker", *(s.worker for s in LAUNCHED)}  # a warm worker's jobs: its own process too
     assert loaded & forbidden == set()
-    assert "pipeline.launch" in loaded  # the stages are launched from there
+    assert "pipeline.launch.process" in loaded  # the stages are launched from there
 
 
-@pytest.mark.parametrize("stage", ["extraction", "evaluation"])
-def test_each_stage_pod_is_the_stage_worker_with_its_own_resources(stage: str) -> None:
+@pytest.mark.parametrize("stage", [EXTRACTION, EVALUATION], ids=str)
+def test_each_stage_pod_is_the_stage_worker_with_its_own_resources(stage: Stage) -> None:
     """deploy/pipeline.yaml's pod of each stage, as data: the project's image, the stage's worker under torchrun,
     one GPU per rank and the stage's own memory, secrets only by reference."""
     cfg = load_config(DEPLOY / "pipeline.yaml", {"hidden_states": {"source": "forward"},
-                                                 "extract": {"nproc": 2, "memory": "200Gi"},
-                                                 "eval": {"nproc": 4, "memory": "300Gi"}})
+                                                 "launch": {"extraction": {"nproc": 2, "memory": "200Gi"},
+                                                            "evaluation": {"nproc": 4, "memory": "300Gi"}}})
     spec = launch.stage_pod_spec(cfg, stage)
     (container,) = spec["containers"]
-    ranks, memory = {"extraction": (2, "200Gi"), "evaluation": (4, "300Gi")}[stage]
-    assert container["image"] == cfg.train.k8s.image
+    ranks, memory = {EXTRACTION: (2, "200Gi"), EVALUATION: (4, "300Gi")}[stage]
+    assert container["image"] == cfg.launch.k8s.image
     assert container["command"] == ["python", "-m", "torch.distributed.run", "--standalone",
-                                    f"--nproc-per-node={ranks}", "-m", launch.WORKERS[stage]]
+                                    f"--nproc-per-node={ranks}", "-m", stage.worker]
     assert container["resources"]["limits"] == container["resources"]["requests"] == {
-        "cpu": {"extraction": cfg.extract.cpu, "evaluation": cfg.eval.cpu}[stage], "memory": memory,
-        cfg.train.k8s.gpu_resource: str(ranks)}
-    assert container["envFrom"] == [{"secretRef": {"name": cfg.train.k8s.env_secret}}]
+        "cpu": cfg.launch.of(stage).cpu, "memory": memory,
+        cfg.launch.k8s.gpu_resource: str(ranks)}
+    assert container["envFrom"] == [{"secretRef": {"name": cfg.launch.k8s.env_secret}}]
     assert "env" not in container  # no value inline: PipesK8sClient adds only its bootstrap variables
     assert spec["restartPolicy"] == "Never"
-    assert spec["nodeSelector"] == cfg.train.k8s.node_selector
-    assert launch.pod_labels(cfg, stage, 7)["drafter-cotraining/stage"] == stage
+    assert spec["nodeSelector"] == cfg.launch.k8s.node_selector
+    assert launch.pod_labels(cfg, stage, 7)["drafter-cotraining/stage"] == stage.name
     # What PipesK8sClient.run submits: dagster-k8s merges the spec with the Pipes bootstrap environment into the
     # kubernetes client's V1Pod (unknown fields are refused).
     pod = build_pod_body(pod_name=f"dagster-{stage}-abc123", image=None, command=None,
@@ -376,20 +378,20 @@ def test_each_stage_pod_is_the_stage_worker_with_its_own_resources(stage: str) -
     assert isinstance(pod, kubernetes.client.V1Pod)
     assert {e.name for e in pod.spec.containers[0].env} == {"DAGSTER_PIPES_CONTEXT", "DAGSTER_PIPES_MESSAGES"}
     mounts = [m["mountPath"] for m in container["volumeMounts"]]
-    assert mounts == ["/dev/shm", *(["/shared/hidden_states"] if stage == "extraction" else [])]
+    assert mounts == ["/dev/shm", *(["/shared/hidden_states"] if stage == EXTRACTION else [])]
     one = load_config(DEPLOY / "pipeline.yaml")
-    assert launch.stage_pod_spec(one, stage)["containers"][0]["command"] == ["python", "-m", launch.WORKERS[stage]]
+    assert launch.stage_pod_spec(one, stage)["containers"][0]["command"] == ["python", "-m", stage.worker]
     split = load_config(DEPLOY / "pipeline.yaml", {"target": {"split": "layers", "split_devices": 4}})
     limits = launch.stage_pod_spec(split, stage)["containers"][0]["resources"]["limits"]
-    assert limits[cfg.train.k8s.gpu_resource] == "4"  # one rank, its policy split over a block of 4 GPUs
+    assert limits[cfg.launch.k8s.gpu_resource] == "4"  # one rank, its policy split over a block of 4 GPUs
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    ({"extract": {"nproc": 0}}, "extract.nproc"),
-    ({"eval": {"memory": "lots"}}, "eval.memory"),
-    ({"extract": {"nproc": 2}, "hidden_states": {"source": "vllm", "vllm_path": "/x", "vllm_layer_ids": [1]}},
-     "extract.nproc is 2"),
-    ({"eval": {"nproc": 2}, "device": "mps"}, "eval.nproc above 1"),
+    ({"launch": {"extraction": {"nproc": 0}}}, "launch.extraction.nproc"),
+    ({"launch": {"evaluation": {"memory": "lots"}}}, "launch.evaluation.memory"),
+    ({"launch": {"extraction": {"nproc": 2}},
+      "hidden_states": {"source": "vllm", "vllm_path": "/x", "vllm_layer_ids": [1]}}, "launch.extraction.nproc is 2"),
+    ({"launch": {"evaluation": {"nproc": 2}}, "device": "mps"}, "launch.extraction.nproc / launch.evaluation.nproc"),
 ])
 def test_stage_ranks_are_validated_with_the_key_named(overrides: dict, message: str) -> None:
     from pipeline.config import ConfigError

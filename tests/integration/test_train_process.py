@@ -23,8 +23,8 @@ from pipeline.data.store import open_store
 from pipeline.registry import DrafterRegistry
 from pipeline.sources import extract
 from pipeline.sources.simulation import SimulatedRL
+from pipeline.stages import TRAINING
 from pipeline.training import plan as plan_lib
-from pipeline.training.launch import TRAIN_MODULE
 from resources import pipeline_resource
 from tests.support.config import write_config
 
@@ -45,9 +45,12 @@ def _materialize_drafter(config_path: Path, instance: dg.DagsterInstance) -> dg.
                           instance=instance, raise_on_error=False)
 
 
-def _variant(config_path: Path, name: str, train: dict) -> Path:
+def _variant(config_path: Path, name: str, train: dict, training: dict | None = None) -> Path:
+    """The config at `config_path` with `train` and `launch.training` settings over its own."""
     data = yaml.safe_load(config_path.read_text())
     data["train"] = {**data["train"], **train}
+    launch = data.setdefault("launch", {})
+    launch["training"] = {**launch.get("training", {}), **(training or {})}
     path = config_path.with_name(name)
     path.write_text(yaml.safe_dump(data))
     return path
@@ -58,13 +61,13 @@ def test_two_ranks_through_the_launcher_equal_one_process_and_two_loopback_nodes
     """torchrun --nproc-per-node=2 (gloo), 4 samples per rank, vs one process with the same 8-sample global
     batch, vs two torchrun nodes of one rank each, joined by a c10d rendezvous on loopback and sharding
     the drafter (FSDP2): the same steps, the same losses."""
-    base = write_config(tmp_path, {"train": {"epochs": 2, "batch_size_per_gpu": 4, "checkpoint_every": 0,
-                                             "launcher": "subprocess"}})  # one rank: a process of its own too
+    base = write_config(tmp_path, {"train": {"epochs": 2, "batch_size_per_gpu": 4, "checkpoint_every": 0},
+                                   "launch": {"launcher": "subprocess"}})  # one rank: a process of its own too
     _prepare_step(base)
     variants = {
-        "two": _variant(base, "two.yaml", {"nproc_per_node": 2, "parallelism": "ddp"}),
-        "one": _variant(base, "one.yaml", {"nproc_per_node": 1, "batch_size_per_gpu": 8, "max_seq_len": 8192}),
-        "nodes": _variant(base, "nodes.yaml", {"nnodes": 2, "nproc_per_node": 1, "parallelism": "fsdp"}),
+        "two": _variant(base, "two.yaml", {"parallelism": "ddp"}, {"nproc": 2}),
+        "one": _variant(base, "one.yaml", {"batch_size_per_gpu": 8, "max_seq_len": 8192}, {"nproc": 1}),
+        "nodes": _variant(base, "nodes.yaml", {"parallelism": "fsdp"}, {"nnodes": 2, "nproc": 1}),
     }
     store = open_store(load_config(base))
     records, metadata = {}, {}
@@ -115,9 +118,9 @@ def _training_ranks(data_dir: Path | None = None) -> list[int]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if TRAIN_MODULE.encode() in argv and b"torch.distributed.run" not in argv:
+        if TRAINING.worker.encode() in argv and b"torch.distributed.run" not in argv:
             ranks.append(pid)
-        warm = b"pipeline.stage_server" in argv and b"training" in argv
+        warm = b"pipeline.launch.warm" in argv and b"training" in argv
         if warm and data_dir and any(a.startswith(str(data_dir).encode()) for a in argv):  # its lock file
             ranks.append(pid)
     return ranks
@@ -130,7 +133,7 @@ def _training_ranks(data_dir: Path | None = None) -> list[int]:
 def test_a_killed_training_resumes_from_its_checkpoint(tmp_path: Path, mlflow_server: str, launcher: str) -> None:
     name = f"kill-{tmp_path.name}"
     config_path = write_config(tmp_path, {
-        "train": {"epochs": 12, "batch_size_per_gpu": 4, "checkpoint_every": 4, "launcher": launcher},
+        "train": {"epochs": 12, "batch_size_per_gpu": 4, "checkpoint_every": 4}, "launch": {"launcher": launcher},
         "mlflow": {"tracking_uri": mlflow_server, "experiment": name, "model_name": name},
     })
     cfg = load_config(config_path)
@@ -198,7 +201,8 @@ def _torchrun_agents() -> list[int]:
                                   "cleanly, the rerun resumes from its checkpoint")
 def test_a_dead_node_fails_the_run_and_the_rerun_resumes(tmp_path: Path) -> None:
     config_path = write_config(tmp_path, {
-        "train": {"epochs": 4, "batch_size_per_gpu": 2, "checkpoint_every": 3, "nnodes": 2, "nproc_per_node": 1}})
+        "train": {"epochs": 4, "batch_size_per_gpu": 2, "checkpoint_every": 3},
+        "launch": {"training": {"nnodes": 2, "nproc": 1}}})
     cfg = load_config(config_path)
     _prepare_step(config_path)
     prefix = Path(cfg.data_path / "store" / "training" / cfg.run)
@@ -253,8 +257,8 @@ def test_a_training_job_round_trips_as_json_and_names_what_is_missing(tiny_confi
 def test_placement_settings_do_not_change_a_trainings_identity(tiny_config_path: Path) -> None:
     """Moving a training to a pod, or checkpointing more often, must still find its checkpoint and version."""
     cfg = load_config(tiny_config_path)
-    moved = load_config(tiny_config_path, {"train": {"checkpoint_every": 7, "k8s": {"image": "x"}}})
+    moved = load_config(tiny_config_path, {"train": {"checkpoint_every": 7}, "launch": {"k8s": {"image": "x"}}})
     entries = [buffer_lib.BufferEntry(step=1, sample_id="a", shard="s", row=0, tokens=5)]
     assert plan_lib.input_identity(cfg, entries, "p") == plan_lib.input_identity(moved, entries, "p")
-    wider = load_config(tiny_config_path, {"train": {"nproc_per_node": 2}})  # a different global batch
+    wider = load_config(tiny_config_path, {"launch": {"training": {"nproc": 2}}})  # a different global batch
     assert plan_lib.input_identity(cfg, entries, "p") != plan_lib.input_identity(wider, entries, "p")

@@ -25,8 +25,8 @@ TINY = {
         "response_len_sigma": 0.0, "parts_per_step": 1,  # whole steps of fixed lengths unless a test asks
     },
     "refresh": {"enabled": False},
-    # warm stage workers (the default launcher) leave soon after a test's last job
-    "train": {"epochs": 2, "min_samples": 4, "batch_size_per_gpu": 8, "warm_idle_s": 15.0},
+    "train": {"epochs": 2, "min_samples": 4, "batch_size_per_gpu": 8},
+    "launch": {"warm_idle_s": 15.0},  # warm stage workers (the default launcher) leave soon after a test's last job
     "eval": {"num_prompts": 3, "max_new_tokens": 8, "held_out_fraction": 0.2},
 }
 

@@ -1,4 +1,4 @@
-"""The tests' throwaway PostgreSQL server (pipeline/local_stack.py) in a new temporary directory, and the
+"""The tests' throwaway PostgreSQL server (ops/local_stack.py) in a new temporary directory, and the
 Dagster home of the production instance settings on it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from pipeline.local_stack import PostgresServer
+from ops.local_stack import PostgresServer
 
 PASSWORD = "sentinel-pg-password-5e8d21"  # a sentinel: tests check that it appears nowhere
 

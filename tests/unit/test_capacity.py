@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 import cli
-from pipeline.capacity import (
+from pipeline.accounting.capacity import (
     DEFAULT_THROUGHPUT,
     CapacityError,
     CapacityPlan,
@@ -119,7 +119,7 @@ def test_bytes_stored_count_every_layer_the_drafter_reads(drafter: dict, layers:
 def test_the_plan_imports_no_torch() -> None:
     """`cli.py plan` imports no torch: the layers a drafter stores come from `pipeline.models.layers`,
     as extraction's do, which needs none."""
-    code = "import sys, pipeline.capacity; print('torch' in sys.modules)"
+    code = "import sys, pipeline.accounting.capacity; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                             env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert result.stdout.strip() == "False"

@@ -117,6 +117,31 @@ def test_error_names_every_bad_key() -> None:
     assert "eval.num_speculative_tokens" in message
 
 
+@pytest.mark.parametrize(
+    ("moved", "new_key"),
+    [
+        ({"train": {"launcher": "k8s"}}, "train.launcher is now launch.launcher"),
+        ({"train": {"warm_idle_s": 60.0}}, "train.warm_idle_s is now launch.warm_idle_s"),
+        ({"train": {"k8s": {"image": "x"}}}, "train.k8s is now launch.k8s (its cpu and memory: launch.training.cpu"),
+        ({"train": {"nproc_per_node": 8}}, "train.nproc_per_node is now launch.training.nproc"),
+        ({"train": {"nnodes": 2}}, "train.nnodes is now launch.training.nnodes"),
+        ({"train": {"rdzv_port": 29500}}, "train.rdzv_port is now launch.training.rdzv_port"),
+        ({"extract": {"nproc": 2}}, "extract is now launch.extraction"),
+        ({"eval": {"nproc": 2}}, "eval.nproc is now launch.evaluation.nproc"),
+        ({"eval": {"cpu": "4"}}, "eval.cpu is now launch.evaluation.cpu"),
+        ({"eval": {"memory": "8Gi"}}, "eval.memory is now launch.evaluation.memory"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_a_launch_setting_outside_launch_is_refused_naming_its_key(tmp_path: Path, moved: dict, new_key: str) -> None:
+    """A file written for the keys a launch setting had under `train`, `extract` or `eval` is refused with the key
+    that holds it now, never loaded with the setting silently at its default."""
+    with pytest.raises(ConfigError, match=re.escape(new_key)):
+        load_config(write_yaml(tmp_path / "old.yaml", moved))
+    with pytest.raises(ConfigError, match=re.escape(new_key)):  # a stage's job carrying the old keys too
+        parse_config({**PipelineConfig().model_dump(mode="json"), **moved})
+
+
 def test_yaml_file_merges_over_defaults(tmp_path: Path) -> None:
     path = write_yaml(tmp_path / "cfg.yaml", {"run": "mine", "train": {"epochs": 7}, "eval": {"max_new_tokens": 5}})
 

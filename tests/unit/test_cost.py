@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.cost import DecodingCost
+from pipeline.accounting.cost import DecodingCost
 
 
 def test_autoregressive_drafter_round_costs_k_drafter_forwards():

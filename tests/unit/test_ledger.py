@@ -2,9 +2,10 @@
 
 import pytest
 
-from pipeline.cost import DecodingCost
-from pipeline.data.records import Deployment, StepCost
-from pipeline.ledger import cumulative, step_lags, totals, with_deployments
+from pipeline.accounting.cost import DecodingCost, StepCost
+from pipeline.accounting.ledger import cumulative, step_lags, totals, with_deployments
+from pipeline.data.records import Deployment
+from pipeline.stages import DEPLOYMENT, EVALUATION, EXTRACTION, TRAINING
 
 # Steps published every 10 s from t=100; the fleet ran v1 (trained on step 1) from 105, v2 (trained on
 # steps 1-3, so it has seen step 3) from 142, v3 (has seen step 4) from 160.
@@ -28,17 +29,17 @@ def test_lag_per_step_from_the_fleets_history():
 def test_ledger_adds_up_across_steps():
     decoding = DecodingCost(0.01, 0.05, 4)  # a round costs 1.2 target forwards
     costs = [
-        StepCost(1, {"extraction": 2.0, "training": 20.0, "evaluation": 3.0}, 5000, None, 1.0, None),
-        StepCost(2, {"extraction": 2.0, "training": 10.0, "evaluation": 3.0}, 5000, "1", 2.4, decoding),
-        StepCost(3, {"extraction": 2.0, "evaluation": 3.0}, 6000, "1", 3.0, decoding),
+        StepCost(1, {EXTRACTION: 2.0, TRAINING: 20.0, EVALUATION: 3.0}, 5000, None, 1.0, None),
+        StepCost(2, {EXTRACTION: 2.0, TRAINING: 10.0, EVALUATION: 3.0}, 5000, "1", 2.4, decoding),
+        StepCost(3, {EXTRACTION: 2.0, EVALUATION: 3.0}, 6000, "1", 3.0, decoding),
     ]
     # v1 trained at step 1, v2 at step 2 (deployed twice: a rollback and a redeploy), v9 of another run
     costs = with_deployments(costs, (Deployment("1", 0, 3.0), Deployment("2", 0, 1.5), Deployment("2", 0, 1.5),
                                      Deployment("9", 0, 7.0)), {"1": 1, "2": 2})
-    assert [c.seconds["deployment"] for c in costs] == [3.0, 3.0, 0.0]
+    assert [c.seconds[DEPLOYMENT] for c in costs] == [3.0, 3.0, 0.0]
     assert [c.saved_s for c in costs] == pytest.approx([0.0, 5000 * 0.01 * 0.5, 6000 * 0.01 * 0.6])
     total = totals(costs)
-    assert total.by_stage == {"extraction": 6.0, "training": 30.0, "evaluation": 9.0, "deployment": 6.0}
+    assert total.by_stage == {EXTRACTION: 6.0, TRAINING: 30.0, EVALUATION: 9.0, DEPLOYMENT: 6.0}
     assert total.spent_s == pytest.approx(51.0)
     assert total.saved_s == pytest.approx(61.0)
     running = cumulative(costs)
@@ -47,7 +48,7 @@ def test_ledger_adds_up_across_steps():
 
 
 def test_step_cost_round_trips():
-    cost = StepCost(4, {"extraction": 1.5, "training": 0.0}, 321, "3", 2.75, DecodingCost(0.002, 0.08, 4))
+    cost = StepCost(4, {EXTRACTION: 1.5, TRAINING: 0.0}, 321, "3", 2.75, DecodingCost(0.002, 0.08, 4))
     assert StepCost.from_json(cost.to_json()) == cost
 
 
@@ -55,8 +56,8 @@ def test_a_measured_saving_replaces_the_cost_models():
     """A step the replay measured saved what the replay says (here less than the model's 25 s, and a loss is a loss);
     a step without a replay keeps the model's figure."""
     decoding = DecodingCost(0.01, 0.05, 4)
-    measured = StepCost(2, {"training": 10.0}, 5000, "1", 2.4, decoding, (), measured_saved_s=-0.75)
-    modeled = StepCost(3, {"training": 10.0}, 5000, "1", 2.4, decoding)
+    measured = StepCost(2, {TRAINING: 10.0}, 5000, "1", 2.4, decoding, (), measured_saved_s=-0.75)
+    modeled = StepCost(3, {TRAINING: 10.0}, 5000, "1", 2.4, decoding)
     assert (measured.saved_s, measured.saving_measured) == (-0.75, True)
     assert (modeled.saved_s, modeled.saving_measured) == (pytest.approx(25.0), False)
     assert totals([measured, modeled]).saved_s == pytest.approx(24.25)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import report
+from pipeline.accounting import report
 from pipeline.data.buffer import write_buffer
 from pipeline.data.keys import acceptance_key, drafter_key, replay_key
 from pipeline.data.records import (
@@ -21,8 +21,8 @@ from pipeline.data.records import (
     write_record,
 )
 from pipeline.data.rollouts import Rollout, write_rollouts_file
-from pipeline.data.sampling import SamplingParams
 from pipeline.data.store import ObjectStore
+from pipeline.sampling import SamplingParams
 
 RUN = "r"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -154,7 +154,7 @@ def test_schedules_side_by_side_are_priced_alike() -> None:
     """Two runs timed t at 1 and 3 ms per token (a loaded machine in the second): side by side, both are priced at
     the median of their timings, so the same served tau saves the same seconds in either, and the table says why
     `cost` skipped."""
-    from pipeline.cost import DecodingCost
+    from pipeline.accounting.cost import DecodingCost
 
     fast, slow = DecodingCost(1e-3, 0.1, 4), DecodingCost(3e-3, 0.1, 4)
     runs = {"interval": [_schedule_step(1, True, 1.0, None), _schedule_step(2, True, 2.8, fast),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.schedule import Window, goal_met, ratios, rollout_scale_for, warmups_identical
-from pipeline.cost import DecodingCost
+from pipeline.accounting.cost import DecodingCost
 
 PRICE = DecodingCost(0.01, 0.0, 4)  # c = 0: a step of 1,000 tokens at tau 2 saves 5 s, at tau 4 7.5 s
 TIMED = PRICE.to_json()

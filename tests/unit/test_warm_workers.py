@@ -1,5 +1,5 @@
 """A warm stage worker's rendezvous and requests: it meets only this user's launchers in a folder of this user's,
-runs only the job it is given, and no client holds it up or brings it down (`pipeline.stage_server`,
+runs only the job it is given, and no client holds it up or brings it down (`pipeline.launch.warm`,
 `resources.warm`, `pipeline.rendezvous`)."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from dagster._core.errors import DagsterPipesExecutionError
 from dagster_pipes import PipesContext, PipesMappingParamsLoader, open_dagster_pipes
 
-from pipeline import stage_server
 from pipeline.config import PROJECT_ROOT, ConfigError, load_config
-from pipeline.launch import JobError, StageJob
+from pipeline.launch import warm
+from pipeline.launch.process import JobError, StageJob
+from pipeline.launch.warm import WarmWorker, WarmWorkerError, server_files
 from pipeline.rendezvous import RendezvousError, private_dir, unix_address
-from resources.warm import PipesWarmClient, prestart, server_files
+from pipeline.stages import EVALUATION, EXTRACTION
 
 NOBODY = 65534
 SYSTEM_PYTHON = "/usr/bin/python3"  # another user runs it: the project's venv may lie where only its owner reads
@@ -28,17 +28,16 @@ as_root = pytest.mark.skipif(os.geteuid() != 0 or not Path(SYSTEM_PYTHON).exists
                              reason="acts as another local user (needs root to switch users, and a system Python)")
 
 
-def _answer(line: bytes) -> stage_server.Answer:
-    """`line` through the worker's request handling, with a stage body that records whether it ran."""
+def _answer(line: bytes) -> warm.Answer:
+    """`line` through the worker's request handling, with jobs that record whether one ran."""
     ran: list[object] = []
-    worker = SimpleNamespace(run_pipes=ran.append)
+    jobs = SimpleNamespace(run=ran.append, reset=lambda: None)
     ours, theirs = socket.socketpair()
     try:
-        answer = stage_server.run_job(worker, ours, line, 3)
+        answer = warm.run_job(jobs, ours, line, 3)
     finally:
         ours.close()
         theirs.close()
-        PipesContext._instance = None  # noqa: SLF001  what the worker's restore does between jobs
     assert ran == [], "the stage body ran on a request that carried no job"
     return answer
 
@@ -62,16 +61,16 @@ def test_a_request_without_its_job_runs_nothing(line: bytes, why: str, label: st
 
 @pytest.mark.filterwarnings("ignore:This process was not launched by a Dagster orchestration process")
 def test_a_stage_body_refuses_a_channel_without_a_job(reliability) -> None:
-    """Every stage body reads its job through `pipeline.workers`: a Pipes channel opened without bootstrap
+    """Every stage body reads its job through `pipeline.launch.worker`: a Pipes channel opened without bootstrap
     parameters (dagster_pipes then hands back a stand-in that accepts everything) has no job, and is refused
     before anything is read or written."""
     reliability.bad_input("a stage body run on a Pipes channel without its job: refused before any work")
-    from pipeline import refresh_worker
     from pipeline.evaluation import worker as evaluation
+    from pipeline.refresh import worker as refresh
     from pipeline.sources import worker as extraction
     from pipeline.training import worker as training
 
-    for module in (extraction, training, evaluation, refresh_worker):
+    for module in (extraction, training, evaluation, refresh):
         pipes = open_dagster_pipes(params_loader=PipesMappingParamsLoader({}))
         try:
             with pytest.raises(JobError, match="no Dagster Pipes context"):
@@ -82,13 +81,15 @@ def test_a_stage_body_refuses_a_channel_without_a_job(reliability) -> None:
 
 def test_a_stage_job_leaving_out_a_field_or_a_key_is_refused(reliability) -> None:
     reliability.bad_input("a stage job leaving out a field, or its config leaving out a key: refused, no default")
-    full = StageJob("evaluation", 4, load_config().model_dump(mode="json"), "process").to_dict()
-    assert StageJob.from_dict(full, "evaluation").pipeline_config == load_config()
+    full = StageJob(EVALUATION, 4, load_config().model_dump(mode="json"), "process").to_dict()
+    job = StageJob.from_dict(full, EVALUATION)
+    assert job.pipeline_config == load_config()
+    assert job.pipeline_config is job.pipeline_config  # parsed once, at its first use
     for name in full:
         with pytest.raises(JobError, match=f"leaves out {name}"):
             StageJob.from_dict({k: v for k, v in full.items() if k != name})
     with pytest.raises(JobError, match="it is a evaluation job, sent to extraction"):
-        StageJob.from_dict(full, "extraction")
+        StageJob.from_dict(full, EXTRACTION)
     with pytest.raises(JobError, match="step must be an integer"):
         StageJob.from_dict({**full, "step": "4"})
     with pytest.raises(JobError, match="no job"):
@@ -105,9 +106,9 @@ def test_a_stage_job_leaving_out_a_field_or_a_key_is_refused(reliability) -> Non
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A warm evaluation worker of a data dir whose socket path is too long for a Unix socket's address."""
     data_dir = tmp_path_factory.mktemp("warm") / ("a-long-data-directory-name-" * 4)
-    prestart("evaluation", data_dir, PROJECT_ROOT, 300.0)
+    WarmWorker(EVALUATION, data_dir, PROJECT_ROOT, 300.0).prestart()
     yield data_dir
-    files = server_files(data_dir, "evaluation", PROJECT_ROOT)
+    files = server_files(data_dir, EVALUATION, PROJECT_ROOT)
     pid = _worker_pid(files.log)
     if pid:
         os.kill(pid, 9)
@@ -130,7 +131,7 @@ def _connect(path: Path) -> socket.socket:
 @pytest.mark.reliability("security", "a warm worker's socket, lock and log stay in the run's stages folder (mode "
                                      "0700, files 0600), however long its path: no rendezvous in /tmp")
 def test_the_worker_meets_in_a_folder_of_this_users_alone(worker: Path) -> None:
-    files = server_files(worker, "evaluation", PROJECT_ROOT)
+    files = server_files(worker, EVALUATION, PROJECT_ROOT)
     assert len(os.fsencode(files.socket)) > 108  # beyond sun_path: reached through the folder's descriptor
     assert files.socket.parent == worker / "stages"
     assert stat.S_ISSOCK(files.socket.stat().st_mode)
@@ -142,13 +143,13 @@ def test_the_worker_meets_in_a_folder_of_this_users_alone(worker: Path) -> None:
 @pytest.mark.reliability("fault", "an idle client on a warm worker's socket and a request that is not JSON: later "
                                   "requests are answered, the worker stays up")
 def test_an_idle_client_and_a_line_that_is_not_json_hold_up_no_later_request(worker: Path) -> None:
-    files = server_files(worker, "evaluation", PROJECT_ROOT)
+    files = server_files(worker, EVALUATION, PROJECT_ROOT)
     idle = _connect(files.socket)  # connects, never sends its request
     try:
         answers = []
         for line in (b"not json\n", b'{"pipes": {}}\n'):
             with _connect(files.socket) as conn:
-                conn.settimeout(stage_server.REQUEST_TIMEOUT_S / 2)
+                conn.settimeout(warm.REQUEST_TIMEOUT_S / 2)
                 conn.sendall(line)
                 answers.append(json.loads(conn.makefile("rb").readline()))
     finally:
@@ -166,7 +167,7 @@ def test_an_idle_client_and_a_line_that_is_not_json_hold_up_no_later_request(wor
 def test_the_launcher_hands_no_job_to_another_users_listener(tmp_path: Path) -> None:
     """A listener of another user at the worker's address (bound there, then listening as uid 65534): the
     launcher's connection reaches it, its credentials are checked, and the job is not sent."""
-    client = PipesWarmClient("evaluation", tmp_path / "data", PROJECT_ROOT, 60.0)
+    client = WarmWorker(EVALUATION, tmp_path / "data", PROJECT_ROOT, 60.0)
     private_dir(client.files.socket.parent)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with unix_address(client.files.socket) as address:  # a long tmp path (as in CI) goes through the folder
@@ -177,9 +178,9 @@ def test_the_launcher_hands_no_job_to_another_users_listener(tmp_path: Path) -> 
                               stdout=subprocess.PIPE, text=True, cwd="/")
     try:
         assert theirs.stdout.readline() == "up\n"
-        with client._connect() as conn, pytest.raises(DagsterPipesExecutionError,
-                                                      match=f"runs as uid {NOBODY}, not as this user"):
-            client._check_peer(conn)
+        with client.connect() as conn, pytest.raises(WarmWorkerError,
+                                                     match=f"runs as uid {NOBODY}, not as this user"):
+            client.check_peer(conn)
         assert theirs.stdout.readline() == "b''\n"  # it got a connection, closed, and not a byte of the job
     finally:
         theirs.kill()
@@ -195,12 +196,12 @@ def test_a_stages_folder_of_another_user_is_refused(tmp_path: Path) -> None:
     theirs.mkdir(parents=True)
     os.chown(theirs, NOBODY, NOBODY)
     with pytest.raises(RendezvousError, match=f"belongs to uid {NOBODY}, not to this user"):
-        prestart("evaluation", tmp_path / "data", PROJECT_ROOT, 60.0)
+        WarmWorker(EVALUATION, tmp_path / "data", PROJECT_ROOT, 60.0).prestart()
     linked = tmp_path / "linked"
     linked.mkdir()
     (linked / "stages").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(RendezvousError, match="not a directory of its own"):
-        prestart("evaluation", linked, PROJECT_ROOT, 60.0)
+        WarmWorker(EVALUATION, linked, PROJECT_ROOT, 60.0).prestart()
     assert not (tmp_path / "elsewhere").exists()
 
 

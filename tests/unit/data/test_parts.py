@@ -19,7 +19,7 @@ from pipeline.data import parts as parts_lib
 from pipeline.data.keys import part_manifest_key, part_rollouts_key, parts_prefix, parts_step_key, policy_prefix
 from pipeline.data.rollouts import is_committed, read_policy_pointer, read_rollouts, rollouts_table
 from pipeline.data.store import ObjectStore
-from pipeline.refresh import qualified_parts
+from pipeline.refresh.plan import qualified_parts
 from tests.support.contract_cases import BAD, BAD_ROLLOUTS, LIMITS, ok
 
 RUN, STEP = "r", 3

@@ -28,8 +28,8 @@ from pipeline.data.records import (
     read_training,
     write_record,
 )
-from pipeline.data.sampling import SamplingParams
 from pipeline.data.store import ObjectStore
+from pipeline.sampling import SamplingParams
 
 RUN = "r"
 TAU = DrafterTau("3", 2.5, 0.375, (0.75, 0.5, 0.25, 0.0), 12, 48, 18, 4, TauEstimate(2.25, (0.75, 0.5), 4, 30))

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.accounting.cost import DecodingCost
 from pipeline.config import PromotionConfig, load_config
-from pipeline.cost import DecodingCost
 from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
-from pipeline.data.sampling import GREEDY
 from pipeline.data.store import open_store
 from pipeline.evaluation.acceptance import Decision, StepMeasurement, promotion_decision, replay_batch, step_cost
+from pipeline.sampling import GREEDY
 
 AUTO = PromotionConfig(policy="auto", margin=0.05)
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from pipeline.data.sampling import GREEDY, SamplingError, SamplingParams
 from pipeline.evaluation.rejection_sampler import (
     BatchSampling,
     RequestSampling,
@@ -20,6 +19,7 @@ from pipeline.evaluation.speculative import evaluate, follow_target, generate_ba
 from pipeline.models import target as target_lib
 from pipeline.models.drafter import CommittedPairs, DraftChooser
 from pipeline.models.eagle import EagleConfig, EagleDrafter
+from pipeline.sampling import GREEDY, SamplingError, SamplingParams
 
 ONES = torch.ones(1, 3)  # an exponential race of equal draws: the most likely token wins
 

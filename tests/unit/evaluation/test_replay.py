@@ -9,12 +9,12 @@ from transformers import LlamaForCausalLM
 
 from pipeline.data.records import ArmReplay, RolloutReplay
 from pipeline.data.rollouts import Rollout
-from pipeline.data.sampling import GREEDY, SamplingParams
 from pipeline.evaluation.replay import TAIL_BATCH, replay_arm, replay_step, step_requests
 from pipeline.evaluation.scheduler import SpeculationThreshold
 from pipeline.evaluation.speculative import follow_target
 from pipeline.models import target as target_lib
 from pipeline.models.eagle import EagleConfig, EagleDrafter
+from pipeline.sampling import GREEDY, SamplingParams
 
 V = 16
 LENGTHS = [2, 3, 3, 4, 9, 12]  # six requests: the batch shrinks to the tail's four after the first round or two

@@ -10,7 +10,6 @@ import torch
 from transformers import LlamaForCausalLM
 
 from pipeline.config import DrafterConfig
-from pipeline.data.sampling import DRAFT_SAMPLE_METHODS, GREEDY, SamplingParams
 from pipeline.evaluation import speculative
 from pipeline.evaluation.rejection_sampler import BatchSampling, RequestSampling
 from pipeline.evaluation.speculative import (
@@ -30,6 +29,7 @@ from pipeline.models import target_forward
 from pipeline.models.drafter import CommittedPairs, Drafter, Proposer, fresh_drafter
 from pipeline.models.eagle import EagleConfig, EagleDrafter
 from pipeline.models.eagle3 import TTTCache
+from pipeline.sampling import DRAFT_SAMPLE_METHODS, GREEDY, SamplingParams
 from tests.support.families import VARIANTS, random_model
 
 V, H, LAYERS, HEADS = 32, 32, 1, 2

@@ -7,13 +7,13 @@ import torch
 from transformers import LlamaForCausalLM
 
 from pipeline.config import DrafterConfig, OptimConfig, TrainConfig
-from pipeline.data.sampling import SamplingParams
 from pipeline.data.shards import HiddenSample
 from pipeline.evaluation.speculative import acceptance_metrics, generate_batch, greedy_generate, request_sampling
 from pipeline.evaluation.teacher_forced import estimate_acceptance
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.models.drafter import Drafter, fresh_drafter
+from pipeline.sampling import SamplingParams
 from pipeline.training.dataset import InMemoryDataset
 from pipeline.training.loop import train_drafter
 

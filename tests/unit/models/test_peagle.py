@@ -12,7 +12,7 @@ from transformers import LlamaForCausalLM
 
 from pipeline.config import DrafterConfig, OptimConfig, TrainConfig
 from pipeline.evaluation import speculative
-from pipeline.evaluation.cost import RoundCost, drafter_cost_ratio
+from pipeline.evaluation.round_cost import RoundCost, drafter_cost_ratio
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward

@@ -13,7 +13,7 @@ from pipeline.config import DrafterConfig
 from pipeline.models.checkpoint import save_drafter
 from pipeline.models.drafter import fresh_drafter
 from pipeline.models.target import build_target, tiny_llama_config
-from pipeline.serving.fleet import ReplicaSpec, Speculation, StandInDriver
+from pipeline.serving.drivers import ReplicaSpec, Speculation, StandInDriver
 
 
 def free_port() -> int:

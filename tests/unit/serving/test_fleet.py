@@ -25,20 +25,10 @@ from pipeline.evaluation import speculative
 from pipeline.models.target import build_target, tiny_llama_config
 from pipeline.serving import deploy
 from pipeline.serving import metrics as serving_metrics
-from pipeline.serving.fleet import (
-    CommandDriver,
-    GateConfig,
-    GateError,
-    ReplicaSpec,
-    Speculation,
-    StagedDrafter,
-    StandInDriver,
-    check_replica,
-    hot_update,
-    rolling_deploy,
-    vllm_argv,
-    vllm_env,
-)
+from pipeline.serving.drivers import CommandDriver, ReplicaSpec, Speculation, StandInDriver, vllm_argv, vllm_env
+from pipeline.serving.fleet import StagedDrafter, rolling_deploy
+from pipeline.serving.gates import GateConfig, GateError, check_replica
+from pipeline.serving.hot_update import hot_update
 from tests.unit.serving.conftest import free_port as _free_port
 
 # An excerpt of a vLLM /metrics page (v1 engine, two engines behind one server), as served.

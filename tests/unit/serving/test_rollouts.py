@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from pipeline.data.records import read_fleet_policy
-from pipeline.data.sampling import GREEDY, SamplingParams
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import speculative
 from pipeline.models import target as target_lib
-from pipeline.serving.fleet import ReplicaSpec, StandInDriver, _request, send_policy
+from pipeline.sampling import GREEDY, SamplingParams
+from pipeline.serving.drivers import ReplicaSpec, StandInDriver, call
+from pipeline.serving.hot_update import send_policy
 from pipeline.serving.rollouts import FleetRollouts, StalePolicyError
 from pipeline.sources.rollout_engine import RolloutRequest
 from tests.unit.serving.conftest import free_port
@@ -48,7 +49,7 @@ def test_each_steps_policy_reaches_every_replica_before_its_first_rollout(
 
     fleet.push_policy(2, "policies/step-000002")
     for replica in fleet.replicas:  # every replica, in place (same process), before any request of step 2
-        assert _request(replica, "/weight_info") == b'{"weight_version": "policy-step-000002"}'
+        assert call(replica, "/weight_info") == b'{"weight_version": "policy-step-000002"}'
         assert driver.serving(replica)[0] == fleet.store.resolve("policies/step-000002")
     assert read_fleet_policy(fleet.store, "run").step == 2
     requests = _requests(12)

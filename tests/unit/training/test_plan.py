@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.accounting.cost import DecodingCost, StepCost
 from pipeline.config import PipelineConfig, load_config
-from pipeline.cost import DecodingCost
 from pipeline.data import order
 from pipeline.data.buffer import write_buffer
 from pipeline.data.keys import acceptance_key, cost_key, drafter_key, policy_pointer_key, refresh_key
@@ -17,16 +17,16 @@ from pipeline.data.records import (
     BufferEntry,
     DrafterTau,
     RefreshRecord,
-    StepCost,
     TrainingRecord,
     write_record,
 )
 from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.registry import DrafterRegistry, open_registry
+from pipeline.stages import EVALUATION, EXTRACTION, TRAINING
 from pipeline.training.outcome import TrainOutcome, outcome_metadata
-from pipeline.training.plan import TrainJob, aged_taus, median_decoding, plan_training, settle_plan
-from pipeline.training.schedule import AgedTau, LiveTau
+from pipeline.training.plan import TrainJob, plan_training, read_history, settle_plan
+from pipeline.training.schedule import AgedTau, aged_taus, median_decoding
 
 STEP = 1
 RETRAIN = "live tau 1.20 < fleet.live_tau_floor 1.5"
@@ -71,6 +71,8 @@ def test_a_requested_retraining_trains_where_a_rerun_reuses(step, tmp_path: Path
     assert job.requested_by == RETRAIN
     assert job.reason == f"requested ({RETRAIN}); buffer holds 3 samples"
     assert TrainJob.from_dict(job.to_dict()) == job
+    assert job.pipeline_config == cfg
+    assert job.pipeline_config is job.pipeline_config  # parsed once, at its first use: the worker reads it often
 
 
 def test_planning_writes_nothing_settling_finishes_a_killed_attempt(step, tmp_path: Path) -> None:
@@ -119,7 +121,7 @@ def _measured(store: ObjectStore, cfg: PipelineConfig, step: int, served: tuple[
         step, step, 3, 4, 8, tau(cotrained), tau(served), None, tau(served), promoted, "",
         cotrained[0] if promoted else None))
     write_record(store, cost_key(cfg.run, step), StepCost(
-        step, {"extraction": 1.0, "training": 30.0 if cotrained else 0.0, "evaluation": 2.0}, 6,
+        step, {EXTRACTION: 1.0, TRAINING: 30.0 if cotrained else 0.0, EVALUATION: 2.0}, 6,
         served[0] if served else None, served[1] if served else 1.0, DecodingCost(0.01, 0.05, 4)))
 
 
@@ -158,12 +160,12 @@ def test_the_acceptance_schedule_takes_the_fleets_live_tau_when_it_runs_the_cham
     _measured(store, cfg, 2, (version, 3.3))
     _committed(store, cfg, 3)
     assert not plan_training(store, cfg, 3, registry).train  # evaluated: 3.3
-    assert not plan_training(store, cfg, 3, registry, live=LiveTau("99", 2.0)).train  # not the champion's
-    live = plan_training(store, cfg, 3, registry, live=LiveTau(version, 2.9))
+    assert not plan_training(store, cfg, 3, registry, live_tau={"99": 2.0}.get).train  # not the champion's
+    live = plan_training(store, cfg, 3, registry, live_tau={version: 2.9}.get)
     assert live.train
     assert live.reason.startswith(f"champion v{version} live tau 2.900 at step 3 fell 0.500 since its promotion")
     floor = cfg.model_copy(update={"fleet": cfg.fleet.model_copy(update={"live_tau_floor": 3.35})})
-    below = plan_training(store, floor, 3, registry, live=LiveTau(version, 3.3))
+    below = plan_training(store, floor, 3, registry, live_tau={version: 3.3}.get)
     assert below.train  # a fall of 0.1, within tau_drop, but under the floor
     assert "below fleet.live_tau_floor=3.35" in below.reason
 
@@ -226,7 +228,7 @@ def test_drafters_are_aged_from_the_step_they_trained_on(tmp_path: Path) -> None
     # no training at step 3: the co-trained drafter is still v2, measured once
     _drafters(store, cfg, 3, cotrained=("2", 2.7), served=("2", 2.7), baseline=("1", 1.9), champion=("2", 2.7))
     _drafters(store, cfg, 4, cotrained=("2", 2.4), served=("3", 2.8), baseline=("1", 1.7), champion=("2", 2.4))
-    taus = aged_taus(store, cfg.run, [1, 2, 3, 4], [2, 3, 4])
+    taus = aged_taus(read_history(store, cfg.run, [1, 2, 3, 4]), [2, 3, 4])
     assert sorted(taus, key=lambda t: (t.step, t.version)) == [
         AgedTau("1", 2, 1, 2.4), AgedTau("2", 2, 0, 3.2),
         AgedTau("1", 3, 2, 1.9), AgedTau("2", 3, 1, 2.7),  # in three roles, one measurement

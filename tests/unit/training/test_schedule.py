@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.cost import DecodingCost
+from pipeline.accounting.cost import DecodingCost
 from pipeline.training.schedule import (
     AgedTau,
     ChampionTrack,

@@ -1,4 +1,4 @@
-"""The speedup a drafter's round buys, estimated before any timing: `pipeline/cost.py`'s model (which the
+"""The speedup a drafter's round buys, estimated before any timing: `pipeline/accounting/cost.py`'s model (which the
 ledger feeds with measured timings) with c taken from the weights each forward reads.
 
 Decoding is bound by reading weights: a forward reads each weight once whether it scores one
@@ -23,10 +23,10 @@ import torch
 from torch import nn
 from transformers import LlamaForCausalLM
 
-from pipeline.cost import DecodingCost
-from pipeline.data.sampling import GREEDY, DraftSampleMethod, SamplingParams
+from pipeline.accounting.cost import DecodingCost
 from pipeline.evaluation import speculative
 from pipeline.models.drafter import Proposer
+from pipeline.sampling import GREEDY, DraftSampleMethod, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import torch
 
 from pipeline.data.records import StagePlacement
 from pipeline.ranks import Ranks
+from pipeline.stages import Stage
 
 
 def peak_memory_bytes(device: str) -> int:
@@ -24,7 +25,7 @@ def device_name(device: str) -> str:
     return device
 
 
-def measure_placement(stage: str, where: str, ranks: Ranks, device: str, started: float) -> StagePlacement:
+def measure_placement(stage: Stage, where: str, ranks: Ranks, device: str, started: float) -> StagePlacement:
     """Where the stage ran and what it held, the largest rank's peak memory; every rank calls it (the
     peak is reduced over them), rank 0's record counts."""
     peak = int(ranks.max_value(float(peak_memory_bytes(device))))

@@ -1,53 +1,50 @@
 """How a model stage's process is started: its job, its command line and, in production, its pod.
 
-Every stage that runs a model (extraction, training, evaluation) runs in a process of its own,
-launched through Dagster Pipes with the same settings (`train.launcher`, `train.k8s`): a
-subprocess of the Dagster run here, a GPU pod through `PipesK8sClient` in production, each
-stage with its own ranks and resources.
-
-    stage        asset           worker module                   ranks                resources
-    extraction   hidden_states   pipeline.sources.worker         extract.nproc        extract.cpu / .memory
-    training     drafter         pipeline.training.worker        train.nproc_per_node train.k8s.cpu / .memory
-    evaluation   acceptance      pipeline.evaluation.worker      eval.nproc           eval.cpu / .memory
-    refresh      refreshed_drafter pipeline.refresh_worker       1                    train.k8s.cpu / .memory
+Every stage that runs a model (extraction, training, evaluation, refresh: `pipeline.stages`) runs in a process
+of its own, launched through Dagster Pipes as `launch.launcher` says: a subprocess of the Dagster run (or the
+stage's warm worker) here, a GPU pod through `PipesK8sClient` in production, each stage with the ranks and
+resources of its `launch.<stage>` (what the pods share: `launch.k8s`).
 
 One rank is started as `python -m <worker>` (rank 0 of 1, no torchrun agent: its start-up would
-only add a torch import); several as `torchrun --standalone --nproc-per-node=N -m <worker>`.
-All are pure functions of the config, so the Dagster layer and the tests build the same thing.
-Training's several-node Job is `pipeline.training.launch`'s.
+only add a torch import); several as `torchrun --standalone --nproc-per-node=N -m <worker>`; a training on
+several nodes as that many torchrun agents on loopback here (`pipeline.launch.multinode`), or as an indexed
+Job of pods. All are pure functions of the config, so the Dagster layer and the tests build the same thing.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from pipeline.config import PipelineConfig, parse_resolved_config
+from pipeline.stages import EXTRACTION, LAUNCHED, TRAINING, Stage
 
-WORKERS = {"extraction": "pipeline.sources.worker", "training": "pipeline.training.worker",
-           "evaluation": "pipeline.evaluation.worker", "refresh": "pipeline.refresh_worker"}
-CONTAINERS = {"extraction": "extractor", "training": "trainer", "evaluation": "evaluator", "refresh": "refresher"}
 SHM_VOLUME = "dshm"
+LOOPBACK_NODES_MODULE = "pipeline.launch.multinode"  # a training's nodes as torchrun agents on this machine
 
 
 @dataclass(frozen=True)
 class StageJob:
     """What a launched extraction, evaluation or refresh process receives (the Pipes extra `job`)."""
 
-    stage: str  # extraction | evaluation | refresh
+    stage: Stage  # extraction | evaluation | refresh
     step: int
     config: dict  # the full PipelineConfig, resolved (a pod may not see the orchestrator's files)
     where: str  # process | pod: where the launcher starts it, for its placement record
     new_version: str | None = None  # evaluation: the drafter version the step's training produced
-    spent_s: dict[str, float] = field(default_factory=dict)  # evaluation: device-seconds of the earlier stages
+    spent_s: dict[Stage, float] = field(default_factory=dict)  # evaluation: device-seconds of the earlier stages
     part: int | None = None  # refresh: the qualifying part
     tags: dict[str, str] = field(default_factory=dict)  # refresh: the MLflow tags of its training run
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The job as JSON (stages by name)."""
+        return {"stage": self.stage.name, "step": self.step, "config": self.config, "where": self.where,
+                "new_version": self.new_version, "spent_s": {s.name: v for s, v in self.spent_s.items()},
+                "part": self.part, "tags": dict(self.tags)}
 
     @classmethod
-    def from_dict(cls, doc: object, stage: str | None = None) -> StageJob:
+    def from_dict(cls, doc: object, stage: Stage | None = None) -> StageJob:
         """The job as `to_dict` wrote it, every field present and of its type (a field left out is refused,
         never taken as a default); `stage`: the stage the reader runs, which the job must name."""
         if not isinstance(doc, dict):
@@ -58,15 +55,16 @@ class StageJob:
                            "never defaults")
         step, part, spent, tags = doc["step"], doc["part"], doc["spent_s"], doc["tags"]
         problems = [
-            *([] if isinstance(doc["stage"], str) and doc["stage"] in WORKERS else
-              [f"stage {doc['stage']!r} is not one of {', '.join(WORKERS)}"]),
-            *([] if stage is None or doc["stage"] == stage else [f"it is a {doc['stage']} job, sent to {stage}"]),
+            *([] if doc["stage"] in LAUNCHED_NAMES else
+              [f"stage {doc['stage']!r} is not one of {', '.join(LAUNCHED_NAMES)}"]),
+            *([] if stage is None or doc["stage"] == stage.name else [f"it is a {doc['stage']} job, sent to {stage}"]),
             *([] if _is_int(step) and step >= 0 else ["step must be an integer >= 0"]),
             *([] if isinstance(doc["config"], dict) else ["config must be a mapping"]),
             *([] if doc["where"] in ("process", "pod") else ["where must be process or pod"]),
             *([] if doc["new_version"] is None or isinstance(doc["new_version"], str) else
               ["new_version must be a string or null"]),
-            *([] if isinstance(spent, dict) and all(isinstance(v, (int, float)) for v in spent.values()) else
+            *([] if isinstance(spent, dict) and all(k in LAUNCHED_NAMES and isinstance(v, (int, float))
+                                                    for k, v in spent.items()) else
               ["spent_s must map stages to seconds"]),
             *([] if part is None or (_is_int(part) and part >= 0) else ["part must be an integer >= 0 or null"]),
             *([] if isinstance(tags, dict) and all(isinstance(v, str) for v in tags.values()) else
@@ -74,11 +72,13 @@ class StageJob:
         ]
         if problems:
             raise JobError(f"the stage job is malformed: {'; '.join(problems)}")
-        return cls(doc["stage"], step, dict(doc["config"]), doc["where"], doc["new_version"],
-                   {str(k): float(v) for k, v in spent.items()}, part, {str(k): v for k, v in tags.items()})
+        return cls(LAUNCHED_NAMES[doc["stage"]], step, dict(doc["config"]), doc["where"], doc["new_version"],
+                   {LAUNCHED_NAMES[k]: float(v) for k, v in spent.items()}, part,
+                   {str(k): v for k, v in tags.items()})
 
-    @property
+    @functools.cached_property
     def pipeline_config(self) -> PipelineConfig:
+        """The job's configuration, parsed at its first use and kept with the job."""
         return parse_resolved_config(self.config, f"the {self.stage} job of step {self.step}")
 
 
@@ -86,13 +86,16 @@ class JobError(ValueError):
     """A stage's job that is not one (no job, a field left out or mistyped): refused before any work."""
 
 
+LAUNCHED_NAMES = {s.name: s for s in LAUNCHED}
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def stage_ranks(cfg: PipelineConfig, stage: str) -> int:
-    return {"extraction": cfg.extract.nproc, "training": cfg.train.nproc_per_node,
-            "evaluation": cfg.eval.nproc, "refresh": 1}[stage]
+def stage_ranks(cfg: PipelineConfig, stage: Stage) -> int:
+    """The ranks of a stage on one node (a training's: on each of its `launch.training.nnodes`)."""
+    return cfg.launch.of(stage).nproc
 
 
 def worker_command(module: str, nproc: int, python: str = sys.executable) -> list[str]:
@@ -104,30 +107,32 @@ def worker_command(module: str, nproc: int, python: str = sys.executable) -> lis
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", module]
 
 
-def stage_command(cfg: PipelineConfig, stage: str, python: str = sys.executable) -> list[str]:
-    return worker_command(WORKERS[stage], stage_ranks(cfg, stage), python)
+def stage_command(cfg: PipelineConfig, stage: Stage, python: str = sys.executable) -> list[str]:
+    """The stage's command on this machine; a training on several nodes: their loopback stand-ins."""
+    nproc = stage_ranks(cfg, stage)
+    if stage == TRAINING and cfg.launch.training.nnodes > 1:
+        return [python, "-m", LOOPBACK_NODES_MODULE, f"--nnodes={cfg.launch.training.nnodes}",
+                f"--nproc-per-node={nproc}"]
+    return worker_command(stage.worker, nproc, python)
 
 
-def pod_labels(cfg: PipelineConfig, stage: str, step: int) -> dict[str, str]:
-    name = "drafter-training" if stage == "training" else f"drafter-{stage}"
-    return {"app.kubernetes.io/name": name, "drafter-cotraining/run": cfg.run,
-            "drafter-cotraining/rl-step": str(step), "drafter-cotraining/stage": stage}
+def pod_labels(cfg: PipelineConfig, stage: Stage, step: int) -> dict[str, str]:
+    return {"app.kubernetes.io/name": stage.app, "drafter-cotraining/run": cfg.run,
+            "drafter-cotraining/rl-step": str(step), "drafter-cotraining/stage": stage.name}
 
 
-def pod_spec(cfg: PipelineConfig, stage: str, command: list[str]) -> dict:
+def pod_spec(cfg: PipelineConfig, stage: Stage, command: list[str]) -> dict:
     """The PodSpec (camelCase, as in a manifest) of one stage's pod: one GPU per rank (extraction and
     evaluation: `target.split_devices` per rank for a split policy), the stage's CPU and
     memory, `command`, /dev/shm in memory (NCCL's shared-memory transport needs more than the container
-    runtime's 64 MB), secrets from the Secret `train.k8s.env_secret` by reference, never inline."""
-    k8s = cfg.train.k8s
+    runtime's 64 MB), secrets from the Secret `launch.k8s.env_secret` by reference, never inline."""
+    k8s, settings = cfg.launch.k8s, cfg.launch.of(stage)
     if not k8s.image:
-        raise ValueError(f"train.k8s.image is empty: the {stage} pod needs an image with this project installed")
-    cpu, memory = (k8s.cpu, k8s.memory) if stage in ("training", "refresh") else \
-        {"extraction": (cfg.extract.cpu, cfg.extract.memory), "evaluation": (cfg.eval.cpu, cfg.eval.memory)}[stage]
-    per_rank = 1 if stage == "training" else cfg.target.gpus_per_process  # a split policy: a block per rank
-    amounts = {"cpu": cpu, "memory": memory, k8s.gpu_resource: str(stage_ranks(cfg, stage) * per_rank)}
+        raise ValueError(f"launch.k8s.image is empty: the {stage} pod needs an image with this project installed")
+    per_rank = cfg.target.gpus_per_process if stage.policy_per_rank else 1  # a split policy: a block per rank
+    amounts = {"cpu": settings.cpu, "memory": settings.memory, k8s.gpu_resource: str(settings.nproc * per_rank)}
     container: dict = {
-        "name": CONTAINERS[stage],
+        "name": stage.container,
         "image": k8s.image,
         "command": command,
         # Extended resources (GPUs) need request == limit; cpu and memory get the same for a Guaranteed pod.
@@ -137,9 +142,9 @@ def pod_spec(cfg: PipelineConfig, stage: str, command: list[str]) -> dict:
     if k8s.env_secret:
         container["envFrom"] = [{"secretRef": {"name": k8s.env_secret}}]
     volumes = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size}}]
-    if stage == "extraction":  # e.g. the shared volume vLLM's connector writes its files to
-        container["volumeMounts"] += [dict(m) for m in cfg.extract.volume_mounts]
-        volumes += [dict(v) for v in cfg.extract.volumes]
+    if stage == EXTRACTION:  # e.g. the shared volume vLLM's connector writes its files to
+        container["volumeMounts"] += [dict(m) for m in cfg.launch.extraction.volume_mounts]
+        volumes += [dict(v) for v in cfg.launch.extraction.volumes]
     spec: dict = {
         "restartPolicy": "Never",  # a failed stage is retried by Dagster
         "containers": [container],
@@ -154,6 +159,6 @@ def pod_spec(cfg: PipelineConfig, stage: str, command: list[str]) -> dict:
     return spec
 
 
-def stage_pod_spec(cfg: PipelineConfig, stage: str) -> dict:
-    """The pod of extraction or evaluation (`pod_spec` with the stage's worker command)."""
-    return pod_spec(cfg, stage, stage_command(cfg, stage, python="python"))
+def stage_pod_spec(cfg: PipelineConfig, stage: Stage) -> dict:
+    """The pod of one node of a stage: `pod_spec` with the stage's worker command."""
+    return pod_spec(cfg, stage, worker_command(stage.worker, stage_ranks(cfg, stage), python="python"))

@@ -10,7 +10,8 @@ import textwrap
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipeline.cost import DecodingCost
+from pipeline.accounting.cost import DecodingCost, read_cost
+from pipeline.accounting.ledger import Ledger, cumulative
 from pipeline.data import buffer as buffer_lib
 from pipeline.data import capture, shards
 from pipeline.data import rollouts as rollouts_lib
@@ -20,14 +21,13 @@ from pipeline.data.records import (
     DrafterTau,
     RefreshBreakdown,
     read_acceptance,
-    read_cost,
     read_refresh,
     read_replay,
     read_tail,
     read_training,
 )
 from pipeline.data.store import ObjectStore
-from pipeline.ledger import Ledger, cumulative
+from pipeline.stages import DEPLOYMENT, EVALUATION, EXTRACTION, TRAINING
 
 
 def step_row(store: ObjectStore, run: str, step: int) -> dict:
@@ -379,7 +379,7 @@ def ledger_rows(ledger: Ledger) -> list[dict]:
     rows = []
     for cost, lag, running in zip(ledger.costs, ledger.lags, cumulative(ledger.costs), strict=True):
         rows.append({"step": cost.step, "served_version": cost.served_version, "lag_steps": lag.lag_steps,
-                     "lag_s": lag.lag_s, "seconds": cost.seconds, "rollout_tokens": cost.rollout_tokens,
+                     "lag_s": lag.lag_s, "seconds": cost.to_json()["seconds"], "rollout_tokens": cost.rollout_tokens,
                      "served_tau": round(cost.served_tau, 4), "saved_s": round(cost.saved_s, 3),
                      "saving": "measured" if cost.saving_measured else "modeled",
                      "cumulative_spent_s": running.spent_s, "cumulative_saved_s": running.saved_s})
@@ -397,10 +397,10 @@ def format_ledger(ledger: Ledger) -> str:
         lines.append(
             f"{cost.step:>4} {'v' + cost.served_version if cost.served_version else '-':>6} "
             f"{'-' if lag.lag_steps is None else lag.lag_steps:>4} {lag_s:>7} "
-            f"{s['extraction']:>9.1f} {s['training']:>8.1f} {s['evaluation']:>7.1f} {s['deployment']:>8.1f} "
+            f"{s[EXTRACTION]:>9.1f} {s[TRAINING]:>8.1f} {s[EVALUATION]:>7.1f} {s[DEPLOYMENT]:>8.1f} "
             f"{cost.saved_s:>8.3f}" + ("" if cost.saving_measured else " (modeled)"))
     total = ledger.totals
-    lines.append(f"spent {total.spent_s:.1f} device-s ({', '.join(f'{k} {v:.1f}' for k, v in total.by_stage.items())})"
+    lines.append(f"spent {total.spent_s:.1f} device-s ({', '.join(f'{s} {v:.1f}' for s, v in total.by_stage.items())})"
                  f", saved {total.saved_s:.3f} s of rollout time")
     if all(c.saving_measured for c in ledger.costs):
         lines.append("(saved: measured, the step's rollouts replayed without a drafter and with the served one)")
@@ -433,7 +433,7 @@ def schedule_steps(store: ObjectStore, run: str, steps: list[int]) -> list[Sched
             continue
         training = read_training(store, run, step)
         saved += cost.saved_s
-        rows.append(ScheduleStep(step, training.trained, training.reason, round(cost.seconds.get("training", 0.0), 3),
+        rows.append(ScheduleStep(step, training.trained, training.reason, round(cost.spent(TRAINING), 3),
                                  round(refresh.train_s if refresh else 0.0, 3), round(cost.served_tau, 4),
                                  round(cost.saved_s, 3), round(saved, 3), cost.rollout_tokens, cost.decoding))
     return rows

@@ -1,8 +1,8 @@
 """The same-step refresh's process, launched by the `refreshed_drafter` asset through Dagster Pipes.
 
-    python -m pipeline.refresh_worker
+    python -m pipeline.refresh.worker
 
-One process does a refresh's model work, in order (`pipeline.refresh` says what a refresh is):
+One process does a refresh's model work, in order (`pipeline.refresh.plan` says what a refresh is):
 
     extract   the qualifying parts' captured rollouts through the step's policy, into the refresh's
               own namespace (keys.refresh_data_run)
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 from dagster_pipes import PipesContext, open_dagster_pipes
 
-from pipeline import refresh as refresh_lib
 from pipeline.config import PipelineConfig
 from pipeline.data import capture, shards
 from pipeline.data.buffer import select_buffer, write_buffer
@@ -35,16 +34,18 @@ from pipeline.data.records import RefreshRecord, RefreshTimes, StagePlacement, w
 from pipeline.data.run_layout import TargetLayout
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.evaluation import tail as tail_lib
-from pipeline.launch import StageJob
+from pipeline.launch.placement import measure_placement
+from pipeline.launch.process import StageJob
+from pipeline.launch.worker import exit_with_launcher, is_pipes_process, stage_job
 from pipeline.models import target as target_lib
 from pipeline.models.layers import stored_layer_ids
-from pipeline.placement import measure_placement
 from pipeline.ranks import Ranks
+from pipeline.refresh import plan as refresh_lib
 from pipeline.registry import DrafterRegistry, open_registry
 from pipeline.sources.extract import iter_hidden_states
+from pipeline.stages import REFRESH
 from pipeline.training.cotrain import run_training
 from pipeline.training.distributed import DistContext
-from pipeline.workers import exit_with_launcher, is_pipes_process, stage_job
 
 
 def extract(store: ObjectStore, cfg: PipelineConfig, q: Qualified) -> int:
@@ -137,13 +138,13 @@ def run_refresh(job: StageJob, progress: Callable[[str], None]) -> tuple[Refresh
     registry.log_metrics(run_id, {"refresh_tau": checked.tau_refreshed, **(
         {"refresh_champion_tau": checked.tau_champion} if checked.tau_champion is not None else {})}, step=q.step)
     registry.set_version_tags(version, {"refresh_tau": f"{checked.tau_refreshed:.4f}", "refresh_deployed": "false"})
-    return record, samples, measure_placement("refresh", job.where, Ranks(), cfg.device, started)
+    return record, samples, measure_placement(REFRESH, job.where, Ranks(), cfg.device, started)
 
 
 def run_pipes(pipes: PipesContext) -> None:
     """The refresh over an open Pipes channel, and its report (a launched process's and a warm worker's,
-    `pipeline.stage_server`)."""
-    job = stage_job(pipes, "refresh")
+    `pipeline.launch.warm`)."""
+    job = stage_job(pipes, REFRESH)
     record, samples, where = run_refresh(job, pipes.log.info)
     pipes.log.info(f"{step_key(record.step)} refresh on parts {list(record.parts)}: {record.decision}")
     pipes.report_asset_materialization(metadata={
@@ -156,7 +157,7 @@ def run_pipes(pipes: PipesContext) -> None:
 def main() -> None:
     exit_with_launcher()
     if not is_pipes_process():
-        raise SystemExit("pipeline.refresh_worker: no job; launch it from the refreshed_drafter asset (Dagster Pipes)")
+        raise SystemExit("pipeline.refresh.worker: no job; launch it from the refreshed_drafter asset (Dagster Pipes)")
     with open_dagster_pipes() as pipes:
         run_pipes(pipes)
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import yaml
 
+from ops.database import PostgresTarget, query
 from pipeline.config import PROJECT_ROOT
-from pipeline.database import PostgresTarget, query
 
 SERVER_USER = "postgres"  # the OS user the Debian package creates
 # A local server: without fsync its writes cost no disk flushes, and only an OS crash (not a killed server) can

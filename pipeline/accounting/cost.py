@@ -1,4 +1,5 @@
-"""What speculative decoding saves in rollout time: the cost model every saving figure comes from.
+"""A step's cost: the device-seconds its stages spent, and what speculative decoding saved of its rollout
+time, by the cost model every saving figure comes from.
 
 One speculative round of one sequence costs `f` drafter forwards and one target forward (the
 target verifies the pending token and the k proposals in one pass), and yields `tau` tokens on
@@ -23,6 +24,11 @@ evaluation's own timings here, the fleet's vLLM counters in production).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from pipeline.data.keys import cost_key
+from pipeline.data.records import StagePlacement, read_record
+from pipeline.data.store import ObjectStore
+from pipeline.stages import Stage, stage_named
 
 SCHEMA_VERSION = 1
 
@@ -65,3 +71,52 @@ class DecodingCost:
             raise ValueError(f"decoding cost schema_version {doc.get('schema_version')} is not {SCHEMA_VERSION}")
         return cls(float(doc["target_s_per_token"]), float(doc["draft_cost_ratio"]),
                    int(doc["drafter_forwards_per_round"]))
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A step's entry in the cost ledger (pipeline/accounting/ledger.py), stored at `cost/<run>/step-N.json`:
+    device-seconds its stages spent, and the rollout seconds the drafter that served its rollouts saved: measured
+    by the step's replay where it ran, else by the cost model above."""
+
+    step: int
+    seconds: dict[Stage, float]  # device-seconds; deployment is added from the fleet's history (stored by name)
+    rollout_tokens: int  # response tokens of the step's rollouts
+    served_version: str | None  # the drafter the fleet ran while the rollouts were generated
+    served_tau: float  # 1.0: no drafter served them
+    decoding: DecodingCost | None  # timed by the step's evaluation of the served drafter; None: nothing served
+    placements: tuple[StagePlacement, ...] = ()  # where its launched stages ran
+    measured_saved_s: float | None = None  # the replay's: no speculation's seconds less the served drafter's
+
+    @property
+    def saved_s(self) -> float:
+        if self.measured_saved_s is not None:
+            return self.measured_saved_s
+        return self.decoding.saved_seconds(self.served_tau, self.rollout_tokens) if self.decoding else 0.0
+
+    @property
+    def saving_measured(self) -> bool:
+        return self.measured_saved_s is not None
+
+    def spent(self, stage: Stage) -> float:
+        return self.seconds.get(stage, 0.0)
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "seconds": {stage.name: s for stage, s in self.seconds.items()},
+                "rollout_tokens": self.rollout_tokens, "served_version": self.served_version,
+                "served_tau": self.served_tau, "decoding": self.decoding.to_json() if self.decoding else None,
+                "placements": [p.to_json() for p in self.placements], "measured_saved_s": self.measured_saved_s}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> StepCost:
+        decoding, measured = doc["decoding"], doc.get("measured_saved_s")
+        return cls(doc["step"], {stage_named(k, "step cost"): float(v) for k, v in doc["seconds"].items()},
+                   doc["rollout_tokens"], doc["served_version"], doc["served_tau"],
+                   DecodingCost.from_json(decoding) if decoding else None,
+                   tuple(StagePlacement.from_json(p) for p in doc.get("placements", ())),
+                   None if measured is None else float(measured))
+
+
+def read_cost(store: ObjectStore, run: str, step: int) -> StepCost | None:
+    key = cost_key(run, step)
+    return read_record(store, key, StepCost) if store.exists(key) else None

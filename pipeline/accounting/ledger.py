@@ -8,7 +8,7 @@ Lag of step s:
     lag_s            from step s's publication until the fleet first ran a version that had seen s
                      (None: not yet)
 
-A step's refreshed drafter (refresh.py) counts as a version that has seen the step: it trained on
+A step's refreshed drafter (refresh/plan.py) counts as a version that has seen the step: it trained on
 the step's first parts.
 
 Cost of step s, in device-seconds (GPU-seconds in production; one process's seconds here):
@@ -22,13 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pipeline.accounting.cost import StepCost, read_cost
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.keys import drafter_key
 from pipeline.data.records import (
-    STAGES,
     Deployment,
-    StepCost,
-    read_cost,
     read_fleet_state,
     read_refresh,
     read_training,
@@ -36,6 +34,7 @@ from pipeline.data.records import (
 )
 from pipeline.data.store import ObjectStore
 from pipeline.registry import DrafterRegistry
+from pipeline.stages import DEPLOYMENT, STEP_STAGES, TRAINING, Stage
 
 
 @dataclass(frozen=True)
@@ -73,8 +72,7 @@ def with_deployments(
     for d in deployments:
         if d.version in trained_at:
             deploy_s[trained_at[d.version]] = deploy_s.get(trained_at[d.version], 0.0) + d.deploy_s
-    return [replace(c, seconds={**c.seconds, "deployment": round(c.seconds.get("deployment", 0.0)
-                                                                  + deploy_s.get(c.step, 0.0), 3)})
+    return [replace(c, seconds={**c.seconds, DEPLOYMENT: round(c.spent(DEPLOYMENT) + deploy_s.get(c.step, 0.0), 3)})
             for c in costs]
 
 
@@ -82,11 +80,11 @@ def with_deployments(
 class LedgerTotals:
     spent_s: float
     saved_s: float
-    by_stage: dict[str, float]
+    by_stage: dict[Stage, float]
 
 
 def totals(costs: list[StepCost]) -> LedgerTotals:
-    by_stage = {stage: round(sum(c.seconds.get(stage, 0.0) for c in costs), 3) for stage in STAGES}
+    by_stage = {stage: round(sum(c.spent(stage) for c in costs), 3) for stage in STEP_STAGES}
     return LedgerTotals(round(sum(by_stage.values()), 3), round(sum(c.saved_s for c in costs), 3), by_stage)
 
 
@@ -129,8 +127,7 @@ def read_ledger(store: ObjectStore, run: str, steps: list[int]) -> Ledger:
     history = read_fleet_state(store, run).history
     refresh_s = {r.step: r.train_s for r in refreshes}
     costs = [c for c in (read_cost(store, run, s) for s in steps) if c is not None]
-    costs = [replace(c, seconds={**c.seconds, "training": round(c.seconds.get("training", 0.0)
-                                                                + refresh_s.get(c.step, 0.0), 3)})
+    costs = [replace(c, seconds={**c.seconds, TRAINING: round(c.spent(TRAINING) + refresh_s.get(c.step, 0.0), 3)})
              if c.step in refresh_s else c for c in costs]
     published = {c.step: rollouts_lib.published_at(store, run, c.step) for c in costs}
     return Ledger(step_lags(published, history, seen), with_deployments(costs, history, trained_at))

@@ -337,7 +337,7 @@ def plan_capacity(policy: PolicyShape, step: StepShape, throughput: Throughput, 
     evaluation_gpu_s = EVALUATED_DRAFTERS * cfg.eval.num_prompts * cfg.eval.max_new_tokens / decode_rate
 
     # Wall time: extraction over every GPU, training over its ranks, evaluation on one GPU.
-    latency = (extraction_gpu_s / step.gpus + training_gpu_s / min(step.gpus, cfg.train.nproc_per_node)
+    latency = (extraction_gpu_s / step.gpus + training_gpu_s / min(step.gpus, cfg.launch.training.nproc)
                + evaluation_gpu_s)
     retained = retained_steps or cfg.train.buffer_steps
     return CapacityPlan(

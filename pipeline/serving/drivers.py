@@ -1,0 +1,277 @@
+"""The replicas of the serving fleet and how they are driven: vLLM's command line and environment, the drivers that
+(re)start a replica (local stand-ins, or a configured command for real vLLM), and a replica's HTTP routes.
+
+    vllm serve POLICY --host H --port P --served-model-name NAME --speculative-config '{"method": "eagle3",
+        "model": DRAFTER_DIR, "num_speculative_tokens": K}' [--weight-transfer-config '{"backend": "disk"}']
+
+A replica's API key never appears on its command line: it reaches vLLM as VLLM_API_KEY (`vllm_env`), and the
+orchestrator's calls carry it as a bearer token (`call`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from pipeline.config import PROJECT_ROOT
+from pipeline.rendezvous import private_dir, private_file
+from pipeline.sampling import DraftSampleMethod
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    name: str
+    host: str
+    port: int
+    served_model_name: str = "policy"
+    api_key_env: str = ""  # the key itself only ever lives in the environment
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How replicas speculate, beyond the drafter: vLLM's `draft_sample_method`, and the largest batch whose rounds
+    speculate (None: the stand-ins measure it, a vLLM replica speculates at every batch size)."""
+
+    draft_sample_method: DraftSampleMethod = "greedy"
+    max_batch: int | None = None
+
+
+MAX_BATCH = 1 << 20  # the open end of a batch-size schedule
+
+
+def speculative_config(method: str, drafter_dir: str, k: int, speculation: Speculation = Speculation()) -> str:
+    """vLLM's --speculative-config for a drafter kind: P-EAGLE is an EAGLE-3 drafter served with parallel drafting.
+    A batch threshold T goes as vLLM's batch-size schedule `num_speculative_tokens_per_batch_size`: k drafts up to
+    T requests, none above (vllm/config/speculative.py; 0 drafts is a valid entry there)."""
+    config: dict = {"method": "eagle3" if method == "peagle" else method, "model": drafter_dir,
+                    "num_speculative_tokens": k}
+    if method == "peagle":
+        config["parallel_drafting"] = True
+    if speculation.draft_sample_method != "greedy":
+        config["draft_sample_method"] = speculation.draft_sample_method
+    if speculation.max_batch is not None:
+        T = speculation.max_batch
+        config["num_speculative_tokens_per_batch_size"] = [[1, T, k], [T + 1, MAX_BATCH, 0]]
+    return json.dumps(config)
+
+
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM serves its weight-update routes only with this set
+
+
+def vllm_argv(replica: ReplicaSpec, target: str, method: str, drafter_dir: str, k: int,
+              weight_transfer_backend: str = "", speculation: Speculation = Speculation()) -> list[str]:
+    """`vllm serve` for one replica. No API key here: argv ends up in process lists and logs, so
+    the key goes to vLLM through its VLLM_API_KEY environment variable (`vllm_env`). A weight-transfer
+    backend (`disk` for hot drafter updates) adds `--weight-transfer-config`."""
+    argv = ["vllm", "serve", target, "--host", replica.host, "--port", str(replica.port),
+            "--served-model-name", replica.served_model_name,
+            "--speculative-config", speculative_config(method, drafter_dir, k, speculation)]
+    if weight_transfer_backend:
+        argv += ["--weight-transfer-config", json.dumps({"backend": weight_transfer_backend})]
+    return argv
+
+
+def vllm_env(replica: ReplicaSpec, dev_mode: bool = False) -> dict[str, str]:
+    """The launching environment: the replica's key, if any, as VLLM_API_KEY; VLLM_SERVER_DEV_MODE=1 when
+    the replica is to take hot weight updates."""
+    env = dict(os.environ)
+    if replica.api_key:
+        env["VLLM_API_KEY"] = replica.api_key
+    if dev_mode:
+        env[DEV_MODE_ENV] = "1"
+    return env
+
+
+class ReplicaDriver(Protocol):
+    def restart(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> None: ...
+
+    def stop(self, replica: ReplicaSpec) -> None: ...
+
+    def alive(self, replica: ReplicaSpec) -> bool:
+        """False once the driver knows the replica's process has exited (fail fast, not at the timeout)."""
+        ...
+
+    def serving(self, replica: ReplicaSpec) -> tuple[str, str] | None:
+        """(target, drafter_dir) the replica's running process serves; None when not known."""
+        ...
+
+    def updated(self, replica: ReplicaSpec, drafter_dir: str, target: str | None = None) -> None:
+        """The replica's drafter weights were replaced in place by those of `drafter_dir` (a hot update), and
+        its policy by `target` when given."""
+        ...
+
+
+class StandInDriver:
+    """Supervises local stand-in replica processes (`pipeline.serving.standin_replica`), not vLLM.
+
+    Each replica's pid is kept in `<state_dir>/<name>.pid`, so a later driver (the next Dagster
+    run, another process) can replace a replica an earlier one started; after a hot update,
+    `<name>.drafter` names the drafter it serves since. With `dev_mode` (as vLLM with
+    VLLM_SERVER_DEV_MODE=1) the replicas serve the weight-update routes."""
+
+    def __init__(self, k: int, state_dir: Path, dev_mode: bool = True, speculation: Speculation = Speculation()
+                 ) -> None:
+        self.k, self.state_dir, self.dev_mode, self.speculation = k, state_dir, dev_mode, speculation
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def argv(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> list[str]:
+        s = self.speculation
+        argv = [sys.executable, "-m", "pipeline.serving.standin_replica", "--host", replica.host,
+                "--port", str(replica.port), "--target", target, "--drafter", drafter_dir,
+                "--num-speculative-tokens", str(self.k), "--served-model-name", replica.served_model_name,
+                "--draft-sample-method", s.draft_sample_method,
+                "--speculation-max-batch", "auto" if s.max_batch is None else str(s.max_batch)]
+        return argv + (["--api-key-env", replica.api_key_env] if replica.api_key_env else [])
+
+    def _pid_file(self, replica: ReplicaSpec) -> Path:
+        return self.state_dir / f"{replica.name}.pid"
+
+    def _drafter_file(self, replica: ReplicaSpec) -> Path:
+        return self.state_dir / f"{replica.name}.drafter"
+
+    def restart(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> None:
+        self.stop(replica)
+        # Its pid file says which process `stop` signals: a folder of this user's alone (rendezvous.private_dir).
+        log = private_file(private_dir(self.state_dir) / f"{replica.name}.log")
+        env = {k: v for k, v in os.environ.items() if k != DEV_MODE_ENV}
+        if self.dev_mode:
+            env[DEV_MODE_ENV] = "1"
+        process = subprocess.Popen(
+            self.argv(replica, target, drafter_dir), stdout=log, stderr=subprocess.STDOUT,
+            cwd=PROJECT_ROOT, start_new_session=True, env=env,  # where `-m pipeline...` imports from
+        )
+        self.processes[replica.name] = process
+        self._pid_file(replica).write_text(str(process.pid))
+
+    def stop(self, replica: ReplicaSpec) -> None:
+        process = self.processes.pop(replica.name, None)
+        pid_file = self._pid_file(replica)
+        recorded = int(pid_file.read_text()) if pid_file.exists() else None
+        if process is not None and process.pid != recorded:
+            # Another process (a later deploy run) replaced the replica we started: the pid file
+            # names the one serving now. Ours goes too, if it is still there.
+            self._terminate(process.pid, process)
+            process = None
+        self._terminate(process.pid if process else recorded, process)
+        pid_file.unlink(missing_ok=True)
+        self._drafter_file(replica).unlink(missing_ok=True)
+
+    @staticmethod
+    def _terminate(pid: int | None, process: subprocess.Popen | None) -> None:
+        if pid is not None and _running(pid):
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 15
+            while _running(pid) and time.monotonic() < deadline:
+                if process is not None:
+                    process.poll()  # reap our own child so it does not linger as a zombie
+                time.sleep(0.1)
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        if process is not None:
+            process.wait()
+
+    def alive(self, replica: ReplicaSpec) -> bool:
+        process = self.processes.get(replica.name)
+        if process is not None:
+            return process.poll() is None
+        pid_file = self._pid_file(replica)
+        return pid_file.exists() and _running(int(pid_file.read_text()))
+
+    def serving(self, replica: ReplicaSpec) -> tuple[str, str] | None:
+        """Read from the command line of the process the pid file names (whichever driver started it), the
+        drafter from `<name>.drafter` once a hot update replaced it."""
+        pid_file = self._pid_file(replica)
+        pid = int(pid_file.read_text()) if pid_file.exists() else None
+        if pid is None or not _running(pid):
+            return None
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            target, drafter_dir = argv[argv.index("--target") + 1], argv[argv.index("--drafter") + 1]
+        except (OSError, ValueError, IndexError):
+            return None
+        with suppress(OSError, ValueError, json.JSONDecodeError, KeyError, TypeError):
+            hot = json.loads(self._drafter_file(replica).read_text())
+            if int(hot["pid"]) == pid:  # else written for a process since replaced
+                return hot["target"] or target, hot["drafter"]
+        return target, drafter_dir
+
+    def updated(self, replica: ReplicaSpec, drafter_dir: str, target: str | None = None) -> None:
+        pid_file = self._pid_file(replica)
+        if pid_file.exists():
+            known = self.serving(replica)
+            target = target or (known[0] if known else None)
+            self._drafter_file(replica).write_text(json.dumps(
+                {"pid": int(pid_file.read_text().strip()), "target": target, "drafter": drafter_dir}))
+
+    def stop_all(self, replicas: list[ReplicaSpec]) -> None:
+        for replica in replicas:
+            self.stop(replica)
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+class CommandDriver:
+    """Restarts a real vLLM replica with a configured command template, e.g. a supervisor or
+    `kubectl rollout restart`; `{argv}` is the shell-quoted `vllm serve ...` line. With a weight-transfer
+    backend the replica starts in dev mode with it, ready for hot drafter updates."""
+
+    def __init__(self, template: str, method: str, k: int, weight_transfer_backend: str = "",
+                 speculation: Speculation = Speculation()) -> None:
+        self.template, self.method, self.k = template, method, k
+        self.weight_transfer_backend, self.speculation = weight_transfer_backend, speculation
+
+    def command(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> str:
+        argv = vllm_argv(replica, target, self.method, drafter_dir, self.k, self.weight_transfer_backend,
+                         self.speculation)
+        return self.template.format(argv=shlex.join(argv), name=replica.name, drafter=drafter_dir)
+
+    def restart(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> None:
+        subprocess.run(self.command(replica, target, drafter_dir), shell=True, check=True,
+                       env=vllm_env(replica, dev_mode=bool(self.weight_transfer_backend)))
+
+    def stop(self, replica: ReplicaSpec) -> None:
+        pass
+
+    def alive(self, replica: ReplicaSpec) -> bool:
+        return True  # not ours to watch: the health gate's timeout decides
+
+    def serving(self, replica: ReplicaSpec) -> tuple[str, str] | None:
+        return None  # not observable here: the deploy goes by the fleet's recorded state
+
+    def updated(self, replica: ReplicaSpec, drafter_dir: str, target: str | None = None) -> None:
+        pass  # the fleet's recorded state says what each replica serves
+
+
+def call(replica: ReplicaSpec, path: str, body: dict | None = None, timeout: float = 60.0) -> bytes:
+    request = urllib.request.Request(replica.url + path, method="POST" if body is not None else "GET",
+                                     data=json.dumps(body).encode() if body is not None else None,
+                                     headers={"Content-Type": "application/json"})
+    if replica.api_key:
+        request.add_header("Authorization", f"Bearer {replica.api_key}")
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return response.read()

@@ -1,0 +1,77 @@
+"""The gates a replica passes before a deploy moves on: GET /health answers 200, GET /v1/models lists the served
+model, a smoke completion returns tokens, and over a canary window of completions its live mean acceptance length
+(from GET /metrics) reaches the configured minimum.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipeline.data.records import ReplicaDeploy
+from pipeline.serving.drivers import ReplicaSpec, call
+from pipeline.serving.metrics import scrape
+
+
+class GateError(RuntimeError):
+    """A replica failed a deploy gate; the message names the replica and the gate. A stopped deploy says
+    what each replica it reached runs now (`replicas`), the one that failed as rolled back."""
+
+    def __init__(self, message: str, replicas: tuple[ReplicaDeploy, ...] = ()) -> None:
+        super().__init__(message)
+        self.replicas = replicas
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """The deploy gates of a replica; the values come from `fleet.*` of the pipeline config (one default each)."""
+
+    ready_timeout_s: float
+    canary_requests: int
+    canary_tokens: int
+    min_live_tau: float
+
+
+def wait_healthy(replica: ReplicaSpec, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            call(replica, "/health", timeout=5)
+            return
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            if not alive():
+                raise GateError(f"replica {replica.name}: its process exited before /health answered") from None
+            if time.monotonic() > deadline:
+                raise GateError(f"replica {replica.name}: /health not ready after {timeout_s:.0f}s ({exc})") from None
+            time.sleep(0.5)
+
+
+def check_replica(
+    replica: ReplicaSpec, gates: GateConfig, canary_prompts: list[list[int]], alive: Callable[[], bool] = lambda: True
+) -> float:
+    """All gates in order; returns the live mean acceptance length over the canary window."""
+    wait_healthy(replica, gates.ready_timeout_s, alive)
+    try:
+        models = [m["id"] for m in json.loads(call(replica, "/v1/models"))["data"]]
+        if replica.served_model_name not in models:
+            raise GateError(f"replica {replica.name}: /v1/models lists {models}, not {replica.served_model_name!r}")
+        # Canaries decode greedily (temperature 0): the same window measures the same drafter alike.
+        smoke = json.loads(call(replica, "/v1/completions", {
+            "model": replica.served_model_name, "prompt": canary_prompts[0], "max_tokens": 4, "temperature": 0}))
+        if not smoke["choices"] or not smoke["choices"][0].get("text"):
+            raise GateError(f"replica {replica.name}: the smoke completion returned no text")
+        before = scrape(replica)
+        for i in range(gates.canary_requests):
+            call(replica, "/v1/completions", {"model": replica.served_model_name,
+                                              "prompt": canary_prompts[i % len(canary_prompts)],
+                                              "max_tokens": gates.canary_tokens, "temperature": 0})
+        window = scrape(replica) - before
+    except (urllib.error.URLError, KeyError, json.JSONDecodeError) as exc:
+        raise GateError(f"replica {replica.name}: {exc}") from None
+    tau = window.mean_acceptance_length
+    if tau is None or tau < gates.min_live_tau:
+        raise GateError(f"replica {replica.name}: live tau {tau} below the gate {gates.min_live_tau}")
+    return tau
