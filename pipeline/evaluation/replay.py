@@ -33,6 +33,7 @@ from pipeline.evaluation.speculative import DecodingBatch, Request, Sequence, cl
 from pipeline.models.drafter import Proposer
 
 TAIL_BATCH = 4  # the tail: rounds with at most this many requests left
+REPEATS = 2  # runs of each arm, interleaved; the fastest is kept
 ARMS = ("none", "baseline", "served", "cotrained")
 
 
@@ -93,18 +94,27 @@ def replay_step(model: LlamaForCausalLM, arms: dict[str, tuple[str | None, Calla
                 requests: list[Request], k: int, draft_method: DraftSampleMethod,
                 new_threshold: Callable[[], SpeculationThreshold], step: int, params: SamplingParams) -> RolloutReplay:
     """Each arm (role -> its version and proposer factory; None: no drafter) replayed on the same requests; an arm
-    whose version another arm has is measured once. No speculation first: its plain rounds' seconds per batch size
-    are what a replica serving for a while knows already, so a drafter's arm starts with them (it measures its own
-    speculative rounds as it goes), not from nothing."""
-    measured: dict[str | None, ArmReplay] = {None: replay_arm(model, None, requests, k, draft_method, new_threshold(),
-                                                              None)}
-    plain_s = {b: seconds / rounds for b, (seconds, _, rounds) in measured[None].by_batch.items() if rounds}
-    out = {}
-    for role, (version, new_proposer) in arms.items():
-        if version not in measured:
+    whose version another arm has is measured once. The arms run in turn, `REPEATS` times, and each keeps its
+    fastest run: a burst of other work on a shared machine slows the run it lands in, not the arm. No speculation
+    goes first: its plain rounds' seconds per batch size are what a replica serving for a while knows already, so a
+    drafter's arm starts with them (it measures its own speculative rounds as it goes), not from nothing."""
+    factories = {None: None, **{version: new_proposer for version, new_proposer in arms.values()}}
+    runs: dict[str | None, list[ArmReplay]] = {version: [] for version in factories}
+    for _ in range(REPEATS):
+        for version, new_proposer in factories.items():
             threshold = new_threshold()
-            threshold.know_plain(plain_s)
-            measured[version] = replay_arm(model, new_proposer, requests, k, draft_method, threshold, version)
-        out[role] = measured[version]
+            if version is not None:
+                threshold.know_plain(_plain_seconds(_fastest(runs[None])))
+            runs[version].append(replay_arm(model, new_proposer, requests, k, draft_method, threshold, version))
+    out = {role: _fastest(runs[version]) for role, (version, _) in arms.items()}
     return RolloutReplay(step, len(requests), sum(r.max_tokens for r in requests), TAIL_BATCH, params, draft_method,
                          out)
+
+
+def _fastest(runs: list[ArmReplay]) -> ArmReplay:
+    return min(runs, key=lambda run: run.seconds)
+
+
+def _plain_seconds(plain: ArmReplay) -> dict[int, float]:
+    """A plain arm's seconds per round at each batch-size bucket."""
+    return {b: seconds / rounds for b, (seconds, _, rounds) in plain.by_batch.items() if rounds}
