@@ -211,6 +211,7 @@ def acceptance(context: dg.AssetExecutionContext, pipeline: PipelineResource) ->
     shown = [s for s in committed_steps(store, cfg.run) if s <= step][-PLOT_STEPS:]
     ledger = ledger_lib.read_ledger(store, cfg.run, shown)
     metadata.update(_ledger_metadata(ledger))
+    metadata.update(_replay_metadata(store, cfg.run, step))
     ledger_lib.log_served(pipeline.registry(), ledger)
     return dg.MaterializeResult(metadata=metadata, check_results=measured.check_results)
 
@@ -237,6 +238,14 @@ def _ledger_metadata(ledger: ledger_lib.Ledger) -> dict:
         "ledger": dg.MetadataValue.md(report.png_markdown(
             report.ledger_png(ledger, dpi=90), "the served drafter's lag, and device-seconds spent against saved")),
     }
+
+
+def _replay_metadata(store: ObjectStore, run: str, step: int) -> dict:
+    """The step's measured rollout speedups (numbers Dagster plots over partitions), where a replay ran."""
+    fields = report.replay_fields(store, run, step)
+    return {name: fields[name] for name in ("speedup_served", "speedup_served_tail", "speedup_served_over_baseline",
+                                            "speedup_cotrained", "speedup_cotrained_tail")
+            if fields[name] is not None}
 
 
 def _tau_plot(store: ObjectStore, cfg: PipelineConfig, step: int) -> dg.MetadataValue:

@@ -1,6 +1,5 @@
 """The demo's economics against a deployment's: what a drafter forward costs next to a target forward, how
-predictable the policy's tokens are at the rollouts' temperature. (What speculative decoding buys the demo's rollouts is
-measured by every step's replay: `pipeline/evaluation/replay.py`, the demo's summary.)
+predictable the policy's tokens are at the rollouts' temperature, and what speculative decoding buys its rollouts.
 
 * cost: c, one EAGLE-3 drafter forward over one target forward, on the demo's target (the `simulation` shape,
   fresh weights: a forward's cost does not depend on them), by the weights each reads
@@ -9,6 +8,10 @@ measured by every step's replay: `pipeline/evaluation/replay.py`, the demo's sum
 * language: the per-token entropy (nats) and top-1 probability of the demo's policy, pre-trained and then through
   RL steps 1-6, on its own answers sampled at the rollouts' temperature (48 answers of 64 tokens a step), beside
   SmolLM2-135M-Instruct's on its own sampled answers (REFERENCE).
+* rollouts: the last step of the demo under `.data` (skipped without one) replayed as the pipeline replays every
+  step (`pipeline/evaluation/replay.py`: one replica's share of its rollouts, the same requests and seeds, without a
+  drafter and with the never-retrained, served and co-trained drafters): each arm's speedup over no speculation,
+  whole step and tail (the four longest requests on their own). Goal: the served drafter >= 1.5x in the tail.
 """
 
 from __future__ import annotations
@@ -131,18 +134,53 @@ def language(tiny: bool = False) -> dict:
             "entropy_mean_vs_reference": round(demo["entropy_mean"] / REFERENCE["entropy_mean"], 3)}
 
 
+def rollouts(tiny: bool = False) -> dict:
+    """The demo's last step replayed: each drafter's speedup over no speculation (`tiny`: its first 8 requests)."""
+    from pipeline.config import load_config
+    from pipeline.data.keys import acceptance_key
+    from pipeline.data.records import AcceptanceRecord, read_record
+    from pipeline.data.rollouts import committed_steps
+    from pipeline.data.store import open_store
+    from pipeline.evaluation import acceptance
+    from pipeline.registry import open_registry
+
+    cfg = load_config()
+    store = open_store(cfg)
+    steps = [s for s in committed_steps(store, cfg.run) if store.exists(acceptance_key(cfg.run, s))]
+    if not steps:
+        return {"skipped": f"no evaluated demo step under {cfg.data_path} (run `make demo` first)"}
+    record = read_record(store, acceptance_key(cfg.run, steps[-1]), AcceptanceRecord)
+    roles = {role: d.version if d else None for role, d in
+             (("cotrained", record.cotrained), ("served", record.served), ("baseline", record.baseline))}
+    measurement = acceptance.StepMeasurement(record.step, record.policy_version, record.num_prompts, roles, {}, None,
+                                             record.sampling, record.draft_sample_method)
+    if tiny:
+        cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"replay_max_requests": 8})})
+    replayed = acceptance.replay_rollouts(store, cfg, open_registry(cfg), measurement)
+    out: dict = {"step": record.step, "requests": replayed.requests,
+                 "draft_sample_method": replayed.draft_sample_method}
+    for arm in ("baseline", "served", "cotrained"):
+        for tail in (False, True):
+            out[f"{arm}{'_tail' if tail else ''}_speedup"] = replayed.speedup(arm, tail=tail)
+    return out
+
+
 def run(tiny: bool = False) -> dict:
-    """Every figure, flat: the drafter's cost and the language's ratios to SmolLM2's (its statistics in `language`)."""
+    """Every figure, flat: the drafter's cost, the language's ratios to SmolLM2's (its statistics in `language`) and
+    the demo's last step replayed (`rollouts`)."""
     _thread_one()
     lang = language(tiny)
     out = {f"drafter_cost_{key}": value for key, value in cost(tiny).items()}
+    replayed = rollouts(tiny)
     return out | {"language": lang, "language_top1_mean_ratio": lang["top1_mean_vs_reference"],
-                  "language_entropy_mean_ratio": lang["entropy_mean_vs_reference"]}
+                  "language_entropy_mean_ratio": lang["entropy_mean_vs_reference"], "rollouts": replayed,
+                  "rollout_served_tail_speedup": replayed.get("served_tail_speedup"),
+                  "rollout_served_speedup": replayed.get("served_speedup")}
 
 
 if __name__ == "__main__":
     _thread_one()
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
-    parts = {"cost": cost, "language": language}
+    parts = {"cost": cost, "language": language, "rollouts": rollouts}
     result = {name: fn() for name, fn in parts.items() if what in (name, "all")}
     sys.stdout.write(json.dumps(result, indent=2) + "\n")

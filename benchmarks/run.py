@@ -87,7 +87,8 @@ SECTIONS = (
     Section("serving", serving.run, ("threshold", "probabilistic_over_greedy_tau_ratio",
                                      "batch_1_speculative_speedup", "batch_1_auto_speedup")),
     Section("demo_economics", demo_economics.run, ("drafter_cost_weights_ratio", "language_top1_mean_ratio",
-                                                   "language_entropy_mean_ratio")),
+                                                   "language_entropy_mean_ratio"),
+            ("rollout_served_tail_speedup", "rollout_served_speedup")),
     Section("real_model", real_model.run, (), ("entropy_nats_mean", "top1_prob_mean", "oracle_greedy_tau_k4_t1")),
 )
 

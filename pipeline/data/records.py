@@ -449,7 +449,7 @@ class ArmReplay:
     speculative_rows: int  # rows of speculative rounds (a request in a round counts once)
     plain_rows: int  # rows of plain rounds
     tau: float  # tokens a row got from a speculative round (1.0: none ran)
-    tail_seconds: float  # the rounds with at most the record's tail_batch requests left
+    tail_seconds: float  # the record's tail_batch longest requests decoded on their own
     tail_tokens: int
     threshold: int  # the batch threshold the arm's scheduler ended with
     by_batch: dict[int, tuple[float, int, int]] = field(default_factory=dict)  # batch bucket -> seconds, tokens, rounds

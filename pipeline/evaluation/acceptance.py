@@ -233,6 +233,16 @@ def replay_rollouts(
                               lambda: SpeculationThreshold(fixed), measurement.step, measurement.sampling)
 
 
+def log_replay(registry: DrafterRegistry, replayed: RolloutReplay, new_version: str | None) -> None:
+    """The new drafter's measured rollout speedups over no speculation (whole step and tail) on its training run."""
+    if not new_version:
+        return
+    speedups = {f"rollout_speedup{'_tail' if tail else ''}": replayed.speedup("cotrained", tail=tail)
+                for tail in (False, True)}
+    run_id = registry.client.get_model_version(registry.model_name, new_version).run_id
+    registry.log_metrics(run_id, {name: value for name, value in speedups.items() if value is not None})
+
+
 def step_cost(
     store: ObjectStore, cfg: PipelineConfig, measurement: StepMeasurement, seconds: dict[Stage, float],
     replayed: RolloutReplay | None = None,
@@ -273,5 +283,6 @@ def evaluate_step(
     replayed = replay_rollouts(store, cfg, registry, measurement) if cfg.eval.replay else None
     if replayed is not None:
         write_record(store, replay_key(cfg.run, step), replayed)
+        log_replay(registry, replayed, new_version)
     write_record(store, cost_key(cfg.run, step), step_cost(store, cfg, measurement, seconds, replayed))
     return record

@@ -12,15 +12,17 @@ The same requests and seeds for every arm:
     served     what the fleet ran when the step was published: what its rollouts got
     cotrained  the step's newest drafter
 
-Each arm's wall time and tokens, over the whole step (the full batch, shrinking as rollouts
-finish) and over its tail (the rounds with at most `TAIL_BATCH` requests left: the long rollouts
-that hold a reasoning step, at small batch, where speculation pays most). The ledger's saving is
-the served arm's seconds against none's: what the drafter saved on this step's rollouts.
+Each arm's wall time and tokens over the whole step (the full batch, shrinking as rollouts finish),
+and over its tail: the `TAIL_BATCH` longest requests decoded on their own, as they are once the
+others are done (the long rollouts that hold an RL step back, at small batch, where speculation
+pays most), with the scheduler the arm's whole step left. The ledger's saving is the served arm's
+seconds against none's: what the drafter saved on this step's rollouts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from transformers import LlamaForCausalLM
 
@@ -33,6 +35,7 @@ from pipeline.models.drafter import Proposer
 from pipeline.sampling import DraftSampleMethod, SamplingParams
 
 TAIL_BATCH = 4  # the tail: rounds with at most this many requests left
+REPEATS = 2  # runs of each arm, interleaved; the fastest is kept
 ARMS = ("none", "baseline", "served", "cotrained")
 
 
@@ -44,18 +47,28 @@ def step_requests(rollouts: list[Rollout], params: SamplingParams, seed: int, de
                     RequestSampling.seeded(params, seed + i, device)) for i, r in enumerate(rollouts)]
 
 
-def replay_arm(model: LlamaForCausalLM, new_proposer: Callable[[], Proposer] | None, requests: list[Request], k: int,
-               draft_method: DraftSampleMethod, threshold: SpeculationThreshold, version: str | None) -> ArmReplay:
+@dataclass(frozen=True)
+class Decoded:
+    """One batch of requests decoded to their ends."""
+
+    seconds: float
+    tokens: int  # each request's first token (its prefill's) included
+    speculative_rows: int  # rows of speculative rounds (a request in a round counts once)
+    plain_rows: int
+    accepted: int  # drafts kept, all speculative rows together
+    by_batch: dict[int, tuple[float, int, int]]  # batch bucket -> seconds, tokens, rounds
+
+
+def decode(model: LlamaForCausalLM, new_proposer: Callable[[], Proposer] | None, requests: list[Request], k: int,
+           draft_method: DraftSampleMethod, threshold: SpeculationThreshold) -> Decoded:
     """Every request submitted at once and decoded to its end, round by round as the fleet's engine schedules
-    them; the seconds and tokens of all the rounds and of the tail's."""
+    them (`threshold` decides and learns per round); the requests' generators are left where they were."""
     batch = DecodingBatch(model, new_proposer, k, draft_method)
-    fresh = [Sequence(Request(r.prompt, r.max_tokens, RequestSampling(r.sampling.params,
-                                                                      _copy(r.sampling.generator))))
-             for r in requests]
-    tail_seconds = 0.0
-    tokens = tail_tokens = speculative = plain = accepted = 0
+    joining = [Sequence(Request(r.prompt, r.max_tokens, RequestSampling(r.sampling.params,
+                                                                        _copy(r.sampling.generator))))
+               for r in requests]
+    tokens = speculative = plain = accepted = 0
     by_batch: dict[int, tuple[float, int, int]] = {}
-    joining = fresh
     started = clock(model.device)
     while True:
         _, record = schedule_round(batch, threshold, joining)  # the prefill joins first, timed with the rest
@@ -65,20 +78,29 @@ def replay_arm(model: LlamaForCausalLM, new_proposer: Callable[[], Proposer] | N
         tokens += record.tokens
         seconds_at, tokens_at, rounds_at = by_batch.get(bucket(record.rows), (0.0, 0, 0))
         by_batch[bucket(record.rows)] = (seconds_at + record.seconds, tokens_at + record.tokens, rounds_at + 1)
-        if record.rows <= TAIL_BATCH:
-            tail_seconds += record.seconds
-            tail_tokens += record.tokens
         if record.speculative:
             speculative += record.rows
             accepted += sum(record.accepted)
         else:
             plain += record.rows
     seconds = clock(model.device) - started
-    first_tokens = len(fresh)  # each request's first token comes from its prefill, outside the rounds
-    return ArmReplay(version, round(seconds, 4), tokens + first_tokens, speculative, plain,
-                     round(1 + accepted / speculative, 4) if speculative else 1.0, round(tail_seconds, 4),
-                     tail_tokens, threshold.threshold,
-                     {b: (round(s, 4), t, n) for b, (s, t, n) in sorted(by_batch.items())})
+    return Decoded(seconds, tokens + len(requests), speculative, plain, accepted,
+                   {b: (round(s, 4), t, n) for b, (s, t, n) in sorted(by_batch.items())})
+
+
+def tail_requests(requests: list[Request]) -> list[Request]:
+    """The step's tail: its `TAIL_BATCH` longest requests, the last to finish."""
+    return sorted(requests, key=lambda r: r.max_tokens)[-TAIL_BATCH:]
+
+
+def replay_arm(model: LlamaForCausalLM, new_proposer: Callable[[], Proposer] | None, requests: list[Request], k: int,
+               draft_method: DraftSampleMethod, threshold: SpeculationThreshold, version: str | None) -> ArmReplay:
+    """The whole step, then its tail on its own, one scheduler learning through both."""
+    whole = decode(model, new_proposer, requests, k, draft_method, threshold)
+    tail = decode(model, new_proposer, tail_requests(requests), k, draft_method, threshold)
+    return ArmReplay(version, round(whole.seconds, 4), whole.tokens, whole.speculative_rows, whole.plain_rows,
+                     round(1 + whole.accepted / whole.speculative_rows, 4) if whole.speculative_rows else 1.0,
+                     round(tail.seconds, 4), tail.tokens, threshold.threshold, whole.by_batch)
 
 
 def _copy(generator):  # noqa: ANN001, ANN202 - a torch.Generator at the same point of its stream
@@ -93,18 +115,30 @@ def replay_step(model: LlamaForCausalLM, arms: dict[str, tuple[str | None, Calla
                 requests: list[Request], k: int, draft_method: DraftSampleMethod,
                 new_threshold: Callable[[], SpeculationThreshold], step: int, params: SamplingParams) -> RolloutReplay:
     """Each arm (role -> its version and proposer factory; None: no drafter) replayed on the same requests; an arm
-    whose version another arm has is measured once. No speculation first: its plain rounds' seconds per batch size
-    are what a replica serving for a while knows already, so a drafter's arm starts with them (it measures its own
-    speculative rounds as it goes), not from nothing."""
-    measured: dict[str | None, ArmReplay] = {None: replay_arm(model, None, requests, k, draft_method, new_threshold(),
-                                                              None)}
-    plain_s = {b: seconds / rounds for b, (seconds, _, rounds) in measured[None].by_batch.items() if rounds}
-    out = {}
-    for role, (version, new_proposer) in arms.items():
-        if version not in measured:
+    whose version another arm has is measured once. The arms run in turn, `REPEATS` times, and each keeps its
+    fastest run: a burst of other work on a shared machine slows the run it lands in, not the arm. No speculation
+    goes first: its plain rounds' seconds per batch size are what a replica serving for a while knows already, so a
+    drafter's arm starts with them (it measures its own speculative rounds as it goes), not from nothing."""
+    factories = {None: None, **{version: new_proposer for version, new_proposer in arms.values()}}
+    runs: dict[str | None, list[ArmReplay]] = {version: [] for version in factories}
+    for _ in range(REPEATS):
+        for version, new_proposer in factories.items():
             threshold = new_threshold()
-            threshold.know_plain(plain_s)
-            measured[version] = replay_arm(model, new_proposer, requests, k, draft_method, threshold, version)
-        out[role] = measured[version]
+            if version is not None:
+                threshold.know_plain(_plain_seconds(_fastest(runs[None])))
+            runs[version].append(replay_arm(model, new_proposer, requests, k, draft_method, threshold, version))
+    fastest = {version: _fastest(measured) for version, measured in runs.items()}
+    out = {role: fastest[version] for role, (version, _) in arms.items()}
     return RolloutReplay(step, len(requests), sum(r.max_tokens for r in requests), TAIL_BATCH, params, draft_method,
                          out)
+
+
+def _fastest(runs: list[ArmReplay]) -> ArmReplay:
+    """The fastest whole step, with the fastest tail."""
+    tail = min(runs, key=lambda run: run.tail_seconds)
+    return replace(min(runs, key=lambda run: run.seconds), tail_seconds=tail.tail_seconds)
+
+
+def _plain_seconds(plain: ArmReplay) -> dict[int, float]:
+    """A plain arm's seconds per round at each batch-size bucket."""
+    return {b: seconds / rounds for b, (seconds, _, rounds) in plain.by_batch.items() if rounds}

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 from pipeline.evaluation.speculative import DecodingBatch, Sequence, clock
 
 EXPLORE_EVERY = 16  # every 16th round at a batch size runs the other kind, so both sides stay measured
-SMOOTHING = 0.3  # weight of the newest measurement in the running means
+SMOOTHING = 0.3  # weight of the newest measurement in tau's running mean
+WINDOW = 8  # a round's cost at a bucket: the least of its last WINDOW rounds of that kind
 
 
 def bucket(batch_size: int) -> int:
@@ -30,7 +32,9 @@ class SpeculationThreshold:
     """Whether a round at a batch size speculates: the decision and what it is measured from.
 
     Per batch-size bucket b: s(b), the seconds of a speculative round, and p(b), of a plain round (one token
-    per row); over all speculative rounds tau, the tokens a row gets from one (1 + accepted drafts). A
+    per row), each the least of the last WINDOW rounds of its kind (other work on the machine only ever adds
+    time to a round, so one disturbed round does not turn speculation off); over all speculative rounds tau,
+    the tokens a row gets from one (1 + accepted drafts), a running mean. A
     speculative round pays at b when tau / s(b) > 1 / p(b): more tokens per second per row. The threshold is
     the largest b up to which every measured bucket pays (0: speculation pays at no batch size); a round of
     B rows speculates when B is at most the threshold. A bucket not yet measured on one side runs that side
@@ -42,28 +46,26 @@ class SpeculationThreshold:
                  smoothing: float = SMOOTHING) -> None:
         self.fixed, self.explore_every, self.smoothing = fixed, explore_every, smoothing
         self._lock = threading.Lock()  # an engine records and decides while /metrics reads the threshold
-        self.speculative_s: dict[int, float] = {}
-        self.plain_s: dict[int, float] = {}
+        self._speculative: dict[int, deque[float]] = {}
+        self._plain: dict[int, deque[float]] = {}
         self.tau: float | None = None
         self.rounds: dict[int, int] = {}
-
-    def _mean(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
     def record(self, batch_size: int, speculative: bool, seconds: float, tokens_per_row: float = 1.0) -> None:
         """A round of `batch_size` rows took `seconds` and gave each row `tokens_per_row` tokens on average."""
         b = bucket(batch_size)
         with self._lock:
+            rounds = self._speculative if speculative else self._plain
+            rounds.setdefault(b, deque(maxlen=WINDOW)).append(seconds)
             if speculative:
-                self.speculative_s[b] = self._mean(self.speculative_s.get(b), seconds)
-                self.tau = self._mean(self.tau, tokens_per_row)
-            else:
-                self.plain_s[b] = self._mean(self.plain_s.get(b), seconds)
+                self.tau = tokens_per_row if self.tau is None else \
+                    (1 - self.smoothing) * self.tau + self.smoothing * tokens_per_row
 
     def know_plain(self, seconds: dict[int, float]) -> None:
         """Plain rounds' seconds per batch bucket measured elsewhere (the same decoder, without a drafter)."""
         with self._lock:
-            self.plain_s.update(seconds)
+            for b, s in seconds.items():
+                self._plain.setdefault(b, deque(maxlen=WINDOW)).append(s)
 
     def forget_acceptance(self) -> None:
         """New weights (a drafter or a policy): the tokens a speculative round yields are measured again."""
@@ -72,9 +74,9 @@ class SpeculationThreshold:
 
     def pays(self, b: int) -> bool | None:
         """Whether speculation pays at bucket b; None while a side is not measured."""
-        if self.tau is None or b not in self.speculative_s or b not in self.plain_s:
+        if self.tau is None or b not in self._speculative or b not in self._plain:
             return None
-        return self.tau * self.plain_s[b] > self.speculative_s[b]
+        return self.tau * min(self._plain[b]) > min(self._speculative[b])
 
     @property
     def threshold(self) -> int:
@@ -83,7 +85,7 @@ class SpeculationThreshold:
             return self.fixed
         threshold = 0
         with self._lock:
-            for b in sorted(set(self.speculative_s) & set(self.plain_s)):
+            for b in sorted(set(self._speculative) & set(self._plain)):
                 if not self.pays(b):
                     break
                 threshold = b
@@ -95,9 +97,9 @@ class SpeculationThreshold:
             return batch_size <= self.fixed
         b = bucket(batch_size)
         self.rounds[b] = self.rounds.get(b, 0) + 1
-        if self.tau is None or b not in self.speculative_s:
+        if self.tau is None or b not in self._speculative:
             return True
-        if b not in self.plain_s:
+        if b not in self._plain:
             return False
         on = batch_size <= self.threshold
         return not on if self.rounds[b] % self.explore_every == 0 else on

@@ -104,6 +104,10 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
             assert sorted(r.tags["dagster/run_key"] for r in runs) == ["step-000001", "step-000002", "step-000003"]
             assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs)
             assert set(instance.get_dynamic_partitions("rl_step")) == {"step-000001", "step-000002", "step-000003"}
+            # the step's replay, measured speedups Dagster plots over partitions
+            acceptance = instance.get_latest_materialization_event(dg.AssetKey("acceptance")).asset_materialization
+            assert acceptance.partition == "step-000003"
+            assert {"speedup_cotrained", "speedup_cotrained_tail"} <= set(acceptance.metadata)
     finally:
         del os.environ["DAGSTER_HOME"]
 
@@ -111,6 +115,8 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert len(registry.client.search_runs([registry.experiment_id])) == trained
     assert registry.alias_version("baseline") == "1"
     assert registry.alias_version("challenger") == str(trained)
+    newest = registry.client.get_model_version(registry.model_name, str(trained))
+    assert {"rollout_speedup", "rollout_speedup_tail"} <= set(registry.client.get_run(newest.run_id).data.metrics)
 
     # A second demo reuses the cached pre-trained target and starts from fresh pipeline state.
     again = _demo(tiny_config_path, 1)

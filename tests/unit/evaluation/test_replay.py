@@ -1,5 +1,5 @@
-"""A step's rollouts replayed per drafter: every arm decodes the same requests, the tail is the small-batch rounds, and
-the speedups and the saving are read from the arms' own figures."""
+"""A step's rollouts replayed per drafter: every arm decodes the same requests, the tail is the longest requests on
+their own, and the speedups and the saving are read from the arms' own figures."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from transformers import LlamaForCausalLM
 
 from pipeline.data.records import ArmReplay, RolloutReplay
 from pipeline.data.rollouts import Rollout
-from pipeline.evaluation.replay import TAIL_BATCH, replay_arm, replay_step, step_requests
+from pipeline.evaluation.replay import TAIL_BATCH, replay_arm, replay_step, step_requests, tail_requests
 from pipeline.evaluation.scheduler import SpeculationThreshold
 from pipeline.evaluation.speculative import follow_target
 from pipeline.models import target as target_lib
@@ -17,7 +17,7 @@ from pipeline.models.eagle import EagleConfig, EagleDrafter
 from pipeline.sampling import GREEDY, SamplingParams
 
 V = 16
-LENGTHS = [2, 3, 3, 4, 9, 12]  # six requests: the batch shrinks to the tail's four after the first round or two
+LENGTHS = [2, 3, 3, 4, 9, 12]  # six requests, the tail the last four
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +45,8 @@ def test_an_arm_decodes_every_request_to_its_rollouts_length(target, proposer) -
     assert (plain.speculative_rows, plain.tau) == (0, 1.0)
     # every round serves each running request once: the first token comes from the prefill
     assert plain.plain_rows == sum(n - 1 for n in LENGTHS)
-    assert 0 < plain.tail_seconds < plain.seconds
-    assert plain.tail_tokens == sum(max(0, n - max(LENGTHS[:-TAIL_BATCH])) for n in LENGTHS[-TAIL_BATCH:])
+    assert plain.tail_seconds > 0
+    assert plain.tail_tokens == sum(sorted(LENGTHS)[-TAIL_BATCH:])  # the longest four, decoded to their ends
     # the rounds by batch size: buckets of 8 (six rows), 4 (four, three) and 2 and 1, every round's tokens counted
     assert set(plain.by_batch) <= {1, 2, 4, 8}
     assert sum(t for _, t, _ in plain.by_batch.values()) == plain.tokens - len(LENGTHS)
@@ -56,6 +56,11 @@ def test_an_arm_decodes_every_request_to_its_rollouts_length(target, proposer) -
     assert always.plain_rows == 0
     assert always.speculative_rows <= plain.plain_rows
     assert always.version == "3"
+
+
+def test_the_tail_is_the_longest_requests() -> None:
+    requests = step_requests(rollouts(), GREEDY, seed=7, device="cpu")
+    assert sorted(r.max_tokens for r in tail_requests(requests)) == sorted(LENGTHS)[-TAIL_BATCH:]
 
 
 def test_the_arms_share_requests_and_seeds_and_one_version_is_measured_once(target, proposer) -> None:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pipeline.evaluation import speculative
-from pipeline.evaluation.scheduler import EXPLORE_EVERY, SpeculationThreshold, bucket
+from pipeline.evaluation.scheduler import EXPLORE_EVERY, WINDOW, SpeculationThreshold, bucket
 from pipeline.models import target as target_lib
 from pipeline.serving import metrics as serving_metrics
 from pipeline.serving.standin_replica import Replica, make_handler
@@ -197,6 +197,18 @@ def test_both_kinds_of_round_stay_measured_and_new_weights_are_measured_again() 
     assert threshold.speculate(32) is True
     threshold.record(32, True, 4.0, 4.5)  # it accepts more: speculating pays at 32 now
     assert threshold.threshold == 32
+
+
+def test_a_disturbed_round_does_not_turn_speculation_off() -> None:
+    """Other work on the machine only adds time to a round: a bucket's cost is its fastest recent round, so one
+    slow speculative round (4 s, where 1.5 s pays at tau 2.5) leaves speculation on, and a bucket whose every
+    recent round is slow turns it off."""
+    threshold = _measured({8: 1.5}, {8: 1.0}, tau=2.5)
+    threshold.record(8, True, 4.0, 2.5)
+    assert threshold.threshold == 8
+    for _ in range(WINDOW):
+        threshold.record(8, True, 4.0, 2.5)
+    assert threshold.threshold == 0
 
 
 def test_a_fixed_threshold_is_not_measured() -> None:
