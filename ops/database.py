@@ -109,3 +109,33 @@ def check_schema(target: PostgresTarget, expected: str, upgrade_command: str) ->
     if found is not None and found != expected:
         raise DatabaseError(f"the {target.describe()} has schema revision {found}, this version needs {expected}: "
                             f"back it up, then run `{upgrade_command}`")
+
+
+def schema_scripts(kind: str):
+    """The Alembic migrations of the installed Dagster (`dagster`) or MLflow (`mlflow`): their head is the schema
+    revision this version needs."""
+    from alembic.script import ScriptDirectory
+
+    if kind == "dagster":
+        import dagster_postgres.run_storage.run_storage as dagster_pg
+        from dagster_postgres.utils import pg_alembic_config
+
+        return ScriptDirectory.from_config(pg_alembic_config(dagster_pg.__file__))
+    from mlflow.store.db.utils import _get_alembic_config
+
+    return ScriptDirectory.from_config(_get_alembic_config("postgresql://"))
+
+
+def check_databases() -> list[str]:
+    """Dagster's storage (DAGSTER_PG_*) and MLflow's backend store (MLFLOW_BACKEND_STORE_URI, PGPASSWORD), where
+    set: reachable, the credentials accepted, the schema this version needs. What each database is, or why not."""
+    targets = []
+    if os.environ.get("DAGSTER_PG_HOST"):
+        targets.append((PostgresTarget.from_dagster_env(), "dagster", "dagster instance migrate"))
+    if os.environ.get("MLFLOW_BACKEND_STORE_URI", "").startswith("postgresql"):
+        targets.append((PostgresTarget.from_url("MLflow backend store", os.environ["MLFLOW_BACKEND_STORE_URI"]),
+                        "mlflow", "mlflow db upgrade $MLFLOW_BACKEND_STORE_URI"))
+    for target, kind, upgrade in targets:
+        check_database(target)
+        check_schema(target, schema_scripts(kind).get_current_head(), upgrade)
+    return [target.describe() for target, _, _ in targets]

@@ -8,8 +8,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from cli import _pipeline_tick, _SensorTicks
 from definitions import build_definitions
+from demo.daemon import SensorTicks, pipeline_tick
 from jobs.sensors import champion_sensor
 from pipeline.accounting.cost import read_cost
 from pipeline.accounting.ledger import read_ledger
@@ -33,13 +33,13 @@ def test_steps_published_faster_than_training_are_coalesced(tmp_path: Path) -> N
     defs = build_definitions(str(config))
     try:
         with dg.instance_for_test() as instance:
-            ticks = _SensorTicks(instance, defs)
+            ticks = SensorTicks(instance, defs)
             source.run_step(1)
-            assert _pipeline_tick(ticks, True, lambda _: None)  # step 1 trains v1; v1 is deployed
+            assert pipeline_tick(ticks, True, lambda _: None)  # step 1 trains v1; v1 is deployed
             # The trainer publishes steps 2 and 3 while the pipeline was busy: one tick sees both.
             source.run_step(2)
             source.run_step(3)
-            assert _pipeline_tick(ticks, True, lambda _: None)
+            assert pipeline_tick(ticks, True, lambda _: None)
             # v2 (step 3's) reaches the fleet whatever its tau: a person promotes it in the MLflow UI if need be.
             DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name).set_alias("champion", "2")
             ticks.tick(champion_sensor, "deploy_job", lambda _: None)

@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 import cli
-from cli import check_databases, schema_scripts
-from ops.database import DatabaseError
+from ops.database import DatabaseError, check_databases, schema_scripts
+from ops.instance import prepare_instance
 from ops.local_stack import PostgresServer, free_port, write_dagster_home
 from pipeline.config import load_config
 from pipeline.data.store import open_store
@@ -59,7 +59,7 @@ def test_steps_of_two_rl_runs_materialize_at_once(home: Path, tmp_path: Path) ->
     holds the one `gpu` slot until both runs wait for it: both are in progress at once, whatever their start-up
     takes."""
     with _instance(home) as instance:
-        cli.prepare_instance(instance)  # production's init container: `cli.py init-instance`
+        prepare_instance(instance)  # production's init container: `cli.py init-instance`
         assert instance.event_log_storage.claim_concurrency_slot("gpu", "holder", "gpu-step").is_claimed
     procs = {}
     for run in ("alpha", "beta"):

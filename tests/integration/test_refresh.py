@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from cli import _pipeline_tick, _SensorTicks
 from definitions import build_definitions
+from demo.daemon import SensorTicks, pipeline_tick
 from jobs.sensors import REFRESH_SENSOR_NAME, refresh_sensor
 from pipeline.client import publish_rollouts_part
 from pipeline.config import PipelineConfig, load_config
@@ -74,10 +74,10 @@ def test_a_refresh_changes_the_fleets_drafter_mid_step(refreshing: Refreshing) -
     r = refreshing
     cfg, store, registry, source, defs, driver = r.cfg, r.store, r.registry, r.source, r.defs, r.driver
     with dg.instance_for_test() as instance:
-        ticks = _SensorTicks(instance, defs)
+        ticks = SensorTicks(instance, defs)
         source.run_step(1)  # in parts, committed: the step's own run trains v1, which is deployed
         assert parts_lib.committed_part_numbers(store, cfg.run, 1)
-        assert _pipeline_tick(ticks, True, lambda _: None)
+        assert pipeline_tick(ticks, True, lambda _: None)
         assert read_fleet_state(store, cfg.run).version == "1"
 
         # Step 2 is generating: its first parts are out, its tail is not.
@@ -118,7 +118,7 @@ def test_a_refresh_changes_the_fleets_drafter_mid_step(refreshing: Refreshing) -
         # The tail, the commit, and the step's own run: it supersedes the refresh.
         source.publish_parts(generated, only=set(tail))
         parts_lib.commit_parts(store, cfg.run, 2)
-        assert _pipeline_tick(ticks, True, lambda _: None)
+        assert pipeline_tick(ticks, True, lambda _: None)
         step_version = registry.alias_version("challenger")
         assert step_version not in ("1", record.version)
         tail_tau = read_tail(store, cfg.run, 2)
@@ -162,7 +162,7 @@ def test_the_first_steps_refresh_trains_a_fresh_drafter_until_the_steps_own_repl
 
         source.publish_parts(generated, only=set(tail))
         parts_lib.commit_parts(store, cfg.run, 1)
-        assert _pipeline_tick(_SensorTicks(instance, defs), True, lambda _: None)
+        assert pipeline_tick(SensorTicks(instance, defs), True, lambda _: None)
         # The step's own drafter must beat what the fleet runs, the refresh, on the step's held-out prompts: promoted
         # and deployed when it measures higher, else the refresh keeps serving.
         acceptance = read_acceptance(store, cfg.run, 1)

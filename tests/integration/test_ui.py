@@ -29,7 +29,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-from cli import prepare_instance
+from ops.instance import prepare_instance
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data.keys import step_key
 from pipeline.data.store import open_store

@@ -1,0 +1,203 @@
+"""`cli.py demo` and `cli.py compare-schedules`: a source of RL steps publishing at its own pace, and the pipeline
+picking its steps up as the daemon would, each step a run of the persisted Dagster instance."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from demo.daemon import PIPELINE_TICK_S, RefreshProcess, SensorTicks, pipeline_tick, prestart_workers
+from demo.report import demo_report, step_line
+from ops.console import out, quiet_libraries
+from ops.instance import prepare_dagster_home, prepare_instance
+from pipeline.config import PROJECT_ROOT, PipelineConfig, load_config
+from pipeline.stages import EVALUATION, EXTRACTION, TRAINING
+
+
+def fresh_demo(config_path: str | None, overrides: dict | None) -> PipelineConfig:
+    """The demo's config, its data directories emptied (the pre-trained target cache stays)."""
+    cfg = load_config(config_path, overrides)
+    if cfg.rollout_source != "simulated":
+        raise SystemExit("demo needs rollout_source: simulated (an external trainer drives its own steps)")
+    # stages: a warm worker left by an earlier demo holds its deleted MLflow database open; this demo starts its own
+    for sub in ("store", "mlflow", "dagster", "demo", "stages"):
+        shutil.rmtree(cfg.data_path / sub, ignore_errors=True)
+    prepare_dagster_home(cfg)
+    quiet_libraries()
+    return cfg
+
+
+def run_demo(steps: int, config_path: str | None, drafter: str | None = None, source: str = "simulated",
+         overrides: dict | None = None) -> Path:
+    overrides = {**(overrides or {}), **({"drafter": {"kind": drafter}} if drafter else {})} or None
+    # One torch thread per process, inherited by every process the demo starts: on a small machine the
+    # source, the stages' workers, the refresh and the stand-ins run side by side, and OpenMP's spinning
+    # threads, one per core in each, made a 2-core demo's steps 4-7x slower than its CPU work.
+    for threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(threads, "1")
+    cfg = fresh_demo(config_path, overrides)
+
+    import dagster as dg
+    from tqdm import tqdm
+
+    from definitions import build_definitions
+    from pipeline.accounting import report
+    from pipeline.data.keys import acceptance_key
+    from pipeline.data.records import read_fleet_state
+    from pipeline.data.store import open_store
+    from pipeline.registry import open_registry
+    from pipeline.serving import deploy
+    from pipeline.sources.pacing import PacedSource
+    from pipeline.sources.simulation import SimulatedRL
+
+    instance = dg.DagsterInstance.get()
+    ticks = SensorTicks(instance, build_definitions(config_path, overrides))
+    store, registry = open_store(cfg), open_registry(cfg)
+    # The stages' warm workers start now, while the source runs its first step: no step waits for their imports.
+    prestart_workers(config_path, overrides, [EXTRACTION, TRAINING, EVALUATION])
+    with_fleet = cfg.fleet.driver != "none"
+    # With a fleet, the fleet generates the rollouts: each step's policy is pushed to every replica first.
+    rollout_fleet = deploy.rollout_fleet(cfg, store) if with_fleet else None
+    engine = rollout_fleet.engine() if rollout_fleet else None
+    if source == "trl":  # real GRPO with TRL publishing through the trainer client
+        from pipeline.sources.trl import GRPODemo
+
+        rl = GRPODemo(store, cfg.run, steps, cfg.data_path / "demo" / "trl", engine=engine)
+        kind, what, ready = "TRL GRPO", "a TRL GRPO step and its rollouts", "TRL trainer and policy"
+    else:
+        rl = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache", engine)
+        kind, what, ready = "simulated RL", "simulating the RL update and rollouts", "pre-trained target"
+
+    out(f"Co-training demo: {steps} {kind} steps on {cfg.device}, drafter kind {cfg.drafter.kind}")
+    out(f"  object store {cfg.storage_root}")
+    out(f"  MLflow       {cfg.tracking_uri}")
+    out(f"  Dagster home {instance.root_directory}")
+    start = tick = time.perf_counter()
+    rl.pretrained()  # cached after the first demo
+    out(f"  {ready} ready in {time.perf_counter() - tick:.1f}s")
+    if with_fleet:
+        out(f"  fleet: {len(cfg.fleet.replicas)} {cfg.fleet.driver} replicas "
+            f"({'local CPU stand-ins, not vLLM' if cfg.fleet.driver == 'standin' else cfg.fleet.driver})")
+    # The source publishes at its own pace in a background thread and never waits for the pipeline;
+    # the pipeline picks committed steps up through its sensor, as it would an external trainer's.
+    period = cfg.simulation.step_period_s
+    # Parts over the period's rollout share; the simulated source computes the next step's update while they decode.
+    run_step = (lambda step: rl.run_step(step, period)) if source == "trl" else \
+        (lambda step: rl.run_step(step, period, prepare_next=step < steps))
+    paced = PacedSource(run_step, steps, period).start()
+    refreshes = None
+    if cfg.refresh.enabled and with_fleet:  # the refresh sensor and its runs, as the daemon runs them beside steps
+        prepare_instance(instance)  # the storage's tables and pools, from this process first
+        refreshes = RefreshProcess(config_path, overrides, cfg.data_path / "demo" / "refresh.log")
+    rows, step_walls = [], []
+    bar = tqdm(total=steps, desc="RL steps", unit="step", file=sys.stdout, dynamic_ncols=True)
+    bar.set_postfix_str(what)
+    try:
+        while len(rows) < steps:
+            paced.raise_if_failed()
+            if refreshes:
+                refreshes.raise_if_failed()
+            ran = pipeline_tick(ticks, with_fleet and refreshes is None, bar.set_postfix_str)
+            for published in paced.published()[len(rows):]:
+                if not store.exists(acceptance_key(cfg.run, published.step)):
+                    break
+                step_walls.append(time.time() - published.at)
+                r = {**report.step_row(store, cfg.run, published.step),
+                     "deployed_version": registry.alias_version("live") if with_fleet else None}
+                if source == "trl":
+                    r["trl_mean_reward"] = round(published.result.mean_reward, 4)
+                rows.append(r)
+                bar.update(1)
+                bar.write(step_line(r, step_walls[-1], source))
+            if not ran:
+                time.sleep(PIPELINE_TICK_S)  # nothing new committed: wait for the source
+        paced.stop()
+        if refreshes:
+            refreshes.wait_for_champion(store, cfg.run, registry)  # the last step's drafter reaches the fleet
+        if source == "trl":
+            rl.finish()  # TRL's last optimizer step
+        fleet_state = read_fleet_state(store, cfg.run).replicas if with_fleet else ()
+        # a refresh that reached the fleet after its step's row was taken (the first step's, by a cold start)
+        rows = [{**r, **report.tail_fields(store, cfg.run, r["step"])} for r in rows]
+    finally:
+        paced.stop(timeout=0)
+        if refreshes:
+            refreshes.stop()
+        if with_fleet and cfg.fleet.driver == "standin":
+            deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the demo's stand-ins end with it
+    bar.close()
+    return demo_report(cfg, rows, time.perf_counter() - start, step_walls, fleet_state, source,
+                        [w.to_json() for w in rollout_fleet.windows.values()] if rollout_fleet else None)
+
+
+def compare_schedules(steps: int, config_path: str | None, source: str, kinds: list[str],
+                      draft_cost_ratio: float, fleet: bool = True) -> Path:
+    """The demo's pipeline once per training schedule, one after the other on the same source, then side by side:
+    per step whether it trained, the training's seconds, the served tau and the cumulative saved rollout time.
+    Each run decides on its own timings; the savings side by side are at one price, the median of both runs'
+    timings (`report.common_price`). Each run is a demo process of its own on a data directory of its own,
+    .data/schedules/<kind>/ (the demo's output in its demo/, its store, MLflow, Dagster instance and warm stage
+    workers beside it): a run never meets the state of the one before it, not an MLflow connection to a deleted
+    database in a warm worker, not a champion of the other registry. Without `fleet` no replica (and no refresh)
+    runs: the champion serves, as the fleet would a step later."""
+    from pipeline.accounting import report
+    from pipeline.data.store import open_store
+
+    runs: dict[str, list[report.ScheduleStep]] = {}
+    base = load_config(config_path)
+    out_dir = base.data_path / "schedules"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    walls: dict[str, float] = {}
+    for kind in kinds:
+        overrides = {"data_dir": str(out_dir / kind), "train": {"schedule": {"kind": kind}},
+                     "eval": {"draft_cost_ratio": draft_cost_ratio}, **({} if fleet else {"fleet": {"driver": "none"}})}
+        cfg = load_config(config_path, overrides)
+        if (base.data_path / "cache").is_dir():  # the pre-trained target: built once, shared by the runs
+            shutil.copytree(base.data_path / "cache", cfg.data_path / "cache")
+        out(f"== train.schedule.kind = {kind} ==")
+        started = time.perf_counter()
+        subprocess.run([sys.executable, str(PROJECT_ROOT / "cli.py"),
+                        *(["--config", config_path] if config_path else []), "demo", "--steps", str(steps),
+                        "--source", source, "--overrides", json.dumps(overrides)], check=True)
+        walls[kind] = round(time.perf_counter() - started, 1)
+        runs[kind] = report.schedule_steps(open_store(cfg), cfg.run, list(range(1, steps + 1)))
+        out()
+    price = report.common_price(runs)
+    if price is not None:
+        runs = {kind: report.at_price(rows, price) for kind, rows in runs.items()}
+    priced = ("no drafter served a step" if price is None else
+              f"t {price.target_s_per_token * 1e3:.3f} ms per token, c {price.draft_cost_ratio:.3f} "
+              f"({'eval.draft_cost_ratio' if draft_cost_ratio else 'as timed'}), a round {price.round_cost:.2f} "
+              f"target forwards")
+    out(f"Training schedules side by side ({source} source, {steps} steps; savings at one price, the median of "
+        f"both runs' timings: {priced}):")
+    out(report.format_schedules(runs))
+    totals = {kind: report.schedule_totals(rows) for kind, rows in runs.items()}
+    figures: dict = {"source": source, "steps": steps, "fleet": fleet, "draft_cost_ratio": draft_cost_ratio,
+                     "common_price": price.to_json() if price else None, "wall_s": walls,
+                     "runs": {kind: [{**asdict(r), "decoding": r.decoding.to_json() if r.decoding else None}
+                                     for r in rows] for kind, rows in runs.items()},
+                     "totals": {kind: asdict(t) for kind, t in totals.items()}}
+    if "interval" in totals and "cost" in totals:
+        base, cost = totals["interval"], totals["cost"]
+        figures["training_s_ratio"] = round(cost.training_s / base.training_s, 3) if base.training_s else None
+        figures["saved_s_ratio"] = round(cost.saved_s / base.saved_s, 3) if base.saved_s > 0 else None
+        figures["goal"] = "cost: training_s_ratio <= 0.6 at saved_s_ratio >= 0.95"
+        figures["goal_met"] = bool(figures["training_s_ratio"] is not None and figures["saved_s_ratio"] is not None
+                                   and figures["training_s_ratio"] <= 0.6 and figures["saved_s_ratio"] >= 0.95)
+        out(f"cost / interval: training seconds {figures['training_s_ratio']}, saved rollout time "
+            f"{figures['saved_s_ratio'] if figures['saved_s_ratio'] is not None else '- (interval saved none)'}"
+            f" (goal: <= 0.6 at >= 0.95: {'met' if figures['goal_met'] else 'not met'})")
+    plot = out_dir / "schedules.png"
+    plot.write_bytes(report.schedules_png(runs))
+    summary = out_dir / "schedules.json"
+    summary.write_text(json.dumps(figures, indent=2) + "\n")
+    out(f"plot:    {plot}")
+    out(f"summary: {summary}")
+    return summary
