@@ -1,0 +1,113 @@
+"""Model stages as Ray jobs (`launch.launcher: ray`) on a real Ray cluster on loopback: a head and two worker
+nodes, one with the `drafter_slot` a trainer sharing the cluster would leave free, one with the trainer's own
+`rl_trainer` resource. A whole RL step through Dagster with every stage a Ray job placed on the node with its slot;
+a stage waiting, not preempting, while another job holds the slot, and the wait in its placement record."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from ray.job_submission import JobStatus, JobSubmissionClient
+
+from assets.cotraining import hidden_states
+from definitions import build_definitions
+from pipeline.accounting.cost import read_cost
+from pipeline.config import load_config
+from pipeline.data.keys import placement_key
+from pipeline.data.records import StagePlacement, read_acceptance, read_record
+from pipeline.data.store import open_store
+from pipeline.sources.simulation import SimulatedRL
+from pipeline.stages import EVALUATION, EXTRACTION, TRAINING
+from resources import pipeline_resource
+from tests.support.config import write_config
+from tests.support.ray_cluster import RayCluster, RayNode, ray_cluster
+
+STEP, KEY = 1, "step-000001"
+SLOT = {"drafter_slot": 1.0}
+ONE_CPU = {"cpu": "1", "memory": "256Mi"}  # what a loopback node has, not a GPU node's 8 CPUs and 64 GiB
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RayCluster]:
+    with ray_cluster(head_cpus=1, workers=[RayNode(1, {"rl_trainer": 1.0}), RayNode(1, SLOT)]) as running:
+        yield running
+
+
+def _config(tmp_path: Path, cluster: RayCluster, resources: dict[str, float]) -> Path:
+    path = write_config(tmp_path, {"launch": {"launcher": "ray", "ray": {"address": cluster.address,
+                                                                         "resources": resources},
+                                              "extraction": ONE_CPU, "training": ONE_CPU, "evaluation": ONE_CPU,
+                                              "refresh": ONE_CPU}})
+    cfg = load_config(path)
+    SimulatedRL(cfg.simulation, open_store(cfg), cfg.run, cfg.data_path / "cache").run_step(STEP)
+    return path
+
+
+def _jobs_of(client: JobSubmissionClient, run_id: str) -> list:
+    """The Ray jobs a Dagster run submitted (dagster-ray tags each with the run's id), oldest first."""
+    jobs = [job for job in client.list_jobs() if run_id in (job.metadata or {}).values()]
+    return sorted(jobs, key=lambda job: job.start_time)
+
+
+def test_a_step_runs_its_stages_as_ray_jobs_on_the_node_with_their_slot(tmp_path: Path, cluster: RayCluster) -> None:
+    """rl_step_job with every model stage a Ray job asking for `drafter_slot`: the step's drafter trains and is
+    measured as with any launcher, each stage's materialization (sent over the job's log) reaches Dagster, and
+    every job ran on the one node that has the slot, never on the trainer's or the head."""
+    path = _config(tmp_path, cluster, SLOT)
+    cfg = load_config(path)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_step", [KEY])
+        result = build_definitions(str(path)).resolve_job_def("rl_step_job").execute_in_process(
+            instance=instance, partition_key=KEY)
+        assert result.success
+        extracted = instance.get_latest_materialization_event(dg.AssetKey("hidden_states")).asset_materialization
+        assert extracted.metadata["ran_in"].value == "ray"
+        checks = [e for e in result.get_asset_check_evaluations() if e.asset_key == dg.AssetKey("acceptance")]
+        assert checks
+        assert all(c.passed for c in checks)
+    store = open_store(cfg)
+    assert read_acceptance(store, cfg.run, STEP).drafters["cotrained"].version == "1"
+    placements = [read_record(store, placement_key(cfg.run, STEP, s), StagePlacement)
+                  for s in (EXTRACTION, TRAINING, EVALUATION)]
+    assert [(p.where, p.ranks) for p in placements] == [("ray", 1)] * 3
+    assert all(p.waited_s > 0 for p in placements)  # submitted -> started: at least the cluster's start of it
+    ledger = {p.stage: p for p in read_cost(store, cfg.run, STEP).placements}  # the step's row: its stages' waits
+    assert [ledger[s] for s in (EXTRACTION, TRAINING)] == placements[:2]
+
+    client = JobSubmissionClient(cluster.address)
+    jobs = _jobs_of(client, result.run_id)
+    assert [job.entrypoint.rsplit(" ", 1)[-1] for job in jobs] == [s.worker for s in (EXTRACTION, TRAINING,
+                                                                                       EVALUATION)]
+    assert all(job.status == JobStatus.SUCCEEDED for job in jobs)
+    assert {job.driver_node_id for job in jobs} == {cluster.node_ids()["drafter_slot"]}
+
+
+def test_a_stage_waits_for_its_slot_while_another_job_holds_it(tmp_path: Path, cluster: RayCluster) -> None:
+    """The slot held by another job (an RL trainer's work, say) for a few seconds: the extraction's job queues
+    (PENDING), starts once the holder ends and succeeds; its placement record holds the wait, at least the
+    time from its submission to the holder's end."""
+    path = _config(tmp_path, cluster, SLOT)
+    cfg = load_config(path)
+    client = JobSubmissionClient(cluster.address)
+    holder = client.submit_job(entrypoint="python -c 'import time; time.sleep(6)'", entrypoint_num_cpus=0,
+                               entrypoint_resources=SLOT)
+    while client.get_job_status(holder) != JobStatus.RUNNING:
+        time.sleep(0.1)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_step", [KEY])
+        result = dg.materialize([hidden_states], partition_key=KEY, instance=instance,
+                                resources={"pipeline": pipeline_resource(str(path))})
+        assert result.success
+        metadata = result.asset_materializations_for_node("hidden_states")[0].metadata
+    held = client.get_job_info(holder)
+    (stage,) = _jobs_of(client, result.run_id)
+    assert held.status == JobStatus.SUCCEEDED
+    queued_s = (held.end_time - stage.start_time) / 1000  # Ray's clock: the stage's submission -> the slot freed
+    assert queued_s > 1.0, "the holder ended before the stage was submitted: nothing to wait for"
+    placement = read_record(open_store(cfg), placement_key(cfg.run, STEP, EXTRACTION), StagePlacement)
+    assert placement.waited_s >= queued_s
+    assert metadata["waited_seconds"].value == round(placement.waited_s, 2)
