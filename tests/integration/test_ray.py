@@ -70,7 +70,7 @@ def test_a_step_runs_its_stages_as_ray_jobs_on_the_node_with_their_slot(tmp_path
         assert checks
         assert all(c.passed for c in checks)
     store = open_store(cfg)
-    assert read_acceptance(store, cfg.run, STEP).drafters["cotrained"].version == "1"
+    assert read_acceptance(store, cfg.run, STEP).cotrained.version == "1"
     placements = [read_record(store, placement_key(cfg.run, STEP, s), StagePlacement)
                   for s in (EXTRACTION, TRAINING, EVALUATION)]
     assert [(p.where, p.ranks) for p in placements] == [("ray", 1)] * 3
