@@ -15,6 +15,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 
 from assets.cotraining import hidden_states
 from definitions import build_definitions
+from ops.ray_cluster import RayCluster, RayNode, ray_cluster
 from pipeline.accounting.cost import read_cost
 from pipeline.config import load_config
 from pipeline.data.keys import placement_key
@@ -24,7 +25,6 @@ from pipeline.sources.simulation import SimulatedRL
 from pipeline.stages import EVALUATION, EXTRACTION, TRAINING
 from resources import pipeline_resource
 from tests.support.config import write_config
-from tests.support.ray_cluster import RayCluster, RayNode, ray_cluster
 
 STEP, KEY = 1, "step-000001"
 SLOT = {"drafter_slot": 1.0}
@@ -33,7 +33,7 @@ ONE_CPU = {"cpu": "1", "memory": "256Mi"}  # what a loopback node has, not a GPU
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RayCluster]:
-    with ray_cluster(head_cpus=1, workers=[RayNode(1, {"rl_trainer": 1.0}), RayNode(1, SLOT)]) as running:
+    with ray_cluster(head_cpus=1, workers=(RayNode(1, {"rl_trainer": 1.0}), RayNode(1, SLOT))) as running:
         yield running
 
 

@@ -1,7 +1,8 @@
-"""A real Ray cluster on loopback: a head (with the dashboard, whose job API takes Ray jobs) and worker nodes, each
-with its own CPUs and custom resources, started by Ray's own CLI (`ray start --block`, one process per node, its
-node's processes under it) in a temp dir of its own, and stopped node by node: never `ray stop`, which stops every
-Ray process on the machine, another test's or user's cluster included."""
+"""A Ray cluster on loopback, for the tests and the benchmarks of `launch.launcher: ray`: a head (with the dashboard,
+whose job API takes Ray jobs) and worker nodes, each with its own CPUs and custom resources, started by Ray's own
+CLI (`ray start --block`, one process per node, its node's processes under it) in a temp dir of its own, and
+stopped node by node: never `ray stop`, which stops every Ray process on the machine, another user's cluster
+included."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,10 +20,14 @@ from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.config import free_port
-
-RAY = str(Path(sys.executable).with_name("ray"))
+RAY = str(Path(sys.executable).with_name("ray"))  # the CLI of this environment's Ray, which the jobs run
 START_TIMEOUT_S = 120.0  # a node's start on a loaded 2-core machine takes 5-20 s
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -92,14 +98,14 @@ def _wait(condition, what: str, log_dir: Path) -> None:  # noqa: ANN001
 
 
 @contextmanager
-def ray_cluster(head_cpus: int, workers: list[RayNode]) -> Iterator[RayCluster]:
+def ray_cluster(head_cpus: int, workers: tuple[RayNode, ...] = ()) -> Iterator[RayCluster]:
     """A head with `head_cpus` CPUs and no custom resources, and `workers`, all up and registered."""
     from ray.job_submission import JobSubmissionClient
 
     # A short root: Ray's unix sockets live under it, and a socket's path holds at most 107 bytes.
     root = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     gcs_port, dashboard_port = free_port(), free_port()
-    cluster = RayCluster(f"http://127.0.0.1:{dashboard_port}", f"127.0.0.1:{gcs_port}", tuple(workers))
+    cluster = RayCluster(f"http://127.0.0.1:{dashboard_port}", f"127.0.0.1:{gcs_port}", workers)
     with ExitStack() as nodes:
         nodes.callback(shutil.rmtree, root, ignore_errors=True)
         nodes.enter_context(_node(["--head", f"--port={gcs_port}", f"--num-cpus={head_cpus}", f"--temp-dir={root}",
