@@ -111,3 +111,22 @@ def test_a_stage_waits_for_its_slot_while_another_job_holds_it(tmp_path: Path, c
     placement = read_record(open_store(cfg), placement_key(cfg.run, STEP, EXTRACTION), StagePlacement)
     assert placement.waited_s >= queued_s
     assert metadata["waited_seconds"].value == round(placement.waited_s, 2)
+
+
+def test_a_stage_failing_in_its_ray_job_fails_its_step_with_the_workers_error(tmp_path: Path,
+                                                                            cluster: RayCluster) -> None:
+    """The extraction of a step the source never published: the worker exits with its error, the job FAILED, and
+    the step fails with Ray's message, which carries the end of the job's log (the worker's traceback)."""
+    path = _config(tmp_path, cluster, SLOT)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_step", ["step-000002"])
+        result = dg.materialize([hidden_states], partition_key="step-000002", instance=instance,
+                                resources={"pipeline": pipeline_resource(str(path))}, raise_on_error=False)
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    error = failure.step_failure_data.error.to_string()
+    assert "failed with status FAILED" in error
+    assert "RolloutsError" in error  # the worker's own error, from the end of the job's log
+    assert "step-000002/policy.json: not found" in error
+    (job,) = _jobs_of(JobSubmissionClient(cluster.address), result.run_id)
+    assert job.status == JobStatus.FAILED
