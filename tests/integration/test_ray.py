@@ -37,11 +37,11 @@ def cluster() -> Iterator[RayCluster]:
         yield running
 
 
-def _config(tmp_path: Path, cluster: RayCluster, resources: dict[str, float]) -> Path:
+def _config(tmp_path: Path, cluster: RayCluster, resources: dict[str, float], training_ranks: int = 1) -> Path:
     path = write_config(tmp_path, {"launch": {"launcher": "ray", "ray": {"address": cluster.address,
                                                                          "resources": resources},
-                                              "extraction": ONE_CPU, "training": ONE_CPU, "evaluation": ONE_CPU,
-                                              "refresh": ONE_CPU}})
+                                              "extraction": ONE_CPU, "training": {**ONE_CPU, "nproc": training_ranks},
+                                              "evaluation": ONE_CPU, "refresh": ONE_CPU}})
     cfg = load_config(path)
     SimulatedRL(cfg.simulation, open_store(cfg), cfg.run, cfg.data_path / "cache").run_step(STEP)
     return path
@@ -54,10 +54,11 @@ def _jobs_of(client: JobSubmissionClient, run_id: str) -> list:
 
 
 def test_a_step_runs_its_stages_as_ray_jobs_on_the_node_with_their_slot(tmp_path: Path, cluster: RayCluster) -> None:
-    """rl_step_job with every model stage a Ray job asking for `drafter_slot`: the step's drafter trains and is
-    measured as with any launcher, each stage's materialization (sent over the job's log) reaches Dagster, and
-    every job ran on the one node that has the slot, never on the trainer's or the head."""
-    path = _config(tmp_path, cluster, SLOT)
+    """rl_step_job with every model stage a Ray job asking for `drafter_slot`, the training on two gloo ranks
+    (torchrun in its job): the step's drafter trains and is measured as with any launcher, each stage's
+    materialization (sent over the job's log) reaches Dagster, and every job ran on the one node that has the
+    slot, never on the trainer's or the head."""
+    path = _config(tmp_path, cluster, SLOT, training_ranks=2)
     cfg = load_config(path)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("rl_step", [KEY])
@@ -73,7 +74,7 @@ def test_a_step_runs_its_stages_as_ray_jobs_on_the_node_with_their_slot(tmp_path
     assert read_acceptance(store, cfg.run, STEP).cotrained.version == "1"
     placements = [read_record(store, placement_key(cfg.run, STEP, s), StagePlacement)
                   for s in (EXTRACTION, TRAINING, EVALUATION)]
-    assert [(p.where, p.ranks) for p in placements] == [("ray", 1)] * 3
+    assert [(p.where, p.ranks) for p in placements] == [("ray", 1), ("ray", 2), ("ray", 1)]
     assert all(p.waited_s > 0 for p in placements)  # submitted -> started: at least the cluster's start of it
     ledger = {p.stage: p for p in read_cost(store, cfg.run, STEP).placements}  # the step's row: its stages' waits
     assert [ledger[s] for s in (EXTRACTION, TRAINING)] == placements[:2]
@@ -82,6 +83,7 @@ def test_a_step_runs_its_stages_as_ray_jobs_on_the_node_with_their_slot(tmp_path
     jobs = _jobs_of(client, result.run_id)
     assert [job.entrypoint.rsplit(" ", 1)[-1] for job in jobs] == [s.worker for s in (EXTRACTION, TRAINING,
                                                                                        EVALUATION)]
+    assert "--nproc-per-node=2" in jobs[1].entrypoint
     assert all(job.status == JobStatus.SUCCEEDED for job in jobs)
     assert {job.driver_node_id for job in jobs} == {cluster.node_ids()["drafter_slot"]}
 
