@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import dagster as dg
@@ -28,6 +28,17 @@ from pipeline.launch.placement import SUBMITTED_AT_ENV
 from resources.pipes_messages import lost_messages
 
 POLL_S = 0.1  # the job's status: a stage's end reaches Dagster this soon (dagster-ray's default: 1 s)
+
+
+def log_lines(chunks: Iterable[str | None]) -> Iterator[str]:
+    """The lines of a log read in chunks (None: nothing new yet), each whole: a chunk may end inside a line,
+    whose rest comes in the next. A last line without its newline is handed on too."""
+    pending = ""
+    for chunk in chunks:
+        *lines, pending = (pending + (chunk or "")).split("\n")
+        yield from lines
+    if pending:
+        yield pending
 
 
 class PipesRayJobWholeLineMessageReader(PipesRayJobMessageReader):
@@ -44,12 +55,8 @@ class PipesRayJobWholeLineMessageReader(PipesRayJobMessageReader):
             self.thread_ready.set()
             if self._job_id is None:
                 return  # never submitted: the session's own error says why
-            pending = ""
-            for chunk in tail_logs(self.client.tail_job_logs(job_id=self.job_id)):  # ends with the job
-                *lines, pending = (pending + (chunk or "")).split("\n")
-                for line in lines:
-                    self._handle(handler, line)
-            self._handle(handler, pending)  # a last line without its newline: its parse fails loudly, or it prints
+            for line in log_lines(tail_logs(self.client.tail_job_logs(job_id=self.job_id))):  # ends with the job
+                self._handle(handler, line)
         except:  # noqa: E722 - Dagster's reader reports every failure of its thread, then ends it
             handler.report_pipes_framework_exception(f"{self.__class__.__name__} reader thread", sys.exc_info())
             raise

@@ -67,10 +67,10 @@ def ray_stage_job(cfg: PipelineConfig, stage: Stage, project_dir: Path, python: 
     per_rank = cfg.target.gpus_per_process if stage.policy_per_rank else 1
     gpus = ranks * per_rank if cfg.device.startswith("cuda") else 0
     if ray.working_dir:
-        entrypoint, runtime_env = shlex.join(stage_command(cfg, stage, python="python")), {
-            "working_dir": ray.working_dir}
+        entrypoint = shlex.join(stage_command(cfg, stage, python="python"))
+        runtime_env = {"working_dir": ray.working_dir}
     else:
-        command = shlex.join(stage_command(cfg, stage, python))
-        entrypoint, runtime_env = f"cd {shlex.quote(str(project_dir))} && exec {command}", {}
+        entrypoint = f"cd {shlex.quote(str(project_dir))} && exec {shlex.join(stage_command(cfg, stage, python))}"
+        runtime_env = {}
     return RayStageJob(entrypoint, quantity(settings.cpu), float(gpus), int(quantity(settings.memory)),
                        dict(ray.resources), runtime_env)

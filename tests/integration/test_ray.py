@@ -1,10 +1,13 @@
 """Model stages as Ray jobs (`launch.launcher: ray`) on a real Ray cluster on loopback: a head and two worker
 nodes, one with the `drafter_slot` a trainer sharing the cluster would leave free, one with the trainer's own
 `rl_trainer` resource. A whole RL step through Dagster with every stage a Ray job placed on the node with its slot;
-a stage waiting, not preempting, while another job holds the slot, and the wait in its placement record."""
+a stage waiting, not preempting, while another job holds the slot, and the wait in its placement record; a stage
+failing in its job; the job's log as the Pipes channel: a long message whole, a lost end failing the step."""
 
 from __future__ import annotations
 
+import shlex
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +27,7 @@ from pipeline.data.store import open_store
 from pipeline.sources.simulation import SimulatedRL
 from pipeline.stages import EVALUATION, EXTRACTION, TRAINING
 from resources import pipeline_resource
+from resources.ray_jobs import PipesRayStageClient
 from tests.support.config import write_config
 
 STEP, KEY = 1, "step-000001"
@@ -88,6 +92,8 @@ def test_a_step_runs_its_stages_as_ray_jobs_on_the_node_with_their_slot(tmp_path
     assert {job.driver_node_id for job in jobs} == {cluster.node_ids()["drafter_slot"]}
 
 
+@pytest.mark.reliability("fault", "a stage's Ray job submitted while another job holds its slot: it waits (PENDING), "
+                                  "never preempts, runs once the slot is free, and records the wait")
 def test_a_stage_waits_for_its_slot_while_another_job_holds_it(tmp_path: Path, cluster: RayCluster) -> None:
     """The slot held by another job (an RL trainer's work, say) for a few seconds: the extraction's job queues
     (PENDING), starts once the holder ends and succeeds; its placement record holds the wait, at least the
@@ -115,6 +121,8 @@ def test_a_stage_waits_for_its_slot_while_another_job_holds_it(tmp_path: Path, c
     assert metadata["waited_seconds"].value == round(placement.waited_s, 2)
 
 
+@pytest.mark.reliability("fault", "a stage's worker failing in its Ray job: the step fails with the worker's error "
+                                  "from the job's log")
 def test_a_stage_failing_in_its_ray_job_fails_its_step_with_the_workers_error(tmp_path: Path,
                                                                             cluster: RayCluster) -> None:
     """The extraction of a step the source never published: the worker exits with its error, the job FAILED, and
@@ -132,3 +140,47 @@ def test_a_stage_failing_in_its_ray_job_fails_its_step_with_the_workers_error(tm
     assert "step-000002/policy.json: not found" in error
     (job,) = _jobs_of(JobSubmissionClient(cluster.address), result.run_id)
     assert job.status == JobStatus.FAILED
+
+
+def _pipes_job(script: str) -> dict:
+    """A Ray job running `script` in this environment's Python, as the Ray stage client submits it."""
+    return {"entrypoint": f"{sys.executable} -c {shlex.quote(script)}", "entrypoint_num_cpus": 0,
+            "runtime_env": {"env_vars": {}}}
+
+
+CURVE = 40_000  # a 230 kB materialization: many writes of the job's stdout, more than one chunk of Ray's tail
+
+
+def test_a_long_message_from_a_ray_job_reaches_dagster_whole(cluster: RayCluster) -> None:
+    """A worker's materialization with a loss curve of 230 kB in its metadata, sent over the job's log: it
+    reaches Dagster whole, however Ray's log tail cut it."""
+    script = ("from dagster_pipes import open_dagster_pipes\n"
+              "with open_dagster_pipes() as pipes:\n"
+              f"    pipes.report_asset_materialization(metadata={{'curve': {{'raw_value': list(range({CURVE})), "
+              "'type': 'json'}})\n")
+
+    @dg.asset
+    def curve(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        return PipesRayStageClient(cluster.address).run(context=context, submit_job_params=_pipes_job(script)
+                                                        ).get_materialize_result()
+
+    result = dg.materialize([curve])
+    assert result.success
+    assert result.asset_materializations_for_node("curve")[0].metadata["curve"].value == list(range(CURVE))
+
+
+@pytest.mark.reliability("fault", "a stage's Ray job that exits without its Pipes `closed` message: the step fails "
+                                  "naming what arrived last, never passes without its reports")
+def test_a_ray_job_that_loses_its_end_fails_the_step(cluster: RayCluster) -> None:
+    script = ("import os\nfrom dagster_pipes import open_dagster_pipes\n"
+              "pipes = open_dagster_pipes()\npipes.log.info('started')\nos._exit(0)\n")
+
+    @dg.asset
+    def cut_short(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        return PipesRayStageClient(cluster.address).run(context=context, submit_job_params=_pipes_job(script)
+                                                        ).get_materialize_result()
+
+    result = dg.materialize([cut_short], raise_on_error=False)
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    assert "did not all reach Dagster: 2 arrived (the last: log)" in failure.step_failure_data.error.to_string()

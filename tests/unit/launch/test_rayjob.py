@@ -62,9 +62,13 @@ def test_a_remote_cluster_gets_the_working_dir_and_runs_its_own_python() -> None
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    ({"launch": {"ray": {"resources": {"GPU": 1}}}}, "launch.ray.resources"),
-    ({"launch": {"ray": {"resources": {"drafter_slot": 0}}}}, "launch.ray.resources"),
-    ({"launch": {"launcher": "ray", "training": {"nnodes": 2}}}, "launch.training.nnodes is 2"),
+    pytest.param({"launch": {"ray": {"resources": {"GPU": 1}}}}, "launch.ray.resources", id="builtin-resource",
+                 marks=pytest.mark.reliability("bad_input", "launch.ray.resources naming CPU, GPU or memory")),
+    pytest.param({"launch": {"ray": {"resources": {"drafter_slot": 0}}}}, "launch.ray.resources", id="zero-slot",
+                 marks=pytest.mark.reliability("bad_input", "launch.ray.resources with an amount <= 0")),
+    pytest.param({"launch": {"launcher": "ray", "training": {"nnodes": 2}}}, "launch.training.nnodes is 2",
+                 id="several-nodes",
+                 marks=pytest.mark.reliability("bad_input", "launcher ray with a training on several nodes")),
 ])
 def test_ray_settings_are_validated_with_the_key_named(overrides: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
