@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +59,7 @@ def _node_ports() -> list[str]:
     return [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
             f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
             f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-            "--object-store-memory=78643200"]  # 75 MiB (Ray's least): the stages' data goes through the store
+            "--object-store-memory=78643200"]  # 75 MiB, Ray's least: the stages pass nothing through Ray's objects
 
 
 @contextmanager
@@ -83,7 +83,7 @@ def _node(args: list[str], log: Path) -> Iterator[subprocess.Popen]:
         proc.wait()
 
 
-def _wait(condition, what: str, log_dir: Path) -> None:  # noqa: ANN001
+def _wait(condition: Callable[[], bool], what: str, log_dir: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         try:
