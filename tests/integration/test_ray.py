@@ -41,9 +41,10 @@ def cluster() -> Iterator[RayCluster]:
         yield running
 
 
-def _config(tmp_path: Path, cluster: RayCluster, resources: dict[str, float], training_ranks: int = 1) -> Path:
+def _config(tmp_path: Path, cluster: RayCluster, training_ranks: int = 1) -> Path:
+    """A tiny config whose stages are Ray jobs asking for the slot, and step 1's rollouts published."""
     path = write_config(tmp_path, {"launch": {"launcher": "ray", "ray": {"address": cluster.address,
-                                                                         "resources": resources},
+                                                                         "resources": SLOT},
                                               "extraction": ONE_CPU, "training": {**ONE_CPU, "nproc": training_ranks},
                                               "evaluation": ONE_CPU, "refresh": ONE_CPU}})
     cfg = load_config(path)
@@ -62,7 +63,7 @@ def test_a_step_runs_its_stages_as_ray_jobs_on_the_node_with_their_slot(tmp_path
     (torchrun in its job): the step's drafter trains and is measured as with any launcher, each stage's
     materialization (sent over the job's log) reaches Dagster, and every job ran on the one node that has the
     slot, never on the trainer's or the head."""
-    path = _config(tmp_path, cluster, SLOT, training_ranks=2)
+    path = _config(tmp_path, cluster, training_ranks=2)
     cfg = load_config(path)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("rl_step", [KEY])
@@ -98,10 +99,10 @@ def test_a_stage_waits_for_its_slot_while_another_job_holds_it(tmp_path: Path, c
     """The slot held by another job (an RL trainer's work, say) for a few seconds: the extraction's job queues
     (PENDING), starts once the holder ends and succeeds; its placement record holds the wait, at least the
     time from its submission to the holder's end."""
-    path = _config(tmp_path, cluster, SLOT)
+    path = _config(tmp_path, cluster)
     cfg = load_config(path)
     client = JobSubmissionClient(cluster.address)
-    holder = client.submit_job(entrypoint="python -c 'import time; time.sleep(6)'", entrypoint_num_cpus=0,
+    holder = client.submit_job(entrypoint="python -c 'import time; time.sleep(8)'", entrypoint_num_cpus=0,
                                entrypoint_resources=SLOT)
     while client.get_job_status(holder) != JobStatus.RUNNING:
         time.sleep(0.1)
@@ -127,7 +128,7 @@ def test_a_stage_failing_in_its_ray_job_fails_its_step_with_the_workers_error(tm
                                                                             cluster: RayCluster) -> None:
     """The extraction of a step the source never published: the worker exits with its error, the job FAILED, and
     the step fails with Ray's message, which carries the end of the job's log (the worker's traceback)."""
-    path = _config(tmp_path, cluster, SLOT)
+    path = _config(tmp_path, cluster)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("rl_step", ["step-000002"])
         result = dg.materialize([hidden_states], partition_key="step-000002", instance=instance,
