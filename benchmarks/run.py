@@ -59,6 +59,7 @@ _IO = ("write_vs_raw", "read_vs_raw", "read_vs_torch_save", "read_vs_safetensors
        "compressed_read_gbps_per_core", "random_read_ms")
 _LAUNCH = ("launched_vs_in_process_ratio", "warm_vs_in_process_ratio", "warm_vs_in_process_step_ratio",
            "launch_overhead_s", "warm_overhead_s", "dagster_step_overhead_s", "warm_launcher_overhead_s")
+_RAY_LAUNCH = ("ray_vs_in_process_ratio", "ray_overhead_s", "ray_vs_launched_ratio")  # None without ray[default]
 
 SECTIONS = (
     Section("policy_loss", policy_loss.run, ("peak_mem_ratio", "time_ratio")),
@@ -75,7 +76,8 @@ SECTIONS = (
     Section("target_load", target_load.run, ("load_time_ratio", "load_and_first_forward_ratio")),
     Section("extraction", extraction.run, ("tokens_per_s_vs_plain_forward", "capture_tokens_per_s_vs_plain_forward",
                                            "storage_bound_vs_plain_forward", "peak_rss_ratio_4x_step")),
-    Section("stage_launch", stage_launch.run, (*_LAUNCH, *(f"large_{name}" for name in _LAUNCH))),
+    Section("stage_launch", stage_launch.run, (*_LAUNCH, *(f"large_{name}" for name in _LAUNCH)),
+            (*_RAY_LAUNCH, *(f"large_{name}" for name in _RAY_LAUNCH))),
     Section("evaluation", evaluation.run, ("per_token_cost_ratio_2048_vs_128", "batched_speedup",
                                            "tau_estimate_abs_diff", "peagle_eagle3_per_token_k4_ratio",
                                            "peagle_eagle3_per_token_k8_ratio")),

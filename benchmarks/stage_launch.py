@@ -22,6 +22,10 @@ extraction takes minutes). For each:
   `warm_launcher_overhead_s` compare the warm step with it: what the launcher itself adds (the Pipes
   session and hand-off), with the extraction's speed in another process than this one, which on busy
   cores varies by several percent either way (`warm_worker_stage_s` against `in_process_s`).
+* `ray_vs_in_process_ratio`, `ray_overhead_s`: the same with `launch.launcher: ray`, the stage a Ray job on a
+  one-node Ray cluster on loopback (`ops.ray_cluster`, started once for the run): the job's submission, Ray's
+  job supervisor actor, the same fresh process, its log tailed for the Pipes messages. `ray_vs_launched_ratio`:
+  the subprocess step's seconds over the Ray job's. None when Ray (ray[default]) is not installed.
 * `launch_overhead_s` and `warm_overhead_s`: a launched step's seconds minus the in-process call's:
   what a process per stage (or a job on a warm worker) costs per step, whatever the step's size;
   `break_even_step_s` and `warm_break_even_step_s` are the in-process extraction times from which
@@ -38,12 +42,18 @@ match, so the ratios compare where the work runs, not how many cores it may use.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import tempfile
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ops.ray_cluster import RayCluster
 
 STEP, KEY = 1, "step-000001"
 LARGE_STEP, LARGE_KEY = 2, "step-000002"
@@ -118,6 +128,15 @@ def _in_process_asset():
     return hidden_states
 
 
+def _ray_figures(call: float, launched: float, ray: float | None, ray_worker: float | None) -> dict:
+    if ray is None or ray_worker is None:
+        return {"ray_s": None, "ray_worker_stage_s": None, "ray_vs_in_process_ratio": None, "ray_overhead_s": None,
+                "ray_vs_launched_ratio": None}
+    return {"ray_s": round(ray, 3), "ray_worker_stage_s": round(ray_worker, 3),
+            "ray_vs_in_process_ratio": round(call / ray, 3), "ray_overhead_s": round(ray - call, 3),
+            "ray_vs_launched_ratio": round(launched / ray, 3)}
+
+
 def _figures(tokens: int, call: float, step: float, launched: float, warm: float, worker: float,
              warm_worker: float) -> dict:
     overhead, warm_overhead = launched - call, warm - call
@@ -157,7 +176,21 @@ def run(tiny: bool = False) -> dict:
         torch.set_num_threads(threads)
 
 
+def _ray_cluster() -> AbstractContextManager[RayCluster | None]:
+    """A one-node Ray cluster on loopback for the `ray` launcher's figures, or None without Ray."""
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("dagster_ray") is None:
+        return nullcontext()
+    from ops.ray_cluster import ray_cluster
+
+    return ray_cluster(head_cpus=2)
+
+
 def _measure(sizes: Sizes) -> dict:
+    with _ray_cluster() as cluster:
+        return _measure_on(sizes, cluster)
+
+
+def _measure_on(sizes: Sizes, cluster: RayCluster | None) -> dict:
     import dagster as dg
     import yaml
 
@@ -178,6 +211,10 @@ def _measure(sizes: Sizes) -> dict:
         path.write_text(yaml.safe_dump({**base, "launch": {"launcher": "subprocess"}}))
         warm_path = Path(tmp) / "warm.yaml"
         warm_path.write_text(yaml.safe_dump({**base, "launch": {"launcher": "warm", "warm_idle_s": 60.0}}))
+        ray_path = Path(tmp) / "ray.yaml"  # what the loopback node has, not a GPU node's 8 CPUs and 64 GiB
+        ray_path.write_text(yaml.safe_dump({**base, "launch": {
+            "launcher": "ray", "ray": {"address": cluster.address if cluster else ""},
+            "extraction": {"cpu": "1", "memory": "1Gi"}}}))
         cfg = load_config(path)
         store = open_store(cfg)
         SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
@@ -197,7 +234,7 @@ def _measure(sizes: Sizes) -> dict:
 
             def measure(step: int, key: str, rounds: int) -> dict:
                 seconds: dict[str, list[float]] = {k: [] for k in ("call", "step", "launched", "worker", "warm",
-                                                                   "warm_worker")}
+                                                                   "warm_worker", "ray", "ray_worker")}
                 for _ in range(rounds):  # alternated, best of the rounds each: the machine's other load falls on all
                     started = time.perf_counter()
                     manifest = extract.extract_hidden_states(store, cfg, step)
@@ -209,9 +246,14 @@ def _measure(sizes: Sizes) -> dict:
                     warm, warm_worker = step_seconds(hidden_states, warm_path, key)
                     seconds["warm"].append(warm)
                     seconds["warm_worker"].append(warm_worker)
-                best = {k: min(v) for k, v in seconds.items()}
-                return _figures(manifest.num_tokens, best["call"], best["step"], best["launched"], best["warm"],
-                                best["worker"], best["warm_worker"])
+                    if cluster:
+                        ray, ray_worker = step_seconds(hidden_states, ray_path, key)
+                        seconds["ray"].append(ray)
+                        seconds["ray_worker"].append(ray_worker)
+                best = {k: min(v) if v else None for k, v in seconds.items()}
+                return {**_figures(manifest.num_tokens, best["call"], best["step"], best["launched"], best["warm"],
+                                   best["worker"], best["warm_worker"]),
+                        **_ray_figures(best["call"], best["launched"], best["ray"], best["ray_worker"])}
 
             warm_cold_s = step_seconds(hidden_states, warm_path, KEY)[0]  # starts the worker
             small = measure(STEP, KEY, sizes.rounds)

@@ -76,12 +76,41 @@ def _quantity(value: str, key: str) -> str:
     return value
 
 
-class PodConfig(_Strict):
-    """A launched stage's pod: its CPU and memory (requests = limits: a Guaranteed pod)."""
+class RayConfig(_Strict):
+    """The Ray cluster every model stage is submitted to as a Ray job under `launch.launcher: ray`."""
 
-    cpu: str = Field(default="8", description="CPU request (and limit) of the stage's pod.")
-    memory: str = Field(default="64Gi", description="Memory request (and limit) of the stage's pod: the policy is "
-                                                    "loaded there (its weights, in `target.dtype`, plus batches).")
+    address: str = Field(
+        default="", description="The cluster's dashboard (job submission) address, e.g. http://head:8265; "
+                                "`RAY_ADDRESS` when empty.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources every stage's job asks for besides its CPUs, GPUs and memory, e.g. "
+                    "{drafter_slot: 1}, a slot an RL trainer sharing the cluster leaves free: a job waits for it, "
+                    "never preempts.")
+    working_dir: str = Field(
+        default="",
+        description="Empty: the cluster shares this machine's filesystem (a cluster on it, or nodes that mount "
+                    "the project at the same path) and a stage runs this process's Python in its project "
+                    "directory; otherwise the Ray runtime_env working_dir of a remote cluster (a local folder Ray "
+                    "uploads, or a zip's URI) run with the nodes' `python`.")
+
+    @field_validator("resources")
+    @classmethod
+    def _amounts(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = {name: amount for name, amount in value.items() if amount <= 0 or name in ("CPU", "GPU", "memory")}
+        if bad:
+            raise ValueError(f"launch.ray.resources {bad} must be custom resources with amounts > 0: a stage's "
+                             "CPU, GPU and memory come from launch.<stage>")
+        return value
+
+
+class PodConfig(_Strict):
+    """A launched stage's pod (or Ray job): its CPU and memory (requests = limits: a Guaranteed pod)."""
+
+    cpu: str = Field(default="8", description="CPU request (and limit) of the stage's pod; its Ray job's CPUs.")
+    memory: str = Field(default="64Gi", description="Memory request (and limit) of the stage's pod, its Ray job's "
+                                                    "memory: the policy is loaded there (its weights, in "
+                                                    "`target.dtype`, plus batches).")
 
     @field_validator("cpu", "memory")
     @classmethod
@@ -129,17 +158,19 @@ class RefreshLaunchConfig(PodConfig):
 class LaunchConfig(_Strict):
     """How every model stage's process starts, through Dagster Pipes (pipeline/launch/)."""
 
-    launcher: Literal["subprocess", "warm", "k8s"] = Field(
+    launcher: Literal["subprocess", "warm", "k8s", "ray"] = Field(
         default="warm",
         description="`subprocess`: a process per stage (torchrun for several ranks) on the orchestrator's machine; "
                     "`warm`: a one-rank stage on its stage's long-lived worker there, several ranks as `subprocess`; "
-                    "`k8s`: a GPU pod (Dagster Pipes all three).",
+                    "`k8s`: a GPU pod; `ray`: a Ray job on the cluster of `launch.ray` (Dagster Pipes all four).",
     )
     warm_idle_s: float = Field(
         default=300.0, gt=0,
         description="`launcher: warm`: a stage's worker exits after this many seconds without a job.",
     )
     k8s: K8sConfig = Field(default_factory=K8sConfig, description="What the stages' pods share (`launcher: k8s`).")
+    ray: RayConfig = Field(default_factory=RayConfig,
+                           description="The cluster of the stages' Ray jobs (`launcher: ray`).")
     extraction: ExtractionLaunchConfig = Field(default_factory=ExtractionLaunchConfig,
                                                description="The extraction stage's ranks and pod.")
     training: TrainingLaunchConfig = Field(default_factory=TrainingLaunchConfig,
@@ -748,6 +779,13 @@ class PipelineConfig(_Strict):
             raise ValueError("launch.launcher k8s needs storage.root on s3://: a stage's pod cannot read local files")
         if not self.mlflow.tracking_uri.startswith(("http://", "https://")):
             raise ValueError("launch.launcher k8s needs mlflow.tracking_uri of a tracking server (http:// or https://)")
+        return self
+
+    @model_validator(mode="after")
+    def _ray_nodes(self) -> PipelineConfig:
+        if self.launch.launcher == "ray" and self.launch.training.nnodes > 1:
+            raise ValueError(f"launch.launcher ray runs a stage's ranks on one node, but launch.training.nnodes is "
+                             f"{self.launch.training.nnodes}: set it to 1 (launch.training.nproc ranks on that node)")
         return self
 
     @property

@@ -1,6 +1,6 @@
 """Starting a model stage (extraction, training, evaluation, refresh) as its own process(es) through Dagster
 Pipes: the commands and pods come from `pipeline.launch.process` (and `pipeline.launch.multinode` for several
-nodes), a one-rank stage's warm worker from `resources.warm`."""
+nodes), a Ray job's from `pipeline.launch.rayjob`, a one-rank stage's warm worker from `resources.warm`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pipeline.launch.multinode import (
     training_service_spec,
 )
 from pipeline.launch.process import StageJob, pod_labels, stage_command, stage_pod_spec, stage_ranks
+from pipeline.launch.rayjob import ray_stage_job
 from pipeline.launch.warm import WarmWorker
 from pipeline.stages import TRAINING, Stage
 from pipeline.training.plan import TrainJob
@@ -35,7 +36,8 @@ class StageLauncher:
     the worker itself for one rank, torchrun for several; a training on several nodes as loopback nodes), the
     stage's warm worker for one rank and a subprocess for several (`warm`), a GPU pod (`k8s`, through
     `PipesK8sClient`), or for a training on several nodes an indexed Job of `launch.training.nnodes` GPU pods
-    (`k8s`); the last two need dagster-k8s."""
+    (`k8s`), which need dagster-k8s; or a Ray job on the cluster of `launch.ray` (`ray`, through dagster-ray's
+    `PipesRayJobClient`)."""
 
     def __init__(self, cfg: PipelineConfig, working_dir: Path, mlflow_ui_url: str) -> None:
         self.cfg, self.working_dir, self.mlflow_ui_url = cfg, working_dir, mlflow_ui_url
@@ -43,8 +45,8 @@ class StageLauncher:
 
     @property
     def where(self) -> str:
-        """Where a stage runs: `pod` or `process` (a subprocess of the Dagster run)."""
-        return "pod" if self.launch.launcher == "k8s" else "process"
+        """Where a stage runs: `pod`, `ray` (a Ray job) or `process` (a subprocess of the Dagster run)."""
+        return {"k8s": "pod", "ray": "ray"}.get(self.launch.launcher, "process")
 
     def stage_job(self, stage: Stage, step: int, **fields: object) -> StageJob:
         return StageJob(stage, step, self.cfg.model_dump(mode="json"), self.where, **fields)
@@ -91,6 +93,12 @@ class StageLauncher:
                     base_pod_meta={"labels": pod_labels(self.cfg, stage, step)},
                     base_pod_spec=stage_pod_spec(self.cfg, stage),
                 )
+            if self.launch.launcher == "ray":
+                from resources.ray_jobs import PipesRayStageClient  # only deployments on Ray import dagster-ray
+
+                job = ray_stage_job(self.cfg, stage, self.working_dir)
+                return PipesRayStageClient(self.launch.ray.address).run(
+                    context=context, extras=extras, submit_job_params=job.submit_params())
             if warm:
                 return PipesWarmClient(stage, self.cfg.data_path, self.working_dir,
                                        self.launch.warm_idle_s).run(context=context, extras=extras,

@@ -43,6 +43,7 @@ SLOWEST_FIRST = ["tests/integration/test_families.py", "tests/integration/test_p
                  "tests/integration/test_dagster.py", "tests/integration/test_deploy.py",
                  "tests/integration/test_reliability.py", "tests/integration/test_train_process.py",
                  "tests/integration/test_async_steps.py", "tests/integration/test_stages.py",
+                 "tests/integration/test_ray.py",
                  "tests/integration/test_refresh.py", "tests/integration/test_postgres_faults.py",
                  "tests/integration/test_trl.py", "tests/integration/test_untrusted_trainer.py",
                  "tests/unit/serving/test_hot_update.py", "tests/unit/serving/test_fleet.py",

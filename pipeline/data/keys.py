@@ -11,7 +11,7 @@
     acceptance/<run>/step-000123.json             a step's acceptance record
     cost/<run>/step-000123.json                   a step's entry in the cost ledger
     replay/<run>/step-000123.json                 the step's rollouts replayed per drafter: the measured speedup
-    placement/<run>/step-000123/<stage>.json      where a launched stage ran (process or pod, ranks, memory)
+    placement/<run>/step-000123/<stage>.json      where a launched stage ran (process, pod or ray, ranks, memory, wait)
     training/<run>/<input id>/                    resumable checkpoints of one training, origin.json
     fleet/<run>/state.json                        which drafter version the fleet serves
     refresh/<run>/step-000123.json                a step's same-step refresh (refresh/plan.py)

@@ -536,25 +536,28 @@ class StagePlacement:
     """Where a launched stage of a step ran, as its worker measured it."""
 
     stage: Stage  # stored by its name
-    where: str  # process (a subprocess of the Dagster run) | pod (a Kubernetes pod through PipesK8sClient)
+    where: str  # process (a subprocess of the Dagster run) | pod (a Kubernetes pod) | ray (a Ray job on a cluster)
     ranks: int
     device: str  # the torch device of rank 0, with the GPU's name on CUDA
     peak_memory_bytes: int  # the largest rank's peak: resident host memory, or allocated GPU memory on CUDA
     seconds: float  # wall time of the stage's work in its worker, from start-up to its result
+    waited_s: float = 0.0  # a Ray job: submitted -> its process started (waiting for its resources, then its start)
 
     def metadata(self) -> dict[str, str | int | float]:
         """The figures as a materialization shows them."""
         return {"ran_in": self.where, "ranks": self.ranks, "device": self.device,
-                "peak_memory_gb": round(self.peak_memory_bytes / 1e9, 3), "stage_seconds": round(self.seconds, 2)}
+                "peak_memory_gb": round(self.peak_memory_bytes / 1e9, 3), "stage_seconds": round(self.seconds, 2),
+                "waited_seconds": round(self.waited_s, 2)}
 
     def to_json(self) -> dict:
         return {"stage": self.stage.name, "where": self.where, "ranks": self.ranks, "device": self.device,
-                "peak_memory_bytes": self.peak_memory_bytes, "seconds": self.seconds}
+                "peak_memory_bytes": self.peak_memory_bytes, "seconds": self.seconds, "waited_s": self.waited_s}
 
     @classmethod
     def from_json(cls, doc: dict) -> StagePlacement:
         return cls(stage_named(doc["stage"], "stage placement"), str(doc["where"]), int(doc["ranks"]),
-                   str(doc["device"]), int(doc["peak_memory_bytes"]), float(doc["seconds"]))
+                   str(doc["device"]), int(doc["peak_memory_bytes"]), float(doc["seconds"]),
+                   float(doc.get("waited_s", 0.0)))  # a record without it: its stage never queued
 
 
 def read_placements(store: ObjectStore, run: str, step: int) -> tuple[StagePlacement, ...]:

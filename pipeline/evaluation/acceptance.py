@@ -264,7 +264,7 @@ def evaluate_step(
     spent_s: dict[Stage, float] | None = None, ranks: Ranks = SINGLE, where: str = "process",
 ) -> AcceptanceRecord | None:
     """Measure the drafters (on every rank), then on rank 0: decide on promotion, move aliases, write the
-    step's acceptance record, where the evaluation ran (`where`: process or pod), the step's replay (`eval.replay`)
+    step's acceptance record, where the evaluation ran (`where`: process, pod or ray), the step's replay (`eval.replay`)
     and its ledger entry (`spent_s`: device-seconds of the stages before this one, by stage; the replay is
     measurement, not the drafter's cost, and is not counted). None on the other ranks."""
     started = time.perf_counter()

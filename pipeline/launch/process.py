@@ -31,7 +31,7 @@ class StageJob:
     stage: Stage  # extraction | evaluation | refresh
     step: int
     config: dict  # the full PipelineConfig, resolved (a pod may not see the orchestrator's files)
-    where: str  # process | pod: where the launcher starts it, for its placement record
+    where: str  # process | pod | ray: where the launcher starts it, for its placement record
     new_version: str | None = None  # evaluation: the drafter version the step's training produced
     spent_s: dict[Stage, float] = field(default_factory=dict)  # evaluation: device-seconds of the earlier stages
     part: int | None = None  # refresh: the qualifying part
@@ -60,7 +60,7 @@ class StageJob:
             *([] if stage is None or doc["stage"] == stage.name else [f"it is a {doc['stage']} job, sent to {stage}"]),
             *([] if _is_int(step) and step >= 0 else ["step must be an integer >= 0"]),
             *([] if isinstance(doc["config"], dict) else ["config must be a mapping"]),
-            *([] if doc["where"] in ("process", "pod") else ["where must be process or pod"]),
+            *([] if doc["where"] in ("process", "pod", "ray") else ["where must be process, pod or ray"]),
             *([] if doc["new_version"] is None or isinstance(doc["new_version"], str) else
               ["new_version must be a string or null"]),
             *([] if isinstance(spent, dict) and all(k in LAUNCHED_NAMES and isinstance(v, (int, float))

@@ -4,7 +4,11 @@ client's models), the `gpu` concurrency pool."""
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -28,7 +32,9 @@ from pipeline.launch.process import (
     stage_pod_spec,
     worker_command,
 )
-from pipeline.stages import TRAINING
+from pipeline.launch.rayjob import quantity as ray_quantity
+from pipeline.launch.rayjob import ray_stage_job
+from pipeline.stages import LAUNCHED, TRAINING
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -196,3 +202,74 @@ def test_the_gpu_pool_lets_one_step_run_at_a_time(tmp_path: Path) -> None:
         assert finished == [True]
     finally:
         instance.dispose()
+
+
+# --- launch.launcher: ray (docs/production.md, "Model stages as Ray jobs") -----------------------------------
+
+
+def _ray_settings() -> dict:
+    """The `launch:` settings docs/production.md gives for deploy/raycluster.yaml, as written there."""
+    section = (ROOT / "docs" / "production.md").read_text().split("## Model stages as Ray jobs", 1)[1]
+    block = re.search(r"```yaml\n(launch:\n.*?)```", section, re.DOTALL)
+    assert block, "docs/production.md's Ray section has no `launch:` block"
+    return yaml.safe_load(block.group(1))
+
+
+def test_the_docs_show_the_ray_manifests_as_they_are() -> None:
+    production = (ROOT / "docs" / "production.md").read_text()
+    for name in ("raycluster.yaml", "ray-slurm.sbatch"):
+        assert (DEPLOY / name).read_text() in production, f"docs/production.md's copy of deploy/{name} differs"
+
+
+def test_every_stage_job_fits_the_kuberay_drafter_node() -> None:
+    """deploy/raycluster.yaml as data: its pod templates are the kubernetes client's models, the trainer's RayJob
+    targets this cluster, and the drafter group's node holds each stage's Ray job of deploy/pipeline.yaml with the
+    docs' `launch.ray` (its CPUs, GPUs, memory and slot): a job that fits no node waits forever, unreported."""
+    cluster, trainer = yaml.safe_load_all((DEPLOY / "raycluster.yaml").read_text())
+    cfg = load_config(DEPLOY / "pipeline.yaml", _ray_settings())
+    assert (cluster["apiVersion"], cluster["kind"], trainer["kind"]) == ("ray.io/v1", "RayCluster", "RayJob")
+    assert trainer["spec"]["clusterSelector"] == {"ray.io/cluster": cluster["metadata"]["name"]}
+    spec = cluster["spec"]
+    for group in (spec["headGroupSpec"], *spec["workerGroupSpecs"]):
+        _model(kubernetes.client.V1PodTemplateSpec, group["template"])
+    head = spec["headGroupSpec"]
+    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+    dashboard = {p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
+    assert cfg.launch.ray.address.endswith(f":{dashboard['dashboard']}")
+
+    (drafter,) = [g for g in spec["workerGroupSpecs"] if g["groupName"] == "drafter"]
+    limits = drafter["template"]["spec"]["containers"][0]["resources"]["limits"]
+    custom = json.loads(json.loads(drafter["rayStartParams"]["resources"]))  # KubeRay's quoted JSON
+    gpus = int(drafter["rayStartParams"]["num-gpus"])
+    assert gpus == int(limits[cfg.launch.k8s.gpu_resource])
+    for stage in LAUNCHED:
+        job = ray_stage_job(cfg, stage, ROOT)
+        assert job.num_gpus <= gpus, stage
+        assert job.num_cpus <= ray_quantity(limits["cpu"]), stage
+        assert job.memory <= ray_quantity(limits["memory"]), stage
+        assert all(custom.get(name, 0) >= amount for name, amount in job.resources.items()), stage
+    for group in spec["workerGroupSpecs"]:  # the slot is the drafter node's alone
+        assert group is drafter or "resources" not in group["rayStartParams"]
+
+
+def test_the_slurm_recipe_starts_ray_with_options_this_ray_has() -> None:
+    """deploy/ray-slurm.sbatch: valid bash, every `ray start` option one this Ray's CLI takes, the head's node
+    holding the docs' slot, its job API at RAY_ADDRESS."""
+    recipe = DEPLOY / "ray-slurm.sbatch"
+    subprocess.run(["bash", "-n", str(recipe)], check=True)
+    script = recipe.read_text().replace("\\\n", " ")
+    commands = [line for line in script.splitlines() if not line.lstrip().startswith("#")]
+    starts = [line.split("ray start", 1)[1] for line in commands if "ray start" in line]
+    assert len(starts) == 2  # the head, then every other node
+    help_text = subprocess.run([str(Path(sys.executable).with_name("ray")), "start", "--help"], capture_output=True,
+                               text=True, check=True).stdout
+    known = set(re.findall(r"(--[a-z][a-z-]+)", help_text))
+    used = {option for start in starts for option in re.findall(r"(--[a-z][a-z-]+)", start)}
+    assert used <= known, f"options this Ray's `ray start` does not take: {sorted(used - known)}"
+    head = starts[0]
+    assert "--head" in head
+    assert "--address" in starts[1]
+    slot = json.loads(re.search(r"--resources='([^']+)'", head).group(1))
+    assert slot == _ray_settings()["launch"]["ray"]["resources"]
+    port = re.search(r"--dashboard-port=(\d+)", head).group(1)
+    assert f'RAY_ADDRESS="http://$head_ip:{port}"' in script

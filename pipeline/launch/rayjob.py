@@ -1,0 +1,76 @@
+"""A model stage as a Ray job (`launch.launcher: ray`): its entrypoint and what it asks the cluster for.
+
+The entrypoint is the stage's command on one machine (`pipeline.launch.process.stage_command`: the worker itself,
+torchrun for several ranks). The job asks for the stage's CPUs and memory (`launch.<stage>`), a GPU per rank on
+device cuda (a split policy's `target.split_devices` per rank) and the custom resources of `launch.ray.resources`;
+Ray starts the entrypoint on one node once they are free there, so a job waits (PENDING) while another job, or an
+RL trainer's placement groups, hold them: it never preempts. Ray's scheduler holds the entrypoint's resources for
+the job's life, so a stage's ranks get the node's devices Ray assigned (CUDA_VISIBLE_DEVICES).
+
+Where the code is: with `launch.ray.working_dir` empty the cluster shares this machine's filesystem (a cluster on
+this machine, or nodes that mount the project at the same path): the entrypoint runs this process's Python in the
+project directory. Otherwise it is the job's runtime_env `working_dir` (a folder Ray uploads, or a zip's URI), run
+by the nodes' `python`, whose environment has this project's dependencies.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.config import PipelineConfig
+from pipeline.launch.process import stage_command, stage_ranks
+from pipeline.stages import Stage
+
+_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
+_SCALE = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def quantity(value: str) -> float:
+    """A Kubernetes quantity (`launch.<stage>.cpu` / `.memory`, validated at load) as a number: 500m -> 0.5."""
+    match = _QUANTITY.fullmatch(value)
+    if not match:
+        raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)")
+    return float(match.group(1)) * _SCALE[match.group(2)]
+
+
+@dataclass(frozen=True)
+class RayStageJob:
+    """One stage's Ray job, as `JobSubmissionClient.submit_job` takes it (dagster-ray's `SubmitJobParams`)."""
+
+    entrypoint: str
+    num_cpus: float
+    num_gpus: float
+    memory: int  # bytes
+    resources: dict[str, float] = field(default_factory=dict)  # custom resources
+    runtime_env: dict = field(default_factory=dict)
+
+    def submit_params(self) -> dict:
+        """The keyword arguments of `submit_job` (each call its own copies: the Pipes client adds to them)."""
+        params = {"entrypoint": self.entrypoint, "entrypoint_num_cpus": self.num_cpus,
+                  "entrypoint_num_gpus": self.num_gpus, "entrypoint_memory": self.memory,
+                  "runtime_env": {**self.runtime_env, "env_vars": dict(self.runtime_env.get("env_vars", {}))}}
+        if self.resources:
+            params["entrypoint_resources"] = dict(self.resources)
+        return params
+
+
+def ray_stage_job(cfg: PipelineConfig, stage: Stage, project_dir: Path, python: str = sys.executable) -> RayStageJob:
+    """The stage's Ray job: its command in the project directory (`launch.ray.working_dir` empty) or in its
+    runtime_env working_dir, with the stage's resources."""
+    settings, ray = cfg.launch.of(stage), cfg.launch.ray
+    ranks = stage_ranks(cfg, stage)
+    per_rank = cfg.target.gpus_per_process if stage.policy_per_rank else 1
+    gpus = ranks * per_rank if cfg.device.startswith("cuda") else 0
+    if ray.working_dir:
+        entrypoint = shlex.join(stage_command(cfg, stage, python="python"))
+        runtime_env = {"working_dir": ray.working_dir}
+    else:
+        entrypoint = f"cd {shlex.quote(str(project_dir))} && exec {shlex.join(stage_command(cfg, stage, python))}"
+        runtime_env = {}
+    return RayStageJob(entrypoint, quantity(settings.cpu), float(gpus), int(quantity(settings.memory)),
+                       dict(ray.resources), runtime_env)

@@ -1,0 +1,187 @@
+"""Model stages as Ray jobs (`launch.launcher: ray`) on a real Ray cluster on loopback: a head and two worker
+nodes, one with the `drafter_slot` a trainer sharing the cluster would leave free, one with the trainer's own
+`rl_trainer` resource. A whole RL step through Dagster with every stage a Ray job placed on the node with its slot;
+a stage waiting, not preempting, while another job holds the slot, and the wait in its placement record; a stage
+failing in its job; the job's log as the Pipes channel: a long message whole, a lost end failing the step."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from ray.job_submission import JobStatus, JobSubmissionClient
+
+from assets.cotraining import hidden_states
+from definitions import build_definitions
+from ops.ray_cluster import RayCluster, RayNode, ray_cluster
+from pipeline.accounting.cost import read_cost
+from pipeline.config import load_config
+from pipeline.data.keys import placement_key
+from pipeline.data.records import StagePlacement, read_acceptance, read_record
+from pipeline.data.store import open_store
+from pipeline.sources.simulation import SimulatedRL
+from pipeline.stages import EVALUATION, EXTRACTION, TRAINING
+from resources import pipeline_resource
+from resources.ray_jobs import PipesRayStageClient
+from tests.support.config import write_config
+
+STEP, KEY = 1, "step-000001"
+SLOT = {"drafter_slot": 1.0}
+ONE_CPU = {"cpu": "1", "memory": "256Mi"}  # what a loopback node has, not a GPU node's 8 CPUs and 64 GiB
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RayCluster]:
+    with ray_cluster(head_cpus=1, workers=(RayNode(1, {"rl_trainer": 1.0}), RayNode(1, SLOT))) as running:
+        yield running
+
+
+def _config(tmp_path: Path, cluster: RayCluster, training_ranks: int = 1) -> Path:
+    """A tiny config whose stages are Ray jobs asking for the slot, and step 1's rollouts published."""
+    path = write_config(tmp_path, {"launch": {"launcher": "ray", "ray": {"address": cluster.address,
+                                                                         "resources": SLOT},
+                                              "extraction": ONE_CPU, "training": {**ONE_CPU, "nproc": training_ranks},
+                                              "evaluation": ONE_CPU, "refresh": ONE_CPU}})
+    cfg = load_config(path)
+    SimulatedRL(cfg.simulation, open_store(cfg), cfg.run, cfg.data_path / "cache").run_step(STEP)
+    return path
+
+
+def _jobs_of(client: JobSubmissionClient, run_id: str) -> list:
+    """The Ray jobs a Dagster run submitted (dagster-ray tags each with the run's id), oldest first."""
+    jobs = [job for job in client.list_jobs() if run_id in (job.metadata or {}).values()]
+    return sorted(jobs, key=lambda job: job.start_time)
+
+
+def test_a_step_runs_its_stages_as_ray_jobs_on_the_node_with_their_slot(tmp_path: Path, cluster: RayCluster) -> None:
+    """rl_step_job with every model stage a Ray job asking for `drafter_slot`, the training on two gloo ranks
+    (torchrun in its job): the step's drafter trains and is measured as with any launcher, each stage's
+    materialization (sent over the job's log) reaches Dagster, and every job ran on the one node that has the
+    slot, never on the trainer's or the head."""
+    path = _config(tmp_path, cluster, training_ranks=2)
+    cfg = load_config(path)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_step", [KEY])
+        result = build_definitions(str(path)).resolve_job_def("rl_step_job").execute_in_process(
+            instance=instance, partition_key=KEY)
+        assert result.success
+        extracted = instance.get_latest_materialization_event(dg.AssetKey("hidden_states")).asset_materialization
+        assert extracted.metadata["ran_in"].value == "ray"
+        checks = [e for e in result.get_asset_check_evaluations() if e.asset_key == dg.AssetKey("acceptance")]
+        assert checks
+        assert all(c.passed for c in checks)
+    store = open_store(cfg)
+    assert read_acceptance(store, cfg.run, STEP).cotrained.version == "1"
+    placements = [read_record(store, placement_key(cfg.run, STEP, s), StagePlacement)
+                  for s in (EXTRACTION, TRAINING, EVALUATION)]
+    assert [(p.where, p.ranks) for p in placements] == [("ray", 1), ("ray", 2), ("ray", 1)]
+    assert all(p.waited_s > 0 for p in placements)  # submitted -> started: at least the cluster's start of it
+    ledger = {p.stage: p for p in read_cost(store, cfg.run, STEP).placements}  # the step's row: its stages' waits
+    assert [ledger[s] for s in (EXTRACTION, TRAINING)] == placements[:2]
+
+    client = JobSubmissionClient(cluster.address)
+    jobs = _jobs_of(client, result.run_id)
+    assert [job.entrypoint.rsplit(" ", 1)[-1] for job in jobs] == [s.worker for s in (EXTRACTION, TRAINING,
+                                                                                       EVALUATION)]
+    assert "--nproc-per-node=2" in jobs[1].entrypoint
+    assert all(job.status == JobStatus.SUCCEEDED for job in jobs)
+    assert {job.driver_node_id for job in jobs} == {cluster.node_ids()["drafter_slot"]}
+
+
+@pytest.mark.reliability("fault", "a stage's Ray job submitted while another job holds its slot: it waits (PENDING), "
+                                  "never preempts, runs once the slot is free, and records the wait")
+def test_a_stage_waits_for_its_slot_while_another_job_holds_it(tmp_path: Path, cluster: RayCluster) -> None:
+    """The slot held by another job (an RL trainer's work, say) for a few seconds: the extraction's job queues
+    (PENDING), starts once the holder ends and succeeds; its placement record holds the wait, at least the
+    time from its submission to the holder's end."""
+    path = _config(tmp_path, cluster)
+    cfg = load_config(path)
+    client = JobSubmissionClient(cluster.address)
+    holder = client.submit_job(entrypoint="python -c 'import time; time.sleep(8)'", entrypoint_num_cpus=0,
+                               entrypoint_resources=SLOT)
+    while client.get_job_status(holder) != JobStatus.RUNNING:
+        time.sleep(0.1)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_step", [KEY])
+        result = dg.materialize([hidden_states], partition_key=KEY, instance=instance,
+                                resources={"pipeline": pipeline_resource(str(path))})
+        assert result.success
+        metadata = result.asset_materializations_for_node("hidden_states")[0].metadata
+    held = client.get_job_info(holder)
+    (stage,) = _jobs_of(client, result.run_id)
+    assert held.status == JobStatus.SUCCEEDED
+    queued_s = (held.end_time - stage.start_time) / 1000  # Ray's clock: the stage's submission -> the slot freed
+    assert queued_s > 1.0, "the holder ended before the stage was submitted: nothing to wait for"
+    placement = read_record(open_store(cfg), placement_key(cfg.run, STEP, EXTRACTION), StagePlacement)
+    assert placement.waited_s >= queued_s
+    assert metadata["waited_seconds"].value == round(placement.waited_s, 2)
+
+
+@pytest.mark.reliability("fault", "a stage's worker failing in its Ray job: the step fails with the worker's error "
+                                  "from the job's log")
+def test_a_stage_failing_in_its_ray_job_fails_its_step_with_the_workers_error(tmp_path: Path,
+                                                                            cluster: RayCluster) -> None:
+    """The extraction of a step the source never published: the worker exits with its error, the job FAILED, and
+    the step fails with Ray's message, which carries the end of the job's log (the worker's traceback)."""
+    path = _config(tmp_path, cluster)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_step", ["step-000002"])
+        result = dg.materialize([hidden_states], partition_key="step-000002", instance=instance,
+                                resources={"pipeline": pipeline_resource(str(path))}, raise_on_error=False)
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    error = failure.step_failure_data.error.to_string()
+    assert "failed with status FAILED" in error
+    assert "RolloutsError" in error  # the worker's own error, from the end of the job's log
+    assert "step-000002/policy.json: not found" in error
+    (job,) = _jobs_of(JobSubmissionClient(cluster.address), result.run_id)
+    assert job.status == JobStatus.FAILED
+
+
+def _pipes_job(script: str) -> dict:
+    """A Ray job running `script` in this environment's Python, as the Ray stage client submits it."""
+    return {"entrypoint": f"{sys.executable} -c {shlex.quote(script)}", "entrypoint_num_cpus": 0,
+            "runtime_env": {"env_vars": {}}}
+
+
+CURVE = 40_000  # a 230 kB materialization: many writes of the job's stdout, more than one chunk of Ray's tail
+
+
+def test_a_long_message_from_a_ray_job_reaches_dagster_whole(cluster: RayCluster) -> None:
+    """A worker's materialization with a loss curve of 230 kB in its metadata, sent over the job's log: it
+    reaches Dagster whole, however Ray's log tail cut it."""
+    script = ("from dagster_pipes import open_dagster_pipes\n"
+              "with open_dagster_pipes() as pipes:\n"
+              f"    pipes.report_asset_materialization(metadata={{'curve': {{'raw_value': list(range({CURVE})), "
+              "'type': 'json'}})\n")
+
+    @dg.asset
+    def curve(context):  # annotations would be strings, which Dagster does not resolve
+        return PipesRayStageClient(cluster.address).run(context=context, submit_job_params=_pipes_job(script)
+                                                        ).get_materialize_result()
+
+    result = dg.materialize([curve])
+    assert result.success
+    assert result.asset_materializations_for_node("curve")[0].metadata["curve"].value == list(range(CURVE))
+
+
+@pytest.mark.reliability("fault", "a stage's Ray job that exits without its Pipes `closed` message: the step fails "
+                                  "naming what arrived last, never passes without its reports")
+def test_a_ray_job_that_loses_its_end_fails_the_step(cluster: RayCluster) -> None:
+    script = ("import os\nfrom dagster_pipes import open_dagster_pipes\n"
+              "pipes = open_dagster_pipes()\npipes.log.info('started')\nos._exit(0)\n")
+
+    @dg.asset
+    def cut_short(context):  # as `curve`
+        return PipesRayStageClient(cluster.address).run(context=context, submit_job_params=_pipes_job(script)
+                                                        ).get_materialize_result()
+
+    result = dg.materialize([cut_short], raise_on_error=False)
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    assert "did not all reach Dagster: 2 arrived (the last: log)" in failure.step_failure_data.error.to_string()

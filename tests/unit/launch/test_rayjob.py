@@ -1,0 +1,95 @@
+"""A stage's Ray job (`launch.launcher: ray`) as data: its entrypoint, what it asks the cluster for, where its code
+is; the wait a queued stage records; the `launch.ray` keys' validation."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, load_config
+from pipeline.launch.placement import SUBMITTED_AT_ENV
+from pipeline.launch.rayjob import quantity, ray_stage_job
+from pipeline.stages import EVALUATION, EXTRACTION, LAUNCHED, REFRESH, TRAINING
+
+PROJECT = Path("/srv/drafter")
+CUDA = {"device": "cuda", "launch": {"launcher": "ray", "ray": {"resources": {"drafter_slot": 1}},
+                                     "extraction": {"nproc": 2, "cpu": "12", "memory": "96Gi"},
+                                     "training": {"nproc": 4, "cpu": "500m", "memory": "512Mi"}}}
+
+
+@pytest.mark.parametrize(("value", "number"), [("8", 8.0), ("500m", 0.5), ("1.5", 1.5), ("64Gi", 64 * 2**30),
+                                               ("2G", 2e9), ("512Mi", 512 * 2**20)])
+def test_quantities_are_the_numbers_kubernetes_reads(value: str, number: float) -> None:
+    assert quantity(value) == number
+
+
+def test_a_stage_asks_for_its_cpus_memory_a_gpu_per_rank_and_the_slot() -> None:
+    cfg = load_config(overrides=CUDA)
+    extraction, training = ray_stage_job(cfg, EXTRACTION, PROJECT, "/venv/bin/python"), ray_stage_job(
+        cfg, TRAINING, PROJECT, "/venv/bin/python")
+    assert (extraction.num_cpus, extraction.num_gpus, extraction.memory) == (12.0, 2.0, 96 * 2**30)
+    assert (training.num_cpus, training.num_gpus, training.memory) == (0.5, 4.0, 512 * 2**20)
+    assert extraction.entrypoint == ("cd /srv/drafter && exec /venv/bin/python -m torch.distributed.run "
+                                     "--standalone --nproc-per-node=2 -m pipeline.sources.worker")
+    assert extraction.runtime_env == {}  # the cluster shares the filesystem: nothing uploaded
+    params = training.submit_params()
+    assert params["entrypoint_resources"] == {"drafter_slot": 1.0}
+    assert params["entrypoint_num_gpus"] == 4.0
+    params["runtime_env"]["env_vars"]["X"] = "1"  # the Pipes client adds its variables to its own copy
+    assert training.submit_params()["runtime_env"] == {"env_vars": {}}
+
+
+def test_a_split_policy_asks_for_its_block_per_rank_and_cpu_for_no_gpu() -> None:
+    split = load_config(overrides={**CUDA, "target": {"split": "layers", "split_devices": 4}})
+    assert [ray_stage_job(split, s, PROJECT).num_gpus for s in (EXTRACTION, TRAINING, EVALUATION, REFRESH)] == [
+        8.0, 4.0, 4.0, 4.0]  # extraction: 2 ranks x 4; training: a GPU per rank; evaluation, refresh: one rank
+    cpu = load_config(overrides={"launch": {"launcher": "ray"}})
+    assert {ray_stage_job(cpu, s, PROJECT).num_gpus for s in LAUNCHED} == {0.0}
+    assert "entrypoint_resources" not in ray_stage_job(cpu, EXTRACTION, PROJECT).submit_params()
+
+
+def test_a_remote_cluster_gets_the_working_dir_and_runs_its_own_python() -> None:
+    cfg = load_config(overrides={"launch": {"launcher": "ray", "ray": {"working_dir": "s3://code/drafter.zip"}}})
+    job = ray_stage_job(cfg, EVALUATION, PROJECT, "/venv/bin/python")
+    assert shlex.split(job.entrypoint) == ["python", "-m", "pipeline.evaluation.worker"]
+    assert job.runtime_env == {"working_dir": "s3://code/drafter.zip"}
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    pytest.param({"launch": {"ray": {"resources": {"GPU": 1}}}}, "launch.ray.resources", id="builtin-resource",
+                 marks=pytest.mark.reliability("bad_input", "launch.ray.resources naming CPU, GPU or memory")),
+    pytest.param({"launch": {"ray": {"resources": {"drafter_slot": 0}}}}, "launch.ray.resources", id="zero-slot",
+                 marks=pytest.mark.reliability("bad_input", "launch.ray.resources with an amount <= 0")),
+    pytest.param({"launch": {"launcher": "ray", "training": {"nnodes": 2}}}, "launch.training.nnodes is 2",
+                 id="several-nodes",
+                 marks=pytest.mark.reliability("bad_input", "launcher ray with a training on several nodes")),
+])
+def test_ray_settings_are_validated_with_the_key_named(overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+
+
+def _waited_in_child(submitted: str) -> subprocess.CompletedProcess:
+    code = "from pipeline.launch.placement import waited_s; print(waited_s())"
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, SUBMITTED_AT_ENV: submitted},
+                          capture_output=True, text=True, check=False, cwd=Path(__file__).resolve().parents[3])
+
+
+def test_a_queued_process_records_the_wait_from_its_submission_to_its_start() -> None:
+    """A process started 2 s after its submission waited 2 s (plus its own spawn), whatever its imports took; to
+    Linux's resolution of a process's start, a clock tick."""
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    started = time.time()
+    child = _waited_in_child(repr(started - 2.0))
+    ended = time.time()
+    assert child.returncode == 0, child.stderr
+    assert 2.0 - tick <= float(child.stdout) <= 2.0 + (ended - started)
+    bad = _waited_in_child("yesterday")
+    assert bad.returncode != 0
+    assert f"{SUBMITTED_AT_ENV} is 'yesterday'" in bad.stderr
