@@ -105,23 +105,25 @@ def speedup_goals(rows: list[dict], first_step: int = 3) -> dict | None:
             "served_over_baseline": spread("speedup_served_over_baseline")}
 
 
+def _cell(value: object, spec: str) -> str:
+    """A table cell: `value` formatted by `spec`, or a dash as wide when there is none."""
+    width = int(spec.split(".")[0])
+    return f"{'-':>{width}}" if value is None else format(value, spec)
+
+
 def format_replay(rows: list[dict]) -> str:
     """Each step's rollouts replayed per arm: seconds without a drafter and with each, and the speedups measured."""
     head = (f"{'step':>4} {'none s':>7} {'baseline s':>10} {'served s':>8} {'co-tr s':>7} {'served':>7} "
             f"{'tail':>6} {'vs base':>7} {'co-tr':>6} {'tail':>6}")
     lines = [head, "-" * len(head)]
 
-    def shown(value: object, spec: str) -> str:
-        width = int(spec.split(".")[0])
-        return f"{'-':>{width}}" if value is None else format(value, spec)
-
     for r in rows:
         lines.append(
-            f"{r['step']:>4} {shown(r.get('rollout_s_none'), '7.2f')} {shown(r.get('rollout_s_baseline'), '10.2f')} "
-            f"{shown(r.get('rollout_s_served'), '8.2f')} {shown(r.get('rollout_s_cotrained'), '7.2f')} "
-            f"{shown(r.get('speedup_served'), '6.2f')}x {shown(r.get('speedup_served_tail'), '5.2f')}x "
-            f"{shown(r.get('speedup_served_over_baseline'), '6.2f')}x {shown(r.get('speedup_cotrained'), '5.2f')}x "
-            f"{shown(r.get('speedup_cotrained_tail'), '5.2f')}x")
+            f"{r['step']:>4} {_cell(r.get('rollout_s_none'), '7.2f')} {_cell(r.get('rollout_s_baseline'), '10.2f')} "
+            f"{_cell(r.get('rollout_s_served'), '8.2f')} {_cell(r.get('rollout_s_cotrained'), '7.2f')} "
+            f"{_cell(r.get('speedup_served'), '6.2f')}x {_cell(r.get('speedup_served_tail'), '5.2f')}x "
+            f"{_cell(r.get('speedup_served_over_baseline'), '6.2f')}x {_cell(r.get('speedup_cotrained'), '5.2f')}x "
+            f"{_cell(r.get('speedup_cotrained_tail'), '5.2f')}x")
     return "\n".join(lines)
 
 
@@ -213,17 +215,13 @@ def format_tail(rows: list[dict]) -> str:
             f"{'latency s':>9} {'of period':>9}")
     lines = [head, "-" * len(head)]
 
-    def shown(value: object, spec: str) -> str:
-        width = int(spec.split(".")[0])
-        return f"{'-':>{width}}" if value is None else format(value, spec)
-
     for r in rows:
         version = r.get("refresh_version")
         version = "-" if version is None else f"v{version}" + ("" if r.get("refresh_deployed") else "*")
-        lines.append(f"{r['step']:>4} {shown(r.get('tail_tau_start'), '10.2f')} "
-                     f"{shown(r.get('tail_tau_refreshed'), '9.2f')} {shown(r.get('tail_tau_whole_step'), '10.2f')} "
-                     f"{version:>9} {shown(r.get('refresh_latency_s'), '9.1f')} "
-                     f"{shown(r.get('refresh_latency_share'), '9.0%')}")
+        lines.append(f"{r['step']:>4} {_cell(r.get('tail_tau_start'), '10.2f')} "
+                     f"{_cell(r.get('tail_tau_refreshed'), '9.2f')} {_cell(r.get('tail_tau_whole_step'), '10.2f')} "
+                     f"{version:>9} {_cell(r.get('refresh_latency_s'), '9.1f')} "
+                     f"{_cell(r.get('refresh_latency_share'), '9.0%')}")
     return "\n".join(lines)
 
 

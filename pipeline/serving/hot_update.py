@@ -134,12 +134,7 @@ def hot_update(replica: ReplicaSpec, drafter_dir: str, version: str, policy_dir:
     (the weights the replica had) back while it is still paused and resumes it on them (HotUpdateFailed with
     `rolled_back`); with no `restore`, or when that fails too, the replica stays paused (HotUpdateFailed) for the
     caller to restart. HotUpdateUnsupported when it refused before anything changed (resumed, unchanged)."""
-    try:
-        _dev_call(replica, "/init_weight_transfer_engine", {"init_info": {}})
-        _dev_call(replica, "/pause?mode=keep", {})
-    except HotUpdateFailed as exc:
-        raise HotUpdateUnsupported(str(exc)) from None
-    paused = time.monotonic()
+    paused = _pause(replica)
     try:
         _send_paused(replica, Weights(drafter_dir, version, policy_dir))
     except _Unchanged as exc:
@@ -168,16 +163,21 @@ def _resume(replica: ReplicaSpec, failure: str = "") -> None:
                               f"requests: {exc}") from None
 
 
-def send_policy(replica: ReplicaSpec, policy_dir: str) -> float:
-    """The policy in `policy_dir` in place on a running replica, alone (its drafter stays): paused (requests held),
-    sent, resumed; /weight_info must then report the policy's label. Returns the seconds requests were held.
-    HotUpdateUnsupported when it refused before anything changed; HotUpdateFailed otherwise."""
+def _pause(replica: ReplicaSpec) -> float:
+    """The replica paused, its requests held (its clock time then); HotUpdateUnsupported when it refuses."""
     try:
         _dev_call(replica, "/init_weight_transfer_engine", {"init_info": {}})
         _dev_call(replica, "/pause?mode=keep", {})
     except HotUpdateFailed as exc:
         raise HotUpdateUnsupported(str(exc)) from None
-    paused = time.monotonic()
+    return time.monotonic()
+
+
+def send_policy(replica: ReplicaSpec, policy_dir: str) -> float:
+    """The policy in `policy_dir` in place on a running replica, alone (its drafter stays): paused (requests held),
+    sent, resumed; /weight_info must then report the policy's label. Returns the seconds requests were held.
+    HotUpdateUnsupported when it refused before anything changed; HotUpdateFailed otherwise."""
+    paused = _pause(replica)
     try:
         _send_drafter(replica, policy_dir, policy_version(policy_dir), start="/start_weight_update")
     finally:
