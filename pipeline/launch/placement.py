@@ -4,7 +4,6 @@ start, as its StagePlacement record."""
 from __future__ import annotations
 
 import os
-import resource
 import time
 from pathlib import Path
 
@@ -20,10 +19,12 @@ SUBMITTED_AT_ENV = "DRAFTER_STAGE_SUBMITTED_AT"
 
 
 def peak_memory_bytes(device: str) -> int:
-    """This process's peak: allocated GPU memory on CUDA, else its peak resident set (Linux: KiB)."""
+    """This process's peak: allocated GPU memory on CUDA, else its own peak resident set (Linux: VmHWM, in KiB;
+    not getrusage's ru_maxrss, which keeps the peak of the process that launched it across fork and exec)."""
     if device.startswith("cuda"):
         return int(torch.cuda.max_memory_allocated(torch.device(device)))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) * 1024
 
 
 def device_name(device: str) -> str:
