@@ -555,9 +555,10 @@ class StagePlacement:
 
     @classmethod
     def from_json(cls, doc: dict) -> StagePlacement:
-        return cls(stage_named(doc["stage"], "stage placement"), str(doc["where"]), int(doc["ranks"]),
-                   str(doc["device"]), int(doc["peak_memory_bytes"]), float(doc["seconds"]),
-                   float(doc.get("waited_s", 0.0)))  # a record without it: its stage never queued
+        return cls(stage_named(doc["stage"], "stage placement"), _typed(doc["where"], str, "where"),
+                   _typed(doc["ranks"], int, "ranks"), _typed(doc["device"], str, "device"),
+                   _typed(doc["peak_memory_bytes"], int, "peak_memory_bytes"), _number(doc["seconds"], "seconds"),
+                   _number(doc.get("waited_s", 0.0), "waited_s"))  # a record without it: its stage never queued
 
 
 def read_placements(store: ObjectStore, run: str, step: int) -> tuple[StagePlacement, ...]:

@@ -192,10 +192,13 @@ def _without(field: str) -> dict:
     pytest.param(["extraction"], "not a JSON object", id="not-an-object"),
     pytest.param({**_placement().to_json(), "schema_version": 2}, "schema_version 2", id="another-version"),
     pytest.param({**_placement().to_json(), "stage": "sampling"}, "stage 'sampling' is not one of", id="no-stage"),
-    pytest.param({**_placement().to_json(), "stage": DEPLOYMENT.name, "ranks": "two"}, "ValueError",
+    pytest.param({**_placement().to_json(), "stage": DEPLOYMENT.name, "ranks": "two"}, "field ranks must be a int",
                  id="ranks-not-a-number"),
+    pytest.param({**_placement().to_json(), "ranks": "2"}, "field ranks must be a int", id="ranks-a-string"),
+    pytest.param({**_placement().to_json(), "ranks": True}, "field ranks must be a int", id="ranks-a-bool"),
+    pytest.param({**_placement().to_json(), "device": None}, "field device must be a str", id="device-null"),
     pytest.param(_without("peak_memory_bytes"), "KeyError: 'peak_memory_bytes'", id="missing-field"),
-    pytest.param({**_placement().to_json(), "seconds": None}, "TypeError", id="seconds-null"),
+    pytest.param({**_placement().to_json(), "seconds": None}, "field seconds must be a number", id="seconds-null"),
 ])
 def test_a_stored_placement_that_does_not_hold_is_refused_naming_its_key(tmp_path: Path, doc: object,
                                                                          says: str) -> None:
