@@ -14,6 +14,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -148,7 +149,12 @@ class StandInDriver:
         return self.state_dir / f"{replica.name}.drafter"
 
     def restart(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> None:
+        ours = self.alive(replica)
         self.stop(replica)
+        if not ours and _listening(replica.host, replica.port):  # it would be taken for the replica we start
+            raise PortTakenError(f"replica {replica.name}: {replica.host}:{replica.port} is held by a process this "
+                                 "fleet did not start (another demo or fleet on this machine?): stop it, or give the "
+                                 "replica another port in fleet.replicas")
         # Its pid file says which process `stop` signals: a folder of this user's alone (rendezvous.private_dir).
         log = private_file(private_dir(self.state_dir) / f"{replica.name}.log")
         env = {k: v for k, v in os.environ.items() if k != DEV_MODE_ENV}
@@ -224,6 +230,19 @@ class StandInDriver:
     def stop_all(self, replicas: list[ReplicaSpec]) -> None:
         for replica in replicas:
             self.stop(replica)
+
+
+class PortTakenError(RuntimeError):
+    """A replica's port is held by a process its driver did not start."""
+
+
+def _listening(host: str, port: int) -> bool:
+    """Something accepts connections at host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def _running(pid: int) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import urllib.error
 import urllib.request
 from dataclasses import replace
@@ -25,7 +26,15 @@ from pipeline.evaluation import speculative
 from pipeline.models.target import build_target, tiny_llama_config
 from pipeline.serving import deploy
 from pipeline.serving import metrics as serving_metrics
-from pipeline.serving.drivers import CommandDriver, ReplicaSpec, Speculation, StandInDriver, vllm_argv, vllm_env
+from pipeline.serving.drivers import (
+    CommandDriver,
+    PortTakenError,
+    ReplicaSpec,
+    Speculation,
+    StandInDriver,
+    vllm_argv,
+    vllm_env,
+)
 from pipeline.serving.fleet import StagedDrafter, rolling_deploy
 from pipeline.serving.gates import GateConfig, GateError, check_replica
 from pipeline.serving.hot_update import hot_update
@@ -358,3 +367,18 @@ def test_a_recorded_policy_the_run_never_committed_is_not_trusted(planted: str, 
     recorded = deploy.recorded_replicas(store, cfg, read_fleet_state(store, cfg.run).replicas, committed)
     assert recorded["standin-0"].target == committed
     assert recorded["standin-1"].target == ""  # unknown: `rolling_deploy` restarts it on the served policy
+
+
+@pytest.mark.reliability("security", "a replica's port held by a process the fleet did not start (another demo's "
+                                     "stand-in): the driver refuses to start there, naming the port, and sends nothing")
+def test_a_port_held_by_another_process_is_refused(tmp_path: Path) -> None:
+    with socket.socket() as theirs:
+        theirs.bind(("127.0.0.1", 0))
+        theirs.listen()
+        replica = ReplicaSpec("standin-0", "127.0.0.1", theirs.getsockname()[1])
+        driver = StandInDriver(4, tmp_path / "replicas")
+        with pytest.raises(PortTakenError, match=rf"127.0.0.1:{replica.port} is held by a process this fleet did "
+                                                 "not start"):
+            driver.restart(replica, "file:///nowhere", "/nowhere")
+        assert not driver.alive(replica)
+        assert not (tmp_path / "replicas" / "standin-0.pid").exists()
