@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # imported where used: `cli.py --help` starts without them
     from pipeline.data.records import ReplicaDeploy
     from pipeline.data.store import ObjectStore
     from pipeline.registry import DrafterRegistry
+    from pipeline.serving.rollouts import FleetRollouts
 
 ROOT = Path(__file__).resolve().parent
 SMOLLM2_CONFIG = ROOT / "configs" / "smollm2.yaml"  # `demo --source smollm2` without --config
@@ -395,6 +396,23 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
     return summary
 
 
+def _serve_first_drafter(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry,
+                         fleet: FleetRollouts, policy: object, ticks: _SensorTicks) -> str:
+    """`drafter.warm_start` registered as the run's first version (`register_warm_start`) and deployed before step 1:
+    the fleet starts on the step-0 policy, then the champion sensor's deploy runs, as it would for any champion."""
+    from jobs.sensors import champion_sensor
+    from pipeline.data.keys import fleet_prefix
+    from pipeline.models import target as target_lib
+    from pipeline.registry import register_warm_start
+
+    version = register_warm_start(registry, cfg)
+    fleet.push_policy(0, target_lib.save_checkpoint(policy, store, f"{fleet_prefix(cfg.run)}/policies/step-000000"))
+    ticks.tick(champion_sensor, "deploy_job", lambda line: None)
+    if registry.alias_version("live") != version:
+        raise RuntimeError(f"the fleet does not run the first drafter (version {version}) after its deploy")
+    return version
+
+
 def _smollm2_source(cfg: PipelineConfig, store: ObjectStore, steps: int, engine: object):  # noqa: ANN202
     """TRL's GRPO on SmolLM2-135M-Instruct, 2 prompts x 8 answers of at most 96 tokens a step (docs/real_model.md);
     the converted checkpoint and the first drafter (`drafter.warm_start`) must be there."""
@@ -470,6 +488,11 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     if with_fleet:
         out(f"  fleet: {len(cfg.fleet.replicas)} {cfg.fleet.driver} replicas "
             f"({'local CPU stand-ins, not vLLM' if cfg.fleet.driver == 'standin' else cfg.fleet.driver})")
+    if cfg.drafter.warm_start and rollout_fleet:  # the first drafter serves from step 1 on
+        tick = time.perf_counter()
+        version = _serve_first_drafter(cfg, store, registry, rollout_fleet, rl.pretrained(), ticks)
+        out(f"  first drafter ({cfg.drafter.warm_start}) registered as version {version} (baseline, champion), "
+            f"served by the fleet in {time.perf_counter() - tick:.1f}s")
     # The source publishes at its own pace in a background thread and never waits for the pipeline;
     # the pipeline picks committed steps up through its sensor, as it would an external trainer's.
     period = cfg.simulation.step_period_s
