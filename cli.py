@@ -397,19 +397,22 @@ def _demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls:
 
 
 def _serve_first_drafter(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry,
-                         fleet: FleetRollouts, policy: object, ticks: _SensorTicks) -> str:
+                         fleet: FleetRollouts, rl: object, ticks: _SensorTicks) -> str:
     """`drafter.warm_start` registered as the run's first version (`register_warm_start`) and deployed before step 1:
-    the fleet starts on the step-0 policy, then the champion sensor's deploy runs, as it would for any champion."""
+    the fleet starts on the step-0 policy, then the version goes out as any champion's deploy does (staged, checked,
+    canaries on the source's held-out prompts: no step is committed yet to take them from)."""
     from jobs.sensors import champion_sensor
     from pipeline.data.keys import fleet_prefix
     from pipeline.models import target as target_lib
     from pipeline.registry import register_warm_start
+    from pipeline.serving import deploy
 
     version = register_warm_start(registry, cfg)
-    fleet.push_policy(0, target_lib.save_checkpoint(policy, store, f"{fleet_prefix(cfg.run)}/policies/step-000000"))
-    ticks.tick(champion_sensor, "deploy_job", lambda line: None)
-    if registry.alias_version("live") != version:
-        raise RuntimeError(f"the fleet does not run the first drafter (version {version}) after its deploy")
+    policy = target_lib.save_checkpoint(rl.pretrained(), store, f"{fleet_prefix(cfg.run)}/policies/step-000000")
+    fleet.push_policy(0, policy)
+    deploy.deploy(cfg, store, registry, version,
+                  serving=lambda: deploy.ServedPolicy(0, store.resolve(policy), rl.canary_prompts()))
+    ticks.cursors[champion_sensor.name] = version  # deployed: the champion sensor's next tick has nothing to do
     return version
 
 
@@ -488,9 +491,13 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     if with_fleet:
         out(f"  fleet: {len(cfg.fleet.replicas)} {cfg.fleet.driver} replicas "
             f"({'local CPU stand-ins, not vLLM' if cfg.fleet.driver == 'standin' else cfg.fleet.driver})")
-    if cfg.drafter.warm_start and rollout_fleet:  # the first drafter serves from step 1 on
+    if source == "smollm2" and cfg.drafter.warm_start and rollout_fleet:  # the first drafter serves from step 1 on
         tick = time.perf_counter()
-        version = _serve_first_drafter(cfg, store, registry, rollout_fleet, rl.pretrained(), ticks)
+        try:
+            version = _serve_first_drafter(cfg, store, registry, rollout_fleet, rl, ticks)
+        except BaseException:
+            deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the stand-ins it started end with it
+            raise
         out(f"  first drafter ({cfg.drafter.warm_start}) registered as version {version} (baseline, champion), "
             f"served by the fleet in {time.perf_counter() - tick:.1f}s")
     # The source publishes at its own pace in a background thread and never waits for the pipeline;

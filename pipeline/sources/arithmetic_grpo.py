@@ -232,6 +232,14 @@ class ArithmeticGRPODemo(HeldTrainer):
         self.trainer.add_callback(self._bounds)
         return self.trainer
 
+    def canary_prompts(self, n: int = 4) -> list[list[int]]:
+        """Questions the steps do not train on (another seed), as the fleet receives them: what a deploy before
+        the first step checks a drafter on."""
+        self.pretrained()
+        questions = arithmetic.questions(n, self.settings.seed + 1)
+        return chat_prompt_ids(self.trainer.processing_class,
+                               [[{"role": "user", "content": q.text}] for q in questions])
+
     def _timed(self, rollouts: RolloutFunc) -> RolloutFunc:
         """`rollouts` timed, the weight push (with a fleet) apart from the generation."""
         def timed(prompts: list, trainer: Any) -> dict:
