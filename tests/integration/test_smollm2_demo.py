@@ -53,13 +53,16 @@ def test_two_grpo_steps_with_the_fleet_through_dagster(tmp_path: Path) -> None:
     source = ArithmeticGRPODemo(checkpoint, store, cfg.run, STEPS, tmp_path / "grpo", SETTINGS, fleet.engine())
     defs = build_definitions(str(config_path))
     job = defs.resolve_job_def("rl_step_job")
+    cursor = None
     try:
         with dg.instance_for_test() as instance:
             for step in range(1, STEPS + 1):
                 published = source.run_step(step)
                 # the trainer holds the step's update while the pipeline runs it, as the demo's steps do
                 result = rl_step_sensor(dg.build_sensor_context(instance=instance, sensor_name=SENSOR_NAME,
-                                                                definitions=defs, resources=defs.resources))
+                                                                cursor=cursor, definitions=defs,
+                                                                resources=defs.resources))
+                cursor = result.cursor
                 assert [r.partition_key for r in result.run_requests] == [f"step-{step:06d}"]
                 instance.add_dynamic_partitions("rl_step", [f"step-{step:06d}"])
                 assert job.execute_in_process(instance=instance, partition_key=f"step-{step:06d}").success
