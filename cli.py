@@ -491,7 +491,7 @@ def demo(steps: int, config_path: str | None, drafter: str | None = None, source
     if with_fleet:
         out(f"  fleet: {len(cfg.fleet.replicas)} {cfg.fleet.driver} replicas "
             f"({'local CPU stand-ins, not vLLM' if cfg.fleet.driver == 'standin' else cfg.fleet.driver})")
-    if source == "smollm2" and cfg.drafter.warm_start and rollout_fleet:  # the first drafter serves from step 1 on
+    if source == "smollm2" and rollout_fleet:  # the first drafter (drafter.warm_start) serves from step 1 on
         tick = time.perf_counter()
         try:
             version = _serve_first_drafter(cfg, store, registry, rollout_fleet, rl, ticks)

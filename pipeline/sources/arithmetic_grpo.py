@@ -220,8 +220,8 @@ class ArithmeticGRPODemo(HeldTrainer):
                                                 sampling=SamplingParams(self.settings.temperature)), engine)
         self.checkpoint, self.output_dir = checkpoint, output_dir
         self._bounds = _StepBounds()
-        self._push_s: dict[int, float] = {}
-        self._rollout_s: dict[int, tuple[float, float]] = {}  # step -> (weight push, generation) seconds
+        self._push_s: dict[int, float] = {}  # step -> the weight push's seconds (with a fleet)
+        self._rollout_s: dict[int, float] = {}  # step -> the rollout function's seconds, the push included
         self._held_s: dict[int, float] = {}
 
     def build_trainer(self):  # noqa: ANN201
@@ -241,14 +241,12 @@ class ArithmeticGRPODemo(HeldTrainer):
                                [[{"role": "user", "content": q.text}] for q in questions])
 
     def _timed(self, rollouts: RolloutFunc) -> RolloutFunc:
-        """`rollouts` timed, the weight push (with a fleet) apart from the generation."""
         def timed(prompts: list, trainer: Any) -> dict:
             step, start = trainer.state.global_step + 1, time.perf_counter()
-            result = rollouts(prompts, trainer)
-            total = time.perf_counter() - start
-            push = self._push_s.get(step, 0.0)
-            self._rollout_s[step] = (push, total - push)
-            return result
+            try:
+                return rollouts(prompts, trainer)
+            finally:
+                self._rollout_s[step] = time.perf_counter() - start
         return timed
 
     def _hold(self, published: PublishedGRPOStep) -> None:
@@ -260,7 +258,8 @@ class ArithmeticGRPODemo(HeldTrainer):
         """Each finished step's phases (after `finish`, every step's)."""
         out = []
         for step in sorted(self._bounds.end):
-            push, generation = self._rollout_s.get(step, (0.0, 0.0))
+            push = self._push_s.get(step, 0.0)
+            generation = self._rollout_s.get(step, 0.0) - push
             publish = self.publisher.seconds.get(step, 0.0)
             wall = self._bounds.end[step] - self._bounds.begin[step] - self._held_s.get(step, 0.0)
             out.append(StepPhases(step, push, generation, publish, max(0.0, wall - push - generation - publish)))
