@@ -221,14 +221,14 @@ class ArithmeticGRPODemo(HeldTrainer):
         self.checkpoint, self.output_dir = checkpoint, output_dir
         self._bounds = _StepBounds()
         self._push_s: dict[int, float] = {}  # step -> the weight push's seconds (with a fleet)
-        self._rollout_s: dict[int, float] = {}  # step -> the rollout function's seconds, the push included
+        self._rollouts = RolloutTimer()  # a call per step, in order: its seconds, the push included
         self._held_s: dict[int, float] = {}
 
     def build_trainer(self):  # noqa: ANN201
         s, p = self.settings, self.publisher
         rollouts = fleet_rollouts(self.engine, s, p.store, p.run, self._push_s) if self.engine else local_rollouts(s)
         self.trainer = build_trainer(self.checkpoint, p.store, p.run, self.steps, self.output_dir, s,
-                                     rollouts=self._timed(rollouts), on_published=self._hold, publisher=p)
+                                     rollouts=self._rollouts.wrap(rollouts), on_published=self._hold, publisher=p)
         self.trainer.add_callback(self._bounds)
         return self.trainer
 
@@ -240,15 +240,6 @@ class ArithmeticGRPODemo(HeldTrainer):
         return chat_prompt_ids(self.trainer.processing_class,
                                [[{"role": "user", "content": q.text}] for q in questions])
 
-    def _timed(self, rollouts: RolloutFunc) -> RolloutFunc:
-        def timed(prompts: list, trainer: Any) -> dict:
-            step, start = trainer.state.global_step + 1, time.perf_counter()
-            try:
-                return rollouts(prompts, trainer)
-            finally:
-                self._rollout_s[step] = time.perf_counter() - start
-        return timed
-
     def _hold(self, published: PublishedGRPOStep) -> None:
         start = time.perf_counter()
         super()._hold(published)
@@ -259,7 +250,7 @@ class ArithmeticGRPODemo(HeldTrainer):
         out = []
         for step in sorted(self._bounds.end):
             push = self._push_s.get(step, 0.0)
-            generation = self._rollout_s.get(step, 0.0) - push
+            generation = self._rollouts.seconds[step - 1] - push
             publish = self.publisher.seconds.get(step, 0.0)
             wall = self._bounds.end[step] - self._bounds.begin[step] - self._held_s.get(step, 0.0)
             out.append(StepPhases(step, push, generation, publish, max(0.0, wall - push - generation - publish)))
