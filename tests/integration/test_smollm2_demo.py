@@ -58,7 +58,7 @@ def test_two_grpo_steps_with_the_fleet_through_dagster(tmp_path: Path) -> None:
         with dg.instance_for_test() as instance:
             for step in range(1, STEPS + 1):
                 published = source.run_step(step)
-                # the trainer holds the step's update while the pipeline runs it, as the demo's steps do
+                # the trainer waits after publishing until the next run_step: the step's run has the machine
                 result = rl_step_sensor(dg.build_sensor_context(instance=instance, sensor_name=SENSOR_NAME,
                                                                 cursor=cursor, definitions=defs,
                                                                 resources=defs.resources))
@@ -66,8 +66,8 @@ def test_two_grpo_steps_with_the_fleet_through_dagster(tmp_path: Path) -> None:
                 assert [r.partition_key for r in result.run_requests] == [f"step-{step:06d}"]
                 instance.add_dynamic_partitions("rl_step", [f"step-{step:06d}"])
                 assert job.execute_in_process(instance=instance, partition_key=f"step-{step:06d}").success
-                # The fleet generated the step: the policy TRL held was pushed first, and its completions are
-                # the committed rollouts' responses, token for token.
+                # The fleet generated the step (the policy TRL held pushed first): it decoded as many requests
+                # and tokens as the committed rollouts hold responses and response tokens.
                 assert fleet.windows[step].rollouts == len(published.rollouts) == 2 * 4
                 rows = read_rollouts(store, cfg.run, step)
                 assert fleet.windows[step].tokens == sum(len(r.input_ids) - r.prompt_len for r in rows)
