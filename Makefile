@@ -3,9 +3,11 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-STEPS  ?= 6
+# MODEL=smollm2: the real model (SmolLM2-135M-Instruct under TRL's GRPO, configs/smollm2.yaml), 3 steps
+MODEL  ?=
+STEPS  ?= $(if $(filter smollm2,$(MODEL)),3,6)
 DRAFTER ?= eagle3
-SOURCE ?= simulated
+SOURCE ?= $(if $(filter smollm2,$(MODEL)),smollm2,simulated)
 export PYTHONPATH := $(CURDIR)
 export HF_HUB_OFFLINE := 1
 

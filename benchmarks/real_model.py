@@ -9,6 +9,11 @@ target's probabilities along its own argmax chain at every answer position
 
     python -m benchmarks.real_model token-stats [--answers 48] [--out FILE.json]
     python -m benchmarks.real_model update-cost     full fine-tuning's update against LoRA's floor
+    python -m benchmarks.real_model throughput [--out FILE.json]   this machine's figures for `cli.py plan`
+
+`throughput` measures, on one thread (as each of the demo's processes runs), what the capacity plan scales
+from, in `make bench`'s layout: SmolLM2's plain forward (extraction), a training step of its EAGLE-3 drafter
+at the first drafter's sizes, speculative decoding with the first drafter (evaluation), a durable write.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -129,6 +135,74 @@ def update_cost(batch: int = 16, tokens: int = 110, repeats: int = 2) -> dict:
     return {"batch": batch, "tokens": tokens, "cpu_s": seconds, "frozen_vs_full_ratio": frozen / full}
 
 
+THROUGHPUT_OUT = smollm2.DEFAULT_DATA / "real-model" / "throughput-cpu.json"
+FIRST_DRAFTER = smollm2.DEFAULT_DATA / "first-drafter" / "first" / "drafter"
+
+
+def _best_of(repeats: int, fn) -> float:  # noqa: ANN001
+    """The fastest of `repeats` runs of `fn` (after one warm-up), in seconds: a burst of other work on the shared
+    machine slows the run it lands in."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.no_grad()
+def throughput(repeats: int = 3, sequences: int = 8, length: int = 128, prompts: int = 4,
+               new_tokens: int = 48) -> dict:
+    """This machine's figures for `cli.py plan --throughput`, on one thread, for SmolLM2 and its first drafter."""
+    import os
+    import tempfile
+
+    from benchmarks.extraction import _durable_write_bytes_per_s
+    from benchmarks.training import DrafterShapes, shipped_step
+    from pipeline.evaluation.speculative import follow_target, generate_batch
+    from pipeline.models.checkpoint import load_drafter
+
+    torch.set_num_threads(1)
+    target = target_lib.load_checkpoint(str(smollm2.prepare())).requires_grad_(False)
+    c = target.config
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, c.vocab_size, (sequences, length), generator=g)  # (B, T)
+    forward_s = _best_of(repeats, lambda: target(input_ids=ids))
+    with tempfile.TemporaryDirectory(dir=smollm2.DEFAULT_DATA) as tmp:
+        write = _durable_write_bytes_per_s(tmp, 64 << 20)
+    drafter = load_drafter(FIRST_DRAFTER, c.num_hidden_layers)
+    dc = drafter.config
+    shapes = DrafterShapes(hidden=c.hidden_size, heads=dc.num_attention_heads, kv_heads=dc.num_key_value_heads,
+                           mlp=dc.intermediate_size, vocab=c.vocab_size, draft_vocab=dc.draft_vocab_size,
+                           tokens=1024, docs=16)
+    with torch.enable_grad():
+        train_step = shipped_step(shapes, "cpu", "fp32")
+        train_s = _best_of(repeats, train_step)
+    drafter.attach(target)
+    batch = [torch.tensor(q) for q in (smollm2.chat_prompt_ids(smollm2.load_tokenizer(smollm2.prepare()), text)
+                                       for text in questions_mix(prompts, 0))]
+    decode_s = _best_of(1, lambda: generate_batch(target, follow_target(drafter, target), batch, new_tokens, K))
+    label = f"CPU ({os.cpu_count()} cores, 1 thread)"
+    return {
+        "source": "python -m benchmarks.real_model throughput",
+        "machine": {"gpu": label, "load_average": os.getloadavg()},
+        "extraction": {
+            "device": "cpu",
+            "target": {"hidden_size": c.hidden_size, "num_layers": c.num_hidden_layers,
+                       "intermediate_size": c.intermediate_size, "num_heads": c.num_attention_heads,
+                       "num_kv_heads": c.num_key_value_heads, "vocab_size": c.vocab_size, "dtype": "float32",
+                       "samples": sequences, "min_len": length, "max_len": length},
+            "plain_forward_tokens_per_s": sequences * length / forward_s,
+            "storage_write_gb_per_s": write / 1e9,
+        },
+        "training": {"gpu": {"gpu": label, "tokens": shapes.tokens, "tokens_per_s": shapes.tokens / train_s,
+                             "shapes": asdict(shapes)}},
+        "evaluation": {"gpu": {"device": label, "target_params": sum(p.numel() for p in target.parameters()),
+                               "speculative_tokens_per_s": prompts * new_tokens / decode_s}},
+    }
+
+
 def run(tiny: bool = False) -> dict:
     """`make bench`'s section: the statistics at the rollouts' temperature on 16 answers (`tiny`: 2 of at most 16
     tokens; the full figures: `python -m benchmarks.real_model token-stats`); skipped without the wheel."""
@@ -149,9 +223,16 @@ def main(argv: list[str] | None = None) -> None:
     stats.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
     stats.add_argument("--out", type=Path, default=None)
     commands.add_parser("update-cost", help="CPU seconds of a policy update: full fine-tuning against frozen weights")
+    rates = commands.add_parser("throughput", help="this machine's figures for `cli.py plan --throughput`")
+    rates.add_argument("--out", type=Path, default=THROUGHPUT_OUT)
     args = parser.parse_args(argv)
     if args.command == "update-cost":
         sys.stdout.write(json.dumps(update_cost(), indent=2) + "\n")
+        return
+    if args.command == "throughput":
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(throughput(), indent=2))
+        sys.stdout.write(f"{args.out}\n")
         return
     report: dict = {}
     for oracle in (False, True):  # the per-token figures first: they come out in a fraction of the time

@@ -12,14 +12,14 @@ if TYPE_CHECKING:
     from pipeline.data.records import ReplicaDeploy
 
 
-def step_line(r: dict, wall_s: float, source: str) -> str:
+def step_line(r: dict, wall_s: float) -> str:
     """A finished step as the demo prints it: its wall time from publication to its acceptance record."""
     promoted = "  (promoted)" if r["promoted"] else ""
     live = f"  fleet runs v{r['deployed_version']}" if r["deployed_version"] else ""
     trained = "" if r["trained"] else "  (not trained)"
     return (f"  step {r['step']}: {wall_s:5.1f}s  tau co-trained {r['tau_cotrained']:.2f}  served "
             f"{r['tau_served']:.2f}  baseline {r['tau_baseline']:.2f}{trained}{promoted}{live}"
-            + (f"  TRL mean reward {r['trl_mean_reward']:.3f}" if source == "trl" else ""))
+            + (f"  TRL mean reward {r['trl_mean_reward']:.3f}" if r.get("trl_mean_reward") is not None else ""))
 
 
 def kind_figures(cfg: PipelineConfig, rows: list[dict]) -> tuple[list[dict], float | None]:
@@ -82,6 +82,10 @@ def demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls: 
     out()
     out(report.format_ledger(ledger))
     out()
+    if all("phases" in r for r in rows):
+        out("the step by phase, seconds (the trainer's, then the pipeline's device-seconds, as in the ledger):")
+        out(report.format_phases(rows, ledger))
+        out()
     if any(r.get("rollout_s_none") is not None for r in rows):
         out("rollouts replayed after each step, the same requests and seeds per arm (seconds; speedup in tokens/s "
             "over no speculation, whole step and tail; vs base: served over never-retrained):")

@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from demo.daemon import PIPELINE_TICK_S, RefreshProcess, SensorTicks, pipeline_tick, prestart_workers
 from demo.report import demo_report, step_line
@@ -18,6 +19,54 @@ from ops.console import out, quiet_libraries
 from ops.instance import prepare_dagster_home, prepare_instance
 from pipeline.config import PROJECT_ROOT, PipelineConfig, load_config
 from pipeline.stages import EVALUATION, EXTRACTION, TRAINING
+
+if TYPE_CHECKING:
+    from pipeline.data.store import ObjectStore
+    from pipeline.registry import DrafterRegistry
+    from pipeline.serving.rollouts import FleetRollouts
+
+GRPO_SOURCES = ("trl", "smollm2")  # sources that are TRL's GRPOTrainer, held one published step at a time
+
+
+def _serve_first_drafter(cfg: PipelineConfig, store: ObjectStore, registry: DrafterRegistry,
+                         fleet: FleetRollouts, rl: object, ticks: SensorTicks) -> str:
+    """`drafter.warm_start` registered as the run's first version (`register_warm_start`) and deployed before step 1:
+    the fleet starts on the step-0 policy, then the version goes out as any champion's deploy does (staged, checked,
+    canaries on the source's held-out prompts: no step is committed yet to take them from)."""
+    from jobs.sensors import champion_sensor
+    from pipeline.data.keys import fleet_prefix
+    from pipeline.models import target as target_lib
+    from pipeline.registry import register_warm_start
+    from pipeline.serving import deploy
+
+    version = register_warm_start(registry, cfg)
+    policy = target_lib.save_checkpoint(rl.pretrained(), store, f"{fleet_prefix(cfg.run)}/policies/step-000000")
+    fleet.push_policy(0, policy)
+    deploy.deploy(cfg, store, registry, version,
+                  serving=lambda: deploy.ServedPolicy(0, store.resolve(policy), rl.canary_prompts()))
+    ticks.cursors[champion_sensor.name] = version  # deployed: the champion sensor's next tick has nothing to do
+    return version
+
+
+def _smollm2_source(cfg: PipelineConfig, store: ObjectStore, steps: int, engine: object):  # noqa: ANN202
+    """TRL's GRPO on SmolLM2-135M-Instruct, 2 prompts x 8 answers of at most 96 tokens a step (docs/real_model.md);
+    the converted checkpoint and the first drafter (`drafter.warm_start`) must be there."""
+    from pipeline.sources import smollm2
+    from pipeline.sources.arithmetic_grpo import ArithmeticGRPODemo, GRPOSettings
+
+    try:
+        checkpoint = smollm2.prepare(cfg.data_path)
+    except smollm2.WheelMissingError as exc:
+        raise SystemExit(f"demo --source smollm2: {exc}") from None
+    warm_start = PROJECT_ROOT / cfg.drafter.warm_start  # an absolute path stays itself
+    if not cfg.drafter.warm_start or not warm_start.is_dir():
+        raise SystemExit(f"demo --source smollm2: no first drafter at drafter.warm_start "
+                         f"({cfg.drafter.warm_start or 'unset'}); train one (about 20 minutes on 2 cores):\n"
+                         "  python -m recipes.first_drafter sample --answers 512 --held-out 16\n"
+                         "  python -m recipes.first_drafter train --answers 512 --held-out 16 --minutes 20 "
+                         "--max-tokens 300000")
+    settings = GRPOSettings(prompts_per_step=2, num_generations=8, max_completion_length=96, learning_rate=2e-5)
+    return ArithmeticGRPODemo(checkpoint, store, cfg.run, steps, cfg.data_path / "demo" / "grpo", settings, engine)
 
 
 def fresh_demo(config_path: str | None, overrides: dict | None) -> PipelineConfig:
@@ -70,6 +119,9 @@ def run_demo(steps: int, config_path: str | None, drafter: str | None = None, so
 
         rl = GRPODemo(store, cfg.run, steps, cfg.data_path / "demo" / "trl", engine=engine)
         kind, what, ready = "TRL GRPO", "a TRL GRPO step and its rollouts", "TRL trainer and policy"
+    elif source == "smollm2":  # the real model: TRL's GRPO on SmolLM2-135M-Instruct, arithmetic rewards
+        rl = _smollm2_source(cfg, store, steps, engine)
+        kind, what, ready = "SmolLM2 GRPO", "a GRPO step of SmolLM2 and its rollouts", "SmolLM2 trainer and policy"
     else:
         rl = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache", engine)
         kind, what, ready = "simulated RL", "simulating the RL update and rollouts", "pre-trained target"
@@ -84,11 +136,20 @@ def run_demo(steps: int, config_path: str | None, drafter: str | None = None, so
     if with_fleet:
         out(f"  fleet: {len(cfg.fleet.replicas)} {cfg.fleet.driver} replicas "
             f"({'local CPU stand-ins, not vLLM' if cfg.fleet.driver == 'standin' else cfg.fleet.driver})")
+    if source == "smollm2" and rollout_fleet:  # the first drafter (drafter.warm_start) serves from step 1 on
+        tick = time.perf_counter()
+        try:
+            version = _serve_first_drafter(cfg, store, registry, rollout_fleet, rl, ticks)
+        except BaseException:
+            deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the stand-ins it started end with it
+            raise
+        out(f"  first drafter ({cfg.drafter.warm_start}) registered as version {version} (baseline, champion), "
+            f"served by the fleet in {time.perf_counter() - tick:.1f}s")
     # The source publishes at its own pace in a background thread and never waits for the pipeline;
     # the pipeline picks committed steps up through its sensor, as it would an external trainer's.
     period = cfg.simulation.step_period_s
     # Parts over the period's rollout share; the simulated source computes the next step's update while they decode.
-    run_step = (lambda step: rl.run_step(step, period)) if source == "trl" else \
+    run_step = (lambda step: rl.run_step(step, period)) if source in GRPO_SOURCES else \
         (lambda step: rl.run_step(step, period, prepare_next=step < steps))
     paced = PacedSource(run_step, steps, period).start()
     refreshes = None
@@ -110,18 +171,20 @@ def run_demo(steps: int, config_path: str | None, drafter: str | None = None, so
                 step_walls.append(time.time() - published.at)
                 r = {**report.step_row(store, cfg.run, published.step),
                      "deployed_version": registry.alias_version("live") if with_fleet else None}
-                if source == "trl":
+                if source in GRPO_SOURCES:
                     r["trl_mean_reward"] = round(published.result.mean_reward, 4)
                 rows.append(r)
                 bar.update(1)
-                bar.write(step_line(r, step_walls[-1], source))
+                bar.write(step_line(r, step_walls[-1]))
             if not ran:
                 time.sleep(PIPELINE_TICK_S)  # nothing new committed: wait for the source
         paced.stop()
         if refreshes:
             refreshes.wait_for_champion(store, cfg.run, registry)  # the last step's drafter reaches the fleet
-        if source == "trl":
+        if source in GRPO_SOURCES:
             rl.finish()  # TRL's last optimizer step
+        if source == "smollm2":
+            rows = [{**r, "phases": p.to_json()} for r, p in zip(rows, rl.phases(), strict=True)]
         fleet_state = read_fleet_state(store, cfg.run).replicas if with_fleet else ()
         # a refresh that reached the fleet after its step's row was taken (the first step's, by a cold start)
         rows = [{**r, **report.tail_fields(store, cfg.run, r["step"])} for r in rows]

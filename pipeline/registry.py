@@ -9,6 +9,7 @@ Aliases, not stages:
 
 from __future__ import annotations
 
+import hashlib
 import tempfile
 import time
 from contextlib import suppress
@@ -236,3 +237,30 @@ def check_artifact_path(path: str, where: str) -> str:
 def open_registry(cfg: PipelineConfig) -> DrafterRegistry:
     """The drafter registry a pipeline config names (its MLflow tracking server and registered model)."""
     return DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name, cfg.artifact_root)
+
+
+def register_warm_start(registry: DrafterRegistry, cfg: PipelineConfig) -> str:
+    """`drafter.warm_start` as the run's first version, before any step: the `baseline` (the never-retrained
+    drafter), the `champion` the fleet serves from the first step on, and the `challenger` until a step trains
+    one; an alias already set stays. Once per run and checkpoint: a second call finds the version (its identity
+    is the run and the weights' SHA-256). The checkpoint is loaded where models run (training, evaluation);
+    here only its files are checked."""
+    directory = Path(cfg.drafter.warm_start)
+    missing = [name for name in ("config.json", "model.safetensors") if not (directory / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"drafter.warm_start {directory}: no {' or '.join(missing)} (an EAGLE checkpoint "
+                                "as vLLM loads it)")
+    digest = hashlib.sha256((directory / "model.safetensors").read_bytes()).hexdigest()
+    tags = {"pipeline_run": cfg.run, "origin": "drafter.warm_start", "warm_start": str(directory),
+            "input_id": f"warm-start:{cfg.run}:{digest[:16]}", "drafter_kind": cfg.drafter.kind}
+    version = registry.find_version({"input_id": tags["input_id"]})
+    if version is None:
+        run_id = registry.start_run("warm start", tags)
+        version = registry.register(run_id, directory, tags, identity="input_id",
+                                    description=f"drafter.warm_start {directory} of run {cfg.run}, as given: "
+                                                "trained before the run, never on its steps.")
+        registry.end_run(run_id)
+    for alias in ("baseline", "champion", "challenger"):
+        if registry.alias_version(alias) is None:
+            registry.set_alias(alias, version)
+    return version

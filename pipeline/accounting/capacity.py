@@ -334,7 +334,9 @@ def plan_capacity(policy: PolicyShape, step: StepShape, throughput: Throughput, 
                                                   / drafter.train_flops_per_token(cfg.train.ttt_steps))
     training_gpu_s = trained_per_step / train_rate
     decode_rate = throughput.decode_tokens_per_s * throughput.decode_params / policy.params
-    evaluation_gpu_s = EVALUATED_DRAFTERS * cfg.eval.num_prompts * cfg.eval.max_new_tokens / decode_rate
+    # each drafter decodes the prompts at the rollouts' sampling and, where that is not greedy, greedily beside it
+    passes = 1 if cfg.eval.sampling.params().greedy else 2
+    evaluation_gpu_s = EVALUATED_DRAFTERS * passes * cfg.eval.num_prompts * cfg.eval.max_new_tokens / decode_rate
 
     # Wall time: extraction over every GPU, training over its ranks, evaluation on one GPU.
     latency = (extraction_gpu_s / step.gpus + training_gpu_s / min(step.gpus, cfg.launch.training.nproc)

@@ -405,6 +405,21 @@ def format_ledger(ledger: Ledger) -> str:
     return "\n".join(lines)
 
 
+def format_phases(rows: list[dict], ledger: Ledger) -> str:
+    """A real trainer's step by phase, as RL papers report it: the trainer's side (the rows' `phases`: weight
+    push, generation, publication, policy update) beside the pipeline's (the ledger's stages), in seconds."""
+    head = f"{'step':>4} {'generation':>10} {'policy update':>13} {'weight push':>11} {'publish':>7} " \
+           f"{'extraction':>10} {'training':>8} {'evaluation':>10} {'deploy':>6}"
+    lines = [head, "-" * len(head)]
+    costs = {c.step: c.seconds for c in ledger.costs}
+    for r in rows:
+        p, s = r["phases"], costs.get(r["step"], {})
+        lines.append(f"{r['step']:>4} {p['generation_s']:>10.1f} {p['update_s']:>13.1f} {p['weight_push_s']:>11.1f} "
+                     f"{p['publish_s']:>7.1f} {s.get('extraction', 0.0):>10.1f} {s.get('training', 0.0):>8.1f} "
+                     f"{s.get('evaluation', 0.0):>10.1f} {s.get('deployment', 0.0):>6.1f}")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class ScheduleStep:
     """One step of a run as a training schedule left it: whether and why it trained, at what cost, and what the

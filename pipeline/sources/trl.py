@@ -239,10 +239,71 @@ class GRPODemoSettings:
     parts_per_step: int = 4  # each step published in parts by completion length, then committed (1: whole)
 
 
-class GRPODemo:
-    """Real GRPO with TRL on CPU, one step at a time for the demo: `run_step(k)` lets TRL train until
-    it has published step k and holds it there, so the pipeline processes each step before the next.
-    TRL runs in its own thread; the two never compute at once.
+class HeldTrainer:
+    """A PublishingGRPOTrainer one step at a time: `run_step(k)` lets TRL train until it has published step k
+    and holds it there, so the pipeline processes each step before the next. TRL runs in its own thread; the
+    two never compute at once. Subclasses build the trainer (`build_trainer`, with `on_published=self._hold`)."""
+
+    def __init__(self, steps: int, publisher: StepPublisher, engine: RolloutEngine | None = None) -> None:
+        self.steps, self.publisher, self.engine = steps, publisher, engine
+        self._resume = threading.Semaphore(0)
+        self._published = threading.Semaphore(0)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.trainer = None
+
+    def build_trainer(self):  # noqa: ANN201
+        raise NotImplementedError
+
+    def pretrained(self) -> torch.nn.Module:
+        """The step-0 policy and its trainer."""
+        if self.trainer is None:
+            self.build_trainer()
+        return self.trainer.model
+
+    def _hold(self, _: PublishedGRPOStep) -> None:
+        self._published.release()
+        self._resume.acquire()
+
+    def _train(self) -> None:
+        try:
+            self.trainer.train()
+        except BaseException as exc:  # noqa: BLE001 (handed to the demo's thread, which raises it)
+            self._error = exc
+        finally:
+            self._published.release()
+
+    def run_step(self, step: int, period_s: float = 0.0) -> PublishedGRPOStep:
+        """Let TRL train until step `step` is published, its parts paced over `period_s` (less the commit's
+        share; 0: at once) as the simulated source paces its decoding; TRL waits there until the next call
+        or `finish`."""
+        self.pretrained()
+        self.publisher.window_end = time.monotonic() + period_s * ROLLOUT_SHARE_OF_PERIOD if period_s else 0.0
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._train, name="trl-grpo", daemon=True)
+            self._thread.start()
+        else:
+            self._resume.release()
+        self._published.acquire()
+        if self._error is not None:
+            raise RuntimeError(f"TRL GRPO training failed before publishing step {step}") from self._error
+        last = self.publisher.published[-1] if self.publisher.published else None
+        if last is None or last.step != step:
+            raise RuntimeError(f"TRL published step {last.step if last else 'none'}, expected {step}")
+        return last
+
+    def finish(self) -> list[dict[str, float]]:
+        """Let TRL finish its last optimizer step; returns its log history."""
+        if self._thread is not None:
+            self._resume.release()
+            self._thread.join()
+            if self._error is not None:
+                raise RuntimeError("TRL GRPO training failed") from self._error
+        return list(self.trainer.state.log_history) if self.trainer else []
+
+
+class GRPODemo(HeldTrainer):
+    """Real GRPO with TRL on CPU on a tiny policy built from nothing, one step at a time for the demo.
 
     With an `engine` (the fleet), TRL's completions come from it through TRL's `rollout_func`: the trainer's
     current weights go to every replica as the step's policy, then each completion is a request with its own
@@ -253,18 +314,12 @@ class GRPODemo:
     def __init__(self, store: ObjectStore, run: str, steps: int, output_dir: Path,
                  settings: GRPODemoSettings | None = None, engine: RolloutEngine | None = None) -> None:
         self.settings = s = settings or GRPODemoSettings()
-        self.engine = engine
-        self.steps = steps
         self.tokenizer = build_tokenizer()
         self.policy = build_policy(self.tokenizer, seed=s.seed)
-        self.publisher = StepPublisher(store, run, target_forward.model_id(self.policy), parts=s.parts_per_step,
-                                       sampling=SamplingParams(temperature=s.temperature))
+        publisher = StepPublisher(store, run, target_forward.model_id(self.policy), parts=s.parts_per_step,
+                                  sampling=SamplingParams(temperature=s.temperature))
+        super().__init__(steps, publisher, engine)
         self.output_dir = output_dir
-        self._resume = threading.Semaphore(0)
-        self._published = threading.Semaphore(0)
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self.trainer = None
 
     def build_trainer(self):  # noqa: ANN201
         from datasets import Dataset
@@ -312,49 +367,3 @@ class GRPODemo:
             done[i] = rollout
         return {"prompt_ids": prompt_ids, "completion_ids": [r.token_ids for r in done],
                 "logprobs": [r.logprobs for r in done]}
-
-    def pretrained(self) -> LlamaForCausalLM:
-        """The step-0 policy (built from a config, untrained) and its trainer."""
-        if self.trainer is None:
-            self.build_trainer()
-        return self.policy
-
-    def _hold(self, _: PublishedGRPOStep) -> None:
-        self._published.release()
-        self._resume.acquire()
-
-    def _train(self) -> None:
-        try:
-            self.trainer.train()
-        except BaseException as exc:  # noqa: BLE001 (handed to the demo's thread, which raises it)
-            self._error = exc
-        finally:
-            self._published.release()
-
-    def run_step(self, step: int, period_s: float = 0.0) -> PublishedGRPOStep:
-        """Let TRL train until step `step` is published, its parts paced over `period_s` (less the commit's
-        share; 0: at once) as the simulated source paces its decoding; TRL waits there until the next call
-        or `finish`."""
-        self.pretrained()
-        self.publisher.window_end = time.monotonic() + period_s * ROLLOUT_SHARE_OF_PERIOD if period_s else 0.0
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._train, name="trl-grpo", daemon=True)
-            self._thread.start()
-        else:
-            self._resume.release()
-        self._published.acquire()
-        if self._error is not None:
-            raise RuntimeError(f"TRL GRPO training failed before publishing step {step}") from self._error
-        last = self.publisher.published[-1] if self.publisher.published else None
-        if last is None or last.step != step:
-            raise RuntimeError(f"TRL published step {last.step if last else 'none'}, expected {step}")
-        return last
-
-    def finish(self) -> list[dict[str, float]]:
-        """Let TRL finish its last optimizer step; returns its log history."""
-        if self._thread is not None:
-            self._resume.release()
-            self._thread.join()
-            if self._error is not None:
-                raise RuntimeError("TRL GRPO training failed") from self._error
-        return list(self.trainer.state.log_history) if self.trainer else []

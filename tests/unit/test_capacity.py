@@ -76,9 +76,9 @@ def test_reference_8b_step(tmp_path: Path, capsys: pytest.CaptureFixture, monkey
         "tokens trained per step": "4.00M",
         "extraction GPU-s per step": "128",
         "training GPU-s per step": "80",
-        "evaluation GPU-s per step": "39",
-        "drafter GPU-s per step": "247 (5.1% of the RL step's 4,800)",
-        "drafter latency": "134 s",
+        "evaluation GPU-s per step": "78",
+        "drafter GPU-s per step": "286 (6.0% of the RL step's 4,800)",
+        "drafter latency": "173 s",
         "served drafter's lag (RL step 600 s)": "1 RL step(s)",
     }
 
@@ -93,11 +93,11 @@ def test_reference_70b_step_as_json(tmp_path: Path, capsys: pytest.CaptureFixtur
         "rollouts_captured": 1024, "tokens_forwarded": 3070929.0, "tokens_stored": 522696.6,
         "bytes_stored": 34258055741.3, "bytes_retained": 68516111482.6, "retained_steps": 2,
         "stored_vs_read": 1.0, "tokens_trained": 4000000.0, "extraction_gpu_s": 1200.9, "training_gpu_s": 262.8,
-        "evaluation_gpu_s": 334.2, "latency_s": 747.1, "lag_steps": 2, "schema_version": 1,
-        "drafter_gpu_s": 1797.8, "drafter_share": 0.4,
+        "evaluation_gpu_s": 668.4, "latency_s": 1081.3, "lag_steps": 2, "schema_version": 1,
+        "drafter_gpu_s": 2132.0, "drafter_share": 0.4,
     }
     # a 70B policy's forward over 3M tokens alone is a quarter of 8 GPUs' 600 s: the plan says so
-    assert doc["drafter_share"] == pytest.approx(1797.8 / 4800, abs=1e-3)
+    assert doc["drafter_share"] == pytest.approx(2132.0 / 4800, abs=1e-3)
     assert plan.lag_steps == 2
 
 
@@ -166,3 +166,16 @@ def test_throughput_without_gpu_figures_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="not a A100"):
         cli.main(["plan", "--policy", str(tmp_path / "c.json"), "--rollouts", "8", "--mean-tokens", "10",
                   "--p99-tokens", "20", "--gpus", "1", "--gpu-type", "A100"])
+
+
+def test_sampled_rollouts_are_evaluated_twice() -> None:
+    """At the rollouts' temperature each drafter is decoded at it and greedily beside it (acceptance.measure_step):
+    the plan counts both passes."""
+    policy, throughput = PolicyShape.from_config(QWEN3_8B, "qwen3"), Throughput.load()
+    step = StepShape(1024, 3000, 12000, 8, "H100", 600.0)
+
+    def evaluation_s(temperature: float) -> float:
+        cfg = load_config(overrides={"eval": {"sampling": {"temperature": temperature}}})
+        return plan_capacity(policy, step, throughput, cfg).evaluation_gpu_s
+
+    assert evaluation_s(1.0) == pytest.approx(2 * evaluation_s(0.0))

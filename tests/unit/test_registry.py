@@ -132,3 +132,29 @@ def test_two_concurrent_registrations_of_one_training_leave_one_version(mlflow_s
     assert registry.register(run_id, checkpoint, {"input_id": "inputs-0"}, identity="input_id") == \
         registry.find_version({"input_id": "inputs-0"})
     assert registry.client.list_artifacts(run_id) == []
+
+
+def test_warm_start_is_the_first_version_once(tmp_path: Path) -> None:
+    """drafter.warm_start registered before any step: baseline, champion and challenger, loadable as it was given;
+    a second call (a demo restarted on the same run) finds it, and a missing checkpoint is named."""
+    from pipeline.config import load_config
+    from pipeline.registry import register_warm_start
+
+    given = _drafter(0)
+    directory = save_drafter(given, tmp_path / "first")
+    registry = DrafterRegistry(f"sqlite:///{tmp_path / 'db' / 'mlflow.db'}", "exp", "drafter",
+                               (tmp_path / "artifacts").as_uri())
+    cfg = load_config(overrides={"drafter": {"kind": "eagle", "warm_start": str(directory)}})
+    version = register_warm_start(registry, cfg)
+    assert [registry.alias_version(a) for a in ("baseline", "champion", "challenger", "live")] == \
+        [version, version, version, None]
+    assert registry.version_tags(version)["origin"] == "drafter.warm_start"
+    loaded = registry.load(version)
+    for key, tensor in given.trainable_state_dict().items():
+        torch.testing.assert_close(loaded.trainable_state_dict()[key], tensor)
+    assert register_warm_start(registry, cfg) == version
+    assert registry._versions(f"tags.`pipeline_run` = '{cfg.run}'") == [int(version)]
+
+    missing = load_config(overrides={"drafter": {"warm_start": str(tmp_path / "nothing")}})
+    with pytest.raises(FileNotFoundError, match="drafter.warm_start .*nothing: no config.json or model.safetensors"):
+        register_warm_start(registry, missing)
