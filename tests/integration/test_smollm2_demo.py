@@ -11,7 +11,6 @@ from pathlib import Path
 import dagster as dg
 import pytest
 import torch
-from pipeline.data.sampling import SamplingParams
 from safetensors import safe_open
 
 from definitions import build_definitions
@@ -24,6 +23,7 @@ from pipeline.data.store import open_store
 from pipeline.evaluation import speculative
 from pipeline.models import target as target_lib
 from pipeline.registry import open_registry
+from pipeline.sampling import SamplingParams
 from pipeline.serving import deploy
 from pipeline.sources import smollm2
 from pipeline.sources.arithmetic_grpo import ArithmeticGRPODemo, GRPOSettings
