@@ -9,20 +9,21 @@ from ops.console import out
 from pipeline.config import PipelineConfig
 
 if TYPE_CHECKING:
+    from pipeline.accounting.report import StepRow
     from pipeline.data.records import ReplicaDeploy
 
 
-def step_line(r: dict, wall_s: float) -> str:
+def step_line(r: StepRow, wall_s: float) -> str:
     """A finished step as the demo prints it: its wall time from publication to its acceptance record."""
-    promoted = "  (promoted)" if r["promoted"] else ""
-    live = f"  fleet runs v{r['deployed_version']}" if r["deployed_version"] else ""
-    trained = "" if r["trained"] else "  (not trained)"
-    return (f"  step {r['step']}: {wall_s:5.1f}s  tau co-trained {r['tau_cotrained']:.2f}  served "
-            f"{r['tau_served']:.2f}  baseline {r['tau_baseline']:.2f}{trained}{promoted}{live}"
-            + (f"  TRL mean reward {r['trl_mean_reward']:.3f}" if r.get("trl_mean_reward") is not None else ""))
+    promoted = "  (promoted)" if r.promoted else ""
+    live = f"  fleet runs v{r.deployed_version}" if r.deployed_version else ""
+    trained = "" if r.trained else "  (not trained)"
+    return (f"  step {r.step}: {wall_s:5.1f}s  tau co-trained {r.tau_cotrained:.2f}  served "
+            f"{r.tau_served:.2f}  baseline {r.tau_baseline:.2f}{trained}{promoted}{live}"
+            + (f"  TRL mean reward {r.trl_mean_reward:.3f}" if r.trl_mean_reward is not None else ""))
 
 
-def kind_figures(cfg: PipelineConfig, rows: list[dict]) -> tuple[list[dict], float | None]:
+def kind_figures(cfg: PipelineConfig, rows: list[StepRow]) -> tuple[list[dict], float | None]:
     """What compares drafter kinds: the last co-trained drafter's tau, forwards and estimated speedup at
     k = 4 and 8 on the last step (P-EAGLE: up to its depths), and the mean training tokens/s."""
     from pipeline.data.records import read_training
@@ -31,11 +32,11 @@ def kind_figures(cfg: PipelineConfig, rows: list[dict]) -> tuple[list[dict], flo
     from pipeline.registry import open_registry
 
     store, last = open_store(cfg), rows[-1]
-    trainings = [read_training(store, cfg.run, r["step"]) for r in rows]
+    trainings = [read_training(store, cfg.run, r.step) for r in rows]
     rates = [t.figures.tokens_per_s for t in trainings if t.figures and t.figures.tokens_per_s]
-    version = last["version_cotrained"]
+    version = last.version_cotrained
     ks = [k for k in (4, 8) if cfg.drafter.kind != "peagle" or k <= cfg.drafter.num_depths]
-    costs = round_costs_at_step(store, cfg, last["step"], open_registry(cfg), version, ks) if version else []
+    costs = round_costs_at_step(store, cfg, last.step, open_registry(cfg), version, ks) if version else []
     return [c.to_json() for c in costs], (sum(rates) / len(rates) if rates else None)
 
 
@@ -49,7 +50,7 @@ def tail_summary(goals: dict | None, breakdowns: dict) -> dict | None:
     return {**goals, "latency_breakdown": mean.to_json() if mean else None}
 
 
-def demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls: list[float],
+def demo_report(cfg: PipelineConfig, rows: list[StepRow], wall: float, step_walls: list[float],
                  fleet_state: tuple[ReplicaDeploy, ...], source: str, fleet_rollouts: list[dict] | None = None) -> Path:
     """The table, the plot and the JSON summary of a demo."""
     from pipeline.accounting import report
@@ -58,7 +59,7 @@ def demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls: 
 
     out_dir, k, steps = cfg.data_path / "demo", cfg.eval.num_speculative_tokens, len(rows)
     plot = report.plot(rows, k, out_dir / "acceptance.png", cfg.drafter.kind)
-    ledger = read_ledger(open_store(cfg), cfg.run, [r["step"] for r in rows])
+    ledger = read_ledger(open_store(cfg), cfg.run, [r.step for r in rows])
     ledger_plot = out_dir / "ledger.png"
     ledger_plot.write_bytes(report.ledger_png(ledger))
     replay_plot = out_dir / "rollouts.png"
@@ -66,7 +67,7 @@ def demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls: 
     fleet = [{"replica": r.replica, "version": r.version, "live_tau": round(r.live_tau, 4)} for r in fleet_state]
     total = ledger.totals
     summary_costs, tokens_per_s = kind_figures(cfg, rows)
-    breakdowns = report.refresh_breakdowns(open_store(cfg), cfg.run, [r["step"] for r in rows])
+    breakdowns = report.refresh_breakdowns(open_store(cfg), cfg.run, [r.step for r in rows])
     summary = report.write_summary(rows, wall, step_walls, out_dir / "summary.json", fleet=fleet,
                                    num_speculative_tokens=k, drafter_kind=cfg.drafter.kind, device=cfg.device,
                                    source=source, step_period_s=cfg.simulation.step_period_s,
@@ -82,11 +83,11 @@ def demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls: 
     out()
     out(report.format_ledger(ledger))
     out()
-    if all("phases" in r for r in rows):
+    if all(r.phases is not None for r in rows):
         out("the step by phase, seconds (the trainer's, then the pipeline's device-seconds, as in the ledger):")
         out(report.format_phases(rows, ledger))
         out()
-    if any(r.get("rollout_s_none") is not None for r in rows):
+    if any(r.rollout_s_none is not None for r in rows):
         out("rollouts replayed after each step, the same requests and seeds per arm (seconds; speedup in tokens/s "
             "over no speculation, whole step and tail; vs base: served over never-retrained):")
         out(report.format_replay(rows))
@@ -100,7 +101,7 @@ def demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls: 
                 f"whole step {spread('served_whole')}, at its worst batch size {spread('served_worst_batch')}; "
                 f"over the never-retrained drafter {spread('served_over_baseline')}")
         out()
-    if any(r.get("tail_tau_start") is not None for r in rows):
+    if any(r.tail_tau_start is not None for r in rows):
         goals = report.tail_goals(rows)
         out(report.format_tail(rows))
         out("(tail: the step's parts after the refresh's qualifying part; * refreshed but not deployed)")
@@ -119,9 +120,9 @@ def demo_report(cfg: PipelineConfig, rows: list[dict], wall: float, step_walls: 
             out(report.format_breakdown(breakdowns))
         out()
     first, last = rows[0], rows[-1]
-    out(f"tau over {steps} steps: co-trained {first['tau_cotrained']:.2f} -> {last['tau_cotrained']:.2f}, "
-        f"never retrained {first['tau_baseline']:.2f} -> {last['tau_baseline']:.2f} "
-        f"({(last['tau_baseline'] / first['tau_baseline'] - 1) * 100:+.0f}%)")
+    out(f"tau over {steps} steps: co-trained {first.tau_cotrained:.2f} -> {last.tau_cotrained:.2f}, "
+        f"never retrained {first.tau_baseline:.2f} -> {last.tau_baseline:.2f} "
+        f"({(last.tau_baseline / first.tau_baseline - 1) * 100:+.0f}%)")
     for replica in fleet:
         out(f"fleet: {replica['replica']} (stand-in) runs drafter version {replica['version']}, "
             f"live tau {replica['live_tau']:.2f}")

@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -169,10 +169,9 @@ def run_demo(steps: int, config_path: str | None, drafter: str | None = None, so
                 if not store.exists(acceptance_key(cfg.run, published.step)):
                     break
                 step_walls.append(time.time() - published.at)
-                r = {**report.step_row(store, cfg.run, published.step),
-                     "deployed_version": registry.alias_version("live") if with_fleet else None}
-                if source in GRPO_SOURCES:
-                    r["trl_mean_reward"] = round(published.result.mean_reward, 4)
+                r = replace(report.step_row(store, cfg.run, published.step),
+                            deployed_version=registry.alias_version("live") if with_fleet else None,
+                            trl_mean_reward=round(published.result.mean_reward, 4) if source in GRPO_SOURCES else None)
                 rows.append(r)
                 bar.update(1)
                 bar.write(step_line(r, step_walls[-1]))
@@ -184,10 +183,10 @@ def run_demo(steps: int, config_path: str | None, drafter: str | None = None, so
         if source in GRPO_SOURCES:
             rl.finish()  # TRL's last optimizer step
         if source == "smollm2":
-            rows = [{**r, "phases": p.to_json()} for r, p in zip(rows, rl.phases(), strict=True)]
+            rows = [replace(r, phases=p.to_json()) for r, p in zip(rows, rl.phases(), strict=True)]
         fleet_state = read_fleet_state(store, cfg.run).replicas if with_fleet else ()
         # a refresh that reached the fleet after its step's row was taken (the first step's, by a cold start)
-        rows = [{**r, **report.tail_fields(store, cfg.run, r["step"])} for r in rows]
+        rows = [replace(r, **report.tail_fields(store, cfg.run, r.step)) for r in rows]
     finally:
         paced.stop(timeout=0)
         if refreshes:

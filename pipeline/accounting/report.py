@@ -7,7 +7,7 @@ import io
 import json
 import statistics
 import textwrap
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pipeline.accounting.cost import DecodingCost, read_cost
@@ -30,37 +30,107 @@ from pipeline.data.store import ObjectStore
 from pipeline.stages import DEPLOYMENT, EVALUATION, EXTRACTION, TRAINING
 
 
-def step_row(store: ObjectStore, run: str, step: int) -> dict:
+@dataclass(frozen=True)
+class StepRow:
+    """One step of a run's summary, read from what the step's assets stored (`step_row`); `to_json` is its row in
+    summary.json. Every field but the step is None where the step has no such figure (a row the demo builds up, a
+    test's partial row)."""
+
+    step: int
+    samples: int | None = None
+    buffer_samples: int | None = None
+    captured: int | None = None  # rollouts whose hidden states the step stored
+    bytes_stored: int | None = None
+    trained: bool | None = None
+    tau_cotrained: float | None = None
+    tau_baseline: float | None = None
+    tau_served: float | None = None
+    promoted: bool | None = None
+    version_cotrained: str | None = None
+    version_served: str | None = None
+    acceptance_rate_cotrained: float | None = None
+    # what the co-trained tau rests on, and its teacher-forced estimate from one pass over held-out rollouts
+    eval_prompts_cotrained: int | None = None
+    eval_rounds_cotrained: int | None = None
+    tau_estimate_cotrained: dict | None = None
+    # the same drafters greedily, and the parameters every tau above is at
+    tau_greedy_cotrained: float | None = None
+    tau_greedy_served: float | None = None
+    tau_greedy_baseline: float | None = None
+    sampling: str | None = None
+    draft_sample_method: str | None = None
+    # the step's replay (replay_fields)
+    replay_tokens: int | None = None
+    rollout_s_none: float | None = None
+    tail_s_none: float | None = None
+    rollout_s_baseline: float | None = None
+    tail_s_baseline: float | None = None
+    rollout_s_served: float | None = None
+    tail_s_served: float | None = None
+    rollout_s_cotrained: float | None = None
+    tail_s_cotrained: float | None = None
+    speedup_served: float | None = None
+    speedup_served_tail: float | None = None
+    speedup_cotrained: float | None = None
+    speedup_cotrained_tail: float | None = None
+    speedup_baseline: float | None = None
+    speedup_baseline_tail: float | None = None
+    speedup_served_over_baseline: float | None = None
+    speedup_served_by_batch: dict[str, float] | None = None
+    speedup_served_min_batch: float | None = None
+    replay_threshold_served: int | None = None
+    # the step's tail and its refresh (tail_fields)
+    tail_tau_start: float | None = None
+    tail_tau_refreshed: float | None = None
+    tail_tau_whole_step: float | None = None
+    refresh_version: str | None = None
+    refresh_deployed: bool | None = None
+    refresh_latency_s: float | None = None
+    refresh_latency_share: float | None = None
+    tail_prompts: int | None = None
+    refresh_breakdown: dict | None = None
+    # what the demo adds: the fleet's version after the step, a GRPO trainer's reward and its step by phase
+    deployed_version: str | None = None
+    trl_mean_reward: float | None = None
+    phases: dict | None = None
+
+    def to_json(self) -> dict:
+        doc = asdict(self)
+        return {k: v for k, v in doc.items() if v is not None or k not in DEMO_FIELDS}
+
+
+DEMO_FIELDS = ("deployed_version", "trl_mean_reward", "phases")  # in a row's JSON only where the demo set them
+
+
+def step_row(store: ObjectStore, run: str, step: int) -> StepRow:
     """One line of the summary, read from what the step's assets stored."""
     record = read_acceptance(store, run, step)
     cotrained, served = record.cotrained, record.served
     plan = capture.read_plan(store, run, step)
-    return {
-        "step": step,
-        "samples": len(rollouts_lib.read_rollouts(store, run, step)),
-        "buffer_samples": buffer_lib.read_buffer(store, run, step).num_samples,
-        "captured": plan.captured if plan else None,  # rollouts whose hidden states the step stored
-        "bytes_stored": shards.read_manifest(store, run, step).total_bytes if shards.has_manifest(store, run, step)
+    return StepRow(
+        step=step,
+        samples=len(rollouts_lib.read_rollouts(store, run, step)),
+        buffer_samples=buffer_lib.read_buffer(store, run, step).num_samples,
+        captured=plan.captured if plan else None,
+        bytes_stored=shards.read_manifest(store, run, step).total_bytes if shards.has_manifest(store, run, step)
         else None,
-        "trained": read_training(store, run, step).trained,
-        "tau_cotrained": _tau(cotrained),
-        "tau_baseline": _tau(record.baseline),
-        "tau_served": _tau(served),
-        "promoted": record.promoted,
-        "version_cotrained": cotrained.version if cotrained else None,
-        "version_served": served.version if served else None,
-        "acceptance_rate_cotrained": round(cotrained.acceptance_rate if cotrained else 0.0, 4),
-        # what the co-trained tau rests on, and its teacher-forced estimate from one pass over held-out rollouts
-        "eval_prompts_cotrained": cotrained.prompts if cotrained else None,
-        "eval_rounds_cotrained": cotrained.rounds if cotrained else None,
-        "tau_estimate_cotrained": _estimate(cotrained),
-        # the same drafters greedily, and the parameters every tau above is at
-        "tau_greedy_cotrained": _greedy(cotrained), "tau_greedy_served": _greedy(served),
-        "tau_greedy_baseline": _greedy(record.baseline),
-        "sampling": record.sampling.label, "draft_sample_method": record.draft_sample_method,
+        trained=read_training(store, run, step).trained,
+        tau_cotrained=_tau(cotrained),
+        tau_baseline=_tau(record.baseline),
+        tau_served=_tau(served),
+        promoted=record.promoted,
+        version_cotrained=cotrained.version if cotrained else None,
+        version_served=served.version if served else None,
+        acceptance_rate_cotrained=round(cotrained.acceptance_rate if cotrained else 0.0, 4),
+        eval_prompts_cotrained=cotrained.prompts if cotrained else None,
+        eval_rounds_cotrained=cotrained.rounds if cotrained else None,
+        tau_estimate_cotrained=_estimate(cotrained),
+        tau_greedy_cotrained=_greedy(cotrained), tau_greedy_served=_greedy(served),
+        tau_greedy_baseline=_greedy(record.baseline),
+        sampling=record.sampling.label, draft_sample_method=record.draft_sample_method,
         **replay_fields(store, run, step),
         **tail_fields(store, run, step),
-    }
+    )
 
 
 REPLAY_ARMS = ("none", "baseline", "served", "cotrained")
@@ -89,18 +159,18 @@ def replay_fields(store: ObjectStore, run: str, step: int) -> dict:
     return fields
 
 
-def speedup_goals(rows: list[dict], first_step: int = 3) -> dict | None:
+def speedup_goals(rows: list[StepRow], first_step: int = 3) -> dict | None:
     """The served drafter's measured speedup over no speculation on the steps from `first_step` that replayed: in
     the tail and over the whole step (least and mean), at its worst batch size, and over the never-retrained one."""
-    steps = [r for r in rows if r["step"] >= first_step and r.get("speedup_served") is not None]
+    steps = [r for r in rows if r.step >= first_step and r.speedup_served is not None]
     if not steps:
         return None
 
     def spread(key: str) -> dict | None:
-        values = [r[key] for r in steps if r.get(key) is not None]
+        values = [getattr(r, key) for r in steps if getattr(r, key) is not None]
         return {"min": round(min(values), 3), "mean": round(sum(values) / len(values), 3)} if values else None
 
-    return {"steps": [r["step"] for r in steps], "served_tail": spread("speedup_served_tail"),
+    return {"steps": [r.step for r in steps], "served_tail": spread("speedup_served_tail"),
             "served_whole": spread("speedup_served"), "served_worst_batch": spread("speedup_served_min_batch"),
             "served_over_baseline": spread("speedup_served_over_baseline")}
 
@@ -111,7 +181,7 @@ def _cell(value: object, spec: str) -> str:
     return f"{'-':>{width}}" if value is None else format(value, spec)
 
 
-def format_replay(rows: list[dict]) -> str:
+def format_replay(rows: list[StepRow]) -> str:
     """Each step's rollouts replayed per arm: seconds without a drafter and with each, and the speedups measured."""
     head = (f"{'step':>4} {'none s':>7} {'baseline s':>10} {'served s':>8} {'co-tr s':>7} {'served':>7} "
             f"{'tail':>6} {'vs base':>7} {'co-tr':>6} {'tail':>6}")
@@ -119,28 +189,29 @@ def format_replay(rows: list[dict]) -> str:
 
     for r in rows:
         lines.append(
-            f"{r['step']:>4} {_cell(r.get('rollout_s_none'), '7.2f')} {_cell(r.get('rollout_s_baseline'), '10.2f')} "
-            f"{_cell(r.get('rollout_s_served'), '8.2f')} {_cell(r.get('rollout_s_cotrained'), '7.2f')} "
-            f"{_cell(r.get('speedup_served'), '6.2f')}x {_cell(r.get('speedup_served_tail'), '5.2f')}x "
-            f"{_cell(r.get('speedup_served_over_baseline'), '6.2f')}x {_cell(r.get('speedup_cotrained'), '5.2f')}x "
-            f"{_cell(r.get('speedup_cotrained_tail'), '5.2f')}x")
+            f"{r.step:>4} {_cell(r.rollout_s_none, '7.2f')} {_cell(r.rollout_s_baseline, '10.2f')} "
+            f"{_cell(r.rollout_s_served, '8.2f')} {_cell(r.rollout_s_cotrained, '7.2f')} "
+            f"{_cell(r.speedup_served, '6.2f')}x {_cell(r.speedup_served_tail, '5.2f')}x "
+            f"{_cell(r.speedup_served_over_baseline, '6.2f')}x {_cell(r.speedup_cotrained, '5.2f')}x "
+            f"{_cell(r.speedup_cotrained_tail, '5.2f')}x")
     return "\n".join(lines)
 
 
-def replay_png(rows: list[dict], dpi: int = 100) -> bytes:
+def replay_png(rows: list[StepRow], dpi: int = 100) -> bytes:
     """Measured rollout seconds of each step's replay per arm: what no drafter, the never-retrained, the served and
     the co-trained drafter take over the same requests."""
     plt = _pyplot()
-    measured = [r for r in rows if r.get("rollout_s_none") is not None]
+    measured = [r for r in rows if r.rollout_s_none is not None]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=dpi)
     labels = {"none": "no speculation", "baseline": "never retrained", "served": "served", "cotrained": "co-trained"}
     for arm, style in zip(REPLAY_ARMS, ("k-", "^:", "s--", "o-"), strict=True):
-        ax.plot([r["step"] for r in measured], [r[f"rollout_s_{arm}"] for r in measured], style, label=labels[arm])
+        seconds = [getattr(r, f"rollout_s_{arm}") for r in measured]
+        ax.plot([r.step for r in measured], seconds, style, label=labels[arm])
     ax.set_xlabel("RL step")
     ax.set_ylabel("rollout seconds (replayed)")
     ax.set_title("Measured rollout time per drafter: the step's requests replayed")
     if measured:
-        ax.set_xticks([r["step"] for r in measured])
+        ax.set_xticks([r.step for r in measured])
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -166,23 +237,23 @@ def tail_fields(store: ObjectStore, run: str, step: int) -> dict:
     return fields
 
 
-def tail_goals(rows: list[dict], first_step: int = 2) -> dict | None:
+def tail_goals(rows: list[StepRow], first_step: int = 2) -> dict | None:
     """Means over the steps from `first_step` with a measured tail: the refreshed drafter's tail tau against the
     whole-step drafter's and the start-of-step one's, and the refresh's latency as a share of the step's period."""
-    steps = [r for r in rows if r["step"] >= first_step and r.get("tail_tau_refreshed") and r.get("tail_tau_start")]
+    steps = [r for r in rows if r.step >= first_step and r.tail_tau_refreshed and r.tail_tau_start]
     if not steps:
         return None
-    whole = [r for r in steps if r.get("tail_tau_whole_step")]
-    shares = [r["refresh_latency_share"] for r in steps if r.get("refresh_latency_share") is not None]
+    whole = [r for r in steps if r.tail_tau_whole_step]
+    shares = [r.refresh_latency_share for r in steps if r.refresh_latency_share is not None]
 
     def mean(values: list[float]) -> float | None:
         return round(sum(values) / len(values), 4) if values else None
 
-    return {"steps": [r["step"] for r in steps],
-            "refreshed_over_whole_step": mean([r["tail_tau_refreshed"] / r["tail_tau_whole_step"] for r in whole]),
-            "refreshed_over_start": mean([r["tail_tau_refreshed"] / r["tail_tau_start"] for r in steps]),
-            "latency_share": mean(shares), "latency_s": mean([r["refresh_latency_s"] for r in steps
-                                                              if r.get("refresh_latency_s") is not None])}
+    return {"steps": [r.step for r in steps],
+            "refreshed_over_whole_step": mean([r.tail_tau_refreshed / r.tail_tau_whole_step for r in whole]),
+            "refreshed_over_start": mean([r.tail_tau_refreshed / r.tail_tau_start for r in steps]),
+            "latency_share": mean(shares), "latency_s": mean([r.refresh_latency_s for r in steps
+                                                              if r.refresh_latency_s is not None])}
 
 
 def refresh_breakdowns(store: ObjectStore, run: str, steps: list[int]) -> dict[int, RefreshBreakdown]:
@@ -209,19 +280,19 @@ def format_breakdown(breakdowns: dict[int, RefreshBreakdown]) -> str:
     return "\n".join(lines)
 
 
-def format_tail(rows: list[dict]) -> str:
+def format_tail(rows: list[StepRow]) -> str:
     """Tau on each step's tail (its parts after the refresh's qualifying one) and the refresh's latency."""
     head = (f"{'step':>4} {'tail start':>10} {'refreshed':>9} {'whole step':>10} {'refresh v':>9} "
             f"{'latency s':>9} {'of period':>9}")
     lines = [head, "-" * len(head)]
 
     for r in rows:
-        version = r.get("refresh_version")
-        version = "-" if version is None else f"v{version}" + ("" if r.get("refresh_deployed") else "*")
-        lines.append(f"{r['step']:>4} {_cell(r.get('tail_tau_start'), '10.2f')} "
-                     f"{_cell(r.get('tail_tau_refreshed'), '9.2f')} {_cell(r.get('tail_tau_whole_step'), '10.2f')} "
-                     f"{version:>9} {_cell(r.get('refresh_latency_s'), '9.1f')} "
-                     f"{_cell(r.get('refresh_latency_share'), '9.0%')}")
+        version = r.refresh_version
+        version = "-" if version is None else f"v{version}" + ("" if r.refresh_deployed else "*")
+        lines.append(f"{r.step:>4} {_cell(r.tail_tau_start, '10.2f')} "
+                     f"{_cell(r.tail_tau_refreshed, '9.2f')} {_cell(r.tail_tau_whole_step, '10.2f')} "
+                     f"{version:>9} {_cell(r.refresh_latency_s, '9.1f')} "
+                     f"{_cell(r.refresh_latency_share, '9.0%')}")
     return "\n".join(lines)
 
 
@@ -242,21 +313,21 @@ def _estimate(measured: DrafterTau | None) -> dict | None:
     return {"tau": round(estimate.tau, 4), "rollouts": estimate.sequences, "positions": estimate.positions}
 
 
-def format_table(rows: list[dict]) -> str:
-    reward = any("trl_mean_reward" in r for r in rows)  # the RL trainer's own mean reward, when it reports one
+def format_table(rows: list[StepRow]) -> str:
+    reward = any(r.trl_mean_reward is not None for r in rows)  # the RL trainer's own mean reward, when it reports one
     head = f"{'step':>4} {'samples':>7} {'buffer':>6} {'trained':>7} {'tau co-trained':>14} " \
            f"{'tau served':>10} {'tau baseline':>12} {'greedy co-tr':>12} {'promoted':>8}" + \
            (f" {'TRL reward':>10}" if reward else "")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['step']:>4} {r['samples']:>7} {r['buffer_samples']:>6} {'yes' if r['trained'] else 'no':>7} "
-            f"{r['tau_cotrained']:>14.2f} {r['tau_served']:>10.2f} {r['tau_baseline']:>12.2f} "
-            f"{r.get('tau_greedy_cotrained', r['tau_cotrained']):>12.2f} "
-            f"{'yes' if r['promoted'] else 'no':>8}" + (f" {r['trl_mean_reward']:>10.3f}" if reward else "")
+            f"{r.step:>4} {r.samples:>7} {r.buffer_samples:>6} {'yes' if r.trained else 'no':>7} "
+            f"{r.tau_cotrained:>14.2f} {r.tau_served:>10.2f} {r.tau_baseline:>12.2f} "
+            f"{r.tau_greedy_cotrained or r.tau_cotrained:>12.2f} "
+            f"{'yes' if r.promoted else 'no':>8}" + (f" {r.trl_mean_reward:>10.3f}" if reward else "")
         )
-    if rows and rows[-1].get("sampling"):
-        lines.append(f"(tau at the rollouts' sampling, {rows[-1]['sampling']}, {rows[-1]['draft_sample_method']} "
+    if rows and rows[-1].sampling:
+        lines.append(f"(tau at the rollouts' sampling, {rows[-1].sampling}, {rows[-1].draft_sample_method} "
                      "drafting, as vLLM verifies drafts; greedy co-tr: the co-trained drafter at temperature 0)")
     return "\n".join(lines)
 
@@ -277,15 +348,15 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def acceptance_png(rows: list[dict], k: int, drafter_kind: str = "", dpi: int = 120) -> bytes:
+def acceptance_png(rows: list[StepRow], k: int, drafter_kind: str = "", dpi: int = 120) -> bytes:
     """tau per RL step of the co-trained, served and never-retrained drafters (rows: `step_row`s or
     `acceptance_rows`)."""
     plt = _pyplot()
-    steps = [r["step"] for r in rows]
+    steps = [r.step for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=dpi)
-    ax.plot(steps, [r["tau_cotrained"] for r in rows], "o-", label="co-trained (new drafter)")
-    ax.plot(steps, [r["tau_served"] for r in rows], "s--", label="served (champion during the step)")
-    ax.plot(steps, [r["tau_baseline"] for r in rows], "^:", label="never retrained (baseline)")
+    ax.plot(steps, [r.tau_cotrained for r in rows], "o-", label="co-trained (new drafter)")
+    ax.plot(steps, [r.tau_served for r in rows], "s--", label="served (champion during the step)")
+    ax.plot(steps, [r.tau_baseline for r in rows], "^:", label="never retrained (baseline)")
     ax.axhline(k + 1, color="grey", lw=0.8)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.text(steps[0], k + 1 - 0.15, f"ceiling k+1 = {k + 1}", fontsize=8, color="grey", va="top")
@@ -300,7 +371,7 @@ def acceptance_png(rows: list[dict], k: int, drafter_kind: str = "", dpi: int = 
     return _png(fig)
 
 
-def plot(rows: list[dict], k: int, path: Path, drafter_kind: str = "") -> Path:
+def plot(rows: list[StepRow], k: int, path: Path, drafter_kind: str = "") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(acceptance_png(rows, k, drafter_kind))
     return path
@@ -322,15 +393,15 @@ def loss_png(loss_history: list[float], title: str, dpi: int = 100) -> bytes:
     return _png(fig)
 
 
-def acceptance_rows(store: ObjectStore, run: str, steps: list[int]) -> list[dict]:
+def acceptance_rows(store: ObjectStore, run: str, steps: list[int]) -> list[StepRow]:
     """tau of the co-trained, served and never-retrained drafters for the `steps` that have an acceptance record (no
     other reads)."""
     rows = []
     for step in steps:
         if store.exists(acceptance_key(run, step)):
             record = read_acceptance(store, run, step)
-            rows.append({"step": step, "tau_cotrained": _tau(record.cotrained), "tau_served": _tau(record.served),
-                         "tau_baseline": _tau(record.baseline)})
+            rows.append(StepRow(step, tau_cotrained=_tau(record.cotrained), tau_served=_tau(record.served),
+                                tau_baseline=_tau(record.baseline)))
     return rows
 
 
@@ -339,9 +410,10 @@ def png_markdown(png: bytes, alt: str) -> str:
     return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode()})"
 
 
-def write_summary(rows: list[dict], wall_s: float, step_wall_s: list[float], path: Path, **extra) -> Path:
+def write_summary(rows: list[StepRow], wall_s: float, step_wall_s: list[float], path: Path, **extra) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"wall_s": round(wall_s, 2), "step_wall_s": [round(s, 2) for s in step_wall_s], "steps": rows, **extra}
+    doc = {"wall_s": round(wall_s, 2), "step_wall_s": [round(s, 2) for s in step_wall_s],
+           "steps": [r.to_json() for r in rows], **extra}
     path.write_text(json.dumps(doc, indent=2))
     return path
 
@@ -405,7 +477,7 @@ def format_ledger(ledger: Ledger) -> str:
     return "\n".join(lines)
 
 
-def format_phases(rows: list[dict], ledger: Ledger) -> str:
+def format_phases(rows: list[StepRow], ledger: Ledger) -> str:
     """A real trainer's step by phase, as RL papers report it: the trainer's side (the rows' `phases`: weight
     push, generation, publication, policy update) beside the pipeline's (the ledger's stages), in seconds."""
     head = f"{'step':>4} {'generation':>10} {'policy update':>13} {'weight push':>11} {'publish':>7} " \
@@ -413,8 +485,8 @@ def format_phases(rows: list[dict], ledger: Ledger) -> str:
     lines = [head, "-" * len(head)]
     costs = {c.step: c.seconds for c in ledger.costs}
     for r in rows:
-        p, s = r["phases"], costs.get(r["step"], {})
-        lines.append(f"{r['step']:>4} {p['generation_s']:>10.1f} {p['update_s']:>13.1f} {p['weight_push_s']:>11.1f} "
+        p, s = r.phases, costs.get(r.step, {})
+        lines.append(f"{r.step:>4} {p['generation_s']:>10.1f} {p['update_s']:>13.1f} {p['weight_push_s']:>11.1f} "
                      f"{p['publish_s']:>7.1f} {s.get('extraction', 0.0):>10.1f} {s.get('training', 0.0):>8.1f} "
                      f"{s.get('evaluation', 0.0):>10.1f} {s.get('deployment', 0.0):>6.1f}")
     return "\n".join(lines)

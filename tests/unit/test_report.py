@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,7 @@ def store(tmp_path: Path) -> ObjectStore:
 
 
 def test_step_row_reads_every_stage_of_the_step(store: ObjectStore) -> None:
-    assert report.step_row(store, RUN, 1) == {
+    assert report.step_row(store, RUN, 1).to_json() == {
         "step": 1, "samples": 5, "buffer_samples": 4, "captured": None, "bytes_stored": None, "trained": True,
         "tau_cotrained": 2.1235, "tau_baseline": 2.1235, "tau_served": report.NO_DRAFTER_TAU,
         "promoted": True, "version_cotrained": "1", "version_served": None,
@@ -80,20 +81,19 @@ def test_a_replay_gives_each_arms_seconds_and_the_measured_speedups(store: Objec
     assert (fields["speedup_served"], fields["speedup_served_tail"]) == (1.25, 2.0)
     assert (fields["speedup_baseline"], fields["speedup_served_over_baseline"]) == (1.0, 1.25)
     assert fields["speedup_cotrained"] is None
-    table = report.format_replay([{"step": 1, **fields}]).splitlines()
+    table = report.format_replay([report.StepRow(1, **fields)]).splitlines()
     assert table[2].split() == ["1", "10.00", "10.00", "8.00", "-", "1.25x", "2.00x", "1.25x", "-x", "-x"]
-    assert report.replay_png([{"step": 1, **fields}]).startswith(b"\x89PNG")
+    assert report.replay_png([report.StepRow(1, **fields)]).startswith(b"\x89PNG")
 
 
 def test_tail_goals_average_the_ratios_over_steps_from_two() -> None:
-    rows = [{"step": 1, "tail_tau_start": 1.0, "tail_tau_refreshed": 2.0, "tail_tau_whole_step": 2.0,
-             "refresh_latency_s": 9.0, "refresh_latency_share": 0.15},
-            {"step": 2, "tail_tau_start": 2.0, "tail_tau_refreshed": 2.7, "tail_tau_whole_step": 3.0,
-             "refresh_latency_s": 12.0, "refresh_latency_share": 0.2},
-            {"step": 3, "tail_tau_start": 2.0, "tail_tau_refreshed": 2.9, "tail_tau_whole_step": None,
-             "refresh_latency_s": 18.0, "refresh_latency_share": 0.3},
-            {"step": 4, "tail_tau_start": 2.0, "tail_tau_refreshed": None, "tail_tau_whole_step": 3.0,
-             "refresh_latency_s": None, "refresh_latency_share": None}]
+    rows = [report.StepRow(1, tail_tau_start=1.0, tail_tau_refreshed=2.0, tail_tau_whole_step=2.0,
+                           refresh_latency_s=9.0, refresh_latency_share=0.15),
+            report.StepRow(2, tail_tau_start=2.0, tail_tau_refreshed=2.7, tail_tau_whole_step=3.0,
+                           refresh_latency_s=12.0, refresh_latency_share=0.2),
+            report.StepRow(3, tail_tau_start=2.0, tail_tau_refreshed=2.9, tail_tau_whole_step=None,
+                           refresh_latency_s=18.0, refresh_latency_share=0.3),
+            report.StepRow(4, tail_tau_start=2.0, tail_tau_refreshed=None, tail_tau_whole_step=3.0)]
     assert report.tail_goals(rows) == {"steps": [2, 3], "refreshed_over_whole_step": 0.9,
                                        "refreshed_over_start": 1.4, "latency_share": 0.25, "latency_s": 15.0}
     assert report.tail_goals(rows[3:]) is None
@@ -105,16 +105,15 @@ def test_tail_goals_average_the_ratios_over_steps_from_two() -> None:
 
 def test_a_step_without_a_new_drafter_reports_no_cotrained_figures(store: ObjectStore) -> None:
     row = report.step_row(store, RUN, 2)
-    assert (row["trained"], row["tau_cotrained"], row["tau_served"]) == (False, report.NO_DRAFTER_TAU, 1.8)
-    assert (row["version_cotrained"], row["version_served"]) == (None, "1")
-    assert (row["acceptance_rate_cotrained"], row["eval_prompts_cotrained"], row["tau_estimate_cotrained"]) == \
-        (0.0, None, None)
+    assert (row.trained, row.tau_cotrained, row.tau_served) == (False, report.NO_DRAFTER_TAU, 1.8)
+    assert (row.version_cotrained, row.version_served) == (None, "1")
+    assert (row.acceptance_rate_cotrained, row.eval_prompts_cotrained, row.tau_estimate_cotrained) == (0.0, None, None)
 
 
 def test_acceptance_rows_skip_steps_without_a_record(store: ObjectStore) -> None:
     assert report.acceptance_rows(store, RUN, [1, 2, 3]) == [
-        {"step": 1, "tau_cotrained": 2.1235, "tau_served": 1.0, "tau_baseline": 2.1235},
-        {"step": 2, "tau_cotrained": 1.0, "tau_served": 1.8, "tau_baseline": 1.8},
+        report.StepRow(1, tau_cotrained=2.1235, tau_served=1.0, tau_baseline=2.1235),
+        report.StepRow(2, tau_cotrained=1.0, tau_served=1.8, tau_baseline=1.8),
     ]
 
 
@@ -128,7 +127,7 @@ def test_format_table(store: ObjectStore) -> None:
         "(tau at the rollouts' sampling, greedy, greedy drafting, as vLLM verifies drafts; greedy co-tr: the "
         "co-trained drafter at temperature 0)",
     ]
-    with_reward = report.format_table([{**rows[0], "trl_mean_reward": 0.25}])
+    with_reward = report.format_table([replace(rows[0], trl_mean_reward=0.25)])
     assert with_reward.splitlines()[0].endswith("TRL reward")
     assert with_reward.splitlines()[2].endswith("0.250")
 
@@ -138,7 +137,8 @@ def test_summary_json_and_plots(store: ObjectStore, tmp_path: Path) -> None:
     path = report.write_summary(rows, 12.345, [6.0, 6.3449], tmp_path / "out" / "summary.json", drafter_kind="eagle3")
     doc = json.loads(path.read_text())
     assert (doc["wall_s"], doc["step_wall_s"], doc["drafter_kind"]) == (12.35, [6.0, 6.34], "eagle3")
-    assert doc["steps"] == rows
+    assert doc["steps"] == [r.to_json() for r in rows]
+    assert "trl_mean_reward" not in doc["steps"][0]  # what only a GRPO demo reports
     assert report.plot(rows, 4, tmp_path / "out" / "acceptance.png", "eagle3").read_bytes().startswith(PNG)
     assert report.loss_png([4.0, 2.0, 0.1], "loss").startswith(PNG)
     markdown = report.png_markdown(PNG, "tau")
@@ -177,13 +177,12 @@ def test_schedules_side_by_side_are_priced_alike() -> None:
 
 
 def test_speedup_goals_summarise_the_served_drafter_from_step_three() -> None:
-    rows = [{"step": 2, "speedup_served": 0.5, "speedup_served_tail": 0.5, "speedup_served_min_batch": 0.5,
-             "speedup_served_over_baseline": 0.5},
-            {"step": 3, "speedup_served": 1.2, "speedup_served_tail": 1.6, "speedup_served_min_batch": 0.98,
-             "speedup_served_over_baseline": 1.1},
-            {"step": 4, "speedup_served": 1.4, "speedup_served_tail": 2.0, "speedup_served_min_batch": 1.0,
-             "speedup_served_over_baseline": None},
-            {"step": 5, "speedup_served": None}]
+    rows = [report.StepRow(2, speedup_served=0.5, speedup_served_tail=0.5, speedup_served_min_batch=0.5,
+                           speedup_served_over_baseline=0.5),
+            report.StepRow(3, speedup_served=1.2, speedup_served_tail=1.6, speedup_served_min_batch=0.98,
+                           speedup_served_over_baseline=1.1),
+            report.StepRow(4, speedup_served=1.4, speedup_served_tail=2.0, speedup_served_min_batch=1.0),
+            report.StepRow(5)]
     assert report.speedup_goals(rows) == {
         "steps": [3, 4], "served_tail": {"min": 1.6, "mean": 1.8}, "served_whole": {"min": 1.2, "mean": 1.3},
         "served_worst_batch": {"min": 0.98, "mean": 0.99}, "served_over_baseline": {"min": 1.1, "mean": 1.1}}
