@@ -55,36 +55,40 @@ def whole_lines(path: str, should_stop: Callable[[], bool]) -> Iterator[str]:
                 time.sleep(POLL_S)
 
 
-class PipesWholeLineFileMessageReader(dg.PipesFileMessageReader):
-    """`PipesFileMessageReader` reading every whole line, and failing a session that lost its end."""
+class CountedMessages:
+    """A Pipes message reader's count of what arrived (`counted` each message), and the end of its session: a
+    session without the worker's `closed` message fails the step, naming what arrived last. Mixed in ahead of the
+    Dagster reader it checks."""
 
-    def __init__(self, path: str, include_stdio_in_messages: bool = False) -> None:
-        super().__init__(path, include_stdio_in_messages)
-        self._received, self._last = 0, "none"  # what arrived: named when the end did not
+    _received, _last = 0, "none"
 
-    def _reader_thread(self, handler, is_resource_complete: Event) -> None:  # noqa: ANN001 (Dagster's handler)
-        try:
-            for line in whole_lines(self._path, is_resource_complete.is_set):
-                message = json.loads(line)
-                handler.handle_message(message)
-                self._received += 1
-                self._last = str(message.get("method", "?")) if isinstance(message, dict) else "?"
-        except:  # noqa: E722 - Dagster's reader reports every failure of its thread, then ends it
-            handler.report_pipes_framework_exception(f"{self.__class__.__name__} reader thread", sys.exc_info())
-            raise
+    def counted(self, message: object) -> None:
+        self._received += 1
+        self._last = str(message.get("method", "?")) if isinstance(message, dict) else "?"
 
     @contextmanager
     def read_messages(self, handler) -> Iterator[dg.PipesParams]:  # noqa: ANN001 (Dagster's handler)
         with super().read_messages(handler) as params:  # its exit joins the reader thread
             yield params
         if not handler.received_closed_message:
-            raise DagsterPipesExecutionError(lost_messages(self._received, self._last))
+            raise DagsterPipesExecutionError(
+                f"the stage's Pipes messages did not all reach Dagster: {self._received} arrived (the last: "
+                f"{self._last}), not its `closed` message; what the worker reported after that (its materialization, "
+                "asset check results, logs) is lost, so the step fails rather than pass without them")
 
 
-def lost_messages(received: int, last: str) -> str:
-    return (f"the stage's Pipes messages did not all reach Dagster: {received} arrived (the last: {last}), not its "
-            "`closed` message; what the worker reported after that (its materialization, asset check results, "
-            "logs) is lost, so the step fails rather than pass without them")
+class PipesWholeLineFileMessageReader(CountedMessages, dg.PipesFileMessageReader):
+    """`PipesFileMessageReader` reading every whole line, and failing a session that lost its end."""
+
+    def _reader_thread(self, handler, is_resource_complete: Event) -> None:  # noqa: ANN001 (Dagster's handler)
+        try:
+            for line in whole_lines(self._path, is_resource_complete.is_set):
+                message = json.loads(line)
+                handler.handle_message(message)
+                self.counted(message)
+        except:  # noqa: E722 - Dagster's reader reports every failure of its thread, then ends it
+            handler.report_pipes_framework_exception(f"{self.__class__.__name__} reader thread", sys.exc_info())
+            raise
 
 
 class PipesWholeLineTempFileMessageReader(dg.PipesTempFileMessageReader):

@@ -15,17 +15,14 @@ import json
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 
-import dagster as dg
-from dagster._core.errors import DagsterPipesExecutionError  # what Dagster's Pipes clients raise
 from dagster._core.pipes.utils import extract_message_or_forward_to_stdout
 from dagster_pipes import PIPES_PROTOCOL_VERSION_FIELD
 from dagster_ray import PipesRayJobClient
 from dagster_ray.core.pipes import PipesRayJobMessageReader, tail_logs
 
 from pipeline.launch.placement import SUBMITTED_AT_ENV
-from resources.pipes_messages import lost_messages
+from resources.pipes_messages import CountedMessages
 
 POLL_S = 0.1  # the job's status: a stage's end reaches Dagster this soon (dagster-ray's default: 1 s)
 
@@ -41,12 +38,8 @@ def log_lines(chunks: Iterable[str | None]) -> Iterator[str]:
         yield pending
 
 
-class PipesRayJobWholeLineMessageReader(PipesRayJobMessageReader):
+class PipesRayJobWholeLineMessageReader(CountedMessages, PipesRayJobMessageReader):
     """dagster-ray's reader of a Ray job's log, taking whole lines and failing a session that lost its end."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._received, self._last = 0, "none"  # what arrived: named when the end did not
 
     def handle_job_logs(self, handler) -> None:  # noqa: ANN001 (Dagster's handler)
         try:
@@ -72,15 +65,7 @@ class PipesRayJobWholeLineMessageReader(PipesRayJobMessageReader):
         except ValueError:
             return
         if isinstance(message, dict) and PIPES_PROTOCOL_VERSION_FIELD in message:
-            self._received += 1
-            self._last = str(message.get("method", "?"))
-
-    @contextmanager
-    def read_messages(self, handler) -> Iterator[dg.PipesParams]:  # noqa: ANN001 (Dagster's handler)
-        with super().read_messages(handler) as params:  # its exit joins the reader thread
-            yield params
-        if not handler.received_closed_message:
-            raise DagsterPipesExecutionError(lost_messages(self._received, self._last))
+            self.counted(message)
 
 
 class PipesRayStageClient(PipesRayJobClient):
