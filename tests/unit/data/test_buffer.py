@@ -13,6 +13,7 @@ from pipeline.data.keys import buffer_key
 from pipeline.data.records import BufferEntry, composition
 from pipeline.data.shards import ByteRange, HiddenSample, Manifest, SampleIndex
 from pipeline.data.store import ObjectStore
+from tests.support.targets import tiny_target
 
 RUN = "r"
 H = 4
@@ -265,10 +266,10 @@ def test_shard_check_reports_a_corrupt_shard_once(tmp_path: Path) -> None:
     """The asset check reads each shard once and names the one whose bytes changed."""
     from pipeline.data import shard_checks as checks
     from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
-    from pipeline.models.target import build_target, save_checkpoint, tiny_llama_config
+    from pipeline.models.target import save_checkpoint
 
     store = ObjectStore((tmp_path / "store").as_uri())
-    save_checkpoint(build_target(tiny_llama_config(16, 8, 1, 2), 0), store, "policies/run/p")
+    save_checkpoint(tiny_target(16, 8, 1, 2), store, "policies/run/p")
     write_rollouts(store, "run", 1, [Rollout("a", [1, 2, 3], [0, 1, 1], 0.0, 1)],
                    PolicyPointer(1, "policies/run/p", "m"))
     g = torch.Generator().manual_seed(0)

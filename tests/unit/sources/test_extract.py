@@ -30,6 +30,7 @@ from pipeline.models.eagle3 import Eagle3Drafter, read_positions, stored_layer_i
 from pipeline.sources import extract
 from pipeline.sources.simulation import SimulatedRL
 from tests.support.config import write_config
+from tests.support.targets import tiny_target
 
 ROOT = Path(__file__).resolve().parents[3]
 LAYERS = [0, 2, 3]  # vLLM ids of a 3-layer target: the embeddings, a middle stream, the last layer before the norm
@@ -43,8 +44,7 @@ def _rollouts(lengths: list[int], vocab: int, seed: int = 0) -> list[Rollout]:
 
 @pytest.fixture(scope="module")
 def target() -> torch.nn.Module:
-    return target_lib.build_target(target_lib.tiny_llama_config(vocab_size=64, hidden_size=64, num_layers=3,
-                                                                num_heads=4), seed=0)
+    return tiny_target(64, 64, 3, 4)
 
 
 # -- batching plan ----------------------------------------------------------------------------------------------

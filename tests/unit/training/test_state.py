@@ -14,20 +14,16 @@ import torch.multiprocessing as mp
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.keys import training_prefix
 from pipeline.data.store import ObjectStore
-from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.registry import DrafterRegistry, MetricsBatcher
 from pipeline.training import loop
 from pipeline.training.dataset import InMemoryDataset, Sample
 from pipeline.training.loop import train_drafter
 from pipeline.training.state import LATEST, CheckpointWriter, ResumeState, TrainingCheckpoints, snapshot
+from tests.support.targets import tiny_target
 from tests.unit.training.test_loop import drafter_for as _drafter
 
 V, H, HEADS = 32, 32, 2
-
-
-def _target():
-    return target_lib.build_target(target_lib.tiny_llama_config(V, H, 1, HEADS), seed=0)
 
 
 def _samples(target) -> list[Sample]:
@@ -44,7 +40,7 @@ def _samples(target) -> list[Sample]:
 
 @pytest.fixture(scope="module")
 def target():
-    return _target()
+    return tiny_target(V, H, 1, HEADS)
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +200,7 @@ def _train_and_die_writing_the_second_checkpoint(root: str) -> None:
 
     loop.apply_gradients = counted
     ObjectStore.write_bytes = write_then_die
-    target = _target()
+    target = tiny_target(V, H, 1, HEADS)
     checkpoints = TrainingCheckpoints(ObjectStore(root), "training/x/y")
     train_drafter(_drafter(target), InMemoryDataset(_samples(target)), CFG, checkpoints=checkpoints)
 
