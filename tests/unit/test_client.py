@@ -26,11 +26,6 @@ RUN, STEP = "r", 3
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> ObjectStore:
-    return ObjectStore((tmp_path / "store").as_uri())
-
-
 def stored_files(store: ObjectStore) -> dict[str, bytes]:
     return {key: store.read_bytes(key) for key, _, _ in store.list_files("")}
 

@@ -156,8 +156,7 @@ def test_single_file_checkpoint_loads(saved: dict, tmp_path: Path) -> None:
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
-def test_store_round_trip_and_the_policy_is_loaded_once_per_checkpoint(tmp_path: Path) -> None:
-    store = ObjectStore((tmp_path / "store").as_uri())
+def test_store_round_trip_and_the_policy_is_loaded_once_per_checkpoint(store: ObjectStore) -> None:
     first = tiny_target(32, 16, 1, 2)
     target_lib.save_checkpoint(first, store, "policies/r/step-1")
     a = target_lib.load_policy(store, "policies/r/step-1")
@@ -179,9 +178,8 @@ SECRET = "Hunter2-symlinked"
 
 
 @pytest.fixture
-def linked_store(tmp_path: Path) -> ObjectStore:
+def linked_store(store: ObjectStore, tmp_path: Path) -> ObjectStore:
     """A file:// store, and outside it a checkpoint of the trainer's choosing and a JSON file with a secret."""
-    store = ObjectStore((tmp_path / "store").as_uri())
     outside = ObjectStore((tmp_path / "outside").as_uri())
     target_lib.save_checkpoint(tiny_target(32, 16, 1, 2), outside, "ckpt")
     (tmp_path / "secrets.json").write_text(json.dumps({"model_type": SECRET, "hidden_size": SECRET}))
