@@ -17,6 +17,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 from pipeline.config import PipelineConfig, load_config
+from pipeline.data.store import ObjectStore
 from tests.support.config import write_config
 from tests.support.mlflow_server import mlflow_server as run_mlflow_server
 from tests.support.reliability import (  # noqa: F401  (the report's fixture and hooks)
@@ -65,6 +66,12 @@ def tiny_config_path(tmp_path: Path) -> Path:
 @pytest.fixture
 def tiny_config(tiny_config_path: Path) -> PipelineConfig:
     return load_config(tiny_config_path)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> ObjectStore:
+    """A fresh, empty local object store under the test's temporary directory (at `tmp_path / "store"`)."""
+    return ObjectStore((tmp_path / "store").as_uri())
 
 
 @pytest.fixture(scope="session")

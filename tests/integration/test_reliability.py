@@ -482,11 +482,10 @@ def test_warm_start_checkpoint_that_does_not_match_its_config(loop, reliability,
 # -- bad rollouts -------------------------------------------------------------------------------------------------
 
 
-def test_loss_mask_all_zero_is_refused(tmp_path: Path, reliability) -> None:
+def test_loss_mask_all_zero_is_refused(store: ObjectStore, tmp_path: Path, reliability) -> None:
     from pipeline.data.rollouts import PolicyPointer, Rollout, RolloutsError, is_committed, write_rollouts
 
     reliability.bad_input("loss mask all zero")
-    store = ObjectStore((tmp_path / "store").as_uri())
     rows = [Rollout("a", [1, 2, 3], [0, 1, 1], 1.0, 0), Rollout("b", [1, 2, 3], [0, 0, 0], 1.0, 0)]
     with pytest.raises(RolloutsError, match="sample 'b': field loss_mask: all zeros"):
         write_rollouts(store, "r", 1, rows, PolicyPointer(0, "x", "m"))

@@ -28,6 +28,7 @@ from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.sources.simulation import SimulatedRL
 from tests.support.config import write_config
+from tests.support.targets import tiny_target
 
 BUCKET = "pipeline-test"
 CREDENTIALS = {
@@ -146,7 +147,7 @@ def test_shards_buffer_and_bad_input(store: ObjectStore) -> None:
 
 
 def test_policy_checkpoint_round_trip(store: ObjectStore) -> None:
-    model = target_lib.build_target(target_lib.tiny_llama_config(16, 16, 1, 2), 0)
+    model = tiny_target(16, 16, 1, 2)
     uri = target_lib.save_checkpoint(model, store, "policies/run/step-000001")
     loaded = target_lib.load_policy(store, "policies/run/step-000001")
     assert uri.startswith(store.root)

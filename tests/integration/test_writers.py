@@ -155,9 +155,8 @@ def test_a_writer_that_lost_its_lease_never_commits(tmp_path: Path, request: pyt
     _check_committed(store)
 
 
-def test_a_killed_writer_never_blocks_the_next_on_file(tmp_path: Path, reliability) -> None:
+def test_a_killed_writer_never_blocks_the_next_on_file(store: ObjectStore, reliability) -> None:
     reliability.fault("a writer killed while holding a step's lease (file://): the next writer goes ahead")
-    store = ObjectStore((tmp_path / "store").as_uri())
     ctx = mp.get_context("fork")
     child = ctx.Process(target=_hold_and_die, args=(store.root,))
     child.start()

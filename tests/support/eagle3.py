@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from transformers import LlamaForCausalLM
 
-from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, TTTCache, default_aux_layer_ids, draft_vocab
 from pipeline.training.dataset import Sample
+from tests.support.targets import tiny_target
 
 V, DV, H, HEADS = 32, 24, 32, 2
 AUX = (0, 1, 2)
@@ -69,8 +69,8 @@ def unroll(model: Eagle3Drafter, step_ids, g, positions, mask) -> list[torch.Ten
     return states
 
 
-def tiny_target() -> LlamaForCausalLM:
-    return target_lib.build_target(target_lib.tiny_llama_config(V, H, 4, HEADS), seed=0)
+def eagle3_target() -> LlamaForCausalLM:
+    return tiny_target(V, H, 4, HEADS)
 
 
 def drafter_for(target: LlamaForCausalLM, seed: int = 0, **overrides) -> Eagle3Drafter:

@@ -20,14 +20,10 @@ from pipeline.data.rollouts import TargetLimits, is_committed, read_policy_point
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from tests.support.contract_cases import BAD, BAD_CALLER_ROLLOUTS, BAD_ROLLOUTS, LIMITS, ok, refused_by_the_client
+from tests.support.targets import tiny_target
 
 RUN, STEP = "r", 3
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> ObjectStore:
-    return ObjectStore((tmp_path / "store").as_uri())
 
 
 def stored_files(store: ObjectStore) -> dict[str, bytes]:
@@ -50,7 +46,7 @@ def group(n: int = 4) -> list[Rollout]:
 
 
 def test_round_trip_reads_back_unchanged(store: ObjectStore, tmp_path: Path) -> None:
-    model = target_lib.build_target(target_lib.tiny_llama_config(32, 16, 1, 2), seed=0)
+    model = tiny_target(32, 16, 1, 2)
     staged = publish_checkpoint(model, tmp_path / "staging")
     items = group()
 
@@ -68,7 +64,7 @@ def test_round_trip_reads_back_unchanged(store: ObjectStore, tmp_path: Path) -> 
 
 
 def test_sharded_checkpoint_is_published_with_its_index(store: ObjectStore, tmp_path: Path) -> None:
-    model = target_lib.build_target(target_lib.tiny_llama_config(32, 16, 2, 2), seed=0)
+    model = tiny_target(32, 16, 2, 2)
     staged = publish_checkpoint(model, tmp_path / "staging", max_shard_size=20_000)
 
     publish_step(store, RUN, STEP, group(), staged, policy_version=2, model_id="tiny")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -13,6 +11,7 @@ from pipeline.data.keys import buffer_key
 from pipeline.data.records import BufferEntry, composition
 from pipeline.data.shards import ByteRange, HiddenSample, Manifest, SampleIndex
 from pipeline.data.store import ObjectStore
+from tests.support.targets import tiny_target
 
 RUN = "r"
 H = 4
@@ -137,9 +136,8 @@ def _hidden_samples(step: int, lengths: list[int]) -> list[HiddenSample]:
 
 
 @pytest.fixture
-def store_with_steps(tmp_path: Path) -> tuple[ObjectStore, dict[str, HiddenSample]]:
+def store_with_steps(store: ObjectStore) -> tuple[ObjectStore, dict[str, HiddenSample]]:
     """Steps 0..3 committed with 2 samples per shard; step 2 holds a 1-token sample."""
-    store = ObjectStore((tmp_path / "store").as_uri())
     lengths = {0: [3, 4, 5], 1: [6, 2, 3, 4, 5], 2: [4, 1, 7], 3: [5, 6, 7, 8]}
     written: dict[str, HiddenSample] = {}
     for step, ls in lengths.items():
@@ -222,8 +220,7 @@ def test_iter_buffer_samples_follows_entry_order(store_with_steps: tuple[ObjectS
         assert torch.equal(got.hidden.view(torch.int16), written[got.sample_id].hidden.view(torch.int16))
 
 
-def test_write_buffer_overwrites(tmp_path: Path) -> None:
-    store = ObjectStore(tmp_path.as_uri())
+def test_write_buffer_overwrites(store: ObjectStore) -> None:
     first = select_buffer([manifest(1, [3, 3])], 1, 1, 10)
     buffer.write_buffer(store, RUN, 1, first)
 
@@ -232,9 +229,8 @@ def test_write_buffer_overwrites(tmp_path: Path) -> None:
     assert list(buffer.read_buffer(store, RUN, 1).entries) == first[:1]
 
 
-def test_corrupt_shard_is_skipped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_corrupt_shard_is_skipped_with_a_warning(store: ObjectStore, caplog: pytest.LogCaptureFixture) -> None:
     """A shard whose bytes changed after the manifest was written is never read into training."""
-    store = ObjectStore((tmp_path / "store").as_uri())
     g = torch.Generator().manual_seed(0)
     samples = [
         shards.HiddenSample(f"s{i}", 1, torch.arange(6), torch.tensor([0, 0, 1, 1, 1, 1]),
@@ -261,14 +257,13 @@ def test_corrupt_shard_is_skipped_with_a_warning(tmp_path: Path, caplog: pytest.
     assert torch.equal(intact.hidden.view(torch.int16), samples[0].hidden.view(torch.int16))
 
 
-def test_shard_check_reports_a_corrupt_shard_once(tmp_path: Path) -> None:
+def test_shard_check_reports_a_corrupt_shard_once(store: ObjectStore) -> None:
     """The asset check reads each shard once and names the one whose bytes changed."""
     from pipeline.data import shard_checks as checks
     from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
-    from pipeline.models.target import build_target, save_checkpoint, tiny_llama_config
+    from pipeline.models.target import save_checkpoint
 
-    store = ObjectStore((tmp_path / "store").as_uri())
-    save_checkpoint(build_target(tiny_llama_config(16, 8, 1, 2), 0), store, "policies/run/p")
+    save_checkpoint(tiny_target(16, 8, 1, 2), store, "policies/run/p")
     write_rollouts(store, "run", 1, [Rollout("a", [1, 2, 3], [0, 1, 1], 0.0, 1)],
                    PolicyPointer(1, "policies/run/p", "m"))
     g = torch.Generator().manual_seed(0)

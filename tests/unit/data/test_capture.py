@@ -110,8 +110,7 @@ def test_a_window_of_a_window_is_itself(seed: int) -> None:
     assert window_bounds(mask[start:end], window) == (0, end - start)
 
 
-def test_plan_round_trips_through_the_store(tmp_path) -> None:
-    store = ObjectStore(tmp_path.as_uri())
+def test_plan_round_trips_through_the_store(store: ObjectStore) -> None:
     plan = plan_capture(_long_tailed(50), 12, held_out_fraction=HELD_OUT, window_tokens=64, max_samples=9,
                         max_tokens=10**5)
     capture.write_plan(store, "run", plan)

@@ -26,11 +26,6 @@ RUN, STEP = "r", 3
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> ObjectStore:
-    return ObjectStore((tmp_path / "store").as_uri())
-
-
-@pytest.fixture
 def checkpoint(tmp_path: Path) -> Path:
     directory = tmp_path / "staging"
     directory.mkdir()

@@ -3,8 +3,6 @@ documents this code cannot read."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from pipeline.data.keys import acceptance_key, drafter_key
@@ -60,11 +58,6 @@ RECORDS = [
     FleetState("3", 2, 1700000000.0, (ROLLED_BACK, HOT)),
     FleetState(),
 ]
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> ObjectStore:
-    return ObjectStore(tmp_path.as_uri())
 
 
 @pytest.mark.parametrize("record", RECORDS, ids=lambda r: type(r).__name__)
@@ -138,9 +131,8 @@ def test_acceptance_record_lists_the_roles_that_had_a_drafter() -> None:
     assert list(ACCEPTANCE.measured()) == ["cotrained", "baseline"]
 
 
-def test_an_acceptance_record_from_before_sampling_reads_as_greedy(tmp_path: Path) -> None:
+def test_an_acceptance_record_from_before_sampling_reads_as_greedy(store: ObjectStore) -> None:
     """Records without `sampling` were measured greedily: their tau is the greedy tau, at temperature 0."""
-    store = ObjectStore(tmp_path.as_uri())
     old = ACCEPTANCE.to_json()
     del old["sampling"], old["draft_sample_method"]
     store.write_json(acceptance_key(RUN, 2), old)

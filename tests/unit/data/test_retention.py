@@ -35,11 +35,6 @@ def snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> ObjectStore:
-    return ObjectStore((tmp_path / "store").as_uri())
-
-
 def test_dry_run_lists_and_changes_nothing_then_apply_deletes_exactly_that(store: ObjectStore, tmp_path: Path) -> None:
     # Steps 1..6 extracted, buffers built through step 5 (window of 2 steps); a drafter was registered at step 2.
     build_history(store, steps=6, buffered=5)

@@ -31,11 +31,6 @@ STEP = 3
 POINTER = PolicyPointer(policy_version=3, checkpoint_uri="policies/r/step-000003", model_id="tiny")
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> ObjectStore:
-    return ObjectStore((tmp_path / "store").as_uri())
-
-
 def rollouts(n: int = 4) -> list[Rollout]:
     return [
         Rollout(f"id-{i}", [1, 2 + i, 3, 4, 5][: 3 + i % 3], [0, 1, 1, 1, 1][: 3 + i % 3], 0.25 * i, 3)

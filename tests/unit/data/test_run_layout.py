@@ -20,11 +20,6 @@ RUN = "r"
 LAYOUT = TargetLayout("llama", 8, 64, 2, (2,))
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> ObjectStore:
-    return ObjectStore((tmp_path / "store").as_uri())
-
-
 def _samples(step: int, hidden: int = 8, layers: int = 1) -> list[HiddenSample]:
     return [HiddenSample(f"s{i}", step, torch.arange(1, 6), torch.ones(5, dtype=torch.int64),
                          torch.randn(5, layers, hidden).to(torch.bfloat16)) for i in range(3)]

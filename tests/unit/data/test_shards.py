@@ -82,11 +82,6 @@ def assert_same_sample(got: HiddenSample, want: HiddenSample) -> None:
     assert torch.equal(got.hidden.view(torch.int16), want.hidden.view(torch.int16))  # bit-exact
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> ObjectStore:
-    return ObjectStore((tmp_path / "store").as_uri())
-
-
 # -- round trip -------------------------------------------------------------------------------------------------
 
 

@@ -99,8 +99,7 @@ def test_a_pointer_with_credentials_is_refused_everywhere_without_echo(tmp_path:
     assert [k for k, _, _ in store.list_files("")] == [key]  # nothing fetched, nothing written
 
 
-def test_store_keys_still_resolve_and_open(tmp_path: Path) -> None:
-    store = ObjectStore((tmp_path / "store").as_uri())
+def test_store_keys_still_resolve_and_open(store: ObjectStore) -> None:
     store.write_bytes("policies/r/step-000001/config.json", json.dumps({"hidden_size": 8}).encode())
     fs, path = store.filesystem(store.resolve("policies/r/step-000001"))
     assert json.loads(fs.cat_file(f"{path}/config.json")) == {"hidden_size": 8}

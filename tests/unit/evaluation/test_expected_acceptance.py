@@ -18,14 +18,9 @@ from pipeline.evaluation.expected_acceptance import (
 from pipeline.models import target_forward
 from pipeline.models.eagle import CommittedPairs
 from pipeline.models.eagle3 import TTTCache
-from tests.support.eagle3 import V, drafter_for, tiny_target
+from tests.support.eagle3 import V, drafter_for
 
 K = 4
-
-
-@pytest.fixture(scope="module")
-def target() -> LlamaForCausalLM:
-    return tiny_target()
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,10 @@ from pipeline.evaluation.rejection_sampler import (
     verify,
 )
 from pipeline.evaluation.speculative import evaluate, follow_target, generate_batch, request_sampling
-from pipeline.models import target as target_lib
 from pipeline.models.drafter import CommittedPairs, DraftChooser
 from pipeline.models.eagle import EagleConfig, EagleDrafter
 from pipeline.sampling import GREEDY, SamplingError, SamplingParams
+from tests.support.targets import tiny_target
 
 ONES = torch.ones(1, 3)  # an exponential race of equal draws: the most likely token wins
 
@@ -126,7 +126,7 @@ V_SMALL, NEW_TOKENS, DRAWS = 5, 3, 20000
 @pytest.fixture(scope="module")
 def peaked_target() -> LlamaForCausalLM:
     """A tiny target whose distributions are far from uniform, so that a wrong rule shows."""
-    model = target_lib.build_target(target_lib.tiny_llama_config(V_SMALL, 16, 1, 2), seed=3)
+    model = tiny_target(V_SMALL, 16, 1, 2, seed=3)
     with torch.no_grad():
         model.lm_head.weight.mul_(6.0)
     return model

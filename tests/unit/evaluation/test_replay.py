@@ -12,9 +12,9 @@ from pipeline.data.rollouts import Rollout
 from pipeline.evaluation.replay import TAIL_BATCH, replay_arm, replay_step, step_requests, tail_requests
 from pipeline.evaluation.scheduler import SpeculationThreshold
 from pipeline.evaluation.speculative import follow_target
-from pipeline.models import target as target_lib
 from pipeline.models.eagle import EagleConfig, EagleDrafter
 from pipeline.sampling import GREEDY, SamplingParams
+from tests.support.targets import tiny_target
 
 V = 16
 LENGTHS = [2, 3, 3, 4, 9, 12]  # six requests, the tail the last four
@@ -22,7 +22,7 @@ LENGTHS = [2, 3, 3, 4, 9, 12]  # six requests, the tail the last four
 
 @pytest.fixture(scope="module")
 def target() -> LlamaForCausalLM:
-    return target_lib.build_target(target_lib.tiny_llama_config(V, 16, 1, 2), seed=0)
+    return tiny_target(V, 16, 1, 2)
 
 
 @pytest.fixture(scope="module")

@@ -24,13 +24,13 @@ from pipeline.evaluation.speculative import (
     greedy_generate,
     speculative_generate,
 )
-from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.models.drafter import CommittedPairs, Drafter, Proposer, fresh_drafter
 from pipeline.models.eagle import EagleConfig, EagleDrafter
 from pipeline.models.eagle3 import TTTCache
 from pipeline.sampling import DRAFT_SAMPLE_METHODS, GREEDY, SamplingParams
 from tests.support.families import VARIANTS, random_model
+from tests.support.targets import tiny_target
 
 V, H, LAYERS, HEADS = 32, 32, 1, 2
 MAX_NEW = 10
@@ -39,7 +39,7 @@ K_MAX = 4
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    return target_lib.build_target(target_lib.tiny_llama_config(V, H, LAYERS, HEADS), seed=0)
+    return tiny_target(V, H, LAYERS, HEADS)
 
 
 @pytest.fixture(scope="module")
@@ -298,7 +298,7 @@ KINDS = ["eagle", "eagle3"]
 @pytest.fixture(scope="module")
 def deep_model() -> LlamaForCausalLM:
     """Four layers: EAGLE-3 reads three of them."""
-    return target_lib.build_target(target_lib.tiny_llama_config(V, H, 4, HEADS), seed=3)
+    return tiny_target(V, H, 4, HEADS, seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import torch
 from pipeline.config import DrafterConfig
 from pipeline.evaluation.speculative import follow_target, generate_batch
 from pipeline.evaluation.teacher_forced import estimate_acceptance
-from pipeline.models import target as target_lib
 from pipeline.models.drafter import fresh_drafter
+from tests.support.targets import tiny_target
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -21,7 +21,7 @@ MAX_NEW = 12
 def target() -> torch.nn.Module:
     """bf16 rounds differently in a (k+1)-token verification than in a one-token step; a peaked lm_head keeps
     the greedy choices far apart, so that both pick the same token and the comparison tests our code."""
-    model = target_lib.build_target(target_lib.tiny_llama_config(V, H, LAYERS, HEADS), seed=0)
+    model = tiny_target(V, H, LAYERS, HEADS)
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)
     return model.to("cuda", torch.bfloat16)

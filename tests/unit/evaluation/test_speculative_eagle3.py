@@ -19,14 +19,7 @@ from tests.support.eagle3 import (
     V,
     causal,
     drafter_for,
-    tiny_target,
 )
-
-
-@pytest.fixture(scope="module")
-def target() -> LlamaForCausalLM:
-    return tiny_target()
-
 
 # -- lossless speculative decoding ------------------------------------------------------------------------------
 

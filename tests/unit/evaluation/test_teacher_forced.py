@@ -10,12 +10,12 @@ from pipeline.config import DrafterConfig, OptimConfig, TrainConfig
 from pipeline.data.shards import HiddenSample
 from pipeline.evaluation.speculative import acceptance_metrics, generate_batch, greedy_generate, request_sampling
 from pipeline.evaluation.teacher_forced import estimate_acceptance
-from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.models.drafter import Drafter, fresh_drafter
 from pipeline.sampling import SamplingParams
 from pipeline.training.dataset import InMemoryDataset
 from pipeline.training.loop import train_drafter
+from tests.support.targets import tiny_target
 
 V, H, LAYERS, HEADS = 32, 32, 4, 2
 K = 3
@@ -24,7 +24,7 @@ K = 3
 @pytest.fixture(scope="module")
 def target() -> LlamaForCausalLM:
     """A larger lm_head makes the greedy text repetitive enough for a briefly trained drafter to predict."""
-    model = target_lib.build_target(target_lib.tiny_llama_config(V, H, LAYERS, HEADS), seed=0)
+    model = tiny_target(V, H, LAYERS, HEADS)
     with torch.no_grad():
         model.lm_head.weight.mul_(10.0)
     return model

@@ -144,8 +144,7 @@ def test_two_ranks_record_the_largest_ranks_peak(tmp_path: Path) -> None:
 # --- the stored record -----------------------------------------------------------------------------------------
 
 
-def test_a_placement_reads_back_from_the_store_as_written(tmp_path: Path) -> None:
-    store = ObjectStore(str(tmp_path))
+def test_a_placement_reads_back_from_the_store_as_written(store: ObjectStore) -> None:
     key = placement_key(RUN, STEP, EXTRACTION)
     assert key == f"placement/{RUN}/step-{STEP:06d}/extraction.json"
     placement = _placement()
@@ -166,8 +165,7 @@ def test_a_placements_figures_are_shown_rounded_for_its_materialization() -> Non
                                        "peak_memory_gb": 41.235, "stage_seconds": 12.35, "waited_seconds": 3.5}
 
 
-def test_a_steps_placements_are_read_in_stage_order_skipping_stages_that_recorded_none(tmp_path: Path) -> None:
-    store = ObjectStore(str(tmp_path))
+def test_a_steps_placements_are_read_in_stage_order_skipping_stages_that_recorded_none(store: ObjectStore) -> None:
     evaluation, extraction = _placement(EVALUATION, where="process", ranks=1), _placement(EXTRACTION)
     write_record(store, placement_key(RUN, STEP, EVALUATION), evaluation)
     write_record(store, placement_key(RUN, STEP, EXTRACTION), extraction)
@@ -176,8 +174,7 @@ def test_a_steps_placements_are_read_in_stage_order_skipping_stages_that_recorde
     assert read_placements(store, RUN, STEP + 2) == ()
 
 
-def test_a_refresh_placement_is_not_one_of_the_steps_own(tmp_path: Path) -> None:
-    store = ObjectStore(str(tmp_path))
+def test_a_refresh_placement_is_not_one_of_the_steps_own(store: ObjectStore) -> None:
     write_record(store, placement_key(RUN, STEP, REFRESH), _placement(REFRESH))
     assert read_placements(store, RUN, STEP) == ()
 
@@ -200,9 +197,8 @@ def _without(field: str) -> dict:
     pytest.param(_without("peak_memory_bytes"), "KeyError: 'peak_memory_bytes'", id="missing-field"),
     pytest.param({**_placement().to_json(), "seconds": None}, "field seconds must be a number", id="seconds-null"),
 ])
-def test_a_stored_placement_that_does_not_hold_is_refused_naming_its_key(tmp_path: Path, doc: object,
+def test_a_stored_placement_that_does_not_hold_is_refused_naming_its_key(store: ObjectStore, doc: object,
                                                                          says: str) -> None:
-    store = ObjectStore(str(tmp_path))
     key = placement_key(RUN, STEP, EVALUATION)
     store.write_json(key, doc)
     with pytest.raises(RecordError, match=rf"^{key}: .*StagePlacement.*") as refused:

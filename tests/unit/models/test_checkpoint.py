@@ -27,15 +27,8 @@ from tests.support.eagle3 import (
     make_drafter,
     random_counts,
     random_inputs,
-    tiny_target,
     unroll,
 )
-
-
-@pytest.fixture(scope="module")
-def target() -> LlamaForCausalLM:
-    return tiny_target()
-
 
 # -- checkpoints ------------------------------------------------------------------------------------------------
 
@@ -287,8 +280,6 @@ def test_import_refuses_a_config_that_does_not_fit(read, tmp_path: Path, edit, m
     _edit_config(directory, edit)
     with pytest.raises(CheckpointError, match=message):
         read(directory)
-
-
 
 
 @pytest.mark.parametrize("fc_norm", [False, True], ids=["eagle3", "fc-norm"])

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import CheckpointError, load_drafter, save_drafter
 from pipeline.models.eagle import EagleConfig, EagleDrafter
 from pipeline.training.losses import eagle_loss
 from pipeline.training.window import block_causal_mask
+from tests.support.targets import tiny_target
 
 V, H, HEADS = 32, 32, 2
 
@@ -131,14 +131,14 @@ def test_positions_matter() -> None:
 
 
 def test_attach_copies_the_heads_and_checks_shapes() -> None:
-    target = target_lib.build_target(target_lib.tiny_llama_config(V, H, 1, HEADS), seed=0)
+    target = tiny_target(V, H, 1, HEADS)
     model = tiny_drafter()
 
     model.attach(target)
 
     assert torch.equal(model.embed_tokens.weight, target.get_input_embeddings().weight)
     assert torch.equal(model.lm_head.weight, target.get_output_embeddings().weight)
-    wrong = target_lib.build_target(target_lib.tiny_llama_config(V + 1, H, 1, HEADS), seed=0)
+    wrong = tiny_target(V + 1, H, 1, HEADS)
     with pytest.raises(ValueError, match="do not fit the drafter"):
         model.attach(wrong)
 
@@ -154,7 +154,7 @@ def checkpoint(tmp_path: Path) -> tuple[EagleDrafter, Path]:
 
 def test_checkpoint_round_trip(checkpoint: tuple[EagleDrafter, Path]) -> None:
     model, directory = checkpoint
-    target = target_lib.build_target(target_lib.tiny_llama_config(V, H, 1, HEADS), seed=0)
+    target = tiny_target(V, H, 1, HEADS)
     model.attach(target)
 
     loaded = load_drafter(directory).eval()

@@ -32,7 +32,6 @@ from tests.support.eagle3 import (
     random_counts,
     random_inputs,
     target_samples,
-    tiny_target,
     unroll,
 )
 
@@ -210,8 +209,6 @@ def test_norm_before_residual_changes_the_output() -> None:
 # -- TTT attention pattern --------------------------------------------------------------------------------------
 
 
-
-
 def _perturb_ids(ids: torch.Tensor, where) -> torch.Tensor:
     out = ids.clone()
     out[:, where] = (out[:, where] + 7) % V
@@ -335,12 +332,6 @@ def test_shift_within_document_never_crosses_documents(k: int) -> None:
     assert shifted_feats.shape == feats.shape
 
 
-
-@pytest.fixture(scope="module")
-def target() -> LlamaForCausalLM:
-    return tiny_target()
-
-
 @pytest.mark.parametrize("variant", ["plain", "fc-norm", "norm-output"], ids=["plain", "fc-norm", "norm-output"])
 def test_gradients_reach_only_the_drafters_trainable_weights(target: LlamaForCausalLM, variant: str) -> None:
     model = drafter_for(target, **VARIANTS[variant]).train()
@@ -451,7 +442,6 @@ def test_default_aux_layer_ids_for_small_targets(layers: int) -> None:
 def test_default_aux_layer_ids_rejects_a_one_layer_target() -> None:
     with pytest.raises(ValueError, match="at least 2 layers"):
         default_aux_layer_ids(1)
-
 
 
 def test_config_is_checked() -> None:

@@ -14,7 +14,6 @@ from pipeline.config import DrafterConfig, OptimConfig, TrainConfig
 from pipeline.evaluation import speculative
 from pipeline.evaluation.round_cost import RoundCost, drafter_cost_ratio
 from pipeline.models import drafter as drafters
-from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.models.checkpoint import CheckpointError, load_drafter, save_drafter
 from pipeline.models.eagle import CommittedPairs, attend
@@ -33,6 +32,7 @@ from pipeline.training.dataset import InMemoryDataset, Sample
 from pipeline.training.loop import train_drafter
 from pipeline.training.losses import peagle_loss
 from pipeline.training.window import pack
+from tests.support.targets import tiny_target
 
 V, DV, H, HEADS, LAYERS = 32, 24, 32, 2, 4
 AUX = default_aux_layer_ids(LAYERS)
@@ -54,7 +54,7 @@ def random_counts(seed: int = 0) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def target() -> LlamaForCausalLM:
-    return target_lib.build_target(target_lib.tiny_llama_config(V, H, LAYERS, HEADS), seed=0)
+    return tiny_target(V, H, LAYERS, HEADS)
 
 
 def drafter_for(target: LlamaForCausalLM, seed: int = 0, **overrides) -> PEagleDrafter:
@@ -456,7 +456,7 @@ def test_gradients_reach_mask_hidden_embeddings_and_every_layer(target: LlamaFor
 
 
 def test_train_drafter_lowers_the_peagle_loss() -> None:
-    target = target_lib.build_target(target_lib.tiny_llama_config(V, H, LAYERS, HEADS), seed=0)
+    target = tiny_target(V, H, LAYERS, HEADS)
     with torch.no_grad():
         target.lm_head.weight.mul_(10.0)  # a peaked distribution: something to learn
     model = drafter_for(target, seed=0)

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.models.checkpoint import load_drafter, save_speculators
 from pipeline.models.eagle3 import default_aux_layer_ids, draft_vocab
 from pipeline.models.peagle import CodSample, PEagleConfig, PEagleDrafter, context_mask
+from tests.support.targets import tiny_target
 
 peagle = pytest.importorskip("speculators.models.peagle", reason="speculators (test dependency) is not installed")
 losses = pytest.importorskip("speculators.losses", reason="speculators (test dependency) is not installed")
@@ -27,7 +27,7 @@ AUX = default_aux_layer_ids(LAYERS)
 
 @pytest.fixture(scope="module")
 def target():
-    return target_lib.build_target(target_lib.tiny_llama_config(V, H, LAYERS, HEADS), seed=0)
+    return tiny_target(V, H, LAYERS, HEADS)
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,7 @@ from pipeline.models.weights import (
     WeightsLayoutError,
 )
 from tests.support.families import FAMILIES, LAYERS, LLAMA3_ROPE, SHARD, H, V, random_model
+from tests.support.targets import tiny_target
 
 SEQ = 12
 
@@ -155,9 +156,8 @@ def test_single_file_checkpoint_loads(saved: dict, tmp_path: Path) -> None:
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
-def test_store_round_trip_and_the_policy_is_loaded_once_per_checkpoint(tmp_path: Path) -> None:
-    store = ObjectStore((tmp_path / "store").as_uri())
-    first = target_lib.build_target(target_lib.tiny_llama_config(32, 16, 1, 2), 0)
+def test_store_round_trip_and_the_policy_is_loaded_once_per_checkpoint(store: ObjectStore) -> None:
+    first = tiny_target(32, 16, 1, 2)
     target_lib.save_checkpoint(first, store, "policies/r/step-1")
     a = target_lib.load_policy(store, "policies/r/step-1")
     assert target_lib.load_policy(store, "policies/r/step-1") is a
@@ -166,8 +166,7 @@ def test_store_round_trip_and_the_policy_is_loaded_once_per_checkpoint(tmp_path:
     assert fresh is not a
     assert all(p.requires_grad for p in fresh.parameters())
     # The trainer rewrites the checkpoint in place: new content, new policy.
-    target_lib.save_checkpoint(target_lib.build_target(target_lib.tiny_llama_config(32, 16, 1, 2), 1),
-                               store, "policies/r/step-1")
+    target_lib.save_checkpoint(tiny_target(32, 16, 1, 2, seed=1), store, "policies/r/step-1")
     b = target_lib.load_policy(store, "policies/r/step-1")
     assert b is not a
     assert not torch.equal(a.lm_head.weight, b.lm_head.weight)
@@ -179,11 +178,10 @@ SECRET = "Hunter2-symlinked"
 
 
 @pytest.fixture
-def linked_store(tmp_path: Path) -> ObjectStore:
+def linked_store(store: ObjectStore, tmp_path: Path) -> ObjectStore:
     """A file:// store, and outside it a checkpoint of the trainer's choosing and a JSON file with a secret."""
-    store = ObjectStore((tmp_path / "store").as_uri())
     outside = ObjectStore((tmp_path / "outside").as_uri())
-    target_lib.save_checkpoint(target_lib.build_target(target_lib.tiny_llama_config(32, 16, 1, 2), 0), outside, "ckpt")
+    target_lib.save_checkpoint(tiny_target(32, 16, 1, 2), outside, "ckpt")
     (tmp_path / "secrets.json").write_text(json.dumps({"model_type": SECRET, "hidden_size": SECRET}))
     return store
 

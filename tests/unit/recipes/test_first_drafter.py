@@ -11,7 +11,7 @@ import torch
 from pipeline.models.checkpoint import load_drafter
 from pipeline.sources.smollm2 import Answer
 from recipes import first_drafter
-from tests.support.eagle3 import V, tiny_target
+from tests.support.eagle3 import V, eagle3_target
 
 
 def _answers(n: int, seed: int) -> list[Answer]:
@@ -33,7 +33,7 @@ def test_data_vocab_covers_the_share_of_answer_tokens() -> None:
 
 
 def test_an_arm_trains_along_its_curve_and_exports(tmp_path: Path) -> None:
-    target = tiny_target().requires_grad_(False)
+    target = eagle3_target().requires_grad_(False)
     train, held = _answers(48, 0), _answers(4, 1)
     counts = first_drafter.token_counts(train, V)
     arm = first_drafter.Arm("tiny", lr=1e-2)

@@ -12,8 +12,8 @@ import torch
 from pipeline.config import DrafterConfig
 from pipeline.models.checkpoint import save_drafter
 from pipeline.models.drafter import fresh_drafter
-from pipeline.models.target import build_target, tiny_llama_config
 from pipeline.serving.drivers import ReplicaSpec, Speculation, StandInDriver
+from tests.support.targets import tiny_target
 
 
 def free_port() -> int:
@@ -27,9 +27,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """A tiny target (and the next policy, `target2`) and two EAGLE-1/2 drafter checkpoints (v1, v2) plus a
     broken one."""
     root = tmp_path_factory.mktemp("models")
-    target = build_target(tiny_llama_config(32, 32, 2, 2), 0)
+    target = tiny_target(32, 32, 2, 2)
     target.save_pretrained(root / "target", safe_serialization=True)
-    build_target(tiny_llama_config(32, 32, 2, 2), 1).save_pretrained(root / "target2", safe_serialization=True)
+    tiny_target(32, 32, 2, 2, seed=1).save_pretrained(root / "target2", safe_serialization=True)
     out = {"target": (root / "target").as_uri(), "target2": (root / "target2").as_uri()}
     for version, seed in (("v1", 1), ("v2", 2)):
         drafter = fresh_drafter(DrafterConfig(kind="eagle"), target, torch.arange(32), seed)

@@ -23,7 +23,6 @@ from pipeline.data.records import FleetState, ReplicaDeploy, read_fleet_state, w
 from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
 from pipeline.data.store import open_store
 from pipeline.evaluation import speculative
-from pipeline.models.target import build_target, tiny_llama_config
 from pipeline.serving import deploy
 from pipeline.serving import metrics as serving_metrics
 from pipeline.serving.drivers import (
@@ -38,6 +37,7 @@ from pipeline.serving.drivers import (
 from pipeline.serving.fleet import StagedDrafter, rolling_deploy
 from pipeline.serving.gates import GateConfig, GateError, check_replica
 from pipeline.serving.hot_update import hot_update
+from tests.support.targets import tiny_target
 from tests.unit.serving.conftest import free_port as _free_port
 
 # An excerpt of a vLLM /metrics page (v1 engine, two engines behind one server), as served.
@@ -175,7 +175,7 @@ def test_standin_replica_serves_vllm_endpoints(
         headers={"Authorization": "Bearer sk-standin", "Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as response:
         tokens = json.loads(response.read())["choices"][0]["token_ids"]
-    target = build_target(tiny_llama_config(32, 32, 2, 2), 0)
+    target = tiny_target(32, 32, 2, 2)
     assert tokens == speculative.greedy_generate(target, torch.tensor([1, 2, 3]), 6)
 
 

@@ -178,7 +178,7 @@ def test_paused_replica_holds_a_request_until_resume(models: dict[str, str], dri
 
 
 def test_failing_update_weights_rolls_back_then_restarts(
-    models: dict[str, str], driver: StandInDriver, expected: dict[str, tuple[float, float]], tmp_path: Path
+    models: dict[str, str], driver: StandInDriver, expected: dict[str, tuple[float, float]], store: ObjectStore
 ) -> None:
     replica = ReplicaSpec("r0", "127.0.0.1", free_port())
     previous = StagedDrafter("1", models["v1"])
@@ -218,7 +218,6 @@ def test_failing_update_weights_rolls_back_then_restarts(
     # A version no replica can load: rolled back (hot, then by the restart path's own rollback), the deploy
     # stops before r1 (recorded on version 2, never contacted), and the fleet's recorded state says what each
     # replica runs.
-    store = ObjectStore(tmp_path.as_uri())
     other = replace(entry, replica="r1")
     with pytest.raises(GateError, match="replica r0: .*rolled back to version 2; deploy of version 3 stopped") as exc:
         rolling_deploy([replica, ReplicaSpec("r1", "127.0.0.1", free_port())], driver, models["target"], "3",

@@ -28,9 +28,8 @@ def _requests(n: int) -> list[RolloutRequest]:
 
 
 @pytest.fixture
-def fleet(models: dict[str, str], driver: StandInDriver, tmp_path: Path) -> FleetRollouts:
+def fleet(models: dict[str, str], driver: StandInDriver, store: ObjectStore, tmp_path: Path) -> FleetRollouts:
     """Two stand-ins not started yet; steps 1 and 2's policies in the store."""
-    store = ObjectStore((tmp_path / "store").as_uri())
     for step, name in ((1, "target"), (2, "target2")):
         shutil.copytree(models[name][len("file://"):], tmp_path / "store" / "policies" / f"step-00000{step}")
     replicas = [ReplicaSpec(f"r{i}", "127.0.0.1", free_port()) for i in range(2)]

@@ -30,6 +30,7 @@ from pipeline.models.eagle3 import Eagle3Drafter, read_positions, stored_layer_i
 from pipeline.sources import extract
 from pipeline.sources.simulation import SimulatedRL
 from tests.support.config import write_config
+from tests.support.targets import tiny_target
 
 ROOT = Path(__file__).resolve().parents[3]
 LAYERS = [0, 2, 3]  # vLLM ids of a 3-layer target: the embeddings, a middle stream, the last layer before the norm
@@ -43,8 +44,7 @@ def _rollouts(lengths: list[int], vocab: int, seed: int = 0) -> list[Rollout]:
 
 @pytest.fixture(scope="module")
 def target() -> torch.nn.Module:
-    return target_lib.build_target(target_lib.tiny_llama_config(vocab_size=64, hidden_size=64, num_layers=3,
-                                                                num_heads=4), seed=0)
+    return tiny_target(64, 64, 3, 4)
 
 
 # -- batching plan ----------------------------------------------------------------------------------------------
@@ -144,8 +144,9 @@ def test_layer_states_are_forwards_layers(target: torch.nn.Module) -> None:
 # -- streaming --------------------------------------------------------------------------------------------------
 
 
-def test_shards_are_written_while_later_batches_are_still_to_run(tmp_path: Path, target: torch.nn.Module) -> None:
-    store = ObjectStore(tmp_path.as_uri())
+def test_shards_are_written_while_later_batches_are_still_to_run(
+    store: ObjectStore, tmp_path: Path, target: torch.nn.Module
+) -> None:
     rollouts = _rollouts([30 - i for i in range(16)], vocab=64)
     batches = len(extract.plan_batches([len(r.input_ids) for r in rollouts], 60))
     forwards: list[int] = []
@@ -154,7 +155,7 @@ def test_shards_are_written_while_later_batches_are_still_to_run(tmp_path: Path,
 
     def watched():
         for sample in extract.iter_hidden_states(target, rollouts, 1, tokens_per_batch=60, layer_ids=LAYERS):
-            shards_seen.append((len(forwards), len(list((tmp_path / "hidden_states").rglob("part-*.arrow")))))
+            shards_seen.append((len(forwards), len(list((tmp_path / "store" / "hidden_states").rglob("part-*.arrow")))))
             yield sample
 
     try:
@@ -173,8 +174,9 @@ def test_shards_are_written_while_later_batches_are_still_to_run(tmp_path: Path,
     assert manifest.num_tokens == sum(len(r.input_ids) for r in rollouts)
 
 
-def test_a_sample_refused_mid_stream_leaves_no_shard(tmp_path: Path, target: torch.nn.Module) -> None:
-    store = ObjectStore(tmp_path.as_uri())
+def test_a_sample_refused_mid_stream_leaves_no_shard(
+    store: ObjectStore, tmp_path: Path, target: torch.nn.Module
+) -> None:
     rollouts = _rollouts([30, 28, 26, 24], vocab=64)
     rollouts[3] = Rollout(rollouts[3].sample_id, rollouts[3].input_ids, [0] * 24, 1.0, 1)  # nothing to train on
     samples = extract.iter_hidden_states(target, rollouts, 1, tokens_per_batch=60, layer_ids=LAYERS)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.data.store import ObjectStore
 from pipeline.sources import trl as trl_source
 
 
@@ -43,23 +44,19 @@ def test_vowel_reward(completion: str, reward: float) -> None:
     assert trl_source.vowel_reward([completion]) == [reward]
 
 
-def test_publish_every_must_be_positive(tmp_path) -> None:  # noqa: ANN001
-    from pipeline.data.store import ObjectStore
-
+def test_publish_every_must_be_positive(store: ObjectStore) -> None:
     with pytest.raises(ValueError, match="publish_every must be >= 1"):
-        trl_source.StepPublisher(ObjectStore(tmp_path.as_uri()), "r", "m", publish_every=0)
+        trl_source.StepPublisher(store, "r", "m", publish_every=0)
 
 
-def test_a_step_goes_out_in_parts_by_completion_length_then_commits(tmp_path) -> None:  # noqa: ANN001
+def test_a_step_goes_out_in_parts_by_completion_length_then_commits(store: ObjectStore, tmp_path: Path) -> None:
     """What the GRPO trainer's publisher writes for one generation batch (the GRPO run: the integration test)."""
     from pipeline.client import Rollout, publish_checkpoint
     from pipeline.data import parts as parts_lib
     from pipeline.data.rollouts import is_committed, read_rollouts
-    from pipeline.data.store import ObjectStore
 
     tok = trl_source.build_tokenizer()
     model = trl_source.build_policy(tok, hidden_size=16, num_layers=1, num_heads=2)
-    store = ObjectStore((tmp_path / "store").as_uri())
     lengths = [1, 8, 2, 7, 3, 8]  # completion lengths of a batch, in TRL's order
     batch = [Rollout(f"s000001-p0000-g{i:02d}", [4, 5] + [6] * n, [0, 0] + [1] * n, 0.5, 0)
              for i, n in enumerate(lengths)]
@@ -84,16 +81,14 @@ def test_a_step_goes_out_in_parts_by_completion_length_then_commits(tmp_path) ->
         trl_source.StepPublisher(store, "r", "m", parts=0)
 
 
-def test_parts_go_out_over_the_rollout_window_as_an_engine_finishes_them(tmp_path: Path) -> None:
+def test_parts_go_out_over_the_rollout_window_as_an_engine_finishes_them(store: ObjectStore, tmp_path: Path) -> None:
     """TRL decodes a batch at once; with a window the publisher releases part p of P at (p+1)/P of it."""
     from pipeline.client import publish_checkpoint
     from pipeline.data import parts as parts_lib
     from pipeline.data.rollouts import Rollout
-    from pipeline.data.store import ObjectStore
 
     tok = trl_source.build_tokenizer()
     model = trl_source.build_policy(tok, hidden_size=16, num_layers=1, num_heads=2)
-    store = ObjectStore((tmp_path / "store").as_uri())
     batch = [Rollout(f"s000001-p0000-g{i:02d}", [4, 5] + [6] * n, [0, 0] + [1] * n, 0.5, 0)
              for i, n in enumerate([2, 4, 6, 8])]  # one completion ending in each quarter of the decoding
     publisher = trl_source.StepPublisher(store, "r", "m", parts=4)

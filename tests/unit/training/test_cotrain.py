@@ -15,10 +15,10 @@ from pipeline.models.drafter import fresh_drafter
 from pipeline.models.eagle import EagleDrafter
 from pipeline.models.eagle3 import Eagle3Drafter
 from pipeline.models.peagle import PEagleDrafter
-from pipeline.models.target import build_target, tiny_llama_config
 from pipeline.registry import DrafterRegistry
 from pipeline.training.cotrain import _initial_drafter, training_settings
 from pipeline.training.plan import TrainingDecision, training_decision
+from tests.support.targets import tiny_target
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ def test_a_retraining_request_overrides_the_interval_only() -> None:
 
 @pytest.fixture
 def target():
-    return build_target(tiny_llama_config(32, 32, 2, 2), 0)
+    return tiny_target(32, 32, 2, 2)
 
 
 def _hidden(n: int = 4) -> list[HiddenSample]:

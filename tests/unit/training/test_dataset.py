@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -141,9 +140,8 @@ def test_a_load_error_reaches_the_consumer() -> None:
 
 
 @pytest.fixture
-def stored(tmp_path: Path) -> tuple[ObjectStore, list[buffer.BufferEntry], dict[str, shards.HiddenSample]]:
+def stored(store: ObjectStore) -> tuple[ObjectStore, list[buffer.BufferEntry], dict[str, shards.HiddenSample]]:
     """Two steps, two samples per shard, and the buffer over both."""
-    store = ObjectStore(tmp_path.as_uri())
     g = torch.Generator().manual_seed(0)
     written, manifests = {}, []
     for step in (1, 2):

@@ -11,7 +11,6 @@ import torch
 import torch.multiprocessing as mp
 
 from pipeline.config import OptimConfig, TrainConfig
-from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.training.dataset import InMemoryDataset, Sample
 from pipeline.training.distributed import (
@@ -22,13 +21,10 @@ from pipeline.training.distributed import (
     rank_share,
 )
 from pipeline.training.loop import train_drafter
+from tests.support.targets import tiny_target
 from tests.unit.training.test_loop import drafter_for as _drafter
 
 V, H, HEADS = 32, 32, 2
-
-
-def _target():
-    return target_lib.build_target(target_lib.tiny_llama_config(V, H, 1, HEADS), seed=0)
 
 
 def _samples(target, n: int = 11) -> list[Sample]:
@@ -57,7 +53,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, device: str = "cp
     ctx = DistContext(rank, world, rank)
     init_process_group(ctx, rank_device(ctx, device))
     try:
-        target = _target()
+        target = tiny_target(V, H, 1, HEADS)
         model = _drafter(target)
         result = train_drafter(model, InMemoryDataset(_samples(target)), _cfg(3), device=rank_device(ctx, device),
                                ctx=ctx)
@@ -84,7 +80,7 @@ def test_two_ranks_equal_one_process_on_the_global_batch(tmp_path: Path) -> None
     mp.start_processes(_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
-    target = _target()
+    target = tiny_target(V, H, 1, HEADS)
     single_model = _drafter(target)
     single = train_drafter(single_model, InMemoryDataset(_samples(target)), _cfg(6))
 
@@ -101,7 +97,7 @@ def test_two_ranks_equal_one_process_on_the_global_batch(tmp_path: Path) -> None
 def test_training_step_on_cuda_matches_cpu() -> None:
     """The same training on the GPU (float32 features, TF32 off) follows the CPU's losses."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    target = _target()
+    target = tiny_target(V, H, 1, HEADS)
     cfg = _cfg(4)
     cpu = train_drafter(_drafter(target), InMemoryDataset(_samples(target)), cfg)
     model = _drafter(target)
@@ -117,7 +113,7 @@ def test_two_nccl_ranks_equal_one_gpu_process(tmp_path: Path) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     mp.start_processes(_rank_main, args=(2, free_port(), str(tmp_path), "cuda"), nprocs=2, start_method="spawn")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    target = _target()
+    target = tiny_target(V, H, 1, HEADS)
     single = train_drafter(_drafter(target), InMemoryDataset(_samples(target)), _cfg(6), device="cuda")
     torch.testing.assert_close(torch.tensor(ranks[0]["loss_history"]), torch.tensor(single.loss_history),
                                rtol=1e-3, atol=1e-4)

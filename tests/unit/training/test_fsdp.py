@@ -14,7 +14,6 @@ import torch.multiprocessing as mp
 from pipeline.config import DrafterConfig, OptimConfig, TrainConfig
 from pipeline.data.store import ObjectStore
 from pipeline.models import drafter as drafters
-from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter
 from pipeline.training.dataset import InMemoryDataset, Sample
@@ -28,6 +27,7 @@ from pipeline.training.distributed import (
 from pipeline.training.loop import train_drafter
 from pipeline.training.state import TrainingCheckpoints
 from tests.support.config import free_port
+from tests.support.targets import tiny_target
 
 V, H, HEADS, LAYERS = 32, 32, 2, 3
 KINDS = ("eagle", "eagle3")
@@ -37,10 +37,6 @@ KINDS = ("eagle", "eagle3")
 # CPUs one element of EAGLE-3's fc.weight ends 1.4e-5 apart. A wrong loss weighting or a missed reduction
 # moves the weights by about lr (3e-3) a step, 60 times ATOL.
 RTOL, ATOL = 1e-4, 5e-5
-
-
-def _target():
-    return target_lib.build_target(target_lib.tiny_llama_config(V, H, LAYERS, HEADS), seed=0)
 
 
 def _drafter(kind: str, target):
@@ -77,7 +73,7 @@ def _cfg(batch_size_per_gpu: int, parallelism: str = "auto", checkpoint_every: i
 
 def _train(kind: str, cfg: TrainConfig, ctx: DistContext | None = None,
            checkpoints: TrainingCheckpoints | None = None) -> dict:
-    target = _target()
+    target = tiny_target(V, H, LAYERS, HEADS)
     model = _drafter(kind, target)
     result = train_drafter(model, InMemoryDataset(_samples(kind, target)), cfg, teacher=model.teacher(target),
                            ctx=ctx, checkpoints=checkpoints)

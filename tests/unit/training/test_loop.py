@@ -7,7 +7,6 @@ import torch
 from transformers import LlamaForCausalLM
 
 from pipeline.config import OptimConfig, TrainConfig
-from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.models.eagle import EagleConfig, EagleDrafter
 from pipeline.training.dataset import InMemoryDataset, Sample, plan_epoch
@@ -15,6 +14,7 @@ from pipeline.training.loop import fitted_warmup, lr_at, train_drafter
 from pipeline.training.losses import eagle3_loss
 from pipeline.training.window import pack
 from tests.support import eagle3
+from tests.support.targets import tiny_target
 
 V, H, HEADS = 32, 32, 2
 
@@ -61,7 +61,7 @@ class RecordingSink:
 
 @pytest.fixture(scope="module")
 def target():
-    return target_lib.build_target(target_lib.tiny_llama_config(V, H, 1, HEADS), seed=0)
+    return tiny_target(V, H, 1, HEADS)
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +214,7 @@ def test_on_logged_sees_each_logged_window_and_the_positions_so_far(target, data
 def peaked_target() -> LlamaForCausalLM:
     """A random target's next-token distribution is almost uniform (the soft cross-entropy would sit at its
     entropy floor from the start); a larger lm_head gives the drafter something to learn."""
-    model = eagle3.tiny_target()
+    model = eagle3.eagle3_target()
     with torch.no_grad():
         model.lm_head.weight.mul_(10.0)
     return model
@@ -250,7 +250,7 @@ def test_train_drafter_lowers_the_eagle3_loss(peaked_target: LlamaForCausalLM) -
 
 
 def test_train_drafter_needs_a_teacher_for_eagle3() -> None:
-    target = eagle3.tiny_target()
+    target = eagle3.eagle3_target()
     model = eagle3.drafter_for(target)
     samples = eagle3.target_samples(target, model.config.aux_layer_ids, 2)
     with pytest.raises(ValueError, match="teacher"):

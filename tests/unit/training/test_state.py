@@ -14,20 +14,16 @@ import torch.multiprocessing as mp
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.keys import training_prefix
 from pipeline.data.store import ObjectStore
-from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.registry import DrafterRegistry, MetricsBatcher
 from pipeline.training import loop
 from pipeline.training.dataset import InMemoryDataset, Sample
 from pipeline.training.loop import train_drafter
 from pipeline.training.state import LATEST, CheckpointWriter, ResumeState, TrainingCheckpoints, snapshot
+from tests.support.targets import tiny_target
 from tests.unit.training.test_loop import drafter_for as _drafter
 
 V, H, HEADS = 32, 32, 2
-
-
-def _target():
-    return target_lib.build_target(target_lib.tiny_llama_config(V, H, 1, HEADS), seed=0)
 
 
 def _samples(target) -> list[Sample]:
@@ -44,7 +40,7 @@ def _samples(target) -> list[Sample]:
 
 @pytest.fixture(scope="module")
 def target():
-    return _target()
+    return tiny_target(V, H, 1, HEADS)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +54,8 @@ CFG = TrainConfig(epochs=3, batch_size_per_gpu=3, max_seq_len=128, window_tokens
 
 
 def test_resume_from_the_last_checkpoint_reproduces_the_uninterrupted_training(
-    tmp_path: Path, target, samples: list[Sample]
+    store: ObjectStore, target, samples: list[Sample]
 ) -> None:
-    store = ObjectStore(tmp_path.as_uri())
     checkpoints = TrainingCheckpoints(store, training_prefix("test", "abc"))
     saved: list[int] = []
     reference = _drafter(target)
@@ -88,13 +83,13 @@ class _DiedAfterCommit(Exception):
 
 
 def test_records_of_a_committed_checkpoint_reach_mlflow_once_when_the_process_dies_before_sending_them(
-    tmp_path: Path, target, samples: list[Sample]
+    store: ObjectStore, tmp_path: Path, target, samples: list[Sample]
 ) -> None:
     """The checkpoint commits before its iterations' metrics are sent; a process killed between the
     two leaves them out of MLflow, and the resume sends them, each iteration exactly once."""
     registry = DrafterRegistry(f"sqlite:///{tmp_path / 'db' / 'mlflow.db'}", "exp", "drafter")
     run_id = registry.start_run("drafter", {})
-    checkpoints = TrainingCheckpoints(ObjectStore(tmp_path.as_uri()), training_prefix("test", "abc"))
+    checkpoints = TrainingCheckpoints(store, training_prefix("test", "abc"))
     first = MetricsBatcher(registry.client, run_id, flush_every=1 << 62)
 
     def die_after_the_second_commit(state: ResumeState) -> None:
@@ -123,7 +118,7 @@ def test_records_of_a_committed_checkpoint_reach_mlflow_once_when_the_process_di
         assert len(registry.client.get_metric_history(run_id, key)) == 12, key
 
 
-def test_optimizer_state_round_trips_bit_exactly(tmp_path: Path, target, samples: list[Sample]) -> None:
+def test_optimizer_state_round_trips_bit_exactly(store: ObjectStore, target, samples: list[Sample]) -> None:
     model = _drafter(target)
     train_drafter(model, InMemoryDataset(samples), CFG.model_copy(update={"epochs": 1}))
     params = [p for p in model.parameters() if p.requires_grad]
@@ -131,7 +126,7 @@ def test_optimizer_state_round_trips_bit_exactly(tmp_path: Path, target, samples
     for p in params:
         p.grad = torch.randn_like(p)
     optimizer.step()
-    checkpoints = TrainingCheckpoints(ObjectStore(tmp_path.as_uri()), "training/x/y")
+    checkpoints = TrainingCheckpoints(store, "training/x/y")
     checkpoints.save(model, optimizer, ResumeState(iteration=1, total_iterations=5, world_size=1))
 
     other = _drafter(target)
@@ -148,27 +143,26 @@ def test_optimizer_state_round_trips_bit_exactly(tmp_path: Path, target, samples
             assert torch.equal(optimizer.state[a][key], other_optimizer.state[b][key]), key
 
 
-def test_no_pickle_in_a_checkpoint(tmp_path: Path, target) -> None:
+def test_no_pickle_in_a_checkpoint(store: ObjectStore, tmp_path: Path, target) -> None:
     model = _drafter(target)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params)
-    checkpoints = TrainingCheckpoints(ObjectStore(tmp_path.as_uri()), "training/x/y")
+    checkpoints = TrainingCheckpoints(store, "training/x/y")
     checkpoints.save(model, optimizer, ResumeState(iteration=3, total_iterations=5, world_size=1))
-    files = sorted(p.name for p in (tmp_path / "training/x/y").rglob("*") if p.is_file())
+    files = sorted(p.name for p in (tmp_path / "store" / "training/x/y").rglob("*") if p.is_file())
     assert files == ["latest.json", "model.safetensors", "optimizer.safetensors", "state.json"]
 
 
-def test_a_checkpoint_of_another_training_shape_is_refused(tmp_path: Path, target, samples) -> None:
-    checkpoints = TrainingCheckpoints(ObjectStore(tmp_path.as_uri()), "training/x/y")
+def test_a_checkpoint_of_another_training_shape_is_refused(store: ObjectStore, target, samples) -> None:
+    checkpoints = TrainingCheckpoints(store, "training/x/y")
     train_drafter(_drafter(target), InMemoryDataset(samples), CFG, checkpoints=checkpoints)
     longer = CFG.model_copy(update={"epochs": 4})
     with pytest.raises(ValueError, match="of a training of 12 iterations on 1 ranks, this one has 16 on 1"):
         train_drafter(_drafter(target), InMemoryDataset(samples), longer, checkpoints=checkpoints)
 
 
-def test_a_half_written_checkpoint_is_ignored_and_cleaned(tmp_path: Path, target, samples) -> None:
+def test_a_half_written_checkpoint_is_ignored_and_cleaned(store: ObjectStore, target, samples) -> None:
     """A process killed after writing weights but before `latest.json` leaves the previous checkpoint in force."""
-    store = ObjectStore(tmp_path.as_uri())
     checkpoints = TrainingCheckpoints(store, "training/x/y")
     train_drafter(_drafter(target), InMemoryDataset(samples), CFG, checkpoints=checkpoints)
     store.write_bytes("training/x/y/iter-00000012/model.safetensors", b"half")
@@ -204,7 +198,7 @@ def _train_and_die_writing_the_second_checkpoint(root: str) -> None:
 
     loop.apply_gradients = counted
     ObjectStore.write_bytes = write_then_die
-    target = _target()
+    target = tiny_target(V, H, 1, HEADS)
     checkpoints = TrainingCheckpoints(ObjectStore(root), "training/x/y")
     train_drafter(_drafter(target), InMemoryDataset(_samples(target)), CFG, checkpoints=checkpoints)
 
@@ -237,7 +231,7 @@ def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(
     assert store.list_dirs(checkpoints.prefix) == ["iter-00000008"]  # the resume's own, the torn one replaced
 
 
-def test_a_background_write_is_a_copy_and_at_most_one_is_in_flight(tmp_path: Path, target, samples) -> None:
+def test_a_background_write_is_a_copy_and_at_most_one_is_in_flight(store: ObjectStore, target, samples) -> None:
     """The snapshot is the state when it was taken, whatever the training does to the model meanwhile;
     a second submit waits for the first write to commit."""
     model = _drafter(target)
@@ -247,7 +241,6 @@ def test_a_background_write_is_a_copy_and_at_most_one_is_in_flight(tmp_path: Pat
     snap = snapshot(model, optimizer, ResumeState(iteration=1, total_iterations=5, world_size=1))
     with torch.no_grad():
         model.fc.weight.add_(1.0)  # training goes on after the snapshot
-    store = ObjectStore(tmp_path.as_uri())
     checkpoints = TrainingCheckpoints(store, "training/x/y")
     entered, release = [0], [False]
     write = checkpoints.write

@@ -10,14 +10,14 @@ import torch
 
 from benchmarks.training import DrafterShapes, main, model_flops_per_token, shipped_step
 from pipeline.models.eagle import EagleConfig, EagleDrafter
-from pipeline.models.target import build_target, tiny_llama_config
 from pipeline.training.step import apply_gradients, autocast, clip_to, make_optimizer, param_groups, squared_norm
+from tests.support.targets import tiny_target
 
 TINY = DrafterShapes(hidden=64, heads=4, kv_heads=2, mlp=128, vocab=256, draft_vocab=64, tokens=32, docs=2)
 
 
 def _drafter() -> EagleDrafter:
-    target = build_target(tiny_llama_config(32, 32, 1, 2), seed=0)
+    target = tiny_target(32, 32, 1, 2)
     model = EagleDrafter(EagleConfig.from_target(target.config))
     model.attach(target)
     return model
