@@ -149,6 +149,7 @@ def test_a_stage_failing_in_its_ray_job_fails_its_step_with_the_workers_error(tm
     assert job.status == JobStatus.FAILED
 
 
+@pytest.mark.slow
 @pytest.mark.reliability("fault", "a rank of a two-rank training in its Ray job SIGKILLed mid-training: the step "
                                   "fails with nothing committed, the rerun registers the drafter")
 def test_a_training_rank_killed_in_its_ray_job_commits_nothing_and_the_rerun_registers(
@@ -172,6 +173,8 @@ def test_a_training_rank_killed_in_its_ray_job_commits_nothing_and_the_rerun_reg
         killed = dg.materialize([drafter], partition_key=KEY, instance=instance, raise_on_error=False,
                                 resources={"pipeline": pipeline_resource(str(faulty_path))})
         assert not killed.success
+        (failure,) = [e for e in killed.all_events if e.is_step_failure]
+        assert "Signal 9 (SIGKILL)" in failure.step_failure_data.error.to_string()  # torchrun's, from the job's log
         (job,) = _jobs_of(JobSubmissionClient(cluster.address), killed.run_id)
         assert job.status == JobStatus.FAILED
         assert not store.exists(drafter_key(cfg.run, STEP))

@@ -2,12 +2,12 @@
 them): Python imports `sitecustomize` at start-up, so a worker process picks these up from its environment.
 Nothing in the pipeline knows of them.
 
-    DRAFTER_TEST_KILL_RANK=r        torchrun rank r SIGKILLs itself as it starts writing its second shard
-    DRAFTER_TEST_KILL_TRAINING_RANK=r  torchrun rank r of a training SIGKILLs itself as it applies its second
-                                    optimizer step: mid-training, before any checkpoint or registration
-    DRAFTER_TEST_KILL_SHARD=1       the process (a warm stage worker) SIGKILLs itself as it starts its second shard
-    DRAFTER_TEST_SLOW_SHARDS=s      every shard write after the first waits s seconds first
-    DRAFTER_TEST_SHARD_PROBLEM=msg  the shards check finds `msg` (a stand-in for a corrupted shard)
+    DRAFTER_TEST_KILL_RANK=r           torchrun rank r SIGKILLs itself as it starts writing its second shard
+    DRAFTER_TEST_KILL_TRAINING_RANK=r  torchrun rank r of a training SIGKILLs itself as it applies its second optimizer
+                                       step: mid-training, one step in
+    DRAFTER_TEST_KILL_SHARD=1          the process (a warm stage worker) SIGKILLs itself as it starts its second shard
+    DRAFTER_TEST_SLOW_SHARDS=s         every shard write after the first waits s seconds first
+    DRAFTER_TEST_SHARD_PROBLEM=msg     the shards check finds `msg` (a stand-in for a corrupted shard)
 """
 
 import os
