@@ -149,7 +149,6 @@ def test_a_stage_failing_in_its_ray_job_fails_its_step_with_the_workers_error(tm
     assert job.status == JobStatus.FAILED
 
 
-@pytest.mark.slow
 @pytest.mark.reliability("fault", "a rank of a two-rank training in its Ray job SIGKILLed mid-training: the step "
                                   "fails with nothing committed, the rerun registers the drafter")
 def test_a_training_rank_killed_in_its_ray_job_commits_nothing_and_the_rerun_registers(
