@@ -61,7 +61,7 @@ def test_a_remote_cluster_gets_the_working_dir_and_runs_its_own_python() -> None
     assert job.runtime_env == {"working_dir": "s3://code/drafter.zip"}
 
 
-def test_the_ray_env_vars_reach_every_stages_job_over_the_pipes_variables() -> None:
+def test_the_ray_env_vars_reach_every_stages_job() -> None:
     cfg = load_config(overrides={"launch": {"launcher": "ray", "ray": {"env_vars": {"NCCL_SOCKET_IFNAME": "eth0"}}}})
     params = ray_stage_job(cfg, TRAINING, PROJECT).submit_params()
     assert params["runtime_env"] == {"env_vars": {"NCCL_SOCKET_IFNAME": "eth0"}}
