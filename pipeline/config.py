@@ -76,6 +76,9 @@ def _quantity(value: str, key: str) -> str:
     return value
 
 
+_SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|(^|_)KEY($|_)")  # AWS_SECRET_ACCESS_KEY, ...
+
+
 class RayConfig(_Strict):
     """The Ray cluster every model stage is submitted to as a Ray job under `launch.launcher: ray`."""
 
@@ -93,6 +96,21 @@ class RayConfig(_Strict):
                     "the project at the same path) and a stage runs this process's Python in its project "
                     "directory; otherwise the Ray runtime_env working_dir of a remote cluster (a local folder Ray "
                     "uploads, or a zip's URI) run with the nodes' `python`.")
+    env_vars: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables every stage's job gets (its runtime_env `env_vars`) over the nodes' "
+                    "own, e.g. {NCCL_SOCKET_IFNAME: eth0}. Never a secret: whoever can list the cluster's jobs "
+                    "reads them; secrets come from the nodes' environment.")
+
+    @field_validator("env_vars")
+    @classmethod
+    def _no_secrets(cls, value: dict[str, str]) -> dict[str, str]:
+        secret = sorted(name for name in value if _SECRET_NAME.search(name.upper()))
+        if secret:
+            raise ValueError(f"launch.ray.env_vars must not carry secrets ({', '.join(secret)}): a job's runtime "
+                             "environment is visible to whoever can list the cluster's jobs; give them to the "
+                             "nodes' environment")
+        return value
 
     @field_validator("resources")
     @classmethod

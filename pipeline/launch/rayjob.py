@@ -5,7 +5,8 @@ torchrun for several ranks). The job asks for the stage's CPUs and memory (`laun
 device cuda (a split policy's `target.split_devices` per rank) and the custom resources of `launch.ray.resources`;
 Ray starts the entrypoint on one node once they are free there, so a job waits (PENDING) while another job, or an
 RL trainer's placement groups, hold them: it never preempts. Ray's scheduler holds the entrypoint's resources for
-the job's life, so a stage's ranks get the node's devices Ray assigned (CUDA_VISIBLE_DEVICES).
+the job's life, so a stage's ranks get the node's devices Ray assigned (CUDA_VISIBLE_DEVICES). Its environment is
+the node's, with `launch.ray.env_vars` over it.
 
 Where the code is: with `launch.ray.working_dir` empty the cluster shares this machine's filesystem (a cluster on
 this machine, or nodes that mount the project at the same path): the entrypoint runs this process's Python in the
@@ -72,5 +73,7 @@ def ray_stage_job(cfg: PipelineConfig, stage: Stage, project_dir: Path, python: 
     else:
         entrypoint = f"cd {shlex.quote(str(project_dir))} && exec {shlex.join(stage_command(cfg, stage, python))}"
         runtime_env = {}
+    if ray.env_vars:
+        runtime_env["env_vars"] = dict(ray.env_vars)
     return RayStageJob(entrypoint, quantity(settings.cpu), float(gpus), int(quantity(settings.memory)),
                        dict(ray.resources), runtime_env)

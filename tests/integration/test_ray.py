@@ -2,7 +2,8 @@
 nodes, one with the `drafter_slot` a trainer sharing the cluster would leave free, one with the trainer's own
 `rl_trainer` resource. A whole RL step through Dagster with every stage a Ray job placed on the node with its slot;
 a stage waiting, not preempting, while another job holds the slot, and the wait in its placement record; a stage
-failing in its job; the job's log as the Pipes channel: a long message whole, a lost end failing the step."""
+failing in its job; a training rank killed in its job; the job's log as the Pipes channel: a long message whole, a
+lost end failing the step."""
 
 from __future__ import annotations
 
@@ -14,16 +15,20 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+import yaml
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from assets.cotraining import hidden_states
+from assets.cotraining import drafter, hidden_states
 from definitions import build_definitions
 from ops.ray_cluster import RayCluster, RayNode, ray_cluster
 from pipeline.accounting.cost import read_cost
-from pipeline.config import load_config
-from pipeline.data.keys import placement_key
-from pipeline.data.records import StagePlacement, read_acceptance, read_record
+from pipeline.config import PROJECT_ROOT, load_config
+from pipeline.data.buffer import build_buffer
+from pipeline.data.keys import drafter_key, placement_key
+from pipeline.data.records import StagePlacement, read_acceptance, read_record, read_training
 from pipeline.data.store import open_store
+from pipeline.registry import DrafterRegistry
+from pipeline.sources import extract
 from pipeline.sources.simulation import SimulatedRL
 from pipeline.stages import EVALUATION, EXTRACTION, TRAINING
 from resources import pipeline_resource
@@ -33,6 +38,7 @@ from tests.support.config import write_config
 STEP, KEY = 1, "step-000001"
 SLOT = {"drafter_slot": 1.0}
 ONE_CPU = {"cpu": "1", "memory": "256Mi"}  # what a loopback node has, not a GPU node's 8 CPUs and 64 GiB
+WORKER_FAULTS = Path(__file__).resolve().parent.parent / "support" / "worker_faults"
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +147,45 @@ def test_a_stage_failing_in_its_ray_job_fails_its_step_with_the_workers_error(tm
     assert "step-000002/policy.json: not found" in error
     (job,) = _jobs_of(JobSubmissionClient(cluster.address), result.run_id)
     assert job.status == JobStatus.FAILED
+
+
+@pytest.mark.reliability("fault", "a rank of a two-rank training in its Ray job SIGKILLed mid-training: the step "
+                                  "fails with nothing committed, the rerun registers the drafter")
+def test_a_training_rank_killed_in_its_ray_job_commits_nothing_and_the_rerun_registers(
+        tmp_path: Path, cluster: RayCluster) -> None:
+    """The drafter on two gloo ranks as a Ray job, rank 1 SIGKILLed as it applies its second optimizer step (the
+    fault hook's variables reach the job as `launch.ray.env_vars`): the job FAILED, the step fails, no outcome or
+    model version; the same materialization without the fault trains from the start and registers version 1."""
+    path = _config(tmp_path, cluster, training_ranks=2)
+    cfg = load_config(path)
+    store = open_store(cfg)
+    extract.extract_hidden_states(store, cfg, STEP)  # the drafter's inputs, by the pipeline's own code
+    build_buffer(store, cfg.run, STEP, cfg.train.buffer_steps, cfg.train.data_buffer_max_size)
+    faulty = yaml.safe_load(path.read_text())
+    faulty["launch"]["ray"]["env_vars"] = {"PYTHONPATH": f"{WORKER_FAULTS}:{PROJECT_ROOT}",
+                                           "DRAFTER_TEST_KILL_TRAINING_RANK": "1"}
+    faulty_path = path.with_name("faulty.yaml")
+    faulty_path.write_text(yaml.safe_dump(faulty))
+    registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_step", [KEY])
+        killed = dg.materialize([drafter], partition_key=KEY, instance=instance, raise_on_error=False,
+                                resources={"pipeline": pipeline_resource(str(faulty_path))})
+        assert not killed.success
+        (failure,) = [e for e in killed.all_events if e.is_step_failure]
+        assert "Signal 9 (SIGKILL)" in failure.step_failure_data.error.to_string()  # torchrun's, from the job's log
+        (job,) = _jobs_of(JobSubmissionClient(cluster.address), killed.run_id)
+        assert job.status == JobStatus.FAILED
+        assert not store.exists(drafter_key(cfg.run, STEP))
+        assert not registry.client.search_model_versions(f"name = '{cfg.mlflow.model_name}'")
+
+        rerun = dg.materialize([drafter], partition_key=KEY, instance=instance,
+                               resources={"pipeline": pipeline_resource(str(path))})
+        assert rerun.success
+        assert rerun.asset_materializations_for_node("drafter")[0].metadata["model_version"].value == "1"
+    figures = read_training(store, cfg.run, STEP).figures
+    assert figures.resumed_from_iteration == 0
+    assert len(figures.loss_history) == figures.iterations > 1
 
 
 def _pipes_job(script: str) -> dict:

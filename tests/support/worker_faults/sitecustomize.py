@@ -2,10 +2,12 @@
 them): Python imports `sitecustomize` at start-up, so a worker process picks these up from its environment.
 Nothing in the pipeline knows of them.
 
-    DRAFTER_TEST_KILL_RANK=r        torchrun rank r SIGKILLs itself as it starts writing its second shard
-    DRAFTER_TEST_KILL_SHARD=1       the process (a warm stage worker) SIGKILLs itself as it starts its second shard
-    DRAFTER_TEST_SLOW_SHARDS=s      every shard write after the first waits s seconds first
-    DRAFTER_TEST_SHARD_PROBLEM=msg  the shards check finds `msg` (a stand-in for a corrupted shard)
+    DRAFTER_TEST_KILL_RANK=r           torchrun rank r SIGKILLs itself as it starts writing its second shard
+    DRAFTER_TEST_KILL_TRAINING_RANK=r  torchrun rank r of a training SIGKILLs itself as it applies its second optimizer
+                                       step: mid-training, one step in
+    DRAFTER_TEST_KILL_SHARD=1          the process (a warm stage worker) SIGKILLs itself as it starts its second shard
+    DRAFTER_TEST_SLOW_SHARDS=s         every shard write after the first waits s seconds first
+    DRAFTER_TEST_SHARD_PROBLEM=msg     the shards check finds `msg` (a stand-in for a corrupted shard)
 """
 
 import os
@@ -24,6 +26,20 @@ if os.environ.get("DRAFTER_TEST_KILL_RANK") and os.environ.get("RANK") == os.env
         return _write_shard(*args, **kwargs)
 
     shards._write_shard = _dies_on_its_second_shard
+
+if os.environ.get("RANK") == os.environ.get("DRAFTER_TEST_KILL_TRAINING_RANK", "none"):
+    from pipeline.training import loop
+
+    _apply_gradients = loop.apply_gradients
+    _applied = []
+
+    def _dies_on_its_second_step(*args, **kwargs):
+        if _applied:
+            os.kill(os.getpid(), signal.SIGKILL)
+        _applied.append(1)
+        return _apply_gradients(*args, **kwargs)
+
+    loop.apply_gradients = _dies_on_its_second_step
 
 if os.environ.get("DRAFTER_TEST_KILL_SHARD") or os.environ.get("DRAFTER_TEST_SLOW_SHARDS"):
     import time

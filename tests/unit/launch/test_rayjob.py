@@ -61,6 +61,14 @@ def test_a_remote_cluster_gets_the_working_dir_and_runs_its_own_python() -> None
     assert job.runtime_env == {"working_dir": "s3://code/drafter.zip"}
 
 
+def test_the_ray_env_vars_reach_every_stages_job() -> None:
+    cfg = load_config(overrides={"launch": {"launcher": "ray", "ray": {"env_vars": {"NCCL_SOCKET_IFNAME": "eth0"}}}})
+    params = ray_stage_job(cfg, TRAINING, PROJECT).submit_params()
+    assert params["runtime_env"] == {"env_vars": {"NCCL_SOCKET_IFNAME": "eth0"}}
+    params["runtime_env"]["env_vars"]["X"] = "1"  # the Pipes client's, on its own copy
+    assert cfg.launch.ray.env_vars == {"NCCL_SOCKET_IFNAME": "eth0"}
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     pytest.param({"launch": {"ray": {"resources": {"GPU": 1}}}}, "launch.ray.resources", id="builtin-resource",
                  marks=pytest.mark.reliability("bad_input", "launch.ray.resources naming CPU, GPU or memory")),
@@ -69,10 +77,15 @@ def test_a_remote_cluster_gets_the_working_dir_and_runs_its_own_python() -> None
     pytest.param({"launch": {"launcher": "ray", "training": {"nnodes": 2}}}, "launch.training.nnodes is 2",
                  id="several-nodes",
                  marks=pytest.mark.reliability("bad_input", "launcher ray with a training on several nodes")),
+    pytest.param({"launch": {"ray": {"env_vars": {"AWS_SECRET_ACCESS_KEY": "hunter2", "HF_HOME": "/hf"}}}},
+                 r"launch.ray.env_vars must not carry secrets \(AWS_SECRET_ACCESS_KEY\)", id="secret-env",
+                 marks=pytest.mark.reliability("bad_input", "a secret in launch.ray.env_vars, which whoever lists "
+                                                            "the cluster's jobs would read")),
 ])
 def test_ray_settings_are_validated_with_the_key_named(overrides: dict, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message) as refused:
         load_config(overrides=overrides)
+    assert "hunter2" not in str(refused.value)
 
 
 def _waited_in_child(submitted: str) -> subprocess.CompletedProcess:
