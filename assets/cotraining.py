@@ -19,7 +19,7 @@ from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import run_layout
 from pipeline.data.held_out import held_out_rollouts
 from pipeline.data.keys import acceptance_key, buffer_key, rollouts_key, rollouts_prefix
-from pipeline.data.records import read_acceptance, read_training
+from pipeline.data.records import read_acceptance, read_replay, read_training
 from pipeline.data.rollouts import committed_steps
 from pipeline.data.store import ObjectStore
 from pipeline.models.layers import stored_layer_ids
@@ -242,10 +242,14 @@ def _ledger_metadata(ledger: ledger_lib.Ledger) -> dict:
 
 def _replay_metadata(store: ObjectStore, run: str, step: int) -> dict:
     """The step's measured rollout speedups (numbers Dagster plots over partitions), where a replay ran."""
-    fields = report.replay_fields(store, run, step)
-    return {name: fields[name] for name in ("speedup_served", "speedup_served_tail", "speedup_served_over_baseline",
-                                            "speedup_cotrained", "speedup_cotrained_tail")
-            if fields[name] is not None}
+    replay = read_replay(store, run, step)
+    if replay is None:
+        return {}
+    speedups = {"speedup_served": replay.speedup("served"), "speedup_served_tail": replay.speedup("served", tail=True),
+                "speedup_served_over_baseline": replay.speedup("served", over="baseline"),
+                "speedup_cotrained": replay.speedup("cotrained"),
+                "speedup_cotrained_tail": replay.speedup("cotrained", tail=True)}
+    return {name: round(value, 3) for name, value in speedups.items() if value is not None}
 
 
 def _tau_plot(store: ObjectStore, cfg: PipelineConfig, step: int) -> dg.MetadataValue:

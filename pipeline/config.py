@@ -96,6 +96,11 @@ class RayConfig(_Strict):
                     "the project at the same path) and a stage runs this process's Python in its project "
                     "directory; otherwise the Ray runtime_env working_dir of a remote cluster (a local folder Ray "
                     "uploads, or a zip's URI) run with the nodes' `python`.")
+    placement_strategy: Literal["STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"] = Field(
+        default="STRICT_SPREAD",
+        description="A training on `launch.training.nnodes` > 1: Ray's strategy for its placement group of one "
+                    "bundle per node (`launch.training`'s CPUs, memory and GPUs, and `resources`): STRICT_SPREAD "
+                    "puts every bundle on a node of its own, as pods; PACK fills as few nodes as fit them.")
     env_vars: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables every stage's job gets (its runtime_env `env_vars`) over the nodes' "
@@ -186,6 +191,13 @@ class LaunchConfig(_Strict):
         default=300.0, gt=0,
         description="`launcher: warm`: a stage's worker exits after this many seconds without a job.",
     )
+    retries: int = Field(
+        default=1, ge=0,
+        description="Times Dagster retries a model stage whose launched process(es) failed (a rank killed, a node or "
+                    "pod lost), after `retry_delay_s`: a training resumes from its last checkpoint, and a failed "
+                    "attempt has committed nothing. A worker's own error (bad input) fails each attempt alike.",
+    )
+    retry_delay_s: float = Field(default=10.0, ge=0, description="Seconds before a model stage's retry.")
     k8s: K8sConfig = Field(default_factory=K8sConfig, description="What the stages' pods share (`launcher: k8s`).")
     ray: RayConfig = Field(default_factory=RayConfig,
                            description="The cluster of the stages' Ray jobs (`launcher: ray`).")
@@ -797,13 +809,6 @@ class PipelineConfig(_Strict):
             raise ValueError("launch.launcher k8s needs storage.root on s3://: a stage's pod cannot read local files")
         if not self.mlflow.tracking_uri.startswith(("http://", "https://")):
             raise ValueError("launch.launcher k8s needs mlflow.tracking_uri of a tracking server (http:// or https://)")
-        return self
-
-    @model_validator(mode="after")
-    def _ray_nodes(self) -> PipelineConfig:
-        if self.launch.launcher == "ray" and self.launch.training.nnodes > 1:
-            raise ValueError(f"launch.launcher ray runs a stage's ranks on one node, but launch.training.nnodes is "
-                             f"{self.launch.training.nnodes}: set it to 1 (launch.training.nproc ranks on that node)")
         return self
 
     @property

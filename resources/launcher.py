@@ -67,15 +67,29 @@ class StageLauncher:
 
     def run_stage(self, context: dg.AssetExecutionContext, job: StageJob) -> dg.PipesClientCompletedInvocation:
         """Extraction, evaluation or refresh: the stage's worker with its ranks, reporting back over Pipes."""
-        return self._run(context, job.stage, job.step, {"job": job.to_dict()},
-                         f"launching {job.stage} ({self.where}, {self.ranks(job.stage)} rank(s))")
+        with self._retried():
+            return self._run(context, job.stage, job.step, {"job": job.to_dict()},
+                             f"launching {job.stage} ({self.where}, {self.ranks(job.stage)} rank(s))")
 
     def train(self, context: dg.AssetExecutionContext, job: TrainJob) -> dg.PipesClientCompletedInvocation:
         extras = {"job": job.to_dict(), "mlflow_ui_url": self.mlflow_ui_url, "where": self.where}
-        if self.launch.launcher == "k8s" and self.launch.training.nnodes > 1:
-            with _quiet_preview():
-                return _run_indexed_job(context, self.cfg, job, extras)
-        return self._run(context, TRAINING, job.step, extras)
+        with self._retried():
+            if self.launch.launcher == "k8s" and self.launch.training.nnodes > 1:
+                with _quiet_preview():
+                    return _run_indexed_job(context, self.cfg, job, extras)
+            return self._run(context, TRAINING, job.step, extras)
+
+    @contextmanager
+    def _retried(self) -> Iterator[None]:
+        """A launched stage that failed, as Dagster's retry of its step (`launch.retries`): what failed there (a
+        rank killed, a node or pod lost) may not fail again, and the failed attempt committed nothing."""
+        try:
+            yield
+        except Exception as error:
+            if not self.launch.retries:
+                raise
+            raise dg.RetryRequested(max_retries=self.launch.retries,
+                                    seconds_to_wait=self.launch.retry_delay_s) from error
 
     def _run(self, context: dg.AssetExecutionContext, stage: Stage, step: int, extras: dict,
              announce: str = "") -> dg.PipesClientCompletedInvocation:

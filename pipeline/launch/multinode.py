@@ -35,17 +35,20 @@ NODE_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 
 
 def torchrun_command(nproc_per_node: int, python: str, nnodes: int, rdzv_endpoint: str, rdzv_id: str,
-                     local_addr: str = "") -> list[str]:
+                     local_addr: str = "", is_host: bool | None = None) -> list[str]:
     """torchrun on one of `nnodes` nodes, one worker process per GPU: the c10d rendezvous at `rdzv_endpoint` (node 0
     serves it), `rdzv_id` naming this training; `local_addr` is how the others reach this node, and orders the
-    nodes (ranks go to nodes sorted by it: node 0 gets rank 0)."""
+    nodes (ranks go to nodes sorted by it: node 0 gets rank 0). `is_host`: whether this agent serves the rendezvous;
+    unset, torchrun decides by whether the endpoint names this machine, which an address the machine's hostname does
+    not resolve to (a Ray node's) never does."""
     if nproc_per_node < 1 or nnodes < 2:
         raise ValueError(f"several nodes of at least one rank each, got {nnodes} x {nproc_per_node}")
     if not (rdzv_endpoint and rdzv_id):
         raise ValueError("several nodes need a rendezvous endpoint and id")
     return [python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}",
-            f"--rdzv-conf=join_timeout={RDZV_TIMEOUT_S},read_timeout={RDZV_TIMEOUT_S}", "--max-restarts=0",
+            f"--rdzv-conf=join_timeout={RDZV_TIMEOUT_S},read_timeout={RDZV_TIMEOUT_S}"
+            + ("" if is_host is None else f",is_host={int(is_host)}"), "--max-restarts=0",
             *([f"--local-addr={local_addr}"] if local_addr else []), "-m", TRAINING.worker]
 
 

@@ -6,7 +6,8 @@ device cuda (a split policy's `target.split_devices` per rank) and the custom re
 Ray starts the entrypoint on one node once they are free there, so a job waits (PENDING) while another job, or an
 RL trainer's placement groups, hold them: it never preempts. Ray's scheduler holds the entrypoint's resources for
 the job's life, so a stage's ranks get the node's devices Ray assigned (CUDA_VISIBLE_DEVICES). Its environment is
-the node's, with `launch.ray.env_vars` over it.
+the node's, with `launch.ray.env_vars` over it. A training on several nodes is one job whose driver reserves a
+placement group of a bundle per node and runs a torchrun agent in each (`pipeline.launch.raygroup`).
 
 Where the code is: with `launch.ray.working_dir` empty the cluster shares this machine's filesystem (a cluster on
 this machine, or nodes that mount the project at the same path): the entrypoint runs this process's Python in the
@@ -24,7 +25,8 @@ from pathlib import Path
 
 from pipeline.config import PipelineConfig
 from pipeline.launch.process import stage_command, stage_ranks
-from pipeline.stages import Stage
+from pipeline.launch.raygroup import NodeGroup
+from pipeline.stages import TRAINING, Stage
 
 _QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
 _SCALE = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
@@ -62,18 +64,29 @@ class RayStageJob:
 
 def ray_stage_job(cfg: PipelineConfig, stage: Stage, project_dir: Path, python: str = sys.executable) -> RayStageJob:
     """The stage's Ray job: its command in the project directory (`launch.ray.working_dir` empty) or in its
-    runtime_env working_dir, with the stage's resources."""
+    runtime_env working_dir, with the stage's resources; a training on several nodes: the driver of their
+    placement group (`pipeline.launch.raygroup`), which asks for nothing itself and reserves a node's resources
+    per bundle."""
     settings, ray = cfg.launch.of(stage), cfg.launch.ray
     ranks = stage_ranks(cfg, stage)
     per_rank = cfg.target.gpus_per_process if stage.policy_per_rank else 1
     gpus = ranks * per_rank if cfg.device.startswith("cuda") else 0
+    python = "python" if ray.working_dir else python
+    if stage == TRAINING and cfg.launch.training.nnodes > 1:
+        bundle = {"CPU": quantity(settings.cpu), "memory": quantity(settings.memory), **({"GPU": gpus} if gpus else {}),
+                  **ray.resources}
+        group = NodeGroup(cfg.launch.training.nnodes, ranks, bundle, ray.placement_strategy)
+        command = group.driver_command(python, "" if ray.working_dir else str(project_dir))
+        cpus, gpus, memory, resources = 0.0, 0, 0, {}
+    else:
+        command = stage_command(cfg, stage, python)
+        cpus, memory, resources = quantity(settings.cpu), int(quantity(settings.memory)), dict(ray.resources)
     if ray.working_dir:
-        entrypoint = shlex.join(stage_command(cfg, stage, python="python"))
+        entrypoint = shlex.join(command)
         runtime_env = {"working_dir": ray.working_dir}
     else:
-        entrypoint = f"cd {shlex.quote(str(project_dir))} && exec {shlex.join(stage_command(cfg, stage, python))}"
+        entrypoint = f"cd {shlex.quote(str(project_dir))} && exec {shlex.join(command)}"
         runtime_env = {}
     if ray.env_vars:
         runtime_env["env_vars"] = dict(ray.env_vars)
-    return RayStageJob(entrypoint, quantity(settings.cpu), float(gpus), int(quantity(settings.memory)),
-                       dict(ray.resources), runtime_env)
+    return RayStageJob(entrypoint, cpus, float(gpus), memory, resources, runtime_env)

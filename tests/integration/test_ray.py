@@ -15,8 +15,8 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-import yaml
 from ray.job_submission import JobStatus, JobSubmissionClient
+from ray.util.state import list_tasks
 
 from assets.cotraining import drafter, hidden_states
 from definitions import build_definitions
@@ -24,7 +24,7 @@ from ops.ray_cluster import RayCluster, RayNode, ray_cluster
 from pipeline.accounting.cost import read_cost
 from pipeline.config import PROJECT_ROOT, load_config
 from pipeline.data.buffer import build_buffer
-from pipeline.data.keys import drafter_key, placement_key
+from pipeline.data.keys import placement_key
 from pipeline.data.records import StagePlacement, read_acceptance, read_record, read_training
 from pipeline.data.store import open_store
 from pipeline.registry import DrafterRegistry
@@ -149,42 +149,45 @@ def test_a_stage_failing_in_its_ray_job_fails_its_step_with_the_workers_error(tm
     assert job.status == JobStatus.FAILED
 
 
-@pytest.mark.reliability("fault", "a rank of a two-rank training in its Ray job SIGKILLed mid-training: the step "
-                                  "fails with nothing committed, the rerun registers the drafter")
-def test_a_training_rank_killed_in_its_ray_job_commits_nothing_and_the_rerun_registers(
+@pytest.mark.reliability("fault", "a training spread over two nodes of a Ray placement group, rank 1 SIGKILLed "
+                                  "mid-training: the attempt fails with nothing registered, Dagster's retry registers")
+def test_a_training_spread_over_two_nodes_survives_a_killed_rank_through_dagsters_retry(
         tmp_path: Path, cluster: RayCluster) -> None:
-    """The drafter on two gloo ranks as a Ray job, rank 1 SIGKILLed as it applies its second optimizer step (the
-    fault hook's variables reach the job as `launch.ray.env_vars`): the job FAILED, the step fails, no outcome or
-    model version; the same materialization without the fault trains from the start and registers version 1."""
-    path = _config(tmp_path, cluster, training_ranks=2)
+    """The drafter on two nodes of one rank each (a placement group, STRICT_SPREAD: one bundle per node), rank 1
+    SIGKILLed as it applies its second optimizer step in the first attempt only (the fault hook's variables reach
+    the job as `launch.ray.env_vars`): that attempt's job FAILED with torchrun's SIGKILL, and Dagster's retry
+    (`launch.retries`) trains again on two distinct nodes and registers the only model version."""
+    path = write_config(tmp_path, {"launch": {
+        "launcher": "ray", "retries": 1, "retry_delay_s": 0.0,
+        "ray": {"address": cluster.address, "placement_strategy": "STRICT_SPREAD",
+                "env_vars": {"PYTHONPATH": f"{WORKER_FAULTS}:{PROJECT_ROOT}", "DRAFTER_TEST_KILL_TRAINING_RANK": "1",
+                             "DRAFTER_TEST_FAULT_ONCE": str(tmp_path / "killed-once")}},
+        "training": {**ONE_CPU, "nproc": 1, "nnodes": 2}}})
     cfg = load_config(path)
     store = open_store(cfg)
+    SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
     extract.extract_hidden_states(store, cfg, STEP)  # the drafter's inputs, by the pipeline's own code
     build_buffer(store, cfg.run, STEP, cfg.train.buffer_steps, cfg.train.data_buffer_max_size)
-    faulty = yaml.safe_load(path.read_text())
-    faulty["launch"]["ray"]["env_vars"] = {"PYTHONPATH": f"{WORKER_FAULTS}:{PROJECT_ROOT}",
-                                           "DRAFTER_TEST_KILL_TRAINING_RANK": "1"}
-    faulty_path = path.with_name("faulty.yaml")
-    faulty_path.write_text(yaml.safe_dump(faulty))
-    registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("rl_step", [KEY])
-        killed = dg.materialize([drafter], partition_key=KEY, instance=instance, raise_on_error=False,
-                                resources={"pipeline": pipeline_resource(str(faulty_path))})
-        assert not killed.success
-        (failure,) = [e for e in killed.all_events if e.is_step_failure]
-        assert "Signal 9 (SIGKILL)" in failure.step_failure_data.error.to_string()  # torchrun's, from the job's log
-        (job,) = _jobs_of(JobSubmissionClient(cluster.address), killed.run_id)
-        assert job.status == JobStatus.FAILED
-        assert not store.exists(drafter_key(cfg.run, STEP))
-        assert not registry.client.search_model_versions(f"name = '{cfg.mlflow.model_name}'")
-
-        rerun = dg.materialize([drafter], partition_key=KEY, instance=instance,
-                               resources={"pipeline": pipeline_resource(str(path))})
-        assert rerun.success
-        assert rerun.asset_materializations_for_node("drafter")[0].metadata["model_version"].value == "1"
+        result = dg.materialize([drafter], partition_key=KEY, instance=instance,
+                                resources={"pipeline": pipeline_resource(str(path))})
+        assert result.success
+        assert result.asset_materializations_for_node("drafter")[0].metadata["model_version"].value == "1"
+    (retry,) = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_UP_FOR_RETRY]
+    assert "Signal 9 (SIGKILL)" in retry.event_specific_data.error.to_string()  # torchrun's, from the job's log
+    client = JobSubmissionClient(cluster.address)
+    killed, retried = _jobs_of(client, result.run_id)
+    assert (killed.status, retried.status) == (JobStatus.FAILED, JobStatus.SUCCEEDED)
+    assert "pipeline.launch.raygroup" in retried.entrypoint
+    agents = [t for t in list_tasks(address=cluster.address, filters=[("job_id", "=", retried.job_id)], detail=True)
+              if t.name.startswith("training-node-")]
+    assert len(agents) == 2
+    assert len({t.node_id for t in agents}) == 2  # a node each
+    registry = DrafterRegistry(cfg.tracking_uri, cfg.mlflow.experiment, cfg.mlflow.model_name)
+    assert [str(v.version) for v in registry.client.search_model_versions(f"name = '{cfg.mlflow.model_name}'")] == ["1"]
+    assert read_record(store, placement_key(cfg.run, STEP, TRAINING), StagePlacement).ranks == 2
     figures = read_training(store, cfg.run, STEP).figures
-    assert figures.resumed_from_iteration == 0
     assert len(figures.loss_history) == figures.iterations > 1
 
 

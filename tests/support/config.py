@@ -26,7 +26,9 @@ TINY = {
     },
     "refresh": {"enabled": False},
     "train": {"epochs": 2, "min_samples": 4, "batch_size_per_gpu": 8},
-    "launch": {"warm_idle_s": 15.0},  # warm stage workers (the default launcher) leave soon after a test's last job
+    # Warm stage workers (the default launcher) leave soon after a test's last job; a failing stage fails its step at
+    # once (the retry's own tests ask for it).
+    "launch": {"warm_idle_s": 15.0, "retries": 0},
     "eval": {"num_prompts": 3, "max_new_tokens": 8, "held_out_fraction": 0.2},
 }
 

@@ -8,10 +8,23 @@ Nothing in the pipeline knows of them.
     DRAFTER_TEST_KILL_SHARD=1          the process (a warm stage worker) SIGKILLs itself as it starts its second shard
     DRAFTER_TEST_SLOW_SHARDS=s         every shard write after the first waits s seconds first
     DRAFTER_TEST_SHARD_PROBLEM=msg     the shards check finds `msg` (a stand-in for a corrupted shard)
+    DRAFTER_TEST_FAULT_ONCE=path       a kill above fires only in the first process to create `path`: the first
+                                       attempt dies, a retry runs clean
 """
 
 import os
 import signal
+
+
+def _first_fault() -> bool:
+    once = os.environ.get("DRAFTER_TEST_FAULT_ONCE")
+    if not once:
+        return True
+    try:
+        os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 if os.environ.get("DRAFTER_TEST_KILL_RANK") and os.environ.get("RANK") == os.environ["DRAFTER_TEST_KILL_RANK"]:
     from pipeline.data import shards
@@ -34,7 +47,7 @@ if os.environ.get("RANK") == os.environ.get("DRAFTER_TEST_KILL_TRAINING_RANK", "
     _applied = []
 
     def _dies_on_its_second_step(*args, **kwargs):
-        if _applied:
+        if _applied and _first_fault():
             os.kill(os.getpid(), signal.SIGKILL)
         _applied.append(1)
         return _apply_gradients(*args, **kwargs)

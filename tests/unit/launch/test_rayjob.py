@@ -3,6 +3,7 @@ is; the wait a queued stage records; the `launch.ray` keys' validation."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import ConfigError, load_config
+from pipeline.launch import raygroup
 from pipeline.launch.placement import SUBMITTED_AT_ENV
 from pipeline.launch.rayjob import quantity, ray_stage_job
 from pipeline.stages import EVALUATION, EXTRACTION, LAUNCHED, REFRESH, TRAINING
@@ -61,6 +63,41 @@ def test_a_remote_cluster_gets_the_working_dir_and_runs_its_own_python() -> None
     assert job.runtime_env == {"working_dir": "s3://code/drafter.zip"}
 
 
+def test_a_training_on_several_nodes_is_a_placement_group_whose_driver_asks_for_nothing() -> None:
+    """Two nodes of four ranks: the job's driver holds no resources (the group's bundles do), each bundle one node's
+    CPUs, memory, a GPU per rank and the slot, placed as `launch.ray.placement_strategy` says; every agent runs
+    torchrun's c10d rendezvous for eight ranks, its local address filled in on its node."""
+    launch = {**CUDA["launch"], "training": {**CUDA["launch"]["training"], "nnodes": 2},
+              "ray": {"resources": {"drafter_slot": 1}, "placement_strategy": "PACK"}}
+    cfg = load_config(overrides={**CUDA, "launch": launch})
+    job = ray_stage_job(cfg, TRAINING, PROJECT, "/venv/bin/python")
+    assert (job.num_cpus, job.num_gpus, job.memory, job.resources) == (0.0, 0.0, 0, {})
+    cd, driver = job.entrypoint.split(" && exec ")
+    assert cd == "cd /srv/drafter"
+    args = dict(arg.split("=", 1) for arg in shlex.split(driver)[3:])
+    assert shlex.split(driver)[:3] == ["/venv/bin/python", "-m", raygroup.MODULE]
+    group = raygroup.NodeGroup(int(args["--nnodes"]), int(args["--nproc-per-node"]), json.loads(args["--bundle"]),
+                               args["--strategy"])
+    assert group == raygroup.NodeGroup(2, 4, {"CPU": 0.5, "memory": 512 * 2**20, "GPU": 4, "drafter_slot": 1.0},
+                                       "PACK")
+    assert args["--cwd"] == "/srv/drafter"
+    assert group.task_options() == {"num_cpus": 0.5, "num_gpus": 4, "memory": 512 * 2**20,
+                                    "resources": {"drafter_slot": 1.0}}
+    remote = load_config(overrides={"launch": {"launcher": "ray", "training": {"nnodes": 3},
+                                               "ray": {"working_dir": "s3://code/drafter.zip"}}})
+    job = ray_stage_job(remote, TRAINING, PROJECT, "/venv/bin/python")
+    assert shlex.split(job.entrypoint)[:3] == ["python", "-m", raygroup.MODULE]
+    assert "--cwd=" in shlex.split(job.entrypoint)  # each agent in its own node's copy of the working_dir
+
+
+@pytest.mark.parametrize(("nnodes", "nproc", "strategy", "message"), [
+    (1, 2, "PACK", "several nodes"), (2, 0, "PACK", "several nodes"), (2, 1, "ANYWHERE", "placement strategy")])
+def test_a_node_group_is_several_nodes_placed_by_a_strategy_ray_has(nnodes: int, nproc: int, strategy: str,
+                                                                    message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        raygroup.NodeGroup(nnodes, nproc, {"CPU": 1}, strategy)
+
+
 def test_the_ray_env_vars_reach_every_stages_job() -> None:
     cfg = load_config(overrides={"launch": {"launcher": "ray", "ray": {"env_vars": {"NCCL_SOCKET_IFNAME": "eth0"}}}})
     params = ray_stage_job(cfg, TRAINING, PROJECT).submit_params()
@@ -74,9 +111,8 @@ def test_the_ray_env_vars_reach_every_stages_job() -> None:
                  marks=pytest.mark.reliability("bad_input", "launch.ray.resources naming CPU, GPU or memory")),
     pytest.param({"launch": {"ray": {"resources": {"drafter_slot": 0}}}}, "launch.ray.resources", id="zero-slot",
                  marks=pytest.mark.reliability("bad_input", "launch.ray.resources with an amount <= 0")),
-    pytest.param({"launch": {"launcher": "ray", "training": {"nnodes": 2}}}, "launch.training.nnodes is 2",
-                 id="several-nodes",
-                 marks=pytest.mark.reliability("bad_input", "launcher ray with a training on several nodes")),
+    pytest.param({"launch": {"ray": {"placement_strategy": "ANYWHERE"}}}, "launch.ray.placement_strategy",
+                 id="strategy", marks=pytest.mark.reliability("bad_input", "a placement strategy Ray does not have")),
     pytest.param({"launch": {"ray": {"env_vars": {"AWS_SECRET_ACCESS_KEY": "hunter2", "HF_HOME": "/hf"}}}},
                  r"launch.ray.env_vars must not carry secrets \(AWS_SECRET_ACCESS_KEY\)", id="secret-env",
                  marks=pytest.mark.reliability("bad_input", "a secret in launch.ray.env_vars, which whoever lists "
