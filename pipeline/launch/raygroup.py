@@ -128,9 +128,7 @@ def run_group(group: NodeGroup, cwd: str, python: str = sys.executable) -> int:
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    # The agents' code travels with them: a node's Ray worker need not import this project.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init()  # the job's cluster
+    ray.init()  # the job's cluster; the driver runs as `python -m`, so Ray ships the agents' code with their tasks
     pg = placement_group([dict(group.bundle)] * group.nnodes, strategy=group.strategy)
     _say(f"waiting for {group.nnodes} bundles of {group.bundle} ({group.strategy})")
     ray.get(pg.ready())
@@ -164,7 +162,7 @@ def run_group(group: NodeGroup, cwd: str, python: str = sys.executable) -> int:
     for i, stream in enumerate(streams):
         threading.Thread(target=copy, args=(i, stream), daemon=True).start()
     for _ in streams:
-        node, code = ended.get()
+        _, code = ended.get()
         if code:
             remove_placement_group(pg)  # kills the other agents' tasks, and their torchrun with them
             return code

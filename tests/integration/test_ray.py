@@ -155,7 +155,7 @@ def test_a_training_spread_over_two_nodes_survives_a_killed_rank_through_dagster
         tmp_path: Path, cluster: RayCluster) -> None:
     """The drafter on two nodes of one rank each (a placement group, STRICT_SPREAD: one bundle per node), rank 1
     SIGKILLed as it applies its second optimizer step in the first attempt only (the fault hook's variables reach
-    the job as `launch.ray.env_vars`): that attempt's job FAILED with torchrun's SIGKILL, and Dagster's retry
+    the job as `launch.ray.env_vars`): that attempt's job FAILED, a node's agent failing it, and Dagster's retry
     (`launch.retries`) trains again on two distinct nodes and registers the only model version."""
     path = write_config(tmp_path, {"launch": {
         "launcher": "ray", "retries": 1, "retry_delay_s": 0.0,
@@ -174,11 +174,12 @@ def test_a_training_spread_over_two_nodes_survives_a_killed_rank_through_dagster
                                 resources={"pipeline": pipeline_resource(str(path))})
         assert result.success
         assert result.asset_materializations_for_node("drafter")[0].metadata["model_version"].value == "1"
-    (retry,) = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_UP_FOR_RETRY]
-    assert "Signal 9 (SIGKILL)" in retry.event_specific_data.error.to_string()  # torchrun's, from the job's log
+    assert len([e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_UP_FOR_RETRY]) == 1
+    assert (tmp_path / "killed-once").exists()  # the kill fired, in the first attempt: the only difference
     client = JobSubmissionClient(cluster.address)
     killed, retried = _jobs_of(client, result.run_id)
     assert (killed.status, retried.status) == (JobStatus.FAILED, JobStatus.SUCCEEDED)
+    assert "torchrun exited with" in client.get_job_logs(killed.submission_id)  # a node's agent failed the job
     assert "pipeline.launch.raygroup" in retried.entrypoint
     agents = [t for t in list_tasks(address=cluster.address, filters=[("job_id", "=", retried.job_id)], detail=True)
               if t.name.startswith("training-node-")]
