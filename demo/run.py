@@ -61,7 +61,8 @@ def _smollm2_source(cfg: PipelineConfig, store: ObjectStore, steps: int, engine:
     warm_start = PROJECT_ROOT / cfg.drafter.warm_start  # an absolute path stays itself
     if not cfg.drafter.warm_start or not warm_start.is_dir():
         raise SystemExit(f"demo --source smollm2: no first drafter at drafter.warm_start "
-                         f"({cfg.drafter.warm_start or 'unset'}); train one (7 minutes of training on 2 cores, after sampling):\n"
+                         f"({cfg.drafter.warm_start or 'unset'}); train one (7 minutes of training on 2 cores, "
+                         "after sampling the answers):\n"
                          "  python -m recipes.first_drafter sample --answers 1024 --held-out 32\n"
                          "  python -m recipes.first_drafter train --answers 1024 --held-out 32 --minutes 20 "
                          "--max-tokens 450000")
