@@ -487,8 +487,8 @@ def format_phases(rows: list[StepRow], ledger: Ledger) -> str:
     for r in rows:
         p, s = r.phases, costs.get(r.step, {})
         lines.append(f"{r.step:>4} {p['generation_s']:>10.1f} {p['update_s']:>13.1f} {p['weight_push_s']:>11.1f} "
-                     f"{p['publish_s']:>7.1f} {s.get('extraction', 0.0):>10.1f} {s.get('training', 0.0):>8.1f} "
-                     f"{s.get('evaluation', 0.0):>10.1f} {s.get('deployment', 0.0):>6.1f}")
+                     f"{p['publish_s']:>7.1f} {s.get(EXTRACTION, 0.0):>10.1f} {s.get(TRAINING, 0.0):>8.1f} "
+                     f"{s.get(EVALUATION, 0.0):>10.1f} {s.get(DEPLOYMENT, 0.0):>6.1f}")
     return "\n".join(lines)
 
 

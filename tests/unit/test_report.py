@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.accounting import report
+from pipeline.accounting.cost import StepCost
+from pipeline.accounting.ledger import Ledger
 from pipeline.data.buffer import write_buffer
 from pipeline.data.keys import acceptance_key, drafter_key, replay_key
 from pipeline.data.records import (
@@ -24,6 +26,7 @@ from pipeline.data.records import (
 from pipeline.data.rollouts import Rollout, write_rollouts_file
 from pipeline.data.store import ObjectStore
 from pipeline.sampling import SamplingParams
+from pipeline.stages import EVALUATION, EXTRACTION, TRAINING
 
 RUN = "r"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -187,3 +190,11 @@ def test_speedup_goals_summarise_the_served_drafter_from_step_three() -> None:
         "steps": [3, 4], "served_tail": {"min": 1.6, "mean": 1.8}, "served_whole": {"min": 1.2, "mean": 1.3},
         "served_worst_batch": {"min": 0.98, "mean": 0.99}, "served_over_baseline": {"min": 1.1, "mean": 1.1}}
     assert report.speedup_goals(rows[:1]) is None
+
+
+def test_the_step_by_phase_puts_the_ledgers_stage_seconds_beside_the_trainers() -> None:
+    """The trainer's phases from the row, the pipeline's device-seconds from the step's cost (keyed by stage)."""
+    phases = {"generation_s": 9.2, "update_s": 37.6, "weight_push_s": 3.0, "publish_s": 1.5}
+    cost = StepCost(1, {EXTRACTION: 3.9, TRAINING: 9.4, EVALUATION: 25.3}, 800, "1", 2.1, None)
+    table = report.format_phases([report.StepRow(1, phases=phases)], Ledger([], [cost])).splitlines()
+    assert table[2].split() == ["1", "9.2", "37.6", "3.0", "1.5", "3.9", "9.4", "25.3", "0.0"]
