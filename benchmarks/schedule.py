@@ -223,8 +223,8 @@ def age_profile(store, cfg, registry, step: int, ages: dict[str, int]) -> dict:
     from pipeline.data import rollouts as rollouts_lib
     from pipeline.data.held_out import held_out_prompts
     from pipeline.evaluation import speculative
-    from pipeline.launch.ranks import SINGLE
     from pipeline.models import target as target_lib
+    from pipeline.ranks import SINGLE
     from pipeline.training.schedule import AgedTau, measure_staleness
 
     pointer = rollouts_lib.read_policy_pointer(store, cfg.run, step)

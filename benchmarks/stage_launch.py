@@ -102,7 +102,7 @@ def _in_process_asset():
     from dagster_pipes import PIPES_METADATA_TYPE_INFER
 
     from assets.partitions import rl_step, step_of
-    from pipeline.launch.ranks import SINGLE
+    from pipeline.ranks import SINGLE
     from pipeline.sources import worker
     from pipeline.stages import EXTRACTION
 

@@ -53,7 +53,7 @@ from pipeline.data.keys import (
 )
 from pipeline.data.run_layout import TargetLayout
 from pipeline.data.store import ObjectStore, RangeReader, fill_range
-from pipeline.launch.ranks import SINGLE, Ranks
+from pipeline.ranks import SINGLE, Ranks
 
 # 4: split-zstd frames are zstd literals (compression.py); schema 3 stored Blosc frames there.
 # Raw and fp8 shards did not change, so their schema-3 manifests are still read.

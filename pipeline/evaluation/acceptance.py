@@ -41,8 +41,8 @@ from pipeline.data.store import ObjectStore
 from pipeline.evaluation import replay, round_cost, speculative, teacher_forced
 from pipeline.evaluation.scheduler import SpeculationThreshold
 from pipeline.launch.placement import measure_placement
-from pipeline.launch.ranks import SINGLE, Ranks
 from pipeline.models import target as target_lib
+from pipeline.ranks import SINGLE, Ranks
 from pipeline.registry import DrafterRegistry
 from pipeline.sampling import DraftSampleMethod, SamplingParams
 from pipeline.stages import EVALUATION, Stage

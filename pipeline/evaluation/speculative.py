@@ -32,10 +32,10 @@ from transformers import DynamicCache, LlamaForCausalLM
 
 from pipeline.accounting.cost import DecodingCost
 from pipeline.evaluation.rejection_sampler import BatchSampling, DraftSampler, RequestSampling, verify
-from pipeline.launch.ranks import SINGLE, Ranks
 from pipeline.models import target_forward
 from pipeline.models.drafter import CommittedPairs, DraftChooser, Drafter, Proposer
 from pipeline.models.eagle import gather_rows
+from pipeline.ranks import SINGLE, Ranks
 from pipeline.sampling import GREEDY, DraftSampleMethod, SamplingParams
 
 

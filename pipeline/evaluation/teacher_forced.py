@@ -41,9 +41,9 @@ import torch
 from transformers import LlamaForCausalLM
 
 from pipeline.evaluation.speculative import features_for
-from pipeline.launch.ranks import SINGLE, Ranks
 from pipeline.models import target_forward
 from pipeline.models.drafter import Drafter
+from pipeline.ranks import SINGLE, Ranks
 
 
 @dataclass(frozen=True)

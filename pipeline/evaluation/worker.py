@@ -24,8 +24,8 @@ from pipeline.data.store import open_store
 from pipeline.evaluation import acceptance
 from pipeline.evaluation import tail as tail_lib
 from pipeline.launch.process import StageJob
-from pipeline.launch.ranks import SINGLE, Ranks, join, leave
 from pipeline.launch.worker import run_stage_worker, stage_job
+from pipeline.ranks import SINGLE, Ranks, join, leave
 from pipeline.registry import open_registry
 from pipeline.stages import EVALUATION
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from pipeline.data.records import StagePlacement
-from pipeline.launch.ranks import Ranks
+from pipeline.ranks import Ranks
 from pipeline.stages import Stage
 
 # The launcher's wall clock (epoch seconds) when it submitted the stage to a cluster that queues it (a Ray job);

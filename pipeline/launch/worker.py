@@ -29,7 +29,7 @@ from dagster_pipes import (
 )
 
 from pipeline.launch.process import JobError, StageJob
-from pipeline.launch.ranks import Ranks, ranks_from_env
+from pipeline.ranks import Ranks, ranks_from_env
 from pipeline.stages import Stage
 
 

@@ -36,10 +36,10 @@ from pipeline.data.store import ObjectStore, open_store
 from pipeline.evaluation import tail as tail_lib
 from pipeline.launch.placement import measure_placement
 from pipeline.launch.process import StageJob
-from pipeline.launch.ranks import Ranks
 from pipeline.launch.worker import exit_with_launcher, is_pipes_process, stage_job
 from pipeline.models import target as target_lib
 from pipeline.models.layers import stored_layer_ids
+from pipeline.ranks import Ranks
 from pipeline.refresh import plan as refresh_lib
 from pipeline.registry import DrafterRegistry, open_registry
 from pipeline.sources.extract import iter_hidden_states

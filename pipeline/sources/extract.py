@@ -19,10 +19,10 @@ from pipeline.data.rollouts import Rollout, TargetLimits
 from pipeline.data.run_layout import TargetLayout
 from pipeline.data.shards import HiddenSample, Manifest
 from pipeline.data.store import ObjectStore
-from pipeline.launch.ranks import SINGLE, Ranks
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.models.layers import stored_layer_ids
+from pipeline.ranks import SINGLE, Ranks
 from pipeline.sources import vllm_connector as vllm_hidden_states
 
 if TYPE_CHECKING:  # the forward path also runs without pydantic (benchmarks/extraction.py on a bare GPU image)

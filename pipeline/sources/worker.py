@@ -24,8 +24,8 @@ from pipeline.data.shards import Manifest
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.launch.placement import measure_placement
 from pipeline.launch.process import StageJob
-from pipeline.launch.ranks import SINGLE, Ranks, join, leave
 from pipeline.launch.worker import run_stage_worker, stage_job
+from pipeline.ranks import SINGLE, Ranks, join, leave
 from pipeline.sources import extract
 from pipeline.stages import EXTRACTION
 

@@ -47,9 +47,9 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from pipeline.launch.ranks import Ranks, join, leave, ranks_from_env
+from pipeline.ranks import Ranks, join, leave, ranks_from_env
 
-# A training's ranks are a launched stage's ranks (pipeline.launch.ranks), under the names the training code reads.
+# A training's ranks are a launched stage's ranks (pipeline.ranks), under the names the training code reads.
 DistContext = Ranks
 context_from_env = ranks_from_env
 init_process_group = join

@@ -32,8 +32,8 @@ from pipeline.data.keys import placement_key
 from pipeline.data.records import StagePlacement, write_record
 from pipeline.data.store import open_store
 from pipeline.launch.placement import measure_placement
-from pipeline.launch.ranks import SINGLE
 from pipeline.launch.worker import exit_with_launcher, is_pipes_process, job_extra, pipes_extras
+from pipeline.ranks import SINGLE
 from pipeline.registry import open_registry
 from pipeline.stages import TRAINING
 from pipeline.training.cotrain import run_training

@@ -25,7 +25,7 @@ from pipeline.launch.placement import (
     process_started_at,
     waited_s,
 )
-from pipeline.launch.ranks import SINGLE, join, leave, ranks_from_env
+from pipeline.ranks import SINGLE, join, leave, ranks_from_env
 from pipeline.stages import DEPLOYMENT, EVALUATION, EXTRACTION, REFRESH, TRAINING
 
 RUN, STEP = "run-a", 3

@@ -1,4 +1,4 @@
-"""A launched stage's ranks (pipeline/launch/ranks.py): which units each rank does, how their results meet on rank 0,
+"""A launched stage's ranks (pipeline/ranks.py): which units each rank does, how their results meet on rank 0,
 alone and on two real gloo ranks on loopback, checked against what one process gets."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipeline.launch.ranks import SINGLE, Ranks, join, leave, ranks_from_env
+from pipeline.ranks import SINGLE, Ranks, join, leave, ranks_from_env
 
 UNITS = 7  # odd: rank 0 does one unit more than rank 1
 WRITE_ID = "w-0123456789abcdef"
