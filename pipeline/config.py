@@ -191,6 +191,12 @@ class LaunchConfig(_Strict):
         default=300.0, gt=0,
         description="`launcher: warm`: a stage's worker exits after this many seconds without a job.",
     )
+    warm_dir: str = Field(
+        default="",
+        description="`launcher: warm`: the folder of the stage workers' sockets, locks and logs (`<data_dir>/stages` "
+                    "when empty). Pipelines on one machine that name the same folder share their stages' workers: a "
+                    "job carries its own configuration, and a worker serves any.",
+    )
     retries: int = Field(
         default=1, ge=0,
         description="Times Dagster retries a model stage whose launched process(es) failed (a rank killed, a node or "
@@ -814,6 +820,14 @@ class PipelineConfig(_Strict):
     @property
     def data_path(self) -> Path:
         path = Path(self.data_dir)
+        return path if path.is_absolute() else PROJECT_ROOT / path
+
+    @property
+    def warm_path(self) -> Path:
+        """The warm stage workers' folder (`launch.warm_dir`)."""
+        if not self.launch.warm_dir:
+            return self.data_path / "stages"
+        path = Path(self.launch.warm_dir).expanduser()
         return path if path.is_absolute() else PROJECT_ROOT / path
 
     @property

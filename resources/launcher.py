@@ -58,7 +58,7 @@ class StageLauncher:
             return []
         started = [stage for stage in stages if self.ranks(stage) == 1]
         for stage in started:
-            WarmWorker(stage, self.cfg.data_path, self.working_dir, self.launch.warm_idle_s).prestart()
+            WarmWorker(stage, self.cfg.warm_path, self.working_dir, self.launch.warm_idle_s).prestart()
         return started
 
     def ranks(self, stage: Stage) -> int:
@@ -114,7 +114,7 @@ class StageLauncher:
                 return PipesRayStageClient(self.launch.ray.address).run(
                     context=context, extras=extras, submit_job_params=job.submit_params())
             if warm:
-                return PipesWarmClient(stage, self.cfg.data_path, self.working_dir,
+                return PipesWarmClient(stage, self.cfg.warm_path, self.working_dir,
                                        self.launch.warm_idle_s).run(context=context, extras=extras,
                                                                     announce=announce)
             return dg.PipesSubprocessClient(cwd=str(self.working_dir),

@@ -20,8 +20,8 @@ from resources.pipes_messages import PipesWholeLineTempFileMessageReader
 class PipesWarmClient(dg.PipesClient):
     """One job on the stage's warm worker: its Pipes session, the request, the worker's answer."""
 
-    def __init__(self, stage: Stage, data_dir: Path, working_dir: Path, idle_s: float) -> None:
-        self.worker = WarmWorker(stage, data_dir, working_dir, idle_s)
+    def __init__(self, stage: Stage, folder: Path, working_dir: Path, idle_s: float) -> None:
+        self.worker = WarmWorker(stage, folder, working_dir, idle_s)
 
     def run(self, *, context: dg.AssetExecutionContext, extras: dict,
             announce: str = "") -> dg.PipesClientCompletedInvocation:

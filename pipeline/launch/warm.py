@@ -4,17 +4,18 @@ protocol between it and its launcher, both ends.
 
     python -m pipeline.launch.warm --stage extraction --socket S --lock L --idle-s 90
 
-    <data_dir>/stages/                     mode 0700, this user's (`pipeline.rendezvous`): no other local user
-                                          can listen, plant a file or read a log there
-    <data_dir>/stages/<stage>-<key>.sock   the worker's socket (reached through the folder's descriptor when its
-                                          path is too long for a Unix socket: it never moves elsewhere)
-    <data_dir>/stages/<stage>-<key>.lock   taken to connect or start, so two launchers never start two workers
-    <data_dir>/stages/<stage>-<key>.log    the worker's output (mode 0600): its tail is in every error the
-                                          launcher's side raises
+    <folder>/                     `launch.warm_dir` (`<data_dir>/stages`), mode 0700, this user's
+                                 (`pipeline.rendezvous`): no other local user can listen, plant a file or read a log
+    <folder>/<stage>-<key>.sock   the worker's socket (reached through the folder's descriptor when its path is too
+                                 long for a Unix socket: it never moves elsewhere)
+    <folder>/<stage>-<key>.lock   taken to connect or start, so two launchers never start two workers
+    <folder>/<stage>-<key>.log    the worker's output (mode 0600): its tail is in every error the launcher's side
+                                 raises
 
 The key digests what a worker inherits at its start and a fresh process would too: the Python executable, the
 working directory and the environment. A launcher with another environment (a test's fault injection, another
-PYTHONPATH) gets a worker of its own. Over the socket, one job per connection:
+PYTHONPATH) gets a worker of its own. Launchers of several pipelines that share the folder share its workers (each
+job carries its own configuration). Over the socket, one job per connection:
 
     request   one JSON line {"pipes": {...}}: the Pipes bootstrap variables the launcher's session gives
               (what a launched process finds in its environment), the context and the message channel both
@@ -63,8 +64,9 @@ START_TIMEOUT_S = 600  # a cold worker's imports on a loaded machine
 REQUEST_TIMEOUT_S = 30.0  # a launcher sends its request as it connects; a client silent this long is dropped
 REQUEST_MAX_BYTES = 1 << 20  # the Pipes bootstrap parameters are a few hundred bytes
 PIPES_KEYS = ("DAGSTER_PIPES_CONTEXT", "DAGSTER_PIPES_MESSAGES")
-# Change within one process (a test's name; MLflow's telemetry session, set at its first use), read by no stage.
-VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "_MLFLOW_TELEMETRY_SESSION_ID")
+# Change within one process (a test's name; MLflow's telemetry session, set at its first use) or between the Dagster
+# instances of one launcher (DAGSTER_HOME: a stage reaches its run through Pipes, never the instance), read by no stage.
+VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "_MLFLOW_TELEMETRY_SESSION_ID", "DAGSTER_HOME")
 LOG_TAIL_LINES = 30
 
 
@@ -136,11 +138,10 @@ class ServerFiles:
         return "\n".join(lines[-LOG_TAIL_LINES:])
 
 
-def server_files(data_dir: Path, stage: Stage, working_dir: Path, environ: dict[str, str] | None = None) -> ServerFiles:
+def server_files(folder: Path, stage: Stage, working_dir: Path, environ: dict[str, str] | None = None) -> ServerFiles:
     env = {k: v for k, v in (os.environ if environ is None else environ).items() if k not in VOLATILE_ENV}
     identity = json.dumps([sys.executable, str(working_dir), sorted(env.items())])
     key = hashlib.sha256(identity.encode()).hexdigest()[:12]
-    folder = data_dir / "stages"
     return ServerFiles(folder / f"{stage.name}-{key}.sock", folder / f"{stage.name}-{key}.lock",
                        folder / f"{stage.name}-{key}.log")
 
@@ -156,9 +157,9 @@ class WarmWorkerError(RuntimeError):
 class WarmWorker:
     """The launcher's end: one stage's warm worker, started when none listens."""
 
-    def __init__(self, stage: Stage, data_dir: Path, working_dir: Path, idle_s: float) -> None:
+    def __init__(self, stage: Stage, folder: Path, working_dir: Path, idle_s: float) -> None:
         self.stage, self.working_dir, self.idle_s = stage, working_dir, idle_s
-        self.files = server_files(data_dir, stage, working_dir)
+        self.files = server_files(folder, stage, working_dir)
 
     def run(self, request: Request, handed: Callable[[Peer], None] = lambda peer: None) -> Answer:
         """The job on the worker, its answer once the job is done; `handed` is called with the worker once it has

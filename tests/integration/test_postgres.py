@@ -256,7 +256,8 @@ def _places_holding_the_password(stack: Stack) -> list[str]:
     """Logs and files of the stack (daemon, MLflow server, run logs), Dagster's events and runs, MLflow's params
     and tags: every place that holds the database password."""
     secret = stack.pg.password
-    found = [str(p) for p in stack.home.parent.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    found = [str(p) for root in (stack.home.parent, stack.cfg.warm_path) for p in root.rglob("*")
+             if p.is_file() and secret.encode() in p.read_bytes()]  # the stage workers' logs too
     pattern = f"'%{secret}%'"
     for db, table, column in [(stack.dagster_db, "event_logs", "event"), (stack.dagster_db, "runs", "run_body"),
                               (stack.mlflow_db, "params", "value"), (stack.mlflow_db, "tags", "value"),

@@ -74,9 +74,10 @@ def _failure(result) -> str:
 
 
 def _server_pids(cfg, stage: str) -> list[int]:
-    """The pids of every warm worker of `stage` started on this data dir, in start order (from their logs)."""
+    """The pids of every warm worker of `stage` started in the config's warm folder, in start order (from their
+    logs)."""
     pids = []
-    for log in sorted((cfg.data_path / "stages").glob(f"{stage}-*.log"), key=lambda p: p.stat().st_mtime):
+    for log in sorted(cfg.warm_path.glob(f"{stage}-*.log"), key=lambda p: p.stat().st_mtime):
         pids += [int(line.split(" pid ")[1].split()[0]) for line in log.read_text().splitlines()
                  if line.startswith(f"stage server {stage} pid ")]
     return pids
@@ -196,7 +197,7 @@ def test_warm_workers_write_the_shards_and_measure_the_tau_of_fresh_processes(tm
     warm = write_config(tmp_path, {"simulation": {"rollouts_per_step": 48},
                                    "hidden_states": {"samples_per_shard": 5, "tokens_per_batch": 64},
                                    "eval": {"num_prompts": 6, "held_out_fraction": 0.3, "max_new_tokens": 6},
-                                   "launch": {"launcher": "warm", "warm_idle_s": 120.0}})
+                                   "launch": {"launcher": "warm", "warm_idle_s": 120.0, "warm_dir": ""}})
     fresh = _variant(warm, "fresh.yaml", {"launch": {"launcher": "subprocess"}})
     cfg = load_config(warm)
     store = open_store(cfg)
@@ -233,7 +234,7 @@ def test_a_warm_worker_killed_mid_job_fails_its_step_and_commits_nothing(
     worker and commits the content digest of this process's extraction."""
     path = write_config(tmp_path, {"simulation": {"rollouts_per_step": 48},
                                    "hidden_states": {"samples_per_shard": 5, "tokens_per_batch": 64},
-                                   "launch": {"launcher": "warm"}})
+                                   "launch": {"launcher": "warm", "warm_dir": ""}})
     cfg = load_config(path)
     store = open_store(cfg)
     SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
@@ -262,17 +263,17 @@ def test_a_warm_worker_killed_mid_job_fails_its_step_and_commits_nothing(
 def test_a_worker_started_ahead_takes_the_first_job_and_its_probe_is_no_job(tmp_path: Path) -> None:
     """`StageLauncher.prestart` starts the extraction worker before any step (and finds it listening when asked
     again); the step's job then runs on that worker as its job 1: the prestart's connections were probes."""
-    path = write_config(tmp_path, {"launch": {"launcher": "warm", "warm_idle_s": 60.0}})
+    path = write_config(tmp_path, {"launch": {"launcher": "warm", "warm_idle_s": 60.0, "warm_dir": ""}})
     cfg = load_config(path)
     SimulatedRL(cfg.simulation, open_store(cfg), cfg.run, cfg.data_path / "cache").run_step(STEP)
     launcher = pipeline_resource(str(path)).launcher()
-    with dg.instance_for_test() as instance:  # the environment the step's launcher will have (DAGSTER_HOME)
+    with dg.instance_for_test() as instance:
         assert launcher.prestart([EXTRACTION]) == [EXTRACTION]
         (worker,) = _server_pids(cfg, "extraction")
         assert launcher.prestart([EXTRACTION]) == [EXTRACTION]  # listening already: probed, not started again
         instance.add_dynamic_partitions("rl_step", [KEY])
         assert _materialize(hidden_states, path, instance).success
-        files = server_files(cfg.data_path, EXTRACTION, PROJECT_ROOT)
+        files = server_files(cfg.warm_path, EXTRACTION, PROJECT_ROOT)
     assert _server_pids(cfg, "extraction") == [worker]
     jobs = [line for line in files.log.read_text().splitlines() if line.startswith("job ")]
     assert len(jobs) == 1
@@ -301,7 +302,7 @@ def test_a_warm_worker_stops_with_its_killed_step_and_leaves_when_idle(tmp_path:
     `launch.warm_idle_s` exits by itself and removes its socket."""
     path = write_config(tmp_path, {"simulation": {"rollouts_per_step": 48},
                                    "hidden_states": {"samples_per_shard": 5, "tokens_per_batch": 64},
-                                   "launch": {"launcher": "warm", "warm_idle_s": 3.0}})
+                                   "launch": {"launcher": "warm", "warm_idle_s": 3.0, "warm_dir": ""}})
     cfg = load_config(path)
     store = open_store(cfg)
     SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(STEP)
@@ -324,7 +325,7 @@ def test_a_warm_worker_stops_with_its_killed_step_and_leaves_when_idle(tmp_path:
     with dg.instance_for_test() as instance:  # a job on a new worker (this process's environment), then idle
         instance.add_dynamic_partitions("rl_step", [KEY])
         assert _materialize(hidden_states, path, instance).success
-        files = server_files(cfg.data_path, EXTRACTION, PROJECT_ROOT)  # the environment the step had
+        files = server_files(cfg.warm_path, EXTRACTION, PROJECT_ROOT)
     (_, idle) = _server_pids(cfg, "extraction")
     _wait_until(lambda: not _alive(idle), 3 + 30, "the idle worker's exit")
     assert not files.socket.exists()

@@ -15,6 +15,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.sources.simulation import SimulatedRL
 
 _PRETRAINED_ENV = "DRAFTER_TESTS_PRETRAINED_DIR"
+_WARM_ENV = "DRAFTER_TESTS_WARM_DIR"
 
 TINY = {
     "run": "test",
@@ -26,8 +27,10 @@ TINY = {
     },
     "refresh": {"enabled": False},
     "train": {"epochs": 2, "min_samples": 4, "batch_size_per_gpu": 8},
-    # Warm stage workers (the default launcher) leave soon after a test's last job; a failing stage fails its step at
-    # once (the retry's own tests ask for it).
+    # Warm stage workers (the default launcher) leave soon after the last job; a failing stage fails its step at
+    # once (the retry's own tests ask for it). The tests of a process share their stages' workers (`launch.warm_dir`,
+    # set by write_config), as pipelines on one machine may: a job carries its own configuration, and a worker keeps
+    # nothing between jobs (WarmJobs), so a test pays for a stage's imports once per process, not once per test.
     "launch": {"warm_idle_s": 15.0, "retries": 0},
     "eval": {"num_prompts": 3, "max_new_tokens": 8, "held_out_fraction": 0.2},
 }
@@ -46,7 +49,8 @@ def write_config(directory: Path, overrides: dict | None = None, pretrained: boo
     a first demo: pre-training (seconds of CPU) then runs once per test process, not once per test."""
     fleet = {"replicas": [{"name": f"standin-{i}", "port": free_port()} for i in range(2)],
              "canary_requests": 2, "canary_tokens": 8}
-    data = {**TINY, "fleet": fleet, "data_dir": str(directory / "data")}
+    data = {**TINY, "fleet": fleet, "data_dir": str(directory / "data"),
+            "launch": {**TINY["launch"], "warm_dir": str(_process_dir(_WARM_ENV, "drafter-tests-warm-"))}}
     for key, value in (overrides or {}).items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     path = directory / "pipeline.yaml"
@@ -63,13 +67,19 @@ def _seed_pretrained_target(config_path: Path) -> None:
         return  # a test of a bad config: nothing will be simulated
     if cfg.rollout_source != "simulated":
         return
-    shared_dir = os.environ.get(_PRETRAINED_ENV)
-    if not shared_dir:  # one folder per test process (pytest-xdist workers each have their own)
-        shared_dir = tempfile.mkdtemp(prefix="drafter-tests-pretrained-")
-        os.environ[_PRETRAINED_ENV] = shared_dir
-        atexit.register(shutil.rmtree, shared_dir, True)
-    shared = SimulatedRL(cfg.simulation, None, cfg.run, Path(shared_dir))
+    shared = SimulatedRL(cfg.simulation, None, cfg.run, _process_dir(_PRETRAINED_ENV, "drafter-tests-pretrained-"))
     source = shared._cache_path()  # the cache's own naming, by the simulation config
     if not (source / "model.safetensors").exists():
         shared.pretrained()
     shutil.copytree(source, cfg.data_path / "cache" / source.name, dirs_exist_ok=True)
+
+
+def _process_dir(env: str, prefix: str) -> Path:
+    """A folder of this test process's (pytest-xdist workers each have their own), named in `env` so that the
+    processes it starts find the same one; removed when the process exits."""
+    shared_dir = os.environ.get(env)
+    if not shared_dir:
+        shared_dir = tempfile.mkdtemp(prefix=prefix)
+        os.environ[env] = shared_dir
+        atexit.register(shutil.rmtree, shared_dir, True)
+    return Path(shared_dir)

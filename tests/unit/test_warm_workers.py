@@ -104,11 +104,11 @@ def test_a_stage_job_leaving_out_a_field_or_a_key_is_refused(reliability) -> Non
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A warm evaluation worker of a data dir whose socket path is too long for a Unix socket's address."""
-    data_dir = tmp_path_factory.mktemp("warm") / ("a-long-data-directory-name-" * 4)
-    WarmWorker(EVALUATION, data_dir, PROJECT_ROOT, 300.0).prestart()
-    yield data_dir
-    files = server_files(data_dir, EVALUATION, PROJECT_ROOT)
+    """The folder of a warm evaluation worker whose socket path is too long for a Unix socket's address."""
+    folder = tmp_path_factory.mktemp("warm") / ("a-long-data-directory-name-" * 4) / "stages"
+    WarmWorker(EVALUATION, folder, PROJECT_ROOT, 300.0).prestart()
+    yield folder
+    files = server_files(folder, EVALUATION, PROJECT_ROOT)
     pid = _worker_pid(files.log)
     if pid:
         os.kill(pid, 9)
@@ -133,9 +133,9 @@ def _connect(path: Path) -> socket.socket:
 def test_the_worker_meets_in_a_folder_of_this_users_alone(worker: Path) -> None:
     files = server_files(worker, EVALUATION, PROJECT_ROOT)
     assert len(os.fsencode(files.socket)) > 108  # beyond sun_path: reached through the folder's descriptor
-    assert files.socket.parent == worker / "stages"
+    assert files.socket.parent == worker
     assert stat.S_ISSOCK(files.socket.stat().st_mode)
-    assert stat.S_IMODE((worker / "stages").stat().st_mode) == 0o700
+    assert stat.S_IMODE(worker.stat().st_mode) == 0o700
     assert stat.S_IMODE(files.log.stat().st_mode) == 0o600
     assert stat.S_IMODE(files.lock.stat().st_mode) == 0o600
 
@@ -167,7 +167,7 @@ def test_an_idle_client_and_a_line_that_is_not_json_hold_up_no_later_request(wor
 def test_the_launcher_hands_no_job_to_another_users_listener(tmp_path: Path) -> None:
     """A listener of another user at the worker's address (bound there, then listening as uid 65534): the
     launcher's connection reaches it, its credentials are checked, and the job is not sent."""
-    client = WarmWorker(EVALUATION, tmp_path / "data", PROJECT_ROOT, 60.0)
+    client = WarmWorker(EVALUATION, tmp_path / "data" / "stages", PROJECT_ROOT, 60.0)
     private_dir(client.files.socket.parent)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with unix_address(client.files.socket) as address:  # a long tmp path (as in CI) goes through the folder
@@ -196,12 +196,12 @@ def test_a_stages_folder_of_another_user_is_refused(tmp_path: Path) -> None:
     theirs.mkdir(parents=True)
     os.chown(theirs, NOBODY, NOBODY)
     with pytest.raises(RendezvousError, match=f"belongs to uid {NOBODY}, not to this user"):
-        WarmWorker(EVALUATION, tmp_path / "data", PROJECT_ROOT, 60.0).prestart()
+        WarmWorker(EVALUATION, theirs, PROJECT_ROOT, 60.0).prestart()
     linked = tmp_path / "linked"
     linked.mkdir()
     (linked / "stages").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(RendezvousError, match="not a directory of its own"):
-        WarmWorker(EVALUATION, linked, PROJECT_ROOT, 60.0).prestart()
+        WarmWorker(EVALUATION, linked / "stages", PROJECT_ROOT, 60.0).prestart()
     assert not (tmp_path / "elsewhere").exists()
 
 
