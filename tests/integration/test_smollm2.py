@@ -35,8 +35,8 @@ DRAFT_VOCAB = 512
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return smollm2.prepare(tmp_path_factory.mktemp("data"))
+def converted(smollm2_checkpoint: Path) -> Path:
+    return smollm2_checkpoint
 
 
 @pytest.fixture(scope="module")

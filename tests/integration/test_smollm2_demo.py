@@ -44,10 +44,10 @@ PIPELINE = {
 }
 
 
-def test_two_grpo_steps_with_the_fleet_through_dagster(tmp_path: Path) -> None:
+def test_two_grpo_steps_with_the_fleet_through_dagster(tmp_path: Path, smollm2_checkpoint: Path) -> None:
     config_path = write_config(tmp_path, PIPELINE, pretrained=False)
     cfg = load_config(config_path)
-    checkpoint = smollm2.prepare(cfg.data_path)
+    checkpoint = smollm2_checkpoint
     store, registry = open_store(cfg), open_registry(cfg)
     fleet = deploy.rollout_fleet(cfg, store)
     source = ArithmeticGRPODemo(checkpoint, store, cfg.run, STEPS, tmp_path / "grpo", SETTINGS, fleet.engine())

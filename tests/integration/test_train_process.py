@@ -110,8 +110,8 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _training_ranks(data_dir: Path | None = None) -> list[int]:
-    """The training ranks below this process; with `data_dir`, that run's warm training worker too."""
+def _training_ranks(warm_dir: Path | None = None) -> list[int]:
+    """The training ranks below this process; with `warm_dir`, the warm training worker of that folder too."""
     ranks = []
     for pid in _children(os.getpid()):
         try:
@@ -121,7 +121,7 @@ def _training_ranks(data_dir: Path | None = None) -> list[int]:
         if TRAINING.worker.encode() in argv and b"torch.distributed.run" not in argv:
             ranks.append(pid)
         warm = b"pipeline.launch.warm" in argv and b"training" in argv
-        if warm and data_dir and any(a.startswith(str(data_dir).encode()) for a in argv):  # its lock file
+        if warm and warm_dir and any(a.startswith(str(warm_dir).encode()) for a in argv):  # its lock file
             ranks.append(pid)
     return ranks
 
@@ -133,7 +133,8 @@ def _training_ranks(data_dir: Path | None = None) -> list[int]:
 def test_a_killed_training_resumes_from_its_checkpoint(tmp_path: Path, mlflow_server: str, launcher: str) -> None:
     name = f"kill-{tmp_path.name}"
     config_path = write_config(tmp_path, {
-        "train": {"epochs": 12, "batch_size_per_gpu": 4, "checkpoint_every": 4}, "launch": {"launcher": launcher},
+        "train": {"epochs": 12, "batch_size_per_gpu": 4, "checkpoint_every": 4},
+        "launch": {"launcher": launcher, "warm_dir": ""},  # a warm training worker of its own, to kill
         "mlflow": {"tracking_uri": mlflow_server, "experiment": name, "model_name": name},
     })
     cfg = load_config(config_path)
@@ -145,7 +146,7 @@ def test_a_killed_training_resumes_from_its_checkpoint(tmp_path: Path, mlflow_se
         deadline = time.monotonic() + 600
         while not list(prefix.glob("*/latest.json")) and time.monotonic() < deadline:
             time.sleep(0.05)
-        for pid in _training_ranks(cfg.data_path):
+        for pid in _training_ranks(cfg.warm_path):
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 

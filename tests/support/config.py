@@ -16,6 +16,7 @@ from pipeline.sources.simulation import SimulatedRL
 
 _PRETRAINED_ENV = "DRAFTER_TESTS_PRETRAINED_DIR"
 _WARM_ENV = "DRAFTER_TESTS_WARM_DIR"
+_MLFLOW_ENV = "DRAFTER_TESTS_MLFLOW_DIR"
 
 TINY = {
     "run": "test",
@@ -55,9 +56,23 @@ def write_config(directory: Path, overrides: dict | None = None, pretrained: boo
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     path = directory / "pipeline.yaml"
     path.write_text(yaml.safe_dump(data))
+    if not data.get("mlflow", {}).get("tracking_uri"):
+        _seed_mlflow_database(Path(data["data_dir"]))
     if pretrained:
         _seed_pretrained_target(path)
     return path
+
+
+def _seed_mlflow_database(data_dir: Path) -> None:
+    """The data dir's MLflow database (`mlflow.tracking_uri` empty: SQLite under data_dir) as MLflow creates it, empty:
+    a copy of one this process had MLflow create, so each test does not pay for MLflow's schema migrations."""
+    template = _process_dir(_MLFLOW_ENV, "drafter-tests-mlflow-") / "mlflow.db"
+    if not template.exists():
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(f"sqlite:///{template}").search_experiments()  # creates the tables, then the default experiment
+    (data_dir / "mlflow").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(template, data_dir / "mlflow" / "mlflow.db")
 
 
 def _seed_pretrained_target(config_path: Path) -> None:
