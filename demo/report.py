@@ -131,7 +131,7 @@ def demo_report(cfg: PipelineConfig, rows: list[StepRow], wall: float, step_wall
         out(f"fleet rollouts, step {w['step']}: {w['rollouts']} rollouts, {w['tokens']} tokens in {w['seconds']:.1f}s "
             f"({w['tokens_per_s'] or 0:.0f} tokens/s), "
             f"live tau {tau}, rounds {int(w['rounds'].get('speculative', 0))} speculative / "
-            f"{int(w['rounds'].get('plain', 0))} plain, speculating up to batch "
+            f"{int(w['rounds'].get('plain', 0))} plain, largest batch speculating "
             f"{max((t for t in w['speculative_batch_threshold'].values() if t is not None), default=0)}")
     for c in summary_costs:
         out(f"k={c['k']}: tau {c['tau']:.2f}, {c['drafter_forwards_per_round']:.0f} drafter forwards per round "

@@ -34,13 +34,15 @@ class SpeculationThreshold:
     Per batch-size bucket b: s(b), the seconds of a speculative round, and p(b), of a plain round (one token
     per row), each the least of the last WINDOW rounds of its kind (other work on the machine only ever adds
     time to a round, so one disturbed round does not turn speculation off); over all speculative rounds tau,
-    the tokens a row gets from one (1 + accepted drafts), a running mean. A
-    speculative round pays at b when tau / s(b) > 1 / p(b): more tokens per second per row. The threshold is
-    the largest b up to which every measured bucket pays (0: speculation pays at no batch size); a round of
-    B rows speculates when B is at most the threshold. A bucket not yet measured on one side runs that side
-    first, and every EXPLORE_EVERY-th round at a bucket runs the other side, so a changed drafter or batch
-    composition moves the threshold. `fixed`: no measuring, speculate up to `fixed` rows (vLLM's way: a
-    configured threshold)."""
+    the tokens a row gets from one (1 + accepted drafts), a running mean. A speculative round pays at b when
+    tau / s(b) > 1 / p(b): more tokens per second per row, and a round of B rows speculates when its bucket
+    pays. The decision is per bucket, not a batch size below which every one pays: on a GPU the buckets that
+    pay are the small ones, but on a CPU one row's verification costs nearly two forwards of one token (one
+    row's forward is a matrix-vector product, several rows' a matrix product at the same price), so a batch
+    of 4 pays where a lone row does not. The threshold reported is the largest bucket that pays (0: none). A
+    bucket not yet measured on one side runs that side first, and every EXPLORE_EVERY-th round at a bucket
+    runs the other side, so a changed drafter or batch composition moves the decision. `fixed`: no
+    measuring, speculate up to `fixed` rows (vLLM's way: a configured threshold)."""
 
     def __init__(self, fixed: int | None = None, explore_every: int = EXPLORE_EVERY,
                  smoothing: float = SMOOTHING) -> None:
@@ -80,16 +82,11 @@ class SpeculationThreshold:
 
     @property
     def threshold(self) -> int:
-        """The largest batch size whose rounds speculate."""
+        """The largest batch-size bucket whose rounds speculate."""
         if self.fixed is not None:
             return self.fixed
-        threshold = 0
         with self._lock:
-            for b in sorted(set(self._speculative) & set(self._plain)):
-                if not self.pays(b):
-                    break
-                threshold = b
-        return threshold
+            return max((b for b in set(self._speculative) & set(self._plain) if self.pays(b)), default=0)
 
     def speculate(self, batch_size: int) -> bool:
         """The decision for a round of `batch_size` rows."""
@@ -101,7 +98,8 @@ class SpeculationThreshold:
             return True
         if b not in self._plain:
             return False
-        on = batch_size <= self.threshold
+        with self._lock:
+            on = bool(self.pays(b))
         return not on if self.rounds[b] % self.explore_every == 0 else on
 
 

@@ -11,7 +11,7 @@ acceptance rate = accepted / draft_tokens.
 
 The stand-in replica adds two metrics of its own (vLLM has neither):
 
-    standin:speculative_batch_threshold                    the largest batch whose rounds speculate now
+    standin:speculative_batch_threshold                    the largest batch bucket whose rounds speculate now
     standin:rounds_total{kind="speculative"|"plain"}       rounds run, by kind
 """
 

@@ -126,15 +126,17 @@ def _daemon(stack: Stack, log: Path) -> Iterator[subprocess.Popen]:
                 os.kill(pid, signal.SIGKILL)
 
 
-def _wait_for_runs(instance: dg.DagsterInstance, filters: dg.RunsFilter, count: int, log: Path) -> list[dg.DagsterRun]:
+def _wait_for_runs(instance: dg.DagsterInstance, filters: dg.RunsFilter, count: int, log: Path,
+                   finished: bool = True) -> list[dg.DagsterRun]:
+    """`count` runs of `filters`, once they are finished (or, with `finished` False, as soon as they exist)."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while time.monotonic() < deadline:
         runs = instance.get_runs(filters)
-        if len(runs) >= count and all(r.is_finished for r in runs):
+        if len(runs) >= count and (not finished or all(r.is_finished for r in runs)):
             return sorted(runs, key=lambda r: r.tags.get("dagster/partition", ""))
         time.sleep(1)
-    raise AssertionError(f"{count} runs not finished in {RUN_TIMEOUT_S}s: {instance.get_runs(filters)}\n"
-                         f"{log.read_text()[-3000:]}")
+    raise AssertionError(f"{count} runs not {'finished' if finished else 'requested'} in {RUN_TIMEOUT_S}s: "
+                         f"{instance.get_runs(filters)}\n{log.read_text()[-3000:]}")
 
 
 def _stop_sensor(instance: dg.DagsterInstance, name: str) -> None:
@@ -199,21 +201,24 @@ def test_sensor_step_and_a_backfill_through_a_real_daemon(stack: Stack) -> None:
     backfill_keys = [step_key(s) for s in (2, 3)]
     with _daemon(stack, log), stack.instance() as instance:
         # The sensor's tick adds the partition and requests the run; the queue dequeues it; a run worker executes it.
-        [sensed] = _wait_for_runs(instance, dg.RunsFilter(tags={"dagster/sensor_name": SENSOR_NAME}), 1, log)
-        assert sensed.status == dg.DagsterRunStatus.SUCCESS, log.read_text()[-3000:]
-        assert sensed.tags[RUN_KEY_TAG] == "step-000001"
+        sensed_runs = dg.RunsFilter(tags={"dagster/sensor_name": SENSOR_NAME})
+        _wait_for_runs(instance, sensed_runs, 1, log, finished=False)
 
-        # An operator pauses intake, the trainer commits two steps, and they are backfilled.
+        # While it runs, an operator pauses intake, the trainer commits two steps, and they are backfilled.
         _stop_sensor(instance, SENSOR_NAME)
         for step in (2, 3):
             simulator.run_step(step)
         instance.add_dynamic_partitions("rl_step", backfill_keys)
         backfill_id = _submit_backfill(instance, backfill_keys)
+        [sensed] = _wait_for_runs(instance, sensed_runs, 1, log)
+        assert sensed.status == dg.DagsterRunStatus.SUCCESS, log.read_text()[-3000:]
+        assert sensed.tags[RUN_KEY_TAG] == "step-000001"
         runs = _wait_for_runs(instance, dg.RunsFilter(tags={"dagster/backfill": backfill_id}), 2, log)
         assert [r.status for r in runs] == [dg.DagsterRunStatus.SUCCESS] * 2, log.read_text()[-3000:]
         assert [r.tags["dagster/partition"] for r in runs] == backfill_keys
-        # Production's run queue (one run with a dagster/partition tag at a time): the steps ran one after another.
-        stats = [instance.get_run_stats(r.run_id) for r in runs]
+        # Production's run queue (one run with a dagster/partition tag at a time): the steps ran one after another,
+        # the sensor's first.
+        stats = [instance.get_run_stats(r.run_id) for r in (sensed, *runs)]
         for earlier, later in zip(stats, stats[1:], strict=False):
             assert earlier.end_time <= later.start_time
         every_run = instance.get_runs()

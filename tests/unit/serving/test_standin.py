@@ -189,6 +189,15 @@ def test_rounds_speculate_up_to_the_largest_batch_where_a_speculative_round_pays
     assert _measured({1: 1.5, 8: 2.0, 32: 4.0}, {1: 1.0, 8: 1.0, 32: 1.0}, tau=1.2).threshold == 0
 
 
+def test_a_batch_where_speculation_pays_speculates_though_a_lone_row_does_not() -> None:
+    """A CPU's shape (measured with SmolLM2 on 2 cores): one row's 5-token verification costs 1.8 one-token forwards,
+    4 rows' 1.6 at a higher one-token price; at tau 2 speculation pays at bucket 4 and 8, not at 1."""
+    threshold = _measured({1: 2.2, 4: 1.7, 8: 1.8}, {1: 1.0, 4: 1.0, 8: 1.0}, tau=2.0)
+    assert [threshold.speculate(b) for b in (1, 3, 4, 8)] == [False, True, True, True]
+    assert threshold.threshold == 8
+    assert _measured({1: 2.2, 4: 2.1}, {1: 1.0, 4: 1.0}, tau=2.0).threshold == 0
+
+
 def test_both_kinds_of_round_stay_measured_and_new_weights_are_measured_again() -> None:
     threshold = _measured({32: 4.0}, {32: 1.0}, tau=2.5)
     decisions = [threshold.speculate(32) for _ in range(4 * EXPLORE_EVERY)]
