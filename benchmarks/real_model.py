@@ -164,7 +164,10 @@ def throughput(repeats: int = 3, sequences: int = 8, length: int = 128, prompts:
     from pipeline.models.checkpoint import load_drafter
 
     torch.set_num_threads(1)
-    target = target_lib.load_checkpoint(str(smollm2.prepare())).requires_grad_(False)
+    checkpoint = smollm2.prepare()
+    load_s = _best_of(repeats, lambda: target_lib.load_checkpoint(str(checkpoint)))  # what extraction does per step
+    weights = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+    target = target_lib.load_checkpoint(str(checkpoint)).requires_grad_(False)
     c = target.config
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, c.vocab_size, (sequences, length), generator=g)  # (B, T)
@@ -195,6 +198,7 @@ def throughput(repeats: int = 3, sequences: int = 8, length: int = 128, prompts:
                        "samples": sequences, "min_len": length, "max_len": length},
             "plain_forward_tokens_per_s": sequences * length / forward_s,
             "storage_write_gb_per_s": write / 1e9,
+            "policy_load_gb_per_s": weights / load_s / 1e9,
         },
         "training": {"gpu": {"gpu": label, "tokens": shapes.tokens, "tokens_per_s": shapes.tokens / train_s,
                              "shapes": asdict(shapes)}},

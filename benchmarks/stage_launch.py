@@ -37,7 +37,7 @@ the same run, alternated (3 rounds of step 1, 2 of step 2), best of the rounds e
 machine's 1-minute load before and after, the other work it ran meanwhile. Every process runs
 `OMP_NUM_THREADS` torch threads (1 unless set): the workers inherit it, and this process sets its own to
 match, so the ratios compare where the work runs, not how many cores it may use. `TINY`, the smoke run's: steps of
-16 and 24 short rollouts, one round each.
+16 and 24 short rollouts, one round each, the Ray job on step 1 only (`large_ray_*` None).
 """
 
 from __future__ import annotations
@@ -69,10 +69,13 @@ class Sizes:
     large_response_len: int
     rounds: int
     large_rounds: int
+    large_ray: bool  # the large step as a Ray job too (the smoke run times the small step's alone)
 
 
-FULL = Sizes(rollouts=128, response_len=56, large_rollouts=384, large_response_len=248, rounds=3, large_rounds=2)
-TINY = Sizes(rollouts=16, response_len=16, large_rollouts=24, large_response_len=32, rounds=1, large_rounds=1)
+FULL = Sizes(rollouts=128, response_len=56, large_rollouts=384, large_response_len=248, rounds=3, large_rounds=2,
+             large_ray=True)
+TINY = Sizes(rollouts=16, response_len=16, large_rollouts=24, large_response_len=32, rounds=1, large_rounds=1,
+             large_ray=False)
 
 
 def _write_large_step(store, run: str, sizes: Sizes) -> None:
@@ -232,7 +235,7 @@ def _measure_on(sizes: Sizes, cluster: RayCluster | None) -> dict:
                 metadata = result.asset_materializations_for_node("hidden_states")[0].metadata
                 return stats.end_time - stats.start_time, metadata["stage_seconds"].value
 
-            def measure(step: int, key: str, rounds: int) -> dict:
+            def measure(step: int, key: str, rounds: int, ray: bool) -> dict:
                 seconds: dict[str, list[float]] = {k: [] for k in ("call", "step", "launched", "worker", "warm",
                                                                    "warm_worker", "ray", "ray_worker")}
                 for _ in range(rounds):  # alternated, best of the rounds each: the machine's other load falls on all
@@ -246,9 +249,9 @@ def _measure_on(sizes: Sizes, cluster: RayCluster | None) -> dict:
                     warm, warm_worker = step_seconds(hidden_states, warm_path, key)
                     seconds["warm"].append(warm)
                     seconds["warm_worker"].append(warm_worker)
-                    if cluster:
-                        ray, ray_worker = step_seconds(hidden_states, ray_path, key)
-                        seconds["ray"].append(ray)
+                    if cluster and ray:
+                        ray_s, ray_worker = step_seconds(hidden_states, ray_path, key)
+                        seconds["ray"].append(ray_s)
                         seconds["ray_worker"].append(ray_worker)
                 best = {k: min(v) if v else None for k, v in seconds.items()}
                 return {**_figures(manifest.num_tokens, best["call"], best["step"], best["launched"], best["warm"],
@@ -256,9 +259,9 @@ def _measure_on(sizes: Sizes, cluster: RayCluster | None) -> dict:
                         **_ray_figures(best["call"], best["launched"], best["ray"], best["ray_worker"])}
 
             warm_cold_s = step_seconds(hidden_states, warm_path, KEY)[0]  # starts the worker
-            small = measure(STEP, KEY, sizes.rounds)
+            small = measure(STEP, KEY, sizes.rounds, ray=True)
             extract.extract_hidden_states(store, cfg, LARGE_STEP)  # the page cache, as for step 1
-            large = measure(LARGE_STEP, LARGE_KEY, sizes.large_rounds)
+            large = measure(LARGE_STEP, LARGE_KEY, sizes.large_rounds, ray=sizes.large_ray)
     return {**small, "warm_cold_s": round(warm_cold_s, 3), **{f"large_{k}": v for k, v in large.items()},
             "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
 

@@ -9,7 +9,8 @@ Throughput figures are a `make bench` JSON measured on the GPU in question (`ext
 `training.gpu`, `evaluation.gpu`); `capacity_h100.json` beside this file holds those of one
 H100 80GB (docs/storage.md, "On an H100"), the shipped default. Each figure is moved from the
 model it was measured on to the policy at hand by FLOPs per token (extraction's forward, the
-drafter's training step) or by parameters (decoding, which reads every weight per token).
+drafter's training step) or by parameters (decoding, which reads every weight per token; loading the
+step's policy, extraction's first work, where the JSON has `extraction.policy_load_gb_per_s`).
 
 Rollout lengths are lognormal, fitted to the mean and the p99 given; a sample stores its
 training window (pipeline/data/capture.py), at most `train.window_tokens` of its tokens, and
@@ -60,6 +61,7 @@ class PolicyShape:
     vocab_size: int
     tie_word_embeddings: bool = False
     explicit_head_dim: int = 0  # config.json's head_dim where it is not hidden_size / heads (Qwen3, Gemma)
+    bytes_per_param: int = 2  # the checkpoint's: config.json's torch_dtype (bf16 unless it says float32)
 
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> PolicyShape:
@@ -74,6 +76,7 @@ class PolicyShape:
             vocab_size=_field(config, "vocab_size", where, int),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             explicit_head_dim=int(config.get("head_dim") or 0),
+            bytes_per_param=4 if str(config.get("torch_dtype", config.get("dtype", ""))) == "float32" else 2,
         )
 
     @property
@@ -138,6 +141,7 @@ class Throughput:
     train_model: DrafterShape
     decode_tokens_per_s: float  # batched speculative decoding
     decode_params: int
+    load_gb_per_s: float | None = None  # a policy checkpoint loaded for the forward, where measured
 
     @classmethod
     def from_bench(cls, doc: dict, where: str) -> Throughput:
@@ -172,6 +176,8 @@ class Throughput:
                                      int(shapes.get("draft_vocab", 32000)), tokens // docs),
             decode_tokens_per_s=_field(gpu_eval, "speculative_tokens_per_s", f"{where} evaluation.gpu"),
             decode_params=_field(gpu_eval, "target_params", f"{where} evaluation.gpu", int),
+            load_gb_per_s=(_field(extraction, "policy_load_gb_per_s", f"{where} extraction")
+                           if "policy_load_gb_per_s" in extraction else None),
         )
 
     @classmethod
@@ -328,7 +334,10 @@ def plan_capacity(policy: PolicyShape, step: StepShape, throughput: Throughput, 
         throughput.forward_model.forward_flops_per_token(throughput.forward_context)
         / policy.forward_flops_per_token(context))
     write_s = bytes_stored / (throughput.write_gb_per_s * 1e9)
-    extraction_gpu_s = max(tokens_forwarded / forward_rate, write_s)
+    # every extraction rank loads the step's policy before its forward
+    load_s = policy.params * policy.bytes_per_param / (throughput.load_gb_per_s * 1e9) if throughput.load_gb_per_s \
+        else 0.0
+    extraction_gpu_s = step.gpus * load_s + max(tokens_forwarded / forward_rate, write_s)
     drafter = DrafterShape.of(policy, window, cfg.drafter.draft_vocab_size)
     train_rate = throughput.train_tokens_per_s * (throughput.train_model.train_flops_per_token(cfg.train.ttt_steps)
                                                   / drafter.train_flops_per_token(cfg.train.ttt_steps))

@@ -179,3 +179,20 @@ def test_sampled_rollouts_are_evaluated_twice() -> None:
         return plan_capacity(policy, step, throughput, cfg).evaluation_gpu_s
 
     assert evaluation_s(1.0) == pytest.approx(2 * evaluation_s(0.0))
+
+
+def test_a_measured_policy_load_is_each_extraction_ranks_first_work() -> None:
+    """With `extraction.policy_load_gb_per_s`, each of the step's GPUs loads the policy's weights (bf16 unless its
+    config says float32) before its forward: the plan adds those seconds on every GPU and once to the latency."""
+    step = StepShape(1024, 3000, 12000, 8, "H100", 600.0)
+    cfg = load_config(overrides=SETTINGS)
+    without = Throughput.from_bench(THROUGHPUT, "t")
+    loaded = Throughput.from_bench({**THROUGHPUT, "extraction": {**THROUGHPUT["extraction"],
+                                                                 "policy_load_gb_per_s": 2.0}}, "t")
+    for config, bytes_per_param in ((QWEN3_8B, 2), ({**QWEN3_8B, "torch_dtype": "float32"}, 4)):
+        policy = PolicyShape.from_config(config)
+        before, after = (plan_capacity(policy, step, t, cfg) for t in (without, loaded))
+        load_s = policy.params * bytes_per_param / 2e9
+        assert after.extraction_gpu_s == pytest.approx(before.extraction_gpu_s + 8 * load_s)
+        assert after.latency_s == pytest.approx(before.latency_s + load_s)
+        assert after.training_gpu_s == before.training_gpu_s
