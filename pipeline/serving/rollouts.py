@@ -156,7 +156,7 @@ class FleetRollouts:
         after = self._scrape()
         for name, (counters, threshold, rounds) in after.items():
             earlier = before.get(name)
-            if earlier is not None and counters.drafts >= earlier[0].drafts:  # else restarted: counted from 0
+            if earlier is not None and not _reset(earlier[0], earlier[2], counters, rounds):
                 counters = counters - earlier[0]
                 rounds = {k: v - earlier[2].get(k, 0.0) for k, v in rounds.items()}
             c = window.counters
@@ -212,3 +212,13 @@ def _rollout(doc: dict, replica: ReplicaSpec, index: int, label: str) -> Generat
     choice = doc["choices"][0]
     return GeneratedRollout(list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"]),
                             choice["finish_reason"])
+
+
+def _reset(counters: serving_metrics.SpecCounters, rounds: dict[str, float], counters_now: serving_metrics.SpecCounters,
+           rounds_now: dict[str, float]) -> bool:
+    """Whether a replica restarted between two scrapes: any of its counters went down (Prometheus's rule; a replica
+    that had no drafter before its restart shows no drafts either side, but its rounds start again from 0). Its
+    window then counts from 0."""
+    pairs = [(counters.drafts, counters_now.drafts), (counters.draft_tokens, counters_now.draft_tokens),
+             (counters.accepted, counters_now.accepted), *((v, rounds_now.get(k, 0.0)) for k, v in rounds.items())]
+    return any(now < then for then, now in pairs)

@@ -17,7 +17,8 @@ from pipeline.models import target as target_lib
 from pipeline.sampling import GREEDY, SamplingParams
 from pipeline.serving.drivers import ReplicaSpec, StandInDriver, call
 from pipeline.serving.hot_update import send_policy
-from pipeline.serving.rollouts import FleetRollouts, StalePolicyError
+from pipeline.serving.metrics import SpecCounters
+from pipeline.serving.rollouts import FleetRollouts, StalePolicyError, _reset
 from pipeline.sources.rollout_engine import RolloutRequest
 from tests.unit.serving.conftest import free_port
 
@@ -101,3 +102,12 @@ def test_trl_completions_come_from_the_fleet(fleet: FleetRollouts, tmp_path: Pat
                                                       SamplingParams(temperature=settings.temperature),
                                                       request_seed(settings.seed, 1, i), (eos,))])
         assert again.token_ids == completion
+
+
+def test_a_replica_restarted_between_scrapes_counts_its_window_from_zero() -> None:
+    """A replica that served step 1 without a drafter (no drafts) and was restarted with one: its drafts did not go
+    down, its plain rounds did, so the window is its counters since the restart, never a negative count."""
+    none = SpecCounters(0, 0, 0)
+    assert _reset(none, {"plain": 300, "speculative": 0}, none, {"plain": 5, "speculative": 39})
+    assert _reset(SpecCounters(10, 40, 20), {}, SpecCounters(3, 12, 5), {})
+    assert not _reset(SpecCounters(10, 40, 20), {"plain": 3}, SpecCounters(12, 48, 26), {"plain": 3, "speculative": 2})
