@@ -104,7 +104,7 @@ ROUNDS = "standin:rounds"
 def render_standin(threshold: int, rounds: dict[str, int], model_name: str) -> str:
     """The stand-in's own metrics, in the same exposition format."""
     label = f'engine="0",model_name="{model_name}"'
-    lines = [f"# HELP {THRESHOLD} The largest batch size whose rounds speculate (stand-in, not vLLM).",
+    lines = [f"# HELP {THRESHOLD} The largest batch-size bucket whose rounds speculate (stand-in, not vLLM).",
              f"# TYPE {THRESHOLD} gauge", f"{THRESHOLD}{{{label}}} {threshold}",
              f"# HELP {ROUNDS}_total Decoding rounds by kind (stand-in, not vLLM).", f"# TYPE {ROUNDS}_total counter"]
     lines += [f'{ROUNDS}_total{{{label},kind="{kind}"}} {n}' for kind, n in sorted(rounds.items())]
