@@ -11,8 +11,8 @@ from pathlib import Path
 import dagster as dg
 from dagster._core.errors import DagsterPipesExecutionError  # what PipesSubprocessClient raises
 
+from pipeline.launch.rendezvous import Peer
 from pipeline.launch.warm import Request, WarmWorker, WarmWorkerError
-from pipeline.rendezvous import Peer
 from pipeline.stages import Stage
 from resources.pipes_messages import PipesWholeLineTempFileMessageReader
 

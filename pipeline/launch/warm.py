@@ -5,7 +5,7 @@ protocol between it and its launcher, both ends.
     python -m pipeline.launch.warm --stage extraction --socket S --lock L --idle-s 90
 
     <folder>/                     `launch.warm_dir` (`<data_dir>/stages`), mode 0700, this user's
-                                 (`pipeline.rendezvous`): no other local user can listen, plant a file or read a log
+                                 (`rendezvous.py`): no other local user can listen, plant a file or read a log
     <folder>/<stage>-<key>.sock   the worker's socket (reached through the folder's descriptor when its path is too
                                  long for a Unix socket: it never moves elsewhere)
     <folder>/<stage>-<key>.lock   taken to connect or start, so two launchers never start two workers
@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.rendezvous import Peer, private_dir, private_file, unix_address
+from pipeline.launch.rendezvous import Peer, private_dir, private_file, unix_address
 from pipeline.stages import LAUNCHED, Stage, stage_named
 
 START_TIMEOUT_S = 600  # a cold worker's imports on a loaded machine

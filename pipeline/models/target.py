@@ -29,6 +29,7 @@ import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from pipeline.data.store import ObjectStore
+from pipeline.launch.rendezvous import private_dir
 from pipeline.models import layer_split
 from pipeline.models.checkpoint_cache import CheckpointCache, RemoteFile
 from pipeline.models.target_checks import (
@@ -55,7 +56,6 @@ from pipeline.models.weights import (
     layout_file,
     parse_index,
 )
-from pipeline.rendezvous import private_dir
 
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pipeline.config import PROJECT_ROOT
-from pipeline.rendezvous import private_dir, private_file
+from pipeline.launch.rendezvous import private_dir, private_file
 from pipeline.sampling import DraftSampleMethod
 
 

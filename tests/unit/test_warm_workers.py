@@ -1,6 +1,6 @@
 """A warm stage worker's rendezvous and requests: it meets only this user's launchers in a folder of this user's,
 runs only the job it is given, and no client holds it up or brings it down (`pipeline.launch.warm`,
-`resources.warm`, `pipeline.rendezvous`)."""
+`resources.warm`, `pipeline.launch.rendezvous`)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from dagster_pipes import PipesContext, PipesMappingParamsLoader, open_dagster_p
 from pipeline.config import PROJECT_ROOT, ConfigError, load_config
 from pipeline.launch import warm
 from pipeline.launch.process import JobError, StageJob
+from pipeline.launch.rendezvous import RendezvousError, private_dir, unix_address
 from pipeline.launch.warm import WarmWorker, WarmWorkerError, server_files
-from pipeline.rendezvous import RendezvousError, private_dir, unix_address
 from pipeline.stages import EVALUATION, EXTRACTION
 
 NOBODY = 65534
