@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 import struct
 from collections.abc import Sequence
@@ -48,6 +47,7 @@ from pipeline.data.rollouts import (
     RolloutsError,
     TargetLimits,
     check_step,
+    finite_number,
     is_committed,
     parse_rollouts,
     pointer_record,
@@ -218,7 +218,8 @@ def _is_int(value: object) -> bool:
 
 
 def _is_time(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    seconds = finite_number(value)
+    return seconds is not None and seconds >= 0
 
 
 def _read_json(store: ObjectStore, key: str) -> object:
