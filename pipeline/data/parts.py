@@ -315,7 +315,7 @@ def committed_part_numbers(store: ObjectStore, run: str, step: int) -> list[int]
     """The parts a committed step lists in its policy.json; [] for a step published whole."""
     read_policy_pointer(store, run, step)  # validated as any commit is
     parts = store.read_json(policy_pointer_key(run, step)).get("parts", [])
-    if not isinstance(parts, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in parts):
+    if not isinstance(parts, list) or not all(_is_int(p) and 0 <= p <= MAX_PART for p in parts):
         raise RolloutsError(store.uri(policy_pointer_key(run, step)), "must list part numbers", None, "parts")
     return parts
 
