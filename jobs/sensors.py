@@ -64,7 +64,7 @@ def _cursor_rank(cursor: str | None, at: str) -> tuple[float, int]:
     try:
         doc = json.loads(cursor) if cursor else {}
         return float(doc[at]), int(doc.get("step", -1))
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError):
         return 0.0, -1
 
 

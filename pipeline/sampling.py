@@ -11,11 +11,15 @@ step: the trainer names them in policy.json and every acceptance record says whi
 The names and meanings are vLLM's `SamplingParams`: `temperature` 0 is greedy decoding (vLLM
 treats anything below 1e-5 as 0), `top_p` in (0, 1] keeps the smallest set of most likely
 tokens whose probability reaches it, `top_k` keeps the k most likely (0 or -1: every token).
+
+The sampler computes in float32, so `temperature` and `top_p` are checked as the float32 they become there:
+a `top_p` of 1e-300 is a valid float64 and 0 in float32, where no token would reach it.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -42,17 +46,32 @@ def check(doc: Any, where: str) -> None:
     if unknown:
         raise SamplingError(f"{where}: sampling has unknown key(s) {', '.join(map(repr, unknown[:5]))} "
                             f"(known: {', '.join(FIELDS)})")
-    for name in ("temperature", "top_p"):
-        value = doc.get(name, 1.0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise SamplingError(f"{where}: field sampling.{name} must be a finite number")
+    temperature, top_p = (as_float32(doc.get(name, 1.0)) for name in ("temperature", "top_p"))
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if value is None:
+            raise SamplingError(f"{where}: field sampling.{name} must be a finite number (in float32, as the "
+                                "sampler uses it)")
     top_k = doc.get("top_k", 0)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not -1 <= top_k < 2**31:
         raise SamplingError(f"{where}: field sampling.top_k must be an integer >= -1 (0 or -1: off)")
-    if not 0 <= doc.get("temperature", 1.0) <= MAX_TEMPERATURE:
+    if not 0 <= temperature <= MAX_TEMPERATURE:
         raise SamplingError(f"{where}: field sampling.temperature must be in [0, {MAX_TEMPERATURE:g}]")
-    if not 0 < doc.get("top_p", 1.0) <= 1:
-        raise SamplingError(f"{where}: field sampling.top_p must be in (0, 1]")
+    if not 0 < top_p <= 1:
+        raise SamplingError(f"{where}: field sampling.top_p must be in (0, 1] in float32, as the sampler uses it "
+                            "(below about 1.4e-45 it is 0 there)")
+
+
+def as_float32(value: Any) -> float | None:
+    """`value` rounded to the float32 the sampler computes with; None when it is no finite number there: not a
+    number, a bool, or beyond float32's range (an integer of hundreds of digits included, which float() and
+    math.isfinite refuse with OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        rounded = struct.unpack("<f", struct.pack("<f", float(value)))[0]
+    except OverflowError:
+        return None
+    return rounded if math.isfinite(rounded) else None
 
 
 @dataclass(frozen=True)

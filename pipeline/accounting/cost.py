@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from pipeline.data.keys import cost_key
 from pipeline.data.records import StagePlacement, read_record
+from pipeline.data.rollouts import finite_number
 from pipeline.data.store import ObjectStore
 from pipeline.stages import Stage, stage_named
 
@@ -69,8 +70,11 @@ class DecodingCost:
     def from_json(cls, doc: dict) -> DecodingCost:
         if doc.get("schema_version", 1) != SCHEMA_VERSION:
             raise ValueError(f"decoding cost schema_version {doc.get('schema_version')} is not {SCHEMA_VERSION}")
-        return cls(float(doc["target_s_per_token"]), float(doc["draft_cost_ratio"]),
-                   int(doc["drafter_forwards_per_round"]))
+        forwards = doc["drafter_forwards_per_round"]
+        if isinstance(forwards, bool) or not isinstance(forwards, int) or not 1 <= forwards <= 2**31:
+            raise ValueError("field drafter_forwards_per_round must be a positive integer")
+        return cls(_seconds(doc["target_s_per_token"], "target_s_per_token"),
+                   _seconds(doc["draft_cost_ratio"], "draft_cost_ratio"), forwards)
 
 
 @dataclass(frozen=True)
@@ -110,11 +114,30 @@ class StepCost:
     @classmethod
     def from_json(cls, doc: dict) -> StepCost:
         decoding, measured = doc["decoding"], doc.get("measured_saved_s")
-        return cls(doc["step"], {stage_named(k, "step cost"): float(v) for k, v in doc["seconds"].items()},
-                   doc["rollout_tokens"], doc["served_version"], doc["served_tau"],
+        served = doc["served_version"]
+        if served is not None and not isinstance(served, str):
+            raise TypeError("field served_version must be a string or null")
+        return cls(_count(doc["step"], "step"), {stage_named(k, "step cost"): _seconds(v, f"seconds.{k}")
+                                                 for k, v in doc["seconds"].items()},
+                   _count(doc["rollout_tokens"], "rollout_tokens"), served, _seconds(doc["served_tau"], "served_tau"),
                    DecodingCost.from_json(decoding) if decoding else None,
                    tuple(StagePlacement.from_json(p) for p in doc.get("placements", ())),
-                   None if measured is None else float(measured))
+                   None if measured is None else _seconds(measured, "measured_saved_s"))
+
+
+def _seconds(value: object, field: str) -> float:
+    """A stored figure as a float; ValueError naming the field for anything but a finite number (an integer of
+    hundreds of digits included, which float() refuses with OverflowError)."""
+    number = finite_number(value)
+    if number is None:
+        raise ValueError(f"field {field} must be a finite number")
+    return number
+
+
+def _count(value: object, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise ValueError(f"field {field} must be an integer in [0, 2**63 - 1]")
+    return value
 
 
 def read_cost(store: ObjectStore, run: str, step: int) -> StepCost | None:

@@ -28,6 +28,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.data.rollouts import finite_number
 from pipeline.data.store import ObjectStore
 
 LEASE_FILE = "_writer.lease"
@@ -136,9 +137,11 @@ def _acquire_object(store: ObjectStore, key: str, write_id: str, ttl_s: float, w
         data, current = found
         try:
             held = json.loads(data)
-            expires = float(held["expires"])
+            expires = finite_number(held["expires"])
         except (ValueError, KeyError, TypeError):
-            held, expires = {}, 0.0  # unreadable: treated as expired
+            held, expires = {}, None
+        if expires is None:  # unreadable, or no finite time (NaN, a number of hundreds of digits): expired
+            held, expires = {}, 0.0
         if expires <= clock():
             etag = store.put_if(key, _body(write_id, clock() + ttl_s), etag=current)
             if etag is not None:

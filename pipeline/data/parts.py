@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 import struct
 from collections.abc import Sequence
@@ -48,6 +47,7 @@ from pipeline.data.rollouts import (
     RolloutsError,
     TargetLimits,
     check_step,
+    finite_number,
     is_committed,
     parse_rollouts,
     pointer_record,
@@ -218,7 +218,8 @@ def _is_int(value: object) -> bool:
 
 
 def _is_time(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    seconds = finite_number(value)
+    return seconds is not None and seconds >= 0
 
 
 def _read_json(store: ObjectStore, key: str) -> object:
@@ -314,7 +315,7 @@ def committed_part_numbers(store: ObjectStore, run: str, step: int) -> list[int]
     """The parts a committed step lists in its policy.json; [] for a step published whole."""
     read_policy_pointer(store, run, step)  # validated as any commit is
     parts = store.read_json(policy_pointer_key(run, step)).get("parts", [])
-    if not isinstance(parts, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in parts):
+    if not isinstance(parts, list) or not all(_is_int(p) and 0 <= p <= MAX_PART for p in parts):
         raise RolloutsError(store.uri(policy_pointer_key(run, step)), "must list part numbers", None, "parts")
     return parts
 

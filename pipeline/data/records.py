@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, Protocol, TypeVar, get_args
 
@@ -34,6 +35,7 @@ from pipeline.data.keys import (
     replay_key,
     tail_key,
 )
+from pipeline.data.rollouts import INT64_MAX, finite_number
 from pipeline.data.store import ObjectStore
 from pipeline.sampling import DRAFT_SAMPLE_METHODS, GREEDY, DraftSampleMethod, SamplingParams
 from pipeline.stages import STEP_STAGES, Stage, stage_named
@@ -53,6 +55,7 @@ class _Record(Protocol):
 
 
 R = TypeVar("R", bound=_Record)
+T = TypeVar("T")
 
 
 def _typed(value: Any, kind: type, field: str) -> Any:
@@ -64,9 +67,42 @@ def _typed(value: Any, kind: type, field: str) -> Any:
 
 
 def _number(value: Any, field: str) -> float:
+    """A finite number as a float; ValueError naming the field for NaN, an infinity or an integer too large for a
+    float (a stored number of hundreds of digits)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"field {field} must be a number, not {type(value).__name__}")
-    return float(value)
+    number = finite_number(value)
+    if number is None:
+        raise ValueError(f"field {field} must be a finite number")
+    return number
+
+
+def _int(value: Any, field: str, low: int = 0) -> int:
+    """An integer in [low, 2**63 - 1] (what the pipeline stores as int64: steps, counts, sizes)."""
+    _typed(value, int, field)
+    if not low <= value <= INT64_MAX:
+        raise ValueError(f"field {field} must be an integer in [{low}, 2**63 - 1]")
+    return value
+
+
+def _optional(value: Any, read: Callable[[Any, str], T], field: str) -> T | None:
+    return None if value is None else read(value, field)
+
+
+def _text(value: Any, field: str) -> str:
+    return _typed(value, str, field)
+
+
+def _flag(value: Any, field: str) -> bool:
+    return _typed(value, bool, field)
+
+
+def _numbers(value: Any, field: str) -> tuple[float, ...]:
+    return tuple(_number(v, f"{field}[{i}]") for i, v in enumerate(_typed(value, list, field)))
+
+
+def _ints(value: Any, field: str) -> tuple[int, ...]:
+    return tuple(_int(v, f"{field}[{i}]") for i, v in enumerate(_typed(value, list, field)))
 
 
 def write_record(store: ObjectStore, key: str, record: _Record) -> None:
@@ -87,7 +123,7 @@ def parse_record(doc: object, kind: type[R], where: str) -> R:
                           f"{SCHEMA_VERSION}")
     try:
         return kind.from_json(doc)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise RecordError(f"{where}: not a {kind.__name__} of schema_version {SCHEMA_VERSION} "
                           f"({type(exc).__name__}: {exc})") from None
 
@@ -104,6 +140,13 @@ class BufferEntry:
     shard: str
     row: int
     tokens: int
+
+    @classmethod
+    def from_json(cls, doc: Any, field: str) -> BufferEntry:
+        doc = _typed(doc, dict, field)
+        return cls(_int(doc["step"], f"{field}.step"), _text(doc["sample_id"], f"{field}.sample_id"),
+                   _text(doc["shard"], f"{field}.shard"), _int(doc["row"], f"{field}.row"),
+                   _int(doc["tokens"], f"{field}.tokens"))
 
 
 def composition(entries: tuple[BufferEntry, ...] | list[BufferEntry]) -> dict[int, int]:
@@ -137,7 +180,8 @@ class BufferRecord:
 
     @classmethod
     def from_json(cls, doc: dict) -> BufferRecord:
-        return cls(int(doc["step"]), tuple(BufferEntry(**e) for e in doc["entries"]))
+        return cls(_int(doc["step"], "step"), tuple(BufferEntry.from_json(e, f"entries[{i}]")
+                                                   for i, e in enumerate(_typed(doc["entries"], list, "entries"))))
 
 
 # --- a step's training outcome -----------------------------------------------------------------------------------
@@ -162,8 +206,9 @@ class TrainingFigures:
 
     @classmethod
     def from_json(cls, doc: dict) -> TrainingFigures:
-        return cls(doc["iterations"], doc["resumed_from_iteration"], doc["loss"], doc["vloss"], doc["ploss"],
-                   doc["accuracy"], doc["wall_s"], doc["tokens_per_s"], tuple(doc["loss_history"]))
+        return cls(_int(doc["iterations"], "iterations"), _int(doc["resumed_from_iteration"], "resumed_from_iteration"),
+                   *(_number(doc[f], f) for f in ("loss", "vloss", "ploss", "accuracy", "wall_s", "tokens_per_s")),
+                   _numbers(doc["loss_history"], "loss_history"))
 
 
 @dataclass(frozen=True)
@@ -190,9 +235,13 @@ class TrainingRecord:
 
     @classmethod
     def from_json(cls, doc: dict) -> TrainingRecord:
-        return cls(doc["step"], doc["trained"], doc["reason"], doc["buffer_samples"], doc.get("run_id"),
-                   doc.get("version"), doc.get("warm_start_version"), tuple(doc.get("trained_on_steps", ())),
-                   doc.get("requested_by"), TrainingFigures.from_json(doc) if "iterations" in doc else None)
+        return cls(_int(doc["step"], "step"), _flag(doc["trained"], "trained"), _text(doc["reason"], "reason"),
+                   _int(doc["buffer_samples"], "buffer_samples"), _optional(doc.get("run_id"), _text, "run_id"),
+                   _optional(doc.get("version"), _text, "version"),
+                   _optional(doc.get("warm_start_version"), _text, "warm_start_version"),
+                   _ints(doc.get("trained_on_steps", []), "trained_on_steps"),
+                   _optional(doc.get("requested_by"), _text, "requested_by"),
+                   TrainingFigures.from_json(doc) if "iterations" in doc else None)
 
 
 # --- a step's acceptance ---------------------------------------------------------------------------------------
@@ -212,7 +261,8 @@ class TauEstimate:
 
     @classmethod
     def from_json(cls, doc: dict) -> TauEstimate:
-        return cls(doc["tau"], tuple(doc["per_position"]), doc["sequences"], doc["positions"])
+        return cls(_number(doc["tau"], "tau"), _numbers(doc["per_position"], "per_position"),
+                   _int(doc["sequences"], "sequences"), _int(doc["positions"], "positions"))
 
 
 @dataclass(frozen=True)
@@ -241,10 +291,13 @@ class DrafterTau:
     @classmethod
     def from_json(cls, doc: dict) -> DrafterTau:
         estimate, greedy_per_position = doc.get("estimate"), doc.get("greedy_per_position")
-        return cls(doc["version"], doc["tau"], doc["acceptance_rate"], tuple(doc["per_position"]), doc["rounds"],
-                   doc["drafted"], doc["accepted"], doc["prompts"],
-                   TauEstimate.from_json(estimate) if estimate else None, doc.get("drafter_forwards_per_round"),
-                   doc.get("greedy_tau"), tuple(greedy_per_position) if greedy_per_position else None)
+        return cls(_text(doc["version"], "version"), _number(doc["tau"], "tau"),
+                   _number(doc["acceptance_rate"], "acceptance_rate"), _numbers(doc["per_position"], "per_position"),
+                   *(_int(doc[f], f) for f in ("rounds", "drafted", "accepted", "prompts")),
+                   TauEstimate.from_json(_typed(estimate, dict, "estimate")) if estimate else None,
+                   _optional(doc.get("drafter_forwards_per_round"), _number, "drafter_forwards_per_round"),
+                   _optional(doc.get("greedy_tau"), _number, "greedy_tau"),
+                   _numbers(greedy_per_position, "greedy_per_position") if greedy_per_position else None)
 
 
 NO_DRAFTER_TAU = 1.0  # without a drafter every target forward yields one token
@@ -298,9 +351,10 @@ class AcceptanceRecord:
 
     @classmethod
     def from_json(cls, doc: dict) -> AcceptanceRecord:
-        roles = {role: DrafterTau.from_json(d) if d else None for role, d in doc["drafters"].items()}
+        roles = {role: DrafterTau.from_json(_typed(d, dict, f"drafters.{role}")) if d else None
+                 for role, d in _typed(doc["drafters"], dict, "drafters").items()}
         if "sampling" in doc:
-            sampling = SamplingParams.from_json(doc["sampling"], "acceptance record")
+            sampling = SamplingParams.from_json(doc["sampling"], "field sampling")
         else:  # written before sampling was measured: greedily, so the greedy tau is the tau
             sampling = GREEDY
             roles = {role: replace(d, greedy_tau=d.tau, greedy_per_position=d.per_position) if d else None
@@ -308,9 +362,11 @@ class AcceptanceRecord:
         method = doc.get("draft_sample_method", "greedy")
         if method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(f"draft_sample_method {method!r} is not one of {', '.join(DRAFT_SAMPLE_METHODS)}")
-        return cls(doc["step"], doc["policy_version"], doc["num_prompts"], doc["num_speculative_tokens"],
-                   doc["max_new_tokens"], roles.get("cotrained"), roles.get("served"), roles.get("baseline"),
-                   roles.get("champion"), doc["promoted"], doc["decision"], doc["champion_after"], sampling, method)
+        return cls(*(_int(doc[f], f) for f in ("step", "policy_version", "num_prompts", "num_speculative_tokens",
+                                                "max_new_tokens")),
+                   roles.get("cotrained"), roles.get("served"), roles.get("baseline"), roles.get("champion"),
+                   _flag(doc["promoted"], "promoted"), _text(doc["decision"], "decision"),
+                   _optional(doc["champion_after"], _text, "champion_after"), sampling, method)
 
 
 # --- the fleet -------------------------------------------------------------------------------------------------
@@ -411,11 +467,23 @@ class FleetState:
     def from_json(cls, doc: dict) -> FleetState:
         version, step, since = doc["version"], doc.get("policy_step"), doc.get("since")
         return cls(None if version is None else _typed(version, str, "version"),
-                   None if step is None else _typed(step, int, "policy_step"),
+                   None if step is None else _int(step, "policy_step"),
                    None if since is None else _number(since, "since"),
                    tuple(ReplicaDeploy.from_json(r) for r in _typed(doc["replicas"], list, "replicas")),
                    tuple(Deployment.from_json(d) for d in _typed(doc.get("history", []), list, "history")),
-                   dict(_typed(doc.get("live_counters", {}), dict, "live_counters")))
+                   {_text(name, "live_counters (a replica's name)"): _counters(c, f"live_counters.{name}")
+                    for name, c in _typed(doc.get("live_counters", {}), dict, "live_counters").items()})
+
+
+def _counters(value: Any, field: str) -> dict:
+    """A replica's spec-decode counters as the deploy stored them (serving.metrics.SpecCounters as JSON): numbers
+    the live tau subtracts from the replica's counters now."""
+    doc = _typed(value, dict, field)
+    where = f"{field}.accepted_per_position"
+    per_position = {str(_int(int(j), f"{where} (its keys)")): _number(v, f"{where}.{j}")
+                    for j, v in _typed(doc["accepted_per_position"], dict, where).items()}
+    return {**{name: _number(doc[name], f"{field}.{name}") for name in ("drafts", "draft_tokens", "accepted")},
+            "accepted_per_position": per_position}
 
 
 @dataclass(frozen=True)
@@ -433,7 +501,8 @@ class FleetPolicy:
 
     @classmethod
     def from_json(cls, doc: dict) -> FleetPolicy:
-        return cls(int(doc["step"]), doc["target"], doc["label"], float(doc["at"]))
+        return cls(_int(doc["step"], "step"), _text(doc["target"], "target"), _text(doc["label"], "label"),
+                   _number(doc["at"], "at"))
 
 
 # --- the measured rollout speedup ------------------------------------------------------------------------------
@@ -467,10 +536,18 @@ class ArmReplay:
 
     @classmethod
     def from_json(cls, doc: dict) -> ArmReplay:
-        return cls(doc["version"], float(doc["seconds"]), int(doc["tokens"]), int(doc["speculative_rows"]),
-                   int(doc["plain_rows"]), float(doc["tau"]), float(doc["tail_seconds"]), int(doc["tail_tokens"]),
-                   int(doc["threshold"]),
-                   {int(b): (float(s), int(t), int(n)) for b, (s, t, n) in doc.get("by_batch", {}).items()})
+        by_batch = {}
+        for bucket, figures in _typed(doc.get("by_batch", {}), dict, "by_batch").items():
+            where = f"by_batch.{bucket}"
+            seconds, tokens, rounds = _typed(figures, list, where)
+            by_batch[_int(int(bucket), f"{where} (its key)")] = (_number(seconds, f"{where}[0]"),
+                                                                 _int(tokens, f"{where}[1]"),
+                                                                 _int(rounds, f"{where}[2]"))
+        return cls(_optional(doc["version"], _text, "version"), _number(doc["seconds"], "seconds"),
+                   _int(doc["tokens"], "tokens"), _int(doc["speculative_rows"], "speculative_rows"),
+                   _int(doc["plain_rows"], "plain_rows"), _number(doc["tau"], "tau"),
+                   _number(doc["tail_seconds"], "tail_seconds"), _int(doc["tail_tokens"], "tail_tokens"),
+                   _int(doc["threshold"], "threshold"), by_batch)
 
 
 @dataclass(frozen=True)
@@ -523,9 +600,10 @@ class RolloutReplay:
         method = doc["draft_sample_method"]
         if method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(f"draft_sample_method {method!r} is not one of {', '.join(DRAFT_SAMPLE_METHODS)}")
-        return cls(int(doc["step"]), int(doc["requests"]), int(doc["tokens"]), int(doc["tail_batch"]),
-                   SamplingParams.from_json(doc["sampling"], "rollout replay"), method,
-                   {str(arm): ArmReplay.from_json(a) for arm, a in doc["arms"].items()})
+        return cls(_int(doc["step"], "step"), _int(doc["requests"], "requests"), _int(doc["tokens"], "tokens"),
+                   _int(doc["tail_batch"], "tail_batch"), SamplingParams.from_json(doc["sampling"], "field sampling"),
+                   method, {str(arm): ArmReplay.from_json(_typed(a, dict, f"arms.{arm}"))
+                            for arm, a in _typed(doc["arms"], dict, "arms").items()})
 
 
 # --- where a launched stage ran -------------------------------------------------------------------------------
@@ -556,8 +634,8 @@ class StagePlacement:
     @classmethod
     def from_json(cls, doc: dict) -> StagePlacement:
         return cls(stage_named(doc["stage"], "stage placement"), _typed(doc["where"], str, "where"),
-                   _typed(doc["ranks"], int, "ranks"), _typed(doc["device"], str, "device"),
-                   _typed(doc["peak_memory_bytes"], int, "peak_memory_bytes"), _number(doc["seconds"], "seconds"),
+                   _int(doc["ranks"], "ranks"), _typed(doc["device"], str, "device"),
+                   _int(doc["peak_memory_bytes"], "peak_memory_bytes"), _number(doc["seconds"], "seconds"),
                    _number(doc.get("waited_s", 0.0), "waited_s"))  # a record without it: its stage never queued
 
 
@@ -643,8 +721,10 @@ class RefreshTimes:
 
     @classmethod
     def from_json(cls, doc: dict) -> RefreshTimes:
-        return cls(doc["run_started_at"], doc["worker_started_at"], doc["extracted_at"], doc["trained_at"],
-                   doc["fine_tune_s"], doc["checked_at"], doc.get("deploy_started_at"), doc.get("live_at"))
+        return cls(*(_number(doc[f], f) for f in ("run_started_at", "worker_started_at", "extracted_at", "trained_at",
+                                                   "fine_tune_s", "checked_at")),
+                   _optional(doc.get("deploy_started_at"), _number, "deploy_started_at"),
+                   _optional(doc.get("live_at"), _number, "live_at"))
 
 
 @dataclass(frozen=True)
@@ -685,10 +765,16 @@ class RefreshRecord:
     @classmethod
     def from_json(cls, doc: dict) -> RefreshRecord:
         times = doc.get("times")
-        return cls(doc["step"], doc["part"], tuple(doc["parts"]), doc["rollouts"], doc["qualified_at"],
-                   doc["version"], doc["warm_start_version"], doc["tau_refreshed"], doc["tau_champion"],
-                   doc["deployed"], doc["decision"], doc.get("live_at"), doc.get("train_s", 0.0),
-                   doc.get("beats_champion", False), RefreshTimes.from_json(times) if times else None)
+        return cls(_int(doc["step"], "step"), _int(doc["part"], "part"), _ints(doc["parts"], "parts"),
+                   _int(doc["rollouts"], "rollouts"), _number(doc["qualified_at"], "qualified_at"),
+                   _optional(doc["version"], _text, "version"),
+                   _optional(doc["warm_start_version"], _text, "warm_start_version"),
+                   _optional(doc["tau_refreshed"], _number, "tau_refreshed"),
+                   _optional(doc["tau_champion"], _number, "tau_champion"), _flag(doc["deployed"], "deployed"),
+                   _text(doc["decision"], "decision"), _optional(doc.get("live_at"), _number, "live_at"),
+                   _number(doc.get("train_s", 0.0), "train_s"),
+                   _flag(doc.get("beats_champion", False), "beats_champion"),
+                   RefreshTimes.from_json(_typed(times, dict, "times")) if times else None)
 
 
 TAIL_ROLES = ("start", "refreshed", "whole_step")
@@ -732,8 +818,12 @@ class TailTau:
 
     @classmethod
     def from_json(cls, doc: dict) -> TailTau:
-        return cls(doc["step"], tuple(doc["tail_parts"]), doc["prompts"], dict(doc["versions"]), dict(doc["taus"]),
-                   doc["refresh_latency_s"], doc["rollout_period_s"])
+        versions = {role: _optional(v, _text, f"versions.{role}")
+                    for role, v in _typed(doc["versions"], dict, "versions").items()}
+        taus = {role: _optional(v, _number, f"taus.{role}") for role, v in _typed(doc["taus"], dict, "taus").items()}
+        return cls(_int(doc["step"], "step"), _ints(doc["tail_parts"], "tail_parts"), _int(doc["prompts"], "prompts"),
+                   versions, taus, _optional(doc["refresh_latency_s"], _number, "refresh_latency_s"),
+                   _number(doc["rollout_period_s"], "rollout_period_s"))
 
 
 def read_refresh(store: ObjectStore, run: str, step: int) -> RefreshRecord | None:
@@ -761,9 +851,19 @@ def read_fleet_state(store: ObjectStore, run: str) -> FleetState:
 
 
 def read_fleet_policy(store: ObjectStore, run: str) -> FleetPolicy | None:
-    """The policy last pushed to the fleet for rollouts; None when the fleet generates none."""
+    """The policy last pushed to the fleet for rollouts; None when the fleet generates none. Its target reaches a
+    replica's /update_weights and `vllm serve` line, so it is checked as a trainer's checkpoint_uri is: a URI the
+    store's policy allows, on a local store a path that stays inside it (symlinks followed); RecordError naming
+    the file and the field otherwise."""
     key = fleet_policy_key(run)
-    return read_record(store, key, FleetPolicy) if store.exists(key) else None
+    if not store.exists(key):
+        return None
+    policy = read_record(store, key, FleetPolicy)
+    try:
+        store.filesystem(policy.target, f"{store.uri(key)}: field target")
+    except ValueError as exc:  # UriPolicyError, LocalPathError: the message names the file, the URI redacted
+        raise RecordError(str(exc)) from None
+    return replace(policy, target=store.resolve(policy.target))
 
 
 def served_at(history: tuple[Deployment, ...], at: float) -> str | None:

@@ -3,7 +3,8 @@
 Evicting a sample from the buffer never deletes data (the buffer is a manifest over the
 shards); this is the one place that does, and it plans before it deletes:
 
-* Live buffers: the newest buffer manifest (what the next training reads) and the buffer
+* Live buffers: the newest buffer manifest (what the next training reads: the one the store saw
+  written last, as `pipeline.data.order` orders steps) and the buffer
   of every RL step a registered drafter was trained at (its training data, for lineage
   and retraining). Older buffer manifests have expired and are deleted with the data.
 * A step's hidden states are kept whole while any live buffer refers to one of its shards
@@ -82,7 +83,10 @@ def plan_retention(
     buffers = [s for s in _steps_under(store, buffer_root(run)) if store.exists(buffer_key(run, s))]
     if not buffers:  # nothing has been buffered yet: nothing can be judged unreferenced
         return plan
-    latest = buffers[-1]
+    # The newest buffer is the one the store saw written last, never the highest step number: the trainer chose
+    # the numbers, and one step numbered 10**12 buffered first must not make the buffer the next training reads
+    # look expired, nor every ordinary step fall out of the window.
+    latest = max(buffers, key=lambda s: (store.modified(buffer_key(run, s)), s))
     plan.live_buffers = [s for s in buffers if s == latest or s in registered_steps]
     referenced: set[tuple[int, str]] = set()
     for step in plan.live_buffers:

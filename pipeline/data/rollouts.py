@@ -133,6 +133,19 @@ def _shown(value: Any) -> str:
     return repr(value)
 
 
+def finite_number(value: Any) -> float | None:
+    """`value` as a float when it is a finite JSON number; None for anything else: a bool, a string, NaN, an
+    infinity, or an integer of hundreds of digits (float() and math.isfinite raise OverflowError on it, which no
+    caller expects of a bad value)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def check_policy_version(value: Any, where: str, sample: str | None = None) -> int:
     """A non-negative integer that fits int64 (booleans and fractions are refused, not rounded)."""
     if not _is_int(value):
@@ -183,8 +196,8 @@ def validate_rollout(r: Rollout, where: str, limits: TargetLimits | None = None)
     if limits is not None and limits.max_positions is not None and len(r.input_ids) > limits.max_positions:
         raise RolloutsError(where, f"{len(r.input_ids)} tokens, more than the target's {limits.max_positions} "
                                    "positions", sid, "input_ids")
-    if isinstance(r.reward, bool) or not isinstance(r.reward, (int, float)) or not math.isfinite(r.reward):
-        shown = repr(r.reward) if isinstance(r.reward, (int, float, type(None))) else type(r.reward).__name__
+    if finite_number(r.reward) is None:
+        shown = _shown(r.reward) if isinstance(r.reward, (int, float, type(None))) else type(r.reward).__name__
         raise RolloutsError(where, f"must be a finite number, got {shown}", sid, "reward")
     check_policy_version(r.policy_version, where, sid)
 

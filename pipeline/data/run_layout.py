@@ -18,7 +18,7 @@ from typing import BinaryIO
 
 import fsspec
 
-from pipeline.data.keys import layout_key
+from pipeline.data.keys import MAX_STEP, layout_key
 from pipeline.data.local_files import LocalPathError, open_regular
 from pipeline.data.rollouts import TargetLimits
 from pipeline.data.store import ObjectStore
@@ -47,14 +47,36 @@ class TargetLayout:
             raise LayoutError(f"config.json has no field {exc.args[0]!r}") from None
 
     @classmethod
-    def from_json(cls, data: dict) -> TargetLayout:
-        return cls(str(data["family"]), int(data["hidden_size"]), int(data["vocab_size"]), int(data["num_layers"]),
-                   tuple(int(i) for i in data["layer_ids"]))
+    def from_json(cls, data: object) -> TargetLayout:
+        """A layout the pipeline stored, read back as untrusted input: LayoutError naming the field that is missing
+        or mistyped (callers add the file)."""
+        if not isinstance(data, dict):
+            raise LayoutError("field layout must be a JSON object")
+        missing = [k for k in ("family", "hidden_size", "vocab_size", "num_layers", "layer_ids") if k not in data]
+        if missing:
+            raise LayoutError(f"field layout lacks {', '.join(missing)}")
+        if not isinstance(data["family"], str):
+            raise LayoutError("field layout.family must be a string")
+        layer_ids = data["layer_ids"]
+        if not isinstance(layer_ids, list) or not all(_is_int(i) and 0 <= i <= MAX_STEP for i in layer_ids):
+            raise LayoutError("field layout.layer_ids must be a list of layer numbers")
+        return cls(data["family"], *(_stored_int(data, name) for name in ("hidden_size", "vocab_size", "num_layers")),
+                   tuple(layer_ids))
 
     def differences(self, other: TargetLayout) -> list[str]:
         """'field: this -> other' for every field that differs."""
         mine, theirs = asdict(self), asdict(other)
         return [f"{k}: {mine[k]} -> {theirs[k]}" for k in mine if mine[k] != theirs[k]]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _stored_int(layout: dict, name: str) -> int:
+    if not _is_int(layout[name]) or not 1 <= layout[name] <= MAX_STEP:
+        raise LayoutError(f"field layout.{name} must be a positive integer")
+    return layout[name]
 
 
 def _int(config: dict, name: str) -> int:
@@ -123,8 +145,21 @@ def run_layout(store: ObjectStore, run: str) -> RecordedLayout | None:
     key = layout_key(run)
     if not store.exists(key):
         return None
-    doc = store.read_json(key)
-    return RecordedLayout(TargetLayout.from_json(doc["layout"]), int(doc["recorded_by_step"]))
+    where = store.uri(key)
+    try:
+        doc = store.read_json(key)
+    except (UnicodeDecodeError, ValueError):
+        raise LayoutError(f"{where}: not JSON this pipeline reads") from None
+    if not isinstance(doc, dict):
+        raise LayoutError(f"{where}: not a JSON object")
+    try:
+        layout = TargetLayout.from_json(doc.get("layout"))
+    except LayoutError as exc:
+        raise LayoutError(f"{where}: {exc}") from None
+    step = doc.get("recorded_by_step")
+    if not _is_int(step) or not 0 <= step <= MAX_STEP:
+        raise LayoutError(f"{where}: field recorded_by_step must be an RL step number")
+    return RecordedLayout(layout, step)
 
 
 def check_step_layout(store: ObjectStore, run: str, step: int, layout: TargetLayout, record: bool = True) -> None:

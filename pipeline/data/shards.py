@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -47,6 +47,7 @@ from pipeline.data import lease, run_layout
 from pipeline.data.compression import compress_bf16, decompress_bf16_into, dequantize_fp8_into, quantize_fp8
 from pipeline.data.keys import (
     HIDDEN_STATES_MANIFEST,
+    MAX_STEP,
     hidden_states_manifest_key,
     hidden_states_prefix,
     hidden_states_shard_key,
@@ -90,6 +91,29 @@ class ShardInfo:
     rows: int
     bytes: int
     xxh3_128: str  # over the file, each indexed range counted through its own digest (see shard_digest)
+
+    @classmethod
+    def from_json(cls, data: object) -> ShardInfo:
+        data = _field(data, dict, "shards[]")
+        name = _field(data.get("name"), str, "shards[].name")
+        if "/" in name or name in ("", ".", ".."):
+            raise ShardError("field shards[].name must name a file in the step's directory")
+        return cls(name, _count(data.get("rows"), "shards[].rows"), _count(data.get("bytes"), "shards[].bytes"),
+                   _field(data.get("xxh3_128"), str, "shards[].xxh3_128"))
+
+
+def _field(value: object, kind: type, name: str) -> Any:
+    """`value` if it is a `kind` (a bool is no int); ShardError naming the manifest's field otherwise: a manifest is
+    read back as untrusted input, as the trainer's files are (its names and byte ranges are what readers follow)."""
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ShardError(f"field {name} must be a {kind.__name__}, not {type(value).__name__}")
+    return value
+
+
+def _count(value: object, name: str) -> int:
+    if not 0 <= _field(value, int, name) <= MAX_STEP:
+        raise ShardError(f"field {name} must be an integer in [0, 2**63 - 1]")
+    return value
 
 
 @dataclass(frozen=True)
@@ -135,9 +159,13 @@ class SampleIndex:
     @classmethod
     def from_json(cls, data: dict) -> SampleIndex:
         try:
-            return cls(str(data["sample_id"]), str(data["shard"]), int(data["row"]), int(data["tokens"]),
-                       ByteRange.from_json(data["meta"]), int(data["ids"]), int(data["mask"]),
-                       [ByteRange.from_json(r) for r in data["layers"]], int(data.get("offset", 0)))
+            return cls(_field(data["sample_id"], str, "samples[].sample_id"), _field(data["shard"], str,
+                                                                                   "samples[].shard"),
+                       _count(data["row"], "samples[].row"), _count(data["tokens"], "samples[].tokens"),
+                       ByteRange.from_json(data["meta"]), _count(data["ids"], "samples[].ids"),
+                       _count(data["mask"], "samples[].mask"),
+                       [ByteRange.from_json(r) for r in _field(data["layers"], list, "samples[].layers")],
+                       _count(data.get("offset", 0), "samples[].offset"))
         except (KeyError, TypeError) as exc:
             raise ShardError(f"manifest sample entry lacks or mistypes a field ({exc})") from None
 
@@ -170,9 +198,25 @@ class Manifest:
                 f"manifest schema_version {version!r} with compression {data.get('compression')!r}, expected "
                 f"{SCHEMA_VERSION}; re-materialize hidden_states for this step"
             )
+        known = set(cls.__dataclass_fields__)
+        if unknown := sorted(set(data) - known):
+            raise ShardError(f"manifest has unknown field(s) {', '.join(map(repr, unknown[:5]))}")
         data = dict(data)
-        data["shards"] = [ShardInfo(**s) for s in data["shards"]]
-        data["samples"] = [SampleIndex.from_json(e) for e in data.get("samples", [])]
+        for name in ("step", "hidden_size", "num_samples", "num_tokens"):
+            _count(data.get(name), name)
+        for name, kind in (("dtype", str), ("compression", str), ("write_id", str), ("target", dict),
+                           ("ingest", dict)):
+            if name in data or name in ("dtype", "target"):
+                _field(data.get(name), kind, name)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in _field(data.get("layer_ids"), list,
+                                                                                   "layer_ids")):
+            raise ShardError("field layer_ids must be a list of layer numbers")
+        data["shards"] = [ShardInfo.from_json(s) for s in _field(data.get("shards"), list, "shards")]
+        data["samples"] = [SampleIndex.from_json(_field(e, dict, "samples[]"))
+                           for e in _field(data.get("samples", []), list, "samples")]
+        listed = {s.name for s in data["shards"]}
+        if stray := next((e.shard for e in data["samples"] if e.shard not in listed), None):
+            raise ShardError(f"field samples[].shard names {stray!r}, a shard the manifest does not list")
         if data.get("layout") is not None:
             data["layout"] = TargetLayout.from_json(data["layout"])
         return cls(**data)
@@ -620,7 +664,20 @@ def _commit(store: ObjectStore, prefix: str, step: int, num_tokens: int, shards:
 
 
 def read_manifest(store: ObjectStore, run: str, step: int) -> Manifest:
-    return Manifest.from_json(store.read_json(hidden_states_manifest_key(run, step)))
+    """The step's manifest, every field checked; ShardError naming the file and the field when it is not one this
+    code reads."""
+    key = hidden_states_manifest_key(run, step)
+    where = store.uri(key)
+    try:
+        data = store.read_json(key)
+    except (UnicodeDecodeError, ValueError):
+        raise ShardError(f"{where}: not JSON this pipeline reads") from None
+    if not isinstance(data, dict):
+        raise ShardError(f"{where}: not a JSON object")
+    try:
+        return Manifest.from_json(data)
+    except (ShardError, run_layout.LayoutError) as exc:
+        raise ShardError(f"{where}: {exc}") from None
 
 
 def has_manifest(store: ObjectStore, run: str, step: int) -> bool:

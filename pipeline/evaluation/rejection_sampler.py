@@ -126,7 +126,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     p = torch.tensor(top_p, device=logits.device, dtype=torch.float32)  # (B,)
     probs = ordered.softmax(dim=-1)  # (B, N, V)
     before = probs.cumsum(dim=-1) - probs  # (B, N, V) the mass of the likelier tokens
-    keep = keep & (before < p[:, None, None])  # the most likely token always stays
+    # The most likely token always stays, whatever top_p is: a nucleus of no token has no distribution.
+    keep = keep & ((before < p[:, None, None]) | (rank == 0))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, ordered.masked_fill(~keep, float("-inf")))
 
 

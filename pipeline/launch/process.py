@@ -14,6 +14,7 @@ Job of pods. All are pure functions of the config, so the Dagster layer and the 
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from dataclasses import dataclass, field, fields
 
@@ -63,7 +64,7 @@ class StageJob:
             *([] if doc["where"] in ("process", "pod", "ray") else ["where must be process, pod or ray"]),
             *([] if doc["new_version"] is None or isinstance(doc["new_version"], str) else
               ["new_version must be a string or null"]),
-            *([] if isinstance(spent, dict) and all(k in LAUNCHED_NAMES and isinstance(v, (int, float))
+            *([] if isinstance(spent, dict) and all(k in LAUNCHED_NAMES and _is_seconds(v)
                                                     for k, v in spent.items()) else
               ["spent_s must map stages to seconds"]),
             *([] if part is None or (_is_int(part) and part >= 0) else ["part must be an integer >= 0 or null"]),
@@ -87,6 +88,16 @@ class JobError(ValueError):
 
 
 LAUNCHED_NAMES = {s.name: s for s in LAUNCHED}
+
+
+def _is_seconds(value: object) -> bool:
+    """A finite, non-negative number; float() raises OverflowError on an integer of hundreds of digits."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return 0 <= float(value) < math.inf
+    except OverflowError:
+        return False
 
 
 def _is_int(value: object) -> bool:

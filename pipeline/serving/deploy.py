@@ -186,8 +186,11 @@ def newest_policy(store: ObjectStore, cfg: PipelineConfig, policy: ServedPolicy)
     pushed = read_fleet_policy(store, cfg.run)
     if pushed is None or pushed.target == policy.target:
         return policy
-    # newer by when the store saw the push and the served step's commit, never by the step numbers
-    if store.modified(fleet_policy_key(cfg.run)) <= order.committed_at(store, cfg.run, policy.step):
+    # Newer by when the store saw the push and the served step, never by the step numbers. A refresh serves a
+    # step still open (no commit point yet), so the step counts from when the store first saw it: its first
+    # part's record, else its commit.
+    seen = order.first_seen_at(store, cfg.run, policy.step)
+    if seen is not None and store.modified(fleet_policy_key(cfg.run)) <= seen:
         return policy
     return replace(policy, step=pushed.step, target=pushed.target)
 

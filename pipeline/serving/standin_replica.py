@@ -395,8 +395,8 @@ def completion_request(body: dict, replica: Replica) -> tuple[speculative.Reques
     except SamplingError as exc:
         raise ValueError(str(exc)) from None
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError("seed must be an integer")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64):
+        raise ValueError("seed must be an integer that fits 64 bits (a torch generator's seed)")
     stop = body.get("stop_token_ids") or []
     if not (isinstance(stop, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in stop)):
         raise ValueError("stop_token_ids must be a list of token ids")

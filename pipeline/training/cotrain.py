@@ -96,13 +96,19 @@ def _warm_started_drafter(
     (its vocabulary maps are in the checkpoint), recorded by rank 0 in the training's origin."""
     cfg, store = inputs.cfg, inputs.store
     origin_key = training_origin_key(cfg.run, job.input_id)
-    origin = store.read_json(origin_key) if store.exists(origin_key) else {"champion": job.warm_start_version}
+    champion = job.warm_start_version
+    if store.exists(origin_key):
+        # Read back as any stored record: what it names is looked up in the registry and loaded as the start.
+        origin = store.read_json(origin_key)
+        champion = origin.get("champion") if isinstance(origin, dict) else ""
+        if champion is not None and not (isinstance(champion, str) and champion.isdigit()):
+            raise ValueError(f"{store.uri(origin_key)}: field champion must be a registered version number or null")
     # A generator: only a fresh drafter reads the buffer (once, streamed) for its token counts, and
     # only on rank 0: the other ranks get rank 0's weights and vocabulary later.
     hidden = iter_buffer_samples(store, inputs.data_run, inputs.entries) if ctx.is_main else iter(())
-    drafter, warm_start = _initial_drafter(cfg, registry, origin["champion"], target, hidden)
+    drafter, warm_start = _initial_drafter(cfg, registry, champion, target, hidden)
     if ctx.is_main and not store.exists(origin_key):
-        store.write_json(origin_key, {"champion": origin["champion"], "warm_start": warm_start})
+        store.write_json(origin_key, {"champion": champion, "warm_start": warm_start})
     return drafter, warm_start
 
 

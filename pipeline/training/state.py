@@ -23,6 +23,7 @@ replicated or sharded (full tensors, keyed by parameter name), so a resume may c
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import asdict, dataclass, field
 
@@ -39,6 +40,7 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
 RNG_KEY = "rng.cpu"
+_DIRECTORY = re.compile(r"iter-[0-9]{8,}")  # what `write` names a checkpoint's directory
 
 
 @dataclass
@@ -54,6 +56,42 @@ class ResumeState:
     # Metric records (iteration, {name: value}) not yet known to be in the tracker when this was saved:
     # the checkpoint commits before its records are sent, so a resume sends whichever the tracker lacks.
     unlogged: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, doc: object, where: str) -> ResumeState:
+        """The state a save stored, read back as untrusted input: ValueError naming `where` and the field. Measured
+        values (losses, metrics) may be NaN as measured; none may be an integer beyond a float (OverflowError)."""
+        if not isinstance(doc, dict) or not {"iteration", "total_iterations", "world_size"} <= doc.keys():
+            raise ValueError(f"{where}: field resume must be an object with iteration, total_iterations, world_size")
+        counts = {name: doc.get(name, 0) for name in ("iteration", "total_iterations", "world_size", "tokens")}
+        for name, value in counts.items():
+            if not _is_int(value) or not 0 <= value < 2**63:
+                raise ValueError(f"{where}: field resume.{name} must be a non-negative integer")
+        wall_s = _measured(doc.get("wall_s", 0.0), f"{where}: field resume.wall_s")
+        history = doc.get("loss_history", [])
+        if not isinstance(history, list):
+            raise ValueError(f"{where}: field resume.loss_history must be a list")
+        unlogged = doc.get("unlogged", [])
+        if not isinstance(unlogged, list) or not all(isinstance(r, list) and len(r) == 2 and _is_int(r[0])
+                                                     and isinstance(r[1], dict) for r in unlogged):
+            raise ValueError(f"{where}: field resume.unlogged must list [iteration, {{metric: value}}] records")
+        return cls(**counts, wall_s=wall_s,
+                   loss_history=[_measured(v, f"{where}: field resume.loss_history") for v in history],
+                   unlogged=[(i, {str(k): _measured(v, f"{where}: field resume.unlogged") for k, v in m.items()})
+                             for i, m in unlogged])
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _measured(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where} must hold numbers")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{where} holds an integer too large for a float") from None
 
 
 @dataclass(frozen=True)
@@ -77,9 +115,15 @@ class TrainingCheckpoints:
         """The committed checkpoint, or None when this training never saved one."""
         if not self.store.exists(self._key(LATEST)):
             return None
+        where = self.store.uri(self._key(LATEST))
         pointer = self.store.read_json(self._key(LATEST))
-        doc = self.store.read_json(self._key(pointer["directory"], STATE_FILE))
-        return SavedCheckpoint(ResumeState(**doc["resume"]), pointer["directory"])
+        directory = pointer.get("directory") if isinstance(pointer, dict) else None
+        if not isinstance(directory, str) or not _DIRECTORY.fullmatch(directory):
+            raise ValueError(f"{where}: field directory must name a checkpoint directory (iter-00000040)")
+        doc = self.store.read_json(self._key(directory, STATE_FILE))
+        state_where = self.store.uri(self._key(directory, STATE_FILE))
+        return SavedCheckpoint(ResumeState.from_json(doc.get("resume") if isinstance(doc, dict) else None, state_where),
+                               directory)
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: ResumeState) -> str:
         """Snapshot and write in this thread (one process, unsharded)."""

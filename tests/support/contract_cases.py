@@ -56,6 +56,8 @@ BAD_CALLER_ROLLOUTS = [
                  marks=BAD("fractional policy_version (client)")),
     pytest.param([ok(reward=None)], "a", "reward", "got None", id="null-reward",
                  marks=BAD("null reward (client)")),
+    pytest.param([ok(reward=10**400)], "a", "reward", "got a 1329-bit integer", id="reward-400-digits",
+                 marks=BAD("reward of 400 digits (client): refused naming the sample and field, never OverflowError")),
     pytest.param([ok(input_ids=[1, 2.0, 3])], "a", "input_ids", "position 1 holds 2.0", id="float-token",
                  marks=BAD("token id that is not an integer (client)")),
 ]

@@ -137,6 +137,13 @@ TRUST_CLASSES = [
     ("9. step numbers: newer is when the store saw a commit, never the number the trainer chose",
      "tests/unit/training/test_plan.py, tests/integration/test_dagster.py, tests/integration/test_refresh.py"),
     ("10. a step republished after its hidden states were extracted", "tests/unit/sources/test_extract.py"),
+    ("11. numbers: an integer of hundreds of digits, NaN, or a value that is 0 in the float32 sampler (top_p 1e-300)",
+     "tests/unit/data/test_records.py, tests/unit/data/test_parts.py, tests/unit/data/test_rollouts.py, "
+     "tests/unit/evaluation/test_rejection_sampler.py, tests/unit/serving/test_fleet.py"),
+    ("12. records the pipeline stored, read back as trainer input (stage records, fleet/<run>/policy.json, "
+     "hidden-states manifests, the run's layout, training checkpoints)",
+     "tests/unit/data/test_records.py, tests/unit/serving/test_fleet.py, tests/unit/data/test_run_layout.py, "
+     "tests/unit/training/test_state.py"),
 ]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +19,15 @@ from pipeline.client import Rollout, publish_rollouts_part, publish_step
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data import parts as parts_lib
 from pipeline.data.held_out import held_out_rollouts
-from pipeline.data.keys import part_manifest_key, parts_step_key, policy_pointer_key
-from pipeline.data.records import read_refresh
+from pipeline.data.keys import (
+    fleet_policy_key,
+    fleet_prefix,
+    part_manifest_key,
+    parts_step_key,
+    policy_pointer_key,
+    step_key,
+)
+from pipeline.data.records import FleetPolicy, read_refresh, write_record
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.refresh.plan import (
     REFRESH_WARMUP_STEPS,
@@ -294,3 +301,33 @@ def test_a_refresh_serves_the_newest_committed_policy_once_a_later_step_committe
     served = serving_policy(store, cfg, q)
     assert served.step == 2
     assert served == deploy.served_policy(store, cfg)
+
+
+def _pushed(trainer: Trainer, step: int, at: float) -> str:
+    """Step `step`'s policy pushed to the fleet for its rollouts, as a source on the fleet writes it (its own copy
+    under the run's fleet prefix, not the step's published checkpoint), the store seeing the push at `at`."""
+    store, run = trainer.store, trainer.cfg.run
+    key = f"{fleet_prefix(run)}/policies/{step_key(step)}"
+    store.write_bytes(f"{key}/config.json", (trainer.checkpoint / "config.json").read_bytes())
+    target = store.resolve(key)
+    write_record(store, fleet_policy_key(run), FleetPolicy(step, target, f"policy-{step_key(step)}", at))
+    trainer._touch(fleet_policy_key(run), at)
+    return target
+
+
+@pytest.mark.reliability("fault", "a refresh deploying while its step is still open (no policy.json yet), the "
+                                  "fleet pushed another copy of a policy for rollouts: the deploy serves the newer of "
+                                  "the two by when the store saw them")
+def test_a_refresh_of_an_open_step_deploys_beside_a_pushed_policy(trainer: Trainer) -> None:
+    """`make demo SOURCE=trl`: the fleet's rollouts push each step's policy (a copy under fleet/<run>/policies/), and
+    the refresh of the open step compared the push with the step's commit, which does not exist yet."""
+    store, cfg = trainer.store, trainer.cfg
+    trainer.whole(2, rows=EXPECTED, committed_at=500.0)
+    _pushed(trainer, 3, at=900.0)  # step 3's rollouts start on the fleet
+    trainer.part(3, 0, rows=6, published_at=1000.0, seen_at=1000.0)
+    served = serving_policy(store, cfg, qualified_parts(store, cfg, 3))
+    assert not store.exists(policy_pointer_key(cfg.run, 3))  # the step is open
+    assert deploy.newest_policy(store, cfg, served) == served  # the step's own policy: the store saw it after the push
+
+    newer = _pushed(trainer, 4, at=1100.0)  # the next step's policy pushed while step 3 is still open
+    assert deploy.newest_policy(store, cfg, served) == replace(served, step=4, target=newer)

@@ -92,6 +92,9 @@ def test_a_stage_job_leaving_out_a_field_or_a_key_is_refused(reliability) -> Non
         StageJob.from_dict(full, EXTRACTION)
     with pytest.raises(JobError, match="step must be an integer"):
         StageJob.from_dict({**full, "step": "4"})
+    for seconds in (10**400, float("nan"), -1.0):  # float() raised OverflowError on the first
+        with pytest.raises(JobError, match="spent_s must map stages to seconds"):
+            StageJob.from_dict({**full, "spent_s": {"extraction": seconds}})
     with pytest.raises(JobError, match="no job"):
         StageJob.from_dict(None)
     config = {k: v for k, v in full["config"].items() if k != "data_dir"}

@@ -271,3 +271,24 @@ def test_a_part_written_after_the_commit_is_not_one_of_the_steps_parts(store: Ob
         STEP, 9, 2, 4, parts_lib.content_digest(late), 200.0).to_json())
 
     assert [m.part for m in parts_lib.published_parts(store, RUN, STEP)] == [0, 1]
+
+
+@pytest.mark.parametrize("field", ["started_at", "published_at"])
+def test_a_time_of_hundreds_of_digits_refuses_its_step_and_no_other(
+    store: ObjectStore, checkpoint: Path, field: str, reliability
+) -> None:
+    """math.isfinite raised OverflowError on it, past the refresh sensor's catch of a step's bad files: one open
+    step's record stopped every tick. Now it is a bad value like any other, refused naming the file and field."""
+    reliability.bad_input(f"an open step's {field} of 400 digits: that step refused naming the file and field, the "
+                          "other open steps still qualify")
+    for step in (STEP, STEP + 1):
+        for part in (0, 1):
+            publish_rollouts_part(store, RUN, step, part, rows(part), checkpoint, policy_version=2, model_id="tiny",
+                                  expected_rollouts=6, now=100.0 + part)
+    key = parts_step_key(RUN, STEP) if field == "started_at" else part_manifest_key(RUN, STEP, 0)
+    _rewrite(store, key, **{field: 10**400})
+
+    with pytest.raises(RolloutsError, match=f"{re.escape(key)}: field {field}: must be a time in epoch seconds"):
+        _qualified(store)
+    cfg = load_config(overrides={"run": RUN, "refresh": {"min_share": 0.5}})
+    assert qualified_parts(store, cfg, STEP + 1).parts == (0, 1)

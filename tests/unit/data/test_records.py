@@ -3,21 +3,29 @@ documents this code cannot read."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
+from pipeline.accounting.cost import DecodingCost, StepCost
 from pipeline.data.keys import acceptance_key, drafter_key
 from pipeline.data.records import (
     AcceptanceRecord,
+    ArmReplay,
     BufferEntry,
     BufferRecord,
     DeployReport,
     DrafterTau,
+    FleetPolicy,
     FleetState,
     RecordError,
     RefreshBreakdown,
     RefreshRecord,
     RefreshTimes,
     ReplicaDeploy,
+    RolloutReplay,
+    StagePlacement,
+    TailTau,
     TauEstimate,
     TrainingFigures,
     TrainingRecord,
@@ -28,6 +36,7 @@ from pipeline.data.records import (
 )
 from pipeline.data.store import ObjectStore
 from pipeline.sampling import SamplingParams
+from pipeline.stages import TRAINING
 
 RUN = "r"
 TAU = DrafterTau("3", 2.5, 0.375, (0.75, 0.5, 0.25, 0.0), 12, 48, 18, 4, TauEstimate(2.25, (0.75, 0.5), 4, 30))
@@ -160,3 +169,63 @@ def test_a_refreshs_latency_breaks_down_into_its_milestones_and_adds_up() -> Non
     doc = REFRESHED.to_json()
     del doc["times"]
     assert RefreshRecord.from_json(doc).breakdown is None
+
+
+COUNTERS = {"drafts": 40.0, "draft_tokens": 120.0, "accepted": 70.0, "accepted_per_position": {"0": 30.0, "1": 25.0}}
+ARM = ArmReplay("3", 1.5, 96, 20, 4, 2.4, 0.5, 24, 8, {1: (0.25, 12, 6), 4: (1.25, 84, 18)})
+PLACEMENT = StagePlacement(TRAINING, "process", 1, "cpu", 2_000_000, 6.5, 0.25)
+# Every stored record kind, each number field in it filled in.
+STORED = [
+    *(r for r in RECORDS if not isinstance(r, DeployReport) and r != FleetState()),
+    FleetState("3", 2, 1700000000.0, (HOT,), (), {"standin-1": COUNTERS}),
+    FleetPolicy(3, "file:///store/fleet/r/policies/step-000003", "policy-step-000003", 1700000000.0),
+    RolloutReplay(2, 8, 96, 2, SamplingParams(temperature=0.7, top_p=0.9), "probabilistic", {"served": ARM}),
+    PLACEMENT,
+    TailTau(4, (3, 4), 3, {"start": "6", "refreshed": None}, {"start": 2.0, "refreshed": None}, 12.5, 40.0),
+    StepCost(2, {TRAINING: 6.5}, 480, "3", 2.4, DecodingCost(0.01, 0.2, 4), (PLACEMENT,), 3.5),
+]
+
+
+# Written for people beside what they sum up, and never read back: the reader derives them again.
+DERIVED = {"schema_version", "num_samples", "num_tokens", "composition", "latency_share"}
+
+
+def _number_fields(doc: object, path: tuple = ()) -> Iterator[tuple]:
+    """The path to every number in a record's JSON that its reader reads."""
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            if key not in DERIVED:
+                yield from _number_fields(value, (*path, key))
+    elif isinstance(doc, list):
+        for i, value in enumerate(doc):
+            yield from _number_fields(value, (*path, i))
+    elif isinstance(doc, (int, float)) and not isinstance(doc, bool):
+        yield path
+
+
+def _replaced(doc: object, path: tuple, value: object) -> object:
+    if not path:
+        return value
+    if isinstance(doc, dict):
+        return {**doc, path[0]: _replaced(doc[path[0]], path[1:], value)}
+    return [_replaced(v, path[1:], value) if i == path[0] else v for i, v in enumerate(doc)]
+
+
+@pytest.mark.parametrize("record", STORED, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("bad", [10**400, float("nan"), "12"], ids=["400-digits", "nan", "a-string"])
+@pytest.mark.reliability("bad_input", "a number of hundreds of digits, NaN or a string in any number field of a "
+                                      "stored stage record: refused naming the file and the field, never OverflowError")
+def test_every_number_a_stored_record_holds_is_checked_naming_the_file_and_field(
+    store: ObjectStore, record, bad: object
+) -> None:
+    """float() and math.isfinite raise OverflowError on an integer of hundreds of digits, which no reader caught: a
+    record's number is refused like any other bad value, where it is read."""
+    doc = {"schema_version": 1, **record.to_json()}
+    paths = list(_number_fields(doc))
+    assert paths
+    for path in paths:
+        store.write_json("some/record.json", _replaced(doc, path, bad))
+        field = next(str(p) for p in reversed(path) if isinstance(p, str))
+        with pytest.raises(RecordError, match=r"some/record\.json: ") as refused:
+            read_record(store, "some/record.json", type(record))
+        assert field in str(refused.value), path

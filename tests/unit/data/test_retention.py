@@ -71,6 +71,29 @@ def test_dry_run_lists_and_changes_nothing_then_apply_deletes_exactly_that(store
     assert retention.plan_retention(store, RUN, registered_steps={2}, buffer_steps=2).delete == []
 
 
+@pytest.mark.reliability("bad_input", "a step numbered 10**12 buffered first: retention keeps the buffer written "
+                                      "last and its window, and deletes the far-future buffer, not the run's data")
+def test_the_newest_buffer_is_the_one_the_store_saw_last_not_the_highest_number(store: ObjectStore) -> None:
+    far = 10**12
+    shards.write_hidden_states(store, RUN, far, _samples(far), hidden_size=8, layer_ids=[1],
+                               target={"model_id": "m"}, samples_per_shard=2)
+    buffer.build_buffer(store, RUN, far, 2, max_samples=100)
+    earlier = time.time() - 1000
+    os.utime(store.local_path(buffer_key(RUN, far)), (earlier, earlier))
+    build_history(store, steps=4, buffered=4)
+
+    plan = retention.plan_retention(store, RUN, registered_steps=set(), buffer_steps=2)
+
+    assert plan.live_buffers == [4]  # what the next training reads
+    deleted = {d.key for d in plan.delete}
+    assert buffer_key(RUN, far) in deleted
+    assert buffer_key(RUN, 4) not in deleted
+    assert {3, 4} <= plan.kept_steps.keys()
+    retention.apply_retention(store, plan)
+    entries = buffer.read_buffer(store, RUN, 4).entries
+    assert [s.sample_id for s in buffer.iter_buffer_samples(store, RUN, entries)] == [e.sample_id for e in entries]
+
+
 def _refresh_data(store: ObjectStore, step: int, part: int) -> str:
     """A refresh's hidden states and buffer in its own namespace, as the refresh process writes them."""
     data_run = refresh_data_run(RUN, step, part)

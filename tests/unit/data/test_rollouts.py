@@ -271,6 +271,18 @@ GOOD_POINTER = {"schema_version": 1, "policy_version": 1, "model_id": "m", "chec
                      id="uri-not-a-string", marks=BAD("policy.json value of the wrong type")),
         pytest.param([GOOD_POINTER], None, "must hold a JSON object, got list", id="a-list",
                      marks=BAD("policy.json value of the wrong type")),
+        pytest.param({**GOOD_POINTER, "sampling": {"temperature": 10**400}}, "sampling",
+                     "sampling.temperature must be a finite number", id="temperature-400-digits",
+                     marks=BAD("policy.json sampling.temperature of 400 digits: refused naming the file and field, "
+                               "never OverflowError")),
+        pytest.param({**GOOD_POINTER, "sampling": {"top_p": 10**400}}, "sampling",
+                     "sampling.top_p must be a finite number", id="top-p-400-digits",
+                     marks=BAD("policy.json sampling.top_p of 400 digits: refused naming the file and field, "
+                               "never OverflowError")),
+        pytest.param({**GOOD_POINTER, "sampling": {"top_p": 1e-300}}, "sampling",
+                     "sampling.top_p must be in (0, 1] in float32", id="top-p-zero-in-float32",
+                     marks=BAD("policy.json sampling.top_p of 1e-300 (valid in float64, 0 in the float32 sampler): "
+                               "refused naming the file and field")),
     ],
 )
 def test_bad_policy_pointer(store: ObjectStore, pointer: object, field: str | None, message: str) -> None:

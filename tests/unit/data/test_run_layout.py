@@ -4,6 +4,7 @@ vocabulary, layer ids or family is refused before anything of it is stored, and 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.data import buffer, run_layout, shard_checks, shards
-from pipeline.data.keys import hidden_states_prefix
+from pipeline.data.keys import hidden_states_manifest_key, hidden_states_prefix, layout_key
 from pipeline.data.run_layout import LayoutError, TargetLayout
 from pipeline.data.shards import HiddenSample
 from pipeline.data.store import ObjectStore
@@ -135,3 +136,48 @@ def test_the_layout_reader_refuses_a_symlinked_config(store: ObjectStore, tmp_pa
     with pytest.raises(ValueError, match="leads out of") as failure:
         run_layout.checkpoint_layout(store, f"policies/{RUN}/step-000002", lambda n: [n])
     assert secret not in str(failure.value)
+
+
+def _set(doc: object, path: tuple, value: object) -> None:
+    for key in path[:-1]:
+        doc = doc[key]
+    doc[path[-1]] = value
+
+
+@pytest.mark.parametrize(("file", "path", "value", "field"), [
+    ("layout", ("layout", "hidden_size"), 10**400, "layout.hidden_size"),
+    ("layout", ("layout", "hidden_size"), "8", "layout.hidden_size"),
+    ("layout", ("layout", "layer_ids"), ["2"], "layout.layer_ids"),
+    ("layout", ("recorded_by_step",), -1, "recorded_by_step"),
+    ("manifest", ("num_tokens",), 10**400, "num_tokens"),
+    ("manifest", ("hidden_size",), 8.0, "hidden_size"),
+    ("manifest", ("target",), ["m"], "target"),
+    ("manifest", ("shards", 0, "name"), "../../rollouts/r/step-000001/rollouts.parquet", "shards[].name"),
+    ("manifest", ("samples", 0, "row"), "0", "samples[].row"),
+    ("manifest", ("samples", 0, "shard"), "elsewhere.arrow", "samples[].shard"),
+    ("manifest", ("layout", "vocab_size"), 10**400, "layout.vocab_size"),
+], ids=["layout-400-digits", "layout-string", "layout-layer-ids", "layout-step", "manifest-400-digits",
+        "manifest-fraction", "manifest-target", "manifest-shard-path", "manifest-row", "manifest-stray-shard",
+        "manifest-layout-400-digits"])
+def test_a_stored_layout_or_manifest_is_read_back_as_untrusted_input(
+    store: ObjectStore, file: str, path: tuple, value: object, field: str, reliability
+) -> None:
+    """The run's layout record and a step's hidden-states manifest are the pipeline's own, read back as trainer
+    input is read: a field of the wrong type, a number of hundreds of digits, a shard name that leaves the step's
+    directory are refused naming the file and the field, and nothing stored changes."""
+    shown = f"a {value.bit_length()}-bit integer" if isinstance(value, int) and value > 2**64 else repr(value)
+    reliability.bad_input(f"stored {file} (hidden_states/<run>/) whose {field} is {shown}: refused naming the file "
+                          "and field")
+    _write(store, 1, LAYOUT)
+    key = layout_key(RUN) if file == "layout" else hidden_states_manifest_key(RUN, 1)
+    doc = store.read_json(key)
+    _set(doc, path, value)
+    store.write_json(key, doc)
+    before = {k: store.read_bytes(k) for k, _, _ in store.list_files("")}
+
+    refused = LayoutError if file == "layout" else shards.ShardError
+    read = (lambda: run_layout.check_step_layout(store, RUN, 2, LAYOUT)) if file == "layout" \
+        else (lambda: shards.read_manifest(store, RUN, 1))
+    with pytest.raises(refused, match=rf"{re.escape(key)}: .*field {re.escape(field)}"):
+        read()
+    assert {k: store.read_bytes(k) for k, _, _ in store.list_files("")} == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 import torch
@@ -106,6 +107,34 @@ def test_processing_applies_temperature_then_top_k_then_top_p() -> None:
     torch.testing.assert_close(top_p[0, 0], torch.tensor([2 / 3, 1 / 3, 0.0, 0.0]))
     both = processed_probs(logits, [SamplingParams(top_k=3, top_p=0.95)])  # top-k first: (.5, .25, .15) / .9
     torch.testing.assert_close(both[0, 0], torch.tensor([0.5, 0.25, 0.15, 0.0]) / 0.9)
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-46])
+@pytest.mark.reliability("bad_input", "top_p valid as a float64 but 0 in the float32 sampler (1e-300): refused "
+                                      "naming the field, not decoded into NaN distributions")
+def test_sampling_values_are_checked_in_the_float32_the_sampler_uses(top_p: float) -> None:
+    with pytest.raises(SamplingError, match=r"policy.json: field sampling.top_p must be in \(0, 1\] in float32"):
+        SamplingParams.from_json({"top_p": top_p}, "policy.json")
+    with pytest.raises(SamplingError, match="field sampling.top_p"):
+        SamplingParams(top_p=top_p)
+    assert SamplingParams(top_p=1e-40).top_p == 1e-40  # a float32 subnormal: above 0 there
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.reliability("bad_input", "sampling temperature or top_p of 400 digits: refused naming the field, never "
+                                      "OverflowError")
+def test_a_sampling_number_of_hundreds_of_digits_is_refused_naming_the_field(field: str) -> None:
+    with pytest.raises(SamplingError, match=f"request: field sampling.{field} must be a finite number"):
+        SamplingParams.from_json({field: 10**400}, "request")
+
+
+@pytest.mark.parametrize("top_p", [0.0, 1e-300, -1.0])
+def test_the_most_likely_token_survives_any_top_p(top_p: float) -> None:
+    """The check keeps such a top_p out; the sampler holds on its own: a nucleus of no token would make every
+    probability NaN (every drafter then measures tau 1 and every decoded token is 0)."""
+    unchecked = types.SimpleNamespace(greedy=False, temperature=1.0, top_k=0, top_p=top_p)  # past SamplingParams
+    logits = torch.log(torch.tensor([[[0.1, 0.5, 0.25, 0.15]]]))
+    torch.testing.assert_close(processed_probs(logits, [unchecked]), torch.tensor([[[0.0, 1.0, 0.0, 0.0]]]))
 
 
 @pytest.mark.parametrize("doc", [

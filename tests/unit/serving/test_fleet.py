@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from pipeline.config import PipelineConfig, load_config
-from pipeline.data.keys import fleet_state_key
-from pipeline.data.records import FleetState, ReplicaDeploy, read_fleet_state, write_record
-from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
-from pipeline.data.store import open_store
+from pipeline.data.keys import fleet_policy_key, fleet_state_key, policy_pointer_key
+from pipeline.data.records import FleetState, RecordError, ReplicaDeploy, read_fleet_state, write_record
+from pipeline.data.rollouts import PolicyPointer, Rollout, RolloutsError, read_policy_pointer, write_rollouts
+from pipeline.data.store import ObjectStore, open_store
 from pipeline.evaluation import speculative
 from pipeline.serving import deploy
 from pipeline.serving import metrics as serving_metrics
@@ -382,3 +382,62 @@ def test_a_port_held_by_another_process_is_refused(tmp_path: Path) -> None:
             driver.restart(replica, "file:///nowhere", "/nowhere")
         assert not driver.alive(replica)
         assert not (tmp_path / "replicas" / "standin-0.pid").exists()
+
+
+def _committed_policy(tmp_path: Path) -> tuple[PipelineConfig, ObjectStore, deploy.ServedPolicy]:
+    cfg = load_config(overrides={"data_dir": str(tmp_path)})
+    store = open_store(cfg)
+    rows = [Rollout(f"s{i}", [1, 2, 3, 4], [0, 0, 1, 1], 0.5, 1) for i in range(3)]
+    write_rollouts(store, cfg.run, 1, rows, PolicyPointer(1, f"policies/{cfg.run}/step-000001", "m"))
+    return cfg, store, deploy.ServedPolicy(1, store.resolve(f"policies/{cfg.run}/step-000001"), [])
+
+
+def _stored(store: ObjectStore) -> dict[str, bytes]:
+    """Every file in the store, links not followed."""
+    root = Path(store.local_path(""))
+    return {str(path.relative_to(root)): path.read_bytes() for path in root.rglob("*")
+            if path.is_file() and not path.is_symlink()}
+
+
+@pytest.mark.parametrize("planted", ["/etc", "file:///home/someone/their-policy", "s3://elsewhere/p", "; rm -rf ~",
+                                     "symlink"])
+def test_a_pushed_fleet_policy_is_checked_as_a_trainers_checkpoint_uri_is(
+    planted: str, tmp_path: Path, reliability
+) -> None:
+    """fleet/<run>/policy.json names the policy every replica decodes rollouts with, and a deploy serves it when it
+    is newer: its target reached /update_weights and `vllm serve` as read. It is refused, naming the file and the
+    field, unless it is a URI the store's policy allows that stays inside the store."""
+    reliability.bad_input(f"fleet/<run>/policy.json naming a policy outside the store ({planted}): refused naming "
+                          "the file and field, not sent to a replica")
+    cfg, store, served = _committed_policy(tmp_path)
+    if planted == "symlink":  # inside the store by name, elsewhere once followed
+        link = Path(store.local_path("fleet")) / cfg.run / "policies" / "step-000002"
+        link.parent.mkdir(parents=True)
+        (tmp_path / "elsewhere").mkdir()
+        link.symlink_to(tmp_path / "elsewhere")
+        planted = store.resolve(f"fleet/{cfg.run}/policies/step-000002")
+    store.write_json(fleet_policy_key(cfg.run), {"schema_version": 1, "step": 2, "target": planted,
+                                                 "label": "policy-step-000002", "at": 1.0})
+    before = _stored(store)
+
+    with pytest.raises(RecordError, match=rf"fleet/{cfg.run}/policy\.json: field target"):
+        deploy.newest_policy(store, cfg, served)
+    assert _stored(store) == before
+
+
+@pytest.mark.reliability("bad_input", "a committed step's policy.json with sampling.temperature of 400 digits: that "
+                                      "step refused by name, every later deploy still reads the run's policies")
+def test_one_steps_policy_of_hundreds_of_digits_stops_no_deploy(tmp_path: Path) -> None:
+    """math.isfinite raised OverflowError, past the deploy's catch of a step refused at its commit point: every later
+    deploy failed until someone deleted the step."""
+    cfg, store, served = _committed_policy(tmp_path)
+    pointer = store.read_json(policy_pointer_key(cfg.run, 1))
+    store.write_json(policy_pointer_key(cfg.run, 1), {**pointer, "sampling": {"temperature": 10**400}})
+    rows = [Rollout(f"s{i}", [1, 2, 3, 4], [0, 0, 1, 1], 0.5, 2) for i in range(3)]
+    write_rollouts(store, cfg.run, 2, rows, PolicyPointer(2, f"policies/{cfg.run}/step-000002", "m"))
+    newer = store.resolve(f"policies/{cfg.run}/step-000002")
+    entry = ReplicaDeploy("standin-0", "3", 2.0, 1.0, False, "hot", "", 0.0, newer)
+
+    with pytest.raises(RolloutsError, match=r"step-000001/policy\.json: field sampling: .*temperature"):
+        read_policy_pointer(store, cfg.run, 1)
+    assert deploy.recorded_replicas(store, cfg, (entry,), served.target)["standin-0"].target == newer

@@ -144,6 +144,8 @@ def test_requests_that_straddle_a_policy_update_say_so_and_a_pause_freezes_the_b
     assert after["choices"][0]["token_ids"] == speculative.greedy_generate(target2, torch.tensor([1, 2]), 6)
 
 
+@pytest.mark.reliability("bad_input", "a completion request whose seed or temperature has 400 digits, or whose top_p "
+                                      "is 0 in float32 (1e-300): answered 400 naming the field")
 def test_stop_tokens_and_bad_requests(served: Served) -> None:
     greedy = served.complete([3, 4, 5], 12, temperature=0)["choices"][0]["token_ids"]
     stopped = served.complete([3, 4, 5], 12, temperature=0, stop_token_ids=[greedy[4]])["choices"][0]
@@ -151,7 +153,8 @@ def test_stop_tokens_and_bad_requests(served: Served) -> None:
     assert stopped["finish_reason"] == "stop"
     for fields, message in (({"temperature": -1}, "sampling.temperature"), ({"logprobs": 5}, "logprobs"),
                             ({"prompt": [1, 999]}, "token ids in"), ({"n": 2}, "n = 1"),
-                            ({"seed": "x"}, "seed")):
+                            ({"seed": "x"}, "seed"), ({"seed": 10**400}, "seed"),
+                            ({"temperature": 10**400}, "sampling.temperature"), ({"top_p": 1e-300}, "sampling.top_p")):
         body = {"model": "policy", "prompt": [1, 2], "max_tokens": 4, **fields}
         with pytest.raises(urllib.error.HTTPError) as refused:
             served.call("/v1/completions", body)

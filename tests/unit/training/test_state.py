@@ -271,3 +271,34 @@ def test_a_background_write_is_a_copy_and_at_most_one_is_in_flight(store: Object
     assert not torch.equal(restored.fc.weight, before["fc.weight"])  # the second snapshot, after the change
     first = snap.weights["fc.weight"]
     assert torch.equal(first, before["fc.weight"])  # the first snapshot kept the state it was taken at
+
+
+@pytest.mark.parametrize(("file", "change", "field"), [
+    ("latest", {"directory": "../../rollouts/r/step-000001"}, "directory"),
+    ("latest", {"directory": 40}, "directory"),
+    ("state", {"iteration": 10**400}, "resume.iteration"),
+    ("state", {"world_size": "2"}, "resume.world_size"),
+    ("state", {"wall_s": 10**400}, "resume.wall_s"),
+    ("state", {"loss_history": [1.0, "low"]}, "resume.loss_history"),
+    ("state", {"unlogged": [[3, {"loss": 10**400}]]}, "resume.unlogged"),
+], ids=["directory-path", "directory-number", "iteration-400-digits", "world-size-string", "wall-400-digits",
+        "loss-string", "metric-400-digits"])
+def test_a_stored_checkpoint_pointer_or_state_is_read_back_as_untrusted_input(
+    store: ObjectStore, file: str, change: dict, field: str, reliability
+) -> None:
+    """latest.json and state.json are the training's own, read back as any stored record: a field of the wrong type
+    or a number of hundreds of digits is refused naming the file and the field, and a resume never starts from it."""
+    reliability.bad_input(f"a training checkpoint's {file}.json with a bad {field}: refused naming the file and "
+                          "field, nothing resumed")
+    checkpoints = TrainingCheckpoints(store, "training/r/abc")
+    store.write_json("training/r/abc/iter-00000002/state.json", {"resume": {
+        "iteration": 2, "total_iterations": 4, "world_size": 1, "tokens": 64, "wall_s": 1.5,
+        "loss_history": [2.0, 1.5], "unlogged": [[2, {"loss": 1.5}]]}, "param_groups": [], "parameters": []})
+    store.write_json("training/r/abc/latest.json", {"iteration": 2, "directory": "iter-00000002"})
+    assert checkpoints.latest().state == ResumeState(2, 4, 1, 64, 1.5, [2.0, 1.5], [(2, {"loss": 1.5})])
+    key = "training/r/abc/latest.json" if file == "latest" else "training/r/abc/iter-00000002/state.json"
+    doc = store.read_json(key)
+    store.write_json(key, {**doc, **change} if file == "latest" else {**doc, "resume": {**doc["resume"], **change}})
+
+    with pytest.raises(ValueError, match=rf"{key}: field {field}"):
+        checkpoints.latest()
