@@ -124,6 +124,40 @@ def test_ray_settings_are_validated_with_the_key_named(overrides: dict, message:
     assert "hunter2" not in str(refused.value)
 
 
+@pytest.mark.parametrize(("name", "value", "message"), [
+    pytest.param("MLFLOW_TRACKING_URI", "https://ops:hunter2@mlflow.example.com", r"user:password@",
+                 id="url-userinfo"),
+    pytest.param("DATABASE_URL", "postgresql://drafter:hunter2@db:5432/mlflow", r"user:password@", id="database-url"),
+    pytest.param("DATABASE_URL", "postgresql://db:5432/mlflow?sslmode=require&password=hunter2",
+                 r"credentials \(password=\.\.\.\)", id="database-url-query"),
+    pytest.param("HTTPS_PROXY", "http://ops:hunter2@proxy.internal:3128", r"user:password@", id="proxy"),
+    pytest.param("BLOB_STORE", "DefaultEndpointsProtocol=https;AccountName=drafter;AccountKey=hunter2==",
+                 r"credentials \(AccountKey=\.\.\.\)", id="connection-string"),
+    pytest.param("AZURE_STORAGE_CONNECTION_STRING", "AccountName=drafter",
+                 r"secrets \(AZURE_STORAGE_CONNECTION_STRING\)", id="connection-string-name"),
+    pytest.param("DB_PASS", "hunter2", r"secrets \(DB_PASS\)", id="pass-name"),
+    pytest.param("ARTIFACTS", "s3://bucket/a s3://bucket/b#hunter2", r"a fragment", id="url-in-a-list"),
+])
+def test_a_secret_in_a_ray_env_var_is_refused_by_its_value_too(name: str, value: str, message: str,
+                                                                reliability) -> None:
+    """Whatever the variable is called, a URL with a password, a query string or fragment that could hold a
+    token, or a connection string's key is refused at load, naming the variable and never the value: whoever
+    lists the cluster's jobs reads their runtime environment."""
+    reliability.bad_input("a secret in the value of a launch.ray.env_vars variable (a URL's user:password@, "
+                          "a token in its query, a connection string's key), whatever its name")
+    with pytest.raises(ConfigError, match=f"launch.ray.env_vars.*{message}") as refused:
+        load_config(overrides={"launch": {"ray": {"env_vars": {name: value}}}})
+    assert name in str(refused.value)
+    assert "hunter2" not in str(refused.value)
+
+
+def test_ray_env_vars_without_secrets_still_load() -> None:
+    env = {"MLFLOW_TRACKING_URI": "https://mlflow.example.com", "NO_PROXY": "localhost,10.0.0.0/8",
+           "HTTPS_PROXY": "http://proxy.internal:3128", "PYTHONPATH": "/srv/a:/srv/b", "NCCL_SOCKET_IFNAME": "eth0",
+           "DATABASE_URL": "postgresql://db:5432/mlflow?sslmode=require"}
+    assert load_config(overrides={"launch": {"ray": {"env_vars": env}}}).launch.ray.env_vars == env
+
+
 def _waited_in_child(submitted: str) -> subprocess.CompletedProcess:
     code = "from pipeline.launch.placement import waited_s; print(waited_s())"
     return subprocess.run([sys.executable, "-c", code], env={**os.environ, SUBMITTED_AT_ENV: submitted},
