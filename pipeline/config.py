@@ -120,6 +120,12 @@ class RayConfig(_Strict):
         description="A training on `launch.training.nnodes` > 1: Ray's strategy for its placement group of one "
                     "bundle per node (`launch.training`'s CPUs, memory and GPUs, and `resources`): STRICT_SPREAD "
                     "puts every bundle on a node of its own, as pods; PACK fills as few nodes as fit them.")
+    token_file: str = Field(
+        default="",
+        description="The file holding the token the cluster requires (Ray's token authentication, "
+                    "RAY_AUTH_MODE=token), this user's alone (mode 0600): every request to its job API carries it. "
+                    "Empty: where Ray's own clients look, RAY_AUTH_TOKEN, then the file RAY_AUTH_TOKEN_PATH names, "
+                    "then ~/.ray/auth_token. The token itself never goes in the config.")
     env_vars: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables every stage's job gets (its runtime_env `env_vars`) over the nodes' "

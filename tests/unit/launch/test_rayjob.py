@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, load_config
+from pipeline.config import ConfigError, RayConfig, load_config
 from pipeline.launch import raygroup
 from pipeline.launch.placement import SUBMITTED_AT_ENV
-from pipeline.launch.rayjob import quantity, ray_stage_job
+from pipeline.launch.rayjob import RayAuthError, cluster_token, quantity, ray_stage_job
 from pipeline.stages import EVALUATION, EXTRACTION, LAUNCHED, REFRESH, TRAINING
 
 PROJECT = Path("/srv/drafter")
@@ -176,3 +176,60 @@ def test_a_queued_process_records_the_wait_from_its_submission_to_its_start() ->
     bad = _waited_in_child("yesterday")
     assert bad.returncode != 0
     assert f"{SUBMITTED_AT_ENV} is 'yesterday'" in bad.stderr
+
+
+# -- the cluster's token ------------------------------------------------------------------------------------------
+
+TOKEN = "c2f1e0d9b8a7"
+
+
+def _token_file(folder: Path, mode: int = 0o600) -> Path:
+    path = folder / "auth_token"
+    path.write_text(TOKEN + "\n")
+    path.chmod(mode)
+    return path
+
+
+def test_the_launcher_sends_the_token_of_its_file_or_of_rays_own_places(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`launch.ray.token_file` first; unset, where Ray's own clients look: RAY_AUTH_TOKEN, then the file
+    RAY_AUTH_TOKEN_PATH names, then ~/.ray/auth_token."""
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".ray").mkdir()
+    _token_file(tmp_path / ".ray")
+    assert cluster_token(RayConfig()) == TOKEN
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(_token_file(tmp_path)))
+    assert cluster_token(RayConfig()) == TOKEN
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "from-the-environment")
+    assert cluster_token(RayConfig()) == "from-the-environment"
+    assert cluster_token(RayConfig(token_file=str(tmp_path / "auth_token"))) == TOKEN
+
+
+@pytest.mark.parametrize("case", ["missing", "group-readable", "symlink", "empty"])
+def test_a_token_that_is_missing_or_not_this_users_alone_is_refused_naming_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str, reliability) -> None:
+    """The launcher submits nothing without a token (a cluster that takes jobs without one runs anyone's code),
+    nor with one from a file others can read or that a symlink points to: the message names the file and the
+    setting, never the token."""
+    reliability.security("a Ray cluster token missing, or in a file others can read (or a symlink): the launcher "
+                         "refuses to submit, naming the file, never the token")
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    path = tmp_path / "auth_token"
+    if case == "group-readable":
+        _token_file(tmp_path, 0o640)
+    elif case == "symlink":
+        (tmp_path / "real").mkdir()
+        path.symlink_to(_token_file(tmp_path / "real"))
+    elif case == "empty":
+        path.write_text("")
+        path.chmod(0o600)
+    message = {"missing": "does not exist", "group-readable": "mode 0640", "symlink": "never a symlink",
+               "empty": "is empty"}[case]
+    with pytest.raises(RayAuthError, match=message) as refused:
+        cluster_token(RayConfig(token_file=str(path)))
+    assert str(path) in str(refused.value)
+    assert "launch.ray.token_file" in str(refused.value)
+    assert TOKEN not in str(refused.value)
