@@ -216,7 +216,8 @@ def _measure_on(sizes: Sizes, cluster: RayCluster | None) -> dict:
         warm_path.write_text(yaml.safe_dump({**base, "launch": {"launcher": "warm", "warm_idle_s": 60.0}}))
         ray_path = Path(tmp) / "ray.yaml"  # what the loopback node has, not a GPU node's 8 CPUs and 64 GiB
         ray_path.write_text(yaml.safe_dump({**base, "launch": {
-            "launcher": "ray", "ray": {"address": cluster.address if cluster else ""},
+            "launcher": "ray", "ray": {"address": cluster.address if cluster else "",
+                                       "token_file": str(cluster.token_file) if cluster else ""},
             "extraction": {"cpu": "1", "memory": "1Gi"}}}))
         cfg = load_config(path)
         store = open_store(cfg)

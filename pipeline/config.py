@@ -76,7 +76,26 @@ def _quantity(value: str, key: str) -> str:
     return value
 
 
-_SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|(^|_)KEY($|_)")  # AWS_SECRET_ACCESS_KEY, ...
+_SECRET_NAME = re.compile(r"SECRET|TOKEN|PASS|CREDENTIAL|PRIVATE|SIGNATURE|CONNECTION_STRING|(^|_)(KEY|DSN)($|_)")
+# A `name=value` pair inside a value whose name holds a secret: a connection string's AccountKey=, Password=,
+# SharedAccessSignature=, a URL's ?sig= or &token=.
+_SECRET_PAIR = re.compile(r"(?:^|[;&?\s])([A-Za-z_]*(?:KEY|SECRET|TOKEN|PASS|PWD|SIGNATURE|SIG|CREDENTIAL)[A-Za-z_]*)=",
+                          re.IGNORECASE)
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S+")
+_ENV_VARS_FIX = ("a job's runtime environment is visible to whoever can list the cluster's jobs; give it to the "
+                 "nodes' environment")
+
+
+def _no_secret_in_env_value(name: str, value: str) -> None:
+    """A variable's value checked as a configured URI is (`_no_credentials`): whatever its name, a URL in it
+    carries no user:password@, no query string but connection settings, no fragment, and no `name=value` pair
+    names a secret. The message names the variable, never the value."""
+    where = f"launch.ray.env_vars.{name}"
+    pair = _SECRET_PAIR.search(value)
+    if pair:
+        raise ValueError(f"{where} must not carry credentials ({pair.group(1)}=...); {_ENV_VARS_FIX}")
+    for url in _URL.findall(value):
+        _no_credentials(url.rstrip(",;"), where, TRACKING_QUERY_NAMES, fix=_ENV_VARS_FIX)
 
 
 class RayConfig(_Strict):
@@ -101,11 +120,18 @@ class RayConfig(_Strict):
         description="A training on `launch.training.nnodes` > 1: Ray's strategy for its placement group of one "
                     "bundle per node (`launch.training`'s CPUs, memory and GPUs, and `resources`): STRICT_SPREAD "
                     "puts every bundle on a node of its own, as pods; PACK fills as few nodes as fit them.")
+    token_file: str = Field(
+        default="",
+        description="The file holding the token the cluster requires (Ray's token authentication, "
+                    "RAY_AUTH_MODE=token), this user's alone (mode 0600): every request to its job API carries it. "
+                    "Empty: where Ray's own clients look, RAY_AUTH_TOKEN, then the file RAY_AUTH_TOKEN_PATH names, "
+                    "then ~/.ray/auth_token. The token itself never goes in the config.")
     env_vars: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables every stage's job gets (its runtime_env `env_vars`) over the nodes' "
-                    "own, e.g. {NCCL_SOCKET_IFNAME: eth0}. Never a secret: whoever can list the cluster's jobs "
-                    "reads them; secrets come from the nodes' environment.")
+                    "own, e.g. {NCCL_SOCKET_IFNAME: eth0}. Never a secret, by name or in a value (a URL's "
+                    "user:password@, a token in its query, a connection string's key): whoever can list the "
+                    "cluster's jobs reads them; secrets come from the nodes' environment.")
 
     @field_validator("env_vars")
     @classmethod
@@ -115,6 +141,8 @@ class RayConfig(_Strict):
             raise ValueError(f"launch.ray.env_vars must not carry secrets ({', '.join(secret)}): a job's runtime "
                              "environment is visible to whoever can list the cluster's jobs; give them to the "
                              "nodes' environment")
+        for name, text in value.items():
+            _no_secret_in_env_value(name, text)
         return value
 
     @field_validator("resources")
@@ -593,20 +621,22 @@ class FleetConfig(_Strict):
         return self
 
 
-def _no_credentials(uri: str, where: str, query_names: frozenset[str] = frozenset()) -> str:
+def _no_credentials(uri: str, where: str, query_names: frozenset[str] = frozenset(), fix: str = "") -> str:
     """Secrets come from the environment only: a URI with user:password@, or a token in its query string
     (`?token=`, a presigned `?X-Amz-Signature=`) or fragment, would put them in config, logs and metadata.
-    `query_names` are the query parameters that carry no secret and are accepted. The message names the
-    key and never repeats the URI or the value."""
+    `query_names` are the query parameters that carry no secret and are accepted; `fix` says where the secret
+    goes instead (`ENV_SECRETS[where]` when empty). The message names the key and never repeats the URI or the
+    value."""
+    fix = fix or ENV_SECRETS[where]
     parts = urlsplit(uri)
     if "@" in parts.netloc:
-        raise ValueError(f"{where} must not carry credentials (user:password@); {ENV_SECRETS[where]}")
+        raise ValueError(f"{where} must not carry credentials (user:password@); {fix}")
     names = [name.split("=", 1)[0] for name in parts.query.split("&") if name]
     if any(name.lower() not in query_names for name in names) or ("?" in uri and not names):
         accepted = f" (accepted: {', '.join(sorted(query_names))})" if query_names else ""
-        raise ValueError(f"{where} must not carry credentials in a query string{accepted}; {ENV_SECRETS[where]}")
+        raise ValueError(f"{where} must not carry credentials in a query string{accepted}; {fix}")
     if parts.fragment or "#" in uri:
-        raise ValueError(f"{where} must not carry a fragment ('#...'), where a token could hide; {ENV_SECRETS[where]}")
+        raise ValueError(f"{where} must not carry a fragment ('#...'), where a token could hide; {fix}")
     return uri
 
 

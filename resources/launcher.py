@@ -21,7 +21,7 @@ from pipeline.launch.multinode import (
     training_service_spec,
 )
 from pipeline.launch.process import StageJob, pod_labels, stage_command, stage_pod_spec, stage_ranks
-from pipeline.launch.rayjob import ray_stage_job
+from pipeline.launch.rayjob import cluster_token, ray_stage_job
 from pipeline.launch.warm import WarmWorker
 from pipeline.stages import TRAINING, Stage
 from pipeline.training.plan import TrainJob
@@ -111,7 +111,7 @@ class StageLauncher:
                 from resources.ray_jobs import PipesRayStageClient  # only deployments on Ray import dagster-ray
 
                 job = ray_stage_job(self.cfg, stage, self.working_dir)
-                return PipesRayStageClient(self.launch.ray.address).run(
+                return PipesRayStageClient(self.launch.ray.address, cluster_token(self.launch.ray)).run(
                     context=context, extras=extras, submit_job_params=job.submit_params())
             if warm:
                 return PipesWarmClient(stage, self.cfg.warm_path, self.working_dir,

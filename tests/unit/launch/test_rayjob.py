@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, load_config
+from pipeline.config import ConfigError, RayConfig, load_config
 from pipeline.launch import raygroup
 from pipeline.launch.placement import SUBMITTED_AT_ENV
-from pipeline.launch.rayjob import quantity, ray_stage_job
+from pipeline.launch.rayjob import RayAuthError, cluster_token, quantity, ray_stage_job
 from pipeline.stages import EVALUATION, EXTRACTION, LAUNCHED, REFRESH, TRAINING
 
 PROJECT = Path("/srv/drafter")
@@ -124,6 +124,40 @@ def test_ray_settings_are_validated_with_the_key_named(overrides: dict, message:
     assert "hunter2" not in str(refused.value)
 
 
+@pytest.mark.parametrize(("name", "value", "message"), [
+    pytest.param("MLFLOW_TRACKING_URI", "https://ops:hunter2@mlflow.example.com", r"user:password@",
+                 id="url-userinfo"),
+    pytest.param("DATABASE_URL", "postgresql://drafter:hunter2@db:5432/mlflow", r"user:password@", id="database-url"),
+    pytest.param("DATABASE_URL", "postgresql://db:5432/mlflow?sslmode=require&password=hunter2",
+                 r"credentials \(password=\.\.\.\)", id="database-url-query"),
+    pytest.param("HTTPS_PROXY", "http://ops:hunter2@proxy.internal:3128", r"user:password@", id="proxy"),
+    pytest.param("BLOB_STORE", "DefaultEndpointsProtocol=https;AccountName=drafter;AccountKey=hunter2==",
+                 r"credentials \(AccountKey=\.\.\.\)", id="connection-string"),
+    pytest.param("AZURE_STORAGE_CONNECTION_STRING", "AccountName=drafter",
+                 r"secrets \(AZURE_STORAGE_CONNECTION_STRING\)", id="connection-string-name"),
+    pytest.param("DB_PASS", "hunter2", r"secrets \(DB_PASS\)", id="pass-name"),
+    pytest.param("ARTIFACTS", "s3://bucket/a s3://bucket/b#hunter2", r"a fragment", id="url-in-a-list"),
+])
+def test_a_secret_in_a_ray_env_var_is_refused_by_its_value_too(name: str, value: str, message: str,
+                                                                reliability) -> None:
+    """Whatever the variable is called, a URL with a password, a query string or fragment that could hold a
+    token, or a connection string's key is refused at load, naming the variable and never the value: whoever
+    lists the cluster's jobs reads their runtime environment."""
+    reliability.bad_input("a secret in the value of a launch.ray.env_vars variable (a URL's user:password@, "
+                          "a token in its query, a connection string's key), whatever its name")
+    with pytest.raises(ConfigError, match=f"launch.ray.env_vars.*{message}") as refused:
+        load_config(overrides={"launch": {"ray": {"env_vars": {name: value}}}})
+    assert name in str(refused.value)
+    assert "hunter2" not in str(refused.value)
+
+
+def test_ray_env_vars_without_secrets_still_load() -> None:
+    env = {"MLFLOW_TRACKING_URI": "https://mlflow.example.com", "NO_PROXY": "localhost,10.0.0.0/8",
+           "HTTPS_PROXY": "http://proxy.internal:3128", "PYTHONPATH": "/srv/a:/srv/b", "NCCL_SOCKET_IFNAME": "eth0",
+           "DATABASE_URL": "postgresql://db:5432/mlflow?sslmode=require"}
+    assert load_config(overrides={"launch": {"ray": {"env_vars": env}}}).launch.ray.env_vars == env
+
+
 def _waited_in_child(submitted: str) -> subprocess.CompletedProcess:
     code = "from pipeline.launch.placement import waited_s; print(waited_s())"
     return subprocess.run([sys.executable, "-c", code], env={**os.environ, SUBMITTED_AT_ENV: submitted},
@@ -142,3 +176,60 @@ def test_a_queued_process_records_the_wait_from_its_submission_to_its_start() ->
     bad = _waited_in_child("yesterday")
     assert bad.returncode != 0
     assert f"{SUBMITTED_AT_ENV} is 'yesterday'" in bad.stderr
+
+
+# -- the cluster's token ------------------------------------------------------------------------------------------
+
+TOKEN = "c2f1e0d9b8a7"
+
+
+def _token_file(folder: Path, mode: int = 0o600) -> Path:
+    path = folder / "auth_token"
+    path.write_text(TOKEN + "\n")
+    path.chmod(mode)
+    return path
+
+
+def test_the_launcher_sends_the_token_of_its_file_or_of_rays_own_places(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`launch.ray.token_file` first; unset, where Ray's own clients look: RAY_AUTH_TOKEN, then the file
+    RAY_AUTH_TOKEN_PATH names, then ~/.ray/auth_token."""
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".ray").mkdir()
+    _token_file(tmp_path / ".ray")
+    assert cluster_token(RayConfig()) == TOKEN
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(_token_file(tmp_path)))
+    assert cluster_token(RayConfig()) == TOKEN
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "from-the-environment")
+    assert cluster_token(RayConfig()) == "from-the-environment"
+    assert cluster_token(RayConfig(token_file=str(tmp_path / "auth_token"))) == TOKEN
+
+
+@pytest.mark.parametrize("case", ["missing", "group-readable", "symlink", "empty"])
+def test_a_token_that_is_missing_or_not_this_users_alone_is_refused_naming_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str, reliability) -> None:
+    """The launcher submits nothing without a token (a cluster that takes jobs without one runs anyone's code),
+    nor with one from a file others can read or that a symlink points to: the message names the file and the
+    setting, never the token."""
+    reliability.security("a Ray cluster token missing, or in a file others can read (or a symlink): the launcher "
+                         "refuses to submit, naming the file, never the token")
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    path = tmp_path / "auth_token"
+    if case == "group-readable":
+        _token_file(tmp_path, 0o640)
+    elif case == "symlink":
+        (tmp_path / "real").mkdir()
+        path.symlink_to(_token_file(tmp_path / "real"))
+    elif case == "empty":
+        path.write_text("")
+        path.chmod(0o600)
+    message = {"missing": "does not exist", "group-readable": "mode 0640", "symlink": "never a symlink",
+               "empty": "is empty"}[case]
+    with pytest.raises(RayAuthError, match=message) as refused:
+        cluster_token(RayConfig(token_file=str(path)))
+    assert str(path) in str(refused.value)
+    assert "launch.ray.token_file" in str(refused.value)
+    assert TOKEN not in str(refused.value)
