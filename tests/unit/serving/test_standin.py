@@ -159,6 +159,25 @@ def test_stop_tokens_and_bad_requests(served: Served) -> None:
         assert message in json.loads(refused.value.read())["error"]
 
 
+@pytest.mark.reliability("bad_input", "stand-in replica: requests that end at their first token (max_tokens 1, "
+                         "a first token in stop_token_ids) while others decode: each answers 200, none of the others "
+                         "fails")
+def test_requests_done_at_their_first_token_answer_and_leave_the_batch_decoding(served: Served) -> None:
+    first = served.complete([3, 4, 5], 1, temperature=0)["choices"][0]
+    assert (len(first["token_ids"]), first["finish_reason"]) == (1, "length")
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(served.complete, [1, 2], 200, temperature=1.0, seed=5)
+        served.wait_in_flight(1)
+        for _ in range(3):
+            one = served.complete([3, 4, 5], 1, temperature=0)["choices"][0]
+            assert one["token_ids"] == first["token_ids"]
+            stopped = served.complete([3, 4, 5], 12, temperature=0, stop_token_ids=first["token_ids"])["choices"][0]
+            assert (stopped["token_ids"], stopped["finish_reason"]) == (first["token_ids"], "stop")
+        long = running.result()["choices"][0]
+    assert (len(long["token_ids"]), long["finish_reason"]) == (200, "length")
+    assert served.call("/standin/requests")["failed"] == 0
+
+
 # -- the speculation threshold, on injected timings ---------------------------------------------------------------
 
 
