@@ -328,6 +328,12 @@ class DecodingBatch:
             self._keep([b for b, s in enumerate(self.rows) if s.finish_reason is None])
         return done
 
+    def drop(self, sequences: list[Sequence]) -> None:
+        """`sequences` leave the batch before they are done (their clients have gone); the others decode on."""
+        gone = {id(s) for s in sequences}
+        if gone & {id(s) for s in self.rows}:
+            self._keep([b for b, s in enumerate(self.rows) if id(s) not in gone])
+
     def _keep(self, rows: list[int]) -> None:
         """Only `rows` stay (in that order); an empty batch starts over with fresh caches and proposer."""
         if not rows:
