@@ -471,6 +471,11 @@ class EvalConfig(_Strict):
         "prefill's and only the later ones come from speculative rounds, whose acceptance is measured.",
     )
     num_prompts: int = Field(default=24, ge=1, description="Held-out prompts evaluated per step.")
+    estimate_chunk_tokens: int = Field(
+        default=512, ge=1, description="Columns of the held-out rollouts the teacher-forced acceptance estimate runs "
+        "through the target and the drafter at once: its logits, layers and attention scores are a chunk's, not a "
+        "rollout's, so its memory stays bounded by this (and its cost per token flat) whatever the rollouts' length.",
+    )
     replay: bool = Field(
         default=True, description="Replay the step's rollouts after it, once without a drafter and once with each of "
         "the baseline, served and co-trained drafters (the same requests and seeds): the measured rollout speedup; "
