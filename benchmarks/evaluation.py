@@ -29,7 +29,17 @@ teacher-forced estimate against exact tau.
   generated token over EAGLE-3's at equal tau, i.e. the ratio of their round times (tau divides
   both); the untrained drafters' taus are beside it (about 1 for both).
 
-Goals: ratio <= 1.5, speedup >= 4, estimate within 0.3 of exact tau, P-EAGLE/EAGLE-3 per token below
+* estimate_scaling: the teacher-forced acceptance estimate (`teacher_forced.estimate_acceptance`, what the
+  acceptance stage runs on every step's held-out rollouts) over 8 rollouts of 128 and of 2,048 tokens, on the cost
+  ratio's target with an EAGLE-3 drafter, `eval.estimate_chunk_tokens` columns at a time: seconds per rollout token
+  at each length (best of `repeats`) and their ratio, `estimate_per_token_cost_ratio_2048_vs_128`; and each length's
+  peak memory in a process of its own (its peak RSS, VmHWM, over the RSS before the estimate: torch's CPU
+  allocations are not seen by tracemalloc), `estimate_peak_mem_ratio_2048_vs_128`. What grows with the length
+  is the target's key/value cache and the drafter's step-0 keys (a few H per token); logits, layers and
+  attention scores are a chunk's.
+
+Goals: ratio <= 1.5, speedup >= 4, estimate per-token ratio <= 1.5 and peak memory ratio well under 16 (the
+lengths'), estimate within 0.3 of exact tau, P-EAGLE/EAGLE-3 per token below
 1 at k = 4 and lower at k = 8. One thread throughout. `run(tiny=True)`: the same at `TINY`'s sizes, a smoke run.
 """
 
@@ -60,6 +70,7 @@ class Sizes:
     kinds_new_tokens: int
     repeats: int  # batching's rounds, best of them
     tau_epochs: int  # tau_estimate's training
+    estimate_lengths: tuple[int, int] = (128, 2048)  # estimate_scaling's rollouts
     tau_overrides: dict | None = None  # tau_estimate's config (None: the demo's, its pre-trained target cached)
 
 
@@ -69,7 +80,7 @@ FULL = Sizes(hidden=1024, vocab=2048, kinds_layers=8, contexts=(128, 2048), cost
 
 TINY = Sizes(hidden=64, vocab=256, kinds_layers=2, contexts=(16, 64), cost_new_tokens=8, prompts=4,
              prompt_lens=(8, 16), batch_new_tokens=4, kinds_prompt=16, kinds_new_tokens=12, repeats=1, tau_epochs=1,
-             tau_overrides={"simulation": smoke.SIMULATION, "eval": smoke.EVAL})
+             tau_overrides={"simulation": smoke.SIMULATION, "eval": smoke.EVAL}, estimate_lengths=(16, 64))
 
 
 def _target(torch, sizes: Sizes, layers: int = 2):
@@ -273,6 +284,69 @@ def tau_estimate(torch, sizes: Sizes) -> dict:
             "train_samples": train_samples, "train_lengths": train_lengths, "abs_diff": abs(estimate.tau - exact.tau)}
 
 
+ESTIMATE_ROLLOUTS = 8
+
+
+def _estimate_inputs(torch, target, length: int) -> tuple[list, list[int]]:
+    g = torch.Generator().manual_seed(length)
+    texts = [torch.randint(0, target.config.vocab_size, (length,), generator=g) for _ in range(ESTIMATE_ROLLOUTS)]
+    return texts, [length // 4] * ESTIMATE_ROLLOUTS
+
+
+def estimate_peak(length: int, chunk: int | None, hidden: int, vocab: int) -> dict:
+    """In this process (a fresh one): the estimate over `ESTIMATE_ROLLOUTS` rollouts of `length` tokens, `chunk`
+    columns at a time (None: all at once) -> its peak memory over the RSS before it, in MB."""
+    import resource
+
+    import torch
+
+    from pipeline.evaluation.teacher_forced import estimate_acceptance
+
+    torch.set_num_threads(1)
+    target = _target(torch, Sizes(**{**FULL.__dict__, "hidden": hidden, "vocab": vocab}))
+    drafter = _drafter(torch, target, "eagle3")
+    texts, prompts = _estimate_inputs(torch, target, length)
+    before = int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+    estimate_acceptance(target, drafter, texts, prompts, K, chunk_tokens=chunk, sampled=True)
+    # VmHWM, this process's own peak RSS (ru_maxrss would carry the parent's from before the exec)
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    peak = int(status["VmHWM"].split()[0]) * 1024  # kB
+    return {"length": length, "chunk": chunk, "peak_growth_mb": max(0, peak - before) / 2**20,
+            "logits_mb": ESTIMATE_ROLLOUTS * length * vocab * 4 / 2**20}
+
+
+def measure_peak(length: int, chunk: int | None, hidden: int, vocab: int) -> dict:
+    """`estimate_peak` in a process of its own (a peak is a process's)."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "benchmarks.evaluation", "--estimate-peak", str(length),
+            str(chunk or 0), str(hidden), str(vocab)]
+    out = subprocess.run(argv, cwd=Path(__file__).resolve().parent.parent, check=True, capture_output=True,
+                         text=True, timeout=1800)
+    return json.loads(out.stdout)
+
+
+def estimate_scaling(torch, sizes: Sizes, chunk: int) -> dict:
+    from pipeline.evaluation.teacher_forced import estimate_acceptance
+
+    short, long = sizes.estimate_lengths
+    target = _target(torch, sizes)
+    drafter = _drafter(torch, target, "eagle3")
+    inputs = {n: _estimate_inputs(torch, target, n) for n in (short, long)}
+    times = _best_interleaved({n: (lambda n=n: estimate_acceptance(target, drafter, *inputs[n], K, sampled=True,
+                                                                   chunk_tokens=chunk)) for n in (short, long)},
+                              sizes.repeats)
+    per_token = {n: times[n] / (ESTIMATE_ROLLOUTS * n) for n in (short, long)}
+    peaks = {n: measure_peak(n, chunk, sizes.hidden, sizes.vocab) for n in (short, long)}
+    return {"chunk_tokens": chunk, "rollouts": ESTIMATE_ROLLOUTS, "lengths": [short, long],
+            "per_token_us": {str(n): v * 1e6 for n, v in per_token.items()},
+            "per_token_cost_ratio": per_token[long] / per_token[short],
+            "peak_growth_mb": {str(n): p["peak_growth_mb"] for n, p in peaks.items()},
+            "full_logits_mb": {str(n): p["logits_mb"] for n, p in peaks.items()},
+            "peak_mem_ratio": peaks[long]["peak_growth_mb"] / max(peaks[short]["peak_growth_mb"], 1.0)}
+
+
 def gpu_throughput(prompts: int = 16, prompt_len: int = 128, new_tokens: int = 128) -> dict | None:
     """On CUDA, bf16: evaluation tokens/s (batched speculative decoding, EAGLE-3, k = 4) against the
     target's own batched greedy `generate` with its KV cache, over the same prompts. Target: Llama-3.2-1B
@@ -320,7 +394,10 @@ def gpu_throughput(prompts: int = 16, prompt_len: int = 128, new_tokens: int = 1
 def run(tiny: bool = False) -> dict:
     import torch
 
+    from pipeline.config import load_config
+
     sizes = TINY if tiny else FULL
+    chunk = load_config().eval.estimate_chunk_tokens
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -328,6 +405,7 @@ def run(tiny: bool = False) -> dict:
             cost = cost_ratio(torch, sizes)
             batch = batched_speedup(torch, sizes)
             kinds = drafter_kinds(torch, sizes)
+            scaling = estimate_scaling(torch, sizes, chunk)
         tau = tau_estimate(torch, sizes)
     finally:
         torch.set_num_threads(threads)
@@ -337,6 +415,9 @@ def run(tiny: bool = False) -> dict:
         "tau_estimate_abs_diff": tau["abs_diff"],
         "peagle_eagle3_per_token_k4_ratio": kinds["peagle_eagle3_per_token_k4_ratio"],
         "peagle_eagle3_per_token_k8_ratio": kinds["peagle_eagle3_per_token_k8_ratio"],
+        "estimate_per_token_cost_ratio_2048_vs_128": scaling["per_token_cost_ratio"],
+        "estimate_peak_mem_ratio_2048_vs_128": scaling["peak_mem_ratio"],
+        "estimate_scaling": scaling,
         "drafter_kinds": kinds,
         "cost": cost,
         "batching": batch,
@@ -347,5 +428,9 @@ def run(tiny: bool = False) -> dict:
 if __name__ == "__main__":
     import sys
 
-    result = gpu_throughput() if "--gpu" in sys.argv else run(tiny="--tiny" in sys.argv)
+    if "--estimate-peak" in sys.argv:
+        length, chunk, hidden, vocab = map(int, sys.argv[sys.argv.index("--estimate-peak") + 1 :][:4])
+        result = estimate_peak(length, chunk or None, hidden, vocab)
+    else:
+        result = gpu_throughput() if "--gpu" in sys.argv else run(tiny="--tiny" in sys.argv)
     sys.stdout.write(json.dumps(result, indent=2) + "\n")

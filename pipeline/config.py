@@ -494,8 +494,16 @@ class EvalConfig(_Strict):
     """How the `acceptance` stage measures the step's drafters (its ranks and pod: `launch.evaluation`)."""
 
     num_speculative_tokens: int = Field(default=4, ge=1, description="k: tokens the drafter proposes per round.")
-    max_new_tokens: int = Field(default=40, ge=1, description="Tokens generated per held-out prompt.")
+    max_new_tokens: int = Field(
+        default=40, ge=2, description="Tokens generated per held-out prompt: 2 at least, as the first is the "
+        "prefill's and only the later ones come from speculative rounds, whose acceptance is measured.",
+    )
     num_prompts: int = Field(default=24, ge=1, description="Held-out prompts evaluated per step.")
+    estimate_chunk_tokens: int = Field(
+        default=512, ge=1, description="Columns of the held-out rollouts the teacher-forced acceptance estimate runs "
+        "through the target and the drafter at once: its logits, layers and attention scores are a chunk's, not a "
+        "rollout's, so its memory stays bounded by this (and its cost per token flat) whatever the rollouts' length.",
+    )
     replay: bool = Field(
         default=True, description="Replay the step's rollouts after it, once without a drafter and once with each of "
         "the baseline, served and co-trained drafters (the same requests and seeds): the measured rollout speedup; "

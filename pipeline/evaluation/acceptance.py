@@ -131,7 +131,8 @@ def measure_step(
             # a round's drafter cost counts its forwards (k, or 1 for P-EAGLE), not its tokens
             served_decoding = times.decoding_cost(round(exact.drafter_forwards_per_round or k))
         estimate = teacher_forced.estimate_acceptance(target, drafter, sequences, prompt_lens, k, ranks=ranks,
-                                                      sampled=not params.greedy)
+                                                      sampled=not params.greedy,
+                                                      chunk_tokens=cfg.eval.estimate_chunk_tokens)
         # each tau says what it rests on: exact, prompts decoded and rounds; the estimate, rollouts and positions
         measured[version] = DrafterTau(
             version, exact.tau, exact.acceptance_rate, tuple(exact.per_position), exact.rounds, exact.drafted,

@@ -271,7 +271,7 @@ class DecodingBatch:
         fresh = [b for b, s in enumerate(sequences) if not s.trace.tokens]
         if fresh:  # only new requests draw: a request's stream is its own
             sampling = BatchSampling([sequences[b].request.sampling for b in fresh])
-            rows = torch.tensor(fresh, device=device)
+            rows = torch.tensor(fresh, dtype=torch.int64, device=device)
             first = sampling.sample(sampling.probs(out.logits[rows])[:, 0])  # (F,)
             pending[rows] = first
             first_logprobs = _logprobs(out.logits[rows], first[:, None])[:, 0]  # (F,)
@@ -283,7 +283,8 @@ class DecodingBatch:
             if self.proposer is not None else None
         joining = [b for b, s in enumerate(sequences) if s.finish_reason is None]
         if len(joining) < B:
-            index = torch.tensor(joining, device=device)
+            # int64 even when no row joins: an empty list makes a float tensor, which is no index
+            index = torch.tensor(joining, dtype=torch.int64, device=device)
             cache.select(index)
             pairs = pairs.select(index) if pairs is not None else None
             pending, lengths = pending[index], lengths[index]
@@ -327,13 +328,19 @@ class DecodingBatch:
             self._keep([b for b, s in enumerate(self.rows) if s.finish_reason is None])
         return done
 
+    def drop(self, sequences: list[Sequence]) -> None:
+        """`sequences` leave the batch before they are done (their clients have gone); the others decode on."""
+        gone = {id(s) for s in sequences}
+        if gone & {id(s) for s in self.rows}:
+            self._keep([b for b, s in enumerate(self.rows) if id(s) not in gone])
+
     def _keep(self, rows: list[int]) -> None:
         """Only `rows` stay (in that order); an empty batch starts over with fresh caches and proposer."""
         if not rows:
             self.rows = []
             self._clear()
             return
-        index = torch.tensor(rows, device=self.model.device)
+        index = torch.tensor(rows, dtype=torch.int64, device=self.model.device)
         self.cache.select(index)
         if self.proposer is not None:
             self.proposer.select(index)

@@ -19,6 +19,7 @@ from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, draft_vocab
 from pipeline.models.layers import aux_layer_ids, stored_layer_ids  # noqa: F401 - part of this interface
 from pipeline.models.peagle import PEagleConfig, PEagleDrafter
 from pipeline.models.teacher import Teacher
+from pipeline.models.ttt import UnrollPrefix
 
 if TYPE_CHECKING:  # extraction reads the kind here and runs without pydantic on a bare GPU image
     from pipeline.config import DrafterConfig
@@ -90,10 +91,12 @@ class Drafter(Protocol):
 
     def draft_unrolled(
         self, features: torch.Tensor, step_ids: list[torch.Tensor], position_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor, prefix: UnrollPrefix | None = None,
     ) -> torch.Tensor:
         """Teacher-forced drafts at every position at once, step j reading step_ids[j] (B, N)
-        -> (len(step_ids), B, N) target token ids."""
+        -> (len(step_ids), B, N) target token ids. With `prefix` (extended by the call), the N positions are one
+        chunk after the earlier chunks' and attention_mask (B, 1, N, P + N) covers them all: the drafts equal
+        those of one call over the whole sequence."""
         ...
 
 

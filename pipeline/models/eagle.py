@@ -24,7 +24,7 @@ from torch import nn
 
 from pipeline.models.rope import RotaryEmbedding, apply_rotary, rope_of
 from pipeline.models.teacher import Teacher
-from pipeline.models.ttt import TTTCache
+from pipeline.models.ttt import TTTCache, UnrollPrefix, unroll_cache
 
 if TYPE_CHECKING:
     from pipeline.data.shards import HiddenSample
@@ -330,7 +330,7 @@ class EagleDrafter(nn.Module):
 
     def draft_unrolled(
         self, features: torch.Tensor, step_ids: list[torch.Tensor], position_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor, prefix: UnrollPrefix | None = None,
     ) -> torch.Tensor:
         """Teacher-forced drafting at every position at once, as a TTT unroll.
 
@@ -338,9 +338,10 @@ class EagleDrafter(nn.Module):
         x_{t+1}; step j: the token step j-1 should have drafted); attention_mask (B, 1, N, N) ->
         (steps, B, N) target token ids: step j at position t drafts token t+2+j from the real pairs
         up to t and its own features of steps < j (the runtime's attention pattern when every
-        earlier draft was accepted).
+        earlier draft was accepted). With `prefix`, the positions are one chunk after the earlier chunks' (their
+        step-0 keys, which the call extends): attention_mask is then (B, 1, N, P + N).
         """
-        caches = [TTTCache() for _ in self.layers]
+        caches = [unroll_cache(prefix, i) for i in range(len(self.layers))]
         drafts = []
         for ids in step_ids:
             predicted = self(features, ids, position_ids, attention_mask, caches)  # (B, N, H)

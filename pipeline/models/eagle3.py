@@ -43,7 +43,7 @@ from pipeline.models.layers import default_aux_layer_ids  # noqa: F401 - the kin
 from pipeline.models.layers import eagle3_stored_layer_ids as stored_layer_ids
 from pipeline.models.rope import RotaryEmbedding, apply_rotary
 from pipeline.models.teacher import Teacher
-from pipeline.models.ttt import BandTTTCache, FlexTTTCache, TTTCache
+from pipeline.models.ttt import BandTTTCache, FlexTTTCache, TTTCache, UnrollPrefix, unroll_cache
 
 if TYPE_CHECKING:
     from pipeline.data.shards import HiddenSample
@@ -323,14 +323,15 @@ class Eagle3Drafter(nn.Module):
 
     def draft_unrolled(
         self, features: torch.Tensor, step_ids: list[torch.Tensor], position_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor, prefix: UnrollPrefix | None = None,
     ) -> torch.Tensor:
         """Teacher-forced drafting at every position at once: the TTT unroll of training.
 
         features (B, N, n_aux * H_t) aux states at t; step_ids[j] (B, N) the token step j reads at
-        t; attention_mask (B, 1, N, N) -> (steps, B, N) target token ids, step j at t drafting token t+2+j.
+        t; attention_mask (B, 1, N, N) -> (steps, B, N) target token ids, step j at t drafting token t+2+j. With
+        `prefix`, N positions of one chunk after the earlier chunks' step-0 keys: attention_mask (B, 1, N, P + N).
         """
-        cache = TTTCache()
+        cache = unroll_cache(prefix)
         state = self.project_aux(features)  # (B, N, H)
         drafts = []
         for ids in step_ids:

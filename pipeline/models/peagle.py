@@ -46,6 +46,7 @@ from pipeline.models.eagle3 import Eagle3Config, Eagle3DecoderLayer, Eagle3Draft
 from pipeline.models.eagle3 import stored_layer_ids as eagle3_stored_layer_ids
 from pipeline.models.rope import RotaryEmbedding, apply_rotary
 from pipeline.models.teacher import Teacher
+from pipeline.models.ttt import UnrollPrefix
 
 if TYPE_CHECKING:
     from pipeline.data.shards import HiddenSample
@@ -174,11 +175,16 @@ class ParallelMask:
     def dense(self) -> torch.Tensor:
         """(B or 1, 1, M, M) bool: the same mask over every row (`cross_depth_mask` in training)."""
         m, n = self.chain.shape[0], self.context.shape[-1]
+        context = F.pad(self.context, (0, m - n))  # (B or 1, 1, M, M)
+        return context | self.chains()[None, None]
+
+    def chains(self) -> torch.Tensor:
+        """(M, M) bool: row i attends row j of its own chain (itself too, from depth 1)."""
+        m = self.chain.shape[0]
         rows = torch.arange(m, device=self.chain.device)
         chain = torch.zeros(m, m, dtype=torch.bool, device=self.chain.device)
-        chain[rows[:, None].expand_as(self.chain)[self.chain_valid], self.chain[self.chain_valid]] = True  # itself too
-        context = F.pad(self.context, (0, m - n))  # (B or 1, 1, M, M)
-        return context | chain[None, None]
+        chain[rows[:, None].expand_as(self.chain)[self.chain_valid], self.chain[self.chain_valid]] = True
+        return chain
 
 
 class MaskedAttention:
@@ -194,17 +200,47 @@ class MaskedAttention:
         """query/key/value (B, heads, M, D) of every row -> (B, heads, M, D)."""
         if query.is_cuda:
             return F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask.dense())
-        mask = attention_mask
-        n = mask.context.shape[-1]
-        scale = 1.0 / math.sqrt(query.shape[-1])
-        block = (query @ key[:, :, :n].transpose(-1, -2)) * scale  # (B, heads, M, N)
-        block = block.masked_fill(~mask.context, torch.finfo(block.dtype).min)
-        chain_keys, chain_values = key[:, :, mask.chain], value[:, :, mask.chain]  # (B, heads, M, D-1, Dh)
-        chain = (query[..., None, :] * chain_keys).sum(-1) * scale  # (B, heads, M, D-1)
-        chain = chain.masked_fill(~mask.chain_valid, torch.finfo(chain.dtype).min)
-        probs = torch.cat([block, chain], dim=-1).softmax(dim=-1, dtype=torch.float32).to(value.dtype)
-        out = probs[..., :n] @ value[:, :, :n]  # (B, heads, M, Dh)
-        return out + (probs[..., n:, None] * chain_values).sum(-2)
+        n = attention_mask.context.shape[-1]
+        return _structured(query, key[:, :, :n], value[:, :, :n], key, value, attention_mask)
+
+
+@dataclass
+class PrefixMaskedAttention(MaskedAttention):
+    """`MaskedAttention` over one chunk of anchors after earlier chunks: the context (B, 1, M, P + C) covers the
+    earlier chunks' depth-0 keys (held in `prefix`, extended here) and the chunk's C own; chains are the chunk's."""
+
+    prefix: UnrollPrefix
+    layer: int
+    anchors: int  # C: the chunk's depth-0 rows, the first C of its M
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: ParallelMask
+    ) -> torch.Tensor:
+        c = self.anchors
+        key0, value0 = self.prefix.extend(self.layer, key[:, :, :c], value[:, :, :c])  # (B, heads, P + C, Dh)
+        # By SDPA over [the depth-0 keys | the chunk's M rows], the chains a mask: no (M, P + C) scores per head
+        # are held (the CPU's flash kernel tiles them), so a chunk's memory does not grow with the earlier ones.
+        context = attention_mask.context  # (B or 1, 1, M, P + C)
+        chains = attention_mask.chains().expand(*context.shape[:2], -1, -1)  # (B or 1, 1, M, M)
+        mask = torch.cat([context, chains], dim=-1)  # (B or 1, 1, M, P + C + M)
+        return F.scaled_dot_product_attention(query, torch.cat([key0, key], dim=2), torch.cat([value0, value], dim=2),
+                                              attn_mask=mask)
+
+
+def _structured(query: torch.Tensor, key0: torch.Tensor, value0: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, mask: ParallelMask) -> torch.Tensor:
+    """query, key, value (B, heads, M, Dh) of every row; key0/value0 (B, heads, N, Dh) the depth-0 rows the
+    context (B or 1, 1, M, N) covers -> (B, heads, M, Dh): one softmax over the context and the row's chain."""
+    n = key0.shape[2]
+    scale = 1.0 / math.sqrt(query.shape[-1])
+    block = (query @ key0.transpose(-1, -2)) * scale  # (B, heads, M, N)
+    block = block.masked_fill(~mask.context, torch.finfo(block.dtype).min)
+    chain_keys, chain_values = key[:, :, mask.chain], value[:, :, mask.chain]  # (B, heads, M, D-1, Dh)
+    chain = (query[..., None, :] * chain_keys).sum(-1) * scale  # (B, heads, M, D-1)
+    chain = chain.masked_fill(~mask.chain_valid, torch.finfo(chain.dtype).min)
+    probs = torch.cat([block, chain], dim=-1).softmax(dim=-1, dtype=torch.float32).to(value.dtype)
+    out = probs[..., :n] @ value0  # (B, heads, M, Dh)
+    return out + (probs[..., n:, None] * chain_values).sum(-2)
 
 
 # -- the model
@@ -356,26 +392,28 @@ class PEagleDrafter(nn.Module):
 
     def draft_unrolled(
         self, features: torch.Tensor, step_ids: list[torch.Tensor], position_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor, prefix: UnrollPrefix | None = None,
     ) -> torch.Tensor:
         """Teacher-forced drafts at every position at once: every chain to depth len(step_ids) - 1 in one
         parallel forward (only step_ids[0], the real x_{t+1}, is read: deeper depths read the mask).
 
         features (B, N, n_aux * H_t); attention_mask (B, 1, N, N) the pairs' own mask -> (steps, B, N)
-        target token ids, depth j at t drafting token t+2+j."""
+        target token ids, depth j at t drafting token t+2+j. With `prefix`, the N anchors are one chunk after
+        the earlier chunks' depth-0 rows (their keys, extended by the call): attention_mask (B, 1, N, P + N)."""
         B, N, _ = features.shape
         steps = len(step_ids)
         anchor = torch.arange(N, device=features.device).repeat(steps)  # (steps N,)
         depth = torch.arange(steps, device=features.device).repeat_interleave(N)
+        attention = None if prefix is None else [PrefixMaskedAttention(prefix, i, N) for i in range(len(self.layers))]
         hidden = self.forward_parallel(features, step_ids[0], position_ids, CodSample(anchor, depth),
-                                       attention_mask[:, :, anchor])  # (B, steps N, H)
+                                       attention_mask[:, :, anchor], attention)  # (B, steps N, H)
         tokens = self.draft_to_target[self.lm_head(self.norm(hidden)).argmax(-1)]  # (B, steps N)
         return tokens.view(B, steps, N).transpose(0, 1)  # (steps, B, N)
 
     # -- forward
     def forward_parallel(
         self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor, sample: CodSample,
-        context: torch.Tensor,
+        context: torch.Tensor, attention: list[MaskedAttention] | None = None,
     ) -> torch.Tensor:
         """One parallel forward over the rows of `sample` (training: a COD sample of one packed sequence).
 
@@ -393,7 +431,8 @@ class PEagleDrafter(nn.Module):
         aux = torch.where(real[..., None], features[:, anchor], self.mask_hidden.to(features.dtype))  # (B, M, A)
         positions = position_ids[:, anchor] + depth  # (B, M)
         mask = ParallelMask.of(sample, context)
-        return self.layer_stack(ids, self.project_aux(aux), positions, mask, [MaskedAttention() for _ in self.layers])
+        attention = attention or [MaskedAttention() for _ in self.layers]
+        return self.layer_stack(ids, self.project_aux(aux), positions, mask, attention)
 
     def layer_stack(
         self, input_ids: torch.Tensor, hidden_states: torch.Tensor, position_ids: torch.Tensor,

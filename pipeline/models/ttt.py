@@ -83,6 +83,57 @@ def _attend(
     return attn
 
 
+@dataclass
+class UnrollPrefix:
+    """Step 0's keys and values of the positions before a chunk, per drafter layer: a teacher-forced unroll run
+    chunk by chunk of positions attends them as the unroll over the whole sequence would (step 0's keys at a
+    position read nothing of later positions, and later steps' keys only their own position), so the chunked
+    drafts equal the whole unroll's while the scores held are (chunk, positions so far), not (positions,
+    positions)."""
+
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, heads, P, D)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def extend(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This chunk's step-0 keys/values (B, heads, C, D) after the earlier ones -> (B, heads, P + C, D)."""
+        if layer in self.keys:
+            key, value = torch.cat([self.keys[layer], key], dim=2), torch.cat([self.values[layer], value], dim=2)
+        self.keys[layer], self.values[layer] = key, value
+        return key, value
+
+
+@dataclass
+class PrefixTTTCache(TTTCache):
+    """`TTTCache` for one chunk of positions: step 0 attends the earlier chunks' step-0 keys too (the mask is
+    (B, 1, C, P + C)); later steps' diagonal keys are the chunk's own."""
+
+    prefix: UnrollPrefix = field(default_factory=UnrollPrefix)
+    layer: int = 0
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """query/key/value (B, heads, C, D) of this step; attention_mask (B, 1, C, P + C) the causal block. By SDPA
+        over [step 0's P + C keys | each later step's C], its diagonals a mask: no (C, P + C) scores per head are
+        held (the CPU's flash kernel tiles them), so a chunk's memory does not grow with the positions before it."""
+        if self.key0 is None:
+            self.key0, self.value0 = self.prefix.extend(self.layer, key, value)  # (B, heads, P + C, D)
+        else:
+            self.keys.append(key)
+            self.values.append(value)
+        C = query.shape[2]
+        diagonal = torch.eye(C, dtype=torch.bool, device=query.device).expand(*attention_mask.shape[:2], C, C)
+        mask = torch.cat([attention_mask, *[diagonal] * len(self.keys)], dim=-1)  # (B, 1, C, P + C + steps C)
+        keys = torch.cat([self.key0, *self.keys], dim=2)  # (B, heads, P + C + steps C, D)
+        values = torch.cat([self.value0, *self.values], dim=2)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
+
+
+def unroll_cache(prefix: UnrollPrefix | None, layer: int = 0) -> TTTCache:
+    """A TTT unroll's cache: the whole sequence at once (no prefix), or one chunk after `prefix`."""
+    return TTTCache() if prefix is None else PrefixTTTCache(prefix=prefix, layer=layer)
+
+
 # Queries per chunk: a larger chunk widens every band (W = C + lookback), a smaller one adds chunks;
 # at the demo's shapes 16 to 128 cost the same.
 BAND_CHUNK = 64

@@ -11,6 +11,10 @@ the same rounds a step's replay schedules).
 `pause()` freezes the batch between rounds (vLLM's `/pause?mode=keep`); `reload()` swaps the weights of a
 paused engine: the running requests are prefilled again on the new ones and go on, and a request that was
 running when the policy changed is marked as straddling the update.
+
+One request must not fail the others: a request whose client has gone (`cancel`) leaves the queue, or the batch
+between rounds; a prefill that fails is tried again one request at a time, so only the requests that fail alone
+get its error. A failing round (the batch's shared state) still fails every running request.
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ class _Entry:
     sequence: Sequence
     future: Future = field(default_factory=Future)
     straddled: bool = False  # it was running when the policy changed
+    cancelled: bool = False  # its client has gone: it leaves the batch before the next round
+
+
+class Cancelled(RuntimeError):
+    """A request cancelled before it finished (its client disconnected)."""
 
 
 class Engine:
@@ -80,6 +89,20 @@ class Engine:
             self._cond.notify_all()
         return entry.future
 
+    def cancel(self, future: Future) -> None:
+        """The request of `future` stops: out of the queue now, out of the batch before the next round (vLLM
+        aborts a request whose client disconnected); its future fails with `Cancelled`."""
+        with self._cond:
+            for entry in self._waiting:
+                if entry.future is future:
+                    self._waiting.remove(entry)
+                    entry.future.set_exception(Cancelled("the request was cancelled before it was admitted"))
+                    return
+            for entry in self._running.values():
+                if entry.future is future:
+                    entry.cancelled = True
+                    self._cond.notify_all()
+
     def _loop(self) -> None:
         while True:
             with self._cond:
@@ -91,9 +114,15 @@ class Engine:
                 joining = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
                 for entry in joining:
                     self._running[id(entry.sequence)] = entry
+                gone = [entry for entry in self._running.values() if entry.cancelled]
+                for entry in gone:
+                    del self._running[id(entry.sequence)]
                 self._in_round = True
             try:
-                finished = self._round([e.sequence for e in joining])
+                self.batch.drop([entry.sequence for entry in gone])
+                for entry in gone:
+                    entry.future.set_exception(Cancelled("the request was cancelled while it decoded"))
+                finished = self._round(joining)
             except Exception as exc:  # noqa: BLE001 - every request of the failed batch gets the error
                 finished = []
                 self.batch.abort()
@@ -108,14 +137,39 @@ class Engine:
             for entry in done:
                 entry.future.set_result(self._completion(entry))
 
-    def _round(self, joining: list[Sequence]) -> list[Sequence]:
+    def _round(self, joining: list[_Entry]) -> list[Sequence]:
         """Admit `joining`, then one round over the batch -> the sequences that left."""
-        finished, record = schedule_round(self.batch, self.threshold, joining)
+        admitted = self._admit(joining)
+        finished, record = schedule_round(self.batch, self.threshold, [])
+        finished = admitted + finished
         if record is not None:
             if record.speculative:
                 self._count(list(record.accepted))
             self.rounds["speculative" if record.speculative else "plain"] += 1
         return finished
+
+    def _admit(self, joining: list[_Entry]) -> list[Sequence]:
+        """Prefill `joining` into the batch -> those done with their first token. A prefill fails before it
+        touches the running batch (it runs on caches of its own), so a failed one is tried again request by
+        request and only a request that fails alone gets the error (a prompt too large to prefill)."""
+        try:
+            return self.batch.admit([entry.sequence for entry in joining])
+        except Exception as exc:  # noqa: BLE001 - the running batch is intact: only the joining may fail
+            if len(joining) == 1:
+                self._fail(joining[0], exc)
+                return []
+        finished: list[Sequence] = []
+        for entry in joining:
+            try:
+                finished += self.batch.admit([entry.sequence])
+            except Exception as exc:  # noqa: BLE001 - this request's error, answered to its client alone
+                self._fail(entry, exc)
+        return finished
+
+    def _fail(self, entry: _Entry, exc: BaseException) -> None:
+        with self._cond:
+            self._running.pop(id(entry.sequence), None)
+        entry.future.set_exception(exc)
 
     def _count(self, accepted: list[int]) -> None:
         """vLLM's spec-decode counters: one draft of k tokens per request per speculative round."""

@@ -31,7 +31,7 @@ bodies of its `disk` weight-transfer backend; docs/operating.md names the source
 Without dev mode those answer 404, as a vLLM server started without it does. Two routes are the
 stand-in's own, for tests (vLLM has neither):
 
-    GET  /standin/requests   {"completed", "failed", "held", "in_flight"}: completions counted
+    GET  /standin/requests   {"completed", "failed", "cancelled", "held", "in_flight"}: completions counted
     POST /standin/faults     {"update_weights": N}: the next N /update_weights load the new weights
                              into the drafter, then fail with 500 (a partial update)
 
@@ -44,6 +44,12 @@ every route but /health and /metrics requires `Authorization: Bearer <key>`: the
 stand-in's own included (vLLM's own key check covers /v1/* only; docs/production.md says what the fleet
 requires of it).
 
+No client can stall or fail the others: a completion whose prompt plus `max_tokens` exceeds the policy's context
+(`max_position_embeddings`, vLLM's max_model_len) is refused with 400 before it is admitted, in vLLM's error shape
+(`{"error": {"message", "type": "BadRequestError", "param", "code": 400}}`), so no prompt is too large to prefill
+beside the others; a request whose client disconnects stops decoding (it leaves the batch before the next round);
+and the listen backlog holds a burst of connections as large as the batch (vLLM's server accepts them alike).
+
     python -m pipeline.serving.standin_replica --port 8101 --target file:///.../policy --drafter /.../drafter
 """
 
@@ -53,6 +59,8 @@ import argparse
 import hmac
 import json
 import os
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -70,13 +78,16 @@ from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import CheckpointError, load_drafter
 from pipeline.models.drafter import Proposer
 from pipeline.sampling import DRAFT_SAMPLE_METHODS, DraftSampleMethod, SamplingError, SamplingParams
-from pipeline.serving.engine import Completion, Engine
+from pipeline.serving.engine import Cancelled, Completion, Engine
 from pipeline.serving.hot_update import policy_version
 from pipeline.serving.metrics import SpecCounters, render, render_standin
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 PUBLIC_ROUTES = ("/health", "/metrics")  # with an API key, every other route asks for it
 PAUSE_MODES = ("abort", "wait", "keep")
+LISTEN_BACKLOG = 1024  # connections the kernel holds before they are accepted: a burst of a whole batch's clients
+CLIENT_POLL_S = 0.25  # how often a waiting completion checks that its client is still connected
+CLIENT_TIMEOUT_S = 60  # a client silent this long while it sends its request is dropped (its thread freed)
 
 
 class UpdateError(RuntimeError):
@@ -93,6 +104,7 @@ class RequestCounts:
 
     completed: int = 0
     failed: int = 0
+    cancelled: int = 0  # their clients disconnected before they finished: they stopped decoding
     held: int = 0  # waited for a /resume: queued when the pause began, or arrived while paused
     in_flight: int = 0
 
@@ -133,12 +145,31 @@ class Replica:
     def counters(self) -> SpecCounters:
         return self.engine.counters
 
-    def complete(self, request: speculative.Request) -> Completion:
+    @property
+    def max_model_len(self) -> int:
+        """The policy's context: a request's prompt and its tokens together (vLLM's max_model_len)."""
+        return int(self.target.config.max_position_embeddings)
+
+    def complete(self, request: speculative.Request, client_gone: Callable[[], bool] = lambda: False) -> Completion:
+        """Decode `request` in the engine's batch; when `client_gone()` says its client has left, it is cancelled
+        (raises `Cancelled`) and stops decoding."""
         with self._state:
             self.requests.in_flight += 1
             self.requests.held += self._paused
+        future = self.engine.submit(request)
         try:
-            completion = self.engine.submit(request).result()
+            while True:
+                try:
+                    completion = future.result(timeout=CLIENT_POLL_S)
+                    break
+                except TimeoutError:
+                    if client_gone():
+                        self.engine.cancel(future)
+        except Cancelled:
+            with self._state:
+                self.requests.in_flight -= 1
+                self.requests.cancelled += 1
+            raise
         except Exception:
             with self._state:
                 self.requests.in_flight -= 1
@@ -268,6 +299,7 @@ class Replica:
 def make_handler(replica: Replica, api_key: str | None, dev_mode: bool) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "drafter-standin-replica"
+        timeout = CLIENT_TIMEOUT_S
 
         def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
             self.send_response(status)
@@ -351,20 +383,58 @@ def make_handler(replica: Replica, api_key: str | None, dev_mode: bool) -> type[
             try:
                 body = self._body()
                 request, wants = completion_request(body, replica)
-            except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
-                self._json(400, {"error": str(exc)})
+            except KeyError as exc:
+                self._json(400, error_body(400, f"missing field {exc}"))
+                return
+            except (ValueError, TypeError, json.JSONDecodeError) as exc:
+                self._json(400, error_body(400, str(exc)))
                 return
             try:
-                done = replica.complete(request)
+                done = replica.complete(request, self._client_gone)
+            except Cancelled:
+                return  # no one is left to answer
             except Exception as exc:  # noqa: BLE001 - the round failed: the client may send it elsewhere
-                self._json(500, {"error": f"decoding failed: {exc}"})
+                self._json(500, error_body(500, f"decoding failed: {exc}"))
                 return
             self._json(200, completion_response(replica, request, wants, done))
+
+        def _client_gone(self) -> bool:
+            """Whether the client closed its connection: readable with nothing to read (an HTTP client sends
+            nothing more while it waits for its answer)."""
+            try:
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                return True
 
         def log_message(self, *args: object) -> None:
             pass
 
     return Handler
+
+
+def error_body(status: int, message: str) -> dict:
+    """vLLM's error response (`ErrorResponse`): the message, the error's type and the HTTP status as its code."""
+    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+class ContextLengthError(ValueError):
+    """A request longer than the policy's context (vLLM answers it 400 with the same message)."""
+
+
+def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """Prompt plus max_tokens within the policy's context, with vLLM's messages; a request over it is refused
+    before admission, so no prompt is too large to prefill beside the others."""
+    if prompt_tokens >= max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{prompt_tokens} input tokens. Please reduce the length of the input messages.")
+    if prompt_tokens + max_tokens > max_model_len:
+        raise ContextLengthError(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+            f"length is {max_model_len} tokens and your request has {prompt_tokens} input tokens "
+            f"({max_tokens} > {max_model_len} - {prompt_tokens}).")
 
 
 @dataclass(frozen=True)
@@ -387,6 +457,7 @@ def completion_request(body: dict, replica: Replica) -> tuple[speculative.Reques
     max_tokens = body.get("max_tokens", 16)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError("max_tokens must be a positive integer")
+    check_context(len(prompt), max_tokens, replica.max_model_len)
     if body.get("n", 1) != 1:
         raise ValueError("the stand-in serves n = 1 only")
     sampling = {name: body[name] for name in ("temperature", "top_p", "top_k") if body.get(name) is not None}
@@ -488,6 +559,14 @@ DEV_ROUTES: dict[str, Callable[[Replica, dict, dict], dict]] = {
 }
 
 
+class StandInServer(ThreadingHTTPServer):
+    """A thread per connection; the backlog holds a burst of clients (socketserver's default of 5 resets the
+    connections past it), and a connection's thread does not keep the process alive."""
+
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Local CPU stand-in for a vLLM replica (not vLLM).")
     parser.add_argument("--host", default="127.0.0.1")
@@ -508,7 +587,7 @@ def main(argv: list[str] | None = None) -> None:
     fixed = None if args.speculation_max_batch == "auto" else int(args.speculation_max_batch)
     replica = Replica(args.target, args.drafter or None, args.num_speculative_tokens, args.served_model_name,
                       args.draft_sample_method, fixed, args.max_num_seqs)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(replica, api_key, dev_mode))
+    server = StandInServer((args.host, args.port), make_handler(replica, api_key, dev_mode))
     try:
         server.serve_forever()
     except KeyboardInterrupt:

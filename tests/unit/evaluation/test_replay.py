@@ -90,3 +90,16 @@ def test_speedups_and_the_saving_are_read_from_the_arms() -> None:
     assert record.speedup("cotrained") is None  # no such arm
     assert record.saved_s == pytest.approx(2.0)
     assert RolloutReplay.from_json(record.to_json()) == record
+
+
+@pytest.mark.reliability("bad_input", "a step whose rollouts answer in one token (yes/no, multiple choice): "
+                         "the replay decodes them, every arm")
+def test_one_token_rollouts_replay(target, proposer) -> None:
+    """One-token answers are done with their prefill's token: every arm decodes them, with no round to run."""
+    one_token = [Rollout.from_prompt_and_response(f"y{i}", [1 + i, 2], [3], 0.0, 1) for i in range(3)]
+    requests = step_requests([*one_token, *rollouts()[:2]], SamplingParams(temperature=1.0), seed=7, device="cpu")
+    for new_proposer, fixed in ((None, None), (proposer, 64)):
+        arm = replay_arm(target, new_proposer, requests, 3, "greedy", SpeculationThreshold(fixed=fixed), None)
+        assert arm.tokens == 3 + sum(LENGTHS[:2])
+    alone = replay_arm(target, proposer, requests[:3], 3, "greedy", SpeculationThreshold(fixed=64), "3")
+    assert (alone.tokens, alone.speculative_rows, alone.plain_rows, alone.tau) == (3, 0, 0, 1.0)

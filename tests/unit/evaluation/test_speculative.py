@@ -555,3 +555,30 @@ def test_a_stop_token_ends_a_request_and_is_kept(model: LlamaForCausalLM, prompt
         batch.step(speculate=True)
     assert sequence.trace.tokens == expected[: expected.index(stop) + 1]
     assert sequence.finish_reason == "stop"
+
+
+@pytest.mark.reliability("bad_input", "requests that end at their first token (max_tokens 1, or a first token in "
+                         "stop_token_ids) joining a running batch: they leave at admission, the running rows decode on")
+def test_requests_done_at_their_first_token_leave_at_admission_and_the_batch_decodes_on(
+    model: LlamaForCausalLM, prompts: list[torch.Tensor], greedy: GreedyOracle
+) -> None:
+    """A prefill whose every new request is done with its first token selects no row out of its caches: the
+    index of no rows must still be an index (int64), or the round fails and with it every running request."""
+    running = _greedy_request(prompts[2], MAX_NEW)
+    batch = DecodingBatch(model, follow_target(drafter_of("eagle", model), model), 3)
+    batch.admit([running])
+    batch.step(speculate=True)
+    first = greedy.generate(prompts[0], 1)[0]
+    one = _greedy_request(prompts[1], 1)
+    stopped = Sequence(Request(prompts[0], MAX_NEW, BatchSampling.greedy(1).rows[0], frozenset({first})))
+    assert batch.admit([one, stopped]) == [one, stopped]
+    assert (one.trace.tokens, one.finish_reason) == (greedy.generate(prompts[1], 1), "length")
+    assert (stopped.trace.tokens, stopped.finish_reason) == ([first], "stop")
+    assert batch.rows == [running]
+    while batch.rows:
+        batch.step(speculate=True)
+    assert running.trace.tokens == greedy.generate(prompts[2], MAX_NEW)
+    # a batch whose every request is done at its first token: one token each, no round
+    traces = generate_batch(model, follow_target(drafter_of("eagle", model), model), prompts, 1, 3)
+    assert [t.tokens for t in traces] == [greedy.generate(p, 1) for p in prompts]
+    assert all(t.accepted_per_round == [] for t in traces)

@@ -168,8 +168,8 @@ def test_paused_replica_holds_a_request_until_resume(models: dict[str, str], dri
     _call(replica, "/resume", {})
     client.join(timeout=60)
     assert len(done[0]) == 8
-    assert _call(replica, "/standin/requests") == {"completed": 1 + GATE_COMPLETIONS, "failed": 0, "held": 1,
-                                                   "in_flight": 0}
+    assert _call(replica, "/standin/requests") == {"completed": 1 + GATE_COMPLETIONS, "failed": 0, "cancelled": 0,
+                                                   "held": 1, "in_flight": 0}
 
     # `fleet.update: restart`: restarted although it could take the update in place.
     [restarted] = rolling_deploy([replica], driver, models["target"], "2", models["v2"],

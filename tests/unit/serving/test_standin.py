@@ -21,8 +21,10 @@ import pytest
 import torch
 
 from pipeline.evaluation import speculative
+from pipeline.evaluation.rejection_sampler import RequestSampling
 from pipeline.evaluation.scheduler import EXPLORE_EVERY, WINDOW, SpeculationThreshold, bucket
 from pipeline.models import target as target_lib
+from pipeline.sampling import GREEDY
 from pipeline.serving import metrics as serving_metrics
 from pipeline.serving.standin_replica import Replica, make_handler
 
@@ -159,7 +161,50 @@ def test_stop_tokens_and_bad_requests(served: Served) -> None:
         with pytest.raises(urllib.error.HTTPError) as refused:
             served.call("/v1/completions", body)
         assert refused.value.code == 400
-        assert message in json.loads(refused.value.read())["error"]
+        error = json.loads(refused.value.read())["error"]  # vLLM's ErrorResponse
+        assert (error["type"], error["code"]) == ("BadRequestError", 400)
+        assert message in error["message"]
+
+
+@pytest.mark.reliability("bad_input", "stand-in replica: requests that end at their first token (max_tokens 1, "
+                         "a first token in stop_token_ids) while others decode: each answers 200, none of the others "
+                         "fails")
+def test_requests_done_at_their_first_token_answer_and_leave_the_batch_decoding(served: Served) -> None:
+    first = served.complete([3, 4, 5], 1, temperature=0)["choices"][0]
+    assert (len(first["token_ids"]), first["finish_reason"]) == (1, "length")
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(served.complete, [1, 2], 200, temperature=1.0, seed=5)
+        served.wait_in_flight(1)
+        for _ in range(3):
+            one = served.complete([3, 4, 5], 1, temperature=0)["choices"][0]
+            assert one["token_ids"] == first["token_ids"]
+            stopped = served.complete([3, 4, 5], 12, temperature=0, stop_token_ids=first["token_ids"])["choices"][0]
+            assert (stopped["token_ids"], stopped["finish_reason"]) == (first["token_ids"], "stop")
+        long = running.result()["choices"][0]
+    assert (len(long["token_ids"]), long["finish_reason"]) == (200, "length")
+    assert served.call("/standin/requests")["failed"] == 0
+
+
+@pytest.mark.reliability("fault", "stand-in engine: a request whose prefill fails (here a token the embedding does "
+                         "not have) joins with others while a batch decodes: it alone gets the error")
+def test_a_prefill_that_fails_fails_its_own_request_alone(served: Served) -> None:
+    engine = served.replica.engine
+
+    def request(prompt: list[int], max_tokens: int) -> speculative.Request:
+        return speculative.Request(torch.tensor(prompt), max_tokens, RequestSampling.seeded(GREEDY, 0))
+
+    engine.pause()
+    running = engine.submit(request([1, 2], 30))
+    engine.resume()
+    while not serving_metrics.read_standin(served.metrics())[1]:
+        time.sleep(0.01)  # the running request has its round
+    engine.pause()
+    broken, beside = engine.submit(request([1, 10_000], 4)), engine.submit(request([3, 4], 6))
+    engine.resume()
+    with pytest.raises(IndexError):
+        broken.result(timeout=60)
+    assert len(beside.result(timeout=60).tokens) == 6
+    assert len(running.result(timeout=60).tokens) == 30
 
 
 # -- the speculation threshold, on injected timings ---------------------------------------------------------------
