@@ -4,7 +4,7 @@ Users bring a drafter trained offline for their base model (SpecForge, speculato
 keeps it fresh. This recipe gives SmolLM2-135M-Instruct (pipeline/sources/smollm2.py) one, and
 measures its learning curve:
 
-    python -m recipes.first_drafter sample [--answers 2048]        the answers, sampled once and cached
+    python -m recipes.first_drafter sample [--answers 2048] [--engine vllm]   the answers, sampled once, cached
     python -m recipes.first_drafter train [--arm first] [--minutes 20] [--arm ...]
 
 * **Data**: arithmetic questions (sources/arithmetic.py; seed 0 for training, seed 1 held out) in
@@ -36,15 +36,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from pipeline.config import DrafterConfig, OptimConfig, TrainConfig
+from pipeline.config import PROJECT_ROOT, DrafterConfig, OptimConfig, TrainConfig
 from pipeline.data.rollouts import Rollout
 from pipeline.evaluation.expected_acceptance import (
     TargetPrefix,
@@ -133,14 +137,66 @@ class HeldOut:
         return sum(len(s) for s in self.starts)
 
 
-def _answers(model, tokenizer, seed: int, n: int, data: Path, log) -> list[smollm2.Answer]:
+Sampler = Callable[[list[str], int], list[smollm2.Answer]]  # (questions, seed) -> their answers
+
+
+def torch_sampler(model, tokenizer, chunk: int) -> Sampler:
+    return lambda questions, seed: smollm2.sample_answers(model, tokenizer, questions, TEMPERATURE, MAX_NEW_TOKENS,
+                                                          seed, batch_size=chunk)
+
+
+@contextmanager
+def vllm_sampler(checkpoint: Path, tokenizer, data: Path, log) -> Iterator[Sampler]:
+    """Answers sampled by a vLLM replica of the policy (`make vllm`), every question of a chunk in flight at once:
+    on 2 cores several times the torch loop's rate. Each request has its own seed, so a chunk's answers do not
+    depend on how vLLM batches them."""
+    from pipeline.serving.drivers import ReplicaSpec, VllmDriver, VllmServer, call
+    from pipeline.serving.gates import wait_healthy
+
+    driver = VllmDriver(VllmServer(PROJECT_ROOT / ".venv-vllm" / "bin" / "python"), "eagle3", K,
+                        data / "first-drafter" / "replica", dev_mode=False)
+    replica = ReplicaSpec("sampler", "127.0.0.1", _free_port())
+    log("starting a vLLM replica of the policy to sample the answers")
+    driver.restart(replica, str(checkpoint), "")
+    try:
+        wait_healthy(replica, 300, lambda: driver.alive(replica))
+        eos = tokenizer.eos_token_id
+
+        def answer(prompt: list[int], seed: int) -> smollm2.Answer:
+            doc = json.loads(call(replica, "/v1/completions", {
+                "model": replica.served_model_name, "prompt": prompt, "max_tokens": MAX_NEW_TOKENS,
+                "temperature": TEMPERATURE, "top_p": 1.0, "top_k": -1, "seed": seed, "stop_token_ids": [eos],
+                "return_token_ids": True}, timeout=600))
+            choice = doc["choices"][0]
+            ids = list(choice["token_ids"])
+            if choice["finish_reason"] == "stop" and (not ids or ids[-1] != eos):
+                ids.append(eos)  # an answer that ended keeps its end-of-turn token, as the torch sampler's
+            return smollm2.Answer(prompt, ids)
+
+        def sample(questions: list[str], seed: int) -> list[smollm2.Answer]:
+            prompts = [smollm2.chat_prompt_ids(tokenizer, q) for q in questions]
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                return list(pool.map(answer, prompts, [seed * 1_000 + i for i in range(len(prompts))]))
+
+        yield sample
+    finally:
+        driver.stop(replica)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _answers(sample: Sampler, engine: str, seed: int, n: int, data: Path, log) -> list[smollm2.Answer]:
     record = smollm2.gguf_import.read_import(smollm2.checkpoint_dir(data))
     cache = smollm2.AnswerCache(data / "cache" / "smollm2-answers", record.source_sha256, TEMPERATURE,
-                                MAX_NEW_TOKENS, seed)
+                                MAX_NEW_TOKENS, seed, engine=engine)
     start = time.perf_counter()
     questions = [q.text for q in arithmetic.questions(n, seed)]
-    answers = cache.answers(model, tokenizer, questions, on_chunk=lambda done, total: log(
-        f"answers (seed {seed}): chunk {done}/{total}, {time.perf_counter() - start:.0f} s"))
+    answers = cache.answers(sample, questions, on_chunk=lambda done, total: log(
+        f"answers (seed {seed}, {engine}): chunk {done}/{total}, {time.perf_counter() - start:.0f} s"))
     return [a for a in answers if len(a.answer_ids) >= 2]
 
 
@@ -273,6 +329,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--answers", type=int, default=2048, help="training answers")
         p.add_argument("--held-out", type=int, default=32, help="held-out answers")
         p.add_argument("--data", type=Path, default=smollm2.DEFAULT_DATA)
+        p.add_argument("--engine", choices=("torch", "vllm"), default="torch",
+                       help="what samples the answers: the policy here, or a vLLM replica of it (make vllm)")
     train.add_argument("--arm", action="append", choices=sorted(ARMS), help="arms to train (default: first)")
     train.add_argument("--minutes", type=float, default=20.0, help="training minutes per arm, evaluations excluded")
     train.add_argument("--max-tokens", type=int, default=2_000_000, help="positions the schedule spans")
@@ -287,8 +345,10 @@ def main(argv: list[str] | None = None) -> None:
     directory = smollm2.prepare(args.data)
     target = target_lib.load_checkpoint(str(directory)).requires_grad_(False)
     tokenizer = smollm2.load_tokenizer(directory)
-    held_out = _answers(target, tokenizer, HELD_OUT_SEED, args.held_out, args.data, log)
-    train = _answers(target, tokenizer, TRAIN_SEED, args.answers, args.data, log)
+    with (vllm_sampler(directory, tokenizer, args.data, log) if args.engine == "vllm"
+          else nullcontext(torch_sampler(target, tokenizer, smollm2.AnswerCache.chunk))) as sample:
+        held_out = _answers(sample, args.engine, HELD_OUT_SEED, args.held_out, args.data, log)
+        train = _answers(sample, args.engine, TRAIN_SEED, args.answers, args.data, log)
     tokens = sum(len(a.answer_ids) for a in train)
     log(f"{len(train)} training answers ({tokens} answer tokens), {len(held_out)} held out")
     if args.command == "sample":

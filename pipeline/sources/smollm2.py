@@ -158,7 +158,8 @@ class AnswerCache:
         <directory>/<key>/chunk-00000.json   {"questions": [...], "answers": [{"prompt_ids", "answer_ids"}]}
 
     The key names everything the answers depend on: the checkpoint's source file, the temperature,
-    the length limit, the seed and the chunk size (a chunk is sampled as one batch, seeded by its index)."""
+    the length limit, the seed, the chunk size (a chunk is sampled as one batch, seeded by its index) and
+    the engine that sampled them (`torch` here, or a vLLM replica: the same seed draws other answers)."""
 
     directory: Path
     source_sha256: str
@@ -166,11 +167,12 @@ class AnswerCache:
     max_new_tokens: int
     seed: int
     chunk: int = 64
+    engine: str = "torch"
 
     @property
     def key(self) -> str:
         return (f"{self.source_sha256[:12]}-T{self.temperature:g}-max{self.max_new_tokens}-seed{self.seed}"
-                f"-chunk{self.chunk}")
+                f"-chunk{self.chunk}" + ("" if self.engine == "torch" else f"-{self.engine}"))
 
     def _path(self, index: int) -> Path:
         return self.directory / self.key / f"chunk-{index:05d}.json"
@@ -195,9 +197,10 @@ class AnswerCache:
         partial.write_text(json.dumps(doc))
         partial.replace(path)
 
-    def answers(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, questions: list[str],
+    def answers(self, sample: Callable[[list[str], int], list[Answer]], questions: list[str],
                 on_chunk: Callable[[int, int], None] | None = None) -> list[Answer]:
-        """The answers to `questions`, sampled where the cache has none; `on_chunk(done, total)` after each."""
+        """The answers to `questions`, sampled where the cache has none (`sample(questions, seed)`, one chunk at
+        a time); `on_chunk(done, total)` after each."""
         out: list[Answer] = []
         chunks = range(0, len(questions), self.chunk)
         for done, first in enumerate(chunks, 1):
@@ -205,8 +208,7 @@ class AnswerCache:
             index = first // self.chunk
             answers = self._read(index, part)
             if answers is None:
-                answers = sample_answers(model, tokenizer, part, self.temperature, self.max_new_tokens,
-                                         self.seed * 100_003 + index, batch_size=self.chunk)
+                answers = sample(part, self.seed * 100_003 + index)
                 self._write(index, part, answers)
             out += answers
             if on_chunk:

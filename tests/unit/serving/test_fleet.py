@@ -1,7 +1,8 @@
 """Serving fleet: vLLM argv, metrics parsing, stand-in replica processes, rolling deploy and rollback.
 
-vLLM needs CUDA and does not run here: its command line is tested as argv, and replicas are
-stand-in processes (`pipeline.serving.standin_replica`, not vLLM) on loopback ports.
+vLLM's command line is tested as argv here, and the replicas are stand-in processes
+(`pipeline.serving.standin_replica`, not vLLM) on loopback ports; tests/integration/test_vllm.py runs real
+vLLM replicas.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from pipeline.serving.drivers import (
     ReplicaSpec,
     Speculation,
     StandInDriver,
+    VllmDriver,
+    VllmServer,
     vllm_argv,
     vllm_env,
 )
@@ -103,6 +106,33 @@ def test_vllm_argv(method: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> N
         replica, "/models/policy-step-12", "/drafters/v7")
     assert command.startswith("supervisorctl-restart r0 -- vllm serve /models/policy-step-12")
     assert "sk-secret-value" not in command
+
+
+def test_a_local_vllm_replica_runs_the_module_entry_point_of_vllms_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REPLICA_KEY", "sk-secret-value")
+    monkeypatch.setenv("PYTHONPATH", "/the/pipeline")
+    server = VllmServer(tmp_path / "venv" / "bin" / "python", "bfloat16", 1024, 2, ("--max-num-seqs", "16"))
+    driver = VllmDriver(server, "eagle3", 4, tmp_path / "replicas", dev_mode=True)
+    replica = ReplicaSpec("vllm-0", "127.0.0.1", 8101, "policy", api_key_env="REPLICA_KEY")
+    argv = driver.argv(replica, (tmp_path / "policy").as_uri(), "/drafters/v7")
+    assert argv[:5] == [str(server.python), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                        str(tmp_path / "policy")]
+    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "disk"}
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert argv[argv.index("--max-model-len") + 1] == "1024"
+    assert argv[-2:] == ["--max-num-seqs", "16"]
+    assert driver.served(argv) == (str(tmp_path / "policy"), "/drafters/v7")
+    assert "sk-secret-value" not in " ".join(argv)
+    env = driver.environment(replica)
+    assert (env["VLLM_API_KEY"], env["VLLM_SERVER_DEV_MODE"], env["VLLM_CPU_KVCACHE_SPACE"]) == \
+        ("sk-secret-value", "1", "2")
+    assert "PYTHONPATH" not in env  # the replica imports vLLM's environment, not the pipeline's
+    plain = driver.argv(replica, str(tmp_path / "policy"), "")  # before the first deploy: no drafter
+    assert "--speculative-config" not in plain
+    assert driver.served(plain) == (str(tmp_path / "policy"), "")
+    with pytest.raises(ValueError, match="s3://"):
+        driver.argv(replica, "s3://bucket/policy", "/drafters/v7")
 
 
 def test_vllm_argv_with_a_weight_transfer_backend_starts_in_dev_mode(monkeypatch: pytest.MonkeyPatch) -> None:
