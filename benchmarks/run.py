@@ -38,6 +38,7 @@ from benchmarks import (
     stage_launch,
     target_load,
     training,
+    vllm,
 )
 
 OUT_DIR = Path(__file__).resolve().parent.parent / ".data" / "bench"
@@ -94,6 +95,7 @@ SECTIONS = (
                                                    "language_entropy_mean_ratio"),
             ("rollout_served_tail_speedup", "rollout_served_speedup")),
     Section("real_model", real_model.run, (), ("entropy_nats_mean", "top1_prob_mean", "oracle_greedy_tau_k4_t1")),
+    Section("vllm", vllm.run, (), vllm.FIGURES),  # None without vLLM's environment, and at tiny sizes
 )
 
 

@@ -63,26 +63,15 @@ def _smollm2_source(cfg: PipelineConfig, store: ObjectStore, steps: int, engine:
     if not cfg.drafter.warm_start:
         raise SystemExit("demo --source smollm2: drafter.warm_start names no first drafter")
     if not warm_start.is_dir():
-        _train_first_drafter(cfg, warm_start)
+        from recipes.first_drafter import FirstDrafterError, ensure_first_drafter
+
+        out(f"no first drafter at {warm_start}: training one (recipes/first_drafter.py, about 9 minutes on 2 cores)")
+        try:
+            ensure_first_drafter(cfg.data_path, warm_start)
+        except FirstDrafterError as exc:
+            raise SystemExit(f"demo --source smollm2: {exc}") from None
     settings = GRPOSettings(prompts_per_step=2, num_generations=8, max_completion_length=96, learning_rate=2e-5)
     return ArithmeticGRPODemo(checkpoint, store, cfg.run, steps, cfg.data_path / "demo" / "grpo", settings, engine)
-
-
-FIRST_DRAFTER = ["--answers", "1024", "--held-out", "32", "--minutes", "7", "--max-tokens", "450000"]
-
-
-def _train_first_drafter(cfg: PipelineConfig, warm_start: Path) -> None:
-    """The first drafter where drafter.warm_start (`<out>/first/drafter`) expects it, by the recipe
-    (recipes/first_drafter.py): 1,024 answers sampled by a vLLM replica of SmolLM2 (about a minute), then
-    7 minutes of training on 2 cores. Its progress is the recipe's own, line by line."""
-    if warm_start.parent.name != "first" or warm_start.name != "drafter":
-        raise SystemExit(f"demo --source smollm2: no first drafter at drafter.warm_start ({warm_start}); the recipe "
-                         "writes <out>/first/drafter: python -m recipes.first_drafter train --engine vllm --out <out>")
-    out(f"no first drafter at {warm_start}: training one (recipes/first_drafter.py, about 9 minutes on 2 cores)")
-    command = [sys.executable, "-m", "recipes.first_drafter", "train", "--engine", "vllm", *FIRST_DRAFTER,
-               "--data", str(cfg.data_path), "--out", str(warm_start.parent.parent)]
-    if subprocess.run(command, cwd=PROJECT_ROOT, check=False).returncode != 0 or not warm_start.is_dir():
-        raise SystemExit(f"demo --source smollm2: the first drafter's recipe failed ({' '.join(command[1:])})")
 
 
 def fresh_demo(config_path: str | None, overrides: dict | None) -> PipelineConfig:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -150,12 +150,13 @@ def vllm_sampler(checkpoint: Path, tokenizer, data: Path, log) -> Iterator[Sampl
     """Answers sampled by a vLLM replica of the policy (`make vllm`), every question of a chunk in flight at once:
     on 2 cores several times the torch loop's rate. Each request has its own seed, so a chunk's answers do not
     depend on how vLLM batches them."""
+    from ops.local_stack import free_port
     from pipeline.serving.drivers import ReplicaSpec, VllmDriver, VllmServer, call
     from pipeline.serving.gates import wait_healthy
 
     driver = VllmDriver(VllmServer(PROJECT_ROOT / ".venv-vllm" / "bin" / "python"), "eagle3", K,
                         data / "first-drafter" / "replica", dev_mode=False)
-    replica = ReplicaSpec("sampler", "127.0.0.1", _free_port())
+    replica = ReplicaSpec("sampler", "127.0.0.1", free_port())
     log("starting a vLLM replica of the policy to sample the answers")
     driver.restart(replica, str(checkpoint), "")
     try:
@@ -181,12 +182,6 @@ def vllm_sampler(checkpoint: Path, tokenizer, data: Path, log) -> Iterator[Sampl
         yield sample
     finally:
         driver.stop(replica)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _answers(sample: Sampler, engine: str, seed: int, n: int, data: Path, log) -> list[smollm2.Answer]:
@@ -318,6 +313,31 @@ def _point(target, drafter, held_out: HeldOut, tokens: int, train_s: float, loss
 
 class _TimeUp(Exception):
     """The arm's training time is spent: raised from the loop's hook, ends the training."""
+
+
+# What `make demo MODEL=smollm2` and `make bench` train when the first drafter is absent: the docs' recipe, its
+# answers sampled by vLLM, 7 minutes of training on 2 cores.
+FIRST_DRAFTER = ("--engine", "vllm", "--answers", "1024", "--held-out", "32", "--minutes", "7",
+                 "--max-tokens", "450000")
+
+
+class FirstDrafterError(RuntimeError):
+    pass
+
+
+def ensure_first_drafter(data: Path, drafter_dir: Path) -> Path:
+    """`drafter_dir` (`<out>/first/drafter`), trained by this recipe in a process of its own when absent; its
+    progress is the recipe's log, line by line."""
+    if drafter_dir.is_dir():
+        return drafter_dir
+    if drafter_dir.parent.name != "first" or drafter_dir.name != "drafter":
+        raise FirstDrafterError(f"no first drafter at {drafter_dir}; the recipe writes <out>/first/drafter: "
+                                "python -m recipes.first_drafter train --engine vllm --out <out>")
+    command = [sys.executable, "-m", "recipes.first_drafter", "train", *FIRST_DRAFTER, "--data", str(data),
+               "--out", str(drafter_dir.parent.parent)]
+    if subprocess.run(command, cwd=PROJECT_ROOT, check=False).returncode != 0 or not drafter_dir.is_dir():
+        raise FirstDrafterError(f"the first drafter's recipe failed ({' '.join(command[1:])})")
+    return drafter_dir
 
 
 def main(argv: list[str] | None = None) -> None:
