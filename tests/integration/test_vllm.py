@@ -111,6 +111,8 @@ def test_a_replica_generates_the_steps_rollouts_and_counts_its_drafts(replica, p
     assert window.counters.draft_tokens == 4 * window.counters.drafts
 
 
+@pytest.mark.reliability("fault", "real vLLM replica: a drafter sent in place while a request decodes: the request "
+                                  "is held (mode=keep), then finishes; the drafter taken back accepts as before")
 def test_the_drafter_is_replaced_in_place_without_dropping_a_request(replica, drafter_dirs: Drafters,
                                                                      prompts) -> None:
     first = accepted_greedy(replica, prompts)
@@ -133,6 +135,9 @@ def test_the_drafter_is_replaced_in_place_without_dropping_a_request(replica, dr
     assert accepted_greedy(replica, prompts) == first, "the first drafter back in place accepts as it did"
 
 
+@pytest.mark.reliability("fault", "real vLLM replica: a drafter update whose checkpoint is not safetensors fails "
+                                  "halfway: the previous drafter is put back before the replica resumes, and it "
+                                  "accepts exactly the drafts it accepted before")
 def test_a_failed_update_is_rolled_back_before_the_replica_resumes(replica, drafter_dirs: Drafters, prompts,
                                                                    tmp_path: Path) -> None:
     first = accepted_greedy(replica, prompts)
@@ -168,6 +173,8 @@ def test_the_policy_is_sent_in_place(replica, smollm2_checkpoint: Path, prompts,
     assert complete(replica.spec, prompt, 8, temperature=0.0) == before
 
 
+@pytest.mark.reliability("fault", "real vLLM replica killed (SIGKILL): the next step's policy push starts it again "
+                                  "and its rollouts are generated")
 def test_a_killed_replica_is_replaced_by_the_next_steps_push(replica, prompts, tmp_path: Path) -> None:
     pid = int((replica.driver.state_dir / f"{replica.spec.name}.pid").read_text())
     os.kill(pid, signal.SIGKILL)
