@@ -4,7 +4,7 @@ start time and memory.
 
 Two replicas run side by side from the same `vllm` driver the fleet uses (bfloat16, eager): `plain` (no
 drafter) and `speculative` (the first drafter, `recipes/first_drafter.py`'s export at k = 4, greedy drafting;
-trained first when absent, about 9 minutes). Requests are chat prompts of held-out arithmetic questions, each
+trained first when absent, about 20 minutes). Requests are chat prompts of held-out arithmetic questions, each
 with its own seed, at most `new_tokens` tokens (ending early at the end of the answer); at concurrency C a
 wave of C requests goes out at once (at 1: `waves_at_1` requests one after another), tokens/s is their
 tokens over the wave's wall time. The arms take turns, `repeats` times, so that other load on the machine meets
