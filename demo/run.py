@@ -65,7 +65,8 @@ def _smollm2_source(cfg: PipelineConfig, store: ObjectStore, steps: int, engine:
     if not warm_start.is_dir():
         from recipes.first_drafter import FirstDrafterError, ensure_first_drafter
 
-        out(f"no first drafter at {warm_start}: training one once (recipes/first_drafter.py: answers sampled by vLLM, their features, 7 minutes of training; about 20 minutes on 2 cores)")
+        out(f"no first drafter at {warm_start}: training one, once (recipes/first_drafter.py: answers sampled by "
+            "vLLM, their features, 7 minutes of training; about 20 minutes on 2 cores)")
         try:
             ensure_first_drafter(cfg.data_path, warm_start)
         except FirstDrafterError as exc:
