@@ -123,16 +123,19 @@ def demo_report(cfg: PipelineConfig, rows: list[StepRow], wall: float, step_wall
     out(f"tau over {steps} steps: co-trained {first.tau_cotrained:.2f} -> {last.tau_cotrained:.2f}, "
         f"never retrained {first.tau_baseline:.2f} -> {last.tau_baseline:.2f} "
         f"({(last.tau_baseline / first.tau_baseline - 1) * 100:+.0f}%)")
+    kind = "a stand-in, not vLLM" if cfg.fleet.driver == "standin" else f"{cfg.fleet.driver} driver"
     for replica in fleet:
-        out(f"fleet: {replica['replica']} (stand-in) runs drafter version {replica['version']}, "
-            f"live tau {replica['live_tau']:.2f}")
+        out(f"fleet: {replica['replica']} ({kind}) runs drafter version {replica['version']}, "
+            f"live tau {replica['live_tau']:.2f} over its deploy's canaries")
     for w in fleet_rollouts or []:
         tau = "-" if w["live_tau"] is None else f"{w['live_tau']:.2f}"
+        # Rounds by kind and the batch threshold are the stand-ins' own metrics; vLLM counts drafts only.
+        rounds = (f", rounds {int(w['rounds'].get('speculative', 0))} speculative / "
+                  f"{int(w['rounds'].get('plain', 0))} plain, largest batch speculating "
+                  f"{max((t for t in w['speculative_batch_threshold'].values() if t is not None), default=0)}"
+                  if w["rounds"] else "")
         out(f"fleet rollouts, step {w['step']}: {w['rollouts']} rollouts, {w['tokens']} tokens in {w['seconds']:.1f}s "
-            f"({w['tokens_per_s'] or 0:.0f} tokens/s), "
-            f"live tau {tau}, rounds {int(w['rounds'].get('speculative', 0))} speculative / "
-            f"{int(w['rounds'].get('plain', 0))} plain, largest batch speculating "
-            f"{max((t for t in w['speculative_batch_threshold'].values() if t is not None), default=0)}")
+            f"({w['tokens_per_s'] or 0:.0f} tokens/s), live tau {tau} (the fleet's own count){rounds}")
     for c in summary_costs:
         out(f"k={c['k']}: tau {c['tau']:.2f}, {c['drafter_forwards_per_round']:.0f} drafter forwards per round "
             f"({c['drafter_forwards_per_token']:.2f} per token), estimated speedup {c['estimated_speedup']:.2f}x "
