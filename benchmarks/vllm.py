@@ -8,8 +8,9 @@ trained first when absent, about 20 minutes). Requests are chat prompts of held-
 with its own seed, at most `new_tokens` tokens (ending early at the end of the answer); at concurrency C a
 wave of C requests goes out at once (at 1: `waves_at_1` requests one after another), tokens/s is their
 tokens over the wave's wall time. The arms take turns, `repeats` times, so that other load on the machine meets
-both alike; each figure is the median of its turns, with its range. `live_tau` is vLLM's own count over the
-speculative turns (1 + accepted / drafts).
+both alike, and the replica whose turn it is not is stopped (SIGSTOP to its process group: an idle vLLM's threads
+would take the cores' time from the one measured); each figure is the median of its turns, with its range.
+`live_tau` is vLLM's own count over the speculative turns (1 + accepted / drafts).
 
     python -m benchmarks.run --only vllm
 """
@@ -17,10 +18,13 @@ speculative turns (1 + accepted / drafts).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +39,7 @@ class Sizes:
     waves_at_1: int
 
 
-FULL = Sizes(new_tokens=96, repeats=3, waves_at_1=3)
+FULL = Sizes(new_tokens=96, repeats=5, waves_at_1=4)
 FIGURES = (*(f"speedup_t{t:g}_c{c}" for t in TEMPERATURES for c in CONCURRENCY),
            *(f"live_tau_t{t:g}" for t in TEMPERATURES), "start_s_max", "rss_mb_max")
 
@@ -84,6 +88,19 @@ def _tokens_per_s(spec, prompts: list[list[int]], concurrency: int, temperature:
     return sum(t for t, _ in runs) / sum(s for _, s in runs)
 
 
+@contextmanager
+def _alone(pids: dict[str, int], arm: str) -> Iterator[None]:
+    """Every other replica's process group stopped while `arm`'s turn runs."""
+    others = [pid for name, pid in pids.items() if name != arm]
+    for pid in others:
+        os.killpg(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in others:
+            os.killpg(pid, signal.SIGCONT)
+
+
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": len(values)}
 
@@ -114,7 +131,7 @@ def run(tiny: bool = False, sizes: Sizes = FULL) -> dict:
     arms = {"plain": "", "speculative": str(drafter)}
     out: dict = {"drafter": str(drafter), "new_tokens": sizes.new_tokens, "start_s": {}, "rss_mb": {}}
     with ExitStack() as stack:
-        specs = {}
+        specs, pids = {}, {}
         for arm, drafter_dir in arms.items():
             driver = VllmDriver(server, "eagle3", 4, state, dev_mode=False)
             spec = ReplicaSpec(f"bench-{arm}", "127.0.0.1", free_port())
@@ -123,8 +140,8 @@ def run(tiny: bool = False, sizes: Sizes = FULL) -> dict:
             stack.callback(driver.stop, spec)
             wait_healthy(spec, 300, lambda d=driver, s=spec: d.alive(s))
             out["start_s"][arm] = round(time.perf_counter() - start, 1)
-            specs[arm] = spec
-            out["rss_mb"][arm] = round(_tree_rss_mb(driver.processes[spec.name].pid))
+            specs[arm], pids[arm] = spec, driver.processes[spec.name].pid  # each leads its own session
+            out["rss_mb"][arm] = round(_tree_rss_mb(pids[arm]))
         for temperature in TEMPERATURES:
             label = f"t{temperature:g}"
             before = scrape(specs["speculative"])
@@ -132,8 +149,9 @@ def run(tiny: bool = False, sizes: Sizes = FULL) -> dict:
                 turns: dict[str, list[float]] = {arm: [] for arm in arms}
                 for repeat in range(sizes.repeats):
                     for arm in (arms if repeat % 2 == 0 else reversed(list(arms))):
-                        turns[arm].append(_tokens_per_s(specs[arm], prompts, concurrency, temperature, sizes,
-                                                        seed=1000 * repeat))
+                        with _alone(pids, arm):
+                            turns[arm].append(_tokens_per_s(specs[arm], prompts, concurrency, temperature, sizes,
+                                                            seed=1000 * repeat))
                 cell = {arm: _spread(values) for arm, values in turns.items()}
                 ratios = [s / p for s, p in zip(turns["speculative"], turns["plain"], strict=True)]
                 cell["speedup"] = _spread(ratios)
