@@ -335,14 +335,20 @@ class VllmDriver(LocalProcessDriver):
         return target, json.loads(argv[argv.index("--speculative-config") + 1]).get("model") or ""
 
 
-def local_policy_dir(target: str) -> str:
-    """The local directory a local replica loads the policy from (`file://` or a path)."""
+def local_directory(target: str) -> str | None:
+    """The local directory of a policy checkpoint URI (`file://` or a path), as the `disk` backend reads it;
+    None for a remote one (s3://), which only a restart loads."""
     if target.startswith("file://"):
         return urllib.request.url2pathname(target[len("file://"):])
-    if "://" in target:
+    return target if target.startswith("/") else None
+
+
+def local_policy_dir(target: str) -> str:
+    """The local directory a local replica loads the policy from (`file://` or a path)."""
+    if (directory := local_directory(target)) is None:
         raise ValueError(f"a local vLLM replica loads its policy from this machine's disk, not {target.split(':')[0]}"
                          "://: stage it locally, or use fleet.driver command")
-    return target
+    return directory
 
 
 class PortTakenError(RuntimeError):

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pipeline.data.records import DeployReport, ReplicaDeploy, UpdateKind
-from pipeline.serving.drivers import ReplicaDriver, ReplicaSpec
+from pipeline.serving.drivers import ReplicaDriver, ReplicaSpec, local_directory
 from pipeline.serving.gates import GateConfig, GateError, check_replica, wait_healthy
-from pipeline.serving.hot_update import HotUpdateFailed, HotUpdateUnsupported, Weights, hot_update, local_directory
+from pipeline.serving.hot_update import HotUpdateFailed, HotUpdateUnsupported, Weights, hot_update
 
 UpdateMode = Literal["hot", "restart"]
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import time
 import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,14 +88,6 @@ def _send_drafter(replica: ReplicaSpec, drafter_dir: str, label: str, start: str
     _dev_call(replica, start, {})
     _dev_call(replica, "/update_weights", {"update_info": {"path": str(Path(drafter_dir).resolve())}})
     _dev_call(replica, "/finish_weight_update", {"weight_version": label})
-
-
-def local_directory(target: str) -> str | None:
-    """The local directory of a policy checkpoint URI (`file://` or a path), as the `disk` backend reads it;
-    None for a remote one (s3://), which only a restart loads."""
-    if target.startswith("file://"):
-        return urllib.request.url2pathname(target[len("file://"):])
-    return target if target.startswith("/") else None
 
 
 def policy_version(policy_dir: str) -> str:

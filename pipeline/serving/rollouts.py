@@ -32,12 +32,11 @@ from pipeline.data.lease import hold
 from pipeline.data.records import FleetPolicy, write_record
 from pipeline.data.store import ObjectStore
 from pipeline.serving import metrics as serving_metrics
-from pipeline.serving.drivers import ReplicaDriver, ReplicaSpec, call
+from pipeline.serving.drivers import ReplicaDriver, ReplicaSpec, call, local_directory
 from pipeline.serving.gates import wait_healthy
 from pipeline.serving.hot_update import (
     HotUpdateFailed,
     HotUpdateUnsupported,
-    local_directory,
     policy_version,
     send_policy,
 )

@@ -27,10 +27,10 @@ from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import load_drafter
 from pipeline.serving import metrics as serving_metrics
 from pipeline.serving.deploy import record_stopped
-from pipeline.serving.drivers import ReplicaSpec, StandInDriver
+from pipeline.serving.drivers import ReplicaSpec, StandInDriver, local_directory
 from pipeline.serving.fleet import StagedDrafter, roll_back, rolling_deploy
 from pipeline.serving.gates import GateConfig, GateError
-from pipeline.serving.hot_update import HotUpdateFailed, Weights, hot_update, local_directory
+from pipeline.serving.hot_update import HotUpdateFailed, Weights, hot_update
 from tests.unit.serving.conftest import free_port
 
 GATES = GateConfig(ready_timeout_s=90, canary_requests=2, canary_tokens=8, min_live_tau=1.0)
