@@ -119,7 +119,7 @@ def test_the_drafter_is_replaced_in_place_without_dropping_a_request(replica, dr
     assert first > 0, "the drafter initialised from the target accepts some greedy drafts"
     in_flight: dict[str, list[int]] = {}
     request = threading.Thread(target=lambda: in_flight.setdefault(
-        "tokens", complete(replica.spec, prompts[1], 200, temperature=1.0, seed=3)))
+        "tokens", complete(replica.spec, prompts[1], 200, temperature=1.0, seed=3, ignore_eos=True)))
     request.start()
     held = hot_update(replica.spec, drafter_dirs.random, "2")
     request.join(timeout=300)

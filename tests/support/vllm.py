@@ -53,9 +53,10 @@ def running_replica(server: VllmServer, target: str, drafter_dir: str, state_dir
         driver.stop(replica.spec)
 
 
-def complete(spec: ReplicaSpec, prompt: list[int], max_tokens: int, temperature: float, seed: int = 0) -> list[int]:
+def complete(spec: ReplicaSpec, prompt: list[int], max_tokens: int, temperature: float, seed: int = 0,
+             ignore_eos: bool = False) -> list[int]:
     doc = json.loads(call(spec, "/v1/completions", {
         "model": spec.served_model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-        "seed": seed, "return_token_ids": True}, timeout=300))
+        "seed": seed, "return_token_ids": True, "ignore_eos": ignore_eos}, timeout=300))
     return list(doc["choices"][0]["token_ids"])
 
