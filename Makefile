@@ -72,7 +72,7 @@ test: $(STAMP) $(VLLM_STAMP) browser postgresql
 	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
 
 # postgresql: the tests marked postgres but not slow (a database outage, the Dagster daemon on PostgreSQL) run here too.
-test-fast: $(STAMP) $(VLLM_STAMP) postgresql
+test-fast: $(STAMP) postgresql
 	$(PY) -m pytest -q -m "not slow" tests
 
 # The browser tests alone; the last line printed is the folder of their screenshots. postgresql: one of
@@ -98,4 +98,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf .data $(VENV)
+	rm -rf .data $(VENV) $(VLLM_VENV)
