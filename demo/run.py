@@ -197,8 +197,8 @@ def run_demo(steps: int, config_path: str | None, drafter: str | None = None, so
         paced.stop(timeout=0)
         if refreshes:
             refreshes.stop()
-        if with_fleet and cfg.fleet.driver == "standin":
-            deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the demo's stand-ins end with it
+        if with_fleet and cfg.fleet.driver in ("standin", "vllm"):
+            deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the demo's local replicas end with it
     bar.close()
     return demo_report(cfg, rows, time.perf_counter() - start, step_walls, fleet_state, source,
                         [w.to_json() for w in rollout_fleet.windows.values()] if rollout_fleet else None)
