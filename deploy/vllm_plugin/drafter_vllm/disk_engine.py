@@ -18,7 +18,6 @@ both sides read, which is how the pipeline stages checkpoints for its replicas a
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +43,7 @@ class DiskUpdateInfo(WeightTransferUpdateInfo):
     path: str = ""  # a directory of *.safetensors files, as the pipeline stages a checkpoint
 
     def __post_init__(self) -> None:
-        if not self.path or not os.path.isabs(self.path):
+        if not self.path or not Path(self.path).is_absolute():
             raise ValueError("update_info.path must be an absolute directory of safetensors files")
 
 
