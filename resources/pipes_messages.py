@@ -30,7 +30,13 @@ from pathlib import Path
 from threading import Event
 
 import dagster as dg
-from dagster._core.errors import DagsterPipesExecutionError  # what Dagster's Pipes clients raise
+
+# Dagster's private API, imported here alone: Dagster 1.13 exports neither the error its Pipes clients raise
+# (`DagsterPipesExecutionError`, which a launched stage must raise for Dagster to report it as theirs) nor the
+# function its message readers hand each line to (a Pipes message to the handler, any other line to stdout).
+# A Dagster upgrade that moves them fails at this import, in one place.
+from dagster._core.errors import DagsterPipesExecutionError
+from dagster._core.pipes.utils import extract_message_or_forward_to_stdout  # noqa: F401 (ray_jobs.py's)
 
 POLL_S = 0.01  # Dagster's own tail interval
 

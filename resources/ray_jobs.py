@@ -16,13 +16,12 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 
-from dagster._core.pipes.utils import extract_message_or_forward_to_stdout
 from dagster_pipes import PIPES_PROTOCOL_VERSION_FIELD
 from dagster_ray import PipesRayJobClient
 from dagster_ray.core.pipes import PipesRayJobMessageReader, tail_logs
 
 from pipeline.launch.placement import SUBMITTED_AT_ENV
-from resources.pipes_messages import CountedMessages
+from resources.pipes_messages import CountedMessages, extract_message_or_forward_to_stdout
 
 POLL_S = 0.1  # the job's status: a stage's end reaches Dagster this soon (dagster-ray's default: 1 s)
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import dagster as dg
-from dagster._core.errors import DagsterPipesExecutionError  # what PipesSubprocessClient raises
 
 from pipeline.launch.rendezvous import Peer
 from pipeline.launch.warm import Request, WarmWorker, WarmWorkerError
 from pipeline.stages import Stage
-from resources.pipes_messages import PipesWholeLineTempFileMessageReader
+from resources.pipes_messages import DagsterPipesExecutionError, PipesWholeLineTempFileMessageReader
 
 
 class PipesWarmClient(dg.PipesClient):

@@ -147,11 +147,9 @@ def run_layout(store: ObjectStore, run: str) -> RecordedLayout | None:
         return None
     where = store.uri(key)
     try:
-        doc = store.read_json(key)
-    except (UnicodeDecodeError, ValueError):
-        raise LayoutError(f"{where}: not JSON this pipeline reads") from None
-    if not isinstance(doc, dict):
-        raise LayoutError(f"{where}: not a JSON object")
+        doc = store.read_json_object(key)
+    except ValueError as exc:
+        raise LayoutError(str(exc)) from None
     try:
         layout = TargetLayout.from_json(doc.get("layout"))
     except LayoutError as exc:

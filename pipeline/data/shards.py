@@ -669,11 +669,9 @@ def read_manifest(store: ObjectStore, run: str, step: int) -> Manifest:
     key = hidden_states_manifest_key(run, step)
     where = store.uri(key)
     try:
-        data = store.read_json(key)
-    except (UnicodeDecodeError, ValueError):
-        raise ShardError(f"{where}: not JSON this pipeline reads") from None
-    if not isinstance(data, dict):
-        raise ShardError(f"{where}: not a JSON object")
+        data = store.read_json_object(key)
+    except ValueError as exc:
+        raise ShardError(str(exc)) from None
     try:
         return Manifest.from_json(data)
     except (ShardError, run_layout.LayoutError) as exc:

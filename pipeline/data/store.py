@@ -148,6 +148,16 @@ class ObjectStore:
     def read_json(self, key: str) -> Any:
         return json.loads(self.read_bytes(key))
 
+    def read_json_object(self, key: str) -> dict:
+        """A stored JSON object, read back as untrusted input: ValueError naming the object when it is not one."""
+        try:
+            doc = self.read_json(key)
+        except (UnicodeDecodeError, ValueError):
+            raise ValueError(f"{self.uri(key)}: not JSON this pipeline reads") from None
+        if not isinstance(doc, dict):
+            raise ValueError(f"{self.uri(key)}: not a JSON object")
+        return doc
+
     @contextmanager
     def open_ranges(self, key: str) -> Iterator[RangeReader]:
         """Reads of byte ranges of one object: a memory map of a local file, ranged GETs on S3."""
