@@ -610,6 +610,10 @@ class FleetConfig(_Strict):
     canary_requests: int = Field(default=4, ge=1, description="Completions in a replica's canary window.")
     canary_tokens: int = Field(default=24, ge=1, description="Tokens per canary completion.")
     min_live_tau: float = Field(default=1.0, ge=1.0, description="Deploy gate: live tau over the canary window.")
+    tau_agreement: float | None = Field(
+        default=0.05, gt=0, description="Deploy gate of a `vllm` fleet: the canary window's live tau (vLLM's own "
+        "counters) within this share of the product's count of the rounds along the same tokens; null: not checked."
+    )
     ready_timeout_s: float = Field(default=120.0, gt=0, description="Time a restarted replica has to be healthy.")
     live_tau_floor: float = Field(
         default=0.0, ge=0.0, description="Request retraining when the fleet's live tau falls below this (0: never)."

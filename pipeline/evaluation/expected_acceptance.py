@@ -36,6 +36,7 @@ from pipeline.models.eagle3 import Eagle3Drafter, TTTCache
 class ChainProbabilities:
     drafts: torch.Tensor  # (S, k) draft token ids per start
     accept: torch.Tensor  # (S, k) p_T(d_j | context, d_1..d_{j-1})
+    argmax: torch.Tensor | None = None  # (S, k) bool: d_j is the target's argmax there (what greedy decoding keeps)
 
     def tau(self) -> torch.Tensor:
         """(S,) expected tokens per target forward of each start's round."""
@@ -87,18 +88,19 @@ def _chain(model: PreTrainedModel, sequence: torch.Tensor, starts: torch.Tensor,
     prefix = prefix or target_prefix(model, sequence)
     cache = prefix.cache
     logits = model.lm_head(prefix.features[starts - 1])  # (S, V): what predicts each start's first draft
-    drafts, accept = [], []
+    drafts, accept, argmax = [], [], []
     for j in range(k):
         logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)  # (S, V)
         draft = choose(j, logprobs)  # (S,)
         drafts.append(draft)
         accept.append(logprobs.gather(-1, draft[:, None]).squeeze(-1).exp())
+        argmax.append(draft == logprobs.argmax(-1))
         if j + 1 < k:
             logits = target_forward.forward(model, draft[None], position_ids=(starts + j)[None], past_key_values=cache,
                                             attention_mask=_step_mask(n, starts, j + 1, model.dtype)).logits[0]
     if cache.get_seq_length() > n:
         cache.crop(n - cache.get_seq_length())  # a negative count: the draft columns off the end
-    return ChainProbabilities(torch.stack(drafts, dim=1), torch.stack(accept, dim=1))
+    return ChainProbabilities(torch.stack(drafts, dim=1), torch.stack(accept, dim=1), torch.stack(argmax, dim=1))
 
 
 @torch.no_grad()

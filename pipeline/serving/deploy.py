@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import time
@@ -31,6 +32,7 @@ from pipeline.data.records import (
 )
 from pipeline.data.store import ObjectStore
 from pipeline.registry import DrafterRegistry
+from pipeline.serving import agreement
 from pipeline.serving import live_tau as live_tau_lib
 from pipeline.serving.drivers import (
     CommandDriver,
@@ -116,8 +118,14 @@ def check_exposure(cfg: PipelineConfig) -> None:
 
 
 def gate_config(cfg: PipelineConfig) -> GateConfig:
+    """The gates of `fleet.*`; a `vllm` fleet's live tau is held to the product's count of the canaries' rounds
+    (a stand-in decodes with the product's own rule: nothing to hold it to)."""
     f = cfg.fleet
-    return GateConfig(f.ready_timeout_s, f.canary_requests, f.canary_tokens, f.min_live_tau)
+    count = None
+    if f.driver == "vllm" and f.tau_agreement is not None:
+        count = functools.partial(agreement.counted_tau, k=cfg.eval.num_speculative_tokens)
+    return GateConfig(f.ready_timeout_s, f.canary_requests, f.canary_tokens, f.min_live_tau,
+                      f.tau_agreement or 0.0, count)
 
 
 @dataclass(frozen=True)

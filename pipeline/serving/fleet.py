@@ -21,7 +21,7 @@ from typing import Literal
 
 from pipeline.data.records import DeployReport, ReplicaDeploy, UpdateKind
 from pipeline.serving.drivers import ReplicaDriver, ReplicaSpec, local_directory
-from pipeline.serving.gates import GateConfig, GateError, check_replica, wait_healthy
+from pipeline.serving.gates import GateConfig, GateError, Served, check_replica, wait_healthy
 from pipeline.serving.hot_update import HotUpdateFailed, HotUpdateUnsupported, Weights, hot_update
 
 UpdateMode = Literal["hot", "restart"]
@@ -85,7 +85,7 @@ def _try_hot(replica: ReplicaSpec, driver: ReplicaDriver, target: str, version: 
         return None
     driver.updated(replica, drafter_dir, target if new_policy else None)
     try:
-        tau = check_replica(replica, gates, canary_prompts, alive)
+        tau = check_replica(replica, gates, canary_prompts, alive, Served(local_directory(target), drafter_dir))
     except GateError as exc:
         how = roll_back(replica, driver, served, previous, gates, alive, old_policy)
         attempt.note = f"hot-updated replica failed a gate ({exc}); rolled back to version {previous.version} " \
@@ -118,6 +118,7 @@ def rolling_deploy(
     directories. Any other, and one whose hot update fails (rolled back to `previous` first, on the policy it
     served), is restarted."""
     recorded = recorded or {}
+    served = Served(local_directory(target), drafter_dir)
     done: list[ReplicaDeploy] = []
     for i, replica in enumerate(replicas):
         start = time.monotonic()
@@ -126,7 +127,7 @@ def rolling_deploy(
         serving = driver.serving(replica)
         if serving == (target, drafter_dir):
             with suppress(GateError):  # failing while already serving it: updated like the others
-                tau = check_replica(replica, gates, canary_prompts, alive)
+                tau = check_replica(replica, gates, canary_prompts, alive, served)
                 attempt.update = "none"
         # The policy it serves: what the driver sees, else what the fleet's state recorded.
         policy = serving[0] if serving else (recorded[replica.name].target if replica.name in recorded else "")
@@ -143,7 +144,7 @@ def rolling_deploy(
                                    alive, attempt, policy)
             if tau is None:
                 driver.restart(replica, target, drafter_dir)
-                tau = check_replica(replica, gates, canary_prompts, alive)
+                tau = check_replica(replica, gates, canary_prompts, alive, served)
         except GateError as exc:
             rolled_back = ()
             if previous is not None:

@@ -1,6 +1,7 @@
 """The gates a replica passes before a deploy moves on: GET /health answers 200, GET /v1/models lists the served
-model, a smoke completion returns tokens, and over a canary window of completions its live mean acceptance length
-(from GET /metrics) reaches the configured minimum.
+model, a smoke completion returns tokens, over a canary window of completions its live mean acceptance length
+(from GET /metrics) reaches the configured minimum and, where the product can count the window itself, agrees
+with the product's count of the same tokens (`pipeline.serving.agreement`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeline.data.records import ReplicaDeploy
+from pipeline.serving.agreement import AgreementUnmeasured, Canary, disagreement
 from pipeline.serving.drivers import ReplicaSpec, call
 from pipeline.serving.metrics import scrape
 
@@ -33,6 +35,18 @@ class GateConfig:
     canary_requests: int
     canary_tokens: int
     min_live_tau: float
+    tau_agreement: float = 0.05
+    # The product's count of the window's rounds, given the replica's policy and drafter directories: the
+    # agreement gate; None where it is not checked.
+    count: Callable[[str, str, list[Canary]], float] | None = None
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a replica was given, as local directories: what the product counts its canaries with."""
+
+    policy_dir: str | None  # None: not on local disk, so the agreement is not checked
+    drafter_dir: str
 
 
 def wait_healthy(replica: ReplicaSpec, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> None:
@@ -50,7 +64,8 @@ def wait_healthy(replica: ReplicaSpec, timeout_s: float, alive: Callable[[], boo
 
 
 def check_replica(
-    replica: ReplicaSpec, gates: GateConfig, canary_prompts: list[list[int]], alive: Callable[[], bool] = lambda: True
+    replica: ReplicaSpec, gates: GateConfig, canary_prompts: list[list[int]], alive: Callable[[], bool] = lambda: True,
+    served: Served | None = None,
 ) -> float:
     """All gates in order; returns the live mean acceptance length over the canary window."""
     wait_healthy(replica, gates.ready_timeout_s, alive)
@@ -58,20 +73,31 @@ def check_replica(
         models = [m["id"] for m in json.loads(call(replica, "/v1/models"))["data"]]
         if replica.served_model_name not in models:
             raise GateError(f"replica {replica.name}: /v1/models lists {models}, not {replica.served_model_name!r}")
-        # Canaries decode greedily (temperature 0): the same window measures the same drafter alike.
+        # Canaries decode greedily (temperature 0): the same window measures the same drafter alike, and their
+        # answers fix the rounds the product counts.
         smoke = json.loads(call(replica, "/v1/completions", {
             "model": replica.served_model_name, "prompt": canary_prompts[0], "max_tokens": 4, "temperature": 0}))
         if not smoke["choices"] or not smoke["choices"][0].get("text"):
             raise GateError(f"replica {replica.name}: the smoke completion returned no text")
         before = scrape(replica)
+        canaries = []
         for i in range(gates.canary_requests):
-            call(replica, "/v1/completions", {"model": replica.served_model_name,
-                                              "prompt": canary_prompts[i % len(canary_prompts)],
-                                              "max_tokens": gates.canary_tokens, "temperature": 0})
+            prompt = canary_prompts[i % len(canary_prompts)]
+            answer = json.loads(call(replica, "/v1/completions", {
+                "model": replica.served_model_name, "prompt": prompt, "max_tokens": gates.canary_tokens,
+                "temperature": 0, "return_token_ids": True}))
+            canaries.append(Canary(prompt, answer["choices"][0]["token_ids"]))
         window = scrape(replica) - before
     except (urllib.error.URLError, KeyError, json.JSONDecodeError) as exc:
         raise GateError(f"replica {replica.name}: {exc}") from None
     tau = window.mean_acceptance_length
     if tau is None or tau < gates.min_live_tau:
         raise GateError(f"replica {replica.name}: live tau {tau} below the gate {gates.min_live_tau}")
+    if gates.count is not None and served is not None and served.policy_dir is not None:
+        try:
+            counted = gates.count(served.policy_dir, served.drafter_dir, canaries)
+        except AgreementUnmeasured as exc:
+            raise GateError(f"replica {replica.name}: {exc}") from None
+        if why := disagreement(tau, counted, gates.tau_agreement):
+            raise GateError(f"replica {replica.name}: {why}")
     return tau

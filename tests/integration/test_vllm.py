@@ -8,6 +8,7 @@ takes 25-50 s on this machine."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -22,15 +23,19 @@ from pipeline.config import DrafterConfig
 from pipeline.data.store import ObjectStore
 from pipeline.data.uris import UriPolicy
 from pipeline.evaluation.expected_acceptance import round_starts, target_argmax_chain
+from pipeline.evaluation.speculative import greedy_generate
 from pipeline.models import drafter as drafters
 from pipeline.models import target_forward
 from pipeline.models.checkpoint import save_drafter
 from pipeline.sampling import SamplingParams
+from pipeline.serving.agreement import counted_tau
+from pipeline.serving.gates import GateConfig, GateError, Served, check_replica
 from pipeline.serving.hot_update import HotUpdateFailed, Weights, hot_update, send_policy
 from pipeline.serving.metrics import scrape
 from pipeline.serving.rollouts import FleetRollouts
 from pipeline.sources import smollm2
 from pipeline.sources.rollout_engine import RolloutRequest
+from tests.support.eagle3 import fit_first_step
 from tests.support.vllm import complete, require_vllm, running_replica
 
 pytestmark = pytest.mark.slow
@@ -40,11 +45,13 @@ COUNTING = " ".join(str(i) for i in range(1, 30))
 
 @dataclass(frozen=True)
 class Drafters:
-    """Two EAGLE-3 exports for SmolLM2 that accept differently: `from_target` (its layer and head initialised from
-    the target's, as the first drafter's recipe starts) and `random`."""
+    """EAGLE-3 exports for SmolLM2 that accept differently: `from_target` (its layer and head initialised from the
+    target's, as the first drafter's recipe starts), `random`, and `fitted` (its first step fitted to the target's
+    greedy answers to the test's prompts: it keeps many drafts)."""
 
     from_target: str
     random: str
+    fitted: str
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +60,13 @@ def target(smollm2_checkpoint: Path):
 
 
 @pytest.fixture(scope="module")
-def drafter_dirs(target, tmp_path_factory: pytest.TempPathFactory) -> Drafters:
+def prompts(smollm2_checkpoint: Path) -> list[list[int]]:
+    tokenizer = smollm2.load_tokenizer(smollm2_checkpoint)
+    return [tokenizer.encode(text) for text in (COUNTING, "The capital of France is", "def fibonacci(n):")]
+
+
+@pytest.fixture(scope="module")
+def drafter_dirs(target, prompts, tmp_path_factory: pytest.TempPathFactory) -> Drafters:
     out = tmp_path_factory.mktemp("drafters")
     counts = torch.ones(target.config.vocab_size)
     metadata = target_forward.TargetMetadata.of(target.config)
@@ -62,13 +75,13 @@ def drafter_dirs(target, tmp_path_factory: pytest.TempPathFactory) -> Drafters:
     first.init_layer_from_target(target)
     save_drafter(first, out / "from-target", metadata)
     save_drafter(drafters.fresh_drafter(config, target, counts, seed=1), out / "random", metadata)
-    return Drafters(str(out / "from-target"), str(out / "random"))
-
-
-@pytest.fixture(scope="module")
-def prompts(smollm2_checkpoint: Path) -> list[list[int]]:
-    tokenizer = smollm2.load_tokenizer(smollm2_checkpoint)
-    return [tokenizer.encode(text) for text in (COUNTING, "The capital of France is", "def fibonacci(n):")]
+    texts = [torch.tensor(p + greedy_generate(target, torch.tensor(p), 40)) for p in prompts]
+    for text in texts:
+        counts[text] += 1000  # the answers' tokens in the draft vocabulary
+    fitted = drafters.fresh_drafter(config, target, counts, seed=2)
+    fitted.init_layer_from_target(target)
+    save_drafter(fit_first_step(fitted, target, texts, steps=60, lr=3e-3), out / "fitted", metadata)
+    return Drafters(str(out / "from-target"), str(out / "random"), str(out / "fitted"))
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +122,21 @@ def test_a_replica_generates_the_steps_rollouts_and_counts_its_drafts(replica, p
     assert (window.rollouts, window.tokens) == (len(requests), 16 * len(requests))
     assert window.counters.drafts > 0
     assert window.counters.draft_tokens == 4 * window.counters.drafts
+
+
+def test_the_live_tau_agrees_with_the_products_count_of_the_same_tokens(replica, drafter_dirs: Drafters,
+                                                                       prompts) -> None:
+    gates = GateConfig(300, 6, 32, 1.0, 0.05, functools.partial(counted_tau, k=4))
+    policy = replica.target.removeprefix("file://")
+    hot_update(replica.spec, drafter_dirs.fitted, "4")
+    try:
+        live = check_replica(replica.spec, gates, prompts, served=Served(policy, drafter_dirs.fitted))
+        assert live > 1.5, "the fitted drafter keeps drafts: the rounds differ in length"
+        # Counted with another drafter than the one the replica runs: the deploy refuses to call it healthy.
+        with pytest.raises(GateError, match=r"\(the product's count of the same tokens\) differ by"):
+            check_replica(replica.spec, gates, prompts, served=Served(policy, drafter_dirs.from_target))
+    finally:
+        hot_update(replica.spec, drafter_dirs.from_target, "5")
 
 
 @pytest.mark.reliability("fault", "real vLLM replica: a drafter sent in place while a request decodes: the request "

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaForCausalLM
+import torch.nn.functional as F
+from transformers import LlamaForCausalLM, PreTrainedModel
 
 from pipeline.models import target_forward
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Drafter, TTTCache, default_aux_layer_ids, draft_vocab
@@ -98,3 +99,31 @@ def target_samples(target: LlamaForCausalLM, aux: tuple[int, ...], count: int, s
         out.append((ids, layers.flatten(1).float(), mask))
     return out
 
+
+
+def fit_first_step(drafter: Eagle3Drafter, target: PreTrainedModel, texts: list[torch.Tensor], steps: int,
+                   lr: float = 1e-2) -> Eagle3Drafter:
+    """`drafter` (attached to `target`) with its first draft step fitted to `texts`, so that greedy decoding of
+    their prompts keeps 0 to k drafts a round (an untrained drafter keeps almost none, every round alike). The
+    embeddings are the target's and stay as they are."""
+    draft_index = {int(t): i for i, t in enumerate(drafter.draft_to_target.tolist())}
+    optimizer = torch.optim.Adam([p for name, p in drafter.named_parameters() if "embed" not in name], lr=lr)
+    inputs = []
+    for text in texts:
+        n = text.shape[0] - 2  # pairs (f_t, x_{t+1}) whose step 0 drafts x_{t+2}
+        with torch.no_grad():
+            layers = target_forward.forward(target, text[None], drafter.decode_layer_ids).layers  # (1, N, L, H)
+        labels = torch.tensor([draft_index.get(int(t), -100) for t in text[2:]])  # (n,) -100: not in the vocab
+        inputs.append((text[None, 1 : n + 1], layers.flatten(2)[:, :n].float(), labels))
+    drafter.train()
+    for _ in range(steps):
+        loss = torch.zeros(())
+        for ids, features, labels in inputs:
+            n = ids.shape[1]
+            state = drafter.step(ids, drafter.project_aux(features), torch.arange(n)[None], causal(n), TTTCache())
+            logits = drafter.lm_head(drafter.logits_input(state))[0]  # (n, DV)
+            loss = loss + F.cross_entropy(logits, labels, ignore_index=-100)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return drafter.eval()
