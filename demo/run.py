@@ -100,7 +100,7 @@ class _Source:
     rl: object  # SimulatedRL, GRPODemo or ArithmeticGRPODemo
     kind: str  # the header's "<steps> <kind> steps"
     what: str  # the progress bar's note while the steps run
-    ready: str  # what is loaded once its pre-trained model is
+    ready: str  # what the header says is ready once its pre-trained model has loaded
 
 
 @dataclass(frozen=True)
