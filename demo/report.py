@@ -51,13 +51,13 @@ def tail_summary(goals: dict | None, breakdowns: dict) -> dict | None:
 
 
 def demo_report(cfg: PipelineConfig, rows: list[StepRow], wall: float, step_walls: list[float],
-                 fleet_state: tuple[ReplicaDeploy, ...], source: str, fleet_rollouts: list[dict] | None = None) -> Path:
+                fleet_state: tuple[ReplicaDeploy, ...], source: str, fleet_rollouts: list[dict] | None = None) -> Path:
     """The table, the plot and the JSON summary of a demo."""
     from pipeline.accounting import report
     from pipeline.accounting.ledger import read_ledger
     from pipeline.data.store import open_store
 
-    out_dir, k, steps = cfg.data_path / "demo", cfg.eval.num_speculative_tokens, len(rows)
+    out_dir, k = cfg.data_path / "demo", cfg.eval.num_speculative_tokens
     plot = report.plot(rows, k, out_dir / "acceptance.png", cfg.drafter.kind)
     ledger = read_ledger(open_store(cfg), cfg.run, [r.step for r in rows])
     ledger_plot = out_dir / "ledger.png"
@@ -88,39 +88,64 @@ def demo_report(cfg: PipelineConfig, rows: list[StepRow], wall: float, step_wall
         out(report.format_phases(rows, ledger))
         out()
     if any(r.rollout_s_none is not None for r in rows):
-        out("rollouts replayed after each step, the same requests and seeds per arm (seconds; speedup in tokens/s "
-            "over no speculation, whole step and tail; vs base: served over never-retrained):")
-        out(report.format_replay(rows))
-        goals = report.speedup_goals(rows)
-        if goals:
-            def spread(name: str) -> str:
-                value = goals[name]
-                return "-" if value is None else f"{value['min']:.2f}x (mean {value['mean']:.2f}x)"
-
-            out(f"served over no speculation, steps {goals['steps']}: tail at least {spread('served_tail')}, "
-                f"whole step {spread('served_whole')}, at its worst batch size {spread('served_worst_batch')}; "
-                f"over the never-retrained drafter {spread('served_over_baseline')}")
-        out()
+        _print_replay(rows)
     if any(r.tail_tau_start is not None for r in rows):
-        goals = report.tail_goals(rows)
-        out(report.format_tail(rows))
-        out("(tail: the step's parts after the refresh's qualifying part; * refreshed but not deployed)")
-        if goals:
-            def ratio(value: float | None, spec: str) -> str:
-                return "-" if value is None else format(value, spec)
+        _print_tail(rows, breakdowns)
+    _print_closing(cfg, rows, fleet, fleet_rollouts, summary_costs, tokens_per_s)
+    out(f"wall time {wall:.1f}s ({wall / len(rows):.1f}s per step)")
+    out(f"plots:   {plot}, {ledger_plot}, {replay_plot}")
+    out(f"summary: {summary}")
+    out("Browse the runs, partitions and checks with `make ui`.")
+    return summary
 
-            out(f"tail tau over steps {goals['steps']}: refreshed / whole-step "
-                f"{ratio(goals['refreshed_over_whole_step'], '.2f')}x, refreshed / start-of-step "
-                f"{ratio(goals['refreshed_over_start'], '.2f')}x; "
-                f"refresh latency {ratio(goals['latency_s'], '.1f')} s, "
-                f"{ratio(goals['latency_share'], '.0%')} of the step's rollout period")
-        if breakdowns:
-            out()
-            out("refresh latency, seconds from the qualifying part's publication to every replica updated:")
-            out(report.format_breakdown(breakdowns))
+
+def _print_replay(rows: list[StepRow]) -> None:
+    """The rollouts replayed after each step, and the speedups they measured."""
+    from pipeline.accounting import report
+
+    out("rollouts replayed after each step, the same requests and seeds per arm (seconds; speedup in tokens/s "
+        "over no speculation, whole step and tail; vs base: served over never-retrained):")
+    out(report.format_replay(rows))
+    goals = report.speedup_goals(rows)
+    if goals:
+        def spread(name: str) -> str:
+            value = goals[name]
+            return "-" if value is None else f"{value['min']:.2f}x (mean {value['mean']:.2f}x)"
+
+        out(f"served over no speculation, steps {goals['steps']}: tail at least {spread('served_tail')}, "
+            f"whole step {spread('served_whole')}, at its worst batch size {spread('served_worst_batch')}; "
+            f"over the never-retrained drafter {spread('served_over_baseline')}")
+    out()
+
+
+def _print_tail(rows: list[StepRow], breakdowns: dict) -> None:
+    """The tail of each step after its refresh, its goals, and the refreshes' latency by part."""
+    from pipeline.accounting import report
+
+    goals = report.tail_goals(rows)
+    out(report.format_tail(rows))
+    out("(tail: the step's parts after the refresh's qualifying part; * refreshed but not deployed)")
+    if goals:
+        def ratio(value: float | None, spec: str) -> str:
+            return "-" if value is None else format(value, spec)
+
+        out(f"tail tau over steps {goals['steps']}: refreshed / whole-step "
+            f"{ratio(goals['refreshed_over_whole_step'], '.2f')}x, refreshed / start-of-step "
+            f"{ratio(goals['refreshed_over_start'], '.2f')}x; "
+            f"refresh latency {ratio(goals['latency_s'], '.1f')} s, "
+            f"{ratio(goals['latency_share'], '.0%')} of the step's rollout period")
+    if breakdowns:
         out()
+        out("refresh latency, seconds from the qualifying part's publication to every replica updated:")
+        out(report.format_breakdown(breakdowns))
+    out()
+
+
+def _print_closing(cfg: PipelineConfig, rows: list[StepRow], fleet: list[dict], fleet_rollouts: list[dict] | None,
+                   round_costs: list[dict], tokens_per_s: float | None) -> None:
+    """tau from the first step to the last, what the fleet runs, and the last drafter's costs and training rate."""
     first, last = rows[0], rows[-1]
-    out(f"tau over {steps} steps: co-trained {first.tau_cotrained:.2f} -> {last.tau_cotrained:.2f}, "
+    out(f"tau over {len(rows)} steps: co-trained {first.tau_cotrained:.2f} -> {last.tau_cotrained:.2f}, "
         f"never retrained {first.tau_baseline:.2f} -> {last.tau_baseline:.2f} "
         f"({(last.tau_baseline / first.tau_baseline - 1) * 100:+.0f}%)")
     kind = "a stand-in, not vLLM" if cfg.fleet.driver == "standin" else f"{cfg.fleet.driver} driver"
@@ -128,22 +153,22 @@ def demo_report(cfg: PipelineConfig, rows: list[StepRow], wall: float, step_wall
         out(f"fleet: {replica['replica']} ({kind}) runs drafter version {replica['version']}, "
             f"live tau {replica['live_tau']:.2f} over its deploy's canaries")
     for w in fleet_rollouts or []:
-        tau = "-" if w["live_tau"] is None else f"{w['live_tau']:.2f}"
-        # Rounds by kind and the batch threshold are the stand-ins' own metrics; vLLM counts drafts only.
-        rounds = (f", rounds {int(w['rounds'].get('speculative', 0))} speculative / "
-                  f"{int(w['rounds'].get('plain', 0))} plain, largest batch speculating "
-                  f"{max((t for t in w['speculative_batch_threshold'].values() if t is not None), default=0)}"
-                  if w["rounds"] else "")
-        out(f"fleet rollouts, step {w['step']}: {w['rollouts']} rollouts, {w['tokens']} tokens in {w['seconds']:.1f}s "
-            f"({w['tokens_per_s'] or 0:.0f} tokens/s), live tau {tau} (the fleet's own count){rounds}")
-    for c in summary_costs:
+        out(_fleet_rollouts_line(w))
+    for c in round_costs:
         out(f"k={c['k']}: tau {c['tau']:.2f}, {c['drafter_forwards_per_round']:.0f} drafter forwards per round "
             f"({c['drafter_forwards_per_token']:.2f} per token), estimated speedup {c['estimated_speedup']:.2f}x "
             f"(drafter forward = {c['drafter_cost_ratio']:.3f} target forwards)")
     if tokens_per_s:
         out(f"training: {tokens_per_s:.0f} tokens/s (mean over the trained steps)")
-    out(f"wall time {wall:.1f}s ({wall / steps:.1f}s per step)")
-    out(f"plots:   {plot}, {ledger_plot}, {replay_plot}")
-    out(f"summary: {summary}")
-    out("Browse the runs, partitions and checks with `make ui`.")
-    return summary
+
+
+def _fleet_rollouts_line(w: dict) -> str:
+    """A step's rollouts on the fleet, as the fleet counted them."""
+    tau = "-" if w["live_tau"] is None else f"{w['live_tau']:.2f}"
+    # Rounds by kind and the batch threshold are the stand-ins' own metrics; vLLM counts drafts only.
+    rounds = (f", rounds {int(w['rounds'].get('speculative', 0))} speculative / "
+              f"{int(w['rounds'].get('plain', 0))} plain, largest batch speculating "
+              f"{max((t for t in w['speculative_batch_threshold'].values() if t is not None), default=0)}"
+              if w["rounds"] else "")
+    return (f"fleet rollouts, step {w['step']}: {w['rollouts']} rollouts, {w['tokens']} tokens in {w['seconds']:.1f}s "
+            f"({w['tokens_per_s'] or 0:.0f} tokens/s), live tau {tau} (the fleet's own count){rounds}")

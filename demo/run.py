@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,9 +21,14 @@ from pipeline.config import PROJECT_ROOT, PipelineConfig, load_config
 from pipeline.stages import EVALUATION, EXTRACTION, TRAINING
 
 if TYPE_CHECKING:
+    import dagster as dg
+    from tqdm import tqdm
+
+    from pipeline.accounting.report import StepRow
     from pipeline.data.store import ObjectStore
     from pipeline.registry import DrafterRegistry
     from pipeline.serving.rollouts import FleetRollouts
+    from pipeline.sources.pacing import PacedSource, Published
 
 GRPO_SOURCES = ("trl", "smollm2")  # sources that are TRL's GRPOTrainer, held one published step at a time
 
@@ -88,120 +93,237 @@ def fresh_demo(config_path: str | None, overrides: dict | None) -> PipelineConfi
     return cfg
 
 
-def run_demo(steps: int, config_path: str | None, drafter: str | None = None, source: str = "simulated",
-         overrides: dict | None = None) -> Path:
-    overrides = {**(overrides or {}), **({"drafter": {"kind": drafter}} if drafter else {})} or None
-    # One torch thread per process, inherited by every process the demo starts: on a small machine the
-    # source, the stages' workers, the refresh and the stand-ins run side by side, and OpenMP's spinning
-    # threads, one per core in each, made a 2-core demo's steps 4-7x slower than its CPU work.
+@dataclass(frozen=True)
+class _Source:
+    """The demo's source of RL steps, and how the demo speaks of it."""
+
+    rl: object  # SimulatedRL, GRPODemo or ArithmeticGRPODemo
+    kind: str  # the header's "<steps> <kind> steps"
+    what: str  # the progress bar's note while the steps run
+    ready: str  # what the header says is ready once its pre-trained model has loaded
+
+
+@dataclass(frozen=True)
+class _Demo:
+    """What the demo's phases share: the config, the pipeline's instance and stores, the rollout fleet."""
+
+    cfg: PipelineConfig
+    steps: int
+    source: str  # --source: simulated, trl or smollm2
+    instance: dg.DagsterInstance
+    ticks: SensorTicks
+    store: ObjectStore
+    registry: DrafterRegistry
+    rollout_fleet: FleetRollouts | None  # None: no fleet (fleet.driver none)
+
+    @property
+    def with_fleet(self) -> bool:
+        return self.rollout_fleet is not None
+
+
+@dataclass
+class _Finished:
+    """The steps the pipeline has finished, in order, and each one's wall time from publication to acceptance."""
+
+    rows: list[StepRow] = field(default_factory=list)
+    walls: list[float] = field(default_factory=list)
+
+
+def _one_torch_thread() -> None:
+    """One torch thread per process, inherited by every process the demo starts: on a small machine the
+    source, the stages' workers, the refresh and the stand-ins run side by side, and OpenMP's spinning
+    threads, one per core in each, made a 2-core demo's steps 4-7x slower than its CPU work."""
     for threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(threads, "1")
-    cfg = fresh_demo(config_path, overrides)
 
+
+def _open_pipeline(cfg: PipelineConfig, config_path: str | None, overrides: dict | None, steps: int,
+                   source: str) -> _Demo:
+    """The persisted Dagster instance and its sensors, the store, the registry and the rollout fleet; the stages'
+    warm workers start now, while the source runs its first step, so that no step waits for their imports."""
     import dagster as dg
-    from tqdm import tqdm
 
     from definitions import build_definitions
-    from pipeline.accounting import report
-    from pipeline.data.keys import acceptance_key
-    from pipeline.data.records import read_fleet_state
     from pipeline.data.store import open_store
     from pipeline.registry import open_registry
     from pipeline.serving import deploy
-    from pipeline.sources.pacing import PacedSource
-    from pipeline.sources.simulation import SimulatedRL
 
     instance = dg.DagsterInstance.get()
     ticks = SensorTicks(instance, build_definitions(config_path, overrides))
     store, registry = open_store(cfg), open_registry(cfg)
-    # The stages' warm workers start now, while the source runs its first step: no step waits for their imports.
     prestart_workers(config_path, overrides, [EXTRACTION, TRAINING, EVALUATION])
-    with_fleet = cfg.fleet.driver != "none"
     # With a fleet, the fleet generates the rollouts: each step's policy is pushed to every replica first.
-    rollout_fleet = deploy.rollout_fleet(cfg, store) if with_fleet else None
-    engine = rollout_fleet.engine() if rollout_fleet else None
-    if source == "trl":  # real GRPO with TRL publishing through the trainer client
+    rollout_fleet = deploy.rollout_fleet(cfg, store) if cfg.fleet.driver != "none" else None
+    return _Demo(cfg, steps, source, instance, ticks, store, registry, rollout_fleet)
+
+
+def _rl_source(demo: _Demo) -> _Source:
+    """The source `--source` names, its rollouts decoded by the fleet when there is one."""
+    cfg, store, steps = demo.cfg, demo.store, demo.steps
+    engine = demo.rollout_fleet.engine() if demo.rollout_fleet else None
+    if demo.source == "trl":  # real GRPO with TRL publishing through the trainer client
         from pipeline.sources.trl import GRPODemo
 
-        rl = GRPODemo(store, cfg.run, steps, cfg.data_path / "demo" / "trl", engine=engine)
-        kind, what, ready = "TRL GRPO", "a TRL GRPO step and its rollouts", "TRL trainer and policy"
-    elif source == "smollm2":  # the real model: TRL's GRPO on SmolLM2-135M-Instruct, arithmetic rewards
-        rl = _smollm2_source(cfg, store, steps, engine)
-        kind, what, ready = "SmolLM2 GRPO", "a GRPO step of SmolLM2 and its rollouts", "SmolLM2 trainer and policy"
-    else:
-        rl = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache", engine)
-        kind, what, ready = "simulated RL", "simulating the RL update and rollouts", "pre-trained target"
+        return _Source(GRPODemo(store, cfg.run, steps, cfg.data_path / "demo" / "trl", engine=engine),
+                       "TRL GRPO", "a TRL GRPO step and its rollouts", "TRL trainer and policy")
+    if demo.source == "smollm2":  # the real model: TRL's GRPO on SmolLM2-135M-Instruct, arithmetic rewards
+        return _Source(_smollm2_source(cfg, store, steps, engine),
+                       "SmolLM2 GRPO", "a GRPO step of SmolLM2 and its rollouts", "SmolLM2 trainer and policy")
+    from pipeline.sources.simulation import SimulatedRL
 
-    out(f"Co-training demo: {steps} {kind} steps on {cfg.device}, drafter kind {cfg.drafter.kind}")
+    return _Source(SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache", engine),
+                   "simulated RL", "simulating the RL update and rollouts", "pre-trained target")
+
+
+def _announce(demo: _Demo, source: _Source) -> None:
+    cfg = demo.cfg
+    out(f"Co-training demo: {demo.steps} {source.kind} steps on {cfg.device}, drafter kind {cfg.drafter.kind}")
     out(f"  object store {cfg.storage_root}")
     out(f"  MLflow       {cfg.tracking_uri}")
-    out(f"  Dagster home {instance.root_directory}")
-    start = tick = time.perf_counter()
-    rl.pretrained()  # cached after the first demo
-    out(f"  {ready} ready in {time.perf_counter() - tick:.1f}s")
-    if with_fleet:
-        out(f"  fleet: {len(cfg.fleet.replicas)} {cfg.fleet.driver} replicas "
-            f"({'local CPU stand-ins, not vLLM' if cfg.fleet.driver == 'standin' else cfg.fleet.driver})")
-    if source == "smollm2" and rollout_fleet:  # the first drafter (drafter.warm_start) serves from step 1 on
-        tick = time.perf_counter()
-        try:
-            version = _serve_first_drafter(cfg, store, registry, rollout_fleet, rl, ticks)
-        except BaseException:
-            deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the replicas it started end with it
-            raise
-        out(f"  first drafter ({cfg.drafter.warm_start}) registered as version {version} (baseline, champion), "
-            f"served by the fleet in {time.perf_counter() - tick:.1f}s")
-    # The source publishes at its own pace in a background thread and never waits for the pipeline;
-    # the pipeline picks committed steps up through its sensor, as it would an external trainer's.
-    period = cfg.simulation.step_period_s
-    # Parts over the period's rollout share; the simulated source computes the next step's update while they decode.
-    run_step = (lambda step: rl.run_step(step, period)) if source in GRPO_SOURCES else \
-        (lambda step: rl.run_step(step, period, prepare_next=step < steps))
-    paced = PacedSource(run_step, steps, period).start()
-    refreshes = None
-    if cfg.refresh.enabled and with_fleet:  # the refresh sensor and its runs, as the daemon runs them beside steps
-        prepare_instance(instance)  # the storage's tables and pools, from this process first
-        refreshes = RefreshProcess(config_path, overrides, cfg.data_path / "demo" / "refresh.log")
-    rows, step_walls = [], []
-    bar = tqdm(total=steps, desc="RL steps", unit="step", file=sys.stdout, dynamic_ncols=True)
-    bar.set_postfix_str(what)
+    out(f"  Dagster home {demo.instance.root_directory}")
+
+
+def _load_pretrained(source: _Source) -> None:
+    tick = time.perf_counter()
+    source.rl.pretrained()  # cached after the first demo
+    out(f"  {source.ready} ready in {time.perf_counter() - tick:.1f}s")
+
+
+def _stop_replicas(cfg: PipelineConfig) -> None:
+    from pipeline.serving import deploy
+
+    deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))
+
+
+def _prepare_fleet(demo: _Demo, rl: object) -> None:
+    """The fleet's line of the header; with the SmolLM2 source, the first drafter (drafter.warm_start) served from
+    step 1 on."""
+    cfg = demo.cfg
+    if not demo.with_fleet:
+        return
+    out(f"  fleet: {len(cfg.fleet.replicas)} {cfg.fleet.driver} replicas "
+        f"({'local CPU stand-ins, not vLLM' if cfg.fleet.driver == 'standin' else cfg.fleet.driver})")
+    if demo.source != "smollm2":
+        return
+    tick = time.perf_counter()
     try:
-        while len(rows) < steps:
-            paced.raise_if_failed()
-            if refreshes:
-                refreshes.raise_if_failed()
-            ran = pipeline_tick(ticks, with_fleet and refreshes is None, bar.set_postfix_str)
-            for published in paced.published()[len(rows):]:
-                if not store.exists(acceptance_key(cfg.run, published.step)):
-                    break
-                step_walls.append(time.time() - published.at)
-                r = replace(report.step_row(store, cfg.run, published.step),
-                            deployed_version=registry.alias_version("live") if with_fleet else None,
-                            trl_mean_reward=round(published.result.mean_reward, 4) if source in GRPO_SOURCES else None)
-                rows.append(r)
-                bar.update(1)
-                bar.write(step_line(r, step_walls[-1]))
-            if not ran:
-                time.sleep(PIPELINE_TICK_S)  # nothing new committed: wait for the source
-        paced.stop()
+        version = _serve_first_drafter(cfg, demo.store, demo.registry, demo.rollout_fleet, rl, demo.ticks)
+    except BaseException:
+        _stop_replicas(cfg)  # the replicas it started end with it
+        raise
+    out(f"  first drafter ({cfg.drafter.warm_start}) registered as version {version} (baseline, champion), "
+        f"served by the fleet in {time.perf_counter() - tick:.1f}s")
+
+
+def _publish_steps(demo: _Demo, rl: object) -> PacedSource:
+    """The source publishing at its own pace in a background thread, never waiting for the pipeline: the pipeline
+    picks committed steps up through its sensor, as it would an external trainer's."""
+    from pipeline.sources.pacing import PacedSource
+
+    steps, period = demo.steps, demo.cfg.simulation.step_period_s
+    # Parts over the period's rollout share; the simulated source computes the next step's update while they decode.
+    run_step = (lambda step: rl.run_step(step, period)) if demo.source in GRPO_SOURCES else \
+        (lambda step: rl.run_step(step, period, prepare_next=step < steps))
+    return PacedSource(run_step, steps, period).start()
+
+
+def _start_refreshes(demo: _Demo, config_path: str | None, overrides: dict | None) -> RefreshProcess | None:
+    """The refresh sensor and its runs, as the daemon runs them beside steps; None without a refresh or a fleet."""
+    if not (demo.cfg.refresh.enabled and demo.with_fleet):
+        return None
+    prepare_instance(demo.instance)  # the storage's tables and pools, from this process first
+    return RefreshProcess(config_path, overrides, demo.cfg.data_path / "demo" / "refresh.log")
+
+
+def _step_row(demo: _Demo, published: Published) -> StepRow:
+    """A step's row once its acceptance record is written: the version the fleet runs, the trainer's mean reward."""
+    from pipeline.accounting import report
+
+    return replace(report.step_row(demo.store, demo.cfg.run, published.step),
+                   deployed_version=demo.registry.alias_version("live") if demo.with_fleet else None,
+                   trl_mean_reward=round(published.result.mean_reward, 4) if demo.source in GRPO_SOURCES else None)
+
+
+def _follow_steps(demo: _Demo, paced: PacedSource, refreshes: RefreshProcess | None, bar: tqdm) -> _Finished:
+    """The pipeline's sensors ticked until every step is accepted, each one a line under the progress bar."""
+    from pipeline.data.keys import acceptance_key
+
+    done = _Finished()
+    while len(done.rows) < demo.steps:
+        paced.raise_if_failed()
         if refreshes:
-            refreshes.wait_for_champion(store, cfg.run, registry)  # the last step's drafter reaches the fleet
-        if source in GRPO_SOURCES:
-            rl.finish()  # TRL's last optimizer step
-        if source == "smollm2":
-            rows = [replace(r, phases=p.to_json()) for r, p in zip(rows, rl.phases(), strict=True)]
-        fleet_state = read_fleet_state(store, cfg.run).replicas if with_fleet else ()
-        # a refresh that reached the fleet after its step's row was taken (the first step's, by a cold start)
-        rows = [replace(r, **report.tail_fields(store, cfg.run, r.step)) for r in rows]
+            refreshes.raise_if_failed()
+        ran = pipeline_tick(demo.ticks, demo.with_fleet and refreshes is None, bar.set_postfix_str)
+        for published in paced.published()[len(done.rows):]:
+            if not demo.store.exists(acceptance_key(demo.cfg.run, published.step)):
+                break
+            done.walls.append(time.time() - published.at)
+            done.rows.append(_step_row(demo, published))
+            bar.update(1)
+            bar.write(step_line(done.rows[-1], done.walls[-1]))
+        if not ran:
+            time.sleep(PIPELINE_TICK_S)  # nothing new committed: wait for the source
+    return done
+
+
+def _wind_down(demo: _Demo, paced: PacedSource, refreshes: RefreshProcess | None, rl: object) -> None:
+    """Every step accepted: the source stopped, the last step's drafter on the fleet, the trainer's last step taken."""
+    paced.stop()
+    if refreshes:
+        refreshes.wait_for_champion(demo.store, demo.cfg.run, demo.registry)
+    if demo.source in GRPO_SOURCES:
+        rl.finish()  # TRL's last optimizer step
+
+
+def _final_rows(demo: _Demo, rows: list[StepRow], rl: object) -> list[StepRow]:
+    """The rows with the SmolLM2 trainer's phases, and the refreshes that reached the fleet after their step's
+    row was taken (the first step's, by a cold start)."""
+    from pipeline.accounting import report
+
+    if demo.source == "smollm2":
+        rows = [replace(r, phases=p.to_json()) for r, p in zip(rows, rl.phases(), strict=True)]
+    return [replace(r, **report.tail_fields(demo.store, demo.cfg.run, r.step)) for r in rows]
+
+
+def _stop(demo: _Demo, paced: PacedSource, refreshes: RefreshProcess | None) -> None:
+    """The source, the refresh and the demo's local replicas end with the demo, however it ends."""
+    paced.stop(timeout=0)
+    if refreshes:
+        refreshes.stop()
+    if demo.with_fleet and demo.cfg.fleet.driver in ("standin", "vllm"):
+        _stop_replicas(demo.cfg)
+
+
+def run_demo(steps: int, config_path: str | None, drafter: str | None = None, source: str = "simulated",
+             overrides: dict | None = None) -> Path:
+    from tqdm import tqdm
+
+    from pipeline.data.records import read_fleet_state
+
+    overrides = {**(overrides or {}), **({"drafter": {"kind": drafter}} if drafter else {})} or None
+    _one_torch_thread()
+    cfg = fresh_demo(config_path, overrides)
+    demo = _open_pipeline(cfg, config_path, overrides, steps, source)
+    rl_source = _rl_source(demo)
+    rl = rl_source.rl
+    _announce(demo, rl_source)
+    start = time.perf_counter()
+    _load_pretrained(rl_source)
+    _prepare_fleet(demo, rl)
+    paced = _publish_steps(demo, rl)
+    refreshes = _start_refreshes(demo, config_path, overrides)
+    bar = tqdm(total=steps, desc="RL steps", unit="step", file=sys.stdout, dynamic_ncols=True)
+    bar.set_postfix_str(rl_source.what)
+    try:
+        done = _follow_steps(demo, paced, refreshes, bar)
+        _wind_down(demo, paced, refreshes, rl)
+        fleet_state = read_fleet_state(demo.store, cfg.run).replicas if demo.with_fleet else ()
+        rows = _final_rows(demo, done.rows, rl)
     finally:
-        paced.stop(timeout=0)
-        if refreshes:
-            refreshes.stop()
-        if with_fleet and cfg.fleet.driver in ("standin", "vllm"):
-            deploy.make_driver(cfg).stop_all(deploy.replicas(cfg))  # the demo's local replicas end with it
+        _stop(demo, paced, refreshes)
     bar.close()
-    return demo_report(cfg, rows, time.perf_counter() - start, step_walls, fleet_state, source,
-                        [w.to_json() for w in rollout_fleet.windows.values()] if rollout_fleet else None)
+    return demo_report(cfg, rows, time.perf_counter() - start, done.walls, fleet_state, source,
+                       [w.to_json() for w in demo.rollout_fleet.windows.values()] if demo.rollout_fleet else None)
 
 
 def compare_schedules(steps: int, config_path: str | None, source: str, kinds: list[str],

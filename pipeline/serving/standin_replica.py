@@ -65,6 +65,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -296,121 +297,149 @@ class Replica:
             self._session = None
 
 
+class StandInHandler(BaseHTTPRequestHandler):
+    """The stand-in's routes over HTTP; `make_handler` binds them to a replica, its API key and dev mode."""
+
+    server_version = "drafter-standin-replica"
+    timeout = CLIENT_TIMEOUT_S
+    replica: Replica
+    api_key: str | None = None
+    dev_mode = False
+
+    # -- the exchange ----------------------------------------------------------------------------------------
+
+    def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status: int, obj: dict) -> None:
+        self._send(status, json.dumps(obj).encode())
+
+    def _authorized(self) -> bool:
+        """Every route but PUBLIC_ROUTES needs the key: the control routes pause serving and load weights."""
+        if urlsplit(self.path).path in PUBLIC_ROUTES or not self.api_key:
+            return True
+        given = self.headers.get("Authorization", "").encode()
+        if hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+            return True
+        self._json(401, {"error": "Unauthorized"})
+        return False
+
+    def _body(self) -> dict:
+        raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        body = json.loads(raw) if raw else {}
+        if not isinstance(body, dict):
+            raise ValueError("the request body must be a JSON object")
+        return body
+
+    def _route(self, routes: dict[str, Callable[[], None]]) -> None:
+        if not self._authorized():
+            return
+        route = routes.get(urlsplit(self.path).path)
+        if route is None:
+            self._json(404, {"detail": "Not Found"})
+        else:
+            route()
+
+    def do_GET(self) -> None:
+        routes = {"/health": self._health, "/metrics": self._metrics, "/v1/models": self._models,
+                  "/standin/requests": self._request_counts}
+        if self.dev_mode:
+            routes |= {"/is_paused": self._is_paused, "/weight_info": self._weight_info}
+        self._route(routes)
+
+    def do_POST(self) -> None:
+        routes = {"/v1/completions": self._completion, "/standin/faults": self._faults}
+        if self.dev_mode:
+            routes |= {path: partial(self._dev_route, handle) for path, handle in DEV_ROUTES.items()}
+        self._route(routes)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    # -- GET routes ------------------------------------------------------------------------------------------
+
+    def _health(self) -> None:
+        self._send(200, b"", "text/plain")
+
+    def _metrics(self) -> None:
+        engine = self.replica.engine
+        page = render(engine.counters, self.replica.model_name) + render_standin(
+            engine.threshold.threshold, engine.rounds, self.replica.model_name)
+        self._send(200, page.encode(), "text/plain; version=0.0.4")
+
+    def _models(self) -> None:
+        self._json(200, {"object": "list", "data": [
+            {"id": self.replica.model_name, "object": "model", "owned_by": "stand-in replica (not vLLM)"}]})
+
+    def _request_counts(self) -> None:
+        self._json(200, asdict(self.replica.request_counts()))
+
+    def _is_paused(self) -> None:
+        self._json(200, {"is_paused": self.replica.paused})
+
+    def _weight_info(self) -> None:
+        self._json(200, {"weight_version": self.replica.weight_version})
+
+    # -- POST routes -----------------------------------------------------------------------------------------
+
+    def _completion(self) -> None:
+        try:
+            body = self._body()
+            request, wants = completion_request(body, self.replica)
+        except KeyError as exc:
+            self._json(400, error_body(400, f"missing field {exc}"))
+            return
+        except (ValueError, TypeError, json.JSONDecodeError) as exc:
+            self._json(400, error_body(400, str(exc)))
+            return
+        try:
+            done = self.replica.complete(request, self._client_gone)
+        except Cancelled:
+            return  # no one is left to answer
+        except Exception as exc:  # noqa: BLE001 - the round failed: the client may send it elsewhere
+            self._json(500, error_body(500, f"decoding failed: {exc}"))
+            return
+        self._json(200, completion_response(self.replica, request, wants, done))
+
+    def _client_gone(self) -> bool:
+        """Whether the client closed its connection: readable with nothing to read (an HTTP client sends
+        nothing more while it waits for its answer)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def _faults(self) -> None:
+        try:
+            count = int(self._body().get("update_weights", 0))
+        except (ValueError, TypeError, json.JSONDecodeError) as exc:
+            self._json(400, {"error": str(exc)})
+            return
+        self._json(200, {"update_weights": self.replica.fail_updates(count)})
+
+    def _dev_route(self, handle: Callable[[Replica, dict, dict], dict]) -> None:
+        """A dev-mode route, answered in the shape of vLLM's FastAPI errors."""
+        try:
+            body = self._body()
+            message = handle(self.replica, body, parse_qs(urlsplit(self.path).query))
+        except json.JSONDecodeError:
+            self._json(400, {"detail": "Invalid JSON format"})
+        except ValueError as exc:
+            self._json(400, {"detail": str(exc)})
+        except UpdateError as exc:
+            self._json(exc.status, {"detail": str(exc)})
+        else:
+            self._json(200, message)
+
+
 def make_handler(replica: Replica, api_key: str | None, dev_mode: bool) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "drafter-standin-replica"
-        timeout = CLIENT_TIMEOUT_S
-
-        def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _json(self, status: int, obj: dict) -> None:
-            self._send(status, json.dumps(obj).encode())
-
-        def _authorized(self) -> bool:
-            """Every route but PUBLIC_ROUTES needs the key: the control routes pause serving and load weights."""
-            if urlsplit(self.path).path in PUBLIC_ROUTES or not api_key:
-                return True
-            given = self.headers.get("Authorization", "").encode()
-            if hmac.compare_digest(given, f"Bearer {api_key}".encode()):
-                return True
-            self._json(401, {"error": "Unauthorized"})
-            return False
-
-        def _body(self) -> dict:
-            raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-            body = json.loads(raw) if raw else {}
-            if not isinstance(body, dict):
-                raise ValueError("the request body must be a JSON object")
-            return body
-
-        def do_GET(self) -> None:
-            path = urlsplit(self.path).path
-            if not self._authorized():
-                return
-            if path == "/health":
-                self._send(200, b"", "text/plain")
-            elif path == "/metrics":
-                engine = replica.engine
-                page = render(engine.counters, replica.model_name) + render_standin(
-                    engine.threshold.threshold, engine.rounds, replica.model_name)
-                self._send(200, page.encode(), "text/plain; version=0.0.4")
-            elif path == "/v1/models":
-                self._json(200, {"object": "list", "data": [
-                    {"id": replica.model_name, "object": "model", "owned_by": "stand-in replica (not vLLM)"}]})
-            elif path == "/standin/requests":
-                self._json(200, asdict(replica.request_counts()))
-            elif dev_mode and path == "/is_paused":
-                self._json(200, {"is_paused": replica.paused})
-            elif dev_mode and path == "/weight_info":
-                self._json(200, {"weight_version": replica.weight_version})
-            else:
-                self._json(404, {"detail": "Not Found"})
-
-        def do_POST(self) -> None:
-            url = urlsplit(self.path)
-            if not self._authorized():
-                return
-            if url.path == "/v1/completions":
-                self._completion()
-            elif url.path == "/standin/faults":
-                try:
-                    count = int(self._body().get("update_weights", 0))
-                except (ValueError, TypeError, json.JSONDecodeError) as exc:
-                    self._json(400, {"error": str(exc)})
-                    return
-                self._json(200, {"update_weights": replica.fail_updates(count)})
-            elif dev_mode and url.path in DEV_ROUTES:
-                try:
-                    body = self._body()
-                    message = DEV_ROUTES[url.path](replica, body, parse_qs(url.query))
-                except json.JSONDecodeError:
-                    self._json(400, {"detail": "Invalid JSON format"})
-                except ValueError as exc:
-                    self._json(400, {"detail": str(exc)})
-                except UpdateError as exc:
-                    self._json(exc.status, {"detail": str(exc)})
-                else:
-                    self._json(200, message)
-            else:
-                self._json(404, {"detail": "Not Found"})
-
-        def _completion(self) -> None:
-            try:
-                body = self._body()
-                request, wants = completion_request(body, replica)
-            except KeyError as exc:
-                self._json(400, error_body(400, f"missing field {exc}"))
-                return
-            except (ValueError, TypeError, json.JSONDecodeError) as exc:
-                self._json(400, error_body(400, str(exc)))
-                return
-            try:
-                done = replica.complete(request, self._client_gone)
-            except Cancelled:
-                return  # no one is left to answer
-            except Exception as exc:  # noqa: BLE001 - the round failed: the client may send it elsewhere
-                self._json(500, error_body(500, f"decoding failed: {exc}"))
-                return
-            self._json(200, completion_response(replica, request, wants, done))
-
-        def _client_gone(self) -> bool:
-            """Whether the client closed its connection: readable with nothing to read (an HTTP client sends
-            nothing more while it waits for its answer)."""
-            try:
-                readable, _, _ = select.select([self.connection], [], [], 0)
-                return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-            except OSError:
-                return True
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    return Handler
+    """The handler class of a server for `replica` (http.server makes a handler of it per connection)."""
+    return type("Handler", (StandInHandler,), {"replica": replica, "api_key": api_key, "dev_mode": dev_mode})
 
 
 def error_body(status: int, message: str) -> dict:

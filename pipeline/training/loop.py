@@ -221,9 +221,19 @@ def _resume(
     return state or ResumeState(iteration=0, total_iterations=total, world_size=ctx.world_size)
 
 
+@dataclass(frozen=True)
+class _Backward:
+    """A global batch's backward pass, its gradient left in the parameters' `.grad`: the figures,
+    summed over the ranks."""
+
+    stats: StepStats
+    tokens: int
+    grad_norm: torch.Tensor | None = None  # 0-d: the whole gradient's norm, where the ranks have summed it (sharded)
+
+
 def _summed_over_ranks(
     params: list[torch.nn.Parameter], batch: DeviceBatch | None, stats: StepStats | None, device: str
-) -> tuple[StepStats, int] | None:
+) -> _Backward | None:
     """The global batch's gradient and figures: token-weighted sums over the ranks, divided by the
     global batch's loss tokens; None when no rank had a token to learn from. The figures cross
     the host here, once per iteration: the all-reduce carries them with the gradient."""
@@ -237,7 +247,7 @@ def _summed_over_ranks(
     for p in params:
         p.grad.div_(global_loss_tokens)
     means = torch.tensor([v / global_loss_tokens for v in stat_sums], device=device)
-    return StepStats(*means.unbind()), int(global_tokens)
+    return _Backward(StepStats(*means.unbind()), int(global_tokens))
 
 
 def _idle_batch(feature_size: int, device: str) -> DeviceBatch:
@@ -251,18 +261,9 @@ def _idle_batch(feature_size: int, device: str) -> DeviceBatch:
                        hidden_states=zeros, target=zeros.clone())
 
 
-@dataclass(frozen=True)
-class _ShardedStep:
-    """A sharded step's figures, summed over the ranks in one all-reduce."""
-
-    stats: StepStats
-    tokens: int
-    grad_norm: torch.Tensor  # 0-d: the whole gradient's norm, from every rank's shards
-
-
 def _sharded_forward_backward(
     root: LossModule, batch: DeviceBatch | None, dtype: str, device: str, params: list[torch.nn.Parameter]
-) -> _ShardedStep | None:
+) -> _Backward | None:
     """The global batch's gradient (reduce-scattered: each rank keeps its shard) and figures, with the
     drafter sharded. The ranks first agree on the global batch's loss tokens W, then each back-propagates
     its mean loss weighted by its own share of W: the summed gradient is the whole batch's mean loss's,
@@ -287,7 +288,22 @@ def _sharded_forward_backward(
     grads = local_tensors([p.grad for p in params if p.grad is not None])
     shares = torch.cat([figures, squared_norm(grads) if grads else torch.zeros(1, device=device)])  # (5,)
     dist.all_reduce(shares)
-    return _ShardedStep(StepStats(*shares[:4].unbind()), int(global_tokens), shares[4].sqrt())
+    return _Backward(StepStats(*shares[:4].unbind()), int(global_tokens), shares[4].sqrt())
+
+
+def _replicated_forward_backward(
+    loss_of: Callable[[DeviceBatch], LossParts], batch: DeviceBatch | None, dtype: str, device: str,
+    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, ctx: DistContext,
+) -> _Backward | None:
+    """The global batch's gradient and figures, with the drafter whole on every rank (summed over the
+    ranks when there are several). None when no rank had a token to learn from."""
+    stats = None if batch is None else forward_backward(loss_of, batch, dtype)
+    if not ctx.distributed:
+        return None if stats is None else _Backward(stats, batch.num_tokens)
+    summed = _summed_over_ranks(params, batch, stats, device)
+    if summed is None:  # the step is skipped: its gradient must not add to the next one's
+        optimizer.zero_grad(set_to_none=True)
+    return summed
 
 
 def _iterations(
@@ -297,6 +313,143 @@ def _iterations(
     could be read (warned), or nothing to read."""
     shares = [rank_share(batch, ctx) for batch in plan[start:]]
     yield from enumerate(iter_batches(data, shares, cfg.window_tokens), start)
+
+
+@dataclass
+class _Run:
+    """One rank's training, set up: the drafter as it trains, its optimizer, the plan, where it starts."""
+
+    parallel: ParallelPlan
+    root: LossModule | None  # the sharded drafter inside its loss module; None: the drafter is whole on this rank
+    trained: torch.nn.Module  # what the optimizer updates: the caller's drafter, or its sharded copy
+    params: list[torch.nn.Parameter]  # the trainable weights of `trained`
+    loss_of: Callable[[DeviceBatch], LossParts]  # a batch's loss through the whole drafter (unsharded)
+    optimizer: torch.optim.Optimizer
+    plan: list[list[int]]  # the global batches, in order
+    warmup: int
+    state: ResumeState  # the latest checkpoint's, or a fresh start
+    # At its largest (gradients held, then AdamW's update): weights, and per trainable weight its
+    # gradient and two moments, as this rank holds them (its shards, when sharded).
+    rank_state_bytes: int
+
+    @property
+    def total(self) -> int:
+        return len(self.plan)
+
+
+def _setup(
+    model: Drafter, data: Dataset, cfg: TrainConfig, device: str, teacher: Teacher | None, ctx: DistContext,
+    checkpoints: TrainingCheckpoints | None,
+) -> _Run:
+    """The drafter placed (whole on `device`, or sharded) and in training mode, its optimizer, the
+    plan, and the state it continues from."""
+    torch.manual_seed(cfg.seed)
+    parallel = choose_parallelism(model, cfg.parallelism, cfg.fsdp_memory_share,
+                                  device_memory_bytes(device, cfg.gpu_memory_gb, ctx), ctx.world_size,
+                                  cfg.fsdp_units)
+    root: LossModule | None = None
+    if parallel.mode == "fsdp":
+        model.to("cpu").train()  # the caller's drafter waits on the host for the trained weights
+        root = shard_drafter(model, lambda m, b: _parts(compute_loss(m, b, cfg, teacher)), device,
+                             parallel.units or "layer")
+    else:
+        model.to(device).train()
+    trained: torch.nn.Module = root.drafter if root is not None else model
+    params = [p for p in trained.parameters() if p.requires_grad]
+    optimizer = make_optimizer(trained, cfg.optim.lr, cfg.optim.weight_decay, device)
+    plan = _plan(data, cfg, ctx)
+    return _Run(
+        parallel=parallel, root=root, trained=trained, params=params,
+        loss_of=lambda b: compute_loss(model, b, cfg, teacher), optimizer=optimizer, plan=plan,
+        warmup=fitted_warmup(cfg.optim.lr_warmup_steps, len(plan)),
+        state=_resume(checkpoints, trained, optimizer, len(plan), ctx, root is not None),
+        rank_state_bytes=local_bytes(list(trained.parameters())) + 3 * local_bytes(params),
+    )
+
+
+def _optimizer_step(
+    run: _Run, batch: DeviceBatch | None, iteration: int, cfg: TrainConfig, device: str, ctx: DistContext
+) -> _Iteration | None:
+    """One optimizer step on the global batch of which `batch` is this rank's share. None when no rank
+    had a token to learn from: the iteration is skipped, so that the iteration count stays aligned."""
+    on_device = batch.to(device) if batch is not None else None
+    if run.root is not None:
+        backward = _sharded_forward_backward(run.root, on_device, cfg.dtype, device, run.params)
+    else:
+        backward = _replicated_forward_backward(run.loss_of, on_device, cfg.dtype, device, run.params,
+                                                run.optimizer, ctx)
+    if backward is None:
+        return None
+    lr = lr_at(iteration, run.total, cfg.optim.lr, run.warmup)
+    grad_norm = apply_gradients(run.optimizer, run.params, lr, cfg.optim.grad_clip, backward.grad_norm)
+    return _Iteration(iteration, lr, backward.tokens, backward.stats, grad_norm)
+
+
+@dataclass
+class _Checkpointing:
+    """Saves a checkpoint every `every` iterations (rank 0 writes it; the ranks of a sharded drafter
+    gather it together), hands the metrics it covers to the sink once it has committed, and counts
+    the training thread's time on checkpoints."""
+
+    run: _Run
+    ctx: DistContext
+    progress: _Progress
+    every: int  # 0: no checkpoints
+    writer: CheckpointWriter | None  # rank 0's, when checkpoints are saved
+    on_checkpoint: Callable[[ResumeState], None] | None
+    seconds: float = 0.0
+
+    def due(self, iterations: int) -> bool:
+        """A checkpoint after `iterations`; none after the last, whose drafter the caller receives."""
+        return self.every > 0 and iterations % self.every == 0 and iterations < self.run.total
+
+    def _committed(self, saved: ResumeState | None) -> None:
+        if saved is not None:
+            self.progress.release(saved.iteration)
+            if self.on_checkpoint:
+                self.on_checkpoint(saved)
+
+    def poll(self) -> None:
+        if self.writer:
+            self._committed(self.writer.poll())
+
+    def save(self, iterations: int, start: float) -> None:
+        """A host copy of the training after `iterations`, handed to the writer (`start`: when training
+        began, on the perf counter)."""
+        started = time.perf_counter()
+        run, progress = self.run, self.progress
+        state = ResumeState(iterations, run.total, self.ctx.world_size, progress.tokens, time.perf_counter() - start,
+                            list(progress.history),  # copies: training appends while it is written
+                            list(progress.unreleased))
+        snap = sharded_snapshot(run.trained, run.optimizer, state, self.ctx.is_main) if run.root is not None \
+            else snapshot(run.trained, run.optimizer, state) if self.ctx.is_main else None
+        if self.writer and snap:
+            self._committed(self.writer.submit(snap))
+            self._committed(self.writer.poll())  # a synchronous writer has committed already
+        self.seconds += time.perf_counter() - started
+
+    def finish(self) -> None:
+        """Wait for the last write to commit."""
+        if self.writer:
+            started = time.perf_counter()
+            self._committed(self.writer.wait())
+            self.seconds += time.perf_counter() - started
+
+    def abandon(self) -> None:
+        """No write goes on behind a failed training; the previous checkpoint stays in force."""
+        if self.writer:
+            with contextlib.suppress(BaseException):
+                self.writer.wait()
+
+
+def _hand_back(run: _Run, model: Drafter, device: str) -> None:
+    """The trained weights in the caller's drafter, on `device`, in eval mode."""
+    if run.root is not None:
+        # Gathered from the shards on every rank.
+        full = get_model_state_dict(run.trained, options=StateDictOptions(full_state_dict=True))
+        model.load_state_dict(full)
+        model.to(device)
+    model.eval()
 
 
 def train_drafter(
@@ -335,105 +488,41 @@ def train_drafter(
     sink, ctx = sink or NullSink(), ctx or DistContext()
     if not data.lengths:
         raise ValueError("train_drafter: no samples")
-    torch.manual_seed(cfg.seed)
-    parallel = choose_parallelism(model, cfg.parallelism, cfg.fsdp_memory_share,
-                                  device_memory_bytes(device, cfg.gpu_memory_gb, ctx), ctx.world_size,
-                                  cfg.fsdp_units)
-    root: LossModule | None = None
-    if parallel.mode == "fsdp":
-        model.to("cpu").train()  # the caller's drafter waits on the host for the trained weights
-        root = shard_drafter(model, lambda m, b: _parts(compute_loss(m, b, cfg, teacher)), device,
-                             parallel.units or "layer")
-    else:
-        model.to(device).train()
-    trained: torch.nn.Module = root.drafter if root is not None else model  # what the optimizer updates
-    params = [p for p in trained.parameters() if p.requires_grad]
-    optimizer = make_optimizer(trained, cfg.optim.lr, cfg.optim.weight_decay, device)
-    plan = _plan(data, cfg, ctx)
-    total = len(plan)
-    warmup = fitted_warmup(cfg.optim.lr_warmup_steps, total)
-    state = _resume(checkpoints, trained, optimizer, total, ctx, root is not None)
+    run = _setup(model, data, cfg, device, teacher, ctx, checkpoints)
     saving = checkpoints is not None and cfg.checkpoint_every > 0
-    progress = _Progress(state, sink, ctx.is_main, held=saving, on_logged=on_logged)
-    writer = CheckpointWriter(checkpoints, cfg.checkpoint_background) if saving and ctx.is_main else None
-
-    def committed(saved: ResumeState | None) -> None:
-        if saved is not None:
-            progress.release(saved.iteration)
-            if on_checkpoint:
-                on_checkpoint(saved)
-
-    start = time.perf_counter() - state.wall_s
-    iterations = state.iteration  # run so far, skipped ones included: the plan's position
-    # At its largest (gradients held, then AdamW's update): weights, and per trainable weight its
-    # gradient and two moments, as this rank holds them (its shards, when sharded).
-    rank_state_bytes = local_bytes(list(trained.parameters())) + 3 * local_bytes(params)
-    checkpoint_s = 0.0
+    progress = _Progress(run.state, sink, ctx.is_main, held=saving, on_logged=on_logged)
+    saver = _Checkpointing(run, ctx, progress, cfg.checkpoint_every if saving else 0,
+                           CheckpointWriter(checkpoints, cfg.checkpoint_background) if saving and ctx.is_main else None,
+                           on_checkpoint)
+    start = time.perf_counter() - run.state.wall_s
+    iterations = run.state.iteration  # run so far, skipped ones included: the plan's position
     try:
-        for iteration, batch in _iterations(data, plan, state.iteration, cfg, ctx):
+        for iteration, batch in _iterations(data, run.plan, run.state.iteration, cfg, ctx):
             iterations = iteration + 1
-            if writer:
-                committed(writer.poll())
-            on_device = batch.to(device) if batch is not None else None
-            norm = None  # the gradient's norm, where the ranks have summed it already
-            if root is not None:
-                step = _sharded_forward_backward(root, on_device, cfg.dtype, device, params)
-                if step is None:  # no rank had a token to learn from: the iteration count stays aligned
-                    continue
-                stats, tokens, norm = step.stats, step.tokens, step.grad_norm
-            else:
-                stats = None if on_device is None else forward_backward(
-                    lambda b: compute_loss(model, b, cfg, teacher), on_device, cfg.dtype)
-                tokens = on_device.num_tokens if on_device is not None else 0
-                if ctx.distributed:
-                    summed = _summed_over_ranks(params, on_device, stats, device)
-                    if summed is None:  # no rank had a token to learn from: the iteration count stays aligned
-                        optimizer.zero_grad(set_to_none=True)
-                        continue
-                    stats, tokens = summed
-                elif stats is None:
-                    continue
-            lr = lr_at(iteration, total, cfg.optim.lr, warmup)
-            grad_norm = apply_gradients(optimizer, params, lr, cfg.optim.grad_clip, norm)
-            progress.add(_Iteration(iteration, lr, tokens, stats, grad_norm))
-            if (iterations - state.iteration) % cfg.log_every == 0:
+            saver.poll()
+            done = _optimizer_step(run, batch, iteration, cfg, device, ctx)
+            if done is None:
+                continue
+            progress.add(done)
+            if (iterations - run.state.iteration) % cfg.log_every == 0:
                 progress.flush()
-            if saving and iterations % cfg.checkpoint_every == 0 and iterations < total:
+            if saver.due(iterations):
                 progress.flush()
-                checkpoint_start = time.perf_counter()
-                saved = ResumeState(iterations, total, ctx.world_size, progress.tokens, time.perf_counter() - start,
-                                    list(progress.history),  # copies: training appends while it is written
-                                    list(progress.unreleased))
-                snap = sharded_snapshot(trained, optimizer, saved, ctx.is_main) if root is not None \
-                    else snapshot(model, optimizer, saved) if ctx.is_main else None
-                if writer and snap:
-                    committed(writer.submit(snap))
-                    committed(writer.poll())  # a synchronous writer has committed already
-                checkpoint_s += time.perf_counter() - checkpoint_start
+                saver.save(iterations, start)
         progress.flush()
-        if writer:
-            checkpoint_start = time.perf_counter()
-            committed(writer.wait())
-            checkpoint_s += time.perf_counter() - checkpoint_start
+        saver.finish()
     except BaseException:
-        if writer:  # no write goes on behind a failed training; the previous checkpoint stays in force
-            with contextlib.suppress(BaseException):
-                writer.wait()
+        saver.abandon()
         raise
     progress.release()
-    if root is not None:
-        # The trained weights, gathered from the shards on every rank, into the caller's drafter.
-        full = get_model_state_dict(trained, options=StateDictOptions(full_state_dict=True))
-        model.load_state_dict(full)
-        model.to(device)
-        del root, trained, optimizer
-    model.eval()
+    _hand_back(run, model, device)
     last = progress.last
     if last is None:
         raise ValueError("train_drafter: no batch could be read (every shard unreadable)")
     return TrainResult(
         iterations=iterations, samples=len(data.lengths), tokens=progress.tokens, loss=last.loss,
         vloss=last.vloss, ploss=last.ploss, accuracy=last.accuracy,
-        wall_s=time.perf_counter() - start, loss_history=progress.history, resumed_from_iteration=state.iteration,
-        parallelism=parallel, rank_state_bytes=rank_state_bytes, checkpoint_s=checkpoint_s,
+        wall_s=time.perf_counter() - start, loss_history=progress.history,
+        resumed_from_iteration=run.state.iteration, parallelism=run.parallel, rank_state_bytes=run.rank_state_bytes,
+        checkpoint_s=saver.seconds,
     )
