@@ -17,11 +17,13 @@ from pipeline.config import PipelineConfig
 from pipeline.data import buffer as buffer_lib
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import run_layout
+from pipeline.data.acceptance_record import read_acceptance
 from pipeline.data.held_out import held_out_rollouts
 from pipeline.data.keys import acceptance_key, buffer_key, rollouts_key, rollouts_prefix
-from pipeline.data.records import read_acceptance, read_replay, read_training
+from pipeline.data.replay_record import read_replay
 from pipeline.data.rollouts import committed_steps
 from pipeline.data.store import ObjectStore
+from pipeline.data.training_record import read_training
 from pipeline.models.layers import stored_layer_ids
 from pipeline.serving import deploy
 from pipeline.stages import EVALUATION, EXTRACTION, TRAINING, Stage

@@ -103,8 +103,8 @@ def run_demo(steps: int, config_path: str | None, drafter: str | None = None, so
 
     from definitions import build_definitions
     from pipeline.accounting import report
+    from pipeline.data.fleet_state import read_fleet_state
     from pipeline.data.keys import acceptance_key
-    from pipeline.data.records import read_fleet_state
     from pipeline.data.store import open_store
     from pipeline.registry import open_registry
     from pipeline.serving import deploy

@@ -15,18 +15,12 @@ from pipeline.accounting.ledger import Ledger, cumulative
 from pipeline.data import buffer as buffer_lib
 from pipeline.data import capture, shards
 from pipeline.data import rollouts as rollouts_lib
+from pipeline.data.acceptance_record import NO_DRAFTER_TAU, DrafterTau, read_acceptance
 from pipeline.data.keys import acceptance_key, drafter_key
-from pipeline.data.records import (
-    NO_DRAFTER_TAU,
-    DrafterTau,
-    RefreshBreakdown,
-    read_acceptance,
-    read_refresh,
-    read_replay,
-    read_tail,
-    read_training,
-)
+from pipeline.data.refresh_record import RefreshBreakdown, read_refresh, read_tail
+from pipeline.data.replay_record import read_replay
 from pipeline.data.store import ObjectStore
+from pipeline.data.training_record import read_training
 from pipeline.stages import DEPLOYMENT, EVALUATION, EXTRACTION, TRAINING
 
 

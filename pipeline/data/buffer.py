@@ -6,7 +6,7 @@ store only a manifest that points into the steps' hidden-state shards, never a c
 
     <root>/buffer/<run>/step-000123/_manifest.json
         {"schema_version": 1, "step": 123, "entries": [{"step", "sample_id", "shard", "row", "tokens"}, ...],
-         "composition": {"121": 40, "122": 84, "123": 84}, ...}   (a BufferRecord, records.py)
+         "composition": {"121": 40, "122": 84, "123": 84}, ...}   (a BufferRecord, buffer_record.py)
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator
 
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import run_layout, shards
+from pipeline.data.buffer_record import BufferEntry, BufferRecord
 from pipeline.data.keys import buffer_key, rollouts_prefix, step_key
-from pipeline.data.records import BufferEntry, BufferRecord, read_record, write_record
+from pipeline.data.records import read_record, write_record
 from pipeline.data.shards import HiddenSample, Manifest
 from pipeline.data.store import ObjectStore
 

@@ -29,7 +29,8 @@ from dagster_pipes import PipesContext, open_dagster_pipes
 
 from pipeline.accounting import report
 from pipeline.data.keys import placement_key
-from pipeline.data.records import StagePlacement, write_record
+from pipeline.data.records import write_record
+from pipeline.data.stage_placement import StagePlacement
 from pipeline.data.store import open_store
 from pipeline.launch.placement import measure_placement
 from pipeline.launch.worker import exit_with_launcher, is_pipes_process, job_extra, pipes_extras

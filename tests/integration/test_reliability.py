@@ -30,8 +30,8 @@ from mlflow.exceptions import MlflowException
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data import buffer, shards
 from pipeline.data import rollouts as rollouts_lib
+from pipeline.data.fleet_state import read_fleet_state
 from pipeline.data.keys import fleet_state_key, hidden_states_prefix
-from pipeline.data.records import read_fleet_state
 from pipeline.data.store import ObjectStore, StorageFullError, open_store, storage_options_for
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib

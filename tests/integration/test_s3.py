@@ -20,8 +20,8 @@ from moto.server import ThreadedMotoServer
 from definitions import build_definitions
 from pipeline.config import load_config
 from pipeline.data import buffer, shards
+from pipeline.data.acceptance_record import read_acceptance
 from pipeline.data.keys import hidden_states_prefix
-from pipeline.data.records import read_acceptance
 from pipeline.data.rollouts import PolicyPointer, Rollout, committed_steps, read_rollouts, write_rollouts
 from pipeline.data.store import ObjectStore, open_store, storage_options_for
 from pipeline.models import target as target_lib

@@ -22,11 +22,13 @@ from assets.cotraining import acceptance, hidden_states
 from pipeline.accounting.cost import read_cost
 from pipeline.config import PROJECT_ROOT, load_config
 from pipeline.data import shards
+from pipeline.data.acceptance_record import read_acceptance
 from pipeline.data.keys import drafter_key, hidden_states_prefix, placement_key
 from pipeline.data.lease import LEASE_FILE
-from pipeline.data.records import TrainingRecord, read_acceptance, write_record
+from pipeline.data.records import write_record
 from pipeline.data.rollouts import read_policy_pointer
 from pipeline.data.store import open_store
+from pipeline.data.training_record import TrainingRecord
 from pipeline.evaluation import acceptance as acceptance_lib
 from pipeline.launch import process as launch
 from pipeline.launch.warm import server_files

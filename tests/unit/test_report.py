@@ -11,20 +11,15 @@ import pytest
 from pipeline.accounting import report
 from pipeline.accounting.cost import StepCost
 from pipeline.accounting.ledger import Ledger
+from pipeline.data.acceptance_record import AcceptanceRecord, DrafterTau, TauEstimate
 from pipeline.data.buffer import write_buffer
+from pipeline.data.buffer_record import BufferEntry
 from pipeline.data.keys import acceptance_key, drafter_key, replay_key
-from pipeline.data.records import (
-    AcceptanceRecord,
-    ArmReplay,
-    BufferEntry,
-    DrafterTau,
-    RolloutReplay,
-    TauEstimate,
-    TrainingRecord,
-    write_record,
-)
+from pipeline.data.records import write_record
+from pipeline.data.replay_record import ArmReplay, RolloutReplay
 from pipeline.data.rollouts import Rollout, write_rollouts_file
 from pipeline.data.store import ObjectStore
+from pipeline.data.training_record import TrainingRecord
 from pipeline.sampling import SamplingParams
 from pipeline.stages import EVALUATION, EXTRACTION, TRAINING
 

@@ -7,8 +7,8 @@ import torch
 
 from pipeline.data import buffer, shards
 from pipeline.data.buffer import select_buffer
+from pipeline.data.buffer_record import BufferEntry, composition
 from pipeline.data.keys import buffer_key
-from pipeline.data.records import BufferEntry, composition
 from pipeline.data.shards import ByteRange, HiddenSample, Manifest, SampleIndex
 from pipeline.data.store import ObjectStore
 from tests.support.targets import tiny_target
