@@ -12,7 +12,7 @@ import dagster as dg
 
 from assets.partitions import BACKFILL_TAG, RETRAIN_TAG, rl_step, step_of
 from pipeline.accounting import ledger as ledger_lib
-from pipeline.accounting import report
+from pipeline.accounting import plots, report
 from pipeline.config import PipelineConfig
 from pipeline.data import buffer as buffer_lib
 from pipeline.data import rollouts as rollouts_lib
@@ -237,7 +237,7 @@ def _ledger_metadata(ledger: ledger_lib.Ledger) -> dict:
         "lag_steps": lag.lag_steps if lag.lag_steps is not None else -1,  # -1: no drafter served the rollouts
         "spent_s": round(sum(cost.seconds.values()), 2),
         "saved_s": round(cost.saved_s, 3),
-        "ledger": dg.MetadataValue.md(report.png_markdown(
+        "ledger": dg.MetadataValue.md(plots.png_markdown(
             report.ledger_png(ledger, dpi=90), "the served drafter's lag, and device-seconds spent against saved")),
     }
 
@@ -258,6 +258,6 @@ def _tau_plot(store: ObjectStore, cfg: PipelineConfig, step: int) -> dg.Metadata
     """The picture an operator looks for: tau per step over the last PLOT_STEPS steps, up to this one."""
     earlier = [s for s in committed_steps(store, cfg.run) if s <= step][-PLOT_STEPS:]
     rows = report.acceptance_rows(store, cfg.run, earlier)
-    return dg.MetadataValue.md(report.png_markdown(
+    return dg.MetadataValue.md(plots.png_markdown(
         report.acceptance_png(rows, cfg.eval.num_speculative_tokens, cfg.drafter.kind, dpi=90),
         "tau per RL step: co-trained, served (champion), never retrained (baseline)"))
