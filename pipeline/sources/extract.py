@@ -203,7 +203,7 @@ def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int, ra
               "final_norm": "applied" if layer_ids is None else "not applied", "rollouts_digest": digest}
     layout = TargetLayout.from_config(model.config.to_dict(), stored)
     lease_s, lease_wait_s = cfg.storage.step_lease_s, cfg.storage.step_lease_wait_s
-    if cfg.hidden_states.source == "vllm":  # one rank (config.py): the connector's files are read here
+    if cfg.hidden_states.source == "vllm":  # one rank (config/pipeline.py): the connector's files are read here
         samples, ingest = _from_vllm(cfg, step, rollouts, windows, model, layer_ids)
         return shards.write_hidden_states(
             store, cfg.run, step, samples, hidden_size=model.config.hidden_size, layer_ids=stored,
