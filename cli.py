@@ -35,7 +35,7 @@ def status(config_path: str | None) -> None:
     quiet_libraries()
     import dagster as dg
 
-    from pipeline.data.records import read_fleet_state
+    from pipeline.data.fleet_state import read_fleet_state
     from pipeline.data.rollouts import committed_steps
     from pipeline.data.store import open_store
     from pipeline.registry import open_registry

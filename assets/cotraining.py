@@ -12,16 +12,18 @@ import dagster as dg
 
 from assets.partitions import BACKFILL_TAG, RETRAIN_TAG, rl_step, step_of
 from pipeline.accounting import ledger as ledger_lib
-from pipeline.accounting import report
+from pipeline.accounting import plots, report
 from pipeline.config import PipelineConfig
 from pipeline.data import buffer as buffer_lib
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import run_layout
+from pipeline.data.acceptance_record import read_acceptance
 from pipeline.data.held_out import held_out_rollouts
 from pipeline.data.keys import acceptance_key, buffer_key, rollouts_key, rollouts_prefix
-from pipeline.data.records import read_acceptance, read_replay, read_training
+from pipeline.data.replay_record import read_replay
 from pipeline.data.rollouts import committed_steps
 from pipeline.data.store import ObjectStore
+from pipeline.data.training_record import read_training
 from pipeline.models.layers import stored_layer_ids
 from pipeline.serving import deploy
 from pipeline.stages import EVALUATION, EXTRACTION, TRAINING, Stage
@@ -235,7 +237,7 @@ def _ledger_metadata(ledger: ledger_lib.Ledger) -> dict:
         "lag_steps": lag.lag_steps if lag.lag_steps is not None else -1,  # -1: no drafter served the rollouts
         "spent_s": round(sum(cost.seconds.values()), 2),
         "saved_s": round(cost.saved_s, 3),
-        "ledger": dg.MetadataValue.md(report.png_markdown(
+        "ledger": dg.MetadataValue.md(plots.png_markdown(
             report.ledger_png(ledger, dpi=90), "the served drafter's lag, and device-seconds spent against saved")),
     }
 
@@ -256,6 +258,6 @@ def _tau_plot(store: ObjectStore, cfg: PipelineConfig, step: int) -> dg.Metadata
     """The picture an operator looks for: tau per step over the last PLOT_STEPS steps, up to this one."""
     earlier = [s for s in committed_steps(store, cfg.run) if s <= step][-PLOT_STEPS:]
     rows = report.acceptance_rows(store, cfg.run, earlier)
-    return dg.MetadataValue.md(report.png_markdown(
+    return dg.MetadataValue.md(plots.png_markdown(
         report.acceptance_png(rows, cfg.eval.num_speculative_tokens, cfg.drafter.kind, dpi=90),
         "tau per RL step: co-trained, served (champion), never retrained (baseline)"))

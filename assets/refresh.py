@@ -10,7 +10,7 @@ from pydantic import Field
 from pipeline.data.keys import refresh_key, refresh_lock_prefix, step_key
 from pipeline.data.lease import hold
 from pipeline.data.parts import Qualified
-from pipeline.data.records import read_refresh
+from pipeline.data.refresh_record import read_refresh
 from pipeline.refresh import plan as refresh_lib
 from pipeline.stages import REFRESH
 from resources import PipelineResource

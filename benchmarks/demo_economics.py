@@ -137,8 +137,9 @@ def language(tiny: bool = False) -> dict:
 def rollouts(tiny: bool = False) -> dict:
     """The demo's last step replayed: each drafter's speedup over no speculation (`tiny`: its first 8 requests)."""
     from pipeline.config import load_config
+    from pipeline.data.acceptance_record import AcceptanceRecord
     from pipeline.data.keys import acceptance_key
-    from pipeline.data.records import AcceptanceRecord, read_record
+    from pipeline.data.records import read_record
     from pipeline.data.rollouts import committed_steps
     from pipeline.data.store import open_store
     from pipeline.evaluation import acceptance

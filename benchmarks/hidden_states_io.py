@@ -64,7 +64,7 @@ def activations(tokens: int, gen: torch.Generator, channel_scale: torch.Tensor) 
 
 
 def make_samples(total_bytes: int, seed: int = 0) -> list:
-    from pipeline.data.shards import HiddenSample
+    from pipeline.data.shard_format import HiddenSample
 
     gen = torch.Generator().manual_seed(seed)
     channel_scale = torch.empty(HIDDEN).log_normal_(0.0, 0.6, generator=gen)

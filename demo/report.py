@@ -10,7 +10,7 @@ from pipeline.config import PipelineConfig
 
 if TYPE_CHECKING:
     from pipeline.accounting.report import StepRow
-    from pipeline.data.records import ReplicaDeploy
+    from pipeline.data.fleet_state import ReplicaDeploy
 
 
 def step_line(r: StepRow, wall_s: float) -> str:
@@ -26,8 +26,8 @@ def step_line(r: StepRow, wall_s: float) -> str:
 def kind_figures(cfg: PipelineConfig, rows: list[StepRow]) -> tuple[list[dict], float | None]:
     """What compares drafter kinds: the last co-trained drafter's tau, forwards and estimated speedup at
     k = 4 and 8 on the last step (P-EAGLE: up to its depths), and the mean training tokens/s."""
-    from pipeline.data.records import read_training
     from pipeline.data.store import open_store
+    from pipeline.data.training_record import read_training
     from pipeline.evaluation.acceptance import round_costs_at_step
     from pipeline.registry import open_registry
 
@@ -42,7 +42,7 @@ def kind_figures(cfg: PipelineConfig, rows: list[StepRow]) -> tuple[list[dict], 
 
 def tail_summary(goals: dict | None, breakdowns: dict) -> dict | None:
     """The tail's goals with the mean refresh latency breakdown (RefreshBreakdown) over the deployed refreshes."""
-    from pipeline.data.records import RefreshBreakdown
+    from pipeline.data.refresh_record import RefreshBreakdown
 
     mean = RefreshBreakdown.mean(list(breakdowns.values()))
     if goals is None:

@@ -298,7 +298,7 @@ def run_demo(steps: int, config_path: str | None, drafter: str | None = None, so
              overrides: dict | None = None) -> Path:
     from tqdm import tqdm
 
-    from pipeline.data.records import read_fleet_state
+    from pipeline.data.fleet_state import read_fleet_state
 
     overrides = {**(overrides or {}), **({"drafter": {"kind": drafter}} if drafter else {})} or None
     _one_torch_thread()

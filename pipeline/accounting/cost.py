@@ -26,8 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.data.keys import cost_key
-from pipeline.data.records import StagePlacement, read_record
+from pipeline.data.records import read_record
 from pipeline.data.rollouts import finite_number
+from pipeline.data.stage_placement import StagePlacement
 from pipeline.data.store import ObjectStore
 from pipeline.stages import Stage, stage_named
 

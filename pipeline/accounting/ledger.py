@@ -24,15 +24,11 @@ from dataclasses import dataclass, replace
 
 from pipeline.accounting.cost import StepCost, read_cost
 from pipeline.data import rollouts as rollouts_lib
+from pipeline.data.fleet_state import Deployment, read_fleet_state, served_at
 from pipeline.data.keys import drafter_key
-from pipeline.data.records import (
-    Deployment,
-    read_fleet_state,
-    read_refresh,
-    read_training,
-    served_at,
-)
+from pipeline.data.refresh_record import read_refresh
 from pipeline.data.store import ObjectStore
+from pipeline.data.training_record import read_training
 from pipeline.registry import DrafterRegistry
 from pipeline.stages import DEPLOYMENT, STEP_STAGES, TRAINING, Stage
 

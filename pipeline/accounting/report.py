@@ -1,9 +1,8 @@
-"""Reports: per-step summary rows, a text table, JSON, the acceptance and loss plots (PNG)."""
+"""Reports of a run from what its steps stored: per-step summary rows, text tables, JSON, and plots of the
+acceptance, the replays, the ledger and the schedules (PNG, drawn by plots.py)."""
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import statistics
 import textwrap
@@ -12,21 +11,16 @@ from pathlib import Path
 
 from pipeline.accounting.cost import DecodingCost, read_cost
 from pipeline.accounting.ledger import Ledger, cumulative
+from pipeline.accounting.plots import figure_png, pyplot
 from pipeline.data import buffer as buffer_lib
 from pipeline.data import capture, shards
 from pipeline.data import rollouts as rollouts_lib
+from pipeline.data.acceptance_record import NO_DRAFTER_TAU, DrafterTau, read_acceptance
 from pipeline.data.keys import acceptance_key, drafter_key
-from pipeline.data.records import (
-    NO_DRAFTER_TAU,
-    DrafterTau,
-    RefreshBreakdown,
-    read_acceptance,
-    read_refresh,
-    read_replay,
-    read_tail,
-    read_training,
-)
+from pipeline.data.refresh_record import RefreshBreakdown, read_refresh, read_tail
+from pipeline.data.replay_record import read_replay
 from pipeline.data.store import ObjectStore
+from pipeline.data.training_record import read_training
 from pipeline.stages import DEPLOYMENT, EVALUATION, EXTRACTION, TRAINING
 
 
@@ -200,7 +194,7 @@ def format_replay(rows: list[StepRow]) -> str:
 def replay_png(rows: list[StepRow], dpi: int = 100) -> bytes:
     """Measured rollout seconds of each step's replay per arm: what no drafter, the never-retrained, the served and
     the co-trained drafter take over the same requests."""
-    plt = _pyplot()
+    plt = pyplot()
     measured = [r for r in rows if r.rollout_s_none is not None]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=dpi)
     labels = {"none": "no speculation", "baseline": "never retrained", "served": "served", "cotrained": "co-trained"}
@@ -216,7 +210,7 @@ def replay_png(rows: list[StepRow], dpi: int = 100) -> bytes:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    return _png(fig)
+    return figure_png(fig)
 
 
 TAIL_FIELDS = ("tail_tau_start", "tail_tau_refreshed", "tail_tau_whole_step", "refresh_version", "refresh_deployed",
@@ -332,26 +326,10 @@ def format_table(rows: list[StepRow]) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless: plots are files or bytes, never a window
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    _pyplot().close(fig)
-    return buf.getvalue()
-
-
 def acceptance_png(rows: list[StepRow], k: int, drafter_kind: str = "", dpi: int = 120) -> bytes:
     """tau per RL step of the co-trained, served and never-retrained drafters (rows: `step_row`s or
     `acceptance_rows`)."""
-    plt = _pyplot()
+    plt = pyplot()
     steps = [r.step for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=dpi)
     ax.plot(steps, [r.tau_cotrained for r in rows], "o-", label="co-trained (new drafter)")
@@ -368,29 +346,13 @@ def acceptance_png(rows: list[StepRow], k: int, drafter_kind: str = "", dpi: int
     ax.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    return _png(fig)
+    return figure_png(fig)
 
 
 def plot(rows: list[StepRow], k: int, path: Path, drafter_kind: str = "") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(acceptance_png(rows, k, drafter_kind))
     return path
-
-
-def loss_png(loss_history: list[float], title: str, dpi: int = 100) -> bytes:
-    """The training loss per iteration; log scale when it spans more than a decade (a fresh start)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3), dpi=dpi)
-    ax.plot(range(1, len(loss_history) + 1), loss_history, lw=1.2)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("loss")
-    low, high = min(loss_history, default=1.0), max(loss_history, default=1.0)
-    if low > 0 and high / low > 10:
-        ax.set_yscale("log")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return _png(fig)
 
 
 def acceptance_rows(store: ObjectStore, run: str, steps: list[int]) -> list[StepRow]:
@@ -405,11 +367,6 @@ def acceptance_rows(store: ObjectStore, run: str, steps: list[int]) -> list[Step
     return rows
 
 
-def png_markdown(png: bytes, alt: str) -> str:
-    """Markdown that shows the image inline (Dagster's metadata renders data URIs)."""
-    return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode()})"
-
-
 def write_summary(rows: list[StepRow], wall_s: float, step_wall_s: list[float], path: Path, **extra) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"wall_s": round(wall_s, 2), "step_wall_s": [round(s, 2) for s in step_wall_s],
@@ -421,7 +378,7 @@ def write_summary(rows: list[StepRow], wall_s: float, step_wall_s: list[float], 
 def ledger_png(ledger: Ledger, dpi: int = 100) -> bytes:
     """Two panels: how many RL steps old the drafter serving each step was, and the run's cumulative
     device-seconds spent on the drafter against the rollout seconds it saved."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (lag_ax, cost_ax) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=dpi)
     lags = [lag for lag in ledger.lags if lag.lag_steps is not None]
     lag_ax.bar([lag.step for lag in lags], [lag.lag_steps for lag in lags], color="tab:orange")
@@ -441,7 +398,7 @@ def ledger_png(ledger: Ledger, dpi: int = 100) -> bytes:
     cost_ax.legend(fontsize=8)
     cost_ax.grid(alpha=0.3)
     fig.tight_layout()
-    return _png(fig)
+    return figure_png(fig)
 
 
 def ledger_rows(ledger: Ledger) -> list[dict]:
@@ -590,7 +547,7 @@ def format_schedules(runs: dict[str, list[ScheduleStep]]) -> str:
 
 def schedules_png(runs: dict[str, list[ScheduleStep]], dpi: int = 100) -> bytes:
     """Three panels, one line per schedule: served tau per step, cumulative training seconds, cumulative saved."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (tau_ax, train_ax, saved_ax) = plt.subplots(1, 3, figsize=(13, 3.6), dpi=dpi)
     for kind, rows in runs.items():
         steps = [r.step for r in rows]
@@ -610,4 +567,4 @@ def schedules_png(runs: dict[str, list[ScheduleStep]], dpi: int = 100) -> bytes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    return _png(fig)
+    return figure_png(fig)

@@ -6,7 +6,7 @@ store only a manifest that points into the steps' hidden-state shards, never a c
 
     <root>/buffer/<run>/step-000123/_manifest.json
         {"schema_version": 1, "step": 123, "entries": [{"step", "sample_id", "shard", "row", "tokens"}, ...],
-         "composition": {"121": 40, "122": 84, "123": 84}, ...}   (a BufferRecord, records.py)
+         "composition": {"121": 40, "122": 84, "123": 84}, ...}   (a BufferRecord, buffer_record.py)
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterator
 
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import run_layout, shards
+from pipeline.data.buffer_record import BufferEntry, BufferRecord
 from pipeline.data.keys import buffer_key, rollouts_prefix, step_key
-from pipeline.data.records import BufferEntry, BufferRecord, read_record, write_record
-from pipeline.data.shards import HiddenSample, Manifest
+from pipeline.data.records import read_record, write_record
+from pipeline.data.shard_format import CorruptShardError, HiddenSample, Manifest, SampleIndex
 from pipeline.data.store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def iter_buffer_samples(
             j += 1
         try:
             yield from shards.read_rows(store, run, manifests[step], shard, [e.row for e in entries[i:j]])
-        except (shards.CorruptShardError, FileNotFoundError) as exc:
+        except (CorruptShardError, FileNotFoundError) as exc:
             on_unreadable(f"step {step}: shard {shard}: {exc}", entries[i:j])
         i = j
 
@@ -92,7 +93,7 @@ def _current(entries: list[BufferEntry], manifests: dict[int, Manifest],
     # Runs for every batch the trainer loads: look at the entries' own steps only, and build a
     # step's sample index only when one of its entries points at a shard that is gone.
     listed = {step: {s.name for s in manifests[step].shards} for step in {e.step for e in entries}}
-    index: dict[int, dict[str, shards.SampleIndex]] = {}
+    index: dict[int, dict[str, SampleIndex]] = {}
     out = []
     for e in entries:
         if e.shard in listed[e.step]:

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pipeline.data import shards
+from pipeline.data import shard_format, shards
 from pipeline.data.buffer import read_buffer
 from pipeline.data.keys import (
     buffer_key,
@@ -104,7 +104,7 @@ def plan_retention(
         manifest_key = hidden_states_manifest_key(run, step)
         try:
             manifest = shards.read_manifest(store, run, step) if store.exists(manifest_key) else None
-        except shards.ShardError as exc:  # e.g. another schema version: not ours to judge
+        except shard_format.ShardError as exc:  # e.g. another schema version: not ours to judge
             plan.kept_steps[step] = f"manifest not readable ({exc})"
             continue
         listed = {f"{prefix}/{s.name}" for s in manifest.shards} if manifest else set()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from pipeline.data import rollouts as rollouts_lib
-from pipeline.data import run_layout, shards
+from pipeline.data import run_layout, shard_file, shard_format, shards
 from pipeline.data.store import ObjectStore
 
 
@@ -33,10 +33,10 @@ def check_shards(store: ObjectStore, run: str, step: int) -> list[str]:
             for sample in shards.iter_shard(store, run, manifest, shard.name):
                 rows += 1
                 try:
-                    shards.validate_sample(sample, expected, len(manifest.layer_ids))
-                except shards.ShardError as exc:
+                    shard_file.validate_sample(sample, expected, len(manifest.layer_ids))
+                except shard_format.ShardError as exc:
                     problems.append(str(exc))
-        except shards.CorruptShardError as exc:
+        except shard_format.CorruptShardError as exc:
             problems.append(str(exc))
     if rows != manifest.num_samples:
         problems.append(f"{rows} rows stored, manifest says {manifest.num_samples}")

@@ -24,19 +24,13 @@ from dataclasses import dataclass, replace
 from pipeline.accounting.cost import DecodingCost, StepCost
 from pipeline.config import PipelineConfig, PromotionConfig
 from pipeline.data import rollouts as rollouts_lib
+from pipeline.data.acceptance_record import NO_DRAFTER_TAU, AcceptanceRecord, DrafterTau, TauEstimate
+from pipeline.data.fleet_state import read_fleet_state, served_at
 from pipeline.data.held_out import held_out_prompts, held_out_sequences
 from pipeline.data.keys import acceptance_key, cost_key, placement_key, replay_key
-from pipeline.data.records import (
-    NO_DRAFTER_TAU,
-    AcceptanceRecord,
-    DrafterTau,
-    RolloutReplay,
-    TauEstimate,
-    read_fleet_state,
-    read_placements,
-    served_at,
-    write_record,
-)
+from pipeline.data.records import write_record
+from pipeline.data.replay_record import RolloutReplay
+from pipeline.data.stage_placement import read_placements
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import replay, round_cost, speculative, teacher_forced
 from pipeline.evaluation.scheduler import SpeculationThreshold

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from transformers import LlamaForCausalLM
 
-from pipeline.data.records import ArmReplay, RolloutReplay
+from pipeline.data.replay_record import ArmReplay, RolloutReplay
 from pipeline.data.rollouts import Rollout
 from pipeline.evaluation.rejection_sampler import RequestSampling
 from pipeline.evaluation.scheduler import SpeculationThreshold, bucket, schedule_round

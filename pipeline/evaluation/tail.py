@@ -10,7 +10,7 @@ tail's rollouts, against the step's policy:
     whole_step  the drafter trained on the whole step: the step's own training; None when it did not
                 train (skipped, or superseded by a newer step)
 
-    tail/<run>/step-000123.json     the TailTau record (records.py)
+    tail/<run>/step-000123.json     the TailTau record (data/refresh_record.py)
 """
 
 from __future__ import annotations
@@ -23,22 +23,15 @@ from pipeline.config import PipelineConfig
 from pipeline.data import parts as parts_lib
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import run_layout
+from pipeline.data.acceptance_record import NO_DRAFTER_TAU
+from pipeline.data.fleet_state import FleetState, read_fleet_state, served_at
 from pipeline.data.held_out import held_out_rollouts
 from pipeline.data.keys import drafter_key, tail_key
-from pipeline.data.records import (
-    NO_DRAFTER_TAU,
-    FleetState,
-    RefreshRecord,
-    TailTau,
-    TrainingRecord,
-    read_fleet_state,
-    read_refresh,
-    read_training,
-    served_at,
-    write_record,
-)
+from pipeline.data.records import write_record
+from pipeline.data.refresh_record import RefreshRecord, TailTau, read_refresh
 from pipeline.data.rollouts import PolicyPointer
 from pipeline.data.store import ObjectStore
+from pipeline.data.training_record import TrainingRecord, read_training
 from pipeline.evaluation import speculative
 from pipeline.models import target as target_lib
 from pipeline.registry import DrafterRegistry

@@ -18,8 +18,10 @@ import time
 
 from dagster_pipes import PipesContext
 
+from pipeline.data.acceptance_record import AcceptanceRecord
 from pipeline.data.keys import placement_key
-from pipeline.data.records import AcceptanceRecord, StagePlacement, read_record
+from pipeline.data.records import read_record
+from pipeline.data.stage_placement import StagePlacement
 from pipeline.data.store import open_store
 from pipeline.evaluation import acceptance
 from pipeline.evaluation import tail as tail_lib

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.data.records import StagePlacement
+from pipeline.data.stage_placement import StagePlacement
 from pipeline.ranks import Ranks
 from pipeline.stages import Stage
 

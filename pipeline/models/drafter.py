@@ -23,7 +23,7 @@ from pipeline.models.ttt import UnrollPrefix
 
 if TYPE_CHECKING:  # extraction reads the kind here and runs without pydantic on a bare GPU image
     from pipeline.config import DrafterConfig
-    from pipeline.data.shards import HiddenSample
+    from pipeline.data.shard_format import HiddenSample
 
 __all__ = ["CommittedPairs", "DraftChooser", "Drafter", "Proposer", "Teacher", "check_layers", "fresh_drafter",
            "stored_layer_ids", "warm_start_from"]

@@ -27,7 +27,7 @@ from pipeline.models.teacher import Teacher
 from pipeline.models.ttt import TTTCache, UnrollPrefix, unroll_cache
 
 if TYPE_CHECKING:
-    from pipeline.data.shards import HiddenSample
+    from pipeline.data.shard_format import HiddenSample
 
 ARCHITECTURE = "EagleLlamaForCausalLM"
 

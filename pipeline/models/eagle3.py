@@ -46,7 +46,7 @@ from pipeline.models.teacher import Teacher
 from pipeline.models.ttt import BandTTTCache, FlexTTTCache, TTTCache, UnrollPrefix, unroll_cache
 
 if TYPE_CHECKING:
-    from pipeline.data.shards import HiddenSample
+    from pipeline.data.shard_format import HiddenSample
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 

@@ -49,7 +49,7 @@ from pipeline.models.teacher import Teacher
 from pipeline.models.ttt import UnrollPrefix
 
 if TYPE_CHECKING:
-    from pipeline.data.shards import HiddenSample
+    from pipeline.data.shard_format import HiddenSample
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ expected rollouts (or `refresh.min_tokens` response tokens), a refresh:
               fenced: under the fleet's lease, and only while the fleet runs nothing that has seen
               the step already (the step's own training, once promoted, supersedes the refresh)
 
-    refresh/<run>/step-000123.json    the RefreshRecord (records.py)
+    refresh/<run>/step-000123.json    the RefreshRecord (data/refresh_record.py)
 
 Before the first champion, a refresh starts from the drafter the fleet runs (an earlier refresh's),
 and with none a fresh drafter trains at the step's own budget (`train.epochs` at `train.optim.lr`,
@@ -39,10 +39,12 @@ from dataclasses import replace
 from pipeline.config import PipelineConfig
 from pipeline.data import order, run_layout
 from pipeline.data import parts as parts_lib
+from pipeline.data.fleet_state import read_fleet_state
 from pipeline.data.held_out import held_out_rollouts
 from pipeline.data.keys import refresh_data_run, refresh_key
 from pipeline.data.parts import Qualified, StepParts, qualify
-from pipeline.data.records import RefreshRecord, read_fleet_state, write_record
+from pipeline.data.records import write_record
+from pipeline.data.refresh_record import RefreshRecord
 from pipeline.data.rollouts import Rollout
 from pipeline.data.store import ObjectStore
 from pipeline.registry import DrafterRegistry

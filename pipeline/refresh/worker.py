@@ -30,8 +30,10 @@ from pipeline.data.buffer import select_buffer, write_buffer
 from pipeline.data.held_out import held_out_rollouts
 from pipeline.data.keys import refresh_data_run, refresh_key, step_key
 from pipeline.data.parts import Qualified
-from pipeline.data.records import RefreshRecord, RefreshTimes, StagePlacement, write_record
+from pipeline.data.records import write_record
+from pipeline.data.refresh_record import RefreshRecord, RefreshTimes
 from pipeline.data.run_layout import TargetLayout
+from pipeline.data.stage_placement import StagePlacement
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.evaluation import tail as tail_lib
 from pipeline.launch.placement import measure_placement

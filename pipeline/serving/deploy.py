@@ -18,18 +18,18 @@ from pathlib import Path
 from pipeline.config import PROJECT_ROOT, PipelineConfig
 from pipeline.data import order
 from pipeline.data import rollouts as rollouts_lib
-from pipeline.data.held_out import held_out_prompts
-from pipeline.data.keys import fleet_policy_key, fleet_prefix, fleet_state_key, rollouts_root
-from pipeline.data.lease import hold
-from pipeline.data.records import (
+from pipeline.data.fleet_state import (
     Deployment,
     DeployReport,
     FleetState,
     ReplicaDeploy,
     read_fleet_policy,
     read_fleet_state,
-    write_record,
 )
+from pipeline.data.held_out import held_out_prompts
+from pipeline.data.keys import fleet_policy_key, fleet_prefix, fleet_state_key, rollouts_root
+from pipeline.data.lease import hold
+from pipeline.data.records import write_record
 from pipeline.data.store import ObjectStore
 from pipeline.registry import DrafterRegistry
 from pipeline.serving import agreement

@@ -19,7 +19,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeline.data.records import DeployReport, ReplicaDeploy, UpdateKind
+from pipeline.data.fleet_state import DeployReport, ReplicaDeploy, UpdateKind
 from pipeline.serving.drivers import ReplicaDriver, ReplicaSpec, local_directory
 from pipeline.serving.gates import GateConfig, GateError, Served, check_replica, wait_healthy
 from pipeline.serving.hot_update import HotUpdateFailed, HotUpdateUnsupported, Weights, hot_update

@@ -12,7 +12,7 @@ import urllib.error
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipeline.data.records import ReplicaDeploy
+from pipeline.data.fleet_state import ReplicaDeploy
 from pipeline.serving.agreement import AgreementUnmeasured, Canary, disagreement
 from pipeline.serving.drivers import ReplicaSpec, call
 from pipeline.serving.metrics import scrape

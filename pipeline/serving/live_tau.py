@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pipeline.data.records import FleetState
+from pipeline.data.fleet_state import FleetState
 from pipeline.serving.drivers import ReplicaSpec
 from pipeline.serving.metrics import SpecCounters, scrape
 

@@ -27,9 +27,10 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
+from pipeline.data.fleet_state import FleetPolicy
 from pipeline.data.keys import fleet_policy_key, fleet_prefix
 from pipeline.data.lease import hold
-from pipeline.data.records import FleetPolicy, write_record
+from pipeline.data.records import write_record
 from pipeline.data.store import ObjectStore
 from pipeline.serving import metrics as serving_metrics
 from pipeline.serving.drivers import ReplicaDriver, ReplicaSpec, call, local_directory

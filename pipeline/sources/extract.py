@@ -17,7 +17,7 @@ from pipeline.data import rollouts as rollouts_lib
 from pipeline.data.keys import step_key
 from pipeline.data.rollouts import Rollout, TargetLimits
 from pipeline.data.run_layout import TargetLayout
-from pipeline.data.shards import HiddenSample, Manifest
+from pipeline.data.shard_format import HiddenSample, Manifest, ShardError
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
@@ -203,14 +203,14 @@ def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int, ra
               "final_norm": "applied" if layer_ids is None else "not applied", "rollouts_digest": digest}
     layout = TargetLayout.from_config(model.config.to_dict(), stored)
     lease_s, lease_wait_s = cfg.storage.step_lease_s, cfg.storage.step_lease_wait_s
-    if cfg.hidden_states.source == "vllm":  # one rank (config.py): the connector's files are read here
+    if cfg.hidden_states.source == "vllm":  # one rank (config/pipeline.py): the connector's files are read here
         samples, ingest = _from_vllm(cfg, step, rollouts, windows, model, layer_ids)
         return shards.write_hidden_states(
             store, cfg.run, step, samples, hidden_size=model.config.hidden_size, layer_ids=stored,
             compression=cfg.shard_compression, target=target, layout=layout, ingest=ingest, lease_s=lease_s,
             lease_wait_s=lease_wait_s)
     if not train:
-        raise shards.ShardError(f"step {step}: no samples to write (empty step)")
+        raise ShardError(f"step {step}: no samples to write (empty step)")
     ordered = sorted(train, key=lambda r: -windows[r.sample_id][1])  # the order plan_batches forwards them in
     cuts = shards.shard_cuts([end - start for start, end in (windows[r.sample_id] for r in ordered)],
                              len(stored) * model.config.hidden_size * 2, cfg.hidden_states.samples_per_shard)

@@ -45,7 +45,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from pipeline.data.rollouts import Rollout
-from pipeline.data.shards import HiddenSample
+from pipeline.data.shard_format import HiddenSample
 
 SUFFIX = ".safetensors"
 LOCK_SUFFIX = ".lock"

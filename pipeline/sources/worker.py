@@ -19,8 +19,9 @@ from dagster_pipes import PipesContext
 from pipeline.data import capture
 from pipeline.data import shard_checks as checks
 from pipeline.data.keys import hidden_states_prefix, placement_key
-from pipeline.data.records import StagePlacement, write_record
-from pipeline.data.shards import Manifest
+from pipeline.data.records import write_record
+from pipeline.data.shard_format import Manifest
+from pipeline.data.stage_placement import StagePlacement
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.launch.placement import measure_placement
 from pipeline.launch.process import StageJob

@@ -18,10 +18,10 @@ from pipeline.config import PipelineConfig, TrainConfig
 from pipeline.data import rollouts as rollouts_lib
 from pipeline.data import shards
 from pipeline.data.buffer import iter_buffer_samples, read_buffer
+from pipeline.data.buffer_record import BufferEntry, composition
 from pipeline.data.keys import step_key, training_origin_key, training_prefix
-from pipeline.data.records import BufferEntry, composition
 from pipeline.data.rollouts import PolicyPointer
-from pipeline.data.shards import HiddenSample
+from pipeline.data.shard_format import HiddenSample
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib

@@ -20,8 +20,8 @@ import torch
 
 from pipeline.config import TrainConfig
 from pipeline.data.buffer import iter_buffer_samples
-from pipeline.data.records import BufferEntry
-from pipeline.data.shards import HiddenSample, Manifest
+from pipeline.data.buffer_record import BufferEntry
+from pipeline.data.shard_format import HiddenSample, Manifest
 from pipeline.data.store import ObjectStore
 from pipeline.training.window import PackedBatch, pack
 

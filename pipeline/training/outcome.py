@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipeline.data.keys import drafter_key
-from pipeline.data.records import TrainingFigures, TrainingRecord, write_record
+from pipeline.data.records import write_record
 from pipeline.data.store import ObjectStore
+from pipeline.data.training_record import TrainingFigures, TrainingRecord
 
 if TYPE_CHECKING:  # the orchestrator reads outcomes without importing the training's model code
     from pipeline.training.loop import TrainResult

@@ -18,16 +18,13 @@ from pipeline.accounting.cost import read_cost
 from pipeline.config import PipelineConfig, TrainConfig, parse_resolved_config
 from pipeline.data import order
 from pipeline.data import rollouts as rollouts_lib
+from pipeline.data.acceptance_record import read_acceptance
 from pipeline.data.buffer import read_buffer
+from pipeline.data.buffer_record import BufferEntry, composition
 from pipeline.data.keys import acceptance_key, drafter_key
-from pipeline.data.records import (
-    BufferEntry,
-    composition,
-    read_acceptance,
-    read_refresh,
-    read_training,
-)
+from pipeline.data.refresh_record import read_refresh
 from pipeline.data.store import ObjectStore
+from pipeline.data.training_record import read_training
 from pipeline.registry import DrafterRegistry
 from pipeline.training.outcome import TrainOutcome
 from pipeline.training.schedule import (

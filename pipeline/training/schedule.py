@@ -60,7 +60,9 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from pipeline.accounting.cost import DecodingCost, StepCost
-from pipeline.data.records import AcceptanceRecord, RefreshRecord, TrainingRecord
+from pipeline.data.acceptance_record import AcceptanceRecord
+from pipeline.data.refresh_record import RefreshRecord
+from pipeline.data.training_record import TrainingRecord
 from pipeline.stages import TRAINING
 
 MAX_CYCLE_CHANCES = 50  # the longest retraining interval `cost` weighs, in chances

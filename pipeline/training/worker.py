@@ -27,9 +27,10 @@ from pathlib import Path
 
 from dagster_pipes import PipesContext, open_dagster_pipes
 
-from pipeline.accounting import report
+from pipeline.accounting import plots
 from pipeline.data.keys import placement_key
-from pipeline.data.records import StagePlacement, write_record
+from pipeline.data.records import write_record
+from pipeline.data.stage_placement import StagePlacement
 from pipeline.data.store import open_store
 from pipeline.launch.placement import measure_placement
 from pipeline.launch.worker import exit_with_launcher, is_pipes_process, job_extra, pipes_extras
@@ -104,8 +105,8 @@ def _materialization(job: TrainJob, outcome: TrainOutcome, ctx: DistContext, ui_
         registry = open_registry(job.pipeline_config)
         metadata["mlflow_run"] = {"raw_value": registry.run_url(outcome.run_id, ui_url), "type": "url"}
         metadata["mlflow_model_version"] = {"raw_value": registry.version_url(outcome.version, ui_url), "type": "url"}
-    curve = report.loss_png(outcome.result.loss_history, f"drafter training, RL step {job.step}")
-    metadata["loss_curve"] = {"raw_value": report.png_markdown(curve, "training loss per iteration"), "type": "md"}
+    curve = plots.loss_png(outcome.result.loss_history, f"drafter training, RL step {job.step}")
+    metadata["loss_curve"] = {"raw_value": plots.png_markdown(curve, "training loss per iteration"), "type": "md"}
     metadata["world_size"] = ctx.world_size
     if outcome.result.parallelism:  # how the ranks held the drafter, and the figures `auto` decided on
         metadata.update(outcome.result.parallelism.metadata())

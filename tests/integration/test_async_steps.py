@@ -14,9 +14,10 @@ from jobs.sensors import champion_sensor
 from pipeline.accounting.cost import read_cost
 from pipeline.accounting.ledger import read_ledger
 from pipeline.config import load_config
-from pipeline.data.records import read_fleet_state, read_training
+from pipeline.data.fleet_state import read_fleet_state
 from pipeline.data.rollouts import published_at
 from pipeline.data.store import open_store
+from pipeline.data.training_record import read_training
 from pipeline.registry import DrafterRegistry
 from pipeline.serving import deploy
 from pipeline.sources.simulation import SimulatedRL

@@ -15,7 +15,7 @@ import yaml
 from definitions import build_definitions
 from jobs.sensors import SENSOR_NAME, rl_step_sensor
 from pipeline.config import PROJECT_ROOT, load_config
-from pipeline.data import shards
+from pipeline.data import shard_format, shards
 from pipeline.data.keys import hidden_states_prefix, policy_pointer_key, rollouts_prefix, step_key
 from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
 from pipeline.data.store import ObjectStore, open_store
@@ -218,7 +218,7 @@ def test_rollouts_missing_column_fail_before_anything_is_written(tiny_config_pat
         assert not result.success
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
         assert "missing column(s) reward" in failure.step_failure_data.error.cause.message
-    assert not store.exists(f"{hidden_states_prefix(cfg.run, 1)}/{shards.MANIFEST}")
+    assert not store.exists(f"{hidden_states_prefix(cfg.run, 1)}/{shard_format.MANIFEST}")
 
 
 def test_failed_shard_check_blocks_downstream(tiny_config_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,7 @@ from definitions import build_definitions
 from jobs.sensors import DEPLOY_SENSOR_NAME, champion_sensor, live_tau_sensor
 from ops.local_stack import write_dagster_home
 from pipeline.config import load_config
-from pipeline.data.records import read_fleet_state
+from pipeline.data.fleet_state import read_fleet_state
 from pipeline.data.store import open_store
 from pipeline.registry import DrafterRegistry
 from pipeline.serving import deploy

@@ -14,9 +14,10 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.data import shards
-from pipeline.data.records import read_fleet_policy, read_training
+from pipeline.data.fleet_state import read_fleet_policy
 from pipeline.data.rollouts import read_rollouts
 from pipeline.data.store import open_store
+from pipeline.data.training_record import read_training
 from pipeline.registry import DrafterRegistry
 from tests.support.config import write_config
 

@@ -31,10 +31,13 @@ from definitions import build_definitions
 from ops.ray_cluster import RayCluster, RayNode, ray_cluster
 from pipeline.accounting.cost import read_cost
 from pipeline.config import PROJECT_ROOT, load_config
+from pipeline.data.acceptance_record import read_acceptance
 from pipeline.data.buffer import build_buffer
 from pipeline.data.keys import placement_key
-from pipeline.data.records import StagePlacement, read_acceptance, read_record, read_training
+from pipeline.data.records import read_record
+from pipeline.data.stage_placement import StagePlacement
 from pipeline.data.store import open_store
+from pipeline.data.training_record import read_training
 from pipeline.registry import DrafterRegistry
 from pipeline.sources import extract
 from pipeline.sources.simulation import SimulatedRL

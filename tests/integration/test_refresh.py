@@ -21,8 +21,10 @@ from jobs.sensors import REFRESH_SENSOR_NAME, refresh_sensor
 from pipeline.client import publish_rollouts_part
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data import parts as parts_lib
+from pipeline.data.acceptance_record import read_acceptance
+from pipeline.data.fleet_state import read_fleet_state
 from pipeline.data.keys import part_manifest_key, parts_prefix, parts_step_key, step_key
-from pipeline.data.records import read_acceptance, read_fleet_state, read_refresh, read_tail
+from pipeline.data.refresh_record import read_refresh, read_tail
 from pipeline.data.rollouts import is_committed
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.registry import DrafterRegistry, open_registry

@@ -28,10 +28,10 @@ import yaml
 from mlflow.exceptions import MlflowException
 
 from pipeline.config import PipelineConfig, load_config
-from pipeline.data import buffer, shards
+from pipeline.data import buffer, shard_format, shards
 from pipeline.data import rollouts as rollouts_lib
+from pipeline.data.fleet_state import read_fleet_state
 from pipeline.data.keys import fleet_state_key, hidden_states_prefix
-from pipeline.data.records import read_fleet_state
 from pipeline.data.store import ObjectStore, StorageFullError, open_store, storage_options_for
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
@@ -116,7 +116,7 @@ def test_sigkill_during_a_shard_write_leaves_no_partial_step(loop, reliability) 
 
     # Rerun: the step commits, what the killed writes left behind is gone, the buffer has each sample once.
     manifest = extract.extract_hidden_states(store, cfg, 2)
-    assert _files(step2_dir) == sorted([shards.MANIFEST, *(s.name for s in manifest.shards)])
+    assert _files(step2_dir) == sorted([shard_format.MANIFEST, *(s.name for s in manifest.shards)])
     extract.extract_hidden_states(store, cfg, 1)
     assert not any(".tmp-" in name for name in _files(step1_dir))
     # Step 1's buffer was built before the rewrite: it still reads every sample (by id).
@@ -257,7 +257,7 @@ def test_s3_errors_and_slow_answers_are_retried(s3_endpoint: str, reliability) -
     assert [s.sample_id for s in read] == [s.sample_id for s in samples]
     direct = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
     objects = sorted(p.rsplit("/", 1)[-1] for p in direct.find(f"{BUCKET}/{prefix}"))
-    assert objects == sorted([shards.MANIFEST, *(s.name for s in manifest.shards)])  # each object once
+    assert objects == sorted([shard_format.MANIFEST, *(s.name for s in manifest.shards)])  # each object once
 
 
 # -- MLflow down in the middle of a step ------------------------------------------------------------------------
@@ -364,7 +364,7 @@ def test_disk_full_while_writing_shards(tmp_path: Path, reliability) -> None:
         manifest = shards.write_hidden_states(store, "r", 2, big, hidden_size=H, layer_ids=[0, 1, 2, 3],
                                               target={"model_id": "t"}, samples_per_shard=2)
         assert _names(store, hidden_states_prefix("r", 2)) == sorted(
-            [shards.MANIFEST, *(s.name for s in manifest.shards)])
+            [shard_format.MANIFEST, *(s.name for s in manifest.shards)])
 
 
 def _names(store: ObjectStore, prefix: str) -> list[str]:
@@ -493,9 +493,9 @@ def test_loss_mask_all_zero_is_refused(store: ObjectStore, tmp_path: Path, relia
     assert not (tmp_path / "store").exists() or not any(p.is_file() for p in (tmp_path / "store").rglob("*"))
 
     sample = make_samples(1, [4])[0]
-    zero = shards.HiddenSample(sample.sample_id, 1, sample.input_ids, torch.zeros_like(sample.loss_mask),
+    zero = shard_format.HiddenSample(sample.sample_id, 1, sample.input_ids, torch.zeros_like(sample.loss_mask),
                                sample.hidden)
-    with pytest.raises(shards.ShardError, match="loss mask is all zero"):
+    with pytest.raises(shard_format.ShardError, match="loss mask is all zero"):
         shards.write_hidden_states(store, "r", 1, [zero], hidden_size=H, layer_ids=[0], target={})
     assert not shards.has_manifest(store, "r", 1)
 

@@ -19,9 +19,9 @@ from moto.server import ThreadedMotoServer
 
 from definitions import build_definitions
 from pipeline.config import load_config
-from pipeline.data import buffer, shards
+from pipeline.data import buffer, shard_format, shards
+from pipeline.data.acceptance_record import read_acceptance
 from pipeline.data.keys import hidden_states_prefix
-from pipeline.data.records import read_acceptance
 from pipeline.data.rollouts import PolicyPointer, Rollout, committed_steps, read_rollouts, write_rollouts
 from pipeline.data.store import ObjectStore, open_store, storage_options_for
 from pipeline.models import target as target_lib
@@ -121,7 +121,7 @@ def test_rollouts_and_commit_point(store: ObjectStore) -> None:
 def test_shards_buffer_and_bad_input(store: ObjectStore) -> None:
     g = torch.Generator().manual_seed(0)
     samples = [
-        shards.HiddenSample(f"s{i}", 1, torch.arange(6), torch.tensor([0, 0, 1, 1, 1, 1]),
+        shard_format.HiddenSample(f"s{i}", 1, torch.arange(6), torch.tensor([0, 0, 1, 1, 1, 1]),
                             torch.randn(6, 1, 8, generator=g).to(torch.bfloat16))
         for i in range(5)
     ]
@@ -138,12 +138,12 @@ def test_shards_buffer_and_bad_input(store: ObjectStore) -> None:
     assert all(torch.equal(a.hidden.view(torch.int16), b.hidden.view(torch.int16))
                for a, b in zip(samples[2:], loaded, strict=True))
 
-    bad = [*samples[:1], shards.HiddenSample("nan", 2, torch.arange(6), torch.ones(6, dtype=torch.int64),
+    bad = [*samples[:1], shard_format.HiddenSample("nan", 2, torch.arange(6), torch.ones(6, dtype=torch.int64),
                                              torch.full((6, 1, 8), float("nan"), dtype=torch.bfloat16))]
-    with pytest.raises(shards.ShardError, match="NaN"):
+    with pytest.raises(shard_format.ShardError, match="NaN"):
         shards.write_hidden_states(store, "run", 2, bad, hidden_size=8, layer_ids=[2], target={})
     assert store.list_dirs(f"hidden_states/run/{'step-000002'}") == []
-    assert not store.exists(f"{hidden_states_prefix('run', 2)}/{shards.MANIFEST}")
+    assert not store.exists(f"{hidden_states_prefix('run', 2)}/{shard_format.MANIFEST}")
 
 
 def test_policy_checkpoint_round_trip(store: ObjectStore) -> None:
@@ -200,10 +200,10 @@ def test_training_checkpoints_commit_and_restore(store: ObjectStore) -> None:
     assert checkpoints.latest() is None
 
 
-@pytest.mark.parametrize("compression", shards.LOSSLESS)
+@pytest.mark.parametrize("compression", shard_format.LOSSLESS)
 def test_ranged_reads_of_some_layers(store: ObjectStore, compression: str) -> None:
     g = torch.Generator().manual_seed(1)
-    samples = [shards.HiddenSample(f"s{i}", 1, torch.arange(5 + i), torch.ones(5 + i, dtype=torch.int64),
+    samples = [shard_format.HiddenSample(f"s{i}", 1, torch.arange(5 + i), torch.ones(5 + i, dtype=torch.int64),
                                    torch.randn(5 + i, 3, 8, generator=g).to(torch.bfloat16)) for i in range(11)]
     manifest = shards.write_hidden_states(store, "run", 1, samples, hidden_size=8, layer_ids=[3, 9, 12], target={},
                                           compression=compression)
@@ -225,7 +225,7 @@ def test_retention_plans_then_deletes_only_unreferenced_steps(store: ObjectStore
     from pipeline.data import buffer, retention
 
     for step in (1, 2, 3):
-        samples = [shards.HiddenSample(f"s{step}-{i}", step, torch.arange(6), torch.tensor([0, 0, 1, 1, 1, 1]),
+        samples = [shard_format.HiddenSample(f"s{step}-{i}", step, torch.arange(6), torch.tensor([0, 0, 1, 1, 1, 1]),
                                        torch.full((6, 1, 8), float(step), dtype=torch.bfloat16)) for i in range(2)]
         shards.write_hidden_states(store, "run", step, samples, hidden_size=8, layer_ids=[2], target={})
         buffer.build_buffer(store, "run", step, buffer_steps=1, max_samples=10)

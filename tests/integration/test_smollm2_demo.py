@@ -16,8 +16,8 @@ from safetensors import safe_open
 from definitions import build_definitions
 from jobs.sensors import SENSOR_NAME, rl_step_sensor
 from pipeline.config import load_config
+from pipeline.data.acceptance_record import read_acceptance
 from pipeline.data.held_out import held_out_prompts
-from pipeline.data.records import read_acceptance
 from pipeline.data.rollouts import read_policy_pointer, read_rollouts
 from pipeline.data.store import open_store
 from pipeline.evaluation import speculative

@@ -21,12 +21,14 @@ from dagster_k8s.pipes import build_pod_body
 from assets.cotraining import acceptance, hidden_states
 from pipeline.accounting.cost import read_cost
 from pipeline.config import PROJECT_ROOT, load_config
-from pipeline.data import shards
+from pipeline.data import shard_format, shards
+from pipeline.data.acceptance_record import read_acceptance
 from pipeline.data.keys import drafter_key, hidden_states_prefix, placement_key
 from pipeline.data.lease import LEASE_FILE
-from pipeline.data.records import TrainingRecord, read_acceptance, write_record
+from pipeline.data.records import write_record
 from pipeline.data.rollouts import read_policy_pointer
 from pipeline.data.store import open_store
+from pipeline.data.training_record import TrainingRecord
 from pipeline.evaluation import acceptance as acceptance_lib
 from pipeline.launch import process as launch
 from pipeline.launch.warm import server_files
@@ -59,7 +61,7 @@ def _materialize(asset: dg.AssetsDefinition, config_path: Path, instance: dg.Dag
                           instance=instance, raise_on_error=False)
 
 
-def _shard_bytes(store, cfg, manifest: shards.Manifest) -> list[bytes]:
+def _shard_bytes(store, cfg, manifest: shard_format.Manifest) -> list[bytes]:
     prefix = hidden_states_prefix(cfg.run, STEP)
     return [store.read_bytes(f"{prefix}/{s.name}") for s in manifest.shards]
 
@@ -140,7 +142,7 @@ def test_extraction_on_two_ranks_writes_one_process_shards_and_a_killed_rank_com
     assert digests["two"] == digests["one"] == digests["in-process"]
     assert shard_bytes["two"] == shard_bytes["one"] == shard_bytes["in-process"]
     left = {k.rsplit("/", 1)[-1] for k, _, _ in store.list_files(hidden_states_prefix(cfg.run, STEP))}
-    assert left - {LEASE_FILE} == {s.name for s in manifest.shards} | {shards.MANIFEST}
+    assert left - {LEASE_FILE} == {s.name for s in manifest.shards} | {shard_format.MANIFEST}
 
 
 def _register_drafter(cfg) -> str:

@@ -18,8 +18,8 @@ import yaml
 from assets.cotraining import drafter
 from pipeline.config import load_config
 from pipeline.data import buffer as buffer_lib
-from pipeline.data.records import read_training
 from pipeline.data.store import open_store
+from pipeline.data.training_record import read_training
 from pipeline.registry import DrafterRegistry
 from pipeline.sources import extract
 from pipeline.sources.simulation import SimulatedRL

@@ -12,7 +12,7 @@ import pytest
 from definitions import build_definitions
 from jobs.sensors import SENSOR_NAME, rl_step_sensor
 from pipeline.config import load_config
-from pipeline.data import buffer, shards
+from pipeline.data import buffer, shard_format, shards
 from pipeline.data.keys import hidden_states_prefix, policy_pointer_key
 from pipeline.data.store import open_store
 from pipeline.registry import DrafterRegistry
@@ -80,7 +80,7 @@ def test_a_pointer_with_credentials_never_reaches_the_run_database(tiny_config_p
         assert SECRET not in str(instance.get_run_by_id(result.run_id))
     stored = [k for k, _, _ in store.list_files("") if k != key]
     assert not any(SECRET.encode() in store.read_bytes(k) for k in stored if k.endswith((".json", ".parquet")))
-    assert not store.exists(f"{hidden_states_prefix(cfg.run, 1)}/{shards.MANIFEST}")
+    assert not store.exists(f"{hidden_states_prefix(cfg.run, 1)}/{shard_format.MANIFEST}")
 
 
 @pytest.mark.reliability("bad_input", "a step whose policy changes the hidden size, through Dagster: refused at "

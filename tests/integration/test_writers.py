@@ -15,9 +15,9 @@ import s3fs
 import torch
 from moto.server import ThreadedMotoServer
 
-from pipeline.data import lease, shards
+from pipeline.data import lease, shard_format, shards
 from pipeline.data.keys import hidden_states_prefix
-from pipeline.data.shards import HiddenSample
+from pipeline.data.shard_format import HiddenSample
 from pipeline.data.store import ObjectStore, storage_options_for
 from tests.integration.test_s3 import BUCKET, CREDENTIALS, _free_port
 
@@ -83,7 +83,7 @@ def _check_committed(store: ObjectStore) -> None:
     assert len(writers) == 1
     prefix = hidden_states_prefix(RUN, STEP)
     left = sorted(k.rsplit("/", 1)[-1] for k, _, _ in store.list_files(prefix))
-    assert left == sorted([shards.MANIFEST, *(s.name for s in manifest.shards)])
+    assert left == sorted([shard_format.MANIFEST, *(s.name for s in manifest.shards)])
 
 
 @pytest.mark.slow

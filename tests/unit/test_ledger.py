@@ -4,7 +4,7 @@ import pytest
 
 from pipeline.accounting.cost import DecodingCost, StepCost
 from pipeline.accounting.ledger import cumulative, step_lags, totals, with_deployments
-from pipeline.data.records import Deployment
+from pipeline.data.fleet_state import Deployment
 from pipeline.stages import DEPLOYMENT, EVALUATION, EXTRACTION, TRAINING
 
 # Steps published every 10 s from t=100; the fleet ran v1 (trained on step 1) from 105, v2 (trained on

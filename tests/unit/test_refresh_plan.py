@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 from pipeline.client import Rollout, publish_rollouts_part, publish_step
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data import parts as parts_lib
+from pipeline.data.fleet_state import FleetPolicy
 from pipeline.data.held_out import held_out_rollouts
 from pipeline.data.keys import (
     fleet_policy_key,
@@ -27,7 +28,8 @@ from pipeline.data.keys import (
     policy_pointer_key,
     step_key,
 )
-from pipeline.data.records import FleetPolicy, read_refresh, write_record
+from pipeline.data.records import write_record
+from pipeline.data.refresh_record import read_refresh
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.refresh.plan import (
     REFRESH_WARMUP_STEPS,

@@ -8,23 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.accounting import report
+from pipeline.accounting import plots, report
 from pipeline.accounting.cost import StepCost
 from pipeline.accounting.ledger import Ledger
+from pipeline.data.acceptance_record import AcceptanceRecord, DrafterTau, TauEstimate
 from pipeline.data.buffer import write_buffer
+from pipeline.data.buffer_record import BufferEntry
 from pipeline.data.keys import acceptance_key, drafter_key, replay_key
-from pipeline.data.records import (
-    AcceptanceRecord,
-    ArmReplay,
-    BufferEntry,
-    DrafterTau,
-    RolloutReplay,
-    TauEstimate,
-    TrainingRecord,
-    write_record,
-)
+from pipeline.data.records import write_record
+from pipeline.data.replay_record import ArmReplay, RolloutReplay
 from pipeline.data.rollouts import Rollout, write_rollouts_file
 from pipeline.data.store import ObjectStore
+from pipeline.data.training_record import TrainingRecord
 from pipeline.sampling import SamplingParams
 from pipeline.stages import EVALUATION, EXTRACTION, TRAINING
 
@@ -143,8 +138,8 @@ def test_summary_json_and_plots(store: ObjectStore, tmp_path: Path) -> None:
     assert doc["steps"] == [r.to_json() for r in rows]
     assert "trl_mean_reward" not in doc["steps"][0]  # what only a GRPO demo reports
     assert report.plot(rows, 4, tmp_path / "out" / "acceptance.png", "eagle3").read_bytes().startswith(PNG)
-    assert report.loss_png([4.0, 2.0, 0.1], "loss").startswith(PNG)
-    markdown = report.png_markdown(PNG, "tau")
+    assert plots.loss_png([4.0, 2.0, 0.1], "loss").startswith(PNG)
+    markdown = plots.png_markdown(PNG, "tau")
     assert markdown.startswith("![tau](data:image/png;base64,")
 
 

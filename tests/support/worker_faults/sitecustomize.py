@@ -27,9 +27,9 @@ def _first_fault() -> bool:
     return True
 
 if os.environ.get("DRAFTER_TEST_KILL_RANK") and os.environ.get("RANK") == os.environ["DRAFTER_TEST_KILL_RANK"]:
-    from pipeline.data import shards
+    from pipeline.data import shard_file
 
-    _write_shard = shards._write_shard
+    _write_shard = shard_file.write_shard
     _written = []
 
     def _dies_on_its_second_shard(*args, **kwargs):
@@ -38,7 +38,7 @@ if os.environ.get("DRAFTER_TEST_KILL_RANK") and os.environ.get("RANK") == os.env
         _written.append(1)
         return _write_shard(*args, **kwargs)
 
-    shards._write_shard = _dies_on_its_second_shard
+    shard_file.write_shard = _dies_on_its_second_shard
 
 if os.environ.get("RANK") == os.environ.get("DRAFTER_TEST_KILL_TRAINING_RANK", "none"):
     from pipeline.training import loop
@@ -57,9 +57,9 @@ if os.environ.get("RANK") == os.environ.get("DRAFTER_TEST_KILL_TRAINING_RANK", "
 if os.environ.get("DRAFTER_TEST_KILL_SHARD") or os.environ.get("DRAFTER_TEST_SLOW_SHARDS"):
     import time
 
-    from pipeline.data import shards
+    from pipeline.data import shard_file
 
-    _write = shards._write_shard
+    _write = shard_file.write_shard
     _started = []
 
     def _faulty_shard_write(*args, **kwargs):
@@ -70,7 +70,7 @@ if os.environ.get("DRAFTER_TEST_KILL_SHARD") or os.environ.get("DRAFTER_TEST_SLO
         _started.append(1)
         return _write(*args, **kwargs)
 
-    shards._write_shard = _faulty_shard_write
+    shard_file.write_shard = _faulty_shard_write
 
 if os.environ.get("DRAFTER_TEST_SHARD_PROBLEM"):
     from pipeline.data import shard_checks

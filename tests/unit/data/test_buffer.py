@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.data import buffer, shards
+from pipeline.data import buffer, shard_format, shards
 from pipeline.data.buffer import select_buffer
+from pipeline.data.buffer_record import BufferEntry, composition
 from pipeline.data.keys import buffer_key
-from pipeline.data.records import BufferEntry, composition
-from pipeline.data.shards import ByteRange, HiddenSample, Manifest, SampleIndex
+from pipeline.data.shard_format import ByteRange, HiddenSample, Manifest, SampleIndex
 from pipeline.data.store import ObjectStore
 from tests.support.targets import tiny_target
 
@@ -233,7 +233,7 @@ def test_corrupt_shard_is_skipped_with_a_warning(store: ObjectStore, caplog: pyt
     """A shard whose bytes changed after the manifest was written is never read into training."""
     g = torch.Generator().manual_seed(0)
     samples = [
-        shards.HiddenSample(f"s{i}", 1, torch.arange(6), torch.tensor([0, 0, 1, 1, 1, 1]),
+        shard_format.HiddenSample(f"s{i}", 1, torch.arange(6), torch.tensor([0, 0, 1, 1, 1, 1]),
                             torch.randn(6, 1, 8, generator=g).to(torch.bfloat16))
         for i in range(4)
     ]
@@ -250,7 +250,7 @@ def test_corrupt_shard_is_skipped_with_a_warning(store: ObjectStore, caplog: pyt
     assert [s.sample_id for s in loaded] == ["s2", "s3"]
     assert "does not match its manifest checksum" in caplog.text
     assert "skipping its 2 buffer samples" in caplog.text
-    with pytest.raises(shards.CorruptShardError, match=f"{manifest.shards[0].name}.*sample 's1'"):
+    with pytest.raises(shard_format.CorruptShardError, match=f"{manifest.shards[0].name}.*sample 's1'"):
         shards.read_rows(store, "run", manifest, manifest.shards[0].name, [1])
     # Reads are verified per range: a sample whose own bytes are intact still reads.
     (intact,) = shards.read_rows(store, "run", manifest, manifest.shards[0].name, [0])
@@ -267,7 +267,7 @@ def test_shard_check_reports_a_corrupt_shard_once(store: ObjectStore) -> None:
     write_rollouts(store, "run", 1, [Rollout("a", [1, 2, 3], [0, 1, 1], 0.0, 1)],
                    PolicyPointer(1, "policies/run/p", "m"))
     g = torch.Generator().manual_seed(0)
-    samples = [shards.HiddenSample(f"s{i}", 1, torch.arange(6), torch.tensor([0, 0, 1, 1, 1, 1]),
+    samples = [shard_format.HiddenSample(f"s{i}", 1, torch.arange(6), torch.tensor([0, 0, 1, 1, 1, 1]),
                                    torch.randn(6, 1, 8, generator=g).to(torch.bfloat16)) for i in range(4)]
     manifest = shards.write_hidden_states(store, "run", 1, samples, hidden_size=8, layer_ids=[1],
                                           target={"model_id": "m"}, samples_per_shard=2)

@@ -8,33 +8,16 @@ from collections.abc import Iterator
 import pytest
 
 from pipeline.accounting.cost import DecodingCost, StepCost
+from pipeline.data.acceptance_record import AcceptanceRecord, DrafterTau, TauEstimate, read_acceptance
+from pipeline.data.buffer_record import BufferEntry, BufferRecord
+from pipeline.data.fleet_state import DeployReport, FleetPolicy, FleetState, ReplicaDeploy
 from pipeline.data.keys import acceptance_key, drafter_key
-from pipeline.data.records import (
-    AcceptanceRecord,
-    ArmReplay,
-    BufferEntry,
-    BufferRecord,
-    DeployReport,
-    DrafterTau,
-    FleetPolicy,
-    FleetState,
-    RecordError,
-    RefreshBreakdown,
-    RefreshRecord,
-    RefreshTimes,
-    ReplicaDeploy,
-    RolloutReplay,
-    StagePlacement,
-    TailTau,
-    TauEstimate,
-    TrainingFigures,
-    TrainingRecord,
-    read_acceptance,
-    read_record,
-    read_training,
-    write_record,
-)
+from pipeline.data.records import RecordError, read_record, write_record
+from pipeline.data.refresh_record import RefreshBreakdown, RefreshRecord, RefreshTimes, TailTau
+from pipeline.data.replay_record import ArmReplay, RolloutReplay
+from pipeline.data.stage_placement import StagePlacement
 from pipeline.data.store import ObjectStore
+from pipeline.data.training_record import TrainingFigures, TrainingRecord, read_training
 from pipeline.sampling import SamplingParams
 from pipeline.stages import TRAINING
 

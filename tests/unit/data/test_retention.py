@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.data import buffer, retention, shards
+from pipeline.data import buffer, retention, shard_format, shards
 from pipeline.data.keys import buffer_key, hidden_states_prefix, refresh_data_run
 from pipeline.data.store import ObjectStore
 
 RUN = "r"
 
 
-def _samples(step: int, n: int = 3) -> list[shards.HiddenSample]:
+def _samples(step: int, n: int = 3) -> list[shard_format.HiddenSample]:
     g = torch.Generator().manual_seed(step)
-    return [shards.HiddenSample(f"s{step}-{i}", step, torch.arange(6), torch.tensor([0, 0, 1, 1, 1, 1]),
+    return [shard_format.HiddenSample(f"s{step}-{i}", step, torch.arange(6), torch.tensor([0, 0, 1, 1, 1, 1]),
                                 torch.randn(6, 1, 8, generator=g).to(torch.bfloat16)) for i in range(n)]
 
 
@@ -48,7 +48,7 @@ def test_dry_run_lists_and_changes_nothing_then_apply_deletes_exactly_that(store
     manifest3 = shards.read_manifest(store, RUN, 3)
     assert [d.key for d in plan.delete] == [
         buffer_key(RUN, 1), buffer_key(RUN, 3), buffer_key(RUN, 4),
-        f"{step3}/{shards.MANIFEST}", *(f"{step3}/{s.name}" for s in manifest3.shards),
+        f"{step3}/{shard_format.MANIFEST}", *(f"{step3}/{s.name}" for s in manifest3.shards),
     ]
     assert plan.bytes == sum(store.size(d.key) for d in plan.delete) > manifest3.total_bytes
     assert plan.kept_steps == {1: "referenced by a live buffer", 2: "referenced by a live buffer",
@@ -112,7 +112,8 @@ def test_refresh_data_goes_once_its_step_leaves_the_buffer_window(store: ObjectS
     doomed = [d for d in plan.delete if d.reason.startswith("refresh")]
     keys = [d.key for d in doomed]
     manifest = shards.read_manifest(store, old, 3)
-    assert keys[:2] == [buffer_key(old, 3), f"{hidden_states_prefix(old, 3)}/{shards.MANIFEST}"]  # manifests first
+    # manifests first
+    assert keys[:2] == [buffer_key(old, 3), f"{hidden_states_prefix(old, 3)}/{shard_format.MANIFEST}"]
     assert sorted(keys[2:]) == sorted(f"{hidden_states_prefix(old, 3)}/{s.name}" for s in manifest.shards)
     assert all(d.reason == "refresh of a step before the buffer window (step 3 < 4)" for d in doomed)
     retention.apply_retention(store, plan)
@@ -192,7 +193,8 @@ def test_cli_dry_run_then_apply(
         shards.write_hidden_states(store, cfg.run, step, _samples(step), hidden_size=8, layer_ids=[1],
                                    target={"model_id": "m"})
         buffer.build_buffer(store, cfg.run, step, 1, max_samples=100)
-    doomed = [buffer_key(cfg.run, 1), buffer_key(cfg.run, 2), f"{hidden_states_prefix(cfg.run, 1)}/{shards.MANIFEST}"]
+    doomed = [buffer_key(cfg.run, 1), buffer_key(cfg.run, 2),
+              f"{hidden_states_prefix(cfg.run, 1)}/{shard_format.MANIFEST}"]
 
     cli.main(["--config", str(config), "retention"])
     dry = capsys.readouterr().out

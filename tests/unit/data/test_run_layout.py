@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.data import buffer, run_layout, shard_checks, shards
+from pipeline.data import buffer, run_layout, shard_checks, shard_format, shards
 from pipeline.data.keys import hidden_states_manifest_key, hidden_states_prefix, layout_key
 from pipeline.data.run_layout import LayoutError, TargetLayout
-from pipeline.data.shards import HiddenSample
+from pipeline.data.shard_format import HiddenSample
 from pipeline.data.store import ObjectStore
 
 RUN = "r"
@@ -26,7 +26,7 @@ def _samples(step: int, hidden: int = 8, layers: int = 1) -> list[HiddenSample]:
                          torch.randn(5, layers, hidden).to(torch.bfloat16)) for i in range(3)]
 
 
-def _write(store: ObjectStore, step: int, layout: TargetLayout | None) -> shards.Manifest:
+def _write(store: ObjectStore, step: int, layout: TargetLayout | None) -> shard_format.Manifest:
     layout_of = layout or LAYOUT
     return shards.write_hidden_states(
         store, RUN, step, _samples(step, layout_of.hidden_size, len(layout_of.layer_ids)),
@@ -175,7 +175,7 @@ def test_a_stored_layout_or_manifest_is_read_back_as_untrusted_input(
     store.write_json(key, doc)
     before = {k: store.read_bytes(k) for k, _, _ in store.list_files("")}
 
-    refused = LayoutError if file == "layout" else shards.ShardError
+    refused = LayoutError if file == "layout" else shard_format.ShardError
     read = (lambda: run_layout.check_step_layout(store, RUN, 2, LAYOUT)) if file == "layout" \
         else (lambda: shards.read_manifest(store, RUN, 1))
     with pytest.raises(refused, match=rf"{re.escape(key)}: .*field {re.escape(field)}"):

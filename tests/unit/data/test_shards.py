@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.data import shards
+from pipeline.data import shard_file, shard_format, shards
 from pipeline.data.compression import CHUNK_WORDS, CompressionError, compress_bf16, decompress_bf16_into
 from pipeline.data.keys import hidden_states_prefix
-from pipeline.data.shards import HiddenSample, ShardError
+from pipeline.data.shard_format import HiddenSample, ShardError
 from pipeline.data.store import ObjectStore
 
 RUN = "r"
@@ -63,7 +63,7 @@ def make_samples(step: int, lengths: list[int], seed: int = 0, layers: int = 1) 
     return [make_sample(f"s{step}-{i}", step, n, gen, layers=layers) for i, n in enumerate(lengths)]
 
 
-def write(store: ObjectStore, step: int, samples: list[HiddenSample], **kwargs) -> shards.Manifest:
+def write(store: ObjectStore, step: int, samples: list[HiddenSample], **kwargs) -> shard_format.Manifest:
     opts = {"hidden_size": H, "layer_ids": LAYER_IDS, "target": TARGET, **kwargs}
     return shards.write_hidden_states(store, RUN, step, samples, **opts)
 
@@ -95,7 +95,7 @@ def assert_same_sample(got: HiddenSample, want: HiddenSample) -> None:
         pytest.param([4, 9, 5], 2, 3, id="three-layers"),
     ],
 )
-@pytest.mark.parametrize("compression", shards.LOSSLESS)
+@pytest.mark.parametrize("compression", shard_format.LOSSLESS)
 def test_round_trip_is_bit_exact(
     store: ObjectStore, lengths: list[int], per_shard: int, layers: int, compression: str
 ) -> None:
@@ -120,7 +120,7 @@ def test_round_trip_is_bit_exact(
             assert_same_sample(got, by_id[entry.sample_id])
 
 
-@pytest.mark.parametrize("compression", shards.LOSSLESS)
+@pytest.mark.parametrize("compression", shard_format.LOSSLESS)
 def test_a_drafter_reads_only_the_layers_it_needs(store: ObjectStore, compression: str) -> None:
     samples = make_samples(4, [5, 9], layers=3)
     manifest = write(store, 4, samples, layer_ids=[3, 7, 12], compression=compression)
@@ -157,7 +157,7 @@ def test_raw_layers_of_a_local_shard_are_viewed_in_place_copy_on_write(store: Ob
         assert_same_sample(sample, want)
 
 
-@pytest.mark.parametrize("compression", shards.LOSSLESS)
+@pytest.mark.parametrize("compression", shard_format.LOSSLESS)
 def test_one_sample_by_id_reads_only_its_own_ranges(store: ObjectStore, tmp_path: Path, compression: str) -> None:
     samples = make_samples(6, [4, 7, 5], layers=2)
     manifest = write(store, 6, samples, layer_ids=[1, 2], compression=compression)
@@ -176,13 +176,13 @@ def test_one_sample_by_id_reads_only_its_own_ranges(store: ObjectStore, tmp_path
     assert torch.equal(got.input_ids, samples[1].input_ids)
     assert torch.equal(got.loss_mask, samples[1].loss_mask)
     assert torch.equal(got.hidden.view(torch.int16), samples[1].hidden[:, 1:].view(torch.int16))
-    with pytest.raises(shards.CorruptShardError, match="layer 1 of sample 's6-1'"):
+    with pytest.raises(shard_format.CorruptShardError, match="layer 1 of sample 's6-1'"):
         shards.read_sample(store, RUN, manifest, "s6-1")
     with pytest.raises(KeyError, match="no sample 'nope'"):
         shards.read_sample(store, RUN, manifest, "nope")
 
 
-@pytest.mark.parametrize("compression", shards.COMPRESSIONS)
+@pytest.mark.parametrize("compression", shard_format.COMPRESSIONS)
 def test_a_flipped_layer_byte_is_caught_by_every_reader(store: ObjectStore, tmp_path: Path, compression: str) -> None:
     samples = make_samples(8, [6, 6])
     manifest = write(store, 8, samples, compression=compression)
@@ -192,22 +192,23 @@ def test_a_flipped_layer_byte_is_caught_by_every_reader(store: ObjectStore, tmp_
     data[offset + length // 2] ^= 0x01
     path.write_bytes(bytes(data))
 
-    with pytest.raises(shards.CorruptShardError, match=f"shard {manifest.shards[0].name} does not match"):
+    with pytest.raises(shard_format.CorruptShardError, match=f"shard {manifest.shards[0].name} does not match"):
         list(shards.iter_samples(store, RUN, manifest))
-    with pytest.raises(shards.CorruptShardError, match="sample 's8-1'"):
+    with pytest.raises(shard_format.CorruptShardError, match="sample 's8-1'"):
         shards.read_sample(store, RUN, manifest, "s8-1")
     intact = shards.read_sample(store, RUN, manifest, "s8-0")
-    if compression in shards.LOSSLESS:
+    if compression in shard_format.LOSSLESS:
         assert_same_sample(intact, samples[0])
 
 
-@pytest.mark.parametrize("compression", shards.COMPRESSIONS)
+@pytest.mark.parametrize("compression", shard_format.COMPRESSIONS)
 def test_a_truncated_shard_is_reported_as_corrupt(store: ObjectStore, tmp_path: Path, compression: str) -> None:
     manifest = write(store, 9, make_samples(9, [6, 6]), compression=compression)
     path = tmp_path / "store" / hidden_states_prefix(RUN, 9) / manifest.shards[0].name
     path.write_bytes(path.read_bytes()[: manifest.samples[1].layers[0].offset + 3])
 
-    with pytest.raises(shards.CorruptShardError, match=f"shard {manifest.shards[0].name} is shorter than its manifest"):
+    shorter = f"shard {manifest.shards[0].name} is shorter than its manifest"
+    with pytest.raises(shard_format.CorruptShardError, match=shorter):
         shards.read_sample(store, RUN, manifest, "s9-1")
 
 
@@ -281,7 +282,7 @@ def test_manifest_fields_match_the_files(store: ObjectStore, tmp_path: Path) -> 
     assert manifest.layer_ids == LAYER_IDS
     assert manifest.dtype == "bfloat16"
     assert manifest.target == TARGET
-    assert manifest.schema_version == shards.SCHEMA_VERSION
+    assert manifest.schema_version == shard_format.SCHEMA_VERSION
     assert manifest.compression == "none"
     assert manifest.num_samples == 5
     assert manifest.num_tokens == sum(lengths)
@@ -292,7 +293,7 @@ def test_manifest_fields_match_the_files(store: ObjectStore, tmp_path: Path) -> 
         data = (tmp_path / "store" / prefix / info.name).read_bytes()
         assert info.bytes == len(data) == store.size(f"{prefix}/{info.name}")
         entries = [e for e in manifest.samples if e.shard == info.name]
-        assert info.xxh3_128 == shards.shard_digest(memoryview(data), entries)
+        assert info.xxh3_128 == shard_file.shard_digest(memoryview(data), entries)
     assert manifest.total_bytes == sum(s.bytes for s in manifest.shards)
     assert [(e.sample_id, e.tokens) for e in manifest.samples] == [
         (s.sample_id, n) for s, n in zip(samples, lengths, strict=True)
@@ -301,10 +302,10 @@ def test_manifest_fields_match_the_files(store: ObjectStore, tmp_path: Path) -> 
         (manifest.shards[i // 2].name, i % 2) for i in range(5)
     ]
     # The stored manifest is the returned one, and the directory holds nothing else.
-    on_disk = store.read_json(f"{prefix}/{shards.MANIFEST}")
+    on_disk = store.read_json(f"{prefix}/{shard_format.MANIFEST}")
     assert on_disk == manifest.to_json()
     assert sorted(p.name for p in (tmp_path / "store" / prefix).iterdir()) == sorted(
-        [shards.MANIFEST, *(s.name for s in manifest.shards)]
+        [shard_format.MANIFEST, *(s.name for s in manifest.shards)]
     )
     assert shards.has_manifest(store, RUN, 12)
     assert not shards.has_manifest(store, RUN, 13)
@@ -313,19 +314,19 @@ def test_manifest_fields_match_the_files(store: ObjectStore, tmp_path: Path) -> 
 def test_manifest_with_another_schema_version_is_rejected() -> None:
     data = {"schema_version": 99, "shards": []}
     with pytest.raises(ShardError, match="schema_version 99"):
-        shards.Manifest.from_json(data)
+        shard_format.Manifest.from_json(data)
 
 
-@pytest.mark.parametrize("compression", shards.COMPRESSIONS)
+@pytest.mark.parametrize("compression", shard_format.COMPRESSIONS)
 def test_schema_3_manifests_are_read_unless_their_frames_changed(store: ObjectStore, compression: str) -> None:
     samples = make_samples(3, [4, 6])
     manifest = write(store, 3, samples, compression=compression)
     old = manifest.to_json() | {"schema_version": 3}
     if compression == "split-zstd":  # schema 3 stored Blosc frames there
         with pytest.raises(ShardError, match="schema_version 3 with compression 'split-zstd'.*re-materialize"):
-            shards.Manifest.from_json(old)
+            shard_format.Manifest.from_json(old)
         return
-    read = list(shards.iter_samples(store, RUN, shards.Manifest.from_json(old)))
+    read = list(shards.iter_samples(store, RUN, shard_format.Manifest.from_json(old)))
     for got, want in zip(read, samples, strict=True):
         assert got.sample_id == want.sample_id
         assert got.hidden.shape == want.hidden.shape
@@ -447,7 +448,7 @@ def test_rewrite_replaces_manifest_and_removes_old_shards(store: ObjectStore, tm
 
     assert shards.read_manifest(store, RUN, 3) == second
     assert not {s.name for s in first.shards} & {s.name for s in second.shards}
-    assert sorted(p.name for p in directory.iterdir()) == sorted([shards.MANIFEST, second.shards[0].name])
+    assert sorted(p.name for p in directory.iterdir()) == sorted([shard_format.MANIFEST, second.shards[0].name])
     (got,) = shards.iter_samples(store, RUN, second)
     assert_same_sample(got, new_samples[0])
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from pipeline.data.records import ArmReplay, RolloutReplay
+from pipeline.data.replay_record import ArmReplay, RolloutReplay
 from pipeline.data.rollouts import Rollout
 from pipeline.evaluation.replay import TAIL_BATCH, replay_arm, replay_step, step_requests, tail_requests
 from pipeline.evaluation.scheduler import SpeculationThreshold

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.data.fleet_state import Deployment, FleetState
 from pipeline.data.parts import PartManifest, StepParts, qualify
-from pipeline.data.records import Deployment, FleetState, RefreshRecord, TailTau, TrainingFigures, TrainingRecord
+from pipeline.data.refresh_record import RefreshRecord, TailTau
 from pipeline.data.rollouts import PolicyPointer, TargetLimits
+from pipeline.data.training_record import TrainingFigures, TrainingRecord
 from pipeline.evaluation.tail import tail_parts as tail_of
 from pipeline.evaluation.tail import tail_versions
 

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from pipeline.config import DrafterConfig, OptimConfig, TrainConfig
-from pipeline.data.shards import HiddenSample
+from pipeline.data.shard_format import HiddenSample
 from pipeline.evaluation.speculative import acceptance_metrics, generate_batch, greedy_generate, request_sampling
 from pipeline.evaluation.teacher_forced import estimate_acceptance
 from pipeline.models import target_forward

@@ -15,7 +15,8 @@ import pytest
 import torch.multiprocessing as mp
 
 from pipeline.data.keys import placement_key
-from pipeline.data.records import RecordError, StagePlacement, read_placements, read_record, write_record
+from pipeline.data.records import RecordError, read_record, write_record
+from pipeline.data.stage_placement import StagePlacement, read_placements
 from pipeline.data.store import ObjectStore
 from pipeline.launch.placement import (
     SUBMITTED_AT_ENV,

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from pipeline.config import PipelineConfig, load_config
+from pipeline.data.fleet_state import FleetState, ReplicaDeploy, read_fleet_state
 from pipeline.data.keys import fleet_policy_key, fleet_state_key, policy_pointer_key
-from pipeline.data.records import FleetState, RecordError, ReplicaDeploy, read_fleet_state, write_record
+from pipeline.data.records import RecordError, write_record
 from pipeline.data.rollouts import PolicyPointer, Rollout, RolloutsError, read_policy_pointer, write_rollouts
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.evaluation import speculative

@@ -1,7 +1,7 @@
 """The fleet's live tau over a window of the replicas' counters (`pipeline.serving.live_tau`), on hand-made
 readings: since a version went live, and since the sensor's last tick."""
 
-from pipeline.data.records import FleetState, ReplicaDeploy
+from pipeline.data.fleet_state import FleetState, ReplicaDeploy
 from pipeline.serving.live_tau import FleetCounters, since_last, since_live, window
 from pipeline.serving.metrics import SpecCounters
 

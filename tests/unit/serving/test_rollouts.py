@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.data.records import read_fleet_policy
+from pipeline.data.fleet_state import read_fleet_policy
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import speculative
 from pipeline.models import target as target_lib

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from pipeline.config import PipelineConfig, load_config
-from pipeline.data import capture, shards
+from pipeline.data import capture, shard_format, shards
 from pipeline.data.buffer import select_buffer
 from pipeline.data.held_out import training_rollouts
 from pipeline.data.rollouts import read_policy_pointer, read_rollouts
-from pipeline.data.shards import HiddenSample
+from pipeline.data.shard_format import HiddenSample
 from pipeline.data.store import ObjectStore, open_store
 from pipeline.models import drafter as drafters
 from pipeline.models import target as target_lib
@@ -45,7 +45,7 @@ def _whole_rollouts(cfg: PipelineConfig, store: ObjectStore) -> tuple[torch.nn.M
     return policy, samples
 
 
-def _write(store: ObjectStore, run: str, samples: list[HiddenSample], layer_ids: list[int]) -> shards.Manifest:
+def _write(store: ObjectStore, run: str, samples: list[HiddenSample], layer_ids: list[int]) -> shard_format.Manifest:
     return shards.write_hidden_states(store, run, 1, samples, hidden_size=samples[0].hidden.shape[2],
                                       layer_ids=layer_ids, target={"model_id": "tiny"})
 

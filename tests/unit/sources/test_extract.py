@@ -14,7 +14,7 @@ import torch
 
 from benchmarks.extraction import Setup
 from pipeline.config import load_config
-from pipeline.data import buffer, shards
+from pipeline.data import buffer, shard_format, shards
 from pipeline.data.rollouts import (
     Rollout,
     committed_digest,
@@ -180,7 +180,7 @@ def test_a_sample_refused_mid_stream_leaves_no_shard(
     rollouts = _rollouts([30, 28, 26, 24], vocab=64)
     rollouts[3] = Rollout(rollouts[3].sample_id, rollouts[3].input_ids, [0] * 24, 1.0, 1)  # nothing to train on
     samples = extract.iter_hidden_states(target, rollouts, 1, tokens_per_batch=60, layer_ids=LAYERS)
-    with pytest.raises(shards.ShardError, match="'r3'.*loss mask is all zero"):
+    with pytest.raises(shard_format.ShardError, match="'r3'.*loss mask is all zero"):
         shards.write_hidden_states(store, "run", 1, samples, hidden_size=64, layer_ids=LAYERS, target={},
                                    samples_per_shard=1)
     assert not list(tmp_path.rglob("*.arrow*"))

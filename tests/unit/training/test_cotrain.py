@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline.config import OptimConfig, TrainConfig, load_config
-from pipeline.data.shards import HiddenSample
+from pipeline.data.shard_format import HiddenSample
 from pipeline.models.checkpoint import save_drafter
 from pipeline.models.drafter import fresh_drafter
 from pipeline.models.eagle import EagleDrafter

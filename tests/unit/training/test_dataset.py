@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeline.config import TrainConfig
-from pipeline.data import buffer, shards
+from pipeline.data import buffer, shard_format, shards
 from pipeline.data.store import ObjectStore
 from pipeline.training.dataset import (
     BufferDataset,
@@ -140,13 +140,13 @@ def test_a_load_error_reaches_the_consumer() -> None:
 
 
 @pytest.fixture
-def stored(store: ObjectStore) -> tuple[ObjectStore, list[buffer.BufferEntry], dict[str, shards.HiddenSample]]:
+def stored(store: ObjectStore) -> tuple[ObjectStore, list[buffer.BufferEntry], dict[str, shard_format.HiddenSample]]:
     """Two steps, two samples per shard, and the buffer over both."""
     g = torch.Generator().manual_seed(0)
     written, manifests = {}, []
     for step in (1, 2):
         samples = [
-            shards.HiddenSample(f"s{step}-{i}", step, torch.arange(n) % V, (torch.arange(n) > 1).long(),
+            shard_format.HiddenSample(f"s{step}-{i}", step, torch.arange(n) % V, (torch.arange(n) > 1).long(),
                                 torch.randn(n, 2, 8, generator=g).to(torch.bfloat16))
             for i, n in enumerate([5, 7, 6])
         ]
@@ -156,7 +156,7 @@ def stored(store: ObjectStore) -> tuple[ObjectStore, list[buffer.BufferEntry], d
     return store, buffer.select_buffer(manifests, 2, buffer_steps=2, max_samples=10), written
 
 
-def last_layer(sample: shards.HiddenSample) -> Sample:
+def last_layer(sample: shard_format.HiddenSample) -> Sample:
     return sample.input_ids, sample.hidden[:, -1, :], sample.loss_mask
 
 

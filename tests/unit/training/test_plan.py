@@ -10,18 +10,15 @@ import pytest
 from pipeline.accounting.cost import DecodingCost, StepCost
 from pipeline.config import PipelineConfig, load_config
 from pipeline.data import order
+from pipeline.data.acceptance_record import AcceptanceRecord, DrafterTau
 from pipeline.data.buffer import write_buffer
+from pipeline.data.buffer_record import BufferEntry
 from pipeline.data.keys import acceptance_key, cost_key, drafter_key, policy_pointer_key, refresh_key
-from pipeline.data.records import (
-    AcceptanceRecord,
-    BufferEntry,
-    DrafterTau,
-    RefreshRecord,
-    TrainingRecord,
-    write_record,
-)
+from pipeline.data.records import write_record
+from pipeline.data.refresh_record import RefreshRecord
 from pipeline.data.rollouts import PolicyPointer, Rollout, write_rollouts
 from pipeline.data.store import ObjectStore, open_store
+from pipeline.data.training_record import TrainingRecord
 from pipeline.registry import DrafterRegistry, open_registry
 from pipeline.stages import EVALUATION, EXTRACTION, TRAINING
 from pipeline.training.outcome import TrainOutcome, outcome_metadata
