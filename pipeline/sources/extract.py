@@ -237,7 +237,7 @@ def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int, ra
 
 def _from_capture_replica(store: ObjectStore, cfg: PipelineConfig, step: int, checkpoint_uri: str,
                           rollouts: list[Rollout], train: list[Rollout], windows: dict[str, tuple[int, int]], model,
-                          layer_ids: list[int] | None) -> tuple[list[HiddenSample], dict[str, float]]:
+                          layer_ids: list[int] | None) -> tuple[list[HiddenSample], dict[str, int]]:
     """A capture replica of the step's policy writes the hidden states of the plan's rollouts (`train`, each sent
     whole) into a directory of this stage's own, read back as a `vllm` source's files are; the directory goes
     once its samples are in memory."""

@@ -39,10 +39,9 @@ class Captured:
     start_s: float  # starting the replica, until /health answers
     capture_s: float  # from the first request until the last file is written
 
-    def metadata(self) -> dict[str, float]:
+    def metadata(self) -> dict[str, int]:
         return {"capture_tokens": self.tokens, "capture_bytes_written": self.bytes_written,
-                "capture_replica_start_s": round(self.start_s, 3),
-                "capture_s": round(self.capture_s, 3)}
+                "capture_replica_start_ms": round(1000 * self.start_s), "capture_ms": round(1000 * self.capture_s)}
 
 
 def capture(server: VllmServer, policy_dir: str, rollouts: list[Rollout], layer_ids: list[int], directory: Path,
