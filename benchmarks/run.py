@@ -39,6 +39,7 @@ from benchmarks import (
     target_load,
     training,
     vllm,
+    vllm_capture,
 )
 
 OUT_DIR = Path(__file__).resolve().parent.parent / ".data" / "bench"
@@ -96,6 +97,7 @@ SECTIONS = (
             ("rollout_served_tail_speedup", "rollout_served_speedup")),
     Section("real_model", real_model.run, (), ("entropy_nats_mean", "top1_prob_mean", "oracle_greedy_tau_k4_t1")),
     Section("vllm", vllm.run, (), vllm.FIGURES),  # None without vLLM's environment, and at tiny sizes
+    Section("vllm_capture", vllm_capture.run, (), vllm_capture.FIGURES),  # the same
 )
 
 

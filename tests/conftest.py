@@ -42,6 +42,7 @@ os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 SLOWEST_FIRST = ["tests/integration/test_ray.py", "tests/integration/test_ui.py",
                  "tests/integration/test_stages.py", "tests/integration/test_smollm2_demo.py",
                  "tests/integration/test_reliability.py", "tests/integration/test_postgres.py",
+                 "tests/integration/test_vllm_capture.py",  # two vLLM replicas, one after the other
                  "tests/unit/test_benchmarks.py",  # after test_ray: the two start Ray clusters of their own
                  "tests/integration/test_train_process.py", "tests/integration/test_refresh.py",
                  "tests/integration/test_e2e.py", "tests/integration/test_deploy.py",

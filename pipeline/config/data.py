@@ -11,8 +11,10 @@ from pipeline.config.section import Section, no_credentials
 
 
 class HiddenStatesConfig(Section):
-    source: Literal["forward", "vllm"] = Field(
-        default="forward", description="`forward`: run the step's policy here; `vllm`: ingest vLLM connector files."
+    source: Literal["forward", "vllm", "capture"] = Field(
+        default="forward", description="`forward`: run the step's policy here; `vllm`: ingest vLLM connector files; "
+        "`capture`: start a vLLM replica of the step's policy (`fleet.vllm`) with extract_hidden_states, have it "
+        "write the files, ingest them, stop it."
     )
     vllm_path: str = Field(
         default="", description="Directory of vLLM's connector files; `{step}` becomes the step key (step-000123)."
@@ -28,6 +30,10 @@ class HiddenStatesConfig(Section):
         default=256, ge=1,
         description="`forward`: samples per shard at most (a shard is also cut at 512 MiB); `extract.nproc` ranks "
                     "share a step's shards, so a step of fewer shards than ranks leaves ranks idle.",
+    )
+    capture_concurrency: int = Field(
+        default=8, ge=1, description="`capture`: rollouts in flight to the capture replica, which batches their "
+        "prefills.",
     )
     max_unmatched_share: float = Field(
         default=0.0, ge=0, le=1,

@@ -252,6 +252,12 @@ def _load(listing: CheckpointListing, device: str, settings: LoadSettings) -> Pr
     return _materialize(config, directory, layout, listing.uri, placement, dtype)
 
 
+def policy_directory(store: ObjectStore, checkpoint_uri: str, settings: LoadSettings | None = None) -> Path:
+    """The local directory of the policy a step's pointer names, for another process to load (a vLLM replica): the
+    checkpoint itself when local, its cache copy (config.json and weights only) otherwise."""
+    return _local_directory(list_checkpoint(store.resolve(checkpoint_uri), store), settings or LoadSettings())
+
+
 class _PolicyCache:
     """The last loaded policies of this process, by (checkpoint identity, device, dtype, split)."""
 

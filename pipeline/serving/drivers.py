@@ -309,11 +309,12 @@ class VllmDriver(LocalProcessDriver):
         self.server, self.method, self.k, self.speculation = server, method, k, speculation
 
     def argv(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> list[str]:
-        policy = local_policy_dir(target)
+        return self._engine_argv(target, serve_args(replica, self.method, drafter_dir, self.k,
+                                                    "disk" if self.dev_mode else "", self.speculation))
+
+    def _engine_argv(self, target: str, serving: list[str]) -> list[str]:
         s = self.server
-        return [str(s.python), "-m", VLLM_ENTRY_POINT, "--model", policy,
-                *serve_args(replica, self.method, drafter_dir, self.k, "disk" if self.dev_mode else "",
-                            self.speculation),
+        return [str(s.python), "-m", VLLM_ENTRY_POINT, "--model", local_policy_dir(target), *serving,
                 "--enforce-eager", "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
                 "--no-enable-chunked-prefill", *s.extra_args]
 
@@ -333,6 +334,48 @@ class VllmDriver(LocalProcessDriver):
         if "--speculative-config" not in argv:
             return target, ""
         return target, json.loads(argv[argv.index("--speculative-config") + 1]).get("model") or ""
+
+
+@dataclass(frozen=True)
+class HiddenStatesCapture:
+    """What a capture replica writes: the residual streams of `layer_ids` (vLLM ids; vLLM writes them in ascending
+    order, each once) of every prompt it prefills, one safetensors file per request under `storage_path`."""
+
+    layer_ids: tuple[int, ...]
+    storage_path: str
+
+
+CAPTURE_CONNECTOR = "CpuHiddenStatesConnector"  # vLLM's ExampleHiddenStatesConnector, runnable on a CPU
+CAPTURE_CONNECTOR_MODULE = "drafter_vllm.hidden_states_connector"  # the project's plugin (deploy/vllm_plugin)
+
+
+def capture_args(capture: HiddenStatesCapture) -> list[str]:
+    """vLLM's `extract_hidden_states` method (a proposer that drafts nothing: it keeps the target's aux hidden
+    states in a cache-only layer; it takes exactly one speculative token) and the connector that writes them out.
+    Prefix caching is off: a prompt's cached prefix is not recomputed, so its hidden states would be missing."""
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(capture.layer_ids)}}}
+    transfer = {"kv_connector": CAPTURE_CONNECTOR, "kv_connector_module_path": CAPTURE_CONNECTOR_MODULE,
+                "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": capture.storage_path}}
+    return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(transfer),
+            "--no-enable-prefix-caching", "--skip-tokenizer-init"]
+
+
+class VllmCaptureDriver(VllmDriver):
+    """A local vLLM replica that captures hidden states instead of serving drafts: the step's policy with
+    `capture_args`, no drafter, no weight-update routes. It takes token ids (no tokenizer: a cached policy
+    directory holds only its config and weights)."""
+
+    def __init__(self, server: VllmServer, capture: HiddenStatesCapture, state_dir: Path) -> None:
+        super().__init__(server, "extract_hidden_states", 1, state_dir, dev_mode=False)
+        self.capture = capture
+
+    def argv(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> list[str]:
+        return self._engine_argv(target, ["--host", replica.host, "--port", str(replica.port), "--served-model-name",
+                                          replica.served_model_name, *capture_args(self.capture)])
+
+    def served(self, argv: list[str]) -> tuple[str, str]:
+        return argv[argv.index("--model") + 1], ""
 
 
 def local_directory(target: str) -> str | None:

