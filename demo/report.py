@@ -103,14 +103,20 @@ def _print_replay(rows: list[StepRow]) -> None:
     """The rollouts replayed after each step, and the speedups they measured."""
     from pipeline.accounting import report
 
-    out("rollouts replayed after each step, the same requests and seeds per arm (seconds; speedup in tokens/s "
-        "over no speculation, whole step and tail; vs base: served over never-retrained):")
+    runs = max((r.replay_runs or 0 for r in rows), default=0)
+    out(f"rollouts replayed after each step, the same requests and seeds per arm, {runs} runs each taking "
+        "turns (seconds and speedups: the fastest runs'; tail, runs: the served tail's speedup run by run, least "
+        "to greatest; speedup in tokens/s over no speculation, whole step and tail; vs base: served over "
+        "never-retrained):")
     out(report.format_replay(rows))
     goals = report.speedup_goals(rows)
     if goals:
         def spread(name: str) -> str:
             value = goals[name]
-            return "-" if value is None else f"{value['min']:.2f}x (mean {value['mean']:.2f}x)"
+            if value is None:
+                return "-"
+            runs = f"; runs {value['runs'][0]:.2f}-{value['runs'][1]:.2f}x" if "runs" in value else ""
+            return f"{value['min']:.2f}x (mean {value['mean']:.2f}x{runs})"
 
         out(f"served over no speculation, steps {goals['steps']}: tail at least {spread('served_tail')}, "
             f"whole step {spread('served_whole')}, at its worst batch size {spread('served_worst_batch')}; "

@@ -70,6 +70,10 @@ class StepRow:
     speedup_baseline: float | None = None
     speedup_baseline_tail: float | None = None
     speedup_served_over_baseline: float | None = None
+    # the served drafter's speedup run by run, least and greatest (the figures above are the fastest runs')
+    replay_runs: int | None = None  # runs of each arm
+    speedup_served_runs: list[float] | None = None
+    speedup_served_tail_runs: list[float] | None = None
     speedup_served_by_batch: dict[str, float] | None = None
     speedup_served_min_batch: float | None = None
     replay_threshold_served: int | None = None
@@ -134,7 +138,8 @@ def replay_fields(store: ObjectStore, run: str, step: int) -> dict:
     """The step's replay: each arm's rollout seconds, and the speedups (whole step and tail) of the served,
     co-trained and never-retrained drafters over no speculation, and of the served over the never-retrained."""
     replay = read_replay(store, run, step)
-    fields: dict = {"replay_tokens": replay.tokens if replay else None}
+    fields: dict = {"replay_tokens": replay.tokens if replay else None,
+                    "replay_runs": len(replay.arms["none"].runs_s) if replay and "none" in replay.arms else None}
     for arm in REPLAY_ARMS:
         a = replay.arms.get(arm) if replay else None
         fields[f"rollout_s_{arm}"] = round(a.seconds, 3) if a else None
@@ -145,6 +150,10 @@ def replay_fields(store: ObjectStore, run: str, step: int) -> dict:
             fields[f"speedup_{arm}{'_tail' if tail else ''}"] = None if value is None else round(value, 3)
     value = replay.speedup("served", over="baseline") if replay else None
     fields["speedup_served_over_baseline"] = None if value is None else round(value, 3)
+    for tail in (False, True):
+        spread = replay.speedup_range("served", tail=tail) if replay else None
+        fields[f"speedup_served{'_tail' if tail else ''}_runs"] = None if spread is None else [round(v, 3)
+                                                                                               for v in spread]
     by_batch = replay.batch_speedups("served") if replay else {}
     fields["speedup_served_by_batch"] = {str(b): round(v, 3) for b, v in by_batch.items()} or None
     fields["speedup_served_min_batch"] = round(min(by_batch.values()), 3) if by_batch else None
@@ -162,7 +171,12 @@ def speedup_goals(rows: list[StepRow], first_step: int = 3) -> dict | None:
 
     def spread(key: str) -> dict | None:
         values = [getattr(r, key) for r in steps if getattr(r, key) is not None]
-        return {"min": round(min(values), 3), "mean": round(sum(values) / len(values), 3)} if values else None
+        if not values:
+            return None
+        out = {"min": round(min(values), 3), "mean": round(sum(values) / len(values), 3)}
+        if runs := [getattr(r, f"{key}_runs", None) for r in steps if getattr(r, f"{key}_runs", None)]:
+            out["runs"] = [round(min(lo for lo, _ in runs), 3), round(max(hi for _, hi in runs), 3)]
+        return out
 
     return {"steps": [r.step for r in steps], "served_tail": spread("speedup_served_tail"),
             "served_whole": spread("speedup_served"), "served_worst_batch": spread("speedup_served_min_batch"),
@@ -175,10 +189,15 @@ def _cell(value: object, spec: str) -> str:
     return f"{'-':>{width}}" if value is None else format(value, spec)
 
 
+def _runs(spread: list[float] | None) -> str:
+    """A speedup's least and greatest over the replay's runs."""
+    return "-" if not spread else f"{spread[0]:.2f}-{spread[1]:.2f}x"
+
+
 def format_replay(rows: list[StepRow]) -> str:
     """Each step's rollouts replayed per arm: seconds without a drafter and with each, and the speedups measured."""
     head = (f"{'step':>4} {'none s':>7} {'baseline s':>10} {'served s':>8} {'co-tr s':>7} {'served':>7} "
-            f"{'tail':>6} {'vs base':>7} {'co-tr':>6} {'tail':>6}")
+            f"{'tail':>6} {'tail, runs':>11} {'vs base':>7} {'co-tr':>6} {'tail':>6}")
     lines = [head, "-" * len(head)]
 
     for r in rows:
@@ -186,8 +205,8 @@ def format_replay(rows: list[StepRow]) -> str:
             f"{r.step:>4} {_cell(r.rollout_s_none, '7.2f')} {_cell(r.rollout_s_baseline, '10.2f')} "
             f"{_cell(r.rollout_s_served, '8.2f')} {_cell(r.rollout_s_cotrained, '7.2f')} "
             f"{_cell(r.speedup_served, '6.2f')}x {_cell(r.speedup_served_tail, '5.2f')}x "
-            f"{_cell(r.speedup_served_over_baseline, '6.2f')}x {_cell(r.speedup_cotrained, '5.2f')}x "
-            f"{_cell(r.speedup_cotrained_tail, '5.2f')}x")
+            f"{_runs(r.speedup_served_tail_runs):>11} {_cell(r.speedup_served_over_baseline, '6.2f')}x "
+            f"{_cell(r.speedup_cotrained, '5.2f')}x {_cell(r.speedup_cotrained_tail, '5.2f')}x")
     return "\n".join(lines)
 
 

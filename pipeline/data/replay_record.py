@@ -24,6 +24,9 @@ class ArmReplay:
     tail_tokens: int
     threshold: int  # the batch threshold the arm's scheduler ended with
     by_batch: dict[int, tuple[float, int, int]] = field(default_factory=dict)  # batch bucket -> seconds, tokens, rounds
+    # Every run's seconds, in the order the arms took turns (the figures above are the fastest run's): the spread
+    runs_s: tuple[float, ...] = ()
+    tail_runs_s: tuple[float, ...] = ()
 
     @property
     def tokens_per_s(self) -> float:
@@ -34,7 +37,8 @@ class ArmReplay:
         return self.tail_tokens / self.tail_seconds if self.tail_seconds > 0 else 0.0
 
     def to_json(self) -> dict:
-        return {**asdict(self), "by_batch": {str(b): list(v) for b, v in self.by_batch.items()}}
+        return {**asdict(self), "by_batch": {str(b): list(v) for b, v in self.by_batch.items()},
+                "runs_s": list(self.runs_s), "tail_runs_s": list(self.tail_runs_s)}
 
     @classmethod
     def from_json(cls, doc: dict) -> ArmReplay:
@@ -49,7 +53,9 @@ class ArmReplay:
                    integer(doc["tokens"], "tokens"), integer(doc["speculative_rows"], "speculative_rows"),
                    integer(doc["plain_rows"], "plain_rows"), number(doc["tau"], "tau"),
                    number(doc["tail_seconds"], "tail_seconds"), integer(doc["tail_tokens"], "tail_tokens"),
-                   integer(doc["threshold"], "threshold"), by_batch)
+                   integer(doc["threshold"], "threshold"), by_batch,
+                   *(tuple(number(x, f"{name}[{i}]") for i, x in enumerate(typed(doc.get(name, []), list, name)))
+                     for name in ("runs_s", "tail_runs_s")))
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,17 @@ class RolloutReplay:
             return None
         mine, theirs = (a.tail_tokens_per_s, b.tail_tokens_per_s) if tail else (a.tokens_per_s, b.tokens_per_s)
         return mine / theirs if mine > 0 and theirs > 0 else None
+
+    def speedup_range(self, arm: str, over: str = "none", tail: bool = False) -> tuple[float, float] | None:
+        """The least and the greatest speedup of `arm` over `over` run by run (run i of each: they took turns, so
+        a burst of other work on the machine meets both alike); None without both arms' runs. Each arm generates
+        the same tokens in every run, so a run's speedup is `over`'s seconds over `arm`'s."""
+        a, b = self.arms.get(arm), self.arms.get(over)
+        if a is None or b is None:
+            return None
+        mine, theirs = (a.tail_runs_s, b.tail_runs_s) if tail else (a.runs_s, b.runs_s)
+        ratios = [t / m for m, t in zip(mine, theirs, strict=False) if m > 0 and t > 0]
+        return (min(ratios), max(ratios)) if ratios else None
 
     @property
     def saved_s(self) -> float | None:

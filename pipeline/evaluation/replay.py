@@ -35,7 +35,7 @@ from pipeline.models.drafter import Proposer
 from pipeline.sampling import DraftSampleMethod, SamplingParams
 
 TAIL_BATCH = 4  # the tail: rounds with at most this many requests left
-REPEATS = 2  # runs of each arm, interleaved; the fastest is kept
+REPEATS = 3  # runs of each arm, taking turns; the fastest is kept, the others give the spread
 ARMS = ("none", "baseline", "served", "cotrained")
 
 
@@ -118,7 +118,8 @@ def replay_step(model: LlamaForCausalLM, arms: dict[str, tuple[str | None, Calla
     whose version another arm has is measured once. The arms run in turn, `REPEATS` times, and each keeps its
     fastest run: a burst of other work on a shared machine slows the run it lands in, not the arm. No speculation
     goes first: its plain rounds' seconds per batch size are what a replica serving for a while knows already, so a
-    drafter's arm starts with them (it measures its own speculative rounds as it goes), not from nothing."""
+    drafter's arm starts with them (it measures its own speculative rounds as it goes), not from nothing. Every run's
+    seconds stay on the record (`runs_s`): the speedup's spread, run by run."""
     factories = {None: None, **{version: new_proposer for version, new_proposer in arms.values()}}
     runs: dict[str | None, list[ArmReplay]] = {version: [] for version in factories}
     for _ in range(REPEATS):
@@ -127,7 +128,9 @@ def replay_step(model: LlamaForCausalLM, arms: dict[str, tuple[str | None, Calla
             if version is not None:
                 threshold.know_plain(_plain_seconds(_fastest(runs[None])))
             runs[version].append(replay_arm(model, new_proposer, requests, k, draft_method, threshold, version))
-    fastest = {version: _fastest(measured) for version, measured in runs.items()}
+    fastest = {version: replace(_fastest(measured), runs_s=tuple(r.seconds for r in measured),
+                                tail_runs_s=tuple(r.tail_seconds for r in measured))
+               for version, measured in runs.items()}
     out = {role: fastest[version] for role, (version, _) in arms.items()}
     return RolloutReplay(step, len(requests), sum(r.max_tokens for r in requests), TAIL_BATCH, params, draft_method,
                          out)

@@ -15,7 +15,7 @@ from pipeline.data.acceptance_record import AcceptanceRecord, DrafterTau, TauEst
 from pipeline.data.buffer import write_buffer
 from pipeline.data.buffer_record import BufferEntry
 from pipeline.data.keys import acceptance_key, drafter_key, replay_key
-from pipeline.data.records import write_record
+from pipeline.data.records import read_record, write_record
 from pipeline.data.replay_record import ArmReplay, RolloutReplay
 from pipeline.data.rollouts import Rollout, write_rollouts_file
 from pipeline.data.store import ObjectStore
@@ -70,8 +70,10 @@ def test_step_row_reads_every_stage_of_the_step(store: ObjectStore) -> None:
 def test_a_replay_gives_each_arms_seconds_and_the_measured_speedups(store: ObjectStore) -> None:
     """Served 8 s against no drafter's 10 s: 1.25x; in the tail 2 s against 4 s: 2x; the never-retrained drafter
     took as long as no drafter."""
-    none = ArmReplay(None, 10.0, 1000, 0, 900, 1.0, 4.0, 200, 0)
-    served = ArmReplay("1", 8.0, 1000, 300, 100, 2.5, 2.0, 200, 8)
+    none = ArmReplay(None, 10.0, 1000, 0, 900, 1.0, 4.0, 200, 0, runs_s=(10.0, 12.0, 11.0),
+                     tail_runs_s=(4.0, 4.5, 6.0))
+    served = ArmReplay("1", 8.0, 1000, 300, 100, 2.5, 2.0, 200, 8, runs_s=(8.0, 8.0, 11.0),
+                       tail_runs_s=(2.0, 3.0, 2.5))
     write_record(store, replay_key(RUN, 1), RolloutReplay(1, 5, 1000, 4, SamplingParams(temperature=1.0), "greedy",
                                                           {"none": none, "baseline": none, "served": served}))
     fields = report.replay_fields(store, RUN, 1)
@@ -79,8 +81,13 @@ def test_a_replay_gives_each_arms_seconds_and_the_measured_speedups(store: Objec
     assert (fields["speedup_served"], fields["speedup_served_tail"]) == (1.25, 2.0)
     assert (fields["speedup_baseline"], fields["speedup_served_over_baseline"]) == (1.0, 1.25)
     assert fields["speedup_cotrained"] is None
+    # run by run (the arms took turns): whole step 10/8, 12/8, 11/11; tail 4/2, 4.5/3, 6/2.5
+    assert fields["replay_runs"] == 3
+    assert (fields["speedup_served_runs"], fields["speedup_served_tail_runs"]) == ([1.0, 1.5], [1.5, 2.4])
+    assert read_record(store, replay_key(RUN, 1), RolloutReplay).arms["served"].tail_runs_s == (2.0, 3.0, 2.5)
     table = report.format_replay([report.StepRow(1, **fields)]).splitlines()
-    assert table[2].split() == ["1", "10.00", "10.00", "8.00", "-", "1.25x", "2.00x", "1.25x", "-x", "-x"]
+    assert table[2].split() == ["1", "10.00", "10.00", "8.00", "-", "1.25x", "2.00x", "1.50-2.40x", "1.25x", "-x",
+                                "-x"]
     assert report.replay_png([report.StepRow(1, **fields)]).startswith(b"\x89PNG")
 
 
