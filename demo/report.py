@@ -17,8 +17,9 @@ def step_line(r: StepRow, wall_s: float) -> str:
     """A finished step as the demo prints it: its wall time from publication to its acceptance record."""
     promoted = "  (promoted)" if r.promoted else ""
     live = f"  fleet runs v{r.deployed_version}" if r.deployed_version else ""
-    trained = "" if r.trained else "  (not trained)"
-    return (f"  step {r.step}: {wall_s:5.1f}s  tau co-trained {r.tau_cotrained:.2f}  served "
+    trained = "" if r.trained else f"  (not trained: {r.train_reason})"
+    served = f"v{r.version_served}" if r.version_served else "no drafter"
+    return (f"  step {r.step}: {wall_s:5.1f}s  tau co-trained {r.tau_cotrained:.2f}  served ({served}) "
             f"{r.tau_served:.2f}  baseline {r.tau_baseline:.2f}{trained}{promoted}{live}"
             + (f"  TRL mean reward {r.trl_mean_reward:.3f}" if r.trl_mean_reward is not None else ""))
 

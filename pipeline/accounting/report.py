@@ -36,6 +36,7 @@ class StepRow:
     captured: int | None = None  # rollouts whose hidden states the step stored
     bytes_stored: int | None = None
     trained: bool | None = None
+    train_reason: str | None = None  # why the step trained or not: the schedule's words, or the newer step
     tau_cotrained: float | None = None
     tau_baseline: float | None = None
     tau_served: float | None = None
@@ -105,6 +106,7 @@ def step_row(store: ObjectStore, run: str, step: int) -> StepRow:
     record = read_acceptance(store, run, step)
     cotrained, served = record.cotrained, record.served
     plan = capture.read_plan(store, run, step)
+    training = read_training(store, run, step)
     return StepRow(
         step=step,
         samples=len(rollouts_lib.read_rollouts(store, run, step)),
@@ -112,7 +114,8 @@ def step_row(store: ObjectStore, run: str, step: int) -> StepRow:
         captured=plan.captured if plan else None,
         bytes_stored=shards.read_manifest(store, run, step).total_bytes if shards.has_manifest(store, run, step)
         else None,
-        trained=read_training(store, run, step).trained,
+        trained=training.trained,
+        train_reason=training.reason,
         tau_cotrained=_tau(cotrained),
         tau_baseline=_tau(record.baseline),
         tau_served=_tau(served),

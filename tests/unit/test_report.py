@@ -54,6 +54,7 @@ def store(tmp_path: Path) -> ObjectStore:
 def test_step_row_reads_every_stage_of_the_step(store: ObjectStore) -> None:
     assert report.step_row(store, RUN, 1).to_json() == {
         "step": 1, "samples": 5, "buffer_samples": 4, "captured": None, "bytes_stored": None, "trained": True,
+        "train_reason": "why",
         "tau_cotrained": 2.1235, "tau_baseline": 2.1235, "tau_served": report.NO_DRAFTER_TAU,
         "promoted": True, "version_cotrained": "1", "version_served": None,
         "acceptance_rate_cotrained": round((2.123456 - 1) / 4, 4),
