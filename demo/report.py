@@ -105,8 +105,9 @@ def _print_replay(rows: list[StepRow]) -> None:
     from pipeline.accounting import report
 
     runs = max((r.replay_runs or 0 for r in rows), default=0)
-    out(f"rollouts replayed after each step, the same requests and seeds per arm, {runs} runs each taking "
-        "turns (seconds and speedups: the fastest runs'; tail, runs: the served tail's speedup run by run, least "
+    each = f"{runs} runs each, taking turns" if runs != 1 else "1 run each"
+    out(f"rollouts replayed after each step, the same requests and seeds per arm, {each} "
+        "(seconds and speedups: the fastest runs'; tail, runs: the served tail's speedup run by run, least "
         "to greatest; speedup in tokens/s over no speculation, whole step and tail; vs base: served over "
         "never-retrained):")
     out(report.format_replay(rows))

@@ -41,6 +41,10 @@ class EvalConfig(Section):
         "the baseline, served and co-trained drafters (the same requests and seeds): the measured rollout speedup; "
         "the ledger's saving is the served drafter's measured seconds.",
     )
+    replay_runs: int = Field(
+        default=3, ge=1, description="Runs of each replay arm, taking turns: each arm's fastest is its figure, every "
+        "run's seconds its spread.",
+    )
     replay_max_requests: int = Field(
         default=256, ge=1, description="The replay decodes the step's first rollouts, one replica's share of them "
         "(the batch each replica decoded), at most this many.",

@@ -225,7 +225,8 @@ def replay_rollouts(
         arms[role] = (version, speculative.follow_target(drafter, target))
     fixed = None if cfg.fleet.speculation_max_batch == "auto" else cfg.fleet.speculation_max_batch
     return replay.replay_step(target, arms, requests, cfg.eval.num_speculative_tokens, measurement.draft_sample_method,
-                              lambda: SpeculationThreshold(fixed), measurement.step, measurement.sampling)
+                              lambda: SpeculationThreshold(fixed), measurement.step, measurement.sampling,
+                              cfg.eval.replay_runs)
 
 
 def log_replay(registry: DrafterRegistry, replayed: RolloutReplay, new_version: str | None) -> None:

@@ -35,7 +35,6 @@ from pipeline.models.drafter import Proposer
 from pipeline.sampling import DraftSampleMethod, SamplingParams
 
 TAIL_BATCH = 4  # the tail: rounds with at most this many requests left
-REPEATS = 3  # runs of each arm, taking turns; the fastest is kept, the others give the spread
 ARMS = ("none", "baseline", "served", "cotrained")
 
 
@@ -113,16 +112,17 @@ def _copy(generator):  # noqa: ANN001, ANN202 - a torch.Generator at the same po
 
 def replay_step(model: LlamaForCausalLM, arms: dict[str, tuple[str | None, Callable[[], Proposer] | None]],
                 requests: list[Request], k: int, draft_method: DraftSampleMethod,
-                new_threshold: Callable[[], SpeculationThreshold], step: int, params: SamplingParams) -> RolloutReplay:
+                new_threshold: Callable[[], SpeculationThreshold], step: int, params: SamplingParams,
+                runs_per_arm: int = 3) -> RolloutReplay:
     """Each arm (role -> its version and proposer factory; None: no drafter) replayed on the same requests; an arm
-    whose version another arm has is measured once. The arms run in turn, `REPEATS` times, and each keeps its
+    whose version another arm has is measured once. The arms take turns, `runs_per_arm` times, and each keeps its
     fastest run: a burst of other work on a shared machine slows the run it lands in, not the arm. No speculation
     goes first: its plain rounds' seconds per batch size are what a replica serving for a while knows already, so a
     drafter's arm starts with them (it measures its own speculative rounds as it goes), not from nothing. Every run's
     seconds stay on the record (`runs_s`): the speedup's spread, run by run."""
     factories = {None: None, **{version: new_proposer for version, new_proposer in arms.values()}}
     runs: dict[str | None, list[ArmReplay]] = {version: [] for version in factories}
-    for _ in range(REPEATS):
+    for _ in range(runs_per_arm):
         for version, new_proposer in factories.items():
             threshold = new_threshold()
             if version is not None:

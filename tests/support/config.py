@@ -33,7 +33,7 @@ TINY = {
     # set by write_config), as pipelines on one machine may: a job carries its own configuration, and a worker keeps
     # nothing between jobs (WarmJobs), so a test pays for a stage's imports once per process, not once per test.
     "launch": {"warm_idle_s": 15.0, "retries": 0},
-    "eval": {"num_prompts": 3, "max_new_tokens": 8, "held_out_fraction": 0.2},
+    "eval": {"num_prompts": 3, "max_new_tokens": 8, "held_out_fraction": 0.2, "replay_runs": 1},
 }
 
 
