@@ -31,6 +31,7 @@ from pipeline.data.fleet_state import FleetPolicy
 from pipeline.data.keys import fleet_policy_key, fleet_prefix
 from pipeline.data.lease import hold
 from pipeline.data.records import write_record
+from pipeline.data.rollout_engine import GeneratedRollout, RolloutEngine, RolloutRequest
 from pipeline.data.store import ObjectStore
 from pipeline.serving import metrics as serving_metrics
 from pipeline.serving.drivers import ReplicaDriver, ReplicaSpec, call, local_directory
@@ -41,7 +42,6 @@ from pipeline.serving.hot_update import (
     policy_version,
     send_policy,
 )
-from pipeline.sources.rollout_engine import GeneratedRollout, RolloutEngine, RolloutRequest
 
 REQUEST_TIMEOUT_S = 900.0  # one rollout's completion at most
 ATTEMPTS_PER_REPLICA = 3

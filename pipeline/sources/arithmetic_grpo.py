@@ -27,11 +27,11 @@ import torch
 from transformers import TrainerCallback
 
 from pipeline.data.keys import fleet_prefix
+from pipeline.data.rollout_engine import GeneratedRollout, RolloutEngine, RolloutRequest, request_seed
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.sampling import SamplingParams
 from pipeline.sources import arithmetic, smollm2
-from pipeline.sources.rollout_engine import GeneratedRollout, RolloutEngine, RolloutRequest, request_seed
 from pipeline.sources.trl import HeldTrainer, PublishedGRPOStep, StepPublisher, publishing_grpo_trainer
 
 RolloutFunc = Callable[[list, Any], dict]

@@ -55,12 +55,12 @@ from transformers import DynamicCache, LlamaForCausalLM
 from pipeline.config import SimulationConfig
 from pipeline.data import parts as parts_lib
 from pipeline.data.keys import policy_prefix
+from pipeline.data.rollout_engine import RolloutEngine, RolloutRequest, request_seed
 from pipeline.data.rollouts import PolicyPointer, Rollout, TargetLimits, write_rollouts
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.sampling import SamplingParams
-from pipeline.sources.rollout_engine import RolloutEngine, RolloutRequest, request_seed
 
 PHASES = 3
 RWR_BETA = 0.1

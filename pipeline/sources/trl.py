@@ -43,12 +43,12 @@ from pipeline.client import (
     publish_step,
 )
 from pipeline.data.keys import fleet_prefix
+from pipeline.data.rollout_engine import GeneratedRollout, RolloutEngine, RolloutRequest, request_seed
 from pipeline.data.rollouts import Rollout
 from pipeline.data.store import ObjectStore
 from pipeline.models import target as target_lib
 from pipeline.models import target_forward
 from pipeline.sampling import SamplingParams
-from pipeline.sources.rollout_engine import GeneratedRollout, RolloutEngine, RolloutRequest, request_seed
 from pipeline.sources.simulation import ROLLOUT_SHARE_OF_PERIOD, finish_parts
 
 LETTERS = "abcdefghijklmnop"

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pipeline.config import DrafterConfig
+from pipeline.data.rollout_engine import RolloutRequest
 from pipeline.data.store import ObjectStore
 from pipeline.data.uris import UriPolicy
 from pipeline.evaluation.expected_acceptance import round_starts, target_argmax_chain
@@ -34,7 +35,6 @@ from pipeline.serving.hot_update import HotUpdateFailed, Weights, hot_update, se
 from pipeline.serving.metrics import scrape
 from pipeline.serving.rollouts import FleetRollouts
 from pipeline.sources import smollm2
-from pipeline.sources.rollout_engine import RolloutRequest
 from tests.support.eagle3 import fit_first_step
 from tests.support.vllm import complete, require_vllm, running_replica
 

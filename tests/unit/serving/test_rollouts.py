@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pipeline.data.fleet_state import read_fleet_policy
+from pipeline.data.rollout_engine import RolloutRequest
 from pipeline.data.store import ObjectStore
 from pipeline.evaluation import speculative
 from pipeline.models import target as target_lib
@@ -19,7 +20,6 @@ from pipeline.serving.drivers import ReplicaSpec, StandInDriver, call
 from pipeline.serving.hot_update import send_policy
 from pipeline.serving.metrics import SpecCounters
 from pipeline.serving.rollouts import FleetRollouts, StalePolicyError, _reset
-from pipeline.sources.rollout_engine import RolloutRequest
 from tests.unit.serving.conftest import free_port
 
 
@@ -77,9 +77,9 @@ def test_a_replica_left_on_the_previous_policy_fails_the_step(fleet: FleetRollou
 def test_trl_completions_come_from_the_fleet(fleet: FleetRollouts, tmp_path: Path) -> None:
     """TRL's GRPO with the fleet as its rollout function: the weights TRL holds go to the replicas as the step's
     policy, and the published step's completions are the fleet's, each from its seed (asked again, the same)."""
+    from pipeline.data.rollout_engine import request_seed
     from pipeline.data.rollouts import read_rollouts
     from pipeline.sources import trl as trl_source
-    from pipeline.sources.rollout_engine import request_seed
 
     settings = trl_source.GRPODemoSettings(prompts_per_step=2, num_generations=4, max_completion_length=8,
                                            parts_per_step=1)

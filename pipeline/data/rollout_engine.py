@@ -1,5 +1,5 @@
 """What an RL source asks of a rollout engine (the serving fleet), as callables injected where the source is
-composed (the demo, the Dagster resources): sources import nothing of `serving`.
+composed (the demo, the Dagster resources): a source runs on whichever engine it is given.
 
     push_policy(step, checkpoint_uri)   the step's policy on every replica, before the step's first request,
                                         as an asynchronous trainer pushes its weights to vLLM
