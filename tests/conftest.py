@@ -41,7 +41,6 @@ os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 # in a full `make test` run.
 SLOWEST_FIRST = ["tests/integration/test_ray.py", "tests/integration/test_ui.py",
                  "tests/integration/test_stages.py", "tests/integration/test_smollm2_demo.py",
-                 "tests/integration/test_vllm.py",  # one vLLM replica and its drafters, about 3 minutes
                  "tests/integration/test_reliability.py", "tests/integration/test_postgres.py",
                  "tests/integration/test_vllm_capture.py",  # two vLLM replicas, one after the other
                  "tests/unit/test_benchmarks.py",  # after test_ray: the two start Ray clusters of their own
