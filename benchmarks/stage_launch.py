@@ -101,19 +101,11 @@ def _in_process_asset():
     """The `hidden_states` asset as it was before the launcher: the worker's rank-0 work (extraction, placement
     record, the read-back check, the metadata) in the Dagster run process, the same check reported."""
     import dagster as dg
-    from dagster._core.definitions.metadata.external_metadata import metadata_map_from_external
-    from dagster_pipes import PIPES_METADATA_TYPE_INFER
 
     from assets.partitions import rl_step, step_of
     from pipeline.ranks import SINGLE
     from pipeline.sources import worker
     from pipeline.stages import EXTRACTION
-
-    def as_reported(metadata: dict) -> dict:
-        """What Dagster makes of metadata a worker reports over Pipes."""
-        return metadata_map_from_external({k: v if isinstance(v, dict) else
-                                           {"raw_value": v, "type": PIPES_METADATA_TYPE_INFER}
-                                           for k, v in metadata.items()})
 
     @dg.asset(name="hidden_states", partitions_def=rl_step, deps=[dg.AssetKey("rollouts")], pool="gpu",
               required_resource_keys={"pipeline"},
@@ -123,10 +115,10 @@ def _in_process_asset():
         manifest, where = worker.run_extraction(job, SINGLE)
         report = worker.report_extraction(job, manifest, where)
         return dg.MaterializeResult(
-            metadata=as_reported(report.metadata),
+            metadata=report.metadata,  # Dagster infers each value's type, as from Pipes
             check_results=[dg.AssetCheckResult(check_name="shards_valid", passed=not report.problems,
                                                severity=dg.AssetCheckSeverity.ERROR,
-                                               metadata=as_reported(report.check_metadata()))])
+                                               metadata=report.check_metadata())])
 
     return hidden_states
 

@@ -30,15 +30,23 @@ from pathlib import Path
 from threading import Event
 
 import dagster as dg
-
-# Dagster's private API, imported here alone: Dagster 1.13 exports neither the error its Pipes clients raise
-# (`DagsterPipesExecutionError`, which a launched stage must raise for Dagster to report it as theirs) nor the
-# function its message readers hand each line to (a Pipes message to the handler, any other line to stdout).
-# A Dagster upgrade that moves them fails at this import, in one place.
-from dagster._core.errors import DagsterPipesExecutionError
-from dagster._core.pipes.utils import extract_message_or_forward_to_stdout  # noqa: F401 (ray_jobs.py's)
+from dagster_pipes import PIPES_PROTOCOL_VERSION_FIELD
 
 POLL_S = 0.01  # Dagster's own tail interval
+
+
+def forward_line(handler, line: str) -> dict | None:  # noqa: ANN001 (Dagster's handler)
+    """A log line that is a Pipes message handed to Dagster's handler (and returned), any other line printed: a
+    launched job's log holds both."""
+    try:
+        message = json.loads(line)
+    except ValueError:
+        message = None
+    if isinstance(message, dict) and PIPES_PROTOCOL_VERSION_FIELD in message:
+        handler.handle_message(message)
+        return message
+    sys.stdout.write(line + "\n")  # into the step's captured stdout, as Dagster's own readers do
+    return None
 
 
 def whole_lines(path: str, should_stop: Callable[[], bool]) -> Iterator[str]:
@@ -77,7 +85,7 @@ class CountedMessages:
         with super().read_messages(handler) as params:  # its exit joins the reader thread
             yield params
         if not handler.received_closed_message:
-            raise DagsterPipesExecutionError(
+            raise dg.Failure(
                 f"the stage's Pipes messages did not all reach Dagster: {self._received} arrived (the last: "
                 f"{self._last}), not its `closed` message; what the worker reported after that (its materialization, "
                 "asset check results, logs) is lost, so the step fails rather than pass without them")

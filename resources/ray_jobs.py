@@ -11,17 +11,15 @@ fails the step when the worker's `closed` message (its last) never arrives.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Iterable, Iterator
 
-from dagster_pipes import PIPES_PROTOCOL_VERSION_FIELD
 from dagster_ray import PipesRayJobClient
 from dagster_ray.core.pipes import PipesRayJobMessageReader, tail_logs
 
 from pipeline.launch.placement import SUBMITTED_AT_ENV
-from resources.pipes_messages import CountedMessages, extract_message_or_forward_to_stdout
+from resources.pipes_messages import CountedMessages, forward_line
 
 POLL_S = 0.1  # the job's status: a stage's end reaches Dagster this soon (dagster-ray's default: 1 s)
 
@@ -58,12 +56,8 @@ class PipesRayJobWholeLineMessageReader(CountedMessages, PipesRayJobMessageReade
     def _handle(self, handler, line: str) -> None:  # noqa: ANN001 (Dagster's handler)
         if not line:
             return
-        extract_message_or_forward_to_stdout(handler, line)  # a Pipes message to Dagster, any other line printed
-        try:
-            message = json.loads(line)
-        except ValueError:
-            return
-        if isinstance(message, dict) and PIPES_PROTOCOL_VERSION_FIELD in message:
+        message = forward_line(handler, line)
+        if message is not None:
             self.counted(message)
 
 

@@ -13,7 +13,7 @@ import dagster as dg
 from pipeline.launch.rendezvous import Peer
 from pipeline.launch.warm import Request, WarmWorker, WarmWorkerError
 from pipeline.stages import Stage
-from resources.pipes_messages import DagsterPipesExecutionError, PipesWholeLineTempFileMessageReader
+from resources.pipes_messages import PipesWholeLineTempFileMessageReader
 
 
 class PipesWarmClient(dg.PipesClient):
@@ -38,6 +38,6 @@ class PipesWarmClient(dg.PipesClient):
             try:
                 worker.run(Request(session.get_bootstrap_env_vars()), handed)
             except WarmWorkerError as exc:
-                raise DagsterPipesExecutionError(str(exc)) from None
+                raise dg.Failure(str(exc)) from None
         return dg.PipesClientCompletedInvocation(session)
 

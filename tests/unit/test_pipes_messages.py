@@ -8,8 +8,8 @@ import threading
 import time
 from pathlib import Path
 
+import dagster as dg
 import pytest
-from dagster._core.errors import DagsterPipesExecutionError
 
 from resources.pipes_messages import PipesWholeLineFileMessageReader, whole_lines
 
@@ -90,7 +90,7 @@ def test_a_session_without_its_closed_message_fails_naming_what_arrived(tmp_path
                 stream.write(lines)
         return handler
 
-    with pytest.raises(DagsterPipesExecutionError) as failed:
+    with pytest.raises(dg.Failure) as failed:
         session(tmp_path / "messages", '{"method": "opened", "params": {}}\n{"method": "log", "params": {}}\n')
 
     assert "2 arrived (the last: log), not its `closed` message" in str(failed.value)
