@@ -45,7 +45,8 @@ SLOWEST_FIRST = ["tests/integration/test_ray.py", "tests/integration/test_ui.py"
                  "tests/integration/test_vllm_capture.py",  # two vLLM replicas, one after the other
                  "tests/unit/test_benchmarks.py",  # after test_ray: the two start Ray clusters of their own
                  "tests/integration/test_train_process.py", "tests/integration/test_refresh.py",
-                 "tests/integration/test_e2e.py", "tests/integration/test_deploy.py",
+                 "tests/integration/test_e2e.py", "tests/integration/test_demo_variants.py",
+                 "tests/integration/test_deploy.py",
                  "tests/integration/test_postgres_faults.py", "tests/integration/test_dagster.py",
                  "tests/unit/serving/test_hot_update.py", "tests/integration/test_async_steps.py",
                  "tests/integration/test_families.py", "tests/integration/test_smollm2.py",

@@ -1,7 +1,11 @@
 """The gates a replica passes before a deploy moves on: GET /health answers 200, GET /v1/models lists the served
-model, a smoke completion returns tokens, over a canary window of completions its live mean acceptance length
+model, and over a window of canary completions (the first must return text) its live mean acceptance length
 (from GET /metrics) reaches the configured minimum and, where the product can count the window itself, agrees
 with the product's count of the same tokens (`pipeline.serving.agreement`).
+
+The window opens before the first canary: a replica given new weights speculates its first round whatever
+its measured threshold says (the stand-in's `SpeculationThreshold` measures a new drafter again from there), so
+a window that began after a completion of its own could see only plain rounds and count no draft at all.
 """
 
 from __future__ import annotations
@@ -75,10 +79,6 @@ def check_replica(
             raise GateError(f"replica {replica.name}: /v1/models lists {models}, not {replica.served_model_name!r}")
         # Canaries decode greedily (temperature 0): the same window measures the same drafter alike, and their
         # answers fix the rounds the product counts.
-        smoke = json.loads(call(replica, "/v1/completions", {
-            "model": replica.served_model_name, "prompt": canary_prompts[0], "max_tokens": 4, "temperature": 0}))
-        if not smoke["choices"] or not smoke["choices"][0].get("text"):
-            raise GateError(f"replica {replica.name}: the smoke completion returned no text")
         before = scrape(replica)
         canaries = []
         for i in range(gates.canary_requests):
@@ -86,12 +86,17 @@ def check_replica(
             answer = json.loads(call(replica, "/v1/completions", {
                 "model": replica.served_model_name, "prompt": prompt, "max_tokens": gates.canary_tokens,
                 "temperature": 0, "return_token_ids": True}))
+            if not answer["choices"] or (i == 0 and not answer["choices"][0].get("text")):
+                raise GateError(f"replica {replica.name}: the first canary completion returned no text")
             canaries.append(Canary(prompt, answer["choices"][0]["token_ids"]))
         window = scrape(replica) - before
     except (urllib.error.URLError, KeyError, json.JSONDecodeError) as exc:
         raise GateError(f"replica {replica.name}: {exc}") from None
     tau = window.mean_acceptance_length
-    if tau is None or tau < gates.min_live_tau:
+    if tau is None:
+        raise GateError(f"replica {replica.name}: no draft over its {len(canaries)} canaries (it decoded them "
+                        "without speculating): live tau unmeasured")
+    if tau < gates.min_live_tau:
         raise GateError(f"replica {replica.name}: live tau {tau} below the gate {gates.min_live_tau}")
     if gates.count is not None and served is not None and served.policy_dir is not None:
         try:

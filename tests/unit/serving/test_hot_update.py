@@ -35,7 +35,7 @@ from tests.unit.serving.conftest import free_port
 
 GATES = GateConfig(ready_timeout_s=90, canary_requests=2, canary_tokens=8, min_live_tau=1.0)
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
-GATE_COMPLETIONS = 1 + GATES.canary_requests  # the smoke completion and the canary window
+GATE_COMPLETIONS = GATES.canary_requests  # the canary window
 PROBE, PROBE_TOKENS = [1, 2, 3, 4], 16  # a prompt on which the two test drafters accept differently
 K = 3
 
