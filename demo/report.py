@@ -121,7 +121,8 @@ def _print_replay(rows: list[StepRow]) -> None:
             return f"{value['min']:.2f}x (mean {value['mean']:.2f}x{runs})"
 
         out(f"served over no speculation, steps {goals['steps']}: tail at least {spread('served_tail')}, "
-            f"whole step {spread('served_whole')}, at its worst batch size {spread('served_worst_batch')}; "
+            f"whole step {spread('served_whole')}, at its worst batch size where it speculated "
+            f"{spread('served_worst_batch')}; "
             f"over the never-retrained drafter {spread('served_over_baseline')}")
     out()
 

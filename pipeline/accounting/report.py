@@ -75,8 +75,8 @@ class StepRow:
     replay_runs: int | None = None  # runs of each arm
     speedup_served_runs: list[float] | None = None
     speedup_served_tail_runs: list[float] | None = None
-    speedup_served_by_batch: dict[str, float] | None = None
-    speedup_served_min_batch: float | None = None
+    speedup_served_by_batch: dict[str, float] | None = None  # every bucket both arms ran, all runs pooled
+    speedup_served_min_batch: float | None = None  # the least over the buckets where the served arm speculated
     replay_threshold_served: int | None = None
     # the step's tail and its refresh (tail_fields)
     tail_tau_start: float | None = None
@@ -159,7 +159,8 @@ def replay_fields(store: ObjectStore, run: str, step: int) -> dict:
                                                                                                for v in spread]
     by_batch = replay.batch_speedups("served") if replay else {}
     fields["speedup_served_by_batch"] = {str(b): round(v, 3) for b, v in by_batch.items()} or None
-    fields["speedup_served_min_batch"] = round(min(by_batch.values()), 3) if by_batch else None
+    speculated = replay.batch_speedups("served", speculated=True) if replay else {}
+    fields["speedup_served_min_batch"] = round(min(speculated.values()), 3) if speculated else None
     fields["replay_threshold_served"] = replay.arms["served"].threshold if replay and "served" in replay.arms \
         else None
     return fields
@@ -167,7 +168,8 @@ def replay_fields(store: ObjectStore, run: str, step: int) -> dict:
 
 def speedup_goals(rows: list[StepRow], first_step: int = 3) -> dict | None:
     """The served drafter's measured speedup over no speculation on the steps from `first_step` that replayed: in
-    the tail and over the whole step (least and mean), at its worst batch size, and over the never-retrained one."""
+    the tail and over the whole step (least and mean), at its worst batch size where it speculated, and over the
+    never-retrained one."""
     steps = [r for r in rows if r.step >= first_step and r.speedup_served is not None]
     if not steps:
         return None

@@ -23,7 +23,8 @@ class ArmReplay:
     tail_seconds: float  # the record's tail_batch longest requests decoded on their own
     tail_tokens: int
     threshold: int  # the batch threshold the arm's scheduler ended with
-    by_batch: dict[int, tuple[float, int, int]] = field(default_factory=dict)  # batch bucket -> seconds, tokens, rounds
+    # batch bucket -> seconds, tokens, rounds, speculative rounds: every run's rounds together
+    by_batch: dict[int, tuple[float, int, int, int]] = field(default_factory=dict)
     # Every run's seconds, in the order the arms took turns (the figures above are the fastest run's): the spread
     runs_s: tuple[float, ...] = ()
     tail_runs_s: tuple[float, ...] = ()
@@ -45,10 +46,11 @@ class ArmReplay:
         by_batch = {}
         for bucket, figures in typed(doc.get("by_batch", {}), dict, "by_batch").items():
             where = f"by_batch.{bucket}"
-            seconds, tokens, rounds = typed(figures, list, where)
+            seconds, tokens, rounds, speculative = typed(figures, list, where)
             by_batch[integer(int(bucket), f"{where} (its key)")] = (number(seconds, f"{where}[0]"),
                                                                     integer(tokens, f"{where}[1]"),
-                                                                    integer(rounds, f"{where}[2]"))
+                                                                    integer(rounds, f"{where}[2]"),
+                                                                    integer(speculative, f"{where}[3]"))
         return cls(optional(doc["version"], text, "version"), number(doc["seconds"], "seconds"),
                    integer(doc["tokens"], "tokens"), integer(doc["speculative_rows"], "speculative_rows"),
                    integer(doc["plain_rows"], "plain_rows"), number(doc["tau"], "tau"),
@@ -71,16 +73,18 @@ class RolloutReplay:
     draft_sample_method: DraftSampleMethod
     arms: dict[str, ArmReplay]
 
-    def batch_speedups(self, arm: str, over: str = "none") -> dict[int, float]:
+    def batch_speedups(self, arm: str, over: str = "none", speculated: bool = False) -> dict[int, float]:
         """Per batch bucket both arms ran rounds at (batch-size buckets, scheduler.bucket): tokens/s of `arm` over
-        `over`'s there."""
+        `over`'s there; with `speculated`, only the buckets where `arm`'s scheduler chose to speculate (most of its
+        rounds there speculative: its exploring rounds of the other kind aside)."""
         a, b = self.arms.get(arm), self.arms.get(over)
         if a is None or b is None:
             return {}
-        def rates(replay: ArmReplay) -> dict[int, float]:
-            return {batch: tokens / seconds for batch, (seconds, tokens, _) in replay.by_batch.items() if seconds > 0}
+        def rates(replay: ArmReplay, speculated: bool) -> dict[int, float]:
+            return {batch: tokens / seconds for batch, (seconds, tokens, rounds, speculative) in replay.by_batch.items()
+                    if seconds > 0 and (not speculated or 2 * speculative > rounds)}
 
-        mine, theirs = rates(a), rates(b)
+        mine, theirs = rates(a, speculated), rates(b, False)
         return {batch: mine[batch] / theirs[batch] for batch in sorted(mine.keys() & theirs.keys()) if theirs[batch]}
 
     def speedup(self, arm: str, over: str = "none", tail: bool = False) -> float | None:

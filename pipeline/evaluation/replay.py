@@ -55,7 +55,7 @@ class Decoded:
     speculative_rows: int  # rows of speculative rounds (a request in a round counts once)
     plain_rows: int
     accepted: int  # drafts kept, all speculative rows together
-    by_batch: dict[int, tuple[float, int, int]]  # batch bucket -> seconds, tokens, rounds
+    by_batch: dict[int, tuple[float, int, int, int]]  # batch bucket -> seconds, tokens, rounds, speculative rounds
 
 
 def decode(model: LlamaForCausalLM, new_proposer: Callable[[], Proposer] | None, requests: list[Request], k: int,
@@ -67,7 +67,7 @@ def decode(model: LlamaForCausalLM, new_proposer: Callable[[], Proposer] | None,
                                                                         _copy(r.sampling.generator))))
                for r in requests]
     tokens = speculative = plain = accepted = 0
-    by_batch: dict[int, tuple[float, int, int]] = {}
+    by_batch: dict[int, tuple[float, int, int, int]] = {}
     started = clock(model.device)
     while True:
         _, record = schedule_round(batch, threshold, joining)  # the prefill joins first, timed with the rest
@@ -75,8 +75,9 @@ def decode(model: LlamaForCausalLM, new_proposer: Callable[[], Proposer] | None,
         if record is None:
             break
         tokens += record.tokens
-        seconds_at, tokens_at, rounds_at = by_batch.get(bucket(record.rows), (0.0, 0, 0))
-        by_batch[bucket(record.rows)] = (seconds_at + record.seconds, tokens_at + record.tokens, rounds_at + 1)
+        seconds_at, tokens_at, rounds_at, speculative_at = by_batch.get(bucket(record.rows), (0.0, 0, 0, 0))
+        by_batch[bucket(record.rows)] = (seconds_at + record.seconds, tokens_at + record.tokens, rounds_at + 1,
+                                         speculative_at + record.speculative)
         if record.speculative:
             speculative += record.rows
             accepted += sum(record.accepted)
@@ -84,7 +85,7 @@ def decode(model: LlamaForCausalLM, new_proposer: Callable[[], Proposer] | None,
             plain += record.rows
     seconds = clock(model.device) - started
     return Decoded(seconds, tokens + len(requests), speculative, plain, accepted,
-                   {b: (round(s, 4), t, n) for b, (s, t, n) in sorted(by_batch.items())})
+                   {b: (round(s, 4), t, n, m) for b, (s, t, n, m) in sorted(by_batch.items())})
 
 
 def tail_requests(requests: list[Request]) -> list[Request]:
@@ -119,7 +120,8 @@ def replay_step(model: LlamaForCausalLM, arms: dict[str, tuple[str | None, Calla
     fastest run: a burst of other work on a shared machine slows the run it lands in, not the arm. No speculation
     goes first: its plain rounds' seconds per batch size are what a replica serving for a while knows already, so a
     drafter's arm starts with them (it measures its own speculative rounds as it goes), not from nothing. Every run's
-    seconds stay on the record (`runs_s`): the speedup's spread, run by run."""
+    seconds stay on the record (`runs_s`): the speedup's spread, run by run. The rounds per batch size are every
+    run's together (`pooled`): a bucket holds a few sub-second rounds a run, too few to compare on one run alone."""
     factories = {None: None, **{version: new_proposer for version, new_proposer in arms.values()}}
     runs: dict[str | None, list[ArmReplay]] = {version: [] for version in factories}
     for _ in range(runs_per_arm):
@@ -128,7 +130,8 @@ def replay_step(model: LlamaForCausalLM, arms: dict[str, tuple[str | None, Calla
             if version is not None:
                 threshold.know_plain(_plain_seconds(_fastest(runs[None])))
             runs[version].append(replay_arm(model, new_proposer, requests, k, draft_method, threshold, version))
-    fastest = {version: replace(_fastest(measured), runs_s=tuple(r.seconds for r in measured),
+    fastest = {version: replace(_fastest(measured), by_batch=pooled([r.by_batch for r in measured]),
+                                runs_s=tuple(r.seconds for r in measured),
                                 tail_runs_s=tuple(r.tail_seconds for r in measured))
                for version, measured in runs.items()}
     out = {role: fastest[version] for role, (version, _) in arms.items()}
@@ -142,6 +145,15 @@ def _fastest(runs: list[ArmReplay]) -> ArmReplay:
     return replace(min(runs, key=lambda run: run.seconds), tail_seconds=tail.tail_seconds)
 
 
+def pooled(runs: list[dict[int, tuple[float, int, int, int]]]) -> dict[int, tuple[float, int, int, int]]:
+    """Runs' rounds per batch-size bucket, summed bucket by bucket."""
+    out: dict[int, tuple[float, int, int, int]] = {}
+    for by_batch in runs:
+        for b, figures in by_batch.items():
+            out[b] = tuple(round(x + y, 4) for x, y in zip(out.get(b, (0.0, 0, 0, 0)), figures, strict=True))
+    return dict(sorted(out.items()))
+
+
 def _plain_seconds(plain: ArmReplay) -> dict[int, float]:
     """A plain arm's seconds per round at each batch-size bucket."""
-    return {b: seconds / rounds for b, (seconds, _, rounds) in plain.by_batch.items() if rounds}
+    return {b: seconds / rounds for b, (seconds, _, rounds, _) in plain.by_batch.items() if rounds}

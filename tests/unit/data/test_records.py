@@ -155,7 +155,7 @@ def test_a_refreshs_latency_breaks_down_into_its_milestones_and_adds_up() -> Non
 
 
 COUNTERS = {"drafts": 40.0, "draft_tokens": 120.0, "accepted": 70.0, "accepted_per_position": {"0": 30.0, "1": 25.0}}
-ARM = ArmReplay("3", 1.5, 96, 20, 4, 2.4, 0.5, 24, 8, {1: (0.25, 12, 6), 4: (1.25, 84, 18)})
+ARM = ArmReplay("3", 1.5, 96, 20, 4, 2.4, 0.5, 24, 8, {1: (0.25, 12, 6, 6), 4: (1.25, 84, 18, 2)})
 PLACEMENT = StagePlacement(TRAINING, "process", 1, "cpu", 2_000_000, 6.5, 0.25)
 # Every stored record kind, each number field in it filled in.
 STORED = [

@@ -49,11 +49,13 @@ def test_an_arm_decodes_every_request_to_its_rollouts_length(target, proposer) -
     assert plain.tail_tokens == sum(sorted(LENGTHS)[-TAIL_BATCH:])  # the longest four, decoded to their ends
     # the rounds by batch size: buckets of 8 (six rows), 4 (four, three) and 2 and 1, every round's tokens counted
     assert set(plain.by_batch) <= {1, 2, 4, 8}
-    assert sum(t for _, t, _ in plain.by_batch.values()) == plain.tokens - len(LENGTHS)
-    assert sum(n for _, _, n in plain.by_batch.values()) == max(LENGTHS) - 1  # one round per token of the longest
+    assert sum(t for _, t, _, _ in plain.by_batch.values()) == plain.tokens - len(LENGTHS)
+    assert sum(n for _, _, n, _ in plain.by_batch.values()) == max(LENGTHS) - 1  # one round per token of the longest
+    assert all(speculative == 0 for *_, speculative in plain.by_batch.values())
     always = replay_arm(target, proposer, requests, 3, "greedy", SpeculationThreshold(fixed=64), "3")
     assert always.tokens == sum(LENGTHS)  # the same work, in fewer rounds when drafts are kept
     assert always.plain_rows == 0
+    assert all(speculative == rounds for _, _, rounds, speculative in always.by_batch.values())
     assert always.speculative_rows <= plain.plain_rows
     assert always.version == "3"
 
@@ -76,14 +78,20 @@ def test_the_arms_share_requests_and_seeds_and_one_version_is_measured_once(targ
     assert record.arms["cotrained"] is not record.arms["served"]
     assert {a.tokens for a in record.arms.values()} == {sum(LENGTHS)} == {record.tokens}
     assert (record.step, record.requests, record.tail_batch) == (5, len(LENGTHS), TAIL_BATCH)
+    # the rounds by batch size are the three runs' together
+    plain = record.arms["none"]
+    assert sum(n for _, _, n, _ in plain.by_batch.values()) == 3 * (max(LENGTHS) - 1)
+    assert sum(t for _, t, _, _ in plain.by_batch.values()) == 3 * (sum(LENGTHS) - len(LENGTHS))
 
 
 def test_speedups_and_the_saving_are_read_from_the_arms() -> None:
     """tokens/s of an arm over no speculation's, whole or in the tail; the saving is the served arm's seconds less."""
-    none = ArmReplay(None, 10.0, 1000, 0, 900, 1.0, 4.0, 200, 0, {4: (4.0, 200, 60), 128: (6.0, 800, 9)})
-    served = ArmReplay("3", 8.0, 1000, 300, 100, 2.5, 2.0, 200, 8, {4: (2.0, 200, 30), 128: (6.2, 800, 9)})
+    none = ArmReplay(None, 10.0, 1000, 0, 900, 1.0, 4.0, 200, 0, {4: (4.0, 200, 60, 0), 128: (6.0, 800, 9, 0)})
+    served = ArmReplay("3", 8.0, 1000, 300, 100, 2.5, 2.0, 200, 8, {4: (2.0, 200, 30, 28), 128: (6.2, 800, 9, 1)})
     record = RolloutReplay(2, 96, 1000, 4, GREEDY, "greedy", {"none": none, "served": served, "baseline": none})
     assert record.batch_speedups("served") == pytest.approx({4: 2.0, 128: 6.0 / 6.2})
+    # at 128 rows the scheduler chose plain rounds (one exploring speculative round among nine)
+    assert record.batch_speedups("served", speculated=True) == pytest.approx({4: 2.0})
     assert record.speedup("served") == pytest.approx(1.25)
     assert record.speedup("served", tail=True) == pytest.approx(2.0)
     assert record.speedup("served", over="baseline") == pytest.approx(1.25)
