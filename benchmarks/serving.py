@@ -1,4 +1,4 @@
-"""The stand-in replica's batched serving (its engine, `pipeline/serving/engine.py`, without HTTP): tokens/s at
+"""The stand-in replica's batched serving (its engine, `pipeline/serving/standin/engine.py`, without HTTP): tokens/s at
 batch 1, 8 and 32 with and without speculation, and the batch threshold the engine chooses.
 
 The demo's simulated target (pre-trained, cached under the data dir) and the demo's drafter trained on its
@@ -59,7 +59,7 @@ def run(tiny: bool = False) -> dict:
     from pipeline.evaluation.scheduler import SpeculationThreshold
     from pipeline.evaluation.speculative import evaluate, follow_target
     from pipeline.sampling import DRAFT_SAMPLE_METHODS, SamplingParams
-    from pipeline.serving.engine import Engine
+    from pipeline.serving.standin.engine import Engine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

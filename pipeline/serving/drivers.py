@@ -258,7 +258,7 @@ class LocalProcessDriver:
             self.stop(replica)
 
 class StandInDriver(LocalProcessDriver):
-    """Local stand-in replica processes (`pipeline.serving.standin_replica`), not vLLM: the toy target's fleet."""
+    """Local stand-in replica processes (`pipeline.serving.standin.replica`), not vLLM: the toy target's fleet."""
 
     def __init__(self, k: int, state_dir: Path, dev_mode: bool = True, speculation: Speculation = Speculation()
                  ) -> None:
@@ -267,7 +267,7 @@ class StandInDriver(LocalProcessDriver):
 
     def argv(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> list[str]:
         s = self.speculation
-        argv = [sys.executable, "-m", "pipeline.serving.standin_replica", "--host", replica.host,
+        argv = [sys.executable, "-m", "pipeline.serving.standin.replica", "--host", replica.host,
                 "--port", str(replica.port), "--target", target, "--drafter", drafter_dir,
                 "--num-speculative-tokens", str(self.k), "--served-model-name", replica.served_model_name,
                 "--draft-sample-method", s.draft_sample_method,

@@ -2,7 +2,7 @@
 production stack's Dagster instance (PostgreSQL) and MLflow server (PostgreSQL, artifacts on S3) of
 tests/integration/test_postgres.py; a file of its own, so that it runs beside that file's daemon test.
 
-The replicas are stand-in processes (`pipeline.serving.standin_replica`, not vLLM) on loopback ports.
+The replicas are stand-in processes (`pipeline.serving.standin.replica`, not vLLM) on loopback ports.
 """
 
 from __future__ import annotations

@@ -40,6 +40,17 @@ def test_no_private_dagster_api_and_no_dagster_in_the_domain_core() -> None:
     assert not core, f"pipeline/ imports Dagster: {core}"
 
 
+def test_the_real_serving_path_does_not_import_the_stand_in() -> None:
+    # The stand-in replica (pipeline/serving/standin/) imports the fleet's code, never the other way: the `standin`
+    # driver starts it as a process (`python -m pipeline.serving.standin.replica`), so vLLM's path holds none of it.
+    standin = "pipeline.serving.standin"
+    leaks = {path: sorted(n for n in _imported(tree) if n == standin or n.startswith(f"{standin}."))
+             for path, tree in _modules().items()
+             if path.startswith("pipeline/") and not path.startswith("pipeline/serving/standin/")}
+    leaks = {p: n for p, n in leaks.items() if n}
+    assert not leaks, f"pipeline/ imports the stand-in replica: {leaks}"
+
+
 def test_no_function_over_80_lines_and_no_module_over_600() -> None:
     modules = _modules()
     long_functions = {f"{path}:{node.name}": node.end_lineno - node.lineno + 1

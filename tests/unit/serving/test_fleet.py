@@ -1,7 +1,7 @@
 """Serving fleet: vLLM argv, metrics parsing, stand-in replica processes, rolling deploy and rollback.
 
 vLLM's command line is tested as argv here, and the replicas are stand-in processes
-(`pipeline.serving.standin_replica`, not vLLM) on loopback ports; tests/integration/test_vllm.py runs real
+(`pipeline.serving.standin.replica`, not vLLM) on loopback ports; tests/integration/test_vllm.py runs real
 vLLM replicas.
 """
 

@@ -26,7 +26,7 @@ from pipeline.evaluation.scheduler import EXPLORE_EVERY, WINDOW, SpeculationThre
 from pipeline.models import target as target_lib
 from pipeline.sampling import GREEDY
 from pipeline.serving import metrics as serving_metrics
-from pipeline.serving.standin_replica import Replica, make_handler
+from pipeline.serving.standin.replica import Replica, make_handler
 
 K = 3
 

@@ -33,12 +33,12 @@ BURST = 200
 
 
 class Process:
-    """`python -m pipeline.serving.standin_replica` on a loopback port, stopped at the end."""
+    """`python -m pipeline.serving.standin.replica` on a loopback port, stopped at the end."""
 
     def __init__(self, models: dict[str, str], log: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "pipeline.serving.standin_replica", "--port", str(self.port),
+        argv = [sys.executable, "-m", "pipeline.serving.standin.replica", "--port", str(self.port),
                 "--target", models["target"], "--drafter", models["v1"], "--num-speculative-tokens", "3",
                 "--speculation-max-batch", "256"]
         self.log = log.open("wb")

@@ -11,7 +11,7 @@ import torch
 from pipeline.evaluation import speculative
 from pipeline.evaluation.rejection_sampler import RequestSampling
 from pipeline.sampling import SamplingError, SamplingParams
-from pipeline.serving.engine import Completion
+from pipeline.serving.standin.engine import Completion
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ No client can stall or fail the others: a completion whose prompt plus `max_toke
 beside the others; a request whose client disconnects stops decoding (it leaves the batch before the next round);
 and the listen backlog holds a burst of connections as large as the batch (vLLM's server accepts them alike).
 
-    python -m pipeline.serving.standin_replica --port 8101 --target file:///.../policy --drafter /.../drafter
+    python -m pipeline.serving.standin.replica --port 8101 --target file:///.../policy --drafter /.../drafter
 """
 
 from __future__ import annotations
@@ -75,10 +75,10 @@ from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import CheckpointError, load_drafter
 from pipeline.models.drafter import Proposer
 from pipeline.sampling import DRAFT_SAMPLE_METHODS, DraftSampleMethod
-from pipeline.serving.engine import Cancelled, Completion, Engine
 from pipeline.serving.hot_update import policy_version
 from pipeline.serving.metrics import SpecCounters, render, render_standin
-from pipeline.serving.standin_completions import ServedModel, completion_request, completion_response, error_body
+from pipeline.serving.standin.completions import ServedModel, completion_request, completion_response, error_body
+from pipeline.serving.standin.engine import Cancelled, Completion, Engine
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 PUBLIC_ROUTES = ("/health", "/metrics")  # with an API key, every other route asks for it
