@@ -39,9 +39,9 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -50,6 +50,7 @@ import torch
 
 from pipeline.config import PROJECT_ROOT, DrafterConfig, OptimConfig, TrainConfig
 from pipeline.data.rollouts import Rollout
+from pipeline.data.shard_format import HiddenSample
 from pipeline.evaluation.expected_acceptance import (
     TargetPrefix,
     drafter_chain,
@@ -184,7 +185,24 @@ def vllm_sampler(checkpoint: Path, tokenizer, data: Path, log) -> Iterator[Sampl
         driver.stop(replica)
 
 
-def _answers(sample: Sampler, engine: str, seed: int, n: int, data: Path, log) -> list[smollm2.Answer]:
+@contextmanager
+def on_demand(start: Callable[[], AbstractContextManager[Sampler]]) -> Iterator[Sampler]:
+    """A sampler whose engine (`start()`, e.g. `vllm_sampler`) starts at its first call and stops on exit: when
+    every answer asked for is cached, none starts."""
+    with ExitStack() as stack:
+        engine: list[Sampler] = []
+
+        def sample(questions: list[str], seed: int) -> list[smollm2.Answer]:
+            if not engine:
+                engine.append(stack.enter_context(start()))
+            return engine[0](questions, seed)
+
+        yield sample
+
+
+def cached_answers(sample: Sampler, engine: str, seed: int, n: int, data: Path, log) -> list[smollm2.Answer]:
+    """The answers to the first `n` questions of `seed` that `engine` sampled (cached, or sampled by `sample` and
+    cached), those of at least 2 tokens."""
     record = smollm2.gguf_import.read_import(smollm2.checkpoint_dir(data))
     cache = smollm2.AnswerCache(data / "cache" / "smollm2-answers", record.source_sha256, TEMPERATURE,
                                 MAX_NEW_TOKENS, seed, engine=engine)
@@ -219,13 +237,28 @@ def build_drafter(arm: Arm, target, counts: torch.Tensor) -> Eagle3Drafter:
     return drafter
 
 
-def training_samples(target, drafter: Eagle3Drafter, answers: list[smollm2.Answer]) -> list[Sample]:
-    num_layers = target.config.num_hidden_layers
-    rollouts = [Rollout.from_prompt_and_response(f"a{i}", a.prompt_ids, a.answer_ids, 0.0, 0)
-                for i, a in enumerate(answers)]
-    hidden = iter_hidden_states(target, rollouts, 0, tokens_per_batch=4096,
-                                layer_ids=drafter.stored_layer_ids(num_layers))
+def answer_rollouts(answers: list[smollm2.Answer]) -> list[Rollout]:
+    """Each answer as a rollout (its prompt, then the answer as the response), sample ids `a0`, `a1`, ...: what a
+    source of hidden states reads."""
+    return [Rollout.from_prompt_and_response(f"a{i}", a.prompt_ids, a.answer_ids, 0.0, 0)
+            for i, a in enumerate(answers)]
+
+
+def forward_hidden_states(target, drafter: Eagle3Drafter, rollouts: list[Rollout]) -> Iterator[HiddenSample]:
+    """The target's forward over `rollouts` (sources/extract.py), the layers `drafter` reads, batch by batch
+    (longest first, not in the rollouts' order)."""
+    return iter_hidden_states(target, rollouts, 0, tokens_per_batch=4096,
+                              layer_ids=drafter.stored_layer_ids(target.config.num_hidden_layers))
+
+
+def samples_from(drafter: Eagle3Drafter, num_layers: int, hidden: Iterable[HiddenSample]) -> list[Sample]:
+    """`drafter`'s training samples of hidden-state records, from whichever source, in their order."""
     return [drafter.training_sample(h, num_layers) for h in hidden]
+
+
+def training_samples(target, drafter: Eagle3Drafter, answers: list[smollm2.Answer]) -> list[Sample]:
+    hidden = forward_hidden_states(target, drafter, answer_rollouts(answers))
+    return samples_from(drafter, target.config.num_hidden_layers, hidden)
 
 
 @torch.no_grad()
@@ -262,6 +295,13 @@ def expected_tau(target, drafter, held_out: HeldOut, method: Literal["greedy", "
     return 1 + sum(per_position), per_position
 
 
+def train_config(arm: Arm, max_tokens: int) -> TrainConfig:
+    """How an arm trains: `max_tokens` positions (the schedule's span), batches of 16 answers, seed 0."""
+    return TrainConfig(epochs=1000, max_tokens=max_tokens, log_every=1, batch_size_per_gpu=16,
+                       window_tokens=arm.window, optim=OptimConfig(lr=arm.lr, lr_warmup_steps=10), dtype="fp32",
+                       seed=0)
+
+
 def train_arm(arm: Arm, target, samples: list[Sample], counts: torch.Tensor, held_out: HeldOut, max_tokens: int,
               eval_every: int, minutes: float, out: Path, log) -> Curve:
     """Train one arm's drafter on `samples` (every arm reads the same target layers), measuring as it goes."""
@@ -270,8 +310,7 @@ def train_arm(arm: Arm, target, samples: list[Sample], counts: torch.Tensor, hel
     curve.points.append(_point(target, drafter, held_out, 0, 0.0, float("nan")))
     log(f"{arm.name}: draft vocab {curve.draft_vocab_size}, {len(samples)} answers, tau at 0 tokens "
         f"{curve.points[0].tau:.3f}")
-    cfg = TrainConfig(epochs=1000, max_tokens=max_tokens, log_every=1, batch_size_per_gpu=16, window_tokens=arm.window,
-                      optim=OptimConfig(lr=arm.lr, lr_warmup_steps=10), dtype="fp32", seed=0)
+    cfg = train_config(arm, max_tokens)
     evaluated = {"tokens": 0, "eval_s": 0.0}
     start = time.perf_counter()
 
@@ -368,8 +407,8 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = smollm2.load_tokenizer(directory)
     with (vllm_sampler(directory, tokenizer, args.data, log) if args.engine == "vllm"
           else nullcontext(torch_sampler(target, tokenizer, smollm2.AnswerCache.chunk))) as sample:
-        held_out = _answers(sample, args.engine, HELD_OUT_SEED, args.held_out, args.data, log)
-        train = _answers(sample, args.engine, TRAIN_SEED, args.answers, args.data, log)
+        held_out = cached_answers(sample, args.engine, HELD_OUT_SEED, args.held_out, args.data, log)
+        train = cached_answers(sample, args.engine, TRAIN_SEED, args.answers, args.data, log)
     tokens = sum(len(a.answer_ids) for a in train)
     log(f"{len(train)} training answers ({tokens} answer tokens), {len(held_out)} held out")
     if args.command == "sample":
