@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     directory = smollm2.prepare(args.data)
     target = target_lib.load_checkpoint(str(directory)).requires_grad_(False)
     tokenizer = smollm2.load_tokenizer(directory)
-    with (vllm_sampler(directory, tokenizer, args.data, log) if args.engine == "vllm"
+    with (on_demand(lambda: vllm_sampler(directory, tokenizer, args.data, log)) if args.engine == "vllm"
           else nullcontext(torch_sampler(target, tokenizer, smollm2.AnswerCache.chunk))) as sample:
         held_out = cached_answers(sample, args.engine, HELD_OUT_SEED, args.held_out, args.data, log)
         train = cached_answers(sample, args.engine, TRAIN_SEED, args.answers, args.data, log)

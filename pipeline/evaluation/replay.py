@@ -114,7 +114,7 @@ def _copy(generator):  # noqa: ANN001, ANN202 - a torch.Generator at the same po
 def replay_step(model: LlamaForCausalLM, arms: dict[str, tuple[str | None, Callable[[], Proposer] | None]],
                 requests: list[Request], k: int, draft_method: DraftSampleMethod,
                 new_threshold: Callable[[], SpeculationThreshold], step: int, params: SamplingParams,
-                runs_per_arm: int = 3) -> RolloutReplay:
+                runs_per_arm: int) -> RolloutReplay:
     """Each arm (role -> its version and proposer factory; None: no drafter) replayed on the same requests; an arm
     whose version another arm has is measured once. The arms take turns, `runs_per_arm` times, and each keeps its
     fastest run: a burst of other work on a shared machine slows the run it lands in, not the arm. No speculation

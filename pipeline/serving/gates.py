@@ -86,7 +86,9 @@ def check_replica(
             answer = json.loads(call(replica, "/v1/completions", {
                 "model": replica.served_model_name, "prompt": prompt, "max_tokens": gates.canary_tokens,
                 "temperature": 0, "return_token_ids": True}))
-            if not answer["choices"] or (i == 0 and not answer["choices"][0].get("text")):
+            if not answer["choices"]:
+                raise GateError(f"replica {replica.name}: canary completion {i + 1} returned no choice")
+            if i == 0 and not answer["choices"][0].get("text"):
                 raise GateError(f"replica {replica.name}: the first canary completion returned no text")
             canaries.append(Canary(prompt, answer["choices"][0]["token_ids"]))
         window = scrape(replica) - before

@@ -72,7 +72,7 @@ def test_the_arms_share_requests_and_seeds_and_one_version_is_measured_once(targ
     states = [r.sampling.generator.get_state() for r in requests]
     arms = {"none": (None, None), "baseline": ("1", proposer), "served": ("1", proposer), "cotrained": ("2", proposer)}
     record = replay_step(target, arms, requests, 3, "greedy", lambda: SpeculationThreshold(fixed=64), 5,
-                         SamplingParams(temperature=1.0))
+                         SamplingParams(temperature=1.0), runs_per_arm=3)
     assert all(torch.equal(s, r.sampling.generator.get_state()) for s, r in zip(states, requests, strict=True))
     assert record.arms["baseline"] is record.arms["served"]
     assert record.arms["cotrained"] is not record.arms["served"]
