@@ -35,7 +35,9 @@ read as they arrive.
 The launcher's side closing the connection mid-job (its Dagster step killed) ends the worker at once, as
 `pipeline.launch.worker.exit_with_launcher` ends a launched worker: nothing is written after its launcher is
 gone. With no request for `--idle-s` seconds the worker removes its socket and exits; it checks the backlog
-under the launchers' lock first, so a launcher never connects to a worker about to leave.
+under the launchers' lock first, so a launcher never connects to a worker about to leave. A worker whose socket is
+gone (its folder removed with the data dir, or another worker listening there) is out of reach: it leaves within
+GONE_CHECK_S, whatever its idle time.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from pipeline.stages import LAUNCHED, Stage, stage_named
 
 START_TIMEOUT_S = 600  # a cold worker's imports on a loaded machine
 REQUEST_TIMEOUT_S = 30.0  # a launcher sends its request as it connects; a client silent this long is dropped
+GONE_CHECK_S = 5.0  # how often an idle worker checks that its socket is still there
 REQUEST_MAX_BYTES = 1 << 20  # the Pipes bootstrap parameters are a few hundred bytes
 PIPES_KEYS = ("DAGSTER_PIPES_CONTEXT", "DAGSTER_PIPES_MESSAGES")
 # Change within one process (a test's name; MLflow's telemetry session, set at its first use) or between the Dagster
@@ -309,8 +312,12 @@ def serve(stage: Stage, socket_path: Path, lock_path: Path, idle_s: float, jobs:
     done_jobs, pending, last_activity = 0, {}, time.monotonic()
     while True:
         now = time.monotonic()
-        wait = max(0.0, min([last_activity + idle_s - now, *(p.deadline - now for p in pending.values())]))
+        deadlines = [last_activity + idle_s, now + GONE_CHECK_S, *(p.deadline for p in pending.values())]
+        wait = max(0.0, min(deadlines) - now)
         readable = select.select([listener, *pending], [], [], wait)[0]
+        if not readable and not pending and _identity(socket_path) != bound:
+            _log(f"socket {socket_path} gone after {done_jobs} job(s): exiting")
+            return
         if not readable and not pending and time.monotonic() >= last_activity + idle_s:
             if _leave_if_idle(listener, socket_path, bound, lock_path):
                 _log(f"idle for {idle_s} s after {done_jobs} job(s): exiting")
@@ -424,6 +431,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lock", type=Path, required=True, help="the lock launchers take to connect or start one")
     parser.add_argument("--idle-s", type=float, required=True, help="exit after this many seconds without a job")
     args = parser.parse_args(argv)
+    # A worker outlives the data dirs of its jobs: MLflow keeps one store per tracking URI for the process's life,
+    # and pooled SQLite connections would keep a removed database's file open (a demo run again writes to a new
+    # one: "attempt to write a readonly database"). Unpooled, each MLflow session opens the file there now.
+    os.environ.setdefault("MLFLOW_SQLALCHEMYSTORE_POOLCLASS", "NullPool")
     from pipeline.launch.worker import WarmJobs  # the worker's process: torch, Dagster Pipes, the stage's imports
 
     stage = stage_named(args.stage)

@@ -57,7 +57,8 @@ def check_promotions_reach_the_fleet_once_each(tmp_path: Path, instance: dg.Dags
     # (a measured threshold may turn speculation off on a tiny target, and live tau counts speculative rounds only).
     path = write_config(tmp_path, {"promotion": {"policy": "manual"},
                                    "fleet": {"live_tau_floor": 4.9, "speculation_max_batch": 64}, **overrides,
-                                   "mlflow": {**overrides["mlflow"], "model_name": "deploy-test-drafter"}})
+                                   "mlflow": {**overrides["mlflow"], "model_name": "deploy-test-drafter"}},
+                        replicas=2)
     cfg = load_config(path)
     store = open_store(cfg)
     simulator = SimulatedRL(cfg.simulation, store, cfg.run, cfg.data_path / "cache")

@@ -34,7 +34,8 @@ def _demo(config: Path, steps: int) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path: Path) -> None:
-    tiny_config_path = write_config(tmp_path, pretrained=False)  # the first demo pre-trains the target itself
+    # the first demo pre-trains the target itself; two replicas, as the demo's fleet
+    tiny_config_path = write_config(tmp_path, pretrained=False, replicas=2)
     cfg = load_config(tiny_config_path)
     proc = _demo(tiny_config_path, 3)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -28,11 +28,12 @@ TINY = {
     },
     "refresh": {"enabled": False},
     "train": {"epochs": 2, "min_samples": 4, "batch_size_per_gpu": 8},
-    # Warm stage workers (the default launcher) leave soon after the last job; a failing stage fails its step at
-    # once (the retry's own tests ask for it). The tests of a process share their stages' workers (`launch.warm_dir`,
-    # set by write_config), as pipelines on one machine may: a job carries its own configuration, and a worker keeps
-    # nothing between jobs (WarmJobs), so a test pays for a stage's imports once per process, not once per test.
-    "launch": {"warm_idle_s": 15.0, "retries": 0},
+    # A failing stage fails its step at once (the retry's own tests ask for it). The tests of a process share their
+    # stages' warm workers (`launch.warm_dir`, set by write_config), as pipelines on one machine may: a job carries
+    # its own configuration, and a worker keeps nothing between jobs (WarmJobs), so a test pays for a stage's imports
+    # once per process, not once per test. A worker stays a minute after its last job (the next test's steps find
+    # it; an idle one holds its memory), and at once when the process exits and its folder goes.
+    "launch": {"warm_idle_s": 60.0, "retries": 0},
     "eval": {"num_prompts": 3, "max_new_tokens": 8, "held_out_fraction": 0.2, "replay_runs": 1},
 }
 
@@ -43,12 +44,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(directory: Path, overrides: dict | None = None, pretrained: bool = True) -> Path:
-    """A tiny config with its data under `directory`; stand-in replicas (if deployed to) on free ports.
+def write_config(directory: Path, overrides: dict | None = None, pretrained: bool = True, replicas: int = 1) -> Path:
+    """A tiny config with its data under `directory`; `replicas` stand-in replicas (if deployed to) on free ports:
+    one unless a test's fleet needs more (a rolling update, a crash after the first replica), each a process.
 
     With `pretrained`, the data dir's cache already holds the simulation's pre-trained target, as after
     a first demo: pre-training (seconds of CPU) then runs once per test process, not once per test."""
-    fleet = {"replicas": [{"name": f"standin-{i}", "port": free_port()} for i in range(2)],
+    fleet = {"replicas": [{"name": f"standin-{i}", "port": free_port()} for i in range(replicas)],
              "canary_requests": 2, "canary_tokens": 8}
     data = {**TINY, "fleet": fleet, "data_dir": str(directory / "data"),
             "launch": {**TINY["launch"], "warm_dir": str(_process_dir(_WARM_ENV, "drafter-tests-warm-"))}}

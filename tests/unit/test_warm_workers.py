@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
 import subprocess
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -162,6 +164,27 @@ def test_an_idle_client_and_a_line_that_is_not_json_hold_up_no_later_request(wor
     assert "leave out DAGSTER_PIPES_CONTEXT" in answers[1]["error"]
     assert _worker_pid(files.log) == answers[1]["pid"]
     os.kill(answers[1]["pid"], 0)  # still up
+
+
+def test_a_worker_whose_folder_is_removed_leaves_before_its_idle_time(tmp_path: Path) -> None:
+    """Its data dir removed (a test process's at exit, a run's cleaned up), nobody can reach the worker again: it
+    leaves within a few seconds, not after its idle time."""
+    folder = tmp_path / "stages"
+    WarmWorker(EVALUATION, folder, PROJECT_ROOT, 3600.0).prestart()
+    pid = _worker_pid(server_files(folder, EVALUATION, PROJECT_ROOT).log)
+    shutil.rmtree(folder)
+    deadline = time.monotonic() + 4 * warm.GONE_CHECK_S
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.2)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @as_root
