@@ -198,7 +198,7 @@ def test_peak_memory_does_not_grow_with_the_step() -> None:
     """Peak RSS of extracting 4N rollouts stays within 10% of extracting N (each in its own process);
     the same measurement of an extraction that holds its step (the control) grows past that."""
     setup = Setup(hidden_size=512, num_layers=2, intermediate_size=64, num_heads=8, num_kv_heads=8, vocab_size=256,
-                  dtype="float32", samples=12, min_len=64, max_len=1024, tokens_per_batch=2048)
+                  dtype="float32", samples=24, min_len=64, max_len=1024, tokens_per_batch=2048)
     small, large = _peak_rss(setup, setup.samples), _peak_rss(setup, 4 * setup.samples)
     assert large <= 1.1 * small, (small, large)
     held_small, held_large = _peak_rss(setup, setup.samples, hold=True), _peak_rss(setup, 4 * setup.samples, hold=True)
