@@ -87,6 +87,18 @@ def read_positions(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
     return [stored.index(i) for i in [*aux_layer_ids, num_layers]]
 
 
+def vllm_vocab_layout(tensors: dict[str, torch.Tensor], config: Eagle3Config,
+                      draft_to_target: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A draft vocabulary that is the whole target vocabulary has no maps in vLLM's layout: vLLM allocates d2t only
+    for a smaller one and refuses a checkpoint that brings it, reading head row i as target token i. So the head's
+    rows go in target-id order and d2t, t2d stay out (a checkpoint without them loads as the identity map)."""
+    if config.draft_vocab_size != config.vocab_size:
+        return tensors
+    head = torch.empty_like(tensors["lm_head.weight"])  # (V, H)
+    head[draft_to_target] = tensors["lm_head.weight"]
+    return {**{k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}, "lm_head.weight": head}
+
+
 def draft_vocab(token_counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(V,) counts -> d2t (size,) int64 offsets and t2d (V,) bool; ties broken by token id."""
     if size > token_counts.shape[0]:
@@ -313,7 +325,7 @@ class Eagle3Drafter(nn.Module):
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The trainable tensors, plus the embeddings when they are not the target's."""
-        tensors = self.trainable_state_dict()
+        tensors = vllm_vocab_layout(self.trainable_state_dict(), self.config, self.draft_to_target)
         if self.own_embeddings:
             tensors["embed_tokens.weight"] = self.embed_tokens.weight
         return tensors

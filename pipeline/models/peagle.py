@@ -42,7 +42,14 @@ from pipeline.models.eagle import (
     RMSNorm,
     gather_rows,
 )
-from pipeline.models.eagle3 import Eagle3Config, Eagle3DecoderLayer, Eagle3Drafter, checkpoint_fields, read_positions
+from pipeline.models.eagle3 import (
+    Eagle3Config,
+    Eagle3DecoderLayer,
+    Eagle3Drafter,
+    checkpoint_fields,
+    read_positions,
+    vllm_vocab_layout,
+)
 from pipeline.models.eagle3 import stored_layer_ids as eagle3_stored_layer_ids
 from pipeline.models.rope import RotaryEmbedding, apply_rotary
 from pipeline.models.teacher import Teacher
@@ -385,7 +392,7 @@ class PEagleDrafter(nn.Module):
         }
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        return self.trainable_state_dict()
+        return vllm_vocab_layout(self.trainable_state_dict(), self.config, self.draft_to_target)
 
     def proposer(self) -> PEagleProposer:
         return PEagleProposer(self)

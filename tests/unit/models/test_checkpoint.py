@@ -182,6 +182,26 @@ def test_import_without_vocab_maps_when_the_vocab_is_full(tmp_path: Path) -> Non
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
 
 
+def test_a_full_vocab_is_exported_in_target_order_without_maps(tmp_path: Path) -> None:
+    """vLLM allocates d2t only for a draft vocabulary smaller than the target's, refuses a checkpoint that brings it
+    otherwise, and reads head row i as target token i: a full vocabulary, even under a permuted map (one a
+    checkpoint from elsewhere may bring), is written in target-id order, without maps, and drafts the same target
+    tokens once loaded."""
+    model = make_drafter(seed=3, draft_vocab_size=V)
+    permutation = torch.randperm(V, generator=torch.Generator().manual_seed(1))
+    model.set_vocab(permutation - torch.arange(V), torch.ones(V, dtype=torch.bool))
+    directory = save_drafter(model, tmp_path / "ckpt")
+    assert not {"d2t", "t2d"} & set(load_file(directory / "model.safetensors"))
+
+    loaded = load_drafter(directory)
+
+    assert torch.equal(loaded.draft_to_target, torch.arange(V))
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        drafted = model.draft_to_target[model.lm_head(hidden).argmax(-1)]
+        assert torch.equal(loaded.draft_to_target[loaded.lm_head(hidden).argmax(-1)], drafted)
+
+
 @pytest.mark.parametrize("read", [load_drafter, check_drafter], ids=["load", "headers-only"])
 @pytest.mark.parametrize("missing", ["d2t", "t2d"])
 def test_import_refuses_a_reduced_vocab_without_its_maps(read, tmp_path: Path, missing: str) -> None:
