@@ -18,6 +18,8 @@ EAGLE-3 (`drafter.kind: eagle3`):
     │                       with the target given, its rope_theta, rope_scaling, max_position_embeddings
     └── model.safetensors   midlayer.*, fc.weight, norm.weight, lm_head.weight, d2t, t2d
                             [, fc_norm.N.weight (EAGLE-3.1)] [, embed_tokens.weight if not the target's]
+                            (no d2t, t2d for a draft vocabulary that is the target's whole: vLLM allocates
+                            d2t only for a smaller one; lm_head's rows are then in target-id order)
     vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "<dir>", "num_speculative_tokens": 4}'
 
 P-EAGLE (`drafter.kind: peagle`): EAGLE-3's layout with every layer and two additions
