@@ -315,14 +315,15 @@ def serve(stage: Stage, socket_path: Path, lock_path: Path, idle_s: float, jobs:
         deadlines = [last_activity + idle_s, now + GONE_CHECK_S, *(p.deadline for p in pending.values())]
         wait = max(0.0, min(deadlines) - now)
         readable = select.select([listener, *pending], [], [], wait)[0]
-        if not readable and not pending and _identity(socket_path) != bound:
-            _log(f"socket {socket_path} gone after {done_jobs} job(s): exiting")
-            return
-        if not readable and not pending and time.monotonic() >= last_activity + idle_s:
-            if _leave_if_idle(listener, socket_path, bound, lock_path):
-                _log(f"idle for {idle_s} s after {done_jobs} job(s): exiting")
+        if not readable and not pending:
+            if _identity(socket_path) != bound:
+                _log(f"socket {socket_path} gone after {done_jobs} job(s): exiting")
                 return
-            continue
+            if time.monotonic() >= last_activity + idle_s:
+                if _leave_if_idle(listener, socket_path, bound, lock_path):
+                    _log(f"idle for {idle_s} s after {done_jobs} job(s): exiting")
+                    return
+                continue
         if listener in readable:
             _accept(listener, pending)
         for conn in [c for c in readable if c in pending]:
