@@ -60,6 +60,7 @@ import hmac
 import json
 import os
 import select
+import signal
 import socket
 import threading
 from collections.abc import Callable
@@ -518,6 +519,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="the largest batch whose rounds speculate: `auto` (measured) or a number")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="requests decoding at once at most")
     args = parser.parse_args(argv)
+    # The fleet stops a replica with SIGTERM. An ignored signal stays ignored through exec, and a replica started
+    # from a process that ignores SIGINT (a job a shell put in the background) ignores SIGTERM too once Dagster maps
+    # SIGTERM onto SIGINT's handler there: without the defaults back, every stop waits out its SIGKILL fallback.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
     dev_mode = os.environ.get(DEV_MODE_ENV, "") not in ("", "0")
     fixed = None if args.speculation_max_batch == "auto" else int(args.speculation_max_batch)

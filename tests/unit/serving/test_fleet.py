@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
 import urllib.error
 import urllib.request
@@ -208,6 +209,23 @@ def test_standin_replica_serves_vllm_endpoints(
         tokens = json.loads(response.read())["choices"][0]["token_ids"]
     target = tiny_target(32, 32, 2, 2)
     assert tokens == speculative.greedy_generate(target, torch.tensor([1, 2, 3]), 6)
+
+
+@pytest.mark.reliability("fault", "stand-in replica started by a process that ignores SIGINT and SIGTERM (a "
+                         "background job under Dagster's signal mapping): the fleet's SIGTERM still stops it")
+def test_a_replica_started_where_sigterm_is_ignored_still_stops_on_it(models: dict[str, str],
+                                                                      driver: StandInDriver) -> None:
+    replica = ReplicaSpec("r0", "127.0.0.1", _free_port(), "policy")
+    ignored = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        driver.restart(replica, models["target"], models["v1"])  # inherits both as ignored
+    finally:
+        for sig, handler in ignored.items():
+            signal.signal(sig, handler)
+    process = driver.processes[replica.name]
+    check_replica(replica, GATES, PROMPTS)  # serving: its start-up is over
+    driver.stop(replica)
+    assert process.returncode == -signal.SIGTERM, "ended by the SIGKILL fallback, not by the SIGTERM"
 
 
 CONTROL_ROUTES = [("POST", "/init_weight_transfer_engine", {"init_info": {}}), ("POST", "/pause?mode=keep", {}),
