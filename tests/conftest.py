@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +31,12 @@ from tests.support.reliability import (  # noqa: F401  (the report's fixture and
 
 if TYPE_CHECKING:
     from ops.local_stack import PostgresServer
+
+# A suite started as a background job ignores SIGINT, and Dagster maps SIGTERM onto SIGINT's handler in every
+# process it runs in (these too): the servers the tests stop with SIGTERM (Dagster's daemon and webserver, MLflow)
+# would inherit both as ignored and wait out each stop's SIGKILL fallback.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
