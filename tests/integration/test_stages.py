@@ -41,6 +41,7 @@ from pipeline.sources.simulation import SimulatedRL
 from pipeline.stages import EVALUATION, EXTRACTION, LAUNCHED, Stage
 from resources import pipeline_resource
 from tests.support.config import write_config
+from tests.support.processes import alive, wait_until
 
 STEP, KEY = 1, "step-000001"
 WORKER_FAULTS = Path(__file__).resolve().parent.parent / "support" / "worker_faults"
@@ -83,20 +84,6 @@ def _server_pids(cfg, stage: str) -> list[int]:
         pids += [int(line.split(" pid ")[1].split()[0]) for line in log.read_text().splitlines()
                  if line.startswith(f"stage server {stage} pid ")]
     return pids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
-
-
-def _wait_until(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.1)
 
 
 @pytest.mark.slow
@@ -255,8 +242,8 @@ def test_a_warm_worker_killed_mid_job_fails_its_step_and_commits_nothing(
         rerun = _materialize(hidden_states, path, instance)
         assert rerun.success
     (dead, new) = _server_pids(cfg, "extraction")
-    assert not _alive(dead)
-    assert _alive(new)
+    assert not alive(dead)
+    assert alive(new)
     committed = shards.read_manifest(store, cfg.run, STEP).content_digest()
     assert committed == extract.extract_hidden_states(store, cfg, STEP).content_digest()
 
@@ -312,12 +299,12 @@ def test_a_warm_worker_stops_with_its_killed_step_and_leaves_when_idle(tmp_path:
     step = subprocess.Popen([sys.executable, "-c", STEP_PROCESS, str(path)], cwd=PROJECT_ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_until(lambda: any(k.endswith(".arrow") for k in _step_files(store, cfg)), 300, "a first shard")
+        wait_until(lambda: any(k.endswith(".arrow") for k in _step_files(store, cfg)), 300, "a first shard")
     finally:
         step.kill()
         step.wait()
     (worker,) = _server_pids(cfg, "extraction")
-    _wait_until(lambda: not _alive(worker), 10, "the worker's exit")
+    wait_until(lambda: not alive(worker), 10, "the worker's exit")
     left = _step_files(store, cfg)
     time.sleep(4)  # longer than a shard's write
     assert _step_files(store, cfg) == left
@@ -329,7 +316,7 @@ def test_a_warm_worker_stops_with_its_killed_step_and_leaves_when_idle(tmp_path:
         assert _materialize(hidden_states, path, instance).success
         files = server_files(cfg.warm_path, EXTRACTION, PROJECT_ROOT)
     (_, idle) = _server_pids(cfg, "extraction")
-    _wait_until(lambda: not _alive(idle), 3 + 30, "the idle worker's exit")
+    wait_until(lambda: not alive(idle), 3 + 30, "the idle worker's exit")
     assert not files.socket.exists()
     assert files.log.read_text().splitlines()[-1] == "idle for 3.0 s after 1 job(s): exiting"
 

@@ -10,7 +10,6 @@ import shutil
 import socket
 import stat
 import subprocess
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +22,7 @@ from pipeline.launch.process import JobError, StageJob
 from pipeline.launch.rendezvous import RendezvousError, private_dir, unix_address
 from pipeline.launch.warm import WarmWorker, WarmWorkerError, server_files
 from pipeline.stages import EVALUATION, EXTRACTION
+from tests.support.processes import alive, wait_until
 
 NOBODY = 65534
 SYSTEM_PYTHON = "/usr/bin/python3"  # another user runs it: the project's venv may lie where only its owner reads
@@ -173,18 +173,7 @@ def test_a_worker_whose_folder_is_removed_leaves_before_its_idle_time(tmp_path: 
     WarmWorker(EVALUATION, folder, PROJECT_ROOT, 3600.0).prestart()
     pid = _worker_pid(server_files(folder, EVALUATION, PROJECT_ROOT).log)
     shutil.rmtree(folder)
-    deadline = time.monotonic() + 4 * warm.GONE_CHECK_S
-    while time.monotonic() < deadline and _alive(pid):
-        time.sleep(0.2)
-    assert not _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    wait_until(lambda: not alive(pid), 4 * warm.GONE_CHECK_S, "the worker's exit")
 
 
 @as_root
