@@ -8,10 +8,11 @@ from pathlib import Path
 
 
 def alive(pid: int) -> bool:
-    """The process exists and has not exited (a zombie not yet reaped has)."""
+    """The process exists and has not exited (a zombie not yet reaped has). A process that is reaped between the
+    open and the read of its stat file fails the read with ESRCH."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
 
 
