@@ -8,11 +8,11 @@ from pathlib import Path
 
 
 def alive(pid: int) -> bool:
-    """The process exists and has not exited (a zombie not yet reaped has). A process that is reaped between the
-    open and the read of its stat file fails the read with ESRCH."""
+    """The process exists and has not exited (a zombie not yet reaped has). A process reaped between the open and
+    the read of its stat file fails the read (ESRCH), as one already gone fails the open."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
+    except OSError:
         return False
 
 
