@@ -205,14 +205,14 @@ class LocalProcessDriver:
 
     @staticmethod
     def _terminate(pid: int | None, process: subprocess.Popen | None) -> None:
-        if pid is not None and _running(pid):
+        if pid is not None and running(pid):
             os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + 15
-            while _running(pid) and time.monotonic() < deadline:
+            while running(pid) and time.monotonic() < deadline:
                 if process is not None:
                     process.poll()  # reap our own child so it does not linger as a zombie
                 time.sleep(0.1)
-            if _running(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
         if pid is not None:
             # A replica leads a session of its own (start_new_session): what it started and left behind (vLLM's
@@ -227,14 +227,14 @@ class LocalProcessDriver:
         if process is not None:
             return process.poll() is None
         pid_file = self._pid_file(replica)
-        return pid_file.exists() and _running(int(pid_file.read_text()))
+        return pid_file.exists() and running(int(pid_file.read_text()))
 
     def serving(self, replica: ReplicaSpec) -> tuple[str, str] | None:
         """What the process the pid file names serves (whichever driver started it): as `<name>.drafter` recorded
         it at its start or its last hot update, else as its command line says."""
         pid_file = self._pid_file(replica)
         pid = int(pid_file.read_text()) if pid_file.exists() else None
-        if pid is None or not _running(pid):
+        if pid is None or not running(pid):
             return None
         try:
             target, drafter_dir = self.served(Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0"))
@@ -407,8 +407,9 @@ def _listening(host: str, port: int) -> bool:
         return False
 
 
-def _running(pid: int) -> bool:
-    """The process exists and is not a zombie."""
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (one reaped between the open and the read of its stat file fails
+    the read, as one already gone fails the open)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):

@@ -36,12 +36,13 @@ from pipeline.models import target as target_lib
 from pipeline.models.checkpoint import save_drafter
 from pipeline.models.drafter import fresh_drafter
 from pipeline.registry import open_registry
+from pipeline.serving.drivers import running
 from pipeline.sources import extract
 from pipeline.sources.simulation import SimulatedRL
 from pipeline.stages import EVALUATION, EXTRACTION, LAUNCHED, Stage
 from resources import pipeline_resource
 from tests.support.config import write_config
-from tests.support.processes import alive, wait_until
+from tests.support.processes import wait_until
 
 STEP, KEY = 1, "step-000001"
 WORKER_FAULTS = Path(__file__).resolve().parent.parent / "support" / "worker_faults"
@@ -242,8 +243,8 @@ def test_a_warm_worker_killed_mid_job_fails_its_step_and_commits_nothing(
         rerun = _materialize(hidden_states, path, instance)
         assert rerun.success
     (dead, new) = _server_pids(cfg, "extraction")
-    assert not alive(dead)
-    assert alive(new)
+    assert not running(dead)
+    assert running(new)
     committed = shards.read_manifest(store, cfg.run, STEP).content_digest()
     assert committed == extract.extract_hidden_states(store, cfg, STEP).content_digest()
 
@@ -304,7 +305,7 @@ def test_a_warm_worker_stops_with_its_killed_step_and_leaves_when_idle(tmp_path:
         step.kill()
         step.wait()
     (worker,) = _server_pids(cfg, "extraction")
-    wait_until(lambda: not alive(worker), 10, "the worker's exit")
+    wait_until(lambda: not running(worker), 10, "the worker's exit")
     left = _step_files(store, cfg)
     time.sleep(4)  # longer than a shard's write
     assert _step_files(store, cfg) == left
@@ -316,7 +317,7 @@ def test_a_warm_worker_stops_with_its_killed_step_and_leaves_when_idle(tmp_path:
         assert _materialize(hidden_states, path, instance).success
         files = server_files(cfg.warm_path, EXTRACTION, PROJECT_ROOT)
     (_, idle) = _server_pids(cfg, "extraction")
-    wait_until(lambda: not alive(idle), 3 + 30, "the idle worker's exit")
+    wait_until(lambda: not running(idle), 3 + 30, "the idle worker's exit")
     assert not files.socket.exists()
     assert files.log.read_text().splitlines()[-1] == "idle for 3.0 s after 1 job(s): exiting"
 

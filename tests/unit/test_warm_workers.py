@@ -21,8 +21,9 @@ from pipeline.launch import warm
 from pipeline.launch.process import JobError, StageJob
 from pipeline.launch.rendezvous import RendezvousError, private_dir, unix_address
 from pipeline.launch.warm import WarmWorker, WarmWorkerError, server_files
+from pipeline.serving.drivers import running
 from pipeline.stages import EVALUATION, EXTRACTION
-from tests.support.processes import alive, wait_until
+from tests.support.processes import wait_until
 
 NOBODY = 65534
 SYSTEM_PYTHON = "/usr/bin/python3"  # another user runs it: the project's venv may lie where only its owner reads
@@ -173,7 +174,7 @@ def test_a_worker_whose_folder_is_removed_leaves_before_its_idle_time(tmp_path: 
     WarmWorker(EVALUATION, folder, PROJECT_ROOT, 3600.0).prestart()
     pid = _worker_pid(server_files(folder, EVALUATION, PROJECT_ROOT).log)
     shutil.rmtree(folder)
-    wait_until(lambda: not alive(pid), 4 * warm.GONE_CHECK_S, "the worker's exit")
+    wait_until(lambda: not running(pid), 4 * warm.GONE_CHECK_S, "the worker's exit")
 
 
 @as_root
