@@ -8,6 +8,8 @@ MODEL  ?=
 STEPS  ?= $(if $(filter smollm2,$(MODEL)),3,6)
 DRAFTER ?= eagle3
 SOURCE ?= $(if $(filter smollm2,$(MODEL)),smollm2,simulated)
+# FLEET=vllm: the toy demo's rollouts and drafters served by real vLLM replicas (configs/vllm.yaml)
+FLEET  ?= standin
 export PYTHONPATH := $(CURDIR)
 export HF_HUB_OFFLINE := 1
 
@@ -64,7 +66,7 @@ postgresql:
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq postgresql; }
 
 demo: $(STAMP) $(VLLM_STAMP)
-	$(PY) cli.py demo --steps $(STEPS) --drafter $(DRAFTER) --source $(SOURCE)
+	$(PY) cli.py demo --steps $(STEPS) --drafter $(DRAFTER) --source $(SOURCE) $(if $(filter vllm,$(FLEET)),--fleet vllm)
 
 # pytest-xdist: one worker per core, each running a whole test file at a time, in the order of
 # tests/conftest.py (the longest files first; xdist would otherwise start the files with the most tests).

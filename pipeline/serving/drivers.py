@@ -90,10 +90,12 @@ def serve_args(replica: ReplicaSpec, method: str, drafter_dir: str, k: int, weig
     """The arguments of `vllm serve` after the policy. No API key here: argv ends up in process lists and logs,
     so the key goes to vLLM through its VLLM_API_KEY environment variable (`vllm_env`). No drafter (before the
     first deploy): plain decoding. A weight-transfer backend (`disk` for hot updates) adds
-    `--weight-transfer-config`."""
+    `--weight-transfer-config`. Each completion carries its own speculative-decoding counts (the deploy's canaries
+    are measured by them, whatever else the replica serves meanwhile: `pipeline.serving.gates`)."""
     argv = ["--host", replica.host, "--port", str(replica.port), "--served-model-name", replica.served_model_name]
     if drafter_dir or method == "ngram":
-        argv += ["--speculative-config", speculative_config(method, drafter_dir, k, speculation)]
+        argv += ["--speculative-config", speculative_config(method, drafter_dir, k, speculation),
+                 "--per-request-spec-decode-metrics", "summary"]
     if weight_transfer_backend:
         argv += ["--weight-transfer-config", json.dumps({"backend": weight_transfer_backend})]
     return argv
@@ -309,8 +311,9 @@ class VllmDriver(LocalProcessDriver):
         self.server, self.method, self.k, self.speculation = server, method, k, speculation
 
     def argv(self, replica: ReplicaSpec, target: str, drafter_dir: str) -> list[str]:
-        return self._engine_argv(target, serve_args(replica, self.method, drafter_dir, self.k,
-                                                    "disk" if self.dev_mode else "", self.speculation))
+        serving = serve_args(replica, self.method, drafter_dir, self.k, "disk" if self.dev_mode else "",
+                             self.speculation)
+        return self._engine_argv(target, serving + token_id_args(local_policy_dir(target)))
 
     def _engine_argv(self, target: str, serving: list[str]) -> list[str]:
         s = self.server
@@ -384,6 +387,18 @@ def local_directory(target: str) -> str | None:
     if target.startswith("file://"):
         return urllib.request.url2pathname(target[len("file://"):])
     return target if target.startswith("/") else None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def token_id_args(policy_dir: str) -> list[str]:
+    """A policy directory without a tokenizer (the toy target's: config and weights) is served token ids in, token
+    ids out: vLLM loads no tokenizer and keys a sampled token's logprob by its id. The rollouts and the canaries
+    send and read token ids either way."""
+    if any((Path(policy_dir) / name).is_file() for name in TOKENIZER_FILES):
+        return []
+    return ["--skip-tokenizer-init", "--return-tokens-as-token-ids"]
 
 
 def local_policy_dir(target: str) -> str:

@@ -1,9 +1,13 @@
 """The gates a replica passes before a deploy moves on: GET /health answers 200, GET /v1/models lists the served
-model, and over a window of canary completions (the first must return text) its live mean acceptance length
-(from GET /metrics) reaches the configured minimum and, where the product can count the window itself, agrees
-with the product's count of the same tokens (`pipeline.serving.agreement`).
+model, and over a window of canary completions (the first must return a token) its live mean acceptance length
+reaches the configured minimum and, where the product can count the window itself, agrees with the product's
+count of the same tokens (`pipeline.serving.agreement`).
 
-The window opens before the first canary: a replica given new weights speculates its first round whatever
+The live tau is the canaries' own where the replica reports each completion's counts (vLLM with
+--per-request-spec-decode-metrics): a replica that serves other requests during its canaries (rollouts held by a
+hot update and resumed with them, a step's tail during a refresh) counts their drafts in its /metrics too, and
+that window is no longer the canaries'. Elsewhere (the stand-ins) it is the window between two scrapes of
+GET /metrics, which opens before the first canary: a replica given new weights speculates its first round whatever
 its measured threshold says (the stand-in's `SpeculationThreshold` measures a new drafter again from there), so
 a window that began after a completion of its own could see only plain rounds and count no draft at all.
 """
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 from pipeline.data.fleet_state import ReplicaDeploy
 from pipeline.serving.agreement import AgreementUnmeasured, Canary, disagreement
 from pipeline.serving.drivers import ReplicaSpec, call
-from pipeline.serving.metrics import scrape
+from pipeline.serving.metrics import SpecCounters, request_counters, scrape
 
 
 class GateError(RuntimeError):
@@ -80,7 +84,7 @@ def check_replica(
         # Canaries decode greedily (temperature 0): the same window measures the same drafter alike, and their
         # answers fix the rounds the product counts.
         before = scrape(replica)
-        canaries = []
+        canaries, own = [], []
         for i in range(gates.canary_requests):
             prompt = canary_prompts[i % len(canary_prompts)]
             answer = json.loads(call(replica, "/v1/completions", {
@@ -88,10 +92,11 @@ def check_replica(
                 "temperature": 0, "return_token_ids": True}))
             if not answer["choices"]:
                 raise GateError(f"replica {replica.name}: canary completion {i + 1} returned no choice")
-            if i == 0 and not answer["choices"][0].get("text"):
-                raise GateError(f"replica {replica.name}: the first canary completion returned no text")
+            if i == 0 and not answer["choices"][0].get("token_ids"):
+                raise GateError(f"replica {replica.name}: the first canary completion returned no token")
             canaries.append(Canary(prompt, answer["choices"][0]["token_ids"]))
-        window = scrape(replica) - before
+            own.append(request_counters(answer))
+        window = sum(own, SpecCounters()) if all(c is not None for c in own) else scrape(replica) - before
     except (urllib.error.URLError, KeyError, json.JSONDecodeError) as exc:
         raise GateError(f"replica {replica.name}: {exc}") from None
     tau = window.mean_acceptance_length

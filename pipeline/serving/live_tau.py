@@ -54,9 +54,7 @@ def since_live(state: FleetState, reading: FleetCounters, version: str) -> float
     total = SpecCounters()
     for name, now in reading.counters.items():
         if name in running:
-            counted = window(now, state.live_counters.get(name))
-            total = SpecCounters(total.drafts + counted.drafts, total.draft_tokens + counted.draft_tokens,
-                                 total.accepted + counted.accepted)
+            total += window(now, state.live_counters.get(name))
     return total.mean_acceptance_length
 
 

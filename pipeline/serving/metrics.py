@@ -7,7 +7,9 @@
     vllm:spec_decode_num_accepted_tokens_per_pos_total{position="j"}
 
 Over a window between two scrapes: mean acceptance length = 1 + accepted / drafts,
-acceptance rate = accepted / draft_tokens.
+acceptance rate = accepted / draft_tokens. Such a window holds every request the replica served in it; one
+completion's own counts come in its response instead, where vLLM runs with --per-request-spec-decode-metrics
+(`request_counters`).
 
 The stand-in replica adds two metrics of its own (vLLM has neither):
 
@@ -35,6 +37,15 @@ class SpecCounters:
     draft_tokens: float = 0.0
     accepted: float = 0.0
     accepted_per_position: dict[int, float] = field(default_factory=dict)
+
+    def __add__(self, other: SpecCounters) -> SpecCounters:
+        positions = self.accepted_per_position.keys() | other.accepted_per_position.keys()
+        return SpecCounters(
+            self.drafts + other.drafts,
+            self.draft_tokens + other.draft_tokens,
+            self.accepted + other.accepted,
+            {j: self.accepted_per_position.get(j, 0.0) + other.accepted_per_position.get(j, 0.0) for j in positions},
+        )
 
     def __sub__(self, earlier: SpecCounters) -> SpecCounters:
         return SpecCounters(
@@ -77,6 +88,16 @@ def parse(text: str) -> SpecCounters:
                 position = int(sample.labels["position"])
                 per_position[position] = per_position.get(position, 0.0) + sample.value
     return SpecCounters(totals[DRAFTS], totals[DRAFT_TOKENS], totals[ACCEPTED], per_position)
+
+
+def request_counters(completion: dict) -> SpecCounters | None:
+    """One completion's own counts (vLLM's `metrics.speculative_decoding`: verify steps, draft tokens, accepted
+    draft tokens); None where the replica does not report them."""
+    spec = (completion.get("metrics") or {}).get("speculative_decoding")
+    if not spec:
+        return None
+    return SpecCounters(float(spec["num_spec_steps"]), float(spec["num_draft_tokens"]),
+                        float(spec["num_accepted_draft_tokens"]))
 
 
 def render(counters: SpecCounters, model_name: str) -> str:

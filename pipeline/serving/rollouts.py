@@ -159,10 +159,7 @@ class FleetRollouts:
             if earlier is not None and not _reset(earlier[0], earlier[2], counters, rounds):
                 counters = counters - earlier[0]
                 rounds = {k: v - earlier[2].get(k, 0.0) for k, v in rounds.items()}
-            c = window.counters
-            window.counters = serving_metrics.SpecCounters(c.drafts + counters.drafts,
-                                                           c.draft_tokens + counters.draft_tokens,
-                                                           c.accepted + counters.accepted)
+            window.counters += counters
             window.rounds = {k: window.rounds.get(k, 0.0) + v for k, v in rounds.items()}
             window.thresholds[name] = threshold
 

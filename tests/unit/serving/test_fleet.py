@@ -102,6 +102,7 @@ def test_vllm_argv(method: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> N
     assert argv[argv.index("--served-model-name") + 1] == "policy"
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
         "method": method, "model": "/drafters/v7", "num_speculative_tokens": 4}
+    assert argv[argv.index("--per-request-spec-decode-metrics") + 1] == "summary"  # the canaries' own counts
     assert "sk-secret-value" not in " ".join(argv)
     assert vllm_env(replica)["VLLM_API_KEY"] == "sk-secret-value"
     command = CommandDriver("supervisorctl-restart {name} -- {argv}", method, 4).command(
@@ -130,8 +131,14 @@ def test_a_local_vllm_replica_runs_the_module_entry_point_of_vllms_environment(
     assert (env["VLLM_API_KEY"], env["VLLM_SERVER_DEV_MODE"], env["VLLM_CPU_KVCACHE_SPACE"]) == \
         ("sk-secret-value", "1", "2")
     assert "PYTHONPATH" not in env  # the replica imports vLLM's environment, not the pipeline's
+    assert "--skip-tokenizer-init" in argv
+    assert "--return-tokens-as-token-ids" in argv
     plain = driver.argv(replica, str(tmp_path / "policy"), "")  # before the first deploy: no drafter
     assert "--speculative-config" not in plain
+    assert "--per-request-spec-decode-metrics" not in plain
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "tokenizer.json").write_text("{}")
+    assert "--skip-tokenizer-init" not in driver.argv(replica, str(tmp_path / "policy"), "")
     assert driver.served(plain) == (str(tmp_path / "policy"), "")
     with pytest.raises(ValueError, match="s3://"):
         driver.argv(replica, "s3://bucket/policy", "/drafters/v7")
